@@ -1,0 +1,75 @@
+"""The shardcache exception tree.
+
+Every error a user can cause or meet derives from :class:`ShardcacheError`, so a caller can
+catch one type, and the CLI maps the whole tree to exit codes at the boundary (cli.py).
+Messages follow one template: what failed -> the values -> why -> what to do.
+
+::
+
+    ShardcacheError
+    ├── ConfigError (also ValueError)        bad option / recipe value; CLI exit 2
+    ├── SourceError                          an input cannot be listed or read
+    │   └── BadRecordError                   one record is malformed (--on-error fail)
+    ├── TokenizerError                       tokenizer missing, slow-only, unusable
+    ├── CacheError                           the cache on disk
+    │   ├── CacheNotFoundError               no committed manifest at the path
+    │   ├── CorruptShardError                a shard fails a checksum or structure check
+    │   ├── CacheKeyMismatch                 cache built under another key (fields listed)
+    │   └── BuildLockedError                 another live build holds the output
+    └── StateError (also ValueError)         a reader state that does not fit this cache/plan
+
+Only :class:`ConfigError` means "usage error" (exit 2); all others are failures (exit 1).
+"""
+
+from __future__ import annotations
+
+
+class ShardcacheError(Exception):
+    """Root of every error raised by shardcache."""
+
+
+class ConfigError(ShardcacheError, ValueError):
+    """An option, a recipe entry or an argument has an invalid value."""
+
+
+class SourceError(ShardcacheError):
+    """An input path cannot be listed, opened or decoded."""
+
+
+class BadRecordError(SourceError):
+    """A single input record is malformed and the build runs with ``on_error='fail'``."""
+
+
+class TokenizerError(ShardcacheError):
+    """The tokenizer cannot be loaded or cannot be used the way the build needs."""
+
+
+class CacheError(ShardcacheError):
+    """A problem with a cache directory on disk."""
+
+
+class CacheNotFoundError(CacheError):
+    """The path holds no committed cache (no manifest.json)."""
+
+
+class CorruptShardError(CacheError):
+    """A shard or index file fails a checksum or a structural check."""
+
+
+class CacheKeyMismatch(CacheError):
+    """The cache was built under a different cache key than the one expected.
+
+    ``differences`` lists the changed fields as ``(component, field, old, new)`` tuples.
+    """
+
+    def __init__(self, message: str, differences: list[tuple[str, str, object, object]]):
+        super().__init__(message)
+        self.differences = differences
+
+
+class BuildLockedError(CacheError):
+    """Another build that is still alive writes to the same output directory."""
+
+
+class StateError(ShardcacheError, ValueError):
+    """A reader state that does not belong to this cache or these plan options."""
