@@ -1,7 +1,16 @@
-"""shardcache: pre-tokenize a corpus once into verified shards, stream token-budget batches."""
+"""shardcache: pre-tokenize a corpus once into verified shards, stream token-budget batches.
+
+The build side (``build``, ``open_cache``, options, errors) imports without torch; the
+torch-based reader classes (``ShardDataset``) are imported on first access.
+"""
 
 from __future__ import annotations
 
+from typing import Any
+
+from shardcache.build import BuildReport, build_cache
+from shardcache.cache import Cache, Provenance, Sequence, open_cache
+from shardcache.config import BuildOptions, LayoutOptions, SourceOptions, TokenizeOptions
 from shardcache.errors import (
     BadRecordError,
     BuildLockedError,
@@ -15,20 +24,48 @@ from shardcache.errors import (
     StateError,
     TokenizerError,
 )
+from shardcache.format import FORMAT_VERSION
+from shardcache.plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.version import __version__
 
-__version__ = "0.1.0"
+_LAZY = {"ShardDataset": "shardcache.dataset"}
 
-__all__ = [
+__all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "BadRecordError",
     "BuildLockedError",
+    "BuildOptions",
+    "BuildReport",
+    "Cache",
     "CacheError",
     "CacheKeyMismatch",
     "CacheNotFoundError",
     "ConfigError",
     "CorruptShardError",
+    "EpochPlan",
+    "FORMAT_VERSION",
+    "LayoutOptions",
+    "PlanOptions",
+    "Provenance",
+    "Sequence",
+    "ShardDataset",
     "ShardcacheError",
     "SourceError",
+    "SourceOptions",
     "StateError",
+    "TokenizeOptions",
     "TokenizerError",
     "__version__",
+    "build_cache",
+    "open_cache",
+    "plan_epoch",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        value = getattr(importlib.import_module(_LAZY[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'shardcache' has no attribute {name!r}")

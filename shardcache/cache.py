@@ -1,0 +1,121 @@
+"""Read access to a committed cache: :func:`open_cache` -> :class:`Cache`.
+
+A :class:`Cache` holds the manifest, the memory-mapped length index and an LRU of open
+shards. Sample ids are global row numbers (shards in manifest order); everything a reader
+needs to plan an epoch (lengths, buckets) is available without opening a shard, so opening a
+cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r")``.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.errors import CorruptShardError
+from shardcache.format import LENGTHS_FILE, ShardCache, read_manifest
+
+
+@dataclass(frozen=True)
+class Provenance:
+    """Where a sequence came from: input file (relative path), record index, piece index."""
+
+    source: str
+    record: int
+    piece: int
+
+
+@dataclass(frozen=True)
+class Sequence:
+    """One stored sequence with its sample id and provenance."""
+
+    sample_id: int
+    ids: np.ndarray
+    provenance: Provenance
+
+
+class Cache:
+    """A committed cache directory. Use :func:`open_cache` to make one."""
+
+    def __init__(self, path: str, open_shards: int = 8):
+        self.path = os.fspath(path)
+        self.manifest: dict[str, Any] = read_manifest(self.path)
+        self.dtype = np.dtype(self.manifest["dtype"])
+        self.shards: list[dict[str, Any]] = self.manifest["shards"]
+        rows = np.fromiter((s["rows"] for s in self.shards), dtype=np.int64, count=len(self.shards))
+        self.shard_starts = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(rows, out=self.shard_starts[1:])
+        self.shard_buckets = np.fromiter(
+            (s["bucket"] for s in self.shards), dtype=np.int32, count=len(self.shards)
+        )
+        lengths_path = os.path.join(self.path, LENGTHS_FILE)
+        try:
+            self.lengths: np.ndarray = np.load(lengths_path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CorruptShardError(
+                f"{lengths_path}: cannot read the length index ({err}); rebuild the cache"
+            ) from err
+        if len(self.lengths) != int(self.shard_starts[-1]):
+            raise CorruptShardError(
+                f"{lengths_path}: {len(self.lengths)} lengths but the shards hold "
+                f"{int(self.shard_starts[-1])} rows; the cache is damaged, rebuild it"
+            )
+        self._shards = ShardCache(self.path, self.shards, self.dtype, open_shards)
+
+    def __repr__(self) -> str:
+        return (
+            f"Cache({self.path!r}, sequences={self.num_sequences}, tokens={self.num_tokens}, "
+            f"shards={len(self.shards)})"
+        )
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.shard_starts[-1])
+
+    @property
+    def num_tokens(self) -> int:
+        return int(self.manifest["totals"]["tokens"])
+
+    @property
+    def pad_id(self) -> int:
+        return int(self.manifest["tokenizer"]["pad_id"])
+
+    def buckets(self) -> np.ndarray:
+        """Bucket index of every sample id (int32), derived from the shard table."""
+        return np.repeat(self.shard_buckets, np.diff(self.shard_starts))
+
+    def _locate(self, sample_id: int) -> tuple[int, int]:
+        if not 0 <= sample_id < self.num_sequences:
+            raise IndexError(
+                f"sample id {sample_id} out of range: the cache holds {self.num_sequences}"
+            )
+        shard = int(np.searchsorted(self.shard_starts, sample_id, side="right")) - 1
+        return shard, sample_id - int(self.shard_starts[shard])
+
+    def read(self, sample_id: int) -> np.ndarray:
+        """The ids of one sequence (read-only; a view into the mapped shard when possible)."""
+        shard, row = self._locate(sample_id)
+        return self._shards.get(shard).tokens(row)
+
+    def lookup(self, sample_id: int) -> Provenance:
+        """The input file, record index and piece index a sample id came from."""
+        shard, row = self._locate(sample_id)
+        record, piece = self._shards.get(shard).provenance(row)
+        return Provenance(self.shards[shard]["source"], record, piece)
+
+    def iter_sequences(self) -> Iterator[Sequence]:
+        """Every sequence in sample-id order, with provenance (one shard open at a time)."""
+        sample_id = 0
+        for index, info in enumerate(self.shards):
+            reader = self._shards.get(index)
+            for ids, record, piece in reader.iter_rows():
+                yield Sequence(sample_id, ids, Provenance(info["source"], record, piece))
+                sample_id += 1
+
+
+def open_cache(path: str | os.PathLike[str]) -> Cache:
+    """Open a committed cache directory (raises CacheNotFoundError if there is none)."""
+    return Cache(os.fspath(path))

@@ -1,0 +1,208 @@
+"""The ``shardcache`` command line.
+
+Translates at the boundary (STYLE.md #8): :class:`~shardcache.errors.ConfigError` becomes a
+usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a failure
+(exit 1) with its message; anything else is a bug and keeps its traceback.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import sys
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import click
+
+from shardcache.errors import ConfigError, ShardcacheError
+from shardcache.version import __version__
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+
+def translate_errors(func: F) -> F:
+    @functools.wraps(func)
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(*args, **kwargs)
+        except ConfigError as err:
+            raise click.UsageError(str(err)) from err
+        except ShardcacheError as err:
+            raise click.ClickException(str(err)) from err
+
+    return wrapper  # type: ignore[return-value]
+
+
+@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+@click.version_option(__version__, prog_name="shardcache")
+def main() -> None:
+    """Pre-tokenize a text corpus once into verified, versioned shards, and inspect them.
+
+    \b
+    Typical use:
+      shardcache build recipes/quickstart.toml      # build a cache from a recipe
+      shardcache build --input data/ --tokenizer tok/ --output cache/ --max-length 2048
+      shardcache info cache/                          # what is in it
+
+    Exit codes: 0 success, 1 failure, 2 usage error.
+    """
+
+
+class _BarProgress:
+    """A tqdm bar over input bytes with documents/s and tokens/s."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.bar: Any = None
+        self.documents = 0
+        self.tokens = 0
+
+    def start(self, total_bytes: int, files: int) -> None:
+        from tqdm import tqdm
+
+        self.bar = tqdm(
+            total=total_bytes,
+            unit="B",
+            unit_scale=True,
+            unit_divisor=1024,
+            desc=f"build ({files} files)",
+            disable=not self.enabled,
+            dynamic_ncols=True,
+            file=sys.stderr,
+        )
+
+    def advance(self, n_bytes: int) -> None:
+        if self.bar is not None:
+            self.bar.update(n_bytes)
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.documents += documents
+        self.tokens += tokens
+        if self.bar is not None and self.enabled:
+            elapsed = max(self.bar.format_dict["elapsed"], 1e-9)
+            self.bar.set_postfix_str(
+                f"{self.documents:,} docs {self.documents / elapsed:,.0f}/s, "
+                f"{self.tokens / elapsed / 1e6:.2f} Mtok/s",
+                refresh=False,
+            )
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False))
+@click.option(
+    "--input",
+    "-i",
+    "inputs",
+    multiple=True,
+    help="Input file, folder or glob "
+    "(jsonl, jsonl.zst, json.gz, parquet). Repeatable. Processed in sorted order.",
+)
+@click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer.")
+@click.option("--output", "-o", help="Cache folder to write.")
+@click.option("--text-field", help="Field holding the text in each record.  [default: text]")
+@click.option(
+    "--add-special-tokens/--no-add-special-tokens",
+    default=None,
+    help="Let the tokenizer add its special tokens (e.g. BOS, [CLS]).  "
+    "[default: what the tokenizer does]",
+)
+@click.option(
+    "--append-eos/--no-append-eos",
+    default=None,
+    help="Append EOS (or SEP when there is no EOS) unless the sequence already ends "
+    "with it.  [default: append]",
+)
+@click.option(
+    "--max-length",
+    type=click.IntRange(min=2),
+    help="Longest sequence to store, in tokens (EOS included).",
+)
+@click.option(
+    "--truncation",
+    type=click.Choice(["truncate", "drop", "split"]),
+    help="What to do with longer sequences: keep the first max-length tokens, drop "
+    "the document, or split it into consecutive pieces.  [default: truncate]",
+)
+@click.option(
+    "--buckets",
+    help="Comma-separated bucket edges, e.g. 128,512,2048 (a sequence "
+    "goes to the first bucket whose edge is >= its length).  "
+    "[default: 64,128,...,32768]",
+)
+@click.option("--shard-size", help="Target shard size, e.g. 64MiB.  [default: 64MiB]")
+@click.option(
+    "--compression", type=click.Choice(["none", "zstd"]), help="Shard compression.  [default: none]"
+)
+@click.option(
+    "--on-error",
+    type=click.Choice(["skip", "fail"]),
+    help="Bad records: skip them (counted, written to quarantine.jsonl) or fail.  [default: skip]",
+)
+@click.option(
+    "--batch-docs",
+    type=click.IntRange(min=1),
+    help="Documents per tokenizer call.  [default: 1024]",
+)
+@click.option("--force", is_flag=True, help="Overwrite a cache that already exists at --output.")
+@click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@translate_errors
+def build(
+    recipe: str | None,
+    inputs: tuple[str, ...],
+    force: bool,
+    as_json: bool,
+    quiet: bool,
+    **flags: Any,
+) -> None:
+    """Tokenize a corpus into a cache (from a RECIPE file and/or flags).
+
+    Flags override the recipe. Relative paths in a recipe are relative to the recipe's
+    folder. The manifest is written last, so an interrupted build leaves no readable cache.
+
+    \b
+    Example:
+      shardcache build --input corpus/ --tokenizer ./tok --output ./cache \\
+          --max-length 2048 --truncation split --compression zstd
+    """
+    import dataclasses
+
+    from shardcache.build import build_cache as run_build
+    from shardcache.config import build_options_from_mapping
+    from shardcache.recipe import load_recipe, merge
+    from shardcache.summary import format_report, report_json
+
+    values = load_recipe(recipe) if recipe else {}
+    values = merge(values, {"input": inputs, **flags})
+    options = dataclasses.replace(build_options_from_mapping(values), force=force)
+    progress = _BarProgress(enabled=not quiet and not as_json)
+    report = run_build(options, progress=progress)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps(report_json(report), indent=1))
+    else:
+        click.echo(format_report(report))
+
+
+@main.command()
+@click.argument("cache", type=click.Path(file_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@translate_errors
+def info(cache: str, as_json: bool) -> None:
+    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets."""
+    from shardcache.cache import open_cache
+    from shardcache.summary import cache_summary, format_summary
+
+    summary = cache_summary(open_cache(cache))
+    if as_json:
+        click.echo(json.dumps(summary, indent=1))
+    else:
+        click.echo(format_summary(summary))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

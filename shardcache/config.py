@@ -1,0 +1,210 @@
+"""Build options: frozen dataclasses, validated at construction.
+
+The build is described by four small option groups instead of one long parameter list
+(STYLE.md #4): where the records come from (:class:`SourceOptions`), how text becomes ids
+(:class:`TokenizeOptions`), how the ids are laid out on disk (:class:`LayoutOptions`), and the
+whole (:class:`BuildOptions`). A recipe (TOML) and the CLI flags both end up here, so every
+check lives in one place and every message names the field, the value and the allowed range.
+
+Only the tokenizer/truncation groups affect compatibility (the cache key); the layout group
+(bucket edges, shard size, compression) does not.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcache.errors import ConfigError
+
+TRUNCATION_STRATEGIES = ("truncate", "drop", "split")
+COMPRESSIONS = ("none", "zstd")
+ON_ERROR = ("skip", "fail")
+
+#: Default bucket edges: powers of two. A sequence of length n goes to the first bucket whose
+#: edge is >= n; longer ones go to a last, open-ended bucket.
+DEFAULT_BUCKET_EDGES: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768)
+
+#: 64 MiB: large enough that per-file overhead is negligible, small enough that one shard per
+#: open bucket fits comfortably in memory on a laptop.
+DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class SourceOptions:
+    """Where records come from."""
+
+    inputs: tuple[str, ...]
+    text_field: str = "text"
+    on_error: str = "skip"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.inputs, str):
+            object.__setattr__(self, "inputs", (self.inputs,))
+        object.__setattr__(self, "inputs", tuple(str(p) for p in self.inputs))
+        if not self.inputs:
+            raise ConfigError("inputs: no input given; pass --input PATH (file, folder or glob)")
+        if not self.text_field:
+            raise ConfigError("text_field: must be a non-empty field name, got ''")
+        if self.on_error not in ON_ERROR:
+            raise ConfigError(f"on_error: got {self.on_error!r}, expected one of {ON_ERROR}")
+
+
+@dataclass(frozen=True)
+class TokenizeOptions:
+    """How text becomes ids. All of these are part of the cache key."""
+
+    tokenizer: str
+    add_special_tokens: bool | None = None  # None: what the tokenizer does by default
+    append_eos: bool = True
+    max_length: int | None = None
+    truncation: str = "truncate"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tokenizer", str(self.tokenizer))
+        if not self.tokenizer:
+            raise ConfigError("tokenizer: no tokenizer given; pass --tokenizer FOLDER")
+        if self.max_length is not None and (
+            not isinstance(self.max_length, int) or self.max_length < 2
+        ):
+            raise ConfigError(
+                f"max_length: got {self.max_length!r}, expected an integer >= 2 (or unset)"
+            )
+        if self.truncation not in TRUNCATION_STRATEGIES:
+            raise ConfigError(
+                f"truncation: got {self.truncation!r}, expected one of {TRUNCATION_STRATEGIES}"
+            )
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How sequences are laid out on disk. Not part of the cache key."""
+
+    bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
+    shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES
+    compression: str = "none"
+
+    def __post_init__(self) -> None:
+        edges = tuple(int(e) for e in self.bucket_edges)
+        object.__setattr__(self, "bucket_edges", edges)
+        if not edges:
+            raise ConfigError("buckets: at least one bucket edge is needed, got none")
+        if any(e < 1 for e in edges) or any(b <= a for a, b in itertools.pairwise(edges)):
+            raise ConfigError(
+                f"buckets: edges must be positive and strictly increasing, got {list(edges)}"
+            )
+        if not isinstance(self.shard_size_bytes, int) or self.shard_size_bytes < 4096:
+            raise ConfigError(
+                f"shard_size: got {self.shard_size_bytes!r} bytes, expected an integer >= 4096"
+            )
+        if self.compression not in COMPRESSIONS:
+            raise ConfigError(
+                f"compression: got {self.compression!r}, expected one of {COMPRESSIONS}"
+            )
+
+
+@dataclass(frozen=True)
+class BuildOptions:
+    """Everything one build needs."""
+
+    source: SourceOptions
+    tokenize: TokenizeOptions
+    output: str
+    layout: LayoutOptions = field(default_factory=LayoutOptions)
+    batch_docs: int = 1024  # documents handed to the tokenizer per encode_batch call
+    force: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "output", os.fspath(self.output))
+        if not self.output:
+            raise ConfigError("output: no output folder given; pass --output FOLDER")
+        if not isinstance(self.batch_docs, int) or self.batch_docs < 1:
+            raise ConfigError(f"batch_docs: got {self.batch_docs!r}, expected an integer >= 1")
+
+    def to_json(self) -> dict[str, Any]:
+        """The options as plain JSON (recorded in the manifest)."""
+        return dataclasses.asdict(self)
+
+
+def parse_size(value: str | int) -> int:
+    """Parse a byte size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` into bytes."""
+    if isinstance(value, int):
+        return value
+    text = str(value).strip().lower().replace(" ", "")
+    units = {
+        "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30,
+        "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+        "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "b": 1,
+    }  # fmt: skip
+    for suffix, unit in units.items():
+        if text.endswith(suffix):
+            number, factor = text[: -len(suffix)], unit
+            break
+    else:
+        number, factor = text, 1
+    try:
+        return int(float(number) * factor)
+    except ValueError:
+        raise ConfigError(
+            f"shard_size: cannot read {value!r} as a size; use bytes or a suffix like 64MiB"
+        ) from None
+
+
+def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
+    """Parse ``"128,512,2048"`` (or a list of ints) into bucket edges."""
+    if isinstance(value, str):
+        try:
+            return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
+        except ValueError:
+            raise ConfigError(
+                f"buckets: cannot read {value!r}; give comma-separated integers like 256,1024"
+            ) from None
+    return tuple(int(v) for v in value)
+
+
+RECIPE_KEYS = {
+    "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
+    "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
+}  # fmt: skip
+
+
+def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
+    """Make :class:`BuildOptions` from flat recipe/CLI values (unknown keys are an error)."""
+    unknown = sorted(set(values) - RECIPE_KEYS)
+    if unknown:
+        raise ConfigError(f"recipe: unknown key(s) {unknown}; valid keys are {sorted(RECIPE_KEYS)}")
+    missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
+    if missing:
+        raise ConfigError(
+            f"build: missing {', '.join(missing)}; give them in the recipe or as "
+            + ", ".join(f"--{k}" for k in missing)
+        )
+    inputs = values["input"]
+    layout_kwargs: dict[str, Any] = {}
+    if values.get("buckets") is not None:
+        layout_kwargs["bucket_edges"] = parse_buckets(values["buckets"])
+    if values.get("shard_size") is not None:
+        layout_kwargs["shard_size_bytes"] = parse_size(values["shard_size"])
+    if values.get("compression") is not None:
+        layout_kwargs["compression"] = values["compression"]
+    return BuildOptions(
+        source=SourceOptions(
+            inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
+            text_field=values.get("text_field") or "text",
+            on_error=values.get("on_error") or "skip",
+        ),
+        tokenize=TokenizeOptions(
+            tokenizer=values["tokenizer"],
+            add_special_tokens=values.get("add_special_tokens"),
+            append_eos=bool(values.get("append_eos", True)),
+            max_length=values.get("max_length"),
+            truncation=values.get("truncation") or "truncate",
+        ),
+        output=values["output"],
+        layout=LayoutOptions(**layout_kwargs),
+        batch_docs=int(values.get("batch_docs") or 1024),
+    )

@@ -1,0 +1,372 @@
+"""The on-disk format: shards, the length index, the manifest, checksums.
+
+A cache directory::
+
+    manifest.json            written last, atomically: its presence means "committed"
+    index/lengths.npy        uint32 length of every sequence, in sample-id order
+    shards/<part>-b<bucket>-<n>.arrow
+    parts/<part>.json        per-partition completion record (build bookkeeping)
+
+Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
+``tokens: list<uint16|uint32>, record: int64, piece: int32``; one shard holds sequences of
+one bucket from one partition (one input file or a range of one), in input order, cut
+into record batches of about :data:`RECORD_BATCH_BYTES` token bytes. Where shard and record
+batch boundaries fall is a function of the sequence lengths only (cumulative token bytes),
+never of how the build happened to batch its work, so the bytes are reproducible.
+
+Sample ids are global row numbers: shards in manifest order, rows in shard order. The
+length index lets a reader plan an epoch without opening a shard.
+
+Every file is written as ``*.tmp``, fsynced and renamed; its sha256 is recorded in the
+manifest. No pickle anywhere: JSON, Arrow IPC and ``.npy`` (``allow_pickle=False``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardcache.errors import CacheNotFoundError, CorruptShardError
+
+FORMAT_VERSION = 1
+MANIFEST = "manifest.json"
+SHARD_DIR = "shards"
+INDEX_DIR = "index"
+PARTS_DIR = "parts"
+LENGTHS_FILE = "index/lengths.npy"
+#: Token bytes per Arrow record batch. Small enough that a reader of a compressed shard
+#: decompresses little more than it needs, large enough that per-batch overhead vanishes.
+RECORD_BATCH_BYTES = 4 * 1024 * 1024
+
+
+def shard_schema(dtype: np.dtype) -> pa.Schema:
+    value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
+    return pa.schema(
+        [
+            pa.field("tokens", pa.list_(value_type), nullable=False),
+            pa.field("record", pa.int64(), nullable=False),
+            pa.field("piece", pa.int32(), nullable=False),
+        ]
+    )
+
+
+def sha256_file(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 20):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_bytes_atomic(path: str, data: bytes) -> None:
+    """Write ``data`` to ``path`` via ``path.tmp`` + fsync + rename."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_json_atomic(path: str, obj: Any) -> None:
+    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
+
+
+def write_npy_atomic(path: str, array: np.ndarray) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+@dataclass
+class ShardInfo:
+    """One shard's manifest entry."""
+
+    name: str
+    bucket: int
+    partition: str
+    source: str
+    rows: int
+    tokens: int
+    bytes: int
+    sha256: str
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+class BucketWriter:
+    """Writes the sequences of one (partition, bucket) into rotating shard files.
+
+    Sequences are buffered until :data:`RECORD_BATCH_BYTES` of tokens have accumulated, then
+    written as one record batch; a shard is closed after the record batch that takes it to
+    ``shard_size_bytes``. The split points depend only on the sequence lengths.
+    """
+
+    def __init__(
+        self,
+        cache_dir: str,
+        partition: str,
+        source: str,
+        bucket: int,
+        dtype: np.dtype,
+        shard_size_bytes: int,
+        compression: str,
+    ):
+        self.cache_dir = cache_dir
+        self.partition = partition
+        self.source = source
+        self.bucket = bucket
+        self.dtype = np.dtype(dtype)
+        self.shard_size_bytes = shard_size_bytes
+        self.batch_bytes = min(RECORD_BATCH_BYTES, shard_size_bytes)
+        self.compression = None if compression == "none" else compression
+        self.schema = shard_schema(self.dtype)
+        self.shards: list[ShardInfo] = []
+        self.lengths: list[np.ndarray] = []  # per closed shard
+        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending_bytes = 0
+        self._writer: pa.ipc.RecordBatchFileWriter | None = None
+        self._sink: pa.NativeFile | None = None
+        self._shard_rows = 0
+        self._shard_tokens = 0
+        self._shard_token_bytes = 0
+        self._shard_lengths: list[np.ndarray] = []
+
+    def _shard_name(self) -> str:
+        return f"{self.partition}-b{self.bucket:02d}-{len(self.shards):05d}.arrow"
+
+    def add(
+        self, tokens: np.ndarray, lengths: np.ndarray, records: np.ndarray, pieces: np.ndarray
+    ) -> None:
+        """Append sequences (flat ``tokens`` cut by ``lengths``) in order."""
+        itemsize = self.dtype.itemsize
+        while len(lengths):
+            room = self.batch_bytes - self._pending_bytes
+            cum = np.cumsum(lengths) * itemsize
+            # take sequences up to and including the first that fills the record batch
+            cut = int(np.searchsorted(cum, room, side="left")) + 1
+            cut = min(cut, len(lengths))
+            n_tok = int(lengths[:cut].sum())
+            self._pending.append((tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut]))
+            self._pending_bytes += n_tok * itemsize
+            tokens, lengths = tokens[n_tok:], lengths[cut:]
+            records, pieces = records[cut:], pieces[cut:]
+            if self._pending_bytes >= self.batch_bytes:
+                self._write_batch()
+
+    def _write_batch(self) -> None:
+        if not self._pending:
+            return
+        tokens = np.concatenate([p[0] for p in self._pending]).astype(self.dtype, copy=False)
+        lengths = np.concatenate([p[1] for p in self._pending])
+        records = np.concatenate([p[2] for p in self._pending])
+        pieces = np.concatenate([p[3] for p in self._pending])
+        self._pending, self._pending_bytes = [], 0
+        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
+        np.cumsum(lengths, out=offsets[1:])
+        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
+        batch = pa.record_batch(
+            [column, pa.array(records, pa.int64()), pa.array(pieces.astype(np.int32))],
+            schema=self.schema,
+        )
+        if self._writer is None:
+            path = os.path.join(self.cache_dir, SHARD_DIR, self._shard_name() + ".tmp")
+            self._sink = pa.OSFile(path, "wb")
+            options = pa.ipc.IpcWriteOptions(compression=self.compression)
+            self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
+        self._writer.write_batch(batch)
+        self._shard_rows += len(lengths)
+        self._shard_tokens += len(tokens)
+        self._shard_token_bytes += len(tokens) * self.dtype.itemsize
+        self._shard_lengths.append(lengths)
+        if self._shard_token_bytes >= self.shard_size_bytes:
+            self._close_shard()
+
+    def _close_shard(self) -> None:
+        if self._writer is None:
+            return
+        assert self._sink is not None
+        self._writer.close()
+        self._sink.close()
+        name = self._shard_name()
+        final = os.path.join(self.cache_dir, SHARD_DIR, name)
+        tmp = final + ".tmp"
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
+        os.replace(tmp, final)
+        self.shards.append(
+            ShardInfo(
+                name=name,
+                bucket=self.bucket,
+                partition=self.partition,
+                source=self.source,
+                rows=self._shard_rows,
+                tokens=self._shard_tokens,
+                bytes=os.path.getsize(final),
+                sha256=sha256_file(final),
+            )
+        )
+        self.lengths.append(np.concatenate(self._shard_lengths).astype(np.uint32))
+        self._writer, self._sink = None, None
+        self._shard_rows = self._shard_tokens = self._shard_token_bytes = 0
+        self._shard_lengths = []
+
+    def close(self) -> None:
+        """Flush what is buffered and close the open shard."""
+        self._write_batch()
+        self._close_shard()
+
+
+def read_manifest(cache_dir: str) -> dict[str, Any]:
+    """Read ``manifest.json``; a directory without one holds no (committed) cache."""
+    path = os.path.join(cache_dir, MANIFEST)
+    if not os.path.isfile(path):
+        hint = (
+            " (a build was started there but never committed; rerun the build)"
+            if os.path.isdir(os.path.join(cache_dir, PARTS_DIR))
+            else ""
+        )
+        raise CacheNotFoundError(
+            f"{cache_dir!r} holds no shardcache cache: {MANIFEST} is missing{hint}; "
+            "build one with `shardcache build`"
+        )
+    try:
+        with open(path, encoding="utf-8") as f:
+            manifest = json.load(f)
+    except (OSError, ValueError) as err:
+        raise CorruptShardError(f"{path}: cannot read the manifest: {err}") from err
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CorruptShardError(
+            f"{path}: format_version {version!r} is not supported by this shardcache "
+            f"(reads {FORMAT_VERSION}); rebuild the cache or use a matching shardcache version"
+        )
+    return manifest
+
+
+class ShardReader:
+    """Random access to the sequences of one shard (memory-mapped when uncompressed).
+
+    On open it checks cheap invariants against the manifest entry (row count, token count,
+    value type, offsets monotone) and raises :class:`CorruptShardError` naming the file.
+    """
+
+    def __init__(self, path: str, info: dict[str, Any], dtype: np.dtype):
+        self.path = path
+        self.rows = int(info["rows"])
+        try:
+            source = pa.memory_map(path, "r")
+            reader = pa.ipc.open_file(source)
+            batches = [reader.get_batch(i) for i in range(reader.num_record_batches)]
+        except (OSError, pa.ArrowInvalid, pa.ArrowException) as err:
+            raise CorruptShardError(
+                f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
+            ) from err
+        self._values: list[np.ndarray] = []
+        self._offsets: list[np.ndarray] = []
+        self._records: list[np.ndarray] = []
+        self._pieces: list[np.ndarray] = []
+        starts = [0]
+        expected_type = pa.uint16() if np.dtype(dtype) == np.uint16 else pa.uint32()
+        tokens = 0
+        for batch in batches:
+            column = batch.column(0)
+            if column.type.value_type != expected_type:
+                raise CorruptShardError(
+                    f"{path}: token type {column.type.value_type} but the manifest says "
+                    f"{np.dtype(dtype).name}; the shard does not belong to this cache"
+                )
+            offsets = column.offsets.to_numpy()
+            values = column.values.to_numpy(zero_copy_only=False)
+            if len(offsets) and (
+                offsets[0] != 0 or offsets[-1] != len(values) or np.any(np.diff(offsets) < 0)
+            ):
+                raise CorruptShardError(f"{path}: token offsets are inconsistent; rebuild")
+            self._values.append(values)
+            self._offsets.append(offsets)
+            self._records.append(batch.column(1).to_numpy())
+            self._pieces.append(batch.column(2).to_numpy())
+            starts.append(starts[-1] + batch.num_rows)
+            tokens += len(values)
+        self._starts = np.asarray(starts, dtype=np.int64)
+        if starts[-1] != self.rows or tokens != int(info["tokens"]):
+            raise CorruptShardError(
+                f"{path}: holds {starts[-1]} rows / {tokens} tokens but the manifest says "
+                f"{self.rows} / {info['tokens']}; the shard is damaged or stale, rebuild"
+            )
+
+    def _locate(self, row: int) -> tuple[int, int]:
+        if not 0 <= row < self.rows:
+            raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
+        b = int(np.searchsorted(self._starts, row, side="right")) - 1
+        return b, row - int(self._starts[b])
+
+    def tokens(self, row: int) -> np.ndarray:
+        """The ids of one row (a read-only view into the mapped file when uncompressed)."""
+        b, r = self._locate(row)
+        offsets = self._offsets[b]
+        return self._values[b][offsets[r] : offsets[r + 1]]
+
+    def provenance(self, row: int) -> tuple[int, int]:
+        """``(record index in the source file, piece index)`` of one row."""
+        b, r = self._locate(row)
+        return int(self._records[b][r]), int(self._pieces[b][r])
+
+    def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
+        """Every row in order as ``(ids, record, piece)``."""
+        for values, offsets, records, pieces in zip(
+            self._values, self._offsets, self._records, self._pieces
+        ):
+            for r in range(len(records)):
+                yield values[offsets[r] : offsets[r + 1]], int(records[r]), int(pieces[r])
+
+
+class ShardCache:
+    """A small LRU of open :class:`ShardReader` s (open files and decompressed batches)."""
+
+    def __init__(self, cache_dir: str, shards: list[dict[str, Any]], dtype: np.dtype, size: int):
+        self.cache_dir = cache_dir
+        self.shards = shards
+        self.dtype = dtype
+        self.size = max(1, size)
+        self._open: OrderedDict[int, ShardReader] = OrderedDict()
+
+    def get(self, index: int) -> ShardReader:
+        reader = self._open.get(index)
+        if reader is not None:
+            self._open.move_to_end(index)
+            return reader
+        info = self.shards[index]
+        path = os.path.join(self.cache_dir, SHARD_DIR, info["name"])
+        if not os.path.isfile(path):
+            raise CorruptShardError(
+                f"{path}: shard listed in the manifest is missing; the cache is incomplete, "
+                "rebuild it or restore the file"
+            )
+        reader = ShardReader(path, info, self.dtype)
+        self._open[index] = reader
+        if len(self._open) > self.size:
+            self._open.popitem(last=False)
+        return reader

@@ -1,0 +1,64 @@
+"""TOML recipes: the build configuration as a file, one key per CLI flag.
+
+A recipe is a flat TOML table whose keys are the ``build`` flags with underscores
+(``input``, ``tokenizer``, ``output``, ``text_field``, ``max_length``, ``truncation``,
+``buckets``, ``shard_size``, ``compression``, ...). Relative paths in a recipe are relative
+to the recipe file's folder, so a recipe and the data beside it can move together. Flags
+given on the command line override recipe values.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Mapping
+from typing import Any
+
+from shardcache.config import RECIPE_KEYS
+from shardcache.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+PATH_KEYS = ("input", "tokenizer", "output")
+
+
+def load_recipe(path: str) -> dict[str, Any]:
+    """Read a recipe, check its keys and resolve its relative paths."""
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"recipe {path!r}: cannot read it ({err})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"recipe {path!r}: not valid TOML ({err})") from err
+    unknown = sorted(set(data) - RECIPE_KEYS)
+    if unknown:
+        raise ConfigError(
+            f"recipe {path!r}: unknown key(s) {unknown}; valid keys are {sorted(RECIPE_KEYS)}"
+        )
+    base = os.path.dirname(os.path.abspath(path))
+    for key in PATH_KEYS:
+        if key in data:
+            data[key] = _resolve(data[key], base)
+    return data
+
+
+def _resolve(value: Any, base: str) -> Any:
+    if isinstance(value, list):
+        return [_resolve(v, base) for v in value]
+    if isinstance(value, str) and "://" not in value and not os.path.isabs(value):
+        return os.path.normpath(os.path.join(base, value))
+    return value
+
+
+def merge(recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
+    """Recipe values overridden by every override that is not None (or an empty tuple)."""
+    merged = dict(recipe)
+    for key, value in overrides.items():
+        if value is None or value == ():
+            continue
+        merged[key] = list(value) if isinstance(value, tuple) else value
+    return merged

@@ -1,0 +1,151 @@
+"""Human and machine summaries of a cache (``shardcache info``) and of a build report.
+
+Pure functions from a manifest (and the length index) to a JSON-able dict, and from that
+dict to aligned text. Nothing here opens a shard.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shardcache.build import BuildReport
+from shardcache.cache import Cache
+
+
+def human_bytes(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"  # pragma: no cover
+
+
+def cache_summary(cache: Cache) -> dict[str, Any]:
+    """Everything ``info`` shows, as plain JSON."""
+    m = cache.manifest
+    lengths = np.asarray(cache.lengths, dtype=np.int64)
+    buckets = cache.buckets()
+    per_bucket = []
+    for index, (low, high) in enumerate(m["buckets"]["ranges"]):
+        mask = buckets == index
+        per_bucket.append(
+            {
+                "bucket": index,
+                "min_length": low,
+                "max_length": high,
+                "sequences": int(mask.sum()),
+                "tokens": int(lengths[mask].sum()),
+                "shards": int((cache.shard_buckets == index).sum()),
+            }
+        )
+    return {
+        "path": cache.path,
+        "format_version": m["format_version"],
+        "shardcache_version": m["shardcache_version"],
+        "tokenizer": m["tokenizer"],
+        "dtype": m["dtype"],
+        "truncation": {
+            "max_length": m["options"]["tokenize"]["max_length"],
+            "strategy": m["options"]["tokenize"]["truncation"],
+        },
+        "totals": m["totals"],
+        "stats": m["stats"],
+        "inputs": len(m["inputs"]),
+        "buckets": per_bucket,
+        "length": {
+            "min": int(lengths.min()) if len(lengths) else 0,
+            "mean": float(lengths.mean()) if len(lengths) else 0.0,
+            "max": int(lengths.max()) if len(lengths) else 0,
+        },
+        "key_digest": (m.get("key") or {}).get("digest"),
+    }
+
+
+def _table(rows: list[tuple[str, ...]]) -> str:
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    return "\n".join(
+        "  ".join(
+            cell.rjust(w) if i else cell.ljust(w) for i, (cell, w) in enumerate(zip(r, widths))
+        )
+        for r in rows
+    )
+
+
+def format_summary(s: dict[str, Any]) -> str:
+    t = s["totals"]
+    st = s["stats"]
+    tok = s["tokenizer"]
+    trunc = s["truncation"]
+    lines = [
+        f"cache        {s['path']}",
+        f"format       v{s['format_version']} (shardcache {s['shardcache_version']})",
+        f"tokenizer    {tok['path']} ({tok['class']}, vocab {tok['vocab_size']}, "
+        f"max id {tok['max_token_id']}, {s['dtype']})",
+        f"truncation   max_length={trunc['max_length']} strategy={trunc['strategy']}",
+        f"inputs       {s['inputs']} files, {human_bytes(t['input_bytes'])}",
+        f"documents    {t['documents']:,}",
+        f"sequences    {t['sequences']:,}  (length min {s['length']['min']}, "
+        f"mean {s['length']['mean']:.1f}, max {s['length']['max']})",
+        f"tokens       {t['tokens']:,}",
+        f"shards       {t['shards']:,}, {human_bytes(t['shard_bytes'])}",
+        f"truncated    {st['truncated_documents']:,} docs, dropped {st['dropped_documents']:,}, "
+        f"split {st['split_documents']:,}, empty {st['empty_documents']:,}, "
+        f"lost tokens {st['lost_tokens']:,}",
+    ]
+    bad = st.get("bad_records") or {}
+    bad_text = ", ".join(f"{k} {v:,}" for k, v in bad.items()) if bad else "none"
+    lines.append(f"bad records  {bad_text}")
+    if s.get("key_digest"):
+        lines.append(f"key          {s['key_digest']}")
+    rows = [("bucket", "lengths", "sequences", "tokens", "shards")]
+    for b in s["buckets"]:
+        high = "inf" if b["max_length"] is None else str(b["max_length"])
+        rows.append(
+            (
+                str(b["bucket"]),
+                f"{b['min_length']}-{high}",
+                f"{b['sequences']:,}",
+                f"{b['tokens']:,}",
+                str(b["shards"]),
+            )
+        )
+    return "\n".join(lines) + "\n\n" + _table(rows)
+
+
+def report_json(report: BuildReport) -> dict[str, Any]:
+    return {
+        "output": report.output,
+        "documents": report.documents,
+        "sequences": report.sequences,
+        "tokens": report.tokens,
+        "shards": report.shards,
+        "bytes_in": report.bytes_in,
+        "bytes_out": report.bytes_out,
+        "seconds": round(report.seconds, 3),
+        "tokens_per_second": round(report.tokens_per_second, 1),
+        "stats": report.stats,
+        "bad_records": report.bad_records,
+    }
+
+
+def format_report(report: BuildReport) -> str:
+    st = report.stats
+    secs = max(report.seconds, 1e-9)
+    bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
+    return "\n".join(
+        [
+            f"built        {report.output}",
+            f"documents    {report.documents:,}",
+            f"sequences    {report.sequences:,}",
+            f"tokens       {report.tokens:,}",
+            f"shards       {report.shards:,} ({human_bytes(report.bytes_out)})",
+            f"truncated    {st['truncated_documents']:,} docs, dropped "
+            f"{st['dropped_documents']:,}, split {st['split_documents']:,}, "
+            f"lost tokens {st['lost_tokens']:,}",
+            f"bad records  {bad}",
+            f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
+            f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
+        ]
+    )

@@ -1,0 +1,312 @@
+"""Tokenizer adapter: text -> ids, with explicit special tokens, EOS and truncation.
+
+What this module owns:
+
+* Loading a *fast* Hugging Face tokenizer from a local folder (never the network). The
+  ids come from the Rust backend's ``encode_batch`` on a private clone of the backend, so
+  the build is exactly ``tokenizer(text)["input_ids"]`` (transformers semantics) and never
+  mutates the caller's tokenizer.
+* The backend's *own* truncation/padding settings (a saved tokenizer.json can carry them,
+  e.g. ``max_length=128``) are captured for the cache key and then switched off: like
+  ``tokenizer(text)`` in transformers, a build never truncates or pads behind the user's back.
+  Truncation is shardcache's, explicit (``--max-length`` / ``--truncation``) and counted.
+* EOS: appended by default, never doubled when the post-processor already ends sequences
+  with it. Tokenizers without an EOS token (BERT) use their SEP token as the end marker.
+* Truncation strategies over the flat (ids, lengths) arrays, vectorized with numpy:
+  ``truncate`` keeps the first ``max_length`` tokens (the end marker stays last, as the
+  backend's own truncation would place it), ``drop`` removes over-long documents, ``split``
+  cuts a document into consecutive pieces of at most ``max_length`` tokens whose
+  concatenation is the full sequence.
+
+Throughput: ``encode_batch`` releases the GIL and runs on all cores (measured 1.6 Mtok/s with
+the MiniLM WordPiece tokenizer on 2 cores, 1.9 CPU-s per wall-s). Extracting the Python id
+lists costs ~10% of that, so :func:`encode_ahead` runs the next ``encode_batch`` in a
+background thread while the caller converts and writes the previous one.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import os
+import queue
+import threading
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.config import TokenizeOptions
+from shardcache.errors import ConfigError, TokenizerError
+
+
+@dataclass
+class Encoded:
+    """Sequences of one batch of documents, as flat arrays.
+
+    ``doc_index[i]`` is the position (within the batch) of the document sequence ``i``
+    came from, and ``piece[i]`` its piece number (0 unless the document was split).
+    """
+
+    tokens: np.ndarray
+    lengths: np.ndarray  # int64
+    doc_index: np.ndarray  # int64
+    piece: np.ndarray  # int32
+
+
+@dataclass
+class TruncationStats:
+    """Counts that go into the manifest and the build report."""
+
+    documents: int = 0
+    sequences: int = 0
+    tokens: int = 0  # tokens stored
+    truncated_documents: int = 0
+    dropped_documents: int = 0
+    split_documents: int = 0
+    empty_documents: int = 0  # tokenized to zero tokens; not stored
+    lost_tokens: int = 0  # tokens removed by truncate / drop
+
+    def add(self, other: TruncationStats) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def to_json(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def token_dtype(max_token_id: int) -> np.dtype:
+    """uint16 when every id the tokenizer can emit fits, else uint32."""
+    return np.dtype(np.uint16) if max_token_id < 65536 else np.dtype(np.uint32)
+
+
+def load_hf_tokenizer(path: str) -> Any:
+    """Load a tokenizer from a local folder; refuse slow-only tokenizers."""
+    if not os.path.isdir(path):
+        raise TokenizerError(
+            f"tokenizer {path!r}: no such folder; pass --tokenizer with a local folder holding "
+            "tokenizer.json (shardcache never downloads tokenizers)"
+        )
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as err:  # transformers raises many types for unusable folders
+        raise TokenizerError(
+            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: {err}); "
+            "the folder needs tokenizer.json or the files of a fast tokenizer"
+        ) from err
+    ensure_fast(tok, path)
+    return tok
+
+
+def ensure_fast(tok: Any, path: str) -> None:
+    """Raise :class:`TokenizerError` unless ``tok`` has a Rust (fast) backend."""
+    if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
+        raise TokenizerError(
+            f"tokenizer {path!r} ({type(tok).__name__}) is a slow (Python) tokenizer; shardcache "
+            "needs a fast one: save it with tokenizer.json (e.g. convert it once with "
+            "AutoTokenizer.from_pretrained(..., use_fast=True).save_pretrained(folder))"
+        )
+
+
+class TextEncoder:
+    """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`."""
+
+    def __init__(self, options: TokenizeOptions, hf_tokenizer: Any | None = None):
+        from tokenizers import Tokenizer
+
+        self.options = options
+        self.hf = hf_tokenizer if hf_tokenizer is not None else load_hf_tokenizer(options.tokenizer)
+        ensure_fast(self.hf, options.tokenizer)
+        source = self.hf.backend_tokenizer
+        #: The backend's own settings as saved (recorded in the cache key, then disabled).
+        self.backend_truncation = _plain(source.truncation)
+        self.backend_padding = _plain(source.padding)
+        self.backend = Tokenizer.from_str(source.to_str())
+        self.backend.no_truncation()
+        self.backend.no_padding()
+        self.add_special_tokens = (
+            True if options.add_special_tokens is None else options.add_special_tokens
+        )
+        vocab = self.backend.get_vocab(with_added_tokens=True)
+        self.max_token_id = max(vocab.values()) if vocab else 0
+        self.dtype = token_dtype(self.max_token_id)
+        self.eos_id = self._end_token_id()
+        pad = getattr(self.hf, "pad_token_id", None)
+        self.pad_id = int(pad) if pad is not None else 0
+
+    def _end_token_id(self) -> int | None:
+        for name in ("eos_token_id", "sep_token_id"):
+            value = getattr(self.hf, name, None)
+            if value is not None:
+                return int(value)
+        if self.options.append_eos:
+            raise ConfigError(
+                f"append_eos: tokenizer {self.options.tokenizer!r} defines neither an EOS nor a "
+                "SEP token, so there is nothing to append; build with --no-append-eos or add an "
+                "eos_token to its tokenizer_config.json"
+            )
+        return None
+
+    def describe(self) -> dict[str, Any]:
+        """Facts about the tokenizer recorded in the manifest."""
+        return {
+            "path": self.options.tokenizer,
+            "class": type(self.hf).__name__,
+            "vocab_size": int(self.backend.get_vocab_size(with_added_tokens=True)),
+            "max_token_id": int(self.max_token_id),
+            "dtype": self.dtype.name,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+            "add_special_tokens": self.add_special_tokens,
+            "backend_truncation": self.backend_truncation,
+            "backend_padding": self.backend_padding,
+        }
+
+    def encode_texts(self, texts: list[str]) -> list[list[int]]:
+        """Raw ids per text from the backend (releases the GIL, uses all cores)."""
+        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+        return [e.ids for e in encodings]
+
+    def finish(self, ids: list[list[int]], stats: TruncationStats) -> Encoded:
+        """EOS and truncation over a batch of id lists; updates ``stats``."""
+        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
+        total = int(lengths.sum())
+        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=total)
+        stats.documents += len(ids)
+        if self.options.append_eos and self.eos_id is not None:
+            tokens, lengths = append_end_token(tokens, lengths, self.eos_id)
+        encoded = apply_truncation(tokens, lengths, self.options, self.eos_id, stats)
+        stats.sequences += len(encoded.lengths)
+        stats.tokens += int(encoded.lengths.sum())
+        return encoded
+
+
+def _plain(value: Any) -> Any:
+    """tokenizers returns settings as dicts (or None); make them JSON-safe."""
+    if value is None:
+        return None
+    return {str(k): (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
+            for k, v in dict(value).items()}  # fmt: skip
+
+
+def append_end_token(
+    tokens: np.ndarray, lengths: np.ndarray, end_id: int
+) -> tuple[np.ndarray, np.ndarray]:
+    """Append ``end_id`` to every sequence that does not already end with it."""
+    ends = np.cumsum(lengths)
+    nonempty = lengths > 0
+    last = np.full(len(lengths), -1, dtype=np.int64)
+    last[nonempty] = tokens[ends[nonempty] - 1]
+    need = last != end_id
+    if not need.any():
+        return tokens, lengths
+    tokens = np.insert(tokens, ends[need], np.asarray(end_id, dtype=tokens.dtype))
+    return tokens, lengths + need
+
+
+def apply_truncation(
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    options: TokenizeOptions,
+    end_id: int | None,
+    stats: TruncationStats,
+) -> Encoded:
+    """Apply ``options.truncation`` at ``options.max_length``; counts go to ``stats``."""
+    n_docs = len(lengths)
+    doc_index = np.arange(n_docs, dtype=np.int64)
+    piece = np.zeros(n_docs, dtype=np.int32)
+    empty = lengths == 0
+    if empty.any():
+        stats.empty_documents += int(empty.sum())
+        doc_index, lengths = doc_index[~empty], lengths[~empty]
+        piece = piece[~empty]
+    limit = options.max_length
+    if limit is None:
+        return Encoded(tokens, lengths, doc_index, piece)
+    over = lengths > limit
+    if not over.any():
+        return Encoded(tokens, lengths, doc_index, piece)
+    starts = np.cumsum(lengths) - lengths
+    if options.truncation == "split":
+        stats.split_documents += int(over.sum())
+        n_pieces = -(-lengths // limit)
+        piece_lengths = np.full(int(n_pieces.sum()), limit, dtype=np.int64)
+        last_piece = np.cumsum(n_pieces) - 1
+        piece_lengths[last_piece] = lengths - (n_pieces - 1) * limit
+        first_piece = last_piece - n_pieces + 1
+        piece_no = np.arange(len(piece_lengths)) - np.repeat(first_piece, n_pieces)
+        return Encoded(
+            tokens, piece_lengths, np.repeat(doc_index, n_pieces), piece_no.astype(np.int32)
+        )
+    position = np.arange(len(tokens), dtype=np.int64) - np.repeat(starts, lengths)
+    if options.truncation == "drop":
+        stats.dropped_documents += int(over.sum())
+        stats.lost_tokens += int(lengths[over].sum())
+        keep = np.repeat(~over, lengths)
+        return Encoded(tokens[keep], lengths[~over], doc_index[~over], piece[~over])
+    # truncate: keep the first `limit` tokens; a sequence that ended with the end marker
+    # keeps it as its last token (as the backend's own truncation would place it).
+    stats.truncated_documents += int(over.sum())
+    stats.lost_tokens += int((lengths[over] - limit).sum())
+    keep = position < limit
+    new_lengths = np.minimum(lengths, limit)
+    new_tokens = tokens[keep]
+    if end_id is not None:
+        ends_with_end = tokens[starts + lengths - 1] == end_id
+        fix = over & ends_with_end
+        if fix.any():
+            new_ends = np.cumsum(new_lengths)
+            new_tokens[new_ends[fix] - 1] = end_id
+    return Encoded(new_tokens, new_lengths, doc_index, piece)
+
+
+_DONE = object()
+
+
+@dataclass
+class _Failure:
+    error: BaseException
+
+
+def encode_ahead(
+    encoder: TextEncoder, batches: Iterable[Any], depth: int = 2
+) -> Iterator[tuple[Any, list[list[int]]]]:
+    """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
+
+    A background thread reads the upstream and runs ``encode_batch`` (GIL released) while the
+    caller processes the previous result, so id extraction and writing overlap tokenization.
+    At most ``depth`` encoded batches wait in the queue. Upstream errors re-raise here.
+    """
+    out: queue.Queue[Any] = queue.Queue(maxsize=depth)
+    stop = threading.Event()
+
+    def produce() -> None:
+        try:
+            for batch in batches:
+                if stop.is_set():
+                    return
+                out.put((batch, encoder.encode_texts(batch.texts)))
+            out.put(_DONE)
+        except BaseException as err:  # re-raised in the consumer
+            out.put(_Failure(err))
+
+    thread = threading.Thread(target=produce, name="shardcache-encode", daemon=True)
+    thread.start()
+    try:
+        while True:
+            item = out.get()
+            if item is _DONE:
+                break
+            if isinstance(item, _Failure):
+                raise item.error
+            yield item
+    finally:
+        stop.set()
+        while thread.is_alive():
+            with contextlib.suppress(queue.Empty):
+                out.get(timeout=0.05)
+        thread.join()

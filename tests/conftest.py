@@ -1,0 +1,181 @@
+"""Shared fixtures: tokenizers trained in-process and corpus writers. Hermetic: no network,
+nothing outside the repository and tmp folders."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import os
+import random
+from collections.abc import Callable
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import zstandard
+
+WORDS = (
+    "the quick brown fox jumps over lazy dog data shard cache token batch epoch rank worker "
+    "parquet arrow stream budget bucket length python numpy torch tensor café naïve 東京 "
+    "データ 🙂 def return class import lambda yield async await"
+).split()
+
+
+def make_texts(n: int, seed: int = 0, max_words: int = 120) -> list[str]:
+    rng = random.Random(seed)
+    texts = []
+    for _ in range(n):
+        k = rng.choice([1, 2, 5, 20, 60, max_words])
+        texts.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k))))
+    return texts
+
+
+def write_records(path: str, records: list[dict], fmt: str) -> str:
+    """Write records as jsonl / jsonl.zst / json.gz / parquet; returns the path."""
+    if fmt == "parquet":
+        pq.write_table(pa.Table.from_pylist(records), path)
+        return path
+    data = b"".join(json.dumps(r, ensure_ascii=False).encode() + b"\n" for r in records)
+    if fmt == "jsonl.zst":
+        data = zstandard.ZstdCompressor().compress(data)
+    elif fmt == "json.gz":
+        data = gzip.compress(data, mtime=0)
+    with open(path, "wb") as f:
+        f.write(data)
+    return path
+
+
+def _save_bpe(folder: str, texts: list[str], vocab_size: int, bos: bool) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=["<eos>", "<pad>", "<bos>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(texts, trainer)
+    if bos:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+    )
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level BPE tokenizer (vocab 600) with <eos>, <pad>, <bos>; adds no specials."""
+    folder = str(tmp_path_factory.mktemp("tok-bpe"))
+    return _save_bpe(folder, make_texts(400, seed=1), 600, bos=False)
+
+
+@pytest.fixture(scope="session")
+def bos_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """Like ``tokenizer_dir`` but its post-processor prepends <bos>."""
+    folder = str(tmp_path_factory.mktemp("tok-bos"))
+    return _save_bpe(folder, make_texts(400, seed=1), 600, bos=True)
+
+
+@pytest.fixture(scope="session")
+def wordpiece_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A BERT-style WordPiece tokenizer ([CLS] ... [SEP], no EOS token) whose saved
+    tokenizer.json carries truncation (max_length 16) and padding settings."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=400,
+        special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]", "[MASK]"],
+        show_progress=False,
+    )
+    tok.train_from_iterator(make_texts(300, seed=2), trainer)
+    tok.post_processor = processors.BertProcessing(
+        ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
+    )
+    folder = str(tmp_path_factory.mktemp("tok-wordpiece"))
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        mask_token="[MASK]",
+    )  # fmt: skip
+    fast.save_pretrained(folder)
+    path = os.path.join(folder, "tokenizer.json")
+    with open(path, encoding="utf-8") as f:
+        data = json.load(f)
+    data["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst",
+                          "stride": 0}  # fmt: skip
+    data["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of":
+                       None, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}  # fmt: skip
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(data, f)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def big_vocab_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A WordLevel tokenizer whose *added* tokens push the largest id past 65535."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {f"w{i}": i for i in range(65530)}
+    vocab["[UNK]"] = len(vocab)
+    vocab["<eos>"] = len(vocab)
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="<eos>")
+    fast.add_tokens([f"<extra_{i}>" for i in range(10)])
+    folder = str(tmp_path_factory.mktemp("tok-big"))
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture()
+def corpus(tmp_path) -> Callable[..., tuple[str, dict[tuple[str, int], str]]]:
+    """``corpus(fmt, n_files, docs_per_file)`` writes a corpus; returns (folder, texts by
+    (relpath, record index))."""
+
+    def make(fmt: str = "jsonl", n_files: int = 2, docs: int = 40, seed: int = 0):
+        folder = tmp_path / f"corpus-{fmt.replace('.', '-')}-{seed}"
+        folder.mkdir()
+        expected: dict[tuple[str, int], str] = {}
+        for f in range(n_files):
+            texts = make_texts(docs, seed=seed * 100 + f)
+            name = f"part-{f:02d}.{fmt}"
+            write_records(
+                str(folder / name), [{"id": i, "text": t} for i, t in enumerate(texts)], fmt
+            )
+            expected.update({(name, i): t for i, t in enumerate(texts)})
+        return str(folder), expected
+
+    return make
+
+
+@pytest.fixture()
+def build_cache(tmp_path) -> Callable[..., str]:
+    """``build_cache(input, tokenizer, **options)`` builds into a fresh folder; returns it."""
+    from shardcache.build import build_cache as build
+    from shardcache.config import build_options_from_mapping
+
+    counter = iter(range(1_000_000))
+
+    def run(inputs: str | list[str], tokenizer: str, **options) -> str:
+        out = str(tmp_path / f"cache-{next(counter)}")
+        values = {"input": inputs, "tokenizer": tokenizer, "output": out, **options}
+        build(build_options_from_mapping(values))
+        return out
+
+    return run

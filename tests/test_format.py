@@ -1,0 +1,86 @@
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from shardcache import CorruptShardError, open_cache
+from shardcache.format import BucketWriter, ShardReader
+
+
+def _write(tmp_path, seqs, shard_size=1 << 20, compression="none"):
+    os.makedirs(tmp_path / "shards", exist_ok=True)
+    writer = BucketWriter(str(tmp_path), "p00000", "src.jsonl", 0, np.dtype(np.uint16),
+                          shard_size, compression)  # fmt: skip
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    tokens = np.array([t for s in seqs for t in s], dtype=np.uint16)
+    writer.add(tokens, lengths, np.arange(len(seqs)) * 10, np.zeros(len(seqs), dtype=np.int32))
+    writer.close()
+    return writer
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_round_trip_rows_and_provenance(tmp_path, compression):
+    seqs = [[1, 2, 3], [4], list(range(100, 160)), [7, 8]]
+    writer = _write(tmp_path, seqs, compression=compression)
+    [info] = writer.shards
+    reader = ShardReader(str(tmp_path / "shards" / info.name), info.to_json(), np.dtype(np.uint16))
+    assert [reader.tokens(i).tolist() for i in range(4)] == seqs
+    assert [reader.provenance(i) for i in range(4)] == [(0, 0), (10, 0), (20, 0), (30, 0)]
+    assert info.rows == 4 and info.tokens == sum(map(len, seqs))
+    assert not [n for n in os.listdir(tmp_path / "shards") if n.endswith(".tmp")]
+
+
+def test_split_points_depend_only_on_lengths(tmp_path):
+    rng = np.random.default_rng(0)
+    seqs = [rng.integers(0, 500, size=int(n)).tolist() for n in rng.integers(1, 400, size=300)]
+    a = _write(tmp_path / "a", seqs, shard_size=8192)
+    # the same sequences added in different chunks give the same bytes
+    os.makedirs(tmp_path / "b" / "shards")
+    writer = BucketWriter(str(tmp_path / "b"), "p00000", "src.jsonl", 0, np.dtype(np.uint16),
+                          8192, "none")  # fmt: skip
+    for lo, hi in ((0, 7), (7, 150), (150, 300)):
+        chunk = seqs[lo:hi]
+        lengths = np.array([len(s) for s in chunk])
+        writer.add(
+            np.array([t for s in chunk for t in s], dtype=np.uint16),
+            lengths,
+            np.arange(lo, hi) * 10,
+            np.zeros(len(chunk), dtype=np.int32),
+        )
+    writer.close()
+    assert [s.sha256 for s in a.shards] == [s.sha256 for s in writer.shards]
+    assert len(a.shards) > 3
+
+
+def test_reader_refuses_a_shard_that_disagrees_with_the_manifest(tmp_path):
+    writer = _write(tmp_path, [[1, 2], [3]])
+    info = writer.shards[0].to_json()
+    path = str(tmp_path / "shards" / info["name"])
+    with pytest.raises(CorruptShardError, match="manifest says 5 / 3"):
+        ShardReader(path, {**info, "rows": 5}, np.dtype(np.uint16))
+    with pytest.raises(CorruptShardError, match="token type"):
+        ShardReader(path, info, np.dtype(np.uint32))
+    with open(path, "r+b") as f:
+        f.truncate(40)
+    with pytest.raises(CorruptShardError, match="not a readable shard"):
+        ShardReader(path, info, np.dtype(np.uint16))
+
+
+def test_missing_shard_and_bad_version_are_named(corpus, build_cache, tokenizer_dir):
+    folder, _ = corpus("jsonl", n_files=1, docs=5)
+    out = build_cache(folder, tokenizer_dir)
+    cache = open_cache(out)
+    name = cache.shards[0]["name"]
+    os.remove(os.path.join(out, "shards", name))
+    with pytest.raises(CorruptShardError, match=name):
+        list(cache.iter_sequences())
+    with open(os.path.join(out, "manifest.json")) as f:
+        manifest = json.load(f)
+    manifest["format_version"] = 999
+    with open(os.path.join(out, "manifest.json"), "w") as f:
+        json.dump(manifest, f)
+    with pytest.raises(CorruptShardError, match="format_version 999"):
+        open_cache(out)

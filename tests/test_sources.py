@@ -1,0 +1,115 @@
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+
+from conftest import write_records
+from shardcache import BadRecordError, SourceError
+from shardcache.sources import FileDigest, iter_text_batches, list_inputs
+
+
+def _collect(file, **kw):
+    bad = []
+    texts, records = [], []
+    for batch in iter_text_batches(file, on_bad=lambda *a: bad.append(a), **kw):
+        texts += batch.texts
+        records += batch.records.tolist()
+    return texts, records, bad
+
+
+def test_inputs_sorted_relative_and_deduplicated(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a").mkdir()
+    for rel in ["b/2.jsonl", "a/1.jsonl.zst", "a/0.parquet", "b/x.json.gz"]:
+        write_records(str(tmp_path / rel), [{"text": "hi"}], rel.split(".", 1)[1])
+    (tmp_path / "a" / "notes.txt").write_text("ignored")
+    files = list_inputs([str(tmp_path), str(tmp_path / "a" / "*.parquet")])
+    assert [f.relpath for f in files] == [
+        "a/0.parquet",
+        "a/1.jsonl.zst",
+        "b/2.jsonl",
+        "b/x.json.gz",
+    ]
+    assert [f.format for f in files] == ["parquet", "jsonl.zst", "jsonl", "json.gz"]
+
+
+def test_missing_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        list_inputs([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SourceError, match="matches no file"):
+        list_inputs([str(tmp_path / "*.jsonl")])
+    (tmp_path / "x.txt").write_text("t")
+    with pytest.raises(SourceError, match="unknown format"):
+        list_inputs([str(tmp_path / "x.txt")])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.zst", "json.gz"])
+def test_bad_records_reported_by_reason_with_line_numbers(tmp_path, fmt):
+    lines = [
+        b'{"text": "good one"}',
+        b'{"text": "unterminated',
+        b'{"body": "no text"}',
+        b'{"text": 12345}',
+        b'{"text": "broken \xff\xfe bytes"}',
+        b'{"text": ""}',
+        b"[1, 2]",
+        b"",
+        b'{"text": "good two"}',
+    ]
+    raw = b"\n".join(lines) + b"\n"
+    path = tmp_path / f"x.{fmt}"
+    if fmt == "jsonl.zst":
+        import zstandard
+
+        raw_file = zstandard.ZstdCompressor().compress(raw)
+    elif fmt == "json.gz":
+        import gzip
+
+        raw_file = gzip.compress(raw)
+    else:
+        raw_file = raw
+    path.write_bytes(raw_file)
+    [file] = list_inputs([str(path)])
+    digest = FileDigest()
+    texts, records, bad = _collect(file, digest=digest)
+    assert texts == ["good one", "good two"] and records == [0, 8]
+    assert [(i, reason) for i, reason, _ in bad] == [
+        (1, "not_json"), (2, "no_text_field"), (3, "text_not_string"), (4, "invalid_utf8"),
+        (5, "empty_text"), (6, "not_an_object"), (7, "blank_line"),
+    ]  # fmt: skip
+    assert digest.sha256 == hashlib.sha256(raw_file).hexdigest()
+    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: record 1 is invalid \(not_json\)"):
+        _collect(file, on_error="fail")
+
+
+def test_parquet_rows_and_missing_column(tmp_path):
+    path = write_records(
+        str(tmp_path / "p.parquet"), [{"text": "a"}, {"text": None}, {"text": "c"}], "parquet"
+    )
+    [file] = list_inputs([path])
+    texts, records, bad = _collect(file, batch_docs=1)
+    assert texts == ["a", "c"] and records == [0, 2] and bad[0][:2] == (1, "no_text_field")
+    with pytest.raises(SourceError, match="no column 'body'"):
+        _collect(file, text_field="body")
+
+
+def test_corrupt_zst_names_file_and_offset(tmp_path):
+    import zstandard
+
+    data = b"".join(b'{"text": "doc %d"}\n' % i for i in range(20000))
+    blob = zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(blob[: len(blob) // 2])
+    [file] = list_inputs([str(path)])
+    with pytest.raises(SourceError, match=r"broken\.jsonl\.zst: cannot decompress .* offset"):
+        _collect(file)
+
+
+def test_batches_respect_batch_docs(tmp_path):
+    path = write_records(str(tmp_path / "a.jsonl"), [{"text": str(i)} for i in range(10)], "jsonl")
+    [file] = list_inputs([path])
+    sizes = [len(b.texts) for b in iter_text_batches(file, batch_docs=4)]
+    assert sizes == [4, 4, 2]
+    assert os.path.getsize(path) == file.size

@@ -1,0 +1,122 @@
+from __future__ import annotations
+
+import types
+
+import numpy as np
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from shardcache import ConfigError, TokenizerError
+from shardcache.config import TokenizeOptions
+from shardcache.tokenize import (
+    TextEncoder,
+    TruncationStats,
+    append_end_token,
+    apply_truncation,
+    token_dtype,
+)
+
+EOS = 9
+
+
+def _flat(seqs):
+    lengths = np.array([len(s) for s in seqs], dtype=np.int64)
+    tokens = np.array([t for s in seqs for t in s], dtype=np.uint16)
+    return tokens, lengths
+
+
+def _split(tokens, lengths):
+    out, start = [], 0
+    for n in lengths.tolist():
+        out.append(tokens[start : start + n].tolist())
+        start += n
+    return out
+
+
+def test_append_end_token_never_doubles():
+    tokens, lengths = _flat([[1, 2], [3, EOS], [], [EOS]])
+    t, n = append_end_token(tokens, lengths, EOS)
+    assert _split(t, n) == [[1, 2, EOS], [3, EOS], [EOS], [EOS]]
+
+
+seqs_strategy = st.lists(st.lists(st.integers(0, 8), max_size=30), max_size=12)
+
+
+@given(seqs_strategy, st.integers(2, 12))
+def test_split_pieces_concatenate_to_the_sequence(seqs, limit):
+    tokens, lengths = _flat(seqs)
+    stats = TruncationStats()
+    enc = apply_truncation(tokens, lengths, TokenizeOptions("t", max_length=limit,
+                           truncation="split"), EOS, stats)  # fmt: skip
+    pieces = _split(enc.tokens, enc.lengths)
+    assert all(1 <= len(p) <= limit for p in pieces)
+    rebuilt: dict[int, list[int]] = {}
+    for doc, piece, ids in zip(enc.doc_index.tolist(), enc.piece.tolist(), pieces):
+        assert piece == len(rebuilt.get(doc, [])) // limit
+        rebuilt.setdefault(doc, []).extend(ids)
+    assert rebuilt == {i: s for i, s in enumerate(seqs) if s}
+    assert stats.split_documents == sum(len(s) > limit for s in seqs)
+    assert stats.empty_documents == sum(not s for s in seqs)
+
+
+@given(seqs_strategy, st.integers(2, 12))
+def test_truncate_keeps_prefix_and_end_marker(seqs, limit):
+    seqs = [[*s, EOS] for s in seqs]
+    tokens, lengths = _flat(seqs)
+    stats = TruncationStats()
+    enc = apply_truncation(tokens, lengths, TokenizeOptions("t", max_length=limit), EOS, stats)
+    out = _split(enc.tokens, enc.lengths)
+    for s, o in zip(seqs, out):
+        assert o == (s if len(s) <= limit else [*s[: limit - 1], EOS])
+    assert stats.lost_tokens == sum(max(0, len(s) - limit) for s in seqs)
+    assert stats.truncated_documents == sum(len(s) > limit for s in seqs)
+
+
+@given(seqs_strategy, st.integers(2, 12))
+def test_drop_removes_only_long_documents(seqs, limit):
+    tokens, lengths = _flat(seqs)
+    stats = TruncationStats()
+    options = TokenizeOptions("t", max_length=limit, truncation="drop")
+    enc = apply_truncation(tokens, lengths, options, EOS, stats)
+    kept = [s for s in seqs if 0 < len(s) <= limit]
+    assert _split(enc.tokens, enc.lengths) == kept
+    assert stats.dropped_documents == sum(len(s) > limit for s in seqs)
+    assert stats.lost_tokens == sum(len(s) for s in seqs if len(s) > limit)
+
+
+def test_token_dtype_boundary():
+    assert token_dtype(65535) == np.uint16
+    assert token_dtype(65536) == np.uint32
+
+
+def test_slow_tokenizer_is_refused():
+    slow = types.SimpleNamespace(is_fast=False)
+    with pytest.raises(TokenizerError, match=r"slow .*needs a fast one"):
+        TextEncoder(TokenizeOptions("some/slow-tok"), hf_tokenizer=slow)
+
+
+def test_missing_tokenizer_folder(tmp_path):
+    with pytest.raises(TokenizerError, match="no such folder"):
+        TextEncoder(TokenizeOptions(str(tmp_path / "absent")))
+
+
+def test_backend_settings_recorded_and_switched_off(wordpiece_dir):
+    encoder = TextEncoder(TokenizeOptions(wordpiece_dir))
+    assert encoder.backend_truncation["max_length"] == 16
+    assert encoder.backend_padding is not None
+    ids = encoder.encode_texts(["data " * 40])[0]
+    assert len(ids) == 42  # [CLS] + 40 + [SEP]: neither truncated to 16 nor padded
+
+
+def test_no_end_token_needs_no_append_eos(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel(vocab={"a": 0, "[UNK]": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]").save_pretrained(tmp_path)
+    with pytest.raises(ConfigError, match="--no-append-eos"):
+        TextEncoder(TokenizeOptions(str(tmp_path)))
+    encoder = TextEncoder(TokenizeOptions(str(tmp_path), append_eos=False))
+    assert encoder.eos_id is None
