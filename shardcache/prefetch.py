@@ -297,6 +297,16 @@ def _has_generic_api() -> bool:
     )
 
 
+def _parse_device(device: object) -> torch.device:
+    try:
+        return torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ConfigError(
+            f"DevicePrefetcher device={device!r}: not a device torch understands ({err}); "
+            "use None, 'cpu', 'cuda' or 'cuda:N'."
+        ) from err
+
+
 def _default_device() -> torch.device:
     """The current accelerator device, or CPU when there is none."""
     if _has_generic_api() and torch.accelerator.is_available():
@@ -948,13 +958,13 @@ class DevicePrefetcher:
                 raise ConfigError(
                     f"DevicePrefetcher backend={backend!r}: does not implement DeviceBackend."
                 )
-            if device is not None and torch.device(device) != backend.device:
+            if device is not None and _parse_device(device) != backend.device:
                 raise ConfigError(
                     f"DevicePrefetcher device={str(device)!r} differs from the backend's device "
                     f"{str(backend.device)!r}; pass only one of them."
                 )
         else:
-            dev = _default_device() if device is None else torch.device(device)
+            dev = _default_device() if device is None else _parse_device(device)
             if dev.type != "cpu":
                 backend = TorchDeviceBackend(dev)
         self.device: torch.device = backend.device if backend is not None else torch.device("cpu")
