@@ -74,9 +74,9 @@ def main() -> None:
     text_mb = sum(len(t.encode()) for t in texts) / 1e6
     work = tempfile.mkdtemp(prefix="bench-build-")
     try:
-        ceil_s = min(ceiling(args.tokenizer, texts, args.batch_docs)[0] for _ in range(args.repeat))
-        _, ceil_tokens = ceiling(args.tokenizer, texts[:1], args.batch_docs)
-        _, ceil_tokens = ceiling(args.tokenizer, texts, args.batch_docs)
+        ceil_s, ceil_tokens = min(
+            ceiling(args.tokenizer, texts, args.batch_docs) for _ in range(args.repeat)
+        )
         del texts
         best = None
         for i in range(args.repeat):
@@ -108,8 +108,10 @@ def main() -> None:
          f"{text_mb / cli_s:.2f}", f"{peak_rss_mb:,.0f}",
          f"{cli_report['tokens'] / cli_s / ceil_tps:.2f}"),
     ]  # fmt: skip
-    print(f"corpus {args.corpus}: {best.documents:,} docs, {text_mb:.1f} MB text, "
-          f"{corpus_bytes / 1e6:.1f} MB on disk, {best.tokens:,} tokens; cores {os.cpu_count()}")  # fmt: skip
+    print(
+        f"corpus {args.corpus}: {best.documents:,} docs, {text_mb:.1f} MB text, "
+        f"{corpus_bytes / 1e6:.1f} MB on disk, {best.tokens:,} tokens; cores {os.cpu_count()}"
+    )
     print("| run | tokens/s | text MB/s | peak RSS MB | ratio |")
     print("|---|---:|---:|---:|---:|")
     for row in rows:

@@ -28,7 +28,14 @@ from shardcache.format import FORMAT_VERSION
 from shardcache.plan import EpochPlan, PlanOptions, plan_epoch
 from shardcache.version import __version__
 
-_LAZY = {"ShardDataset": "shardcache.dataset"}
+_LAZY = {
+    "DeviceBackend": "shardcache.prefetch",
+    "DevicePrefetcher": "shardcache.prefetch",
+    "PrefetchOptions": "shardcache.prefetch",
+    "PrefetchStats": "shardcache.prefetch",
+    "ShardDataset": "shardcache.dataset",
+    "TorchDeviceBackend": "shardcache.prefetch",
+}
 
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "BadRecordError",
@@ -41,10 +48,14 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "CacheNotFoundError",
     "ConfigError",
     "CorruptShardError",
+    "DeviceBackend",
+    "DevicePrefetcher",
     "EpochPlan",
     "FORMAT_VERSION",
     "LayoutOptions",
     "PlanOptions",
+    "PrefetchOptions",
+    "PrefetchStats",
     "Provenance",
     "Sequence",
     "ShardDataset",
@@ -54,6 +65,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "StateError",
     "TokenizeOptions",
     "TokenizerError",
+    "TorchDeviceBackend",
     "__version__",
     "build_cache",
     "open_cache",
