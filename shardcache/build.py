@@ -44,6 +44,7 @@ from shardcache.format import (
     write_json_atomic,
     write_npy_atomic,
 )
+from shardcache.key import compute_key, data_component_from_files, data_component_from_version
 from shardcache.sources import FileDigest, InputFile, iter_text_batches, list_inputs
 from shardcache.tokenize import TextEncoder, TruncationStats, encode_ahead
 from shardcache.version import __version__
@@ -252,6 +253,22 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
         bad.update(r.bad_records)
     shards = [s.to_json() for r in results for s in r.shards]
     by_source = {r.source: r for r in results}
+    inputs = [
+        {
+            "relpath": f.relpath,
+            "size": f.size,
+            "format": f.format,
+            "sha256": by_source[f.relpath].sha256,
+            "documents": by_source[f.relpath].stats.documents,
+            "bad_records": sum(by_source[f.relpath].bad_records.values()),
+        }
+        for f in plan.inputs
+    ]
+    data = (
+        data_component_from_version(options.data_version)
+        if options.data_version is not None
+        else data_component_from_files(inputs)
+    )
     manifest = {
         "format_version": FORMAT_VERSION,
         "shardcache_version": __version__,
@@ -262,17 +279,8 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
             "edges": list(plan.edges),
             "ranges": [list(r) for r in bucket_ranges(plan.edges, options.tokenize.max_length)],
         },
-        "inputs": [
-            {
-                "relpath": f.relpath,
-                "size": f.size,
-                "format": f.format,
-                "sha256": by_source[f.relpath].sha256,
-                "documents": by_source[f.relpath].stats.documents,
-                "bad_records": sum(by_source[f.relpath].bad_records.values()),
-            }
-            for f in plan.inputs
-        ],
+        "key": compute_key(encoder, data).to_json(),
+        "inputs": inputs,
         "shards": shards,
         "index": {
             "lengths": {

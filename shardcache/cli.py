@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import json
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TypeVar
@@ -92,42 +93,53 @@ class _BarProgress:
             self.bar.close()
 
 
+def key_options(func: F) -> F:
+    """The flags that decide the cache key (shared by build, check and lock)."""
+    options = [
+        click.option(
+            "--input", "-i", "inputs", multiple=True,
+            help="Input file, folder or glob (jsonl, jsonl.zst, json.gz, parquet). "
+            "Repeatable. Processed in sorted order.",
+        ),
+        click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),
+        click.option("--text-field", help="Field holding the text in each record. "
+                     "[default: text]"),
+        click.option(
+            "--add-special-tokens/--no-add-special-tokens", default=None,
+            help="Let the tokenizer add its special tokens (e.g. BOS, [CLS]).  "
+            "[default: what the tokenizer does]",
+        ),
+        click.option(
+            "--append-eos/--no-append-eos", default=None,
+            help="Append EOS (or SEP when there is no EOS) unless the sequence already ends "
+            "with it.  [default: append]",
+        ),
+        click.option("--max-length", type=click.IntRange(min=2),
+                     help="Longest sequence to store, in tokens (EOS included)."),
+        click.option(
+            "--truncation", type=click.Choice(["truncate", "drop", "split"]),
+            help="What to do with longer sequences: keep the first max-length tokens, drop "
+            "the document, or split it into consecutive pieces.  [default: truncate]",
+        ),
+        click.option("--data-version", help="A version name for the data, recorded in the "
+                     "cache key instead of the input files' hashes."),
+    ]  # fmt: skip
+    for option in reversed(options):
+        func = option(func)
+    return func
+
+
+def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) -> dict[str, Any]:
+    from shardcache.recipe import load_recipe, merge
+
+    values = load_recipe(recipe) if recipe else {}
+    return merge(values, {"input": inputs, **flags})
+
+
 @main.command()
 @click.argument("recipe", required=False, type=click.Path(dir_okay=False))
-@click.option(
-    "--input",
-    "-i",
-    "inputs",
-    multiple=True,
-    help="Input file, folder or glob "
-    "(jsonl, jsonl.zst, json.gz, parquet). Repeatable. Processed in sorted order.",
-)
-@click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer.")
+@key_options
 @click.option("--output", "-o", help="Cache folder to write.")
-@click.option("--text-field", help="Field holding the text in each record.  [default: text]")
-@click.option(
-    "--add-special-tokens/--no-add-special-tokens",
-    default=None,
-    help="Let the tokenizer add its special tokens (e.g. BOS, [CLS]).  "
-    "[default: what the tokenizer does]",
-)
-@click.option(
-    "--append-eos/--no-append-eos",
-    default=None,
-    help="Append EOS (or SEP when there is no EOS) unless the sequence already ends "
-    "with it.  [default: append]",
-)
-@click.option(
-    "--max-length",
-    type=click.IntRange(min=2),
-    help="Longest sequence to store, in tokens (EOS included).",
-)
-@click.option(
-    "--truncation",
-    type=click.Choice(["truncate", "drop", "split"]),
-    help="What to do with longer sequences: keep the first max-length tokens, drop "
-    "the document, or split it into consecutive pieces.  [default: truncate]",
-)
 @click.option(
     "--buckets",
     help="Comma-separated bucket edges, e.g. 128,512,2048 (a sequence "
@@ -174,11 +186,9 @@ def build(
 
     from shardcache.build import build_cache as run_build
     from shardcache.config import build_options_from_mapping
-    from shardcache.recipe import load_recipe, merge
     from shardcache.summary import format_report, report_json
 
-    values = load_recipe(recipe) if recipe else {}
-    values = merge(values, {"input": inputs, **flags})
+    values = _values(recipe, inputs, flags)
     options = dataclasses.replace(build_options_from_mapping(values), force=force)
     progress = _BarProgress(enabled=not quiet and not as_json)
     report = run_build(options, progress=progress)  # type: ignore[arg-type]
@@ -202,6 +212,127 @@ def info(cache: str, as_json: bool) -> None:
         click.echo(json.dumps(summary, indent=1))
     else:
         click.echo(format_summary(summary))
+
+
+def _split_targets(targets: tuple[str, ...]) -> tuple[str | None, str | None]:
+    """``check`` takes a CACHE folder and/or a RECIPE file, in either order."""
+    cache = recipe = None
+    for target in targets:
+        if os.path.isdir(target):
+            if cache is not None:
+                raise ConfigError(f"check: two caches given ({cache!r}, {target!r}); give one")
+            cache = target
+        elif os.path.isfile(target):
+            if recipe is not None:
+                raise ConfigError(f"check: two recipes given ({recipe!r}, {target!r}); give one")
+            recipe = target
+        else:
+            raise ConfigError(f"check: {target!r} is neither a cache folder nor a recipe file")
+    return cache, recipe
+
+
+def _compare_for_check(
+    targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ...], flags: dict
+) -> tuple[str, Any, Any]:
+    """Pick the two keys to compare: (description, old = recorded, new = current)."""
+    from shardcache.check import DataHashing, cache_key, current_key
+    from shardcache.key import read_lock
+
+    cache, recipe = _split_targets(targets)
+    configured = recipe is not None or flags.get("tokenizer") is not None
+    if cache is not None and lock_path is not None and not configured:
+        return f"cache {cache} vs. lock {lock_path}", read_lock(lock_path), cache_key(cache)
+    if not configured or (cache is None) == (lock_path is None):
+        raise ConfigError(
+            "check: give CACHE and a RECIPE (or --tokenizer ...), or --lock LOCK and a RECIPE, "
+            "or CACHE and --lock LOCK"
+        )
+    old = read_lock(lock_path) if lock_path is not None else cache_key(str(cache))
+    hashing = DataHashing()
+    new = current_key(_values(recipe, inputs, flags), hashing)
+    if hashing.files:
+        click.echo(
+            f"hashed {hashing.files} input files, {hashing.bytes / 1e6:.1f} MB in "
+            f"{hashing.seconds:.2f} s ({hashing.mb_per_second:.0f} MB/s)",
+            err=True,
+        )
+    recorded = f"lock {lock_path}" if lock_path is not None else f"cache {cache}"
+    return f"{recorded} vs. configuration", old, new
+
+
+@main.command()
+@click.argument("targets", nargs=-1, metavar="[CACHE] [RECIPE]")
+@click.option("--lock", "lock_path", type=click.Path(dir_okay=False),
+              help="A lock file (from `shardcache lock`) to check instead of a cache, or to "
+              "check a CACHE against.")  # fmt: skip
+@key_options
+@click.option("--strict", is_flag=True, help="Any difference is a mismatch, library versions "
+              "included (by default a version change alone is a warning when the tokenizer's "
+              "output is unchanged).")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print a machine-readable report.")
+def check(targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ...],
+          strict: bool, as_json: bool, **flags: Any) -> None:  # fmt: skip
+    """Tell whether a CACHE or a lock file still matches a configuration.
+
+    \b
+      shardcache check CACHE RECIPE          cache vs. recipe/flags (data too if inputs given)
+      shardcache check --lock LOCK RECIPE    lock file vs. recipe/flags (the fast CI check)
+      shardcache check CACHE --lock LOCK     cache vs. lock file (no tokenizer needed)
+
+    The recorded side (cache or lock) is shown as old, the configuration as new. The data
+    part is compared only when inputs (--input or the recipe's) or --data-version are given.
+    Exit codes: 0 compatible, 1 not compatible, 2 usage or I/O error.
+    """
+    from shardcache.check import compare_keys
+
+    try:
+        what, old, new = _compare_for_check(targets, lock_path, inputs, flags)
+        comparison = compare_keys(old, new, strict)
+    except ConfigError as err:
+        raise click.UsageError(str(err)) from err
+    except ShardcacheError as err:  # unreadable cache, lock, tokenizer or inputs: exit 2
+        click.echo(f"Error: {err}", err=True)
+        sys.exit(2)
+    if as_json:
+        click.echo(json.dumps({"what": what, **comparison.to_json()}, indent=1, default=str))
+    else:
+        verdict = "compatible" if comparison.compatible else "NOT compatible"
+        click.echo(f"{what}: {verdict} (key {old.digest[:12]} -> {new.digest[:12]})")
+        details = comparison.describe()
+        if details:
+            click.echo(details)
+    sys.exit(0 if comparison.compatible else 1)
+
+
+@main.command()
+@click.argument("recipe", required=False, type=click.Path(dir_okay=False))
+@key_options
+@click.option("--output", "-o", "lock_path", default="shardcache.lock", show_default=True,
+              type=click.Path(dir_okay=False), help="Lock file to write.")  # fmt: skip
+@click.option("--no-data", is_flag=True, help="Leave the data out of the lock (check then "
+              "compares only tokenizer, template and truncation).")  # fmt: skip
+@translate_errors
+def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: bool,
+         **flags: Any) -> None:  # fmt: skip
+    """Write the cache key of a configuration to a lock file, without building.
+
+    The data part comes from hashing the inputs (or from --data-version). Commit the lock
+    file; CI then runs `shardcache check --lock shardcache.lock RECIPE`.
+    """
+    from shardcache.check import DataHashing, current_key
+    from shardcache.key import write_lock
+
+    values = _values(recipe, inputs, flags)
+    if no_data:
+        values.pop("input", None)
+        values.pop("data_version", None)
+    elif not values.get("input") and values.get("data_version") is None:
+        raise ConfigError("lock: no data given; pass --input, --data-version or --no-data")
+    hashing = DataHashing()
+    key = current_key(values, hashing)
+    write_lock(lock_path, key)
+    hashed = f", {hashing.files} input files hashed at {hashing.mb_per_second:.0f} MB/s"
+    click.echo(f"wrote {lock_path} (key {key.digest[:12]}{hashed if hashing.files else ''})")
 
 
 if __name__ == "__main__":  # pragma: no cover

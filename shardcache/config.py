@@ -117,6 +117,7 @@ class BuildOptions:
     layout: LayoutOptions = field(default_factory=LayoutOptions)
     batch_docs: int = 1024  # documents handed to the tokenizer per encode_batch call
     force: bool = False
+    data_version: str | None = None  # replaces the file hashes in the cache key's data part
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -169,7 +170,21 @@ def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
 RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
+    "data_version",
 }  # fmt: skip
+
+
+def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
+    """The tokenizer/truncation part of flat recipe/CLI values (for check, lock, expect)."""
+    if values.get("tokenizer") in (None, ""):
+        raise ConfigError("tokenizer: not given; pass --tokenizer FOLDER or a recipe with one")
+    return TokenizeOptions(
+        tokenizer=values["tokenizer"],
+        add_special_tokens=values.get("add_special_tokens"),
+        append_eos=bool(values.get("append_eos", True)),
+        max_length=values.get("max_length"),
+        truncation=values.get("truncation") or "truncate",
+    )
 
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
@@ -197,14 +212,9 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
             text_field=values.get("text_field") or "text",
             on_error=values.get("on_error") or "skip",
         ),
-        tokenize=TokenizeOptions(
-            tokenizer=values["tokenizer"],
-            add_special_tokens=values.get("add_special_tokens"),
-            append_eos=bool(values.get("append_eos", True)),
-            max_length=values.get("max_length"),
-            truncation=values.get("truncation") or "truncate",
-        ),
+        tokenize=tokenize_options_from_mapping(values),
         output=values["output"],
         layout=LayoutOptions(**layout_kwargs),
         batch_docs=int(values.get("batch_docs") or 1024),
+        data_version=None if values.get("data_version") is None else str(values["data_version"]),
     )

@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
+import json
 import os
 import queue
 import threading
@@ -125,7 +126,10 @@ class TextEncoder:
         #: The backend's own settings as saved (recorded in the cache key, then disabled).
         self.backend_truncation = _plain(source.truncation)
         self.backend_padding = _plain(source.padding)
-        self.backend = Tokenizer.from_str(source.to_str())
+        serialized = source.to_str()
+        #: The backend as loaded, parsed (canonical content for the cache key).
+        self.backend_json = json.loads(serialized)
+        self.backend = Tokenizer.from_str(serialized)
         self.backend.no_truncation()
         self.backend.no_padding()
         self.add_special_tokens = (
@@ -164,6 +168,14 @@ class TextEncoder:
             "add_special_tokens": self.add_special_tokens,
             "backend_truncation": self.backend_truncation,
             "backend_padding": self.backend_padding,
+        }
+
+    def template_component(self) -> dict[str, Any]:
+        """The template part of the cache key (plain text: the special-token policy)."""
+        return {
+            "kind": "text",
+            "add_special_tokens": self.add_special_tokens,
+            "append_eos": self.options.append_eos,
         }
 
     def encode_texts(self, texts: list[str]) -> list[list[int]]:

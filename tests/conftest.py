@@ -109,17 +109,30 @@ def wordpiece_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = str(tmp_path_factory.mktemp("tok-wordpiece"))
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
-        unk_token="[UNK]", pad_token="[PAD]", cls_token="[CLS]", sep_token="[SEP]",
+        unk_token="[UNK]",
+        pad_token="[PAD]",
+        cls_token="[CLS]",
+        sep_token="[SEP]",
         mask_token="[MASK]",
-    )  # fmt: skip
+    )
     fast.save_pretrained(folder)
     path = os.path.join(folder, "tokenizer.json")
     with open(path, encoding="utf-8") as f:
         data = json.load(f)
-    data["truncation"] = {"direction": "Right", "max_length": 16, "strategy": "LongestFirst",
-                          "stride": 0}  # fmt: skip
-    data["padding"] = {"strategy": {"Fixed": 16}, "direction": "Right", "pad_to_multiple_of":
-                       None, "pad_id": 0, "pad_type_id": 0, "pad_token": "[PAD]"}  # fmt: skip
+    data["truncation"] = {
+        "direction": "Right",
+        "max_length": 16,
+        "strategy": "LongestFirst",
+        "stride": 0,
+    }
+    data["padding"] = {
+        "strategy": {"Fixed": 16},
+        "direction": "Right",
+        "pad_to_multiple_of": None,
+        "pad_id": 0,
+        "pad_type_id": 0,
+        "pad_token": "[PAD]",
+    }
     with open(path, "w", encoding="utf-8") as f:
         json.dump(data, f)
     return folder

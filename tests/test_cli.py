@@ -40,12 +40,14 @@ def test_quickstart_recipe_builds_and_info(tmp_path):
 def test_flags_override_recipe_and_json_report(tmp_path, corpus, tokenizer_dir):
     folder, _ = corpus("jsonl", n_files=1, docs=12)
     recipe = tmp_path / "r.toml"
-    recipe.write_text(f'input = "{folder}"\ntokenizer = "{tokenizer_dir}"\noutput = "unused"\n'
-                      "max_length = 1000\n")  # fmt: skip
+    recipe.write_text(
+        f'input = "{folder}"\ntokenizer = "{tokenizer_dir}"\noutput = "unused"\nmax_length = 1000\n'
+    )
     out = str(tmp_path / "c")
     result = CliRunner().invoke(
-        main, ["build", str(recipe), "-o", out, "--max-length", "4", "--truncation", "drop",
-               "--json"])  # fmt: skip
+        main,
+        ["build", str(recipe), "-o", out, "--max-length", "4", "--truncation", "drop", "--json"],
+    )
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["documents"] == 12
@@ -67,8 +69,18 @@ def test_exit_codes(tmp_path, corpus, tokenizer_dir):
     # failures: exit 1 with the message
     result = runner.invoke(main, ["info", str(tmp_path)])
     assert result.exit_code == 1 and "manifest.json is missing" in result.output
-    result = runner.invoke(main, ["build", "-i", str(tmp_path / "none.jsonl"), "-t", tokenizer_dir,
-                                  "-o", str(tmp_path / "o")])  # fmt: skip
+    result = runner.invoke(
+        main,
+        [
+            "build",
+            "-i",
+            str(tmp_path / "none.jsonl"),
+            "-t",
+            tokenizer_dir,
+            "-o",
+            str(tmp_path / "o"),
+        ],
+    )
     assert result.exit_code == 1 and "no such file" in result.output
     out = str(tmp_path / "twice")
     args = ["build", "-i", folder, "-t", tokenizer_dir, "-o", out, "-q"]

@@ -12,8 +12,7 @@ from shardcache import ShardDataset, open_cache
 @pytest.fixture()
 def cache_dir(corpus, build_cache, tokenizer_dir):
     folder, _ = corpus("jsonl", n_files=3, docs=60)
-    return build_cache(folder, tokenizer_dir, max_length=64, truncation="split",
-                       buckets="8,16,32")  # fmt: skip
+    return build_cache(folder, tokenizer_dir, max_length=64, truncation="split", buckets="8,16,32")
 
 
 def _stream(ds, num_workers):
@@ -53,10 +52,12 @@ def test_stream_independent_of_num_workers(cache_dir, num_workers):
 def test_ranks_partition_batches_with_equal_counts(cache_dir):
     world = 3
     streams = [
-        [b["sample_ids"].tolist() for b in _stream(ShardDataset(cache_dir, max_tokens=128,
-                                                                rank=r, world_size=world), 0)]
+        [
+            b["sample_ids"].tolist()
+            for b in _stream(ShardDataset(cache_dir, max_tokens=128, rank=r, world_size=world), 0)
+        ]
         for r in range(world)
-    ]  # fmt: skip
+    ]
     assert len({len(s) for s in streams}) == 1
     flat = [sid for s in streams for b in s for sid in b]
     assert len(flat) == len(set(flat))

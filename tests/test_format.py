@@ -12,8 +12,9 @@ from shardcache.format import BucketWriter, ShardReader
 
 def _write(tmp_path, seqs, shard_size=1 << 20, compression="none"):
     os.makedirs(tmp_path / "shards", exist_ok=True)
-    writer = BucketWriter(str(tmp_path), "p00000", "src.jsonl", 0, np.dtype(np.uint16),
-                          shard_size, compression)  # fmt: skip
+    writer = BucketWriter(
+        str(tmp_path), "p00000", "src.jsonl", 0, np.dtype(np.uint16), shard_size, compression
+    )
     lengths = np.array([len(s) for s in seqs], dtype=np.int64)
     tokens = np.array([t for s in seqs for t in s], dtype=np.uint16)
     writer.add(tokens, lengths, np.arange(len(seqs)) * 10, np.zeros(len(seqs), dtype=np.int32))
@@ -39,8 +40,9 @@ def test_split_points_depend_only_on_lengths(tmp_path):
     a = _write(tmp_path / "a", seqs, shard_size=8192)
     # the same sequences added in different chunks give the same bytes
     os.makedirs(tmp_path / "b" / "shards")
-    writer = BucketWriter(str(tmp_path / "b"), "p00000", "src.jsonl", 0, np.dtype(np.uint16),
-                          8192, "none")  # fmt: skip
+    writer = BucketWriter(
+        str(tmp_path / "b"), "p00000", "src.jsonl", 0, np.dtype(np.uint16), 8192, "none"
+    )
     for lo, hi in ((0, 7), (7, 150), (150, 300)):
         chunk = seqs[lo:hi]
         lengths = np.array([len(s) for s in chunk])

@@ -20,8 +20,12 @@ from shardcache import ConfigError, PlanOptions, plan_epoch
 def test_budget_and_exact_coverage(lengths, max_tokens, window, multiple, shuffle, seed):
     lengths = np.asarray(lengths)
     buckets = np.searchsorted([16, 64, 128], lengths)
-    options = PlanOptions(max_tokens=max(max_tokens, 300 + multiple), shuffle=shuffle,
-                          pad_to_multiple_of=multiple, window_size=window)  # fmt: skip
+    options = PlanOptions(
+        max_tokens=max(max_tokens, 300 + multiple),
+        shuffle=shuffle,
+        pad_to_multiple_of=multiple,
+        window_size=window,
+    )
     plan = plan_epoch(lengths, buckets, options, seed=seed)
     assert sorted(plan.sample_ids.tolist()) == list(range(len(lengths)))  # each once
     for i in range(len(plan)):
@@ -61,8 +65,9 @@ def test_empty_cache_plans_no_batches():
     assert len(plan) == 0
 
 
-@pytest.mark.parametrize("field,value", [("max_tokens", 0), ("pad_to_multiple_of", 0),
-                                         ("window_size", -1)])  # fmt: skip
+@pytest.mark.parametrize(
+    "field,value", [("max_tokens", 0), ("pad_to_multiple_of", 0), ("window_size", -1)]
+)
 def test_options_validated(field, value):
     kwargs = {"max_tokens": 10, field: value}
     with pytest.raises(ConfigError, match=field):

@@ -76,9 +76,14 @@ def test_bad_records_reported_by_reason_with_line_numbers(tmp_path, fmt):
     texts, records, bad = _collect(file, digest=digest)
     assert texts == ["good one", "good two"] and records == [0, 8]
     assert [(i, reason) for i, reason, _ in bad] == [
-        (1, "not_json"), (2, "no_text_field"), (3, "text_not_string"), (4, "invalid_utf8"),
-        (5, "empty_text"), (6, "not_an_object"), (7, "blank_line"),
-    ]  # fmt: skip
+        (1, "not_json"),
+        (2, "no_text_field"),
+        (3, "text_not_string"),
+        (4, "invalid_utf8"),
+        (5, "empty_text"),
+        (6, "not_an_object"),
+        (7, "blank_line"),
+    ]
     assert digest.sha256 == hashlib.sha256(raw_file).hexdigest()
     with pytest.raises(BadRecordError, match=rf"x\.{fmt}: record 1 is invalid \(not_json\)"):
         _collect(file, on_error="fail")

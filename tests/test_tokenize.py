@@ -47,8 +47,9 @@ seqs_strategy = st.lists(st.lists(st.integers(0, 8), max_size=30), max_size=12)
 def test_split_pieces_concatenate_to_the_sequence(seqs, limit):
     tokens, lengths = _flat(seqs)
     stats = TruncationStats()
-    enc = apply_truncation(tokens, lengths, TokenizeOptions("t", max_length=limit,
-                           truncation="split"), EOS, stats)  # fmt: skip
+    enc = apply_truncation(
+        tokens, lengths, TokenizeOptions("t", max_length=limit, truncation="split"), EOS, stats
+    )
     pieces = _split(enc.tokens, enc.lengths)
     assert all(1 <= len(p) <= limit for p in pieces)
     rebuilt: dict[int, list[int]] = {}
