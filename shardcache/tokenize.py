@@ -33,7 +33,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -54,6 +54,8 @@ class Encoded:
     lengths: np.ndarray  # int64
     doc_index: np.ndarray  # int64
     piece: np.ndarray  # int32
+    mask: np.ndarray | None = None  # bool per token: trainable (chat data); None = all
+    failed: list[tuple[int, str, str]] = field(default_factory=list)  # (doc, reason, detail)
 
 
 @dataclass
@@ -68,6 +70,8 @@ class TruncationStats:
     split_documents: int = 0
     empty_documents: int = 0  # tokenized to zero tokens; not stored
     lost_tokens: int = 0  # tokens removed by truncate / drop
+    dropped_no_trainable: int = 0  # chat: no trainable token left (after truncation)
+    trainable_tokens: int = 0  # chat: tokens with loss (text: not counted)
 
     def add(self, other: TruncationStats) -> None:
         for name in self.__dataclass_fields__:

@@ -192,3 +192,77 @@ def build_cache(tmp_path) -> Callable[..., str]:
         return out
 
     return run
+
+
+CHATML_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# Llama-2 style: the template writes BOS itself, before every user turn.
+INST_TEMPLATE = (
+    "{% if messages[0]['role'] == 'system' %}{% set sys = messages[0]['content'] %}"
+    "{% set msgs = messages[1:] %}{% else %}{% set sys = '' %}{% set msgs = messages %}"
+    "{% endif %}{% for m in msgs %}{% if m['role'] == 'user' %}{{ bos_token }}[INST] "
+    "{% if loop.first and sys %}<<SYS>>{{ sys }}<</SYS>> {% endif %}{{ m['content'] }} [/INST]"
+    "{% else %} {{ m['content'] }} {{ eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def _chat_tokenizer(folder: str, template: str, bos_post_processor: bool) -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<eos>", "<pad>", "<bos>", "<|im_start|>", "<|im_end|>"]
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=specials,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(
+        [*make_texts(400, seed=5), "[INST] <<SYS>> user assistant system"], trainer
+    )
+    if bos_post_processor:
+        tok.post_processor = processors.TemplateProcessing(
+            single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+        )
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        pad_token="<pad>",
+        bos_token="<bos>",
+        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
+    )
+    fast.chat_template = template
+    fast.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="session")
+def chatml_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """BPE tokenizer with a ChatML chat template; adds no special tokens itself."""
+    return _chat_tokenizer(str(tmp_path_factory.mktemp("tok-chatml")), CHATML_TEMPLATE, False)
+
+
+@pytest.fixture(scope="session")
+def inst_tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """BPE tokenizer whose post-processor adds <bos> and whose template also writes it."""
+    return _chat_tokenizer(str(tmp_path_factory.mktemp("tok-inst")), INST_TEMPLATE, True)
+
+
+def make_conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
+    rng = random.Random(seed)
+    convs = []
+    for _ in range(n):
+        messages = []
+        if rng.random() < 0.5:
+            messages.append({"role": "system", "content": " ".join(rng.sample(WORDS, 4))})
+        for _ in range(rng.randint(1, 3)):
+            messages.append({"role": "user", "content": " ".join(rng.sample(WORDS, 5))})
+            k = rng.randint(1, 12)
+            messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=k))})
+        convs.append(messages)
+    return convs
