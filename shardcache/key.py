@@ -352,18 +352,21 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     """The key of a configuration: ``encoder`` is a :class:`~shardcache.tokenize.TextEncoder`
     (duck-typed here to keep this module free of tokenizer imports); ``data`` a data component
     or None when the data side is not known (then it is left out and not compared)."""
-    hf = encoder.hf
-    options = encoder.options
+    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
+    hf = text.hf
+    options = text.options
     specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
+    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
+    side = encoder.options.truncation_side if chat is not None else "right"
     return CacheKey(
         {
             "tokenizer": tokenizer_component(
-                encoder.backend_json, encoder.backend_truncation, encoder.backend_padding
+                text.backend_json, text.backend_truncation, text.backend_padding
             ),
-            "special_tokens": special_tokens_component(hf, encoder.eos_id, encoder.pad_id),
-            "behaviour": behaviour_component(encoder.encode_texts, specials),
+            "special_tokens": special_tokens_component(hf, text.eos_id, text.pad_id),
+            "behaviour": behaviour_component(text.encode_texts, specials, chat),
             "template": encoder.template_component(),
-            "truncation": truncation_component(options.max_length, options.truncation),
+            "truncation": truncation_component(options.max_length, options.truncation, side),
             "data": dict(data) if data is not None else None,
             "versions": versions_component(type(hf).__name__),
         }
