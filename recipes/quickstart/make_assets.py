@@ -3,8 +3,9 @@
 The corpus is the docstrings of Python standard-library modules, classes and functions
 (Python Software Foundation License), split into three input files of two formats. The
 tokenizer is a byte-level BPE (vocab 4096) trained on that corpus with `tokenizers`, saved as
-a transformers fast-tokenizer folder. Run from anywhere; it rewrites corpus/ and tokenizer/
-beside this file:
+a transformers fast-tokenizer folder. The chat corpus (chat/) turns the same docstrings into
+question/answer conversations for `recipes/sft-chat.toml`. Run from anywhere; it rewrites
+corpus/, tokenizer/ and chat/ beside this file (``--chat-only``: only chat/):
 
     python recipes/quickstart/make_assets.py
 """
@@ -101,8 +102,31 @@ def train_tokenizer(docs: list[dict[str, str]]) -> None:
     fast.save_pretrained(os.path.join(HERE, "tokenizer"))
 
 
+def write_chat_corpus(docs: list[dict[str, str]]) -> None:
+    """Conversations: an optional system prompt, one or two questions about an object, each
+    answered with (a paragraph of) its docstring."""
+    out = os.path.join(HERE, "chat")
+    os.makedirs(out, exist_ok=True)
+    lines = []
+    for i in range(0, len(docs) - 1, 2):
+        messages = []
+        if i % 3 == 0:
+            messages.append({"role": "system", "content": "You answer questions about Python."})
+        for doc in docs[i : i + 1 + (i % 4 == 0)]:
+            paragraphs = doc["text"].split("\n\n")
+            messages.append({"role": "user", "content": f"What does `{doc['id']}` do?"})
+            messages.append({"role": "assistant", "content": paragraphs[0]})
+        lines.append(json.dumps({"id": f"chat-{i}", "messages": messages}, ensure_ascii=False))
+    data = ("\n".join(lines) + "\n").encode()
+    with open(os.path.join(out, "conversations.jsonl.zst"), "wb") as f:
+        f.write(zstandard.ZstdCompressor(level=19).compress(data))
+
+
 def main() -> None:
     docs = docstrings()
+    write_chat_corpus(docs)
+    if "--chat-only" in sys.argv:
+        return
     write_corpus(docs)
     train_tokenizer(docs)
     print(f"{len(docs)} documents, {sum(len(d['text']) for d in docs):,} characters")
