@@ -51,7 +51,9 @@ live state count batches not yet trained on; ``steps=`` is exact there too.
 
 Epochs: ``set_epoch(e)`` with a new ``e`` starts ``e`` at cursor 0; with the current epoch it
 keeps the cursor (so a resumed job may call ``set_epoch(resumed_epoch)``). A pass that starts
-on an exhausted epoch replays it from 0 (like a sampler without ``set_epoch``). With
+on an epoch this process exhausted replays it from 0 (like a sampler without ``set_epoch``);
+a state *loaded* at the end of an epoch yields nothing until ``set_epoch(next)`` (resuming at
+an epoch boundary neither repeats nor skips an epoch). With
 ``persistent_workers=True`` the workers keep their copy of the dataset, so ``set_epoch`` does
 not reach them: use the default ``persistent_workers=False``.
 
@@ -168,6 +170,7 @@ class ShardDataset(IterableDataset):
         self._consumed = 0  # live global cursor (this process's iteration)
         self._worker: dict[str, int] | None = None  # worker-level position while iterating
         self._worker_resume: dict[str, int] | None = None
+        self._loaded = False  # the cursor came from load_state_dict: honour it as it is
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -186,6 +189,7 @@ class ShardDataset(IterableDataset):
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = self._consumed = 0
+            self._loaded = False
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
@@ -204,8 +208,9 @@ class ShardDataset(IterableDataset):
         return self.split(epoch).batches_per_rank
 
     def _pass_start(self, cursor: int) -> int:
-        """Where a pass begins: at ``cursor``, or at 0 if the epoch is exhausted there."""
-        if cursor and self.split(start=cursor).batches_per_rank == 0:
+        """Where a pass begins: at ``cursor``, or at 0 if the epoch is exhausted there (unless
+        the cursor was loaded: a state taken at the end of an epoch resumes to nothing)."""
+        if cursor and not self._loaded and self.split(start=cursor).batches_per_rank == 0:
             return 0
         return cursor
 
@@ -305,6 +310,7 @@ class ShardDataset(IterableDataset):
         assert isinstance(epoch, int) and isinstance(consumed, int)
         self.epoch = epoch
         self._start = self._consumed = consumed
+        self._loaded = True
         worker = state.get("worker")
         self._worker_resume = dict(worker) if isinstance(worker, dict) else None
 
@@ -357,6 +363,7 @@ class ShardDataset(IterableDataset):
             yield batch
         if self._worker is None:  # in-process pass finished: the next one replays from 0
             self._start = 0
+            self._loaded = False
 
     def _log_tail(self, split: EpochSplit) -> None:
         if len(split.dropped) or len(split.repeated):

@@ -458,7 +458,7 @@ class EpochSplit:
 
     @property
     def repeated(self) -> np.ndarray:
-        extra = max(self.end - self.num_batches, 0)
+        extra = max(self.end - max(self.num_batches, self.start), 0)
         return (np.arange(extra, dtype=np.int64) % max(self.num_batches, 1)).astype(np.int64)
 
 
