@@ -64,7 +64,7 @@ from shardcache.errors import ConfigError
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
 #: padding in pad mode, tighter rows in best_fit) but mix the order less. On the 20k-document
-#: benchmark corpus (4096 max length, max_tokens 16384) 4096 gives ~0.98 pad and ~0.996
+#: benchmark corpus (4096 max length, max_tokens 16384) 4096 gives 0.997 pad and 0.999
 #: best_fit efficiency; see benchmarks/bench_read.py.
 DEFAULT_WINDOW_SIZE = 4096
 MODES = ("pad", "pack")
