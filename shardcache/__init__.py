@@ -31,10 +31,12 @@ from shardcache.version import __version__
 _LAZY = {
     "DeviceBackend": "shardcache.prefetch",
     "DevicePrefetcher": "shardcache.prefetch",
+    "EpochSplit": "shardcache.plan",
     "PrefetchOptions": "shardcache.prefetch",
     "PrefetchStats": "shardcache.prefetch",
     "ShardDataset": "shardcache.dataset",
     "TorchDeviceBackend": "shardcache.prefetch",
+    "split_epoch": "shardcache.plan",
 }
 
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
@@ -51,6 +53,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "DeviceBackend",
     "DevicePrefetcher",
     "EpochPlan",
+    "EpochSplit",
     "FORMAT_VERSION",
     "LayoutOptions",
     "PlanOptions",
@@ -70,6 +73,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "build_cache",
     "open_cache",
     "plan_epoch",
+    "split_epoch",
 ]
 
 

@@ -8,6 +8,7 @@ cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r
 
 from __future__ import annotations
 
+import bisect
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -63,6 +64,7 @@ class Cache:
                 f"{lengths_path}: {len(self.lengths)} lengths but the shards hold "
                 f"{int(self.shard_starts[-1])} rows; the cache is damaged, rebuild it"
             )
+        self._starts_list: list[int] = self.shard_starts.tolist()
         self._shards = ShardCache(self.path, self.shards, self.dtype, open_shards)
 
     def __repr__(self) -> str:
@@ -99,6 +101,24 @@ class Cache:
         """The ids of one sequence (read-only; a view into the mapped shard when possible)."""
         shard, row = self._locate(sample_id)
         return self._shards.get(shard).tokens(row)
+
+    def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+        """The ids of several sequences, in the order given (read-only views when possible).
+
+        Locates with ``bisect`` on Python lists (~1 us a sequence, against ~5 us for
+        :meth:`read`, whose scalar numpy calls dominate for short sequences).
+        """
+        starts = self._starts_list
+        get = self._shards.get
+        out: list[np.ndarray] = []
+        for sample_id in np.asarray(sample_ids, dtype=np.int64).tolist():
+            if not 0 <= sample_id < self.num_sequences:
+                raise IndexError(
+                    f"sample id {sample_id} out of range: the cache holds {self.num_sequences}"
+                )
+            shard = bisect.bisect_right(starts, sample_id) - 1
+            out.extend(get(shard).tokens_many([sample_id - starts[shard]]))
+        return out
 
     def lookup(self, sample_id: int) -> Provenance:
         """The input file, record index and piece index a sample id came from."""

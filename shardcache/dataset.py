@@ -1,25 +1,72 @@
-"""ShardDataset: the epoch plan + the shard reader -> batches of tensors.
+"""ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
 
 ``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches (use it
-with ``DataLoader(ds, batch_size=None)``). Each batch is a dict of tensors:
+with ``DataLoader(ds, batch_size=None)``). Batches follow the global plan of plan.py; what a
+batch holds depends on ``PlanOptions.mode``:
+
+``mode="pad"`` (default): rows are whole sequences of one length bucket.
 
 * ``input_ids`` int64 ``B x L`` (``L`` = longest row, rounded up to ``pad_to_multiple_of``),
-  padded with the tokenizer's pad id;
+  padded with the tokenizer's pad id; ``B x L <= max_tokens``;
 * ``attention_mask`` int64, 1 on tokens, 0 on padding;
 * ``labels`` int64, the input ids with -100 on padding;
 * ``sample_ids`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
 
-All rows of a batch come from one length bucket and ``B x L <= max_tokens``.
+``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
+*segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
+ends. The flattened batch is a list of segments, padding runs included as segments of their own:
 
-Splitting: the global batch list of an epoch (plan.py) is dealt to ranks round-robin
-(rank ``r`` of ``W`` takes batches ``r, r+W, ...``, the tail that would make counts unequal
-is dropped), then a rank's batches to DataLoader workers round-robin, which is the order in
-which the DataLoader collects from its workers: the stream a rank sees does not depend on
-``num_workers``. The cache (memory maps) is opened lazily in each worker process.
+* ``input_ids``, ``labels``, ``position_ids`` int64 ``R x seq_len``;
+* ``position_ids`` restart at 0 at every segment (so at every document);
+* ``labels`` are the input ids with -100 on padding *and on the first token of every segment*:
+  labels follow the Hugging Face convention (the model shifts them), so no position is trained
+  to predict across a document boundary;
+* ``cu_seqlens`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len`` tokens,
+  ending at ``R * seq_len``) and ``max_seqlen`` (a Python int), for variable-length attention;
+* ``sample_ids`` / ``sample_offsets`` int64 ``S``: per segment the sample id and the token
+  offset inside that sequence (-1 / -1 for padding segments).
+
+Ranks, workers, state
+---------------------
+Rank ``r`` of ``W`` (``rank=``/``world_size=``, else torch.distributed when initialised, else
+``RANK``/``WORLD_SIZE``) takes global batches ``c + r, c + r + W, ...`` from the global cursor
+``c``; within a rank batches go round-robin to DataLoader workers (plan.py), so the stream of a
+rank is the same for any ``num_workers``. The state is that global cursor::
+
+    {"version": 1, "cache_digest": "<hex>", "seed": 0, "plan": {PlanOptions fields},
+     "epoch": 3, "consumed": 1200, "world_size": 8}
+
+``consumed`` counts global batches of ``epoch`` already delivered (by all ranks together);
+loading it with another world size continues with exactly the batches not yet consumed. The
+digest (``manifest["key"]["digest"]``, or sha256 of the manifest's shard list when the cache
+has no key) and the plan options must match, else :class:`StateError`. Inside a DataLoader
+worker the state also carries ``"worker": {"id", "num_workers", "start", "yielded"}``: that is
+the per-worker protocol of torchdata's ``StatefulDataLoader`` (it snapshots each worker's
+dataset and restores it into the worker with the same id; it needs the same ``num_workers``).
+Iterating in-process (``num_workers=0``) keeps the dataset's own state current. With a plain
+``DataLoader`` and workers, the main-process copy does not see the workers' progress: use
+``state_dict(steps=k)``, the state after this rank took ``k`` batches since the position set
+by ``set_epoch`` / ``load_state_dict``. Readers that run ahead (``DevicePrefetcher``) make the
+live state count batches not yet trained on; ``steps=`` is exact there too.
+
+Epochs: ``set_epoch(e)`` with a new ``e`` starts ``e`` at cursor 0; with the current epoch it
+keeps the cursor (so a resumed job may call ``set_epoch(resumed_epoch)``). A pass that starts
+on an epoch this process exhausted replays it from 0 (like a sampler without ``set_epoch``);
+a state *loaded* at the end of an epoch yields nothing until ``set_epoch(next)`` (resuming at
+an epoch boundary neither repeats nor skips an epoch). With
+``persistent_workers=True`` the workers keep their copy of the dataset, so ``set_epoch`` does
+not reach them: use the default ``persistent_workers=False``.
+
+Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
+sequence), cached per epoch and shared copy-on-write with forked workers when it was computed
+in the main process first (``len(ds)`` does that); no Python object per sample.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
 import os
 from typing import Any
 
@@ -28,8 +75,24 @@ import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
 from shardcache.cache import Cache
-from shardcache.errors import ConfigError
-from shardcache.plan import DEFAULT_WINDOW_SIZE, EpochPlan, PlanOptions, plan_epoch
+from shardcache.errors import ConfigError, StateError
+from shardcache.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
+
+STATE_VERSION = 1
+#: Open shards kept per reader process. Memory maps are cheap; reopening a shard costs a
+#: footer parse, and a shuffled window touches every shard of its bucket.
+OPEN_SHARDS = 64
+logger = logging.getLogger("shardcache")
+
+
+def cache_digest(manifest: dict[str, Any]) -> str:
+    """The cache-key digest of a manifest, or (cache without a key) the sha256 of its shard
+    list as canonical JSON: either identifies the data a reader state refers to."""
+    digest = manifest.get("key", {}).get("digest")
+    if digest:
+        return str(digest)
+    shards = json.dumps(manifest["shards"], sort_keys=True, separators=(",", ":"))
+    return hashlib.sha256(shards.encode()).hexdigest()
 
 
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
@@ -50,89 +113,348 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 class ShardDataset(IterableDataset):
-    """Token-budget batches from a cache, sharded over ranks and DataLoader workers."""
+    """Token-budget batches from a cache, sharded over ranks and DataLoader workers.
+
+    ``ShardDataset(path, max_tokens, shuffle=True, seed=0)`` pads; the other batch options
+    (``mode``, ``seq_len``, ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``) are
+    the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
+    (then without ``max_tokens``/``shuffle``).
+    """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
-        max_tokens: int,
-        shuffle: bool = True,
+        max_tokens: int | None = None,
+        shuffle: bool | None = None,
         seed: int = 0,
         *,
-        pad_to_multiple_of: int = 1,
-        window_size: int = DEFAULT_WINDOW_SIZE,
+        options: PlanOptions | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        **plan_options: Any,
     ):
         super().__init__()
         self.path = os.fspath(path)
-        self.options = PlanOptions(
-            max_tokens=max_tokens,
-            shuffle=shuffle,
-            pad_to_multiple_of=pad_to_multiple_of,
-            window_size=window_size,
-        )
+        if options is not None:
+            if max_tokens is not None or shuffle is not None or plan_options:
+                raise ConfigError(
+                    "ShardDataset: pass the batch options either as options=PlanOptions(...) "
+                    "or as max_tokens=/shuffle=/keywords, not both"
+                )
+            if not isinstance(options, PlanOptions):
+                raise ConfigError(f"options: got {options!r}, expected a PlanOptions")
+        else:
+            if max_tokens is None:
+                raise ConfigError("max_tokens: required (the token budget of a batch)")
+            shuffle = True if shuffle is None else shuffle
+            try:
+                options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
+            except TypeError as err:
+                names = sorted(PlanOptions.__dataclass_fields__)
+                raise ConfigError(
+                    f"ShardDataset: unknown batch option(s) {sorted(plan_options)}; the "
+                    f"options are {names}"
+                ) from err
+        self.options: PlanOptions = options
         self.seed = int(seed)
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         cache = Cache(self.path)
         self.pad_id = cache.pad_id
+        self.cache_digest = cache_digest(cache.manifest)
         self._lengths = np.asarray(cache.lengths)
         self._buckets = cache.buckets()
         self._cache: Cache | None = None
+        self._plan: tuple[int, EpochPlan] | None = None
+        self._start = 0  # global cursor where the current pass started (set/load/restart)
+        self._consumed = 0  # live global cursor (this process's iteration)
+        self._worker: dict[str, int] | None = None  # worker-level position while iterating
+        self._worker_resume: dict[str, int] | None = None
+        self._loaded = False  # the cursor came from load_state_dict: honour it as it is
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = None  # memory maps do not travel to worker processes
+        state["_plan"] = None  # recomputed (spawned workers); forked ones share the original
         return state
 
+    # ---- epochs and sizes ------------------------------------------------------------------
+
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reshuffles); call before iterating each epoch."""
-        self.epoch = int(epoch)
+        """Select the epoch (reshuffles). A new epoch starts at cursor 0; the current one keeps
+        its cursor (a resumed job may call ``set_epoch`` with the resumed epoch)."""
+        epoch = int(epoch)
+        if epoch < 0:
+            raise ConfigError(f"set_epoch: got {epoch}, expected an epoch >= 0")
+        if epoch != self.epoch:
+            self.epoch = epoch
+            self._start = self._consumed = 0
+            self._loaded = False
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of an epoch (all ranks)."""
-        return plan_epoch(
-            self._lengths,
-            self._buckets,
-            self.options,
-            self.seed,
-            self.epoch if epoch is None else epoch,
-        )
+        """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self._plan is None or self._plan[0] != epoch:
+            plan = plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch)
+            self._plan = (epoch, plan)
+        return self._plan[1]
+
+    def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
+        """How the global batches of an epoch, from global cursor ``start``, go to ranks."""
+        return split_epoch(len(self.plan(epoch)), self.world_size, start, self.options.tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
-        """How many batches every rank yields in an epoch."""
-        return len(self.plan(epoch)) // self.world_size
+        """How many batches every rank yields in a whole epoch (for LR schedulers)."""
+        return self.split(epoch).batches_per_rank
 
-    def _rank_batches(self, plan: EpochPlan) -> np.ndarray:
-        per_rank = len(plan) // self.world_size
-        return self.rank + self.world_size * np.arange(per_rank, dtype=np.int64)
+    def _pass_start(self, cursor: int) -> int:
+        """Where a pass begins: at ``cursor``, or at 0 if the epoch is exhausted there (unless
+        the cursor was loaded: a state taken at the end of an epoch resumes to nothing)."""
+        if cursor and not self._loaded and self.split(start=cursor).batches_per_rank == 0:
+            return 0
+        return cursor
+
+    def __len__(self) -> int:
+        """Batches this rank yields in the current (or next) pass over the current epoch."""
+        return self.split(start=self._pass_start(self._start)).batches_per_rank
+
+    def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
+        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) so that every
+        rank gets the same number of batches: counts of batches, sequences/segments, tokens."""
+        plan = self.plan(epoch)
+        split = self.split(epoch)
+
+        def count(batches: np.ndarray) -> tuple[int, int]:
+            segs = sum(len(plan.batch(int(b))) for b in batches)
+            tokens = sum(plan.token_count(self._lengths, int(b)) for b in batches)
+            return segs, tokens
+
+        dropped, repeated = count(split.dropped), count(split.repeated)
+        return {
+            "tail": self.options.tail,
+            "world_size": self.world_size,
+            "global_batches": len(plan),
+            "batches_per_rank": split.batches_per_rank,
+            "dropped_batches": len(split.dropped),
+            "dropped_segments": dropped[0],
+            "dropped_tokens": dropped[1],
+            "repeated_batches": len(split.repeated),
+            "repeated_segments": repeated[0],
+            "repeated_tokens": repeated[1],
+        }
+
+    # ---- state -----------------------------------------------------------------------------
+
+    def state_dict(self, *, steps: int | None = None) -> dict[str, Any]:
+        """The resumable position (JSON-able; see the module docstring).
+
+        ``steps=None``: this object's live position (current when iterating in-process; the
+        worker's own position inside a DataLoader worker). ``steps=k``: the position after this
+        rank took ``k`` batches since ``set_epoch``/``load_state_dict`` (plain DataLoader).
+        """
+        if steps is None:
+            consumed = self._consumed
+        else:
+            start = self._pass_start(self._start)
+            available = self.split(start=start).batches_per_rank
+            if isinstance(steps, bool) or not isinstance(steps, int) or not 0 <= steps <= available:
+                raise ConfigError(
+                    f"steps: got {steps!r}, expected an integer in [0, {available}] (the "
+                    f"batches this rank yields from global batch {start} of epoch {self.epoch})"
+                )
+            consumed = start + self.world_size * steps
+        state: dict[str, Any] = {
+            "version": STATE_VERSION,
+            "cache_digest": self.cache_digest,
+            "seed": self.seed,
+            "plan": self.options.to_json(),
+            "epoch": self.epoch,
+            "consumed": consumed,
+            "world_size": self.world_size,
+        }
+        if steps is None and self._worker is not None:
+            state["worker"] = dict(self._worker)
+        return state
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue from ``state`` (from any world size and ``num_workers``); refuses a state
+        of another cache or other plan options with :class:`StateError`."""
+        if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
+            raise StateError(
+                f"reader state: expected a dict with version {STATE_VERSION}, got "
+                f"{type(state).__name__} with version "
+                f"{state.get('version') if isinstance(state, dict) else None!r}; pass what "
+                "ShardDataset.state_dict() returned"
+            )
+        if state.get("cache_digest") != self.cache_digest:
+            raise StateError(
+                f"reader state: it was taken on a cache with digest {state.get('cache_digest')!r}"
+                f" but {self.path!r} has digest {self.cache_digest!r}; the data differ, so the "
+                "position means nothing here. Resume on the cache the state came from, or start "
+                "this cache from epoch 0 without loading the state"
+            )
+        ours = {"seed": self.seed, **self.options.to_json()}
+        theirs = {"seed": state.get("seed"), **dict(state.get("plan") or {})}
+        changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
+        if changed:
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed)
+            raise StateError(
+                f"reader state: the plan options differ ({diff}); another plan orders the "
+                "batches differently, so resuming would repeat or skip data. Construct the "
+                "ShardDataset with the options of the state (state['plan'], state['seed'])"
+            )
+        epoch, consumed = state.get("epoch"), state.get("consumed")
+        for name, value in (("epoch", epoch), ("consumed", consumed)):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise StateError(f"reader state: {name}={value!r}, expected an integer >= 0")
+        assert isinstance(epoch, int) and isinstance(consumed, int)
+        self.epoch = epoch
+        self._start = self._consumed = consumed
+        self._loaded = True
+        worker = state.get("worker")
+        self._worker_resume = dict(worker) if isinstance(worker, dict) else None
+
+    # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Any:
         if self._cache is None:
-            self._cache = Cache(self.path)
+            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         plan = self.plan()
-        mine = self._rank_batches(plan)
         info = get_worker_info()
+        worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
+        resume, self._worker_resume = self._worker_resume, None
+        if (
+            info is not None
+            and resume is not None
+            and resume.get("id") == worker_id
+            and resume.get("num_workers") == num_workers
+        ):
+            start, skip = int(resume["start"]), int(resume["yielded"])
+        else:
+            start, skip = self._pass_start(self._consumed), 0
+        split = split_epoch(len(plan), self.world_size, start, self.options.tail)
+        mine = split.for_rank(self.rank)
+        positions = np.arange(worker_id, len(mine), num_workers)
+        if info is None:
+            self._start = start
+        if self.rank == 0 and worker_id == 0 and start == 0:
+            self._log_tail(split)
+        done = int(positions[skip - 1]) + 1 if skip else 0
+        self._consumed = start + self.world_size * done
+        self._worker = None
         if info is not None:
-            mine = mine[info.id :: info.num_workers]
-        for index in mine.tolist():
-            yield self.collate(plan.batch(index))
+            self._worker = {
+                "id": worker_id,
+                "num_workers": num_workers,
+                "start": start,
+                "yielded": skip,
+            }
+        return self._generate(plan, mine, positions[skip:], start)
+
+    def _generate(
+        self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
+    ) -> Any:
+        for position in positions.tolist():
+            batch = self.collate_batch(plan, int(mine[position]))
+            # a batch counts as consumed once it is handed out (the torchdata convention)
+            self._consumed = start + self.world_size * (position + 1)
+            if self._worker is not None:
+                self._worker["yielded"] += 1
+            yield batch
+        if self._worker is None:  # in-process pass finished: the next one replays from 0
+            self._start = 0
+            self._loaded = False
+
+    def _log_tail(self, split: EpochSplit) -> None:
+        if len(split.dropped) or len(split.repeated):
+            logger.info(
+                "shardcache: epoch %d: %d global batches over %d ranks -> %d per rank; "
+                "tail=%s drops %d and repeats %d batches (see ShardDataset.tail_report())",
+                self.epoch,
+                split.num_batches,
+                split.world_size,
+                split.batches_per_rank,
+                split.tail,
+                len(split.dropped),
+                len(split.repeated),
+            )
+
+    # ---- collation -------------------------------------------------------------------------
+
+    def collate_batch(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+        """Read global batch ``index`` of ``plan`` and build its tensors."""
+        if self.options.mode == "pad":
+            return self.collate(plan.batch(index))
+        return self._collate_packed(plan, index)
+
+    def _read(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+        if self._cache is None:
+            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
+        return self._cache.read_many(sample_ids)
 
     def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
-        """Read the sequences of ``sample_ids`` and pad them into one batch."""
-        assert self._cache is not None
-        rows = [self._cache.read(int(s)) for s in sample_ids]
+        """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
+        rows = self._read(np.asarray(sample_ids))
         lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
         width = int(self.options.padded(int(lengths.max())))
-        input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        for i, row in enumerate(rows):
-            input_ids[i, : len(row)] = row
         mask = np.arange(width)[None, :] < lengths[:, None]
+        # one boolean scatter (row-major, so in row order) instead of a copy per row: rows of
+        # short buckets number in the hundreds per batch
+        input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
+        input_ids[mask] = np.concatenate(rows)
         labels = np.where(mask, input_ids, -100)
         return {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(mask.astype(np.int64)),
             "labels": torch.from_numpy(labels),
             "sample_ids": torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)),
+        }
+
+    def _collate_packed(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+        seq_len = int(self.options.seq_len or 0)
+        ids, starts, taken = plan.segments(index)
+        bounds = plan.row_bounds(index).tolist()
+        pieces = self._read(ids)
+        if taken is not None:
+            pieces = [p[s : s + n] for p, s, n in zip(pieces, starts.tolist(), taken.tolist())]
+        num_rows = len(bounds) - 1
+        # segments in flat order with the padding run of each row as a segment of its own
+        parts: list[np.ndarray] = []
+        seg_len: list[int] = []
+        seg_sample: list[int] = []
+        seg_offset: list[int] = []
+        id_list, start_list = ids.tolist(), starts.tolist()
+        for r in range(num_rows):
+            used = 0
+            for k in range(bounds[r], bounds[r + 1]):
+                piece = pieces[k]
+                parts.append(piece)
+                used += len(piece)
+                seg_len.append(len(piece))
+                seg_sample.append(id_list[k])
+                seg_offset.append(start_list[k])
+            if used < seq_len:
+                parts.append(np.full(seq_len - used, self.pad_id, dtype=np.int64))
+                seg_len.append(seq_len - used)
+                seg_sample.append(-1)
+                seg_offset.append(-1)
+        flat = np.concatenate(parts).astype(np.int64, copy=False)
+        lengths = np.asarray(seg_len, dtype=np.int64)
+        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
+        np.cumsum(lengths, out=cu_seqlens[1:])
+        sample = np.asarray(seg_sample, dtype=np.int64)
+        positions = np.arange(len(flat), dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
+        labels = flat.copy()
+        labels[cu_seqlens[:-1]] = -100  # a segment's first token is never a target
+        for k in np.flatnonzero(sample < 0).tolist():
+            labels[cu_seqlens[k] : cu_seqlens[k + 1]] = -100
+        shape = (num_rows, seq_len)
+        return {
+            "input_ids": torch.from_numpy(flat.reshape(shape)),
+            "labels": torch.from_numpy(labels.reshape(shape)),
+            "position_ids": torch.from_numpy(positions.reshape(shape)),
+            "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
+            "max_seqlen": int(lengths.max()),
+            "sample_ids": torch.from_numpy(sample),
+            "sample_offsets": torch.from_numpy(np.asarray(seg_offset, dtype=np.int64)),
         }

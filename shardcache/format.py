@@ -23,6 +23,7 @@ manifest. No pickle anywhere: JSON, Arrow IPC and ``.npy`` (``allow_pickle=False
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import json
 import os
@@ -311,6 +312,7 @@ class ShardReader:
             starts.append(starts[-1] + batch.num_rows)
             tokens += len(values)
         self._starts = np.asarray(starts, dtype=np.int64)
+        self._starts_list: list[int] | None = None
         if starts[-1] != self.rows or tokens != int(info["tokens"]):
             raise CorruptShardError(
                 f"{path}: holds {starts[-1]} rows / {tokens} tokens but the manifest says "
@@ -328,6 +330,21 @@ class ShardReader:
         b, r = self._locate(row)
         offsets = self._offsets[b]
         return self._values[b][offsets[r] : offsets[r + 1]]
+
+    def tokens_many(self, rows: list[int]) -> list[np.ndarray]:
+        """The ids of several rows (views, like :meth:`tokens`). Locates rows with ``bisect``
+        on a Python list: ~0.2 us a row against ~2 us for a scalar ``np.searchsorted``."""
+        if self._starts_list is None:
+            self._starts_list = self._starts.tolist()
+        starts, values, offsets = self._starts_list, self._values, self._offsets
+        out = []
+        for row in rows:
+            if not 0 <= row < self.rows:
+                raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
+            b = bisect.bisect_right(starts, row) - 1
+            r = row - starts[b]
+            out.append(values[b][offsets[b][r] : offsets[b][r + 1]])
+        return out
 
     def provenance(self, row: int) -> tuple[int, int]:
         """``(record index in the source file, piece index)`` of one row."""

@@ -7,7 +7,8 @@ import gzip
 import json
 import os
 import random
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -266,3 +267,32 @@ def make_conversations(n: int, seed: int = 0) -> list[list[dict[str, str]]]:
             messages.append({"role": "assistant", "content": " ".join(rng.choices(WORDS, k=k))})
         convs.append(messages)
     return convs
+
+
+def assert_resumable(
+    make: Callable[[], Any],
+    stream: Callable[[Any], Iterable[Any]],
+    key: Callable[[Any], Any] = lambda item: item,
+    steps: Iterable[int] | None = None,
+) -> list[Any]:
+    """The generic resume check of every stateful stage (STYLE.md 13).
+
+    ``make()`` builds a fresh stage with ``state_dict()`` / ``load_state_dict()``; ``stream(stage)``
+    iterates it. For every ``k`` in ``steps`` (default: every step, end included) it takes ``k``
+    items from a fresh stage, saves its state through a JSON round trip, loads it into another
+    fresh stage and asserts that the rest of the stream equals the uninterrupted one from ``k``.
+    Returns the uninterrupted stream (as ``key`` values).
+    """
+    full = [key(item) for item in stream(make())]
+    for k in range(len(full) + 1) if steps is None else steps:
+        stage = make()
+        iterator = iter(stream(stage))
+        head = [key(next(iterator)) for _ in range(k)]
+        assert head == full[:k]
+        state = json.loads(json.dumps(stage.state_dict()))
+        del iterator
+        resumed = make()
+        resumed.load_state_dict(state)
+        rest = [key(item) for item in stream(resumed)]
+        assert rest == full[k:], f"resume after {k} of {len(full)} items differs"
+    return full

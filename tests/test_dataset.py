@@ -1,12 +1,20 @@
 from __future__ import annotations
 
 import collections
+import copy
+import itertools
+import json
+import types
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from shardcache import ShardDataset, open_cache
+from conftest import assert_resumable
+from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
+from shardcache.dataset import cache_digest
 
 
 @pytest.fixture()
@@ -17,7 +25,7 @@ def cache_dir(corpus, build_cache, tokenizer_dir):
 
 def _stream(ds, num_workers):
     loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
-    return [{k: v.clone() for k, v in b.items()} for b in loader]
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in loader]
 
 
 def test_batches_are_padded_within_budget_and_cover_every_sequence(cache_dir):
@@ -77,3 +85,291 @@ def test_set_epoch_reshuffles(cache_dir):
 def test_pad_to_multiple_of(cache_dir):
     ds = ShardDataset(cache_dir, max_tokens=512, pad_to_multiple_of=8)
     assert all(b["input_ids"].shape[1] % 8 == 0 for b in _stream(ds, 0))
+
+
+# ---- helpers ---------------------------------------------------------------------------------
+
+
+class _FakeWorkers:
+    """Runs DataLoader workers in-process: ``get_worker_info`` answers for the worker whose
+    iterator is being created, and the DataLoader's round-robin collection order is replayed.
+    (Real worker processes are exercised by a few small tests; this keeps properties fast.)"""
+
+    def __init__(self, monkeypatch):
+        self.current = None
+        monkeypatch.setattr("shardcache.dataset.get_worker_info", lambda: self.current)
+
+    def start(self, ds, worker_id, num_workers):
+        self.current = types.SimpleNamespace(id=worker_id, num_workers=num_workers)
+        try:
+            return iter(ds)
+        finally:
+            self.current = None
+
+    def run(self, copies, first=0, on_item=None):
+        """Round-robin over the workers' iterators from worker ``first``; exhausted workers
+        are skipped from then on (what DataLoader does for iterable datasets)."""
+        iterators = [self.start(c, w, len(copies)) for w, c in enumerate(copies)]
+        active, w = [True] * len(copies), first
+        while any(active):
+            if active[w]:
+                try:
+                    item = next(iterators[w])
+                except StopIteration:
+                    active[w] = False
+                else:
+                    if on_item is not None and on_item(w, item) is False:
+                        return
+            w = (w + 1) % len(copies)
+
+
+def _ids(batch):
+    return batch["sample_ids"].tolist()
+
+
+def _key(batch):
+    if "sample_offsets" in batch:
+        return list(zip(_ids(batch), batch["sample_offsets"].tolist()))
+    return _ids(batch)
+
+
+MODES = [{}, {"mode": "pack", "seq_len": 64}, {"mode": "pack", "seq_len": 48, "packing": "concat"}]
+
+
+# ---- packed batches --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("packing", ["best_fit", "concat"])
+def test_packed_batches_restart_positions_and_never_cross_documents(cache_dir, packing):
+    cache = open_cache(cache_dir)
+    seq_len = 64 if packing == "best_fit" else 40
+    ds = ShardDataset(cache_dir, 256, mode="pack", seq_len=seq_len, packing=packing)
+    covered = collections.defaultdict(list)
+    for b in _stream(ds, 0):
+        ids, labels, pos = b["input_ids"], b["labels"], b["position_ids"]
+        rows = ids.shape[0]
+        assert ids.shape == labels.shape == pos.shape == (rows, seq_len) and rows <= 256 // seq_len
+        cu = b["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == rows * seq_len and b["cu_seqlens"].dtype == torch.int32
+        lengths = [b - a for a, b in itertools.pairwise(cu)]
+        assert b["max_seqlen"] == max(lengths)
+        flat_ids, flat_labels, flat_pos = ids.flatten(), labels.flatten(), pos.flatten()
+        for k, (sid, offset) in enumerate(zip(_ids(b), b["sample_offsets"].tolist())):
+            a, e = cu[k], cu[k + 1]
+            assert a // seq_len == (e - 1) // seq_len  # a segment never spans two rows
+            assert flat_pos[a:e].tolist() == list(range(e - a))
+            assert flat_labels[a] == -100  # the first token predicts nothing across a boundary
+            if sid < 0:
+                assert torch.all(flat_ids[a:e] == cache.pad_id)
+                assert torch.all(flat_labels[a:e] == -100)
+                continue
+            tokens = cache.read(sid)[offset : offset + e - a].tolist()
+            assert (
+                flat_ids[a:e].tolist() == tokens and flat_labels[a + 1 : e].tolist() == tokens[1:]
+            )
+            covered[sid].append((offset, e - a))
+    assert sorted(covered) == list(range(cache.num_sequences))
+    for sid, pieces in covered.items():
+        assert sum(n for _, n in pieces) == len(cache.read(sid))
+        assert len(pieces) == 1 or packing == "concat"
+
+
+# ---- ranks, workers, tail --------------------------------------------------------------------
+
+
+@settings(
+    max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(st.integers(1, 8), st.integers(0, 4), st.sampled_from(range(len(MODES))),
+       st.sampled_from([128, 256]), st.sampled_from(["drop", "wrap"]))  # fmt: skip
+def test_ranks_and_workers_cover_the_plan_exactly(cache_dir, monkeypatch, world, workers,
+                                                   mode, max_tokens, tail):  # fmt: skip
+    fake = _FakeWorkers(monkeypatch)
+    streams = []
+    for rank in range(world):
+        ds = ShardDataset(cache_dir, max_tokens, rank=rank, world_size=world, tail=tail,
+                          **MODES[mode])  # fmt: skip
+        stream = [_key(b) for b in ds]
+        assert len(stream) == len(ds) == ds.batches_per_rank()
+        if workers:
+            got: list = []
+            fake.run([copy.deepcopy(ds) for _ in range(workers)],
+                     on_item=lambda w, b, got=got: got.append(_key(b)))  # fmt: skip
+            assert got == stream
+        streams.append(stream)
+        if rank == 0:
+            report = ds.tail_report()
+            plan = ds.plan()
+    assert len({len(s) for s in streams}) == 1
+    delivered = collections.Counter(map(repr, (b for s in streams for b in s)))
+    planned = collections.Counter(repr(_key(ds.collate_batch(plan, i))) for i in range(len(plan)))
+    assert sum(delivered.values()) == len(plan) - report["dropped_batches"] + report[
+        "repeated_batches"]  # fmt: skip
+    if tail == "drop":
+        assert set(delivered.values()) <= {1} and delivered.keys() <= planned.keys()
+        assert report["dropped_batches"] == len(plan) % world
+    else:
+        assert delivered.keys() == planned.keys() and report["repeated_batches"] < world
+
+
+def test_tail_report_counts_what_is_dropped(cache_dir):
+    ds = ShardDataset(cache_dir, 128, rank=0, world_size=7)
+    report = ds.tail_report()
+    plan = ds.plan()
+    dropped = range(len(plan) - report["dropped_batches"], len(plan))
+    assert report["dropped_segments"] == sum(len(plan.batch(i)) for i in dropped)
+    assert report["batches_per_rank"] == len(plan) // 7 == len(ds)
+
+
+# ---- resume ----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("extra", [*MODES, {"tail": "wrap"}])
+@pytest.mark.parametrize("rank,world", [(0, 1), (1, 3)])
+def test_resume_at_every_step_gives_the_remaining_stream(cache_dir, extra, rank, world):
+    def make():
+        return ShardDataset(cache_dir, 192, seed=5, rank=rank, world_size=world, **extra)
+
+    full = assert_resumable(make, lambda ds: ds, key=_key)
+    assert len(full) > 3
+
+
+def test_resume_across_epochs_and_set_epoch_semantics(cache_dir):
+    ds = ShardDataset(cache_dir, 128, seed=1)
+    ds.set_epoch(2)
+    it = iter(ds)
+    head = [_ids(next(it)) for _ in range(3)]
+    state = ds.state_dict()
+    assert state["epoch"] == 2 and state["consumed"] == 3
+    resumed = ShardDataset(cache_dir, 128, seed=1)
+    resumed.load_state_dict(state)
+    resumed.set_epoch(2)  # the resumed epoch: keeps the cursor
+    rest = [_ids(b) for b in resumed]
+    fresh = ShardDataset(cache_dir, 128, seed=1)
+    fresh.set_epoch(2)
+    assert head + rest == [_ids(b) for b in fresh]
+    assert resumed.state_dict()["consumed"] == len(head) + len(rest)  # epoch exhausted
+    assert [_ids(b) for b in resumed] == head + rest  # a new pass replays the epoch
+    resumed.set_epoch(3)  # a new epoch starts at 0
+    assert resumed.state_dict()["consumed"] == 0 and len(resumed) == resumed.batches_per_rank()
+
+
+def test_stateful_dataloader_worker_protocol(cache_dir, monkeypatch):
+    """Replays torchdata's StatefulDataLoader with workers: it snapshots each worker's dataset
+    state after every batch it hands out, restores each snapshot into the worker with the same
+    id, and continues the round-robin after the last worker it yielded from."""
+    fake = _FakeWorkers(monkeypatch)
+    make = lambda: ShardDataset(cache_dir, 128, seed=2, rank=1, world_size=2)  # noqa: E731
+    full = [_key(b) for b in make()]
+    for num_workers in (2, 3):
+        for k in range(len(full) + 1):
+            copies = [copy.deepcopy(make()) for _ in range(num_workers)]
+            # before any batch: the state each worker starts from
+            snapshots = {w: c.state_dict() for w, c in enumerate(copies)}
+            seen, last = [], [num_workers - 1]
+
+            def on_item(w, batch, copies=copies, snapshots=snapshots, seen=seen, last=last, k=k):
+                if len(seen) == k:  # this batch was produced (read ahead) but never handed out
+                    return False
+                seen.append(_key(batch))
+                snapshots[w] = json.loads(json.dumps(copies[w].state_dict()))
+                last[0] = w
+                return None
+
+            fake.run(copies, on_item=on_item)
+            restored = []
+            for w in range(num_workers):
+                c = copy.deepcopy(make())
+                c.load_state_dict(snapshots[w])
+                restored.append(c)
+            rest = []
+            fake.run(restored, first=(last[0] + 1) % num_workers,
+                     on_item=lambda w, b, rest=rest: rest.append(_key(b)))  # fmt: skip
+            assert seen + rest == full, (num_workers, k)
+            # the global cursor is the furthest worker's: resume with any num_workers from it
+            cursor = max(s["consumed"] for s in snapshots.values())
+            assert cursor == 2 * k  # world_size 2
+
+
+def test_plain_dataloader_resumes_from_a_step_count_with_real_workers(cache_dir):
+    make = lambda: ShardDataset(cache_dir, 128, seed=4, rank=0, world_size=2)  # noqa: E731
+    full = [_ids(b) for b in _stream(make(), 2)]
+    k = len(full) // 2 + 1
+    ds = make()
+    state = ds.state_dict(steps=k)  # the main process never sees the workers' progress
+    resumed = make()
+    resumed.load_state_dict(json.loads(json.dumps(state)))
+    assert [_ids(b) for b in _stream(resumed, 2)] == full[k:]  # another num_workers, too:
+    resumed.load_state_dict(state)
+    assert [_ids(b) for b in _stream(resumed, 0)] == full[k:]
+
+
+@pytest.mark.parametrize("world,new_world", [(4, 2), (2, 3)])
+@pytest.mark.parametrize("extra", [{}, {"mode": "pack", "seq_len": 64}])
+def test_elastic_resume_neither_repeats_nor_skips(cache_dir, world, new_world, extra):
+    def make(rank, w):
+        return ShardDataset(cache_dir, 128, seed=3, rank=rank, world_size=w, **extra)
+
+    plan = make(0, 1).plan()
+    first = [make(r, world) for r in range(world)]
+    k = first[0].batches_per_rank() // 2
+    head = []
+    for ds in first:
+        it = iter(ds)
+        head += [_key(next(it)) for _ in range(k)]
+    state = json.loads(json.dumps(first[0].state_dict()))
+    assert state["consumed"] == k * world and state["world_size"] == world
+    rest = []
+    for r in range(new_world):
+        ds = make(r, new_world)
+        ds.load_state_dict(state)
+        rest.append([_key(b) for b in ds])
+    assert len({len(s) for s in rest}) == 1
+    delivered = sorted(map(repr, head + [b for s in rest for b in s]))
+    remaining = len(plan) - k * world
+    kept = len(plan) - remaining % new_world
+    planned = sorted(repr(_key(make(0, 1).collate_batch(plan, i))) for i in range(kept))
+    assert delivered == planned
+
+
+# ---- state validation ------------------------------------------------------------------------
+
+
+def test_state_of_another_cache_or_plan_is_refused(cache_dir, corpus, build_cache, tokenizer_dir):
+    state = ShardDataset(cache_dir, 128, seed=0).state_dict()
+    with pytest.raises(StateError, match=r"plan options differ \(max_tokens: 128 -> 256"):
+        ShardDataset(cache_dir, 256, seed=0).load_state_dict(state)
+    with pytest.raises(StateError, match=r"seed: 0 -> 1"):
+        ShardDataset(cache_dir, 128, seed=1).load_state_dict(state)
+    with pytest.raises(StateError, match="mode: 'pad' -> 'pack'"):
+        ShardDataset(cache_dir, 128, mode="pack", seq_len=64).load_state_dict(state)
+    folder, _ = corpus("jsonl", n_files=1, docs=20, seed=9)
+    other = build_cache(folder, tokenizer_dir, max_length=64, truncation="split")
+    with pytest.raises(StateError, match="cache with digest"):
+        ShardDataset(other, 128, seed=0).load_state_dict(state)
+    with pytest.raises(StateError, match="version"):
+        ShardDataset(cache_dir, 128).load_state_dict({"epoch": 0})
+    with pytest.raises(StateError, match="consumed=-1"):
+        ShardDataset(cache_dir, 128).load_state_dict({**state, "consumed": -1})
+    with pytest.raises(ConfigError, match="steps: got 10000"):
+        ShardDataset(cache_dir, 128).state_dict(steps=10_000)
+
+
+def test_cache_digest_prefers_the_cache_key():
+    manifest = {"shards": [{"name": "a", "rows": 3}]}
+    fallback = cache_digest(manifest)
+    assert len(fallback) == 64 and fallback == cache_digest(dict(manifest))
+    assert cache_digest({**manifest, "key": {"digest": "abc"}}) == "abc"
+    assert cache_digest({"shards": [{"name": "b", "rows": 3}]}) != fallback
+
+
+def test_options_object_and_keyword_errors(cache_dir):
+    options = PlanOptions(max_tokens=256, mode="pack", seq_len=64)
+    ds = ShardDataset(cache_dir, options=options)
+    assert ds.options == options
+    with pytest.raises(ConfigError, match="either as options="):
+        ShardDataset(cache_dir, 256, options=options)
+    with pytest.raises(ConfigError, match=r"unknown batch option\(s\) \['seqlen'\]"):
+        ShardDataset(cache_dir, 256, seqlen=3)
+    with pytest.raises(ConfigError, match="max_tokens: required"):
+        ShardDataset(cache_dir)
