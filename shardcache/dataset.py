@@ -76,6 +76,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from shardcache.cache import Cache
 from shardcache.errors import ConfigError, StateError
+from shardcache.key import verify_manifest_key
 from shardcache.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 
 STATE_VERSION = 1
@@ -119,6 +120,11 @@ class ShardDataset(IterableDataset):
     (``mode``, ``seq_len``, ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``) are
     the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
     (then without ``max_tokens``/``shuffle``).
+
+    ``expect`` (a :class:`~shardcache.key.CacheKey`, a lock file path, or a mapping of
+    tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
+    constructor raise :class:`~shardcache.errors.CacheKeyMismatch`, naming the changed fields,
+    when the cache was built under another key.
     """
 
     def __init__(
@@ -131,6 +137,7 @@ class ShardDataset(IterableDataset):
         options: PlanOptions | None = None,
         rank: int | None = None,
         world_size: int | None = None,
+        expect: Any = None,
         **plan_options: Any,
     ):
         super().__init__()
@@ -160,6 +167,9 @@ class ShardDataset(IterableDataset):
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         cache = Cache(self.path)
+        if expect is not None:
+            # refuse a cache built under another key (CacheKeyMismatch names the fields)
+            verify_manifest_key(cache.manifest, expect, self.path)
         self.pad_id = cache.pad_id
         self.cache_digest = cache_digest(cache.manifest)
         self._lengths = np.asarray(cache.lengths)

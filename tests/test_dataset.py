@@ -373,3 +373,20 @@ def test_options_object_and_keyword_errors(cache_dir):
         ShardDataset(cache_dir, 256, seqlen=3)
     with pytest.raises(ConfigError, match="max_tokens: required"):
         ShardDataset(cache_dir)
+
+
+def test_expect_refuses_a_cache_built_under_another_key(cache_dir, tokenizer_dir, tmp_path):
+    from shardcache import CacheKeyMismatch
+    from shardcache.key import manifest_key, write_lock
+
+    cache = open_cache(cache_dir)
+    key = manifest_key(cache.manifest, cache_dir)
+    ShardDataset(cache_dir, max_tokens=256, expect=key)  # same key: fine
+    lock = str(tmp_path / "shardcache.lock")
+    write_lock(lock, key)
+    ShardDataset(cache_dir, max_tokens=256, expect=lock)
+    same = {"tokenizer": tokenizer_dir, "max_length": 64, "truncation": "split"}
+    ShardDataset(cache_dir, max_tokens=256, expect=same)  # options: data is not compared
+    with pytest.raises(CacheKeyMismatch, match=r"truncation\.max_length") as info:
+        ShardDataset(cache_dir, max_tokens=256, expect={**same, "max_length": 32})
+    assert ("truncation", "max_length", 64, 32) in info.value.differences
