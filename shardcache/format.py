@@ -99,6 +99,32 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
     fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
+def write_npy_concat_atomic(path: str, sources: list[str]) -> None:
+    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming:
+    memory is one source array, not the total. The bytes equal ``np.save`` of the
+    concatenated array (same header writer)."""
+    arrays_meta = []
+    for source in sources:
+        arr = np.load(source, mmap_mode="r", allow_pickle=False)
+        arrays_meta.append((source, arr.dtype, arr.shape[0]))
+    dtype = arrays_meta[0][1] if arrays_meta else np.dtype(np.uint32)
+    if any(d != dtype for _, d, _ in arrays_meta):
+        raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
+    total = sum(n for _, _, n in arrays_meta)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                  "fortran_order": False, "shape": (total,)}  # fmt: skip
+        np.lib.format.write_array_header_1_0(f, header)
+        for source, _, n in arrays_meta:
+            if n:
+                f.write(np.ascontiguousarray(np.load(source, allow_pickle=False)).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
 @dataclass
 class ShardInfo:
     """One shard's manifest entry."""
