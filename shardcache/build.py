@@ -621,9 +621,11 @@ def _run_pool(
                 except BrokenProcessPool as err:
                     raise ShardcacheError(
                         f"a worker process died while building partition {futures[future].id} "
-                        f"({futures[future].file.relpath}), e.g. killed by the OS for lack of "
-                        "memory; completed partitions are kept: rerun the same command to "
-                        "resume (with fewer --workers or a smaller --batch-docs if memory is short)"
+                        f"({futures[future].file.relpath}): killed (e.g. by the OS for lack of "
+                        "memory) or failed to start (a script calling build_cache with workers "
+                        "> 1 needs an `if __name__ == '__main__':` guard); completed partitions "
+                        "are kept: rerun the same command to resume (with fewer --workers or a "
+                        "smaller --batch-docs if memory is short)"
                     ) from err
                 results[data["partition"]] = PartitionResult.from_json(data)
         _drain(queue, progress)

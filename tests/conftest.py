@@ -169,7 +169,7 @@ def build_cache(tmp_path) -> Callable[..., str]:
     """``build_cache(input, tokenizer, **options)`` builds into a fresh folder; returns it.
 
     Builds in-process (``workers=1``) unless a test asks for workers: a process pool costs
-    ~0.8 s to start, and the parallel path has its own tests (test_build_parallel.py)."""
+    ~0.8 s to start, and the parallel path has its own tests in test_build.py."""
     from shardcache.build import build_cache as build
     from shardcache.config import build_options_from_mapping
 
