@@ -444,13 +444,17 @@ class _Batcher:
             ) from err
         self.on_corrupt(index, offset, message)
 
-    def add(self, index: int, text: str) -> TextBatch | None:
+    def add(self, index: int, text: str) -> list[TextBatch]:
+        """Add one text; returns the batches that became full (usually none)."""
+        full = []
+        if self.texts and self.chars + len(text) > MAX_BATCH_CHARS:
+            full.append(self.flush())  # a huge text does not join (and inflate) a batch
         self.texts.append(text)
         self.records.append(index)
         self.chars += len(text)
         if len(self.texts) >= self.batch_docs or self.chars >= MAX_BATCH_CHARS:
-            return self.flush()
-        return None
+            full.append(self.flush())
+        return [b for b in full if b is not None]
 
     def flush(self) -> TextBatch | None:
         if not self.texts:
@@ -484,9 +488,7 @@ def _iter_lines(
             if reason is not None:
                 batcher.bad(index, reason, decoded)
                 continue
-            batch = batcher.add(index, text)  # type: ignore[arg-type]
-            if batch is not None:
-                yield batch
+            yield from batcher.add(index, text)  # type: ignore[arg-type]
     except (zstandard.ZstdError, OSError, EOFError, zlib.error) as err:
         message = (
             f"{file.relpath}: cannot decompress {file.format} data after line {index + 1} "
@@ -535,9 +537,7 @@ def _iter_parquet(
             if reason is not None:
                 batcher.bad(row, reason, repr(value))
             else:
-                batch = batcher.add(row, text)  # type: ignore[arg-type]
-                if batch is not None:
-                    yield batch
+                yield from batcher.add(row, text)  # type: ignore[arg-type]
             row += 1
     batch = batcher.flush()
     if batch is not None:
