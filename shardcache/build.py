@@ -768,6 +768,10 @@ def build_cache(
         encoder_factory(options) if encoder_factory is not None else TextEncoder(options.tokenize)
     )
     workers = options.num_workers
+    if os.path.exists(options.output) and not os.path.isdir(options.output):
+        raise CacheError(
+            f"--output {options.output!r} exists and is not a folder; choose another path"
+        )
     with BuildLock(options.output):
         plan, done = _prepare_output(options, inputs)
         pending = [p for p in plan.partitions if p.id not in done]

@@ -4,8 +4,11 @@ A cache directory::
 
     manifest.json            written last, atomically: its presence means "committed"
     index/lengths.npy        uint32 length of every sequence, in sample-id order
+    quarantine.jsonl         one line per skipped bad record (sha256 in the manifest)
     shards/<part>-b<bucket>-<n>.arrow
-    parts/<part>.json        per-partition completion record (build bookkeeping)
+    parts/build.json         the plan and the options fingerprint (build bookkeeping)
+    parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
+    .lock                    only while a build runs (shardcache.buildlock)
 
 Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
 ``tokens: list<uint16|uint32>, record: int64, piece: int32``; one shard holds sequences of
