@@ -1,20 +1,26 @@
-"""Build throughput vs. the tokenizer's own ``encode_batch`` ceiling (not part of the tests).
+"""Build throughput, process scaling and peak memory (not part of the tests).
 
-    python benchmarks/bench_build.py --corpus /tmp/corpus-20k \
-        --tokenizer ../shared/fixtures/tokenizers/minilm-wordpiece
-    # make the corpus first, e.g.:
-    python ../shared/bench/make_corpus.py /tmp/corpus-20k --docs 20000 --files 8 --format jsonl.zst
+    python ../shared/bench/make_corpus.py /tmp/c100k --docs 100000 --files 8 --format jsonl.zst
+    python ../shared/bench/make_corpus.py /tmp/c500k --docs 500000 --files 8 --format jsonl.zst
+    python benchmarks/bench_build.py --corpus /tmp/c100k --corpus-large /tmp/c500k \
+        --tokenizer ../shared/fixtures/tokenizers/minilm-wordpiece [--hf-python VENV/bin/python]
 
-Measured in one run, on the same texts and the same tokenizer:
+Rows (every build is a fresh ``shardcache build`` process; tokens/s = stored tokens / the
+build's own time, from the start of ``build_cache`` (tokenizer load included) to the
+manifest; ``wall`` adds interpreter start and imports):
 
-* ``ceiling``: ``Tokenizer.encode_batch`` (the Rust backend, all cores) over the texts already
-  in memory, in batches of ``--batch-docs``, including nothing else;
-* ``build (in-process)``: ``shardcache.build_cache`` on the corpus files after the imports are
-  warm: read + decompress + parse + encode + EOS/truncation + bucket + write + commit;
-* ``build (CLI)``: the ``shardcache build`` command in a fresh process, wall time and peak RSS
-  (interpreter start and the transformers import included).
-
-The ratio ``build / ceiling`` (tokens/s) is the figure of merit (target >= 0.85).
+* ``ceiling``: ``Tokenizer.encode_batch`` (Rust backend, Rayon on all cores) over the texts
+  already in memory, in batches of ``--batch-docs``, nothing else. The figure of merit is
+  build / ceiling (target >= 0.85 at N = 2).
+* ``workers=1, 1 core``: the in-process build with ``RAYON_NUM_THREADS=1``: one core's worth
+  of tokenizer, the base of the scaling ratio.
+* ``workers=N``: N spawned worker processes, each with ``RAYON_NUM_THREADS = cores // N``.
+  scaling = tokens/s(N) / tokens/s(1 core) (target >= 1.7 at N = 2 on 2 cores).
+* ``workers=1, all cores``: the in-process build, the tokenizer's Rayon pool on every core.
+* peak RSS: the sum of VmRSS over the build's process tree, sampled every 50 ms (the parent
+  and its workers), for ``--corpus`` and ``--corpus-large`` at the default worker count.
+* ``HF datasets``: ``load_dataset("json") -> map(batched=True, num_proc=2) -> save_to_disk``
+  with the same tokenizer, run by ``--hf-python`` (an interpreter with ``datasets``).
 """
 
 from __future__ import annotations
@@ -22,100 +28,177 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-def load_texts(corpus: str, text_field: str) -> list[str]:
+HF_SCRIPT = r"""
+import sys, time, os
+start = time.perf_counter()
+from datasets import load_dataset, disable_caching
+from transformers import AutoTokenizer
+disable_caching()
+corpus, tokenizer, out = sys.argv[1:4]
+files = sorted(os.path.join(corpus, f) for f in os.listdir(corpus) if f.endswith(".jsonl.zst"))
+tok = AutoTokenizer.from_pretrained(tokenizer)
+ds = load_dataset("json", data_files=files, split="train", cache_dir=out + "-hfcache")
+def enc(batch):
+    return {"input_ids": tok(batch["text"])["input_ids"]}
+ds = ds.map(enc, batched=True, batch_size=1024, num_proc=2, remove_columns=ds.column_names)
+ds.save_to_disk(out)
+print(time.perf_counter() - start)
+"""
+
+
+def _tree_rss_kib(root: int) -> int:
+    """Sum of VmRSS (KiB) over ``root`` and its descendants (Linux /proc)."""
+    children: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat") as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(name))
+    total, stack = 0, [root]
+    while stack:
+        pid = stack.pop()
+        stack += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        except OSError:
+            pass
+    return total
+
+
+def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str]:
+    """Run ``cmd``; returns (wall seconds, peak tree RSS MiB, stdout)."""
+    start = time.perf_counter()
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True, cwd=REPO)  # fmt: skip
+    peak = 0
+    done = threading.Event()
+
+    def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, _tree_rss_kib(proc.pid))
+            done.wait(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    out, err = proc.communicate()
+    wall = time.perf_counter() - start
+    done.set()
+    sampler.join()
+    if proc.returncode != 0:
+        raise SystemExit(f"{cmd} failed ({proc.returncode}):\n{err[-3000:]}")
+    return wall, peak / 1024, out
+
+
+def build(corpus: str, tokenizer: str, out: str, workers: int, env_extra: dict[str, str],
+          batch_docs: int) -> tuple[dict, float, float]:  # fmt: skip
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": REPO, **env_extra}
+    cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", corpus, "-t", tokenizer,
+           "-o", out, "-q", "--json", "--workers", str(workers), "--batch-docs",
+           str(batch_docs)]  # fmt: skip
+    wall, rss, stdout = run_measured(cmd, env)
+    return json.loads(stdout), wall, rss
+
+
+def ceiling(corpus: str, tokenizer: str, batch_docs: int) -> tuple[float, int, float]:
+    from shardcache.config import TokenizeOptions
     from shardcache.sources import iter_text_batches, list_inputs
+    from shardcache.tokenize import TextEncoder
 
     texts: list[str] = []
     for f in list_inputs([corpus]):
-        for batch in iter_text_batches(f, text_field=text_field):
+        for batch in iter_text_batches(f):
             texts += batch.texts
-    return texts
-
-
-def ceiling(tokenizer: str, texts: list[str], batch_docs: int) -> tuple[float, int]:
-    from shardcache.config import TokenizeOptions
-    from shardcache.tokenize import TextEncoder
-
     backend = TextEncoder(TokenizeOptions(tokenizer)).backend
     tokens = 0
     start = time.perf_counter()
     for i in range(0, len(texts), batch_docs):
         for encoding in backend.encode_batch(texts[i : i + batch_docs]):
             tokens += len(encoding)
-    return time.perf_counter() - start, tokens
+    return time.perf_counter() - start, tokens, sum(len(t.encode()) for t in texts) / 1e6
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", required=True, help="folder of input files")
+    ap.add_argument("--corpus-large", help="a larger corpus (e.g. 5x) for the peak-RSS row")
     ap.add_argument("--tokenizer", required=True, help="local tokenizer folder")
-    ap.add_argument("--text-field", default="text")
     ap.add_argument("--batch-docs", type=int, default=1024)
-    ap.add_argument("--repeat", type=int, default=2, help="runs of each; the best is reported")
-    ap.add_argument("--extra", nargs=argparse.REMAINDER, default=[],
-                    help="extra `shardcache build` flags (after --extra)")  # fmt: skip
+    ap.add_argument("--workers", default="1,2", help="worker counts to sweep (comma-separated)")
+    ap.add_argument("--hf-python", help="python with `datasets` installed, for the HF row")
     args = ap.parse_args()
-
-    from shardcache.build import build_cache
-    from shardcache.config import build_options_from_mapping
-
-    corpus_bytes = sum(
-        os.path.getsize(os.path.join(r, f)) for r, _, fs in os.walk(args.corpus) for f in fs
-    )
-    texts = load_texts(args.corpus, args.text_field)
-    text_mb = sum(len(t.encode()) for t in texts) / 1e6
+    cores = os.cpu_count() or 1
     work = tempfile.mkdtemp(prefix="bench-build-")
+    rows: list[tuple[str, ...]] = []
     try:
-        ceil_s, ceil_tokens = min(
-            ceiling(args.tokenizer, texts, args.batch_docs) for _ in range(args.repeat)
-        )
-        del texts
-        best = None
-        for i in range(args.repeat):
-            values = {"input": args.corpus, "tokenizer": args.tokenizer,
-                      "output": os.path.join(work, f"c{i}"), "text_field": args.text_field,
-                      "batch_docs": args.batch_docs}  # fmt: skip
-            report = build_cache(build_options_from_mapping(values))
-            best = report if best is None or report.seconds < best.seconds else best
-        assert best is not None
-        out = os.path.join(work, "cli")
-        cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", args.corpus,
-               "-t", args.tokenizer, "-o", out, "--text-field", args.text_field, "-q", "--json",
-               *args.extra]  # fmt: skip
-        start = time.perf_counter()
-        result = subprocess.run(cmd, capture_output=True, text=True, check=True)
-        cli_s = time.perf_counter() - start
-        cli_report = json.loads(result.stdout)
-        peak_rss_mb = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 1024
+        ceil_s, ceil_tokens, text_mb = ceiling(args.corpus, args.tokenizer, args.batch_docs)
+        ceil_tps = ceil_tokens / ceil_s
+        rows.append(("ceiling: encode_batch, all cores", f"{ceil_tps:,.0f}", "-", "-", "-",
+                     "1.00"))  # fmt: skip
+        base_tps = None
+        out = os.path.join(work, "c")
+        for n in [int(w) for w in args.workers.split(",")]:
+            env = {"RAYON_NUM_THREADS": "1"} if n == 1 else {}
+            label = f"workers={n}" + (", 1 core (RAYON_NUM_THREADS=1)" if n == 1 else
+                                      f", {max(1, cores // n)} Rayon thread(s) each")  # fmt: skip
+            report, wall, rss = build(args.corpus, args.tokenizer, out, n, env, args.batch_docs)
+            tps = report["tokens"] / report["seconds"]
+            base_tps = base_tps or tps
+            rows.append((label, f"{tps:,.0f}", f"{wall:.1f}", f"{rss:,.0f}",
+                         f"{tps / base_tps:.2f}", f"{tps / ceil_tps:.2f}"))  # fmt: skip
+        report, wall, rss = build(args.corpus, args.tokenizer, out, 1, {}, args.batch_docs)
+        tps = report["tokens"] / report["seconds"]
+        rows.append(("workers=1, Rayon on all cores (in-process)", f"{tps:,.0f}", f"{wall:.1f}",
+                     f"{rss:,.0f}", f"{tps / (base_tps or tps):.2f}",
+                     f"{tps / ceil_tps:.2f}"))  # fmt: skip
+        rss_rows = []
+        for name, corpus in (("1x", args.corpus), ("large", args.corpus_large)):
+            if not corpus:
+                continue
+            report, wall, rss = build(corpus, args.tokenizer, out, cores, {}, args.batch_docs)
+            rss_rows.append((name, corpus, report["documents"], report["tokens"], wall, rss))
+        if args.hf_python:
+            hf_out = os.path.join(work, "hf")
+            env = {**os.environ, "HF_DATASETS_OFFLINE": "1"}
+            cmd = [args.hf_python, "-c", HF_SCRIPT, args.corpus, args.tokenizer, hf_out]
+            wall, rss, stdout = run_measured(cmd, env)
+            inner = float(stdout.strip().splitlines()[-1])
+            tokens = rss_rows[0][3] if rss_rows else ceil_tokens  # same tokenizer, same ids
+            tps = tokens / inner
+            rows.append(("HF datasets map(num_proc=2)+save_to_disk", f"{tps:,.0f}",
+                         f"{wall:.1f}", f"{rss:,.0f}", f"{tps / (base_tps or tps):.2f}",
+                         f"{tps / ceil_tps:.2f}"))  # fmt: skip
     finally:
         shutil.rmtree(work, ignore_errors=True)
-
-    build_tps = best.tokens / best.seconds
-    ceil_tps = ceil_tokens / ceil_s
-    rows = [
-        ("ceiling: encode_batch", f"{ceil_tps:,.0f}", f"{text_mb / ceil_s:.2f}", "-", "1.00"),
-        ("build (in-process)", f"{build_tps:,.0f}", f"{text_mb / best.seconds:.2f}", "-",
-         f"{build_tps / ceil_tps:.2f}"),
-        ("build (CLI, cold start)", f"{cli_report['tokens'] / cli_s:,.0f}",
-         f"{text_mb / cli_s:.2f}", f"{peak_rss_mb:,.0f}",
-         f"{cli_report['tokens'] / cli_s / ceil_tps:.2f}"),
-    ]  # fmt: skip
-    print(
-        f"corpus {args.corpus}: {best.documents:,} docs, {text_mb:.1f} MB text, "
-        f"{corpus_bytes / 1e6:.1f} MB on disk, {best.tokens:,} tokens; cores {os.cpu_count()}"
-    )
-    print("| run | tokens/s | text MB/s | peak RSS MB | ratio |")
-    print("|---|---:|---:|---:|---:|")
+    print(f"corpus {args.corpus}: {text_mb:.1f} MB text, {ceil_tokens:,} tokens (w/o EOS); "
+          f"cores {cores}")  # fmt: skip
+    print("| run | tokens/s | wall s | peak RSS MiB | vs 1 core | vs ceiling |")
+    print("|---|---:|---:|---:|---:|---:|")
     for row in rows:
         print("| " + " | ".join(row) + " |")
+    if rss_rows:
+        print()
+        print(f"| corpus | documents | tokens | wall s | peak RSS MiB (tree, workers={cores}) |")
+        print("|---|---:|---:|---:|---:|")
+        for name, corpus, docs, tokens, wall, rss in rss_rows:
+            print(f"| {name} {corpus} | {docs:,} | {tokens:,} | {wall:.1f} | {rss:,.0f} |")
 
 
 if __name__ == "__main__":

@@ -26,6 +26,7 @@ from shardcache.errors import (
 )
 from shardcache.format import FORMAT_VERSION
 from shardcache.plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.verify import VerifyReport, verify_cache
 from shardcache.version import __version__
 
 _LAZY = {
@@ -69,11 +70,13 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "TokenizeOptions",
     "TokenizerError",
     "TorchDeviceBackend",
+    "VerifyReport",
     "__version__",
     "build_cache",
     "open_cache",
     "plan_epoch",
     "split_epoch",
+    "verify_cache",
 ]
 
 

@@ -33,6 +33,21 @@ DEFAULT_BUCKET_EDGES: tuple[int, ...] = (64, 128, 256, 512, 1024, 2048, 4096, 81
 #: open bucket fits comfortably in memory on a laptop.
 DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
 
+#: Uncompressed jsonl files and parquet files larger than this are cut into partitions of
+#: about this size (line boundaries / row groups), so one big file still uses every worker.
+#: 256 MiB is ~1-2 minutes of one core's tokenizing: long enough that per-partition costs
+#: (a process round trip, a few small files) vanish, short enough that a kill loses little.
+DEFAULT_PARTITION_SIZE_BYTES = 256 * 1024 * 1024
+MIN_PARTITION_SIZE_BYTES = 1024
+
+
+def default_workers() -> int:
+    """The CPU cores this process may use (the default ``--workers``)."""
+    try:
+        return max(1, len(os.sched_getaffinity(0)))
+    except (AttributeError, OSError):  # not on Linux
+        return max(1, os.cpu_count() or 1)
+
 
 @dataclass(frozen=True)
 class SourceOptions:
@@ -118,6 +133,11 @@ class BuildOptions:
     batch_docs: int = 1024  # documents handed to the tokenizer per encode_batch call
     force: bool = False
     data_version: str | None = None  # replaces the file hashes in the cache key's data part
+    #: Processes that run partitions; None = the cores this process may use. Never changes
+    #: the output bytes (and is not recorded in the manifest).
+    workers: int | None = None
+    #: Split uncompressed jsonl / parquet inputs larger than this (bytes) into partitions.
+    partition_size_bytes: int = DEFAULT_PARTITION_SIZE_BYTES
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -125,13 +145,30 @@ class BuildOptions:
             raise ConfigError("output: no output folder given; pass --output FOLDER")
         if not isinstance(self.batch_docs, int) or self.batch_docs < 1:
             raise ConfigError(f"batch_docs: got {self.batch_docs!r}, expected an integer >= 1")
+        if self.workers is not None and (not isinstance(self.workers, int) or self.workers < 1):
+            raise ConfigError(
+                f"workers: got {self.workers!r}, expected an integer >= 1 (or unset: all cores)"
+            )
+        if (
+            not isinstance(self.partition_size_bytes, int)
+            or self.partition_size_bytes < MIN_PARTITION_SIZE_BYTES
+        ):
+            raise ConfigError(
+                f"partition_size: got {self.partition_size_bytes!r} bytes, expected an integer "
+                f">= {MIN_PARTITION_SIZE_BYTES}"
+            )
+
+    @property
+    def num_workers(self) -> int:
+        """``workers``, with None resolved to the number of usable cores."""
+        return self.workers if self.workers is not None else default_workers()
 
     def to_json(self) -> dict[str, Any]:
         """The options as plain JSON (recorded in the manifest)."""
         return dataclasses.asdict(self)
 
 
-def parse_size(value: str | int) -> int:
+def parse_size(value: str | int, name: str = "shard_size") -> int:
     """Parse a byte size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` into bytes."""
     if isinstance(value, int):
         return value
@@ -151,7 +188,7 @@ def parse_size(value: str | int) -> int:
         return int(float(number) * factor)
     except ValueError:
         raise ConfigError(
-            f"shard_size: cannot read {value!r} as a size; use bytes or a suffix like 64MiB"
+            f"{name}: cannot read {value!r} as a size; use bytes or a suffix like 64MiB"
         ) from None
 
 
@@ -171,6 +208,7 @@ RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version",
+    "workers", "partition_size",
 }  # fmt: skip
 
 
@@ -217,4 +255,10 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
         layout=LayoutOptions(**layout_kwargs),
         batch_docs=int(values.get("batch_docs") or 1024),
         data_version=None if values.get("data_version") is None else str(values["data_version"]),
+        workers=values.get("workers"),
+        **(
+            {"partition_size_bytes": parse_size(values["partition_size"], "partition_size")}
+            if values.get("partition_size") is not None
+            else {}
+        ),
     )

@@ -4,8 +4,11 @@ A cache directory::
 
     manifest.json            written last, atomically: its presence means "committed"
     index/lengths.npy        uint32 length of every sequence, in sample-id order
+    quarantine.jsonl         one line per skipped bad record (sha256 in the manifest)
     shards/<part>-b<bucket>-<n>.arrow
-    parts/<part>.json        per-partition completion record (build bookkeeping)
+    parts/build.json         the plan and the options fingerprint (build bookkeeping)
+    parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
+    .lock                    only while a build runs (shardcache.buildlock)
 
 Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
 ``tokens: list<uint16|uint32>, record: int64, piece: int32``; one shard holds sequences of
@@ -94,6 +97,32 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_npy_concat_atomic(path: str, sources: list[str]) -> None:
+    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming:
+    memory is one source array, not the total. The bytes equal ``np.save`` of the
+    concatenated array (same header writer)."""
+    arrays_meta = []
+    for source in sources:
+        arr = np.load(source, mmap_mode="r", allow_pickle=False)
+        arrays_meta.append((source, arr.dtype, arr.shape[0]))
+    dtype = arrays_meta[0][1] if arrays_meta else np.dtype(np.uint32)
+    if any(d != dtype for _, d, _ in arrays_meta):
+        raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
+    total = sum(n for _, _, n in arrays_meta)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                  "fortran_order": False, "shape": (total,)}  # fmt: skip
+        np.lib.format.write_array_header_1_0(f, header)
+        for source, _, n in arrays_meta:
+            if n:
+                f.write(np.ascontiguousarray(np.load(source, allow_pickle=False)).tobytes())
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
@@ -267,16 +296,60 @@ def read_manifest(cache_dir: str) -> dict[str, Any]:
     return manifest
 
 
+#: Shards whose sha256 this process has already checked: (path, size, mtime_ns, sha256).
+_VERIFIED: set[tuple[str, int, int, str]] = set()
+
+
+def check_shard_file(path: str, info: dict[str, Any], checksum: bool = True) -> None:
+    """Raise :class:`CorruptShardError` unless ``path`` has the manifest's size and sha256.
+
+    The size is one ``stat``. The sha256 is a sequential read of the file (~0.5 s/GiB with
+    hardware SHA; the pages are then in the OS cache for the reads that follow), done at most
+    once per process per file version, so a flipped byte anywhere is caught before a sample
+    is returned, at the price of reading each opened shard once more.
+    """
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise CorruptShardError(
+            f"{path}: shard listed in the manifest is missing or unreadable ({err}); the cache "
+            "is incomplete: rebuild it or restore the file"
+        ) from err
+    expected_bytes = info.get("bytes")
+    if expected_bytes is not None and st.st_size != int(expected_bytes):
+        raise CorruptShardError(
+            f"{path}: not a readable shard: {st.st_size} bytes but the manifest says "
+            f"{expected_bytes} (truncated or replaced); run `shardcache verify` and rebuild"
+        )
+    expected = info.get("sha256")
+    if not checksum or not expected:
+        return
+    key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, str(expected))
+    if key in _VERIFIED:
+        return
+    actual = sha256_file(path)
+    if actual != expected:
+        raise CorruptShardError(
+            f"{path}: checksum mismatch: sha256 {actual[:16]}... but the manifest says "
+            f"{str(expected)[:16]}...; the shard is corrupt (flipped bytes or a partial "
+            "write): run `shardcache verify CACHE` to list every damaged file, then rebuild"
+        )
+    _VERIFIED.add(key)
+
+
 class ShardReader:
     """Random access to the sequences of one shard (memory-mapped when uncompressed).
 
-    On open it checks cheap invariants against the manifest entry (row count, token count,
-    value type, offsets monotone) and raises :class:`CorruptShardError` naming the file.
+    On open it checks the file against the manifest entry: size, sha256 (once per process,
+    see :func:`check_shard_file`; ``checksum=False`` skips it), then cheap structural
+    invariants (row count, token count, value type, offsets monotone), and raises
+    :class:`CorruptShardError` naming the file instead of returning garbage.
     """
 
-    def __init__(self, path: str, info: dict[str, Any], dtype: np.dtype):
+    def __init__(self, path: str, info: dict[str, Any], dtype: np.dtype, checksum: bool = True):
         self.path = path
         self.rows = int(info["rows"])
+        check_shard_file(path, info, checksum)
         try:
             source = pa.memory_map(path, "r")
             reader = pa.ipc.open_file(source)
@@ -377,11 +450,6 @@ class ShardCache:
             return reader
         info = self.shards[index]
         path = os.path.join(self.cache_dir, SHARD_DIR, info["name"])
-        if not os.path.isfile(path):
-            raise CorruptShardError(
-                f"{path}: shard listed in the manifest is missing; the cache is incomplete, "
-                "rebuild it or restore the file"
-            )
         reader = ShardReader(path, info, self.dtype)
         self._open[index] = reader
         if len(self._open) > self.size:

@@ -5,16 +5,30 @@ Owns two things:
 * :func:`list_inputs` turns files, folders and globs into a sorted list of
   :class:`InputFile` with a *relative path* (relative to the common parent folder of all
   inputs), so a corpus moved as a whole keeps the same provenance and cache key.
-* :func:`iter_text_batches` streams one file as batches of ``(texts, record_indices)``.
-  Nothing holds more than one batch of records. The record index is the 0-based line number
-  for jsonl formats (blank and bad lines count, so it always points at the physical line) and
-  the row number for parquet.
+* :func:`split_input` cuts a large input into :class:`InputSlice` s for parallel builds:
+  an uncompressed jsonl file into byte ranges that start and end at line boundaries, a
+  parquet file into runs of row groups. Compressed jsonl.zst / json.gz files cannot be
+  entered in the middle, so they stay one slice each (split such corpora into several files).
+  The split pass reads a jsonl file once with ``bytes.count``/``find`` (~GB/s) and hashes it
+  on the way, so each slice knows the file-global number of its first line and the file's
+  sha256 is still the hash of its whole bytes.
+* :func:`iter_text_batches` streams one file (or one slice) as batches of
+  ``(texts, record_indices)``. Nothing holds more than one batch of records: a batch is
+  flushed at ``batch_docs`` documents or :data:`MAX_BATCH_CHARS` characters of text,
+  whichever comes first, so a corpus of huge documents does not multiply memory by
+  ``batch_docs`` (a single document larger than that is a batch of its own). The record index
+  is the file-global 0-based line number for jsonl formats (blank and bad lines count, so it
+  always points at the physical line) and the row number for parquet.
 
 While a line-based file is read, its raw (compressed) bytes are hashed on the way through
 (:class:`HashingReader`), so the data component of the cache key costs no second pass.
 Bad records are never silently dropped: each one is handed to an ``on_bad`` callback with its
 reason (one of :data:`BAD_REASONS`), and with ``on_error="fail"`` raises
-:class:`~shardcache.errors.BadRecordError`.
+:class:`~shardcache.errors.BadRecordError`. A truncated or corrupt compressed file (or an
+unreadable parquet row group) raises :class:`~shardcache.errors.SourceError` naming the file,
+the last good line and the compressed offset; with ``on_error="skip"`` and an ``on_corrupt``
+callback the records decoded before the damage are kept (they are complete, valid lines), the
+loss is reported once (reason ``corrupt_file``) and the rest of that file is skipped.
 """
 
 from __future__ import annotations
@@ -25,6 +39,7 @@ import hashlib
 import io
 import json
 import os
+import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
@@ -50,11 +65,20 @@ BAD_REASONS = (
     "text_not_string",
     "empty_text",
     "blank_line",
+    "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
 )
 _READ_CHUNK = 1 << 20
+#: A batch is flushed at this many characters of text even below ``batch_docs`` documents.
+#: 8 Mi characters keep one batch (texts + ids + encodings) at a few tens of MB while staying
+#: far above the size where per-call overhead of ``encode_batch`` matters.
+MAX_BATCH_CHARS = 8 * 1024 * 1024
+_SCAN_CHUNK = 8 << 20
 
 #: Called as ``on_bad(record_index, reason, excerpt)`` for every skipped record.
 BadRecordCallback = Callable[[int, str, str], None]
+#: Called as ``on_corrupt(record_index, compressed_offset, message)`` when a file is damaged:
+#: ``record_index`` is the first line/row that could not be read.
+CorruptFileCallback = Callable[[int, int, str], None]
 
 
 @dataclass(frozen=True)
@@ -126,6 +150,141 @@ def list_inputs(specs: tuple[str, ...] | list[str]) -> list[InputFile]:
     ]
     files.sort(key=lambda f: f.relpath)
     return files
+
+
+@dataclass(frozen=True)
+class InputSlice:
+    """The part of one input file that one partition reads.
+
+    ``start``/``end`` are byte offsets (jsonl; ``end`` None = to the end of the file),
+    ``first_record`` the file-global index of its first line or row, ``row_groups`` the
+    parquet row groups (None = all).
+    """
+
+    start: int = 0
+    end: int | None = None
+    first_record: int = 0
+    row_groups: tuple[int, ...] | None = None
+
+    @property
+    def whole(self) -> bool:
+        return self.start == 0 and self.end is None and self.row_groups is None
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "start": self.start,
+            "end": self.end,
+            "first_record": self.first_record,
+            "row_groups": list(self.row_groups) if self.row_groups is not None else None,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InputSlice:
+        groups = data.get("row_groups")
+        return cls(
+            int(data["start"]),
+            None if data["end"] is None else int(data["end"]),
+            int(data["first_record"]),
+            None if groups is None else tuple(int(g) for g in groups),
+        )
+
+
+def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
+    """Cut ``file`` into slices of about ``partition_size_bytes``.
+
+    Returns the slices and, when the file was read to split it, its sha256 ("" otherwise: the
+    map step hashes whole-file partitions as it reads them). Files at or below the size, and
+    compressed jsonl, are one slice.
+    """
+    if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
+        return [InputSlice()], ""
+    if file.format == "parquet":
+        return _split_parquet(file, partition_size_bytes), hash_file(file.path)
+    return _split_lines(file, partition_size_bytes)
+
+
+def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
+    """One pass: hash, count newlines, and cut after the first newline past each target."""
+    digest = hashlib.sha256()
+    slices: list[InputSlice] = []
+    start, first_line = 0, 0
+    target = size
+    pos = 0  # file offset of chunk[0]
+    lines_before_chunk = 0
+    try:
+        f = open(file.path, "rb")  # noqa: SIM115
+    except OSError as err:
+        raise SourceError(f"{file.relpath}: cannot open: {err}") from err
+    with f:
+        while chunk := f.read(_SCAN_CHUNK):
+            digest.update(chunk)
+            while target < pos + len(chunk):
+                nl = chunk.find(b"\n", max(0, target - pos))
+                if nl < 0:
+                    break
+                end = pos + nl + 1
+                lines = lines_before_chunk + chunk.count(b"\n", 0, nl + 1)
+                if end < file.size:
+                    slices.append(InputSlice(start, end, first_line))
+                    start, first_line = end, lines
+                target = end + size
+            lines_before_chunk += chunk.count(b"\n")
+            pos += len(chunk)
+    slices.append(InputSlice(start, None, first_line))
+    return slices, digest.hexdigest()
+
+
+def _split_parquet(file: InputFile, size: int) -> list[InputSlice]:
+    """Runs of consecutive row groups of about ``size`` compressed bytes each."""
+    import pyarrow.parquet as pq
+
+    try:
+        meta = pq.ParquetFile(file.path).metadata
+    except Exception:  # unreadable: one slice, whose read reports the error
+        return [InputSlice()]
+    slices: list[InputSlice] = []
+    groups: list[int] = []
+    group_bytes, first_row, row = 0, 0, 0
+    for g in range(meta.num_row_groups):
+        rg = meta.row_group(g)
+        groups.append(g)
+        group_bytes += sum(rg.column(c).total_compressed_size for c in range(rg.num_columns))
+        row += rg.num_rows
+        if group_bytes >= size:
+            slices.append(InputSlice(0, None, first_row, tuple(groups)))
+            groups, group_bytes, first_row = [], 0, row
+    if groups or not slices:
+        slices.append(InputSlice(0, None, first_row, tuple(groups)))
+    if len(slices) == 1:
+        return [InputSlice()]
+    return slices
+
+
+class _RangeReader(io.RawIOBase):
+    """Raw reads of ``[start, end)`` of a file (``end`` None = to its end)."""
+
+    def __init__(self, raw: BinaryIO, start: int, end: int | None):
+        self._raw = raw
+        raw.seek(start)
+        self._left = None if end is None else end - start
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        view = memoryview(buffer)
+        if self._left is not None:
+            if self._left <= 0:
+                return 0
+            view = view[: self._left]
+        n = self._raw.readinto(view) or 0  # type: ignore[attr-defined]
+        if self._left is not None:
+            self._left -= n
+        return n
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
 
 
 class HashingReader(io.RawIOBase):
@@ -250,14 +409,21 @@ class _Batcher:
     """Collects valid texts into batches; routes bad records to the callback or raises."""
 
     def __init__(
-        self, relpath: str, batch_docs: int, on_error: str, on_bad: BadRecordCallback | None
+        self,
+        relpath: str,
+        batch_docs: int,
+        on_error: str,
+        on_bad: BadRecordCallback | None,
+        on_corrupt: CorruptFileCallback | None = None,
     ):
         self.relpath = relpath
         self.batch_docs = batch_docs
         self.on_error = on_error
         self.on_bad = on_bad
+        self.on_corrupt = on_corrupt
         self.texts: list[str] = []
         self.records: list[int] = []
+        self.chars = 0
 
     def bad(self, index: int, reason: str, raw: bytes | str) -> None:
         excerpt = _excerpt(raw)
@@ -269,28 +435,42 @@ class _Batcher:
         if self.on_bad is not None:
             self.on_bad(index, reason, excerpt)
 
-    def add(self, index: int, text: str) -> TextBatch | None:
+    def corrupt(self, index: int, offset: int, message: str, err: BaseException) -> None:
+        """The file is damaged from record ``index`` on: report it once, or raise."""
+        if self.on_error == "fail" or self.on_corrupt is None:
+            raise SourceError(
+                f"{message}; the file is truncated or corrupt: re-create or remove it, or "
+                "build with --on-error skip to keep the records before the damage"
+            ) from err
+        self.on_corrupt(index, offset, message)
+
+    def add(self, index: int, text: str) -> list[TextBatch]:
+        """Add one text; returns the batches that became full (usually none)."""
+        full = []
+        if self.texts and self.chars + len(text) > MAX_BATCH_CHARS:
+            full.append(self.flush())  # a huge text does not join (and inflate) a batch
         self.texts.append(text)
         self.records.append(index)
-        if len(self.texts) >= self.batch_docs:
-            return self.flush()
-        return None
+        self.chars += len(text)
+        if len(self.texts) >= self.batch_docs or self.chars >= MAX_BATCH_CHARS:
+            full.append(self.flush())
+        return [b for b in full if b is not None]
 
     def flush(self) -> TextBatch | None:
         if not self.texts:
             return None
         batch = TextBatch(self.texts, np.asarray(self.records, dtype=np.int64))
-        self.texts, self.records = [], []
+        self.texts, self.records, self.chars = [], [], 0
         return batch
 
 
 def _iter_lines(
-    file: InputFile, raw: HashingReader, batcher: _Batcher, text_field: str
+    file: InputFile, raw: HashingReader, batcher: _Batcher, text_field: str, first_record: int
 ) -> Iterator[TextBatch]:
     stream = _open_lines(raw, file.format)
-    index = -1
+    index = first_record - 1
     try:
-        for index, line in enumerate(stream):
+        for index, line in enumerate(stream, first_record):
             if not line.strip():
                 batcher.bad(index, "blank_line", line)
                 continue
@@ -308,44 +488,56 @@ def _iter_lines(
             if reason is not None:
                 batcher.bad(index, reason, decoded)
                 continue
-            batch = batcher.add(index, text)  # type: ignore[arg-type]
-            if batch is not None:
-                yield batch
-    except (zstandard.ZstdError, OSError, EOFError) as err:
-        raise SourceError(
+            yield from batcher.add(index, text)  # type: ignore[arg-type]
+    except (zstandard.ZstdError, OSError, EOFError, zlib.error) as err:
+        message = (
             f"{file.relpath}: cannot decompress {file.format} data after line {index + 1} "
-            f"(compressed offset ~{raw.bytes_read} of {file.size} bytes): {err}; the file is "
-            "truncated or corrupt, re-create or remove it"
-        ) from err
+            f"(compressed offset ~{raw.bytes_read} of {file.size} bytes): {err}"
+        )
+        batcher.corrupt(index + 1, raw.bytes_read, message, err)
     raw.drain()  # the digest must cover bytes a decompressor did not need (trailing data)
     batch = batcher.flush()
     if batch is not None:
         yield batch
 
 
-def _iter_parquet(file: InputFile, batcher: _Batcher, text_field: str) -> Iterator[TextBatch]:
+def _iter_parquet(
+    file: InputFile, batcher: _Batcher, text_field: str, part: InputSlice
+) -> Iterator[TextBatch]:
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
+    row = part.first_record
     try:
         pf = pq.ParquetFile(file.path)
     except Exception as err:  # pyarrow raises several types for a bad footer
-        raise SourceError(f"{file.relpath}: not a readable parquet file: {err}") from err
+        batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
+        return
     names = pf.schema_arrow.names
     if text_field not in names:
         raise SourceError(
             f"{file.relpath}: parquet file has no column {text_field!r} (columns: {names}); "
             "pass --text-field with one of them"
         )
-    row = 0
-    for record_batch in pf.iter_batches(batch_size=batcher.batch_docs, columns=[text_field]):
+    groups = list(part.row_groups) if part.row_groups is not None else None
+    batches = pf.iter_batches(
+        batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
+    )
+    while True:
+        try:
+            record_batch = next(batches, None)
+        except (pa.ArrowException, OSError) as err:
+            message = f"{file.relpath}: cannot read parquet data at row {row}: {err}"
+            batcher.corrupt(row, 0, message, err)
+            break
+        if record_batch is None:
+            break
         for value in record_batch.column(0).to_pylist():
             text, reason = _validate({text_field: value}, text_field)
             if reason is not None:
                 batcher.bad(row, reason, repr(value))
             else:
-                batch = batcher.add(row, text)  # type: ignore[arg-type]
-                if batch is not None:
-                    yield batch
+                yield from batcher.add(row, text)  # type: ignore[arg-type]
             row += 1
     batch = batcher.flush()
     if batch is not None:
@@ -367,29 +559,35 @@ def iter_text_batches(
     on_bad: BadRecordCallback | None = None,
     on_bytes: Callable[[int], None] | None = None,
     digest: FileDigest | None = None,
+    part: InputSlice | None = None,
+    on_corrupt: CorruptFileCallback | None = None,
 ) -> Iterator[TextBatch]:
-    """Stream a file's valid records as :class:`TextBatch` es.
+    """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
-    ``on_bytes(n)`` is called as raw bytes are consumed (progress); when the file has been
-    read to the end, ``digest.sha256`` holds the sha256 of the file's bytes.
+    ``on_bytes(n)`` is called as raw bytes are consumed (progress); when a whole file has been
+    read to the end, ``digest.sha256`` holds the sha256 of the file's bytes (a slice leaves it
+    empty: :func:`split_input` hashed the file).
     """
-    batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad)
+    part = part or InputSlice()
+    batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
     if file.format == "parquet":
-        yield from _iter_parquet(file, batcher, text_field)
-        sha = hash_file(file.path)
+        yield from _iter_parquet(file, batcher, text_field, part)
+        if part.whole:
+            sha = hash_file(file.path)
+            if digest is not None:
+                digest.sha256 = sha
         if on_bytes is not None:
-            on_bytes(file.size)
-        if digest is not None:
-            digest.sha256 = sha
+            on_bytes(file.size if part.whole else 0)
         return
     try:
         handle = open(file.path, "rb")  # noqa: SIM115 - closed by the HashingReader below
     except OSError as err:
         raise SourceError(f"{file.relpath}: cannot open: {err}") from err
-    raw = HashingReader(handle, on_bytes)  # type: ignore[arg-type]
+    source: Any = handle if part.whole else _RangeReader(handle, part.start, part.end)
+    raw = HashingReader(source, on_bytes)
     try:
-        yield from _iter_lines(file, raw, batcher, text_field)
-        if digest is not None:
+        yield from _iter_lines(file, raw, batcher, text_field, part.first_record)
+        if digest is not None and part.whole:
             digest.sha256 = raw.sha256.hexdigest()
     finally:
         raw.close()

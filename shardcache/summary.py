@@ -127,6 +127,10 @@ def report_json(report: BuildReport) -> dict[str, Any]:
         "tokens_per_second": round(report.tokens_per_second, 1),
         "stats": report.stats,
         "bad_records": report.bad_records,
+        "corrupt_files": report.corrupt_files,
+        "partitions": report.partitions,
+        "resumed_partitions": report.resumed_partitions,
+        "workers": report.workers,
     }
 
 
@@ -134,9 +138,16 @@ def format_report(report: BuildReport) -> str:
     st = report.stats
     secs = max(report.seconds, 1e-9)
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
+    resumed = f", {report.resumed_partitions} resumed" if report.resumed_partitions else ""
+    lost = [
+        f"lost         {c['source']} from line/row {c['record']} (offset ~{c['offset']}): "
+        f"{c['excerpt']}"
+        for c in report.corrupt_files
+    ]
     return "\n".join(
         [
             f"built        {report.output}",
+            f"partitions   {report.partitions}{resumed}, {report.workers} worker(s)",
             f"documents    {report.documents:,}",
             f"sequences    {report.sequences:,}",
             f"tokens       {report.tokens:,}",
@@ -145,6 +156,7 @@ def format_report(report: BuildReport) -> str:
             f"{st['dropped_documents']:,}, split {st['split_documents']:,}, "
             f"lost tokens {st['lost_tokens']:,}",
             f"bad records  {bad}",
+            *lost,
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]

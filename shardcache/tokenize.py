@@ -22,11 +22,17 @@ Throughput: ``encode_batch`` releases the GIL and runs on all cores (measured 1.
 the MiniLM WordPiece tokenizer on 2 cores, 1.9 CPU-s per wall-s). Extracting the Python id
 lists costs ~10% of that, so :func:`encode_ahead` runs the next ``encode_batch`` in a
 background thread while the caller converts and writes the previous one.
+
+Worker processes of a parallel build do not load the tokenizer through transformers (~2 s
+and ~260 MB per process for the import alone): the parent resolves everything transformers
+decides (special-token ids, the backend JSON) once, and :meth:`TextEncoder.spec` /
+:meth:`TextEncoder.from_spec` hand that plain-JSON state to the workers.
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import json
 import os
@@ -126,6 +132,7 @@ class TextEncoder:
         self.options = options
         self.hf = hf_tokenizer if hf_tokenizer is not None else load_hf_tokenizer(options.tokenizer)
         ensure_fast(self.hf, options.tokenizer)
+        self.hf_class = type(self.hf).__name__
         source = self.hf.backend_tokenizer
         #: The backend's own settings as saved (recorded in the cache key, then disabled).
         self.backend_truncation = _plain(source.truncation)
@@ -146,6 +153,40 @@ class TextEncoder:
         pad = getattr(self.hf, "pad_token_id", None)
         self.pad_id = int(pad) if pad is not None else 0
 
+    def spec(self) -> dict[str, Any]:
+        """Plain-JSON state from which :meth:`from_spec` rebuilds an equivalent encoder
+        without transformers (for worker processes)."""
+        return {
+            "options": dataclasses.asdict(self.options),
+            "backend": self.backend.to_str(),
+            "hf_class": self.hf_class,
+            "backend_truncation": self.backend_truncation,
+            "backend_padding": self.backend_padding,
+            "add_special_tokens": self.add_special_tokens,
+            "max_token_id": self.max_token_id,
+            "eos_id": self.eos_id,
+            "pad_id": self.pad_id,
+        }
+
+    @classmethod
+    def from_spec(cls, spec: dict[str, Any]) -> TextEncoder:
+        """The encoder described by :meth:`spec` (``hf`` is None: only encoding works)."""
+        from tokenizers import Tokenizer
+
+        self = cls.__new__(cls)
+        self.options = TokenizeOptions(**spec["options"])
+        self.hf = None
+        self.hf_class = spec["hf_class"]
+        self.backend_truncation = spec["backend_truncation"]
+        self.backend_padding = spec["backend_padding"]
+        self.backend = Tokenizer.from_str(spec["backend"])
+        self.add_special_tokens = bool(spec["add_special_tokens"])
+        self.max_token_id = int(spec["max_token_id"])
+        self.dtype = token_dtype(self.max_token_id)
+        self.eos_id = spec["eos_id"]
+        self.pad_id = int(spec["pad_id"])
+        return self
+
     def _end_token_id(self) -> int | None:
         for name in ("eos_token_id", "sep_token_id"):
             value = getattr(self.hf, name, None)
@@ -163,7 +204,7 @@ class TextEncoder:
         """Facts about the tokenizer recorded in the manifest."""
         return {
             "path": self.options.tokenizer,
-            "class": type(self.hf).__name__,
+            "class": self.hf_class,
             "vocab_size": int(self.backend.get_vocab_size(with_added_tokens=True)),
             "max_token_id": int(self.max_token_id),
             "dtype": self.dtype.name,

@@ -180,7 +180,10 @@ def corpus(tmp_path) -> Callable[..., tuple[str, dict[tuple[str, int], str]]]:
 
 @pytest.fixture()
 def build_cache(tmp_path) -> Callable[..., str]:
-    """``build_cache(input, tokenizer, **options)`` builds into a fresh folder; returns it."""
+    """``build_cache(input, tokenizer, **options)`` builds into a fresh folder; returns it.
+
+    Builds in-process (``workers=1``) unless a test asks for workers: a process pool costs
+    ~0.8 s to start, and the parallel path has its own tests in test_build.py."""
     from shardcache.build import build_cache as build
     from shardcache.config import build_options_from_mapping
 
@@ -188,7 +191,7 @@ def build_cache(tmp_path) -> Callable[..., str]:
 
     def run(inputs: str | list[str], tokenizer: str, **options) -> str:
         out = str(tmp_path / f"cache-{next(counter)}")
-        values = {"input": inputs, "tokenizer": tokenizer, "output": out, **options}
+        values = {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 1, **options}
         build(build_options_from_mapping(values))
         return out
 

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import os
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import write_records
 from shardcache import BadRecordError, SourceError
@@ -118,3 +121,73 @@ def test_batches_respect_batch_docs(tmp_path):
     sizes = [len(b.texts) for b in iter_text_batches(file, batch_docs=4)]
     assert sizes == [4, 4, 2]
     assert os.path.getsize(path) == file.size
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lines=st.lists(st.one_of(st.just(""), st.text(alphabet="ab\u00e9 ", max_size=40)), max_size=60),
+    trailing_newline=st.booleans(),
+    size=st.integers(min_value=1, max_value=300),
+)
+def test_split_lines_cover_the_file_at_line_boundaries(lines, trailing_newline, size):
+    import tempfile
+
+    from shardcache.sources import InputFile, _split_lines
+
+    raw = "\n".join(lines).encode() + (b"\n" if trailing_newline and lines else b"")
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        f.write(raw)
+        f.flush()
+        file = InputFile(f.name, "x.jsonl", len(raw), "jsonl")
+        spans, sha = _split_lines(file, size)
+    assert sha == hashlib.sha256(raw).hexdigest()
+    assert spans[0].start == 0 and spans[-1].end is None
+    for a, b in itertools.pairwise(spans):
+        assert a.end == b.start and a.start < a.end  # contiguous, non-empty
+        assert raw[b.start - 1 : b.start] == b"\n"  # cut just after a newline
+        assert b.first_record == raw[: b.start].count(b"\n")  # file-global line number
+
+
+def test_slices_read_the_same_records_as_the_whole_file(tmp_path):
+    from shardcache.sources import split_input
+
+    records = [{"text": f"doc {i} " + "x" * (i % 37)} if i % 9 else {"body": 1} for i in range(300)]
+    path = write_records(str(tmp_path / "a.jsonl"), records, "jsonl")
+    [file] = list_inputs([path])
+    whole_texts, whole_records, whole_bad = _collect(file)
+    spans, sha = split_input(file, 1024)
+    with open(path, "rb") as f:
+        assert len(spans) > 5 and sha == hashlib.sha256(f.read()).hexdigest()
+    texts, recs, bad = [], [], []
+    for span in spans:
+        t, r, b = _collect(file, part=span)
+        texts += t
+        recs += r
+        bad += b
+    assert (texts, recs, bad) == (whole_texts, whole_records, whole_bad)
+
+
+def test_batches_are_bounded_by_characters(tmp_path, monkeypatch):
+    import shardcache.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_BATCH_CHARS", 100)
+    texts = ["x" * 30] * 7 + ["y" * 500] + ["z"]
+    path = write_records(str(tmp_path / "a.jsonl"), [{"text": t} for t in texts], "jsonl")
+    [file] = list_inputs([path])
+    sizes = [len(b.texts) for b in iter_text_batches(file, batch_docs=1000)]
+    assert sizes == [3, 3, 1, 1, 1]  # at most 100 chars, except a huge document alone
+
+
+def test_truncated_zst_with_skip_reports_and_keeps_the_prefix(tmp_path):
+    import zstandard
+
+    data = b"".join(b'{"text": "doc %d"}\n' % i for i in range(20000))
+    blob = zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(blob[: len(blob) // 2])
+    [file] = list_inputs([str(path)])
+    corrupt = []
+    texts, records, _ = _collect(file, on_corrupt=lambda *a: corrupt.append(a))
+    [(record, offset, message)] = corrupt
+    assert records == list(range(len(records))) and record == len(records) > 0
+    assert texts[-1] == f"doc {record - 1}" and offset > 0 and "broken.jsonl.zst" in message

@@ -1,0 +1,291 @@
+"""``shardcache verify``: recompute every checksum and check the structure of a cache.
+
+What is checked (everything the manifest promises, nothing it does not):
+
+* the manifest: readable, supported ``format_version``, the keys a reader needs;
+* every shard listed: present, size and sha256 as recorded; an Arrow IPC file with the
+  ``tokens/record/piece`` schema and the manifest's token type; per record batch offsets that
+  start at 0, never decrease and end at the number of values; row and token counts as
+  recorded; every sequence length inside its bucket's range and ``<= max_length``; every
+  token id ``<= max_token_id`` (catches dtype overflow); record indices ``>= 0``;
+* the length index: present, size and sha256 as recorded, ``uint32``, one entry per row, equal
+  to the row lengths read from the shards (compared shard by shard against the memory-mapped
+  index, so memory stays at one record batch);
+* the quarantine file (when the manifest lists it): size, sha256, one line per bad record;
+* the totals: sequences, tokens, shards, shard bytes, documents against the inputs, and the
+  bad-record counts against the quarantine.
+
+Files in ``shards/`` that the manifest does not list are reported as ``extra_files`` (left over
+from an interrupted build, harmless to readers) but do not fail the check.
+
+Cost: one sequential read of every file (sha256), plus one pass over the decoded record
+batches; memory is one record batch (4 MiB of tokens) at a time.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+
+from shardcache.errors import CacheError
+from shardcache.format import SHARD_DIR, read_manifest, sha256_file
+
+
+@dataclass
+class Problem:
+    """One damaged or missing file: its path relative to the cache, a kind, the details."""
+
+    file: str
+    kind: str  # missing | size | checksum | structure | index | quarantine | manifest | totals
+    message: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"file": self.file, "kind": self.kind, "message": self.message}
+
+
+@dataclass
+class VerifyReport:
+    """The outcome of :func:`verify_cache`; ``ok`` when no problem was found."""
+
+    cache: str
+    files_checked: int = 0
+    bytes_checked: int = 0
+    problems: list[Problem] = field(default_factory=list)
+    extra_files: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
+
+    def add(self, file: str, kind: str, message: str) -> None:
+        self.problems.append(Problem(file, kind, message))
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "cache": self.cache,
+            "ok": self.ok,
+            "files_checked": self.files_checked,
+            "bytes_checked": self.bytes_checked,
+            "problems": [p.to_json() for p in self.problems],
+            "extra_files": self.extra_files,
+        }
+
+
+def _check_file(report: VerifyReport, root: str, rel: str, entry: dict[str, Any]) -> bool:
+    """Presence, size and sha256 of one file; True when all match."""
+    path = os.path.join(root, rel)
+    if not os.path.isfile(path):
+        report.add(rel, "missing", "listed in the manifest but not present")
+        return False
+    size = os.path.getsize(path)
+    report.files_checked += 1
+    report.bytes_checked += size
+    if "bytes" in entry and size != int(entry["bytes"]):
+        report.add(rel, "size", f"{size} bytes, the manifest says {entry['bytes']}")
+        return False
+    if "sha256" in entry and sha256_file(path) != entry["sha256"]:
+        report.add(rel, "checksum", f"sha256 differs from the manifest's {entry['sha256']}")
+        return False
+    return True
+
+
+def _check_shard(
+    report: VerifyReport,
+    root: str,
+    info: dict[str, Any],
+    manifest: dict[str, Any],
+    index: np.ndarray | None,
+    first_row: int,
+) -> tuple[int, int]:
+    """Structure of one shard; returns the (rows, tokens) actually found."""
+    rel = f"{SHARD_DIR}/{info['name']}"
+    dtype = np.dtype(manifest["dtype"])
+    expected_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
+    ranges = manifest["buckets"]["ranges"]
+    bucket = int(info["bucket"])
+    low, high = ranges[bucket] if 0 <= bucket < len(ranges) else (1, None)
+    max_length = manifest.get("options", {}).get("tokenize", {}).get("max_length")
+    max_id = manifest.get("tokenizer", {}).get("max_token_id")
+    rows = tokens = 0
+    try:
+        with pa.memory_map(os.path.join(root, rel), "r") as source:
+            reader = pa.ipc.open_file(source)
+            names = reader.schema.names
+            if names != ["tokens", "record", "piece"]:
+                report.add(rel, "structure", f"columns {names}, expected tokens/record/piece")
+                return 0, 0
+            for i in range(reader.num_record_batches):
+                batch = reader.get_batch(i)
+                column = batch.column(0)
+                where = f"record batch {i}"
+                if column.type.value_type != expected_type:
+                    report.add(
+                        rel,
+                        "structure",
+                        f"{where}: token type "
+                        f"{column.type.value_type}, the manifest says {dtype.name}",
+                    )
+                    return rows, tokens
+                offsets = column.offsets.to_numpy()
+                values = column.values.to_numpy(zero_copy_only=False)
+                lengths = np.diff(offsets)
+                if len(offsets) and (offsets[0] != 0 or offsets[-1] != len(values)):
+                    report.add(rel, "structure", f"{where}: offsets do not span the values")
+                    return rows, tokens
+                if np.any(lengths < 0):
+                    report.add(rel, "structure", f"{where}: offsets decrease")
+                    return rows, tokens
+                if len(lengths) and (
+                    lengths.min() < low
+                    or (high is not None and lengths.max() > high)
+                    or (max_length is not None and lengths.max() > max_length)
+                ):
+                    report.add(
+                        rel,
+                        "structure",
+                        f"{where}: a sequence length outside bucket "
+                        f"{bucket}'s range {low}..{high} (max_length {max_length})",
+                    )
+                if max_id is not None and len(values) and int(values.max()) > int(max_id):
+                    report.add(
+                        rel,
+                        "structure",
+                        f"{where}: token id {int(values.max())} above "
+                        f"the tokenizer's max id {max_id}",
+                    )
+                if len(batch) and batch.column(1).to_numpy().min() < 0:
+                    report.add(rel, "structure", f"{where}: negative record index")
+                if index is not None:
+                    start = first_row + rows
+                    stored = index[start : start + len(lengths)]
+                    if len(stored) != len(lengths) or not np.array_equal(stored, lengths):
+                        report.add(
+                            "index/lengths.npy",
+                            "index",
+                            f"rows {start}..{start + len(lengths) - 1} differ from {rel}",
+                        )
+                        index = None  # one report is enough
+                rows += len(lengths)
+                tokens += len(values)
+    except (OSError, pa.ArrowException) as err:
+        report.add(rel, "structure", f"not a readable Arrow IPC file: {err}")
+        return rows, tokens
+    if rows != int(info["rows"]) or tokens != int(info["tokens"]):
+        report.add(
+            rel,
+            "structure",
+            f"holds {rows} rows / {tokens} tokens, the manifest says "
+            f"{info['rows']} / {info['tokens']}",
+        )
+    return rows, tokens
+
+
+def _load_index(report: VerifyReport, root: str, manifest: dict[str, Any]) -> np.ndarray | None:
+    entry = manifest.get("index", {}).get("lengths")
+    if not isinstance(entry, dict) or "name" not in entry:
+        report.add("manifest.json", "manifest", "no index.lengths entry")
+        return None
+    rel = entry["name"]
+    if not _check_file(report, root, rel, entry):
+        return None
+    try:
+        index = np.load(os.path.join(root, rel), mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        report.add(rel, "index", f"not a readable .npy file: {err}")
+        return None
+    if index.dtype != np.uint32 or index.ndim != 1:
+        report.add(rel, "index", f"dtype {index.dtype} / shape {index.shape}, expected 1-d uint32")
+        return None
+    return index
+
+
+def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any]) -> None:
+    entry = manifest.get("quarantine")
+    if not isinstance(entry, dict):
+        return  # caches built before the quarantine was checksummed
+    rel = entry["name"]
+    if not _check_file(report, root, rel, entry):
+        return
+    lines = 0
+    with open(os.path.join(root, rel), "rb") as f:
+        while chunk := f.read(1 << 20):
+            lines += chunk.count(b"\n")
+    bad = sum((manifest.get("stats", {}).get("bad_records") or {}).values())
+    if lines != int(entry["records"]) or lines != bad:
+        report.add(
+            rel,
+            "quarantine",
+            f"{lines} lines, the manifest says {entry['records']} records and {bad} bad records",
+        )
+
+
+def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
+    """Check every file of the cache at ``path``; never raises for damage, reports it."""
+    root = os.fspath(path)
+    report = VerifyReport(cache=root)
+    try:
+        manifest = read_manifest(root)
+    except CacheError as err:
+        report.add("manifest.json", "manifest", str(err))
+        return report
+    missing = [k for k in ("shards", "index", "totals", "buckets", "dtype") if k not in manifest]
+    if missing:
+        report.add("manifest.json", "manifest", f"missing keys {missing}")
+        return report
+    report.files_checked += 1
+    index = _load_index(report, root, manifest)
+    shards = manifest["shards"]
+    first_row = 0
+    for info in shards:
+        rel = f"{SHARD_DIR}/{info['name']}"
+        if _check_file(report, root, rel, info):
+            _check_shard(report, root, info, manifest, index, first_row)
+        first_row += int(info["rows"])
+    if index is not None and len(index) != first_row:
+        report.add(
+            manifest["index"]["lengths"]["name"],
+            "index",
+            f"{len(index)} entries, the shards hold {first_row} rows",
+        )
+    _check_quarantine(report, root, manifest)
+    totals = manifest["totals"]
+    found = {
+        "sequences": first_row,
+        "tokens": sum(int(s["tokens"]) for s in shards),
+        "shards": len(shards),
+        "shard_bytes": sum(int(s["bytes"]) for s in shards),
+    }
+    if "inputs" in manifest:
+        found["documents"] = sum(int(i.get("documents", 0)) for i in manifest["inputs"])
+    for key, value in found.items():
+        if key in totals and int(totals[key]) != value:
+            report.add(
+                "manifest.json",
+                "totals",
+                f"totals.{key} is {totals[key]} but the entries add up to {value}",
+            )
+    listed = {s["name"] for s in shards}
+    shard_dir = os.path.join(root, SHARD_DIR)
+    if os.path.isdir(shard_dir):
+        report.extra_files = sorted(
+            f"{SHARD_DIR}/{n}" for n in os.listdir(shard_dir) if n not in listed
+        )
+    return report
+
+
+def format_verify(report: VerifyReport) -> str:
+    """Human-readable lines: one per problem, then a summary line."""
+    lines = [f"CORRUPT  {p.file}: {p.kind}: {p.message}" for p in report.problems]
+    lines += [
+        f"extra    {name} (not in the manifest; ignored by readers)" for name in report.extra_files
+    ]
+    status = "ok" if report.ok else f"{len(report.problems)} problem(s)"
+    lines.append(
+        f"verify {report.cache}: {status}; {report.files_checked} files, "
+        f"{report.bytes_checked / 1e6:.1f} MB checked"
+    )
+    return "\n".join(lines)
