@@ -68,8 +68,9 @@ import numpy as np
 
 from shardcache.bucket import assign_buckets, bucket_ranges, effective_edges
 from shardcache.buildlock import BuildLock
+from shardcache.chat import encoder_from_spec, encoder_spec, make_encoder, take_lint
 from shardcache.config import BuildOptions, default_workers
-from shardcache.errors import CacheError, ShardcacheError
+from shardcache.errors import BadRecordError, CacheError, ShardcacheError
 from shardcache.format import (
     FORMAT_VERSION,
     INDEX_DIR,
@@ -159,6 +160,7 @@ class PartitionResult:
     stats: TruncationStats
     bad_records: dict[str, int]
     corrupt: list[dict[str, Any]] = field(default_factory=list)
+    lint: dict[str, int] = field(default_factory=dict)  # chat lint counts of this partition
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -169,6 +171,7 @@ class PartitionResult:
             "stats": self.stats.to_json(),
             "bad_records": dict(sorted(self.bad_records.items())),
             "corrupt": self.corrupt,
+            "lint": dict(sorted(self.lint.items())),
         }
 
     @classmethod
@@ -181,6 +184,7 @@ class PartitionResult:
             stats=TruncationStats(**data["stats"]),
             bad_records=dict(data["bad_records"]),
             corrupt=list(data.get("corrupt", [])),
+            lint=dict(data.get("lint", {})),
         )
 
 
@@ -212,11 +216,12 @@ class BuildReport:
 
 
 def _options_json(options: BuildOptions) -> dict[str, Any]:
-    """Options as recorded in the manifest: without what cannot change the bytes."""
+    """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
+    cannot change the bytes (``strict_lint`` only decides whether to commit)."""
     data = options.to_json()
-    for key in ("force", "workers", "output"):
+    for key in ("force", "workers", "output", "strict_lint"):
         data.pop(key, None)
-    return data
+    return json.loads(json.dumps(data))
 
 
 def _inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
@@ -429,6 +434,15 @@ def build_partition(
         entry = {"source": relpath, "record": record, "reason": reason, "excerpt": excerpt}
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
+    def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
+        record = int(batch.records[doc])
+        if options.source.on_error == "fail":
+            raise BadRecordError(
+                f"{relpath}: record {record} cannot be used ({detail}); fix the input or the "
+                "chat template, or build with --on-error skip to quarantine such records"
+            )
+        on_bad(record, reason, detail)
+
     def on_corrupt(record: int, offset: int, message: str) -> None:
         bad["corrupt_file"] += 1
         entry = {"source": relpath, "record": record, "reason": "corrupt_file",
@@ -445,9 +459,11 @@ def build_partition(
             encoder.dtype,
             options.layout.shard_size_bytes,
             options.layout.compression,
+            with_mask=options.chat is not None,
         )
         for bucket in range(len(plan.edges) + 1)
     ]
+    take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
     digest = FileDigest()
     read_bytes = 0
 
@@ -466,21 +482,26 @@ def build_partition(
         digest=digest,
         part=partition.span,
         on_corrupt=on_corrupt,
+        kind="text" if options.chat is None else "chat",
     )
     try:
         for batch, ids in encode_ahead(encoder, batches):
             _check_parent()
             encoded = encoder.finish(ids, stats)
             del ids
+            for doc, reason, detail in encoded.failed:  # conversations the template refused
+                batch_bad(batch, doc, reason, detail)
             records = batch.records[encoded.doc_index]
             buckets = assign_buckets(encoded.lengths, plan.edges)
             for b in np.unique(buckets):
                 rows = buckets == b
+                token_rows = np.repeat(rows, encoded.lengths)
                 writers[int(b)].add(
-                    encoded.tokens[np.repeat(rows, encoded.lengths)],
+                    encoded.tokens[token_rows],
                     encoded.lengths[rows],
                     records[rows],
                     encoded.piece[rows],
+                    None if encoded.mask is None else encoded.mask[token_rows],
                 )
             progress.update(len(batch.texts), int(encoded.lengths.sum()))
             _test_kill_point("batch")
@@ -505,6 +526,7 @@ def build_partition(
         stats=stats,
         bad_records=dict(bad),
         corrupt=corrupt,
+        lint=take_lint(encoder),
     )
     write_json_atomic(os.path.join(out, PARTS_DIR, f"{partition.id}.json"), result.to_json())
     _test_kill_point("part")
@@ -563,7 +585,7 @@ def _worker_init(
     # before the tokenizer's Rayon pool starts (on the first encode_batch)
     os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
-    _WORKER.update(encoder=TextEncoder.from_spec(spec), plan=plan, queue=queue)
+    _WORKER.update(encoder=encoder_from_spec(spec), plan=plan, queue=queue)
 
 
 def _worker_run(index: int) -> dict[str, Any]:
@@ -604,7 +626,7 @@ def _run_pool(
         max_workers=workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(encoder.spec(), plan, queue, rayon_threads, os.getpid()),
+        initargs=(encoder_spec(encoder), plan, queue, rayon_threads, os.getpid()),
     )
     index = {p.id: i for i, p in enumerate(plan.partitions)}
     futures: dict[Future[dict[str, Any]], Partition] = {}
@@ -677,6 +699,16 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
     """
     options = plan.options
     out = options.output
+    lint: Counter[str] = Counter()
+    for r in results:
+        lint.update(r.lint)
+    problems = {k: v for k, v in sorted(lint.items()) if v and k != "template_checked"}
+    if options.strict_lint and problems:
+        raise ShardcacheError(
+            f"chat lint found problems with --strict-lint: {problems}; the cache was not "
+            "committed (the partitions are kept). Fix the template/data, or rerun without "
+            "--strict-lint to commit anyway (see `shardcache info` for the counts)"
+        )
     parts = os.path.join(out, PARTS_DIR)
     lengths_path = os.path.join(out, LENGTHS_FILE)
     write_npy_concat_atomic(
@@ -719,6 +751,7 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
     manifest = {
         "format_version": FORMAT_VERSION,
         "shardcache_version": __version__,
+        "kind": "text" if options.chat is None else "chat",
         "options": _options_json(options),
         "tokenizer": encoder.describe(),
         "dtype": encoder.dtype.name,
@@ -742,6 +775,7 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
             **stats.to_json(),
             "bad_records": dict(sorted(bad.items())),
             "corrupt_files": [c for r in results for c in r.corrupt],
+            "lint": dict(sorted(lint.items())),
         },
         "totals": {
             "documents": stats.documents,
@@ -773,7 +807,9 @@ def build_cache(
     started = time.perf_counter()
     inputs = list_inputs(options.source.inputs)
     encoder = (
-        encoder_factory(options) if encoder_factory is not None else TextEncoder(options.tokenize)
+        encoder_factory(options)
+        if encoder_factory is not None
+        else make_encoder(options.tokenize, options.chat)
     )
     workers = options.num_workers
     if os.path.exists(options.output) and not os.path.isdir(options.output):

@@ -36,6 +36,8 @@ class Sequence:
     sample_id: int
     ids: np.ndarray
     provenance: Provenance
+    #: bool per token, True where the token has a loss (chat data); None for plain text
+    mask: np.ndarray | None = None
 
 
 class Cache:
@@ -120,6 +122,25 @@ class Cache:
             out.extend(get(shard).tokens_many([sample_id - starts[shard]]))
         return out
 
+    @property
+    def has_mask(self) -> bool:
+        """True for chat caches, whose shards store a loss mask per token."""
+        return self.manifest.get("kind") == "chat"
+
+    def read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+        """The loss masks of several sequences (all True for plain-text caches)."""
+        starts = self._starts_list
+        get = self._shards.get
+        out: list[np.ndarray] = []
+        for sample_id in np.asarray(sample_ids, dtype=np.int64).tolist():
+            if not 0 <= sample_id < self.num_sequences:
+                raise IndexError(
+                    f"sample id {sample_id} out of range: the cache holds {self.num_sequences}"
+                )
+            shard = bisect.bisect_right(starts, sample_id) - 1
+            out.extend(get(shard).masks_many([sample_id - starts[shard]]))
+        return out
+
     def lookup(self, sample_id: int) -> Provenance:
         """The input file, record index and piece index a sample id came from."""
         shard, row = self._locate(sample_id)
@@ -131,8 +152,9 @@ class Cache:
         sample_id = 0
         for index, info in enumerate(self.shards):
             reader = self._shards.get(index)
-            for ids, record, piece in reader.iter_rows():
-                yield Sequence(sample_id, ids, Provenance(info["source"], record, piece))
+            for row, (ids, record, piece) in enumerate(reader.iter_rows()):
+                mask = reader.masks_many([row])[0] if reader.has_mask else None
+                yield Sequence(sample_id, ids, Provenance(info["source"], record, piece), mask)
                 sample_id += 1
 
 

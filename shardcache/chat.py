@@ -402,3 +402,44 @@ def _bos_added_by_post_processor(text: Any) -> int | None:
     if len(with_specials) > len(without) and with_specials[: len(without)] != without:
         return int(with_specials[0])
     return None
+
+
+def make_encoder(tokenize: Any, chat: ChatOptions | None) -> Any:
+    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data."""
+    from shardcache.tokenize import TextEncoder
+
+    text = TextEncoder(tokenize)
+    return text if chat is None else ChatEncoder(text, chat)
+
+
+def encoder_spec(encoder: Any) -> dict[str, Any]:
+    """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
+    worker process (chat: the tokenizer is loaded again, with transformers, for rendering)."""
+    import dataclasses
+
+    if isinstance(encoder, ChatEncoder):
+        return {
+            "kind": "chat",
+            "tokenize": dataclasses.asdict(encoder.text.options),
+            "chat": dataclasses.asdict(encoder.options),
+        }
+    return {"kind": "text", "text": encoder.spec()}
+
+
+def encoder_from_spec(spec: dict[str, Any]) -> Any:
+    from shardcache.config import TokenizeOptions
+    from shardcache.tokenize import TextEncoder
+
+    if spec["kind"] == "chat":
+        return make_encoder(TokenizeOptions(**spec["tokenize"]), ChatOptions(**spec["chat"]))
+    return TextEncoder.from_spec(spec["text"])
+
+
+def take_lint(encoder: Any) -> dict[str, int]:
+    """The lint counts gathered since the last call (per partition), then reset."""
+    if not isinstance(encoder, ChatEncoder):
+        return {}
+    counts = encoder.lint.to_json()
+    encoder.lint = ChatLint()
+    encoder._checked = 0
+    return counts

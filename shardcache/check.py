@@ -19,7 +19,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardcache.config import tokenize_options_from_mapping
+from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
 from shardcache.format import read_manifest
 from shardcache.key import (
     CacheKey,
@@ -63,9 +63,9 @@ def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, A
 
 def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
     """The key the current configuration (recipe values + flags) would build."""
-    from shardcache.tokenize import TextEncoder
+    from shardcache.chat import make_encoder
 
-    encoder = TextEncoder(tokenize_options_from_mapping(values))
+    encoder = make_encoder(tokenize_options_from_mapping(values), chat_options_from_mapping(values))
     return compute_key(encoder, current_data(values, hashing))
 
 

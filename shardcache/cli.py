@@ -122,6 +122,16 @@ def key_options(func: F) -> F:
             help="What to do with longer sequences: keep the first max-length tokens, drop "
             "the document, or split it into consecutive pieces.  [default: truncate]",
         ),
+        click.option("--chat", is_flag=True, default=None, help="Chat data: render each "
+                     "record's messages with a chat template and store loss masks."),
+        click.option("--messages-field", help="Chat: field holding the list of {role, content} "
+                     "messages.  [default: messages]"),
+        click.option("--chat-template", type=click.Path(dir_okay=False), help="Chat: a Jinja "
+                     "template file.  [default: the tokenizer's chat_template]"),
+        click.option("--train-on", type=click.Choice(["assistant", "last-assistant", "all"]),
+                     help="Chat: which tokens carry a loss.  [default: assistant]"),
+        click.option("--truncation-side", type=click.Choice(["right", "left"]),
+                     help="Chat: which end of a long conversation is cut.  [default: right]"),
         click.option("--data-version", help="A version name for the data, recorded in the "
                      "cache key instead of the input files' hashes."),
     ]  # fmt: skip
@@ -172,6 +182,13 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "--partition-size",
     help="Split uncompressed jsonl and parquet inputs larger than this into partitions "
     "(line boundaries / row groups), e.g. 256MiB.  [default: 256MiB]",
+)
+@click.option(
+    "--strict-lint",
+    is_flag=True,
+    default=None,
+    help="Chat: fail the build (no manifest) when the lint finds double BOS, a missing "
+    "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
     "--force",

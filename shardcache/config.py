@@ -19,6 +19,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardcache.chat import ChatOptions
 from shardcache.errors import ConfigError
 
 TRUNCATION_STRATEGIES = ("truncate", "drop", "split")
@@ -138,6 +139,10 @@ class BuildOptions:
     workers: int | None = None
     #: Split uncompressed jsonl / parquet inputs larger than this (bytes) into partitions.
     partition_size_bytes: int = DEFAULT_PARTITION_SIZE_BYTES
+    #: Chat data (conversations rendered with a template, loss masks); None = plain text.
+    chat: ChatOptions | None = None
+    #: Fail the build (no manifest) when the chat lint counts anything suspicious.
+    strict_lint: bool = False
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -207,21 +212,47 @@ def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
 RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
-    "data_version",
-    "workers", "partition_size",
+    "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
+    "train_on", "truncation_side", "strict_lint",
 }  # fmt: skip
 
 
+CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
+
+
+def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
+    """Chat options when ``chat = true`` or any chat option is given, else None."""
+    if not values.get("chat") and all(values.get(k) is None for k in CHAT_KEYS):
+        return None
+    return ChatOptions(
+        messages_field=values.get("messages_field") or "messages",
+        template_path=values.get("chat_template"),
+        train_on=values.get("train_on") or "assistant",
+        truncation_side=values.get("truncation_side") or "right",
+    )
+
+
 def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
-    """The tokenizer/truncation part of flat recipe/CLI values (for check, lock, expect)."""
+    """The tokenizer/truncation part of flat recipe/CLI values (for check, lock, expect).
+
+    ``append_eos`` defaults to True for text and False for chat data (chat templates write
+    their own end-of-turn markers)."""
     if values.get("tokenizer") in (None, ""):
         raise ConfigError("tokenizer: not given; pass --tokenizer FOLDER or a recipe with one")
+    chat = chat_options_from_mapping(values) is not None
+    append_eos = values.get("append_eos")
+    truncation = values.get("truncation") or "truncate"
+    if chat and truncation == "split":
+        raise ConfigError(
+            "truncation: 'split' is for plain text (a piece of a conversation has no prompt); "
+            "use truncate (with --truncation-side) or drop for chat data"
+        )
     return TokenizeOptions(
         tokenizer=values["tokenizer"],
         add_special_tokens=values.get("add_special_tokens"),
-        append_eos=bool(values.get("append_eos", True)),
+        append_eos=(not chat) if append_eos is None else bool(append_eos),
         max_length=values.get("max_length"),
-        truncation=values.get("truncation") or "truncate",
+        truncation=truncation,
     )
 
 
@@ -244,10 +275,13 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
         layout_kwargs["shard_size_bytes"] = parse_size(values["shard_size"])
     if values.get("compression") is not None:
         layout_kwargs["compression"] = values["compression"]
+    chat = chat_options_from_mapping(values)
+    if chat is not None and values.get("text_field"):
+        raise ConfigError("text_field: not used for chat data; give messages_field instead")
     return BuildOptions(
         source=SourceOptions(
             inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
-            text_field=values.get("text_field") or "text",
+            text_field=chat.messages_field if chat else values.get("text_field") or "text",
             on_error=values.get("on_error") or "skip",
         ),
         tokenize=tokenize_options_from_mapping(values),
@@ -261,4 +295,6 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
             if values.get("partition_size") is not None
             else {}
         ),
+        chat=chat,
+        strict_lint=bool(values.get("strict_lint", False)),
     )

@@ -9,7 +9,8 @@ batch holds depends on ``PlanOptions.mode``:
 * ``input_ids`` int64 ``B x L`` (``L`` = longest row, rounded up to ``pad_to_multiple_of``),
   padded with the tokenizer's pad id; ``B x L <= max_tokens``;
 * ``attention_mask`` int64, 1 on tokens, 0 on padding;
-* ``labels`` int64, the input ids with -100 on padding;
+* ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
+  outside the trainable turns: the stored loss mask);
 * ``sample_ids`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
 
 ``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
@@ -402,6 +403,11 @@ class ShardDataset(IterableDataset):
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         return self._cache.read_many(sample_ids)
 
+    def _read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray] | None:
+        """Loss masks for chat caches (tokens outside the trainable turns get -100), else None."""
+        assert self._cache is not None
+        return self._cache.read_masks(sample_ids) if self._cache.has_mask else None
+
     def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         rows = self._read(np.asarray(sample_ids))
@@ -412,7 +418,13 @@ class ShardDataset(IterableDataset):
         # short buckets number in the hundreds per batch
         input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
         input_ids[mask] = np.concatenate(rows)
-        labels = np.where(mask, input_ids, -100)
+        loss_masks = self._read_masks(np.asarray(sample_ids))
+        if loss_masks is not None:
+            trainable = np.zeros_like(mask)
+            trainable[mask] = np.concatenate(loss_masks)
+            labels = np.where(trainable, input_ids, -100)
+        else:
+            labels = np.where(mask, input_ids, -100)
         return {
             "input_ids": torch.from_numpy(input_ids),
             "attention_mask": torch.from_numpy(mask.astype(np.int64)),
@@ -425,11 +437,17 @@ class ShardDataset(IterableDataset):
         ids, starts, taken = plan.segments(index)
         bounds = plan.row_bounds(index).tolist()
         pieces = self._read(ids)
+        loss_masks = self._read_masks(ids)
         if taken is not None:
             pieces = [p[s : s + n] for p, s, n in zip(pieces, starts.tolist(), taken.tolist())]
+            if loss_masks is not None:
+                loss_masks = [
+                    m[s : s + n] for m, s, n in zip(loss_masks, starts.tolist(), taken.tolist())
+                ]
         num_rows = len(bounds) - 1
         # segments in flat order with the padding run of each row as a segment of its own
         parts: list[np.ndarray] = []
+        loss_parts: list[np.ndarray] = []
         seg_len: list[int] = []
         seg_sample: list[int] = []
         seg_offset: list[int] = []
@@ -439,12 +457,15 @@ class ShardDataset(IterableDataset):
             for k in range(bounds[r], bounds[r + 1]):
                 piece = pieces[k]
                 parts.append(piece)
+                if loss_masks is not None:
+                    loss_parts.append(loss_masks[k])
                 used += len(piece)
                 seg_len.append(len(piece))
                 seg_sample.append(id_list[k])
                 seg_offset.append(start_list[k])
             if used < seq_len:
                 parts.append(np.full(seq_len - used, self.pad_id, dtype=np.int64))
+                loss_parts.append(np.zeros(seq_len - used, dtype=bool))
                 seg_len.append(seq_len - used)
                 seg_sample.append(-1)
                 seg_offset.append(-1)
@@ -458,6 +479,8 @@ class ShardDataset(IterableDataset):
         labels[cu_seqlens[:-1]] = -100  # a segment's first token is never a target
         for k in np.flatnonzero(sample < 0).tolist():
             labels[cu_seqlens[k] : cu_seqlens[k + 1]] = -100
+        if loss_masks is not None:  # chat: only the trainable turns carry a loss
+            labels[~np.concatenate(loss_parts)] = -100
         shape = (num_rows, seq_len)
         return {
             "input_ids": torch.from_numpy(flat.reshape(shape)),

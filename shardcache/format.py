@@ -51,15 +51,18 @@ LENGTHS_FILE = "index/lengths.npy"
 RECORD_BATCH_BYTES = 4 * 1024 * 1024
 
 
-def shard_schema(dtype: np.dtype) -> pa.Schema:
+def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
+    """``tokens``, ``record``, ``piece``; chat caches add ``mask`` (list<bool>, one bit per
+    token on disk: 1 = the token has a loss)."""
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
-    return pa.schema(
-        [
-            pa.field("tokens", pa.list_(value_type), nullable=False),
-            pa.field("record", pa.int64(), nullable=False),
-            pa.field("piece", pa.int32(), nullable=False),
-        ]
-    )
+    fields = [
+        pa.field("tokens", pa.list_(value_type), nullable=False),
+        pa.field("record", pa.int64(), nullable=False),
+        pa.field("piece", pa.int32(), nullable=False),
+    ]
+    if with_mask:
+        fields.append(pa.field("mask", pa.list_(pa.bool_()), nullable=False))
+    return pa.schema(fields)
 
 
 def sha256_file(path: str) -> str:
@@ -163,8 +166,10 @@ class BucketWriter:
         dtype: np.dtype,
         shard_size_bytes: int,
         compression: str,
+        with_mask: bool = False,
     ):
         self.cache_dir = cache_dir
+        self.with_mask = with_mask
         self.partition = partition
         self.source = source
         self.bucket = bucket
@@ -172,10 +177,10 @@ class BucketWriter:
         self.shard_size_bytes = shard_size_bytes
         self.batch_bytes = min(RECORD_BATCH_BYTES, shard_size_bytes)
         self.compression = None if compression == "none" else compression
-        self.schema = shard_schema(self.dtype)
+        self.schema = shard_schema(self.dtype, with_mask)
         self.shards: list[ShardInfo] = []
         self.lengths: list[np.ndarray] = []  # per closed shard
-        self._pending: list[tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = []
+        self._pending: list[tuple[np.ndarray, ...]] = []
         self._pending_bytes = 0
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
         self._sink: pa.NativeFile | None = None
@@ -188,9 +193,21 @@ class BucketWriter:
         return f"{self.partition}-b{self.bucket:02d}-{len(self.shards):05d}.arrow"
 
     def add(
-        self, tokens: np.ndarray, lengths: np.ndarray, records: np.ndarray, pieces: np.ndarray
+        self,
+        tokens: np.ndarray,
+        lengths: np.ndarray,
+        records: np.ndarray,
+        pieces: np.ndarray,
+        mask: np.ndarray | None = None,
     ) -> None:
-        """Append sequences (flat ``tokens`` cut by ``lengths``) in order."""
+        """Append sequences (flat ``tokens`` cut by ``lengths``) in order; ``mask`` (flat,
+        like ``tokens``) is required exactly when the writer was made ``with_mask``."""
+        if (mask is None) == self.with_mask:
+            raise ValueError(
+                f"BucketWriter: mask given={mask is not None}, with_mask={self.with_mask}"
+            )
+        if mask is None:
+            mask = np.zeros(0, dtype=bool)
         itemsize = self.dtype.itemsize
         while len(lengths):
             room = self.batch_bytes - self._pending_bytes
@@ -199,9 +216,11 @@ class BucketWriter:
             cut = int(np.searchsorted(cum, room, side="left")) + 1
             cut = min(cut, len(lengths))
             n_tok = int(lengths[:cut].sum())
-            self._pending.append((tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut]))
+            self._pending.append(
+                (tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut], mask[:n_tok])
+            )
             self._pending_bytes += n_tok * itemsize
-            tokens, lengths = tokens[n_tok:], lengths[cut:]
+            tokens, lengths, mask = tokens[n_tok:], lengths[cut:], mask[n_tok:]
             records, pieces = records[cut:], pieces[cut:]
             if self._pending_bytes >= self.batch_bytes:
                 self._write_batch()
@@ -213,14 +232,17 @@ class BucketWriter:
         lengths = np.concatenate([p[1] for p in self._pending])
         records = np.concatenate([p[2] for p in self._pending])
         pieces = np.concatenate([p[3] for p in self._pending])
+        mask = np.concatenate([p[4] for p in self._pending]) if self.with_mask else None
         self._pending, self._pending_bytes = [], 0
-        offsets = np.zeros(len(lengths) + 1, dtype=np.int32)
-        np.cumsum(lengths, out=offsets[1:])
-        column = pa.ListArray.from_arrays(pa.array(offsets), pa.array(tokens))
-        batch = pa.record_batch(
-            [column, pa.array(records, pa.int64()), pa.array(pieces.astype(np.int32))],
-            schema=self.schema,
-        )
+        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        columns = [
+            pa.ListArray.from_arrays(offsets, pa.array(tokens)),
+            pa.array(records, pa.int64()),
+            pa.array(pieces.astype(np.int32)),
+        ]
+        if mask is not None:
+            columns.append(pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())))
+        batch = pa.record_batch(columns, schema=self.schema)
         if self._writer is None:
             path = os.path.join(self.cache_dir, SHARD_DIR, self._shard_name() + ".tmp")
             self._sink = pa.OSFile(path, "wb")
@@ -362,6 +384,8 @@ class ShardReader:
         self._offsets: list[np.ndarray] = []
         self._records: list[np.ndarray] = []
         self._pieces: list[np.ndarray] = []
+        self._masks: list[tuple[np.ndarray, int]] = []  # (bitmap bytes, bit offset) per batch
+        self.has_mask = False
         starts = [0]
         expected_type = pa.uint16() if np.dtype(dtype) == np.uint16 else pa.uint32()
         tokens = 0
@@ -382,6 +406,9 @@ class ShardReader:
             self._offsets.append(offsets)
             self._records.append(batch.column(1).to_numpy())
             self._pieces.append(batch.column(2).to_numpy())
+            if batch.num_columns > 3:
+                self.has_mask = True
+                self._masks.append(_mask_bits(path, batch.column(3), offsets))
             starts.append(starts[-1] + batch.num_rows)
             tokens += len(values)
         self._starts = np.asarray(starts, dtype=np.int64)
@@ -419,6 +446,29 @@ class ShardReader:
             out.append(values[b][offsets[b][r] : offsets[b][r + 1]])
         return out
 
+    def masks_many(self, rows: list[int]) -> list[np.ndarray]:
+        """The loss masks (bool per token) of several rows; all True when the shard has none
+        (plain text: every token has a loss)."""
+        if self._starts_list is None:
+            self._starts_list = self._starts.tolist()
+        starts, offsets = self._starts_list, self._offsets
+        out = []
+        for row in rows:
+            if not 0 <= row < self.rows:
+                raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
+            b = bisect.bisect_right(starts, row) - 1
+            r = row - starts[b]
+            lo, hi = int(offsets[b][r]), int(offsets[b][r + 1])
+            if not self.has_mask:
+                out.append(np.ones(hi - lo, dtype=bool))
+                continue
+            bits, shift = self._masks[b]
+            first, last = (shift + lo) // 8, (shift + hi + 7) // 8
+            unpacked = np.unpackbits(bits[first:last], bitorder="little")
+            start = (shift + lo) - first * 8
+            out.append(unpacked[start : start + hi - lo].astype(bool))
+        return out
+
     def provenance(self, row: int) -> tuple[int, int]:
         """``(record index in the source file, piece index)`` of one row."""
         b, r = self._locate(row)
@@ -431,6 +481,16 @@ class ShardReader:
         ):
             for r in range(len(records)):
                 yield values[offsets[r] : offsets[r + 1]], int(records[r]), int(pieces[r])
+
+
+def _mask_bits(path: str, column: pa.ListArray, offsets: np.ndarray) -> tuple[np.ndarray, int]:
+    """The packed validity-free bitmap of a list<bool> column's values and its bit offset."""
+    values = column.values
+    if values.null_count or not np.array_equal(column.offsets.to_numpy(), offsets):
+        raise CorruptShardError(f"{path}: the loss mask does not line up with the tokens; rebuild")
+    data = values.buffers()[1]
+    bits = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
+    return bits, values.offset
 
 
 class ShardCache:

@@ -22,7 +22,7 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - exercised on 3.10 only
     import tomli as tomllib
 
-PATH_KEYS = ("input", "tokenizer", "output")
+PATH_KEYS = ("input", "tokenizer", "output", "chat_template")
 
 
 def load_recipe(path: str) -> dict[str, Any]:

@@ -343,10 +343,16 @@ def _excerpt(data: bytes | str, limit: int = 120) -> str:
     return data if len(data) <= limit else data[:limit] + "…"
 
 
-def _validate(obj: Any, text_field: str) -> tuple[str | None, str | None]:
-    """Return (text, None) for a valid record, else (None, reason)."""
+def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str | None]:
+    """Return (value, None) for a valid record, else (None, reason). ``kind="chat"``: the
+    field holds a conversation (a list of {role, content} messages)."""
     if not isinstance(obj, dict):
         return None, "not_an_object"
+    if kind == "chat":
+        from shardcache.chat import validate_messages
+
+        reason = validate_messages(obj.get(text_field))
+        return (None, reason) if reason is not None else (obj[text_field], None)
     if text_field not in obj or obj[text_field] is None:
         return None, "no_text_field"
     text = obj[text_field]
@@ -421,6 +427,7 @@ class _Batcher:
         self.on_error = on_error
         self.on_bad = on_bad
         self.on_corrupt = on_corrupt
+        self.kind = "text"
         self.texts: list[str] = []
         self.records: list[int] = []
         self.chars = 0
@@ -444,14 +451,16 @@ class _Batcher:
             ) from err
         self.on_corrupt(index, offset, message)
 
-    def add(self, index: int, text: str) -> list[TextBatch]:
-        """Add one text; returns the batches that became full (usually none)."""
+    def add(self, index: int, text: Any) -> list[TextBatch]:
+        """Add one text (or conversation); returns the batches that became full (usually
+        none)."""
         full = []
-        if self.texts and self.chars + len(text) > MAX_BATCH_CHARS:
+        size = len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+        if self.texts and self.chars + size > MAX_BATCH_CHARS:
             full.append(self.flush())  # a huge text does not join (and inflate) a batch
         self.texts.append(text)
         self.records.append(index)
-        self.chars += len(text)
+        self.chars += size
         if len(self.texts) >= self.batch_docs or self.chars >= MAX_BATCH_CHARS:
             full.append(self.flush())
         return [b for b in full if b is not None]
@@ -484,7 +493,7 @@ def _iter_lines(
             except json.JSONDecodeError:
                 batcher.bad(index, "not_json", decoded)
                 continue
-            text, reason = _validate(obj, text_field)
+            text, reason = _validate(obj, text_field, batcher.kind)
             if reason is not None:
                 batcher.bad(index, reason, decoded)
                 continue
@@ -533,7 +542,7 @@ def _iter_parquet(
         if record_batch is None:
             break
         for value in record_batch.column(0).to_pylist():
-            text, reason = _validate({text_field: value}, text_field)
+            text, reason = _validate({text_field: value}, text_field, batcher.kind)
             if reason is not None:
                 batcher.bad(row, reason, repr(value))
             else:
@@ -561,6 +570,7 @@ def iter_text_batches(
     digest: FileDigest | None = None,
     part: InputSlice | None = None,
     on_corrupt: CorruptFileCallback | None = None,
+    kind: str = "text",
 ) -> Iterator[TextBatch]:
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
@@ -570,6 +580,7 @@ def iter_text_batches(
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
+    batcher.kind = kind  # "text": a string field; "chat": a list of {role, content} messages
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:

@@ -60,7 +60,24 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
             "max": int(lengths.max()) if len(lengths) else 0,
         },
         "key_digest": (m.get("key") or {}).get("digest"),
+        "kind": m.get("kind", "text"),
     }
+
+
+def chat_lines(stats: dict[str, Any]) -> list[str]:
+    """Trainable-token and lint lines for chat caches (none for plain text)."""
+    lint = stats.get("lint") or {}
+    if not lint and not stats.get("trainable_tokens"):
+        return []
+    tokens = max(int(stats.get("tokens", 0)), 1)
+    trainable = int(stats.get("trainable_tokens", 0))
+    checked = lint.get("template_checked", 0)
+    problems = ", ".join(f"{k} {v:,}" for k, v in lint.items() if k not in ("template_checked",))
+    return [
+        f"trainable    {trainable:,} tokens ({trainable / tokens:.1%}); dropped with no "
+        f"trainable token: {int(stats.get('dropped_no_trainable', 0)):,}",
+        f"chat lint    {problems} ({checked} conversations compared with apply_chat_template)",
+    ]
 
 
 def _table(rows: list[tuple[str, ...]]) -> str:
@@ -97,6 +114,7 @@ def format_summary(s: dict[str, Any]) -> str:
     bad = st.get("bad_records") or {}
     bad_text = ", ".join(f"{k} {v:,}" for k, v in bad.items()) if bad else "none"
     lines.append(f"bad records  {bad_text}")
+    lines += chat_lines(st)
     if s.get("key_digest"):
         lines.append(f"key          {s['key_digest']}")
     rows = [("bucket", "lengths", "sequences", "tokens", "shards")]
@@ -157,6 +175,7 @@ def format_report(report: BuildReport) -> str:
             f"lost tokens {st['lost_tokens']:,}",
             f"bad records  {bad}",
             *lost,
+            *chat_lines(st),
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]
