@@ -115,8 +115,11 @@ def _check_shard(
         with pa.memory_map(os.path.join(root, rel), "r") as source:
             reader = pa.ipc.open_file(source)
             names = reader.schema.names
-            if names != ["tokens", "record", "piece"]:
-                report.add(rel, "structure", f"columns {names}, expected tokens/record/piece")
+            expected = ["tokens", "record", "piece"]
+            if manifest.get("kind") == "chat":
+                expected.append("mask")  # chat caches store a loss mask per token
+            if names != expected:
+                report.add(rel, "structure", f"columns {names}, expected {'/'.join(expected)}")
                 return 0, 0
             for i in range(reader.num_record_batches):
                 batch = reader.get_batch(i)
@@ -159,6 +162,10 @@ def _check_shard(
                     )
                 if len(batch) and batch.column(1).to_numpy().min() < 0:
                     report.add(rel, "structure", f"{where}: negative record index")
+                if len(expected) == 4 and not np.array_equal(
+                    batch.column(3).offsets.to_numpy(), offsets
+                ):
+                    report.add(rel, "structure", f"{where}: the loss mask does not line up")
                 if index is not None:
                     start = first_row + rows
                     stored = index[start : start + len(lengths)]

@@ -193,3 +193,11 @@ def test_chat_options_are_validated(tmp_path, chat_corpus, chatml_tokenizer_dir)
             TextEncoder(TokenizeOptions(chatml_tokenizer_dir)),
             ChatOptions(template_path=str(tmp_path / "missing.jinja")),
         )
+
+
+def test_verify_accepts_a_chat_cache(chat_corpus, build_cache, chatml_tokenizer_dir):
+    from shardcache import verify_cache
+
+    folder, _ = chat_corpus
+    report = verify_cache(build_cache(folder, chatml_tokenizer_dir, chat=True))
+    assert report.ok, report.to_json()
