@@ -434,30 +434,28 @@ class ShardReader:
     def tokens_many(self, rows: list[int]) -> list[np.ndarray]:
         """The ids of several rows (views, like :meth:`tokens`). Locates rows with ``bisect``
         on a Python list: ~0.2 us a row against ~2 us for a scalar ``np.searchsorted``."""
+        values, offsets = self._values, self._offsets
+        return [values[b][offsets[b][r] : offsets[b][r + 1]] for b, r in self._locate_many(rows)]
+
+    def _locate_many(self, rows: list[int]) -> list[tuple[int, int]]:
+        """(record batch, row in batch) of each row, located with ``bisect``."""
         if self._starts_list is None:
             self._starts_list = self._starts.tolist()
-        starts, values, offsets = self._starts_list, self._values, self._offsets
+        starts = self._starts_list
         out = []
         for row in rows:
             if not 0 <= row < self.rows:
                 raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
             b = bisect.bisect_right(starts, row) - 1
-            r = row - starts[b]
-            out.append(values[b][offsets[b][r] : offsets[b][r + 1]])
+            out.append((b, row - starts[b]))
         return out
 
     def masks_many(self, rows: list[int]) -> list[np.ndarray]:
         """The loss masks (bool per token) of several rows; all True when the shard has none
         (plain text: every token has a loss)."""
-        if self._starts_list is None:
-            self._starts_list = self._starts.tolist()
-        starts, offsets = self._starts_list, self._offsets
+        offsets = self._offsets
         out = []
-        for row in rows:
-            if not 0 <= row < self.rows:
-                raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
-            b = bisect.bisect_right(starts, row) - 1
-            r = row - starts[b]
+        for b, r in self._locate_many(rows):
             lo, hi = int(offsets[b][r]), int(offsets[b][r + 1])
             if not self.has_mask:
                 out.append(np.ones(hi - lo, dtype=bool))

@@ -46,7 +46,16 @@ def write_records(path: str, records: list[dict], fmt: str) -> str:
     return path
 
 
-def _save_bpe(folder: str, texts: list[str], vocab_size: int, bos: bool) -> str:
+def _save_bpe(
+    folder: str,
+    texts: list[str],
+    vocab_size: int,
+    bos: bool,
+    extra_specials: tuple[str, ...] = (),
+    chat_template: str | None = None,
+) -> str:
+    """Train a byte-level BPE tokenizer (<eos>, <pad>, <bos> + ``extra_specials``) and save it
+    as a transformers folder; ``bos``: its post-processor prepends <bos>."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -55,7 +64,7 @@ def _save_bpe(folder: str, texts: list[str], vocab_size: int, bos: bool) -> str:
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
-        special_tokens=["<eos>", "<pad>", "<bos>"],
+        special_tokens=["<eos>", "<pad>", "<bos>", *extra_specials],
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
         show_progress=False,
     )
@@ -64,12 +73,12 @@ def _save_bpe(folder: str, texts: list[str], vocab_size: int, bos: bool) -> str:
         tok.post_processor = processors.TemplateProcessing(
             single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
         )
+    extra = {"additional_special_tokens": list(extra_specials)} if extra_specials else {}
     fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<eos>",
-        pad_token="<pad>",
-        bos_token="<bos>",
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>", **extra
     )
+    if chat_template is not None:
+        fast.chat_template = chat_template
     fast.save_pretrained(folder)
     return folder
 
@@ -213,36 +222,9 @@ INST_TEMPLATE = (
 
 
 def _chat_tokenizer(folder: str, template: str, bos_post_processor: bool) -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    specials = ["<eos>", "<pad>", "<bos>", "<|im_start|>", "<|im_end|>"]
-    trainer = trainers.BpeTrainer(
-        vocab_size=700,
-        special_tokens=specials,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(
-        [*make_texts(400, seed=5), "[INST] <<SYS>> user assistant system"], trainer
-    )
-    if bos_post_processor:
-        tok.post_processor = processors.TemplateProcessing(
-            single="<bos> $A", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
-        )
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        eos_token="<eos>",
-        pad_token="<pad>",
-        bos_token="<bos>",
-        additional_special_tokens=["<|im_start|>", "<|im_end|>"],
-    )
-    fast.chat_template = template
-    fast.save_pretrained(folder)
-    return folder
+    texts = [*make_texts(400, seed=5), "[INST] <<SYS>> user assistant system"]
+    return _save_bpe(folder, texts, 700, bos_post_processor, ("<|im_start|>", "<|im_end|>"),
+                     template)  # fmt: skip
 
 
 @pytest.fixture(scope="session")
