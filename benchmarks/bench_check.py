@@ -54,7 +54,9 @@ def main() -> None:
             f.write(f'tokenizer = "{os.path.abspath(args.tokenizer)}"\n')
         cli = [sys.executable, "-m", "shardcache.cli"]
         build = [*cli, "build", recipe, "-i", args.corpus, "-o", cache, "-q"]
-        subprocess.run([*build, "--shard-size", args.shard_size], check=True)
+        subprocess.run(
+            [*build, "--shard-size", args.shard_size], check=True, stdout=subprocess.DEVNULL
+        )
         subprocess.run([*cli, "lock", recipe, "-i", args.corpus, "-o", lock], check=True,
                        stdout=subprocess.DEVNULL)  # fmt: skip
         with open(os.path.join(cache, "manifest.json")) as f:

@@ -100,10 +100,13 @@ def load_hf_tokenizer(path: str) -> Any:
             "tokenizer.json (shardcache never downloads tokenizers)"
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        cls = named_tokenizer_class(path)
+        if cls is None:
+            from transformers import AutoTokenizer
+
+            cls = AutoTokenizer
+        tok = cls.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for unusable folders
         raise TokenizerError(
             f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: {err}); "
@@ -111,6 +114,32 @@ def load_hf_tokenizer(path: str) -> Any:
         ) from err
     ensure_fast(tok, path)
     return tok
+
+
+def named_tokenizer_class(path: str) -> Any | None:
+    """The class named by ``tokenizer_class`` in the folder's tokenizer_config.json, when
+    transformers exports it; else None (then AutoTokenizer resolves it).
+
+    AutoTokenizer does the same lookup, but importing it imports the model configurations and
+    with them torch: ~2 s and ~250 MB before the first id (measured), which made a CI
+    ``shardcache check`` take 3 s. The named class is exactly what AutoTokenizer would pick
+    for such a folder (a test compares the two on every tokenizer it builds)."""
+    config = os.path.join(path, "tokenizer_config.json")
+    try:
+        with open(config, encoding="utf-8") as f:
+            name = json.load(f).get("tokenizer_class")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if not isinstance(name, str) or not name.isidentifier():
+        return None
+    import transformers
+
+    for candidate in (name, name.removesuffix("Fast")):
+        try:
+            return getattr(transformers, candidate)
+        except (AttributeError, ImportError, RuntimeError):
+            continue
+    return None
 
 
 def ensure_fast(tok: Any, path: str) -> None:

@@ -121,3 +121,20 @@ def test_no_end_token_needs_no_append_eos(tmp_path):
         TextEncoder(TokenizeOptions(str(tmp_path)))
     encoder = TextEncoder(TokenizeOptions(str(tmp_path), append_eos=False))
     assert encoder.eos_id is None
+
+
+def test_named_class_loader_matches_autotokenizer(
+    tokenizer_dir, bos_tokenizer_dir, wordpiece_dir, big_vocab_dir, chatml_tokenizer_dir
+):
+    from transformers import AutoTokenizer
+
+    from shardcache.tokenize import load_hf_tokenizer
+
+    text = "data 🙂 東京 <eos> w7 [SEP] café"
+    for folder in (tokenizer_dir, bos_tokenizer_dir, wordpiece_dir, big_vocab_dir,
+                   chatml_tokenizer_dir):  # fmt: skip
+        ours, auto = load_hf_tokenizer(folder), AutoTokenizer.from_pretrained(folder)
+        assert type(ours) is type(auto)
+        assert ours(text)["input_ids"] == auto(text)["input_ids"]
+        assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
+        assert ours.special_tokens_map == auto.special_tokens_map
