@@ -33,7 +33,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import itertools
 import json
 import os
 import queue
@@ -44,6 +43,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
 from shardcache.config import TokenizeOptions
 from shardcache.errors import ConfigError, TokenizerError
 
@@ -252,16 +252,39 @@ class TextEncoder:
             "append_eos": self.options.append_eos,
         }
 
-    def encode_texts(self, texts: list[str]) -> list[list[int]]:
-        """Raw ids per text from the backend (releases the GIL, uses all cores)."""
-        encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
-        return [e.ids for e in encodings]
+    def encode_texts(self, texts: list[str]) -> list[Any]:
+        """Raw ids per text from the backend (releases the GIL, uses all cores): a list of
+        ints, or an int64 array for a huge document encoded in pieces (chunking.py)."""
+        huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
+        if not huge:
+            encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
+            return [e.ids for e in encodings]
+        out: list[Any] = [None] * len(texts)
+        for i in huge:
+            out[i] = self._encode_huge(texts[i])
+        small = [i for i in range(len(texts)) if out[i] is None]
+        encodings = self.backend.encode_batch(
+            [texts[i] for i in small], add_special_tokens=self.add_special_tokens
+        )
+        for i, e in zip(small, encodings):
+            out[i] = e.ids
+        return out
 
-    def finish(self, ids: list[list[int]], stats: TruncationStats) -> Encoded:
+    def _encode_huge(self, text: str) -> np.ndarray | None:
+        if not hasattr(self, "_wrapping"):
+            self._wrapping = chunking_is_exact(self.backend, self.add_special_tokens)
+        if self._wrapping is None:
+            return None  # not provably exact for this tokenizer: encoded whole
+        return encode_in_pieces(self.backend, text, self._wrapping)
+
+    def finish(self, ids: list[Any], stats: TruncationStats) -> Encoded:
         """EOS and truncation over a batch of id lists; updates ``stats``."""
         lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        total = int(lengths.sum())
-        tokens = np.fromiter(itertools.chain.from_iterable(ids), dtype=self.dtype, count=total)
+        tokens = (
+            np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids])
+            if ids
+            else np.zeros(0, dtype=self.dtype)
+        )
         stats.documents += len(ids)
         if self.options.append_eos and self.eos_id is not None:
             tokens, lengths = append_end_token(tokens, lengths, self.eos_id)
