@@ -103,7 +103,12 @@ def main() -> None:
         with open(args.resume, encoding="utf-8") as f:
             ds.load_state_dict(json.load(f))
         first_epoch = ds.epoch
-    loader = DataLoader(ds, batch_size=None, num_workers=args.num_workers, pin_memory=False)
+    # forkserver: DataLoader workers are not forked from a process that already runs the
+    # process group's (gloo/nccl) threads; a fork there aborted a rank at exit ("terminate
+    # called without an active exception") about once in ten CI runs
+    context = "forkserver" if args.num_workers > 0 else None
+    loader = DataLoader(ds, batch_size=None, num_workers=args.num_workers, pin_memory=False,
+                        multiprocessing_context=context)  # fmt: skip
 
     vocab = int(open_cache(args.cache).manifest["tokenizer"]["vocab_size"])
     model = DistributedDataParallel(
@@ -145,6 +150,7 @@ def main() -> None:
     if args.report and rank == 0:
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump({"world_size": world, "ranks": gathered, "tail": ds.tail_report()}, f)
+    dist.barrier()  # no rank tears the process group down while another still uses it
     dist.destroy_process_group()
 
 
