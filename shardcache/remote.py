@@ -43,6 +43,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import fcntl
+import functools
 import hashlib
 import os
 import re
@@ -136,6 +137,8 @@ def download(fs: Any, rpath: str, local: str, sha256: str | None, size: int | No
     tmp = _tmp_name(local)
     digest = hashlib.sha256()
     got = 0
+    with contextlib.suppress(Exception):
+        fs.invalidate_cache(rpath)  # a listing cached before the object was replaced
     try:
         with fs.open(rpath, "rb", block_size=_CHUNK) as src, open(tmp, "wb") as dst:
             while chunk := src.read(_CHUNK):
@@ -179,11 +182,19 @@ class ObjectStore:
     def path(self, sha256: str) -> str:
         return os.path.join(self.folder, f"{sha256}.arrow")
 
-    def acquire(self, fs: Any, rpath: str, info: dict[str, Any]) -> tuple[str, int]:
-        """Download (if needed) the shard ``info``; returns its path and a lock fd to close
-        when done with it (a shared lock: eviction skips it while held)."""
+    def acquire(self, fs: Any, rpath: str, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
+        """Download (if needed) the shard ``info``; returns its path and a release function
+        to call when done with it (until then a shared lock keeps it from eviction).
+
+        ``flock`` locks of two descriptors conflict even inside one process, so a process
+        takes each object's lock once and counts its users (``_HELD``).
+        """
         sha = str(info["sha256"])
         path = self.path(sha)
+        held = _HELD.get(sha)
+        if held is not None and os.path.isfile(path):
+            held[1] += 1
+            return path, functools.partial(_release, sha)
         fd = os.open(os.path.join(self.folder, f"{sha}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
         try:
             while True:
@@ -197,12 +208,13 @@ class ObjectStore:
                     break
             st = os.stat(path)
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # atime = LRU order
-            if fresh:
-                self.evict(keep=path)
         except BaseException:
             os.close(fd)
             raise
-        return path, fd
+        _HELD[sha] = [fd, 1]
+        if fresh:
+            self.evict(keep=path)
+        return path, functools.partial(_release, sha)
 
     def evict(self, keep: str) -> None:
         """Delete least-recently-opened objects not in use until the folder fits the bound."""
@@ -219,6 +231,8 @@ class ObjectStore:
                 return
             if path == keep:
                 continue
+            if os.path.basename(path)[: -len(".arrow")] in _HELD:
+                continue  # open in this process
             lock = path[: -len(".arrow")] + ".lock"
             fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
             try:
@@ -234,6 +248,21 @@ class ObjectStore:
                 os.close(fd)
 
 
+#: sha256 -> [lock fd, users] for the objects this process holds open
+_HELD: dict[str, list[int]] = {}
+
+
+def _release(sha: str) -> None:
+    held = _HELD.get(sha)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] <= 0:
+        del _HELD[sha]
+        with contextlib.suppress(OSError):
+            os.close(held[0])
+
+
 class RemoteShardCache(ShardCache):
     """:class:`~shardcache.format.ShardCache` whose shards come through an
     :class:`ObjectStore`; the store's lock on a shard is held while it is in this LRU."""
@@ -241,7 +270,7 @@ class RemoteShardCache(ShardCache):
     def __init__(self, remote: RemoteCache, shards: list[dict[str, Any]], dtype: Any, size: int):
         super().__init__(remote.url, shards, dtype, size)
         self.remote = remote
-        self._locks: dict[int, int] = {}
+        self._release: dict[int, Callable[[], None]] = {}
 
     def get(self, index: int) -> ShardReader:
         reader = self._open.get(index)
@@ -249,24 +278,23 @@ class RemoteShardCache(ShardCache):
             self._open.move_to_end(index)
             return reader
         info = self.shards[index]
-        path, fd = self.remote.fetch_shard(info)
+        path, release = self.remote.fetch_shard(info)
         try:
             reader = ShardReader(path, info, self.dtype)
         except BaseException:
-            os.close(fd)
+            release()
             raise
         self._open[index] = reader
-        self._locks[index] = fd
+        self._release[index] = release
         if len(self._open) > self.size:
             old, _ = self._open.popitem(last=False)
-            with contextlib.suppress(OSError):
-                os.close(self._locks.pop(old))
+            self._release.pop(old)()
         return reader
 
     def __del__(self) -> None:
-        for fd in getattr(self, "_locks", {}).values():
-            with contextlib.suppress(OSError):
-                os.close(fd)
+        for release in getattr(self, "_release", {}).values():
+            with contextlib.suppress(Exception):
+                release()
 
 
 class RemoteCache:
@@ -279,6 +307,7 @@ class RemoteCache:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url)
+        self.fs.invalidate_cache()  # every open sees the store as it is now
         base = cache_root()
         self.local_dir = os.path.join(base, "caches", _digest(self.url))
         self.store = ObjectStore(os.path.join(base, "objects"), cache_size_bytes())
@@ -309,7 +338,7 @@ class RemoteCache:
             download(self.fs, f"{self.root}/{LENGTHS_FILE}", path, entry["sha256"], entry["bytes"])
         return path
 
-    def fetch_shard(self, info: dict[str, Any]) -> tuple[str, int]:
+    def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
         return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{info['name']}", info)
 
     def shard_cache(self, dtype: Any, size: int) -> RemoteShardCache:
