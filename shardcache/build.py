@@ -797,15 +797,20 @@ def build_cache(
     options: BuildOptions,
     progress: Progress | None = None,
     encoder_factory: Callable[[BuildOptions], TextEncoder] | None = None,
+    *,
+    engine: Callable[..., dict[str, PartitionResult]] | None = None,
+    inputs: list[InputFile] | None = None,
 ) -> BuildReport:
     """Build (or resume building) a cache from ``options``; returns the report.
 
     Holds ``<output>/.lock`` while it runs (:class:`~shardcache.errors.BuildLockedError` if
-    another live build holds it). The manifest is written last.
+    another live build holds it). The manifest is written last. ``engine(plan, pending,
+    encoder, progress, workers)`` replaces the local pool (shardcache.engines: Ray);
+    ``inputs`` replaces listing ``options.source.inputs`` (shardcache.remote: staged URLs).
     """
     progress = progress or Progress()
     started = time.perf_counter()
-    inputs = list_inputs(options.source.inputs)
+    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
     encoder = (
         encoder_factory(options)
         if encoder_factory is not None
@@ -822,7 +827,9 @@ def build_cache(
         try:
             progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
             results = dict(done)
-            if workers == 1 or len(pending) <= 1:
+            if engine is not None:
+                results.update(engine(plan, pending, encoder, progress, workers) if pending else {})
+            elif workers == 1 or len(pending) <= 1:
                 for p in pending:
                     results[p.id] = build_partition(plan, p, encoder, progress)
             else:

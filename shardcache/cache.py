@@ -45,7 +45,14 @@ class Cache:
 
     def __init__(self, path: str, open_shards: int = 8):
         self.path = os.fspath(path)
-        self.manifest: dict[str, Any] = read_manifest(self.path)
+        remote = None
+        if "://" in self.path:  # a URL: manifest and index downloaded, shards on demand
+            from shardcache.remote import RemoteCache
+
+            remote = RemoteCache(self.path)
+        self.manifest: dict[str, Any] = (
+            remote.manifest if remote is not None else read_manifest(self.path)
+        )
         self.dtype = np.dtype(self.manifest["dtype"])
         self.shards: list[dict[str, Any]] = self.manifest["shards"]
         rows = np.fromiter((s["rows"] for s in self.shards), dtype=np.int64, count=len(self.shards))
@@ -54,7 +61,9 @@ class Cache:
         self.shard_buckets = np.fromiter(
             (s["bucket"] for s in self.shards), dtype=np.int32, count=len(self.shards)
         )
-        lengths_path = os.path.join(self.path, LENGTHS_FILE)
+        lengths_path = (
+            remote.lengths_path if remote is not None else os.path.join(self.path, LENGTHS_FILE)
+        )
         try:
             self.lengths: np.ndarray = np.load(lengths_path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
@@ -67,7 +76,11 @@ class Cache:
                 f"{int(self.shard_starts[-1])} rows; the cache is damaged, rebuild it"
             )
         self._starts_list: list[int] = self.shard_starts.tolist()
-        self._shards = ShardCache(self.path, self.shards, self.dtype, open_shards)
+        self._shards = (
+            remote.shard_cache(self.dtype, open_shards)
+            if remote is not None
+            else ShardCache(self.path, self.shards, self.dtype, open_shards)
+        )
 
     def __repr__(self) -> str:
         return (
@@ -152,5 +165,8 @@ class Cache:
 
 
 def open_cache(path: str | os.PathLike[str]) -> Cache:
-    """Open a committed cache directory (raises CacheNotFoundError if there is none)."""
+    """Open a committed cache directory or URL (CacheNotFoundError if there is none).
+
+    A URL (``s3://bucket/prefix``) reads through the local shard cache of
+    :mod:`shardcache.remote` (downloads checked against the manifest's sha256)."""
     return Cache(os.fspath(path))

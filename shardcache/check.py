@@ -20,7 +20,6 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
-from shardcache.format import read_manifest
 from shardcache.key import (
     CacheKey,
     KeyComparison,
@@ -75,8 +74,10 @@ def compare_keys(old: CacheKey, new: CacheKey, strict: bool) -> KeyComparison:
 
 
 def cache_key(path: str) -> CacheKey:
-    """The key recorded in a cache's manifest (reads only manifest.json)."""
-    return manifest_key(read_manifest(path), path)
+    """The key recorded in a cache's manifest (reads only manifest.json; folder or URL)."""
+    from shardcache.remote import read_any_manifest
+
+    return manifest_key(read_any_manifest(path), path)
 
 
 def check_cache(path: str, values: Mapping[str, Any], strict: bool = False) -> KeyComparison:

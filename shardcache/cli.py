@@ -191,6 +191,23 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
+    "--engine",
+    type=click.Choice(["local", "ray"]),
+    default="local",
+    show_default=True,
+    help="Where partitions run: a local process pool, or Ray tasks (pip install "
+    "'shardcache[ray]'). Never changes the output bytes.",
+)
+@click.option("--ray-address", help="Join this Ray cluster (e.g. auto, ray://head:10001) "
+              "instead of starting a local one with --workers CPUs.")  # fmt: skip
+@click.option(
+    "--partition",
+    "share",
+    metavar="I/N",
+    help="Job arrays: build only share I of N (partitions whose index is I mod N) and do "
+    "not commit; then run `shardcache commit OUTPUT`.",
+)
+@click.option(
     "--force",
     is_flag=True,
     help="Start over: discard a committed cache or an interrupted build at --output "
@@ -205,6 +222,9 @@ def build(
     force: bool,
     as_json: bool,
     quiet: bool,
+    engine: str,
+    ray_address: str | None,
+    share: str | None,
     **flags: Any,
 ) -> None:
     """Tokenize a corpus into a cache (from a RECIPE file and/or flags).
@@ -222,14 +242,51 @@ def build(
     """
     import dataclasses
 
-    from shardcache.build import build_cache as run_build
     from shardcache.config import build_options_from_mapping
+    from shardcache.engines import EngineOptions, Share
+    from shardcache.engines import build as run_build
     from shardcache.summary import format_report, report_json
 
     values = _values(recipe, inputs, flags)
     options = dataclasses.replace(build_options_from_mapping(values), force=force)
+    try:
+        run = EngineOptions(engine, ray_address, Share.parse(share) if share else None)
+    except ConfigError as err:
+        raise click.BadParameter(str(err)) from err
     progress = _BarProgress(enabled=not quiet and not as_json)
-    report = run_build(options, progress=progress)  # type: ignore[arg-type]
+    report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
+    if as_json:
+        click.echo(json.dumps(report_json(report), indent=1))
+    else:
+        click.echo(format_report(report))
+    if run.share is not None:
+        click.echo(
+            f"share {run.share.index}/{run.share.count} done; when every share is, run "
+            f"`shardcache commit {options.output}`",
+            err=True,
+        )
+
+
+@main.command("commit")
+@click.argument("output")
+@click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON.")
+@translate_errors
+def commit_command(output: str, as_json: bool) -> None:
+    """Commit a job-array build: write the manifest of OUTPUT once every share is built.
+
+    OUTPUT is the folder or URL all `shardcache build --partition I/N` runs wrote to. The
+    options come from OUTPUT/parts/build.json (the tokenizer folder must exist here). Exits
+    1 naming the missing partitions, and the shares that build them, when some are absent.
+
+    \b
+    Example (SLURM):
+      sbatch --array=0-7 --wrap 'shardcache build recipe.toml --partition $SLURM_ARRAY_TASK_ID/8'
+      shardcache commit ./cache
+    """
+    from shardcache.engines import commit_output
+    from shardcache.summary import format_report, report_json
+
+    report = commit_output(output)
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
@@ -256,7 +313,7 @@ def _split_targets(targets: tuple[str, ...]) -> tuple[str | None, str | None]:
     """``check`` takes a CACHE folder and/or a RECIPE file, in either order."""
     cache = recipe = None
     for target in targets:
-        if os.path.isdir(target):
+        if "://" in target or os.path.isdir(target):  # a folder or a URL (object storage)
             if cache is not None:
                 raise ConfigError(f"check: two caches given ({cache!r}, {target!r}); give one")
             cache = target

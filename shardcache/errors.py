@@ -15,7 +15,9 @@ Messages follow one template: what failed -> the values -> why -> what to do.
     │   ├── CacheNotFoundError               no committed manifest at the path
     │   ├── CorruptShardError                a shard fails a checksum or structure check
     │   ├── CacheKeyMismatch                 cache built under another key (fields listed)
-    │   └── BuildLockedError                 another live build holds the output
+    │   ├── BuildLockedError                 another live build holds the output
+    │   └── IncompleteBuildError             commit: partitions (job-array shares) missing
+    ├── MissingDependencyError (ImportError) an optional extra is not installed (pip command)
     └── StateError (also ValueError)         a reader state that does not fit this cache/plan
 
 Only :class:`ConfigError` means "usage error" (exit 2); all others are failures (exit 1).
@@ -69,6 +71,21 @@ class CacheKeyMismatch(CacheError):
 
 class BuildLockedError(CacheError):
     """Another build that is still alive writes to the same output directory."""
+
+
+class IncompleteBuildError(CacheError):
+    """``shardcache commit`` found partitions without a completion record.
+
+    ``missing`` lists their ids.
+    """
+
+    def __init__(self, message: str, missing: list[str]):
+        super().__init__(message)
+        self.missing = missing
+
+
+class MissingDependencyError(ShardcacheError, ImportError):
+    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``) is not installed."""
 
 
 class StateError(ShardcacheError, ValueError):

@@ -231,8 +231,14 @@ def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any])
 
 
 def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
-    """Check every file of the cache at ``path``; never raises for damage, reports it."""
+    """Check every file of the cache at ``path``; never raises for damage, reports it.
+
+    A URL is downloaded file by file into a temporary folder first (shardcache.remote)."""
     root = os.fspath(path)
+    if "://" in root:
+        from shardcache.remote import verify_remote
+
+        return verify_remote(root)
     report = VerifyReport(cache=root)
     try:
         manifest = read_manifest(root)

@@ -1,0 +1,181 @@
+"""Ray engine and object storage, end to end: a local Ray cluster, and a real S3 API server
+(moto's standalone server) on 127.0.0.1. Slow tier: run with ``-m slow`` (CI does)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import warnings
+
+import pytest
+
+from shardcache import ShardDataset, build_cache, open_cache, verify_cache
+from shardcache.check import cache_key
+from shardcache.config import build_options_from_mapping
+from shardcache.engines import EngineOptions, Share, build, commit_output
+
+pytestmark = [
+    pytest.mark.slow,
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore::FutureWarning"),
+    pytest.mark.filterwarnings("ignore::ResourceWarning"),
+    pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning"),
+]
+
+OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
+
+
+def tree(folder: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def _options(inputs, tokenizer: str, out: str, **extra):
+    values = {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 2}
+    return build_options_from_mapping({**values, **OPTIONS, **extra})
+
+
+@pytest.fixture()
+def reference(corpus, tokenizer_dir, tmp_path):
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    out = str(tmp_path / "reference")
+    build_cache(_options(folder, tokenizer_dir, out, workers=1))
+    return folder, out
+
+
+def test_ray_build_equals_local_build(reference, tokenizer_dir, tmp_path):
+    ray = pytest.importorskip("ray")
+    folder, ref = reference
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        out = str(tmp_path / "ray")
+        report = build(_options(folder, tokenizer_dir, out), EngineOptions(engine="ray"))
+        assert report.partitions > 4
+        assert tree(out) == tree(ref)
+        # a share run through Ray, the other locally, then commit: the same bytes again
+        out2 = str(tmp_path / "ray-shares")
+        build(_options(folder, tokenizer_dir, out2), EngineOptions("ray", share=Share(0, 2)))
+        build(_options(folder, tokenizer_dir, out2), EngineOptions(share=Share(1, 2)))
+        commit_output(out2)
+        assert tree(out2) == tree(ref)
+    finally:
+        ray.shutdown()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def s3(monkeypatch, tmp_path):
+    """A moto S3 server on loopback with bucket ``corpus``; yields its endpoint."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    port = _free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+        "SHARDCACHE_CACHE_DIR": str(tmp_path / "local-cache"),
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="corpus")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield client
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()
+
+
+def _upload_folder(client, folder: str, prefix: str) -> None:
+    for name in sorted(os.listdir(folder)):
+        client.upload_file(os.path.join(folder, name), "corpus", f"{prefix}/{name}")
+
+
+def test_s3_build_read_verify(s3, reference, tokenizer_dir, tmp_path):
+    folder, ref = reference
+    _upload_folder(s3, folder, "raw")
+    url = "s3://corpus/caches/c1"
+    build(_options("s3://corpus/raw", tokenizer_dir, url, workers=1))
+    # the manifest is on the store; every object equals the local build's file
+    local = tree(ref)
+    listed = s3.list_objects_v2(Bucket="corpus", Prefix="caches/c1/")["Contents"]
+    objects = {o["Key"][len("caches/c1/") :] for o in listed}
+    assert objects == set(local)
+    for rel in ("manifest.json", "index/lengths.npy", "quarantine.jsonl"):
+        body = s3.get_object(Bucket="corpus", Key=f"caches/c1/{rel}")["Body"].read()
+        if rel != "manifest.json":
+            assert body == local[rel]
+    manifest = open_cache(url).manifest
+    reference_manifest = open_cache(ref).manifest
+    assert manifest["shards"] == reference_manifest["shards"]
+    assert [(i["relpath"], i["size"], i["sha256"]) for i in manifest["inputs"]] == [
+        (i["relpath"], i["size"], i["sha256"]) for i in reference_manifest["inputs"]
+    ]
+    assert cache_key(url).digest == cache_key(ref).digest
+
+    # read back: the same sequences, through the local shard cache
+    remote, here = open_cache(url), open_cache(ref)
+    assert [s.ids.tolist() for s in remote.iter_sequences()] == [
+        s.ids.tolist() for s in here.iter_sequences()
+    ]
+    ds_remote = ShardDataset(url, max_tokens=256, seed=1)
+    ds_local = ShardDataset(ref, max_tokens=256, seed=1)
+    for a, b in zip(ds_remote, ds_local, strict=True):
+        assert a["input_ids"].tolist() == b["input_ids"].tolist()
+    report = verify_cache(url)
+    assert report.ok, report.problems
+
+    # a corrupted object: verify names it, the reader refuses it on download
+    name = manifest["shards"][0]["name"]
+    key = f"caches/c1/shards/{name}"
+    data = bytearray(s3.get_object(Bucket="corpus", Key=key)["Body"].read())
+    data[len(data) // 2] ^= 0xFF
+    s3.put_object(Bucket="corpus", Key=key, Body=bytes(data))
+    report = verify_cache(url)
+    assert not report.ok and any(name in p.file for p in report.problems)
+    import shutil
+
+    from shardcache.errors import CorruptShardError
+
+    shutil.rmtree(os.environ["SHARDCACHE_CACHE_DIR"])
+    with pytest.raises(CorruptShardError, match="checksum mismatch on download"):
+        open_cache(url).read(0)
+
+
+def test_s3_job_array_and_bounded_local_cache(s3, reference, tokenizer_dir, monkeypatch):
+    folder, ref = reference
+    url = "s3://corpus/caches/array"
+    for i in (0, 1):
+        build(_options(folder, tokenizer_dir, url, workers=1), EngineOptions(share=Share(i, 2)))
+    assert "Contents" not in s3.list_objects_v2(Bucket="corpus", Prefix="caches/array/manifest")
+    commit_output(url)
+    here = open_cache(ref)
+    # a local shard cache smaller than the cache: old shards are evicted, reads stay right
+    monkeypatch.setenv("SHARDCACHE_CACHE_SIZE", "16KiB")
+    remote = open_cache(url)
+    assert remote.manifest["shards"] == here.manifest["shards"]
+    assert [s.ids.tolist() for s in remote.iter_sequences()] == [
+        s.ids.tolist() for s in here.iter_sequences()
+    ]
+    objects = os.path.join(os.environ["SHARDCACHE_CACHE_DIR"], "objects")
+    kept = [n for n in os.listdir(objects) if n.endswith(".arrow")]
+    assert 0 < len(kept) < len(here.manifest["shards"])
