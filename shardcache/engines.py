@@ -63,6 +63,7 @@ from shardcache.build import (
     plan_build,
 )
 from shardcache.buildlock import BuildLock
+from shardcache.chat import encoder_from_spec, encoder_spec, make_encoder
 from shardcache.config import BuildOptions
 from shardcache.errors import CacheError, ConfigError, IncompleteBuildError, MissingDependencyError
 from shardcache.format import MANIFEST, PARTS_DIR, SHARD_DIR, read_manifest
@@ -153,7 +154,7 @@ def _ray_partition(spec: dict[str, Any], plan: BuildPlan, index: int) -> dict[st
     if encoder is None:
         # one Rayon thread per task CPU, set before this process's tokenizer pool starts
         os.environ.setdefault("RAYON_NUM_THREADS", "1")
-        encoder = _RAY_ENCODERS[key] = TextEncoder.from_spec(spec)
+        encoder = _RAY_ENCODERS[key] = encoder_from_spec(spec)
     return build_partition(plan, plan.partitions[index], encoder, Progress()).to_json()
 
 
@@ -175,7 +176,7 @@ def run_ray(
     try:
         task = ray.remote(num_cpus=1, max_retries=RAY_MAX_RETRIES)(_ray_partition)
         plan_ref = ray.put(plan)
-        spec = encoder.spec()
+        spec = encoder_spec(encoder)
         index = {p.id: i for i, p in enumerate(plan.partitions)}
         refs = {task.remote(spec, plan_ref, index[p.id]): p
                 for p in sorted(pending, key=lambda p: (-p.nbytes, p.id))}  # fmt: skip
@@ -276,7 +277,11 @@ def build_share(
     started = time.perf_counter()
     out = options.output
     inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
-    encoder = encoder_factory(options) if encoder_factory else TextEncoder(options.tokenize)
+    encoder = (
+        encoder_factory(options)
+        if encoder_factory
+        else make_encoder(options.tokenize, options.chat)
+    )
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise CacheError(
             f"{out!r} already holds a committed cache; a share has nothing to add (delete the "
@@ -381,6 +386,9 @@ def options_from_json(data: Mapping[str, Any], output: str) -> BuildOptions:
             if f.name not in values:
                 continue
             value, hint = values[f.name], hints.get(f.name)
+            for arg in typing.get_args(hint):  # Optional[SomeOptions]: the dataclass in it
+                if isinstance(arg, type) and dataclasses.is_dataclass(arg):
+                    hint = arg
             if isinstance(hint, type) and dataclasses.is_dataclass(hint) and value is not None:
                 value = make(hint, value)
             elif isinstance(value, list):
@@ -489,7 +497,11 @@ def commit_output(
                 "rerun `shardcache commit`",
                 ids,
             )
-        encoder = encoder_factory(options) if encoder_factory else TextEncoder(options.tokenize)
+        encoder = (
+            encoder_factory(options)
+            if encoder_factory
+            else make_encoder(options.tokenize, options.chat)
+        )
         listed = {s.name for r in results for s in r.shards}
         folder = os.path.join(output, SHARD_DIR)
         if os.path.isdir(folder):

@@ -201,3 +201,32 @@ def test_verify_accepts_a_chat_cache(chat_corpus, build_cache, chatml_tokenizer_
     folder, _ = chat_corpus
     report = verify_cache(build_cache(folder, chatml_tokenizer_dir, chat=True))
     assert report.ok, report.to_json()
+
+
+def test_job_array_shares_then_commit_equal_the_local_chat_build(
+    chat_corpus, build_cache, chatml_tokenizer_dir, tmp_path
+):
+    folder, _ = chat_corpus
+    local = build_cache(folder, chatml_tokenizer_dir, chat=True)
+    out = str(tmp_path / "shares")
+    args = [
+        "build",
+        "-i",
+        folder,
+        "-t",
+        chatml_tokenizer_dir,
+        "-o",
+        out,
+        "--chat",
+        "-q",
+        "--workers",
+        "1",
+    ]
+    runner = CliRunner()
+    for i in range(2):
+        result = runner.invoke(main, [*args, "--partition", f"{i}/2"])
+        assert result.exit_code == 0, result.output
+    assert runner.invoke(main, ["commit", out]).exit_code == 0
+    for sub in ("manifest.json", "index/lengths.npy"):
+        with open(os.path.join(local, sub), "rb") as a, open(os.path.join(out, sub), "rb") as b:
+            assert a.read() == b.read(), sub
