@@ -59,7 +59,7 @@ import shutil
 import signal
 import time
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Any
@@ -316,8 +316,11 @@ def _wipe(out: str) -> None:
         os.makedirs(os.path.join(out, sub), exist_ok=True)
 
 
-def _completed(out: str, partition: Partition) -> PartitionResult | None:
-    """The partition's completion record, if it and every file it lists are intact."""
+def _completed(
+    out: str, partition: Partition, shard_sizes: Mapping[str, int] | None = None
+) -> PartitionResult | None:
+    """The partition's completion record, if it and every file it lists are intact
+    (``shard_sizes``: the shard folder listed once, for callers checking many partitions)."""
     data = _read_json(os.path.join(out, PARTS_DIR, f"{partition.id}.json"))
     if data is None:
         return None
@@ -331,6 +334,10 @@ def _completed(out: str, partition: Partition) -> PartitionResult | None:
         if not os.path.isfile(os.path.join(out, PARTS_DIR, name)):
             return None
     for shard in result.shards:
+        if shard_sizes is not None:
+            if shard_sizes.get(shard.name) != shard.bytes:
+                return None
+            continue
         path = os.path.join(out, SHARD_DIR, shard.name)
         if not os.path.isfile(path) or os.path.getsize(path) != shard.bytes:
             return None

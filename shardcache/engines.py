@@ -51,6 +51,7 @@ from shardcache.build import (
     Partition,
     PartitionResult,
     Progress,
+    _completed,
     _fingerprint,
     _inputs_json,
     _options_json,
@@ -293,7 +294,6 @@ def build_share(
         plan = _share_plan(options, inputs)
         mine = share.select(plan.partitions)
         done: dict[str, PartitionResult] = {}
-        from shardcache.build import _completed
 
         for p in mine:
             result = _completed(out, p)
@@ -411,26 +411,6 @@ def report_from_manifest(output: str, manifest: Mapping[str, Any], seconds: floa
     )  # fmt: skip
 
 
-def _completed_record(
-    out: str, partition: Partition, shard_sizes: Mapping[str, int]
-) -> PartitionResult | None:
-    data = _read_json(os.path.join(out, PARTS_DIR, f"{partition.id}.json"))
-    if data is None:
-        return None
-    try:
-        result = PartitionResult.from_json(data)
-    except (KeyError, TypeError, ValueError):
-        return None
-    if result.partition != partition.id or result.source != partition.file.relpath:
-        return None
-    for name in (f"{partition.id}.lengths.npy", f"{partition.id}.quarantine.jsonl"):
-        if not os.path.isfile(os.path.join(out, PARTS_DIR, name)):
-            return None
-    if any(shard_sizes.get(s.name) != s.bytes for s in result.shards):
-        return None
-    return result
-
-
 def _owner_hint(out: str, positions: list[int]) -> str:
     counts = set()
     folder = os.path.join(out, SHARES_DIR)
@@ -483,7 +463,7 @@ def commit_output(
         results: list[PartitionResult] = []
         missing: list[tuple[int, str]] = []
         for k, p in enumerate(plan.partitions):
-            result = _completed_record(output, p, shard_sizes)
+            result = _completed(output, p, shard_sizes)
             if result is None:
                 missing.append((k, p.id))
             else:
