@@ -38,13 +38,16 @@ def translate_errors(func: F) -> F:
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="shardcache")
 def main() -> None:
-    """Pre-tokenize a text corpus once into verified, versioned shards, and inspect them.
+    """Pre-tokenize a text corpus (plain text or chat) once into verified, versioned shards.
 
     \b
     Typical use:
       shardcache build recipes/quickstart.toml      # build a cache from a recipe
       shardcache build --input data/ --tokenizer tok/ --output cache/ --max-length 2048
       shardcache info cache/                          # what is in it
+      shardcache verify cache/                        # recompute every checksum
+      shardcache lock recipes/train.toml              # write shardcache.lock for CI
+      shardcache check --lock shardcache.lock recipes/train.toml   # still matching?
 
     Exit codes: 0 success, 1 failure, 2 usage error.
     """
