@@ -322,8 +322,12 @@ def read_manifest(cache_dir: str) -> dict[str, Any]:
 _VERIFIED: set[tuple[str, int, int, str]] = set()
 
 
-def check_shard_file(path: str, info: dict[str, Any], checksum: bool = True) -> None:
+def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> None:
     """Raise :class:`CorruptShardError` unless ``path`` has the manifest's size and sha256.
+
+    ``checksum=None`` reads the environment: ``SHARDCACHE_SHARD_CHECKSUMS=0`` skips the sha256
+    (size and structure are still checked) for readers of very large caches that were checked
+    with ``shardcache verify`` and cannot afford reading every shard twice.
 
     The size is one ``stat``. The sha256 is a sequential read of the file (~0.5 s/GiB with
     hardware SHA; the pages are then in the OS cache for the reads that follow), done at most
@@ -344,6 +348,8 @@ def check_shard_file(path: str, info: dict[str, Any], checksum: bool = True) -> 
             f"{expected_bytes} (truncated or replaced); run `shardcache verify` and rebuild"
         )
     expected = info.get("sha256")
+    if checksum is None:
+        checksum = os.environ.get("SHARDCACHE_SHARD_CHECKSUMS", "1") not in ("0", "false", "no")
     if not checksum or not expected:
         return
     key = (os.path.abspath(path), st.st_size, st.st_mtime_ns, str(expected))
@@ -368,7 +374,9 @@ class ShardReader:
     :class:`CorruptShardError` naming the file instead of returning garbage.
     """
 
-    def __init__(self, path: str, info: dict[str, Any], dtype: np.dtype, checksum: bool = True):
+    def __init__(
+        self, path: str, info: dict[str, Any], dtype: np.dtype, checksum: bool | None = None
+    ):
         self.path = path
         self.rows = int(info["rows"])
         check_shard_file(path, info, checksum)

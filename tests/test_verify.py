@@ -48,6 +48,18 @@ def test_a_flipped_byte_in_a_shard_is_caught_by_verify_and_the_reader(cache_dir)
     assert result.exit_code == 1 and info["name"] in result.output
 
 
+def test_reader_checksums_can_be_switched_off_by_environment(cache_dir, monkeypatch):
+    cache = open_cache(cache_dir)
+    info = max(cache.shards, key=lambda s: s["bytes"])
+    _flip(os.path.join(cache_dir, "shards", info["name"]), info["bytes"] // 2)
+    monkeypatch.setenv("SHARDCACHE_SHARD_CHECKSUMS", "0")
+    assert len(list(open_cache(cache_dir).iter_sequences())) == cache.num_sequences
+    monkeypatch.setenv("SHARDCACHE_SHARD_CHECKSUMS", "1")
+    with pytest.raises(CorruptShardError, match="checksum mismatch"):
+        list(open_cache(cache_dir).iter_sequences())
+    assert not verify_cache(cache_dir).ok  # verify always hashes
+
+
 def test_missing_files_and_bad_structure_are_each_named(cache_dir):
     cache = open_cache(cache_dir)
     first, second = cache.shards[0], cache.shards[1]
