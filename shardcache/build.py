@@ -39,7 +39,9 @@ Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself
 worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
 open then), ``part`` (completion record written by this process) or ``commit`` (1: after the
 length index, 2: after the quarantine file, before the manifest). Tests use it to kill a
-build at deterministic points; it costs one environment lookup per batch.
+build at deterministic points; it costs one environment lookup per batch. With
+``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
+is created first): a retried task (Ray) then runs through.
 
 Memory is bounded by the options, not the corpus: per process one encode batch being
 converted plus two encoded ahead (each at most ``batch_docs`` documents or
@@ -101,6 +103,7 @@ from shardcache.version import __version__
 QUARANTINE = "quarantine.jsonl"
 BUILD_STATE = "build.json"  # in parts/: plan + fingerprint
 KILL_ENV = "SHARDCACHE_TEST_KILL"
+KILL_ONCE_ENV = "SHARDCACHE_TEST_KILL_ONCE"
 _PROGRESS_INTERVAL_S = 0.2
 
 
@@ -413,6 +416,12 @@ def _test_kill_point(event: str) -> None:
         return
     _KILL_COUNTS[event] += 1
     if spec == f"{event}:{_KILL_COUNTS[event]}":
+        once = os.environ.get(KILL_ONCE_ENV)
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # killed once already
         if _PARENT_PID is not None:
             os.kill(_PARENT_PID, signal.SIGKILL)
         os.kill(os.getpid(), signal.SIGKILL)

@@ -69,6 +69,27 @@ def test_ray_build_equals_local_build(reference, tokenizer_dir, tmp_path):
         ray.shutdown()
 
 
+def test_ray_retries_a_killed_task_without_partial_output(
+    reference, tokenizer_dir, tmp_path, monkeypatch
+):
+    ray = pytest.importorskip("ray")
+    folder, ref = reference
+    marker = tmp_path / "killed-once"
+    # the worker running the 2nd encode batch it sees SIGKILLs itself, once; Ray retries
+    monkeypatch.setenv("SHARDCACHE_TEST_KILL", "batch:2")
+    monkeypatch.setenv("SHARDCACHE_TEST_KILL_ONCE", str(marker))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    try:
+        out = str(tmp_path / "ray-retry")
+        build(_options(folder, tokenizer_dir, out), EngineOptions(engine="ray"))
+    finally:
+        ray.shutdown()
+    assert marker.exists(), "no task was killed: the test did not test a retry"
+    assert tree(out) == tree(ref)  # the retried partition was rewritten whole
+
+
 def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
