@@ -273,8 +273,11 @@ def build(
 @main.command("commit")
 @click.argument("output")
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON.")
+@click.option("--strict-lint", is_flag=True, help="Chat: refuse to commit when the shares' "
+              "lint found double BOS, a missing end-of-turn, unknown tokens, span boundary "
+              "tokens or template mismatches.")  # fmt: skip
 @translate_errors
-def commit_command(output: str, as_json: bool) -> None:
+def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
     """Commit a job-array build: write the manifest of OUTPUT once every share is built.
 
     OUTPUT is the folder or URL all `shardcache build --partition I/N` runs wrote to. The
@@ -289,7 +292,7 @@ def commit_command(output: str, as_json: bool) -> None:
     from shardcache.engines import commit_output
     from shardcache.summary import format_report, report_json
 
-    report = commit_output(output)
+    report = commit_output(output, strict_lint=strict_lint)
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:

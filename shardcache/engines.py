@@ -430,8 +430,11 @@ def commit_output(
     output: str,
     encoder_factory: EncoderFactory | None = None,
     shard_sizes: Mapping[str, int] | None = None,
+    strict_lint: bool = False,
 ) -> BuildReport:
-    """``shardcache commit OUTPUT``: write the manifest once every partition is present.
+    """``shardcache commit OUTPUT``: write the manifest once every partition is present
+    (``strict_lint``: refuse, as ``build --strict-lint`` does, when the chat lint found any
+    problem in the shares' partitions).
 
     ``OUTPUT`` is a folder or a URL. Raises :class:`IncompleteBuildError` listing the
     missing partitions (and their shares) when some are not built yet. Idempotent: a
@@ -441,7 +444,7 @@ def commit_output(
 
     if is_url(output):
         return commit_remote(
-            output, lambda stage, sizes: commit_output(stage, encoder_factory, sizes)
+            output, lambda stage, sizes: commit_output(stage, encoder_factory, sizes, strict_lint)
         )
     started = time.perf_counter()
     if os.path.isfile(os.path.join(output, MANIFEST)):
@@ -452,7 +455,9 @@ def commit_output(
             f"{output!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is missing); run "
             "`shardcache build ... --partition i/N` for every share first"
         )
-    options = options_from_json(state["options"], output)
+    options = dataclasses.replace(
+        options_from_json(state["options"], output), strict_lint=strict_lint
+    )
     inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"]) for f in state["inputs"]]
     plan = _plan_from_json(state, options, inputs)
     with BuildLock(output):

@@ -230,3 +230,35 @@ def test_job_array_shares_then_commit_equal_the_local_chat_build(
     for sub in ("manifest.json", "index/lengths.npy"):
         with open(os.path.join(local, sub), "rb") as a, open(os.path.join(out, sub), "rb") as b:
             assert a.read() == b.read(), sub
+
+
+def test_commit_applies_strict_lint_to_the_shares(tmp_path, chat_corpus, chatml_tokenizer_dir):
+    template = tmp_path / "no-end.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n"
+        "{% endfor %}{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    folder, _ = chat_corpus
+    out = str(tmp_path / "shares")
+    args = [
+        "build",
+        "-i",
+        folder,
+        "-t",
+        chatml_tokenizer_dir,
+        "-o",
+        out,
+        "--chat",
+        "-q",
+        "--chat-template",
+        str(template),
+        "--workers",
+        "1",
+    ]
+    runner = CliRunner()
+    for i in range(2):
+        assert runner.invoke(main, [*args, "--partition", f"{i}/2"]).exit_code == 0
+    refused = runner.invoke(main, ["commit", out, "--strict-lint"])
+    assert refused.exit_code == 1 and "missing_end_of_turn" in refused.output
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    assert runner.invoke(main, ["commit", out]).exit_code == 0
