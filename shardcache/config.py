@@ -13,6 +13,7 @@ Only the tokenizer/truncation groups affect compatibility (the cache key); the l
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import itertools
 import os
 from collections.abc import Mapping, Sequence
@@ -40,6 +41,28 @@ DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
 #: (a process round trip, a few small files) vanish, short enough that a kill loses little.
 DEFAULT_PARTITION_SIZE_BYTES = 256 * 1024 * 1024
 MIN_PARTITION_SIZE_BYTES = 1024
+
+
+def check_int(field: str, value: object, low: int, high: int | None = None, unit: str = "") -> None:
+    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
+    unit = f" {unit}" if unit else ""
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int)
+        or value < low
+        or (high is not None and value > high)
+    ):
+        raise ConfigError(f"{field}: got {value!r}, expected an integer {allowed}{unit}")
+
+
+def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is one of ``valid`` (naming the closest)."""
+    if value in valid:
+        return
+    close = difflib.get_close_matches(str(value), list(valid), n=1)
+    hint = f" (did you mean {close[0]!r}?)" if close else ""
+    raise ConfigError(f"{field}: got {value!r}, expected one of {', '.join(valid)}{hint}")
 
 
 def default_workers() -> int:
