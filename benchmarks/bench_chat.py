@@ -41,11 +41,11 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    from shardcache.build import build_cache
-    from shardcache.chat import ChatEncoder, ChatOptions
+    from shardcache.build.run import build_cache
+    from shardcache.build.chat import ChatEncoder, ChatOptions
     from shardcache.config import TokenizeOptions, build_options_from_mapping
-    from shardcache.sources import iter_text_batches, list_inputs
-    from shardcache.tokenize import TextEncoder
+    from shardcache.build.sources import iter_text_batches, list_inputs
+    from shardcache.build.tokenize import TextEncoder
 
     work = tempfile.mkdtemp(prefix="bench-chat-")
     try:

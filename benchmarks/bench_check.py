@@ -42,8 +42,9 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from shardcache.check import DataHashing, cache_key, compare_keys, current_data, current_key
-    from shardcache.key import read_lock
+    from shardcache.build.keying import DataHashing, current_data, current_key
+from shardcache.store.check import cache_key, compare_keys
+    from shardcache.store.key import read_lock
 
     work = tempfile.mkdtemp(prefix="bench-check-")
     try:

@@ -75,7 +75,8 @@ def main() -> None:
 
     from shardcache import verify_cache
     from shardcache.config import build_options_from_mapping
-    from shardcache.engines import EngineOptions, build
+    from shardcache.build.engines import EngineOptions
+from shardcache.build.run import build
 
     work = tempfile.mkdtemp(prefix="bench-remote-")
     os.environ["SHARDCACHE_CACHE_DIR"] = os.path.join(work, "local-cache")

@@ -1,43 +1,85 @@
 """shardcache: pre-tokenize a corpus once into verified shards, stream token-budget batches.
 
-The build side (``build``, ``open_cache``, options, errors) imports without torch; the
-torch-based reader classes (``ShardDataset``) are imported on first access.
+Every public name is imported on first access (PEP 562), so ``import shardcache`` is cheap and
+a reader process (``shardcache.ShardDataset``) never imports the builder, transformers or
+tokenizers. The layers are ``shardcache.store`` (the on-disk contract), ``shardcache.build``
+(corpus -> cache) and ``shardcache.read`` (cache -> training); this facade and the CLI are the
+only modules that see all three.
 """
 
 from __future__ import annotations
 
-from typing import Any
+import importlib as _importlib
+import typing as _typing
 
-from shardcache.build import BuildReport, build_cache
-from shardcache.cache import Cache, Provenance, Sequence, open_cache
-from shardcache.config import BuildOptions, LayoutOptions, SourceOptions, TokenizeOptions
-from shardcache.errors import (
-    BadRecordError,
-    BuildLockedError,
-    CacheError,
-    CacheKeyMismatch,
-    CacheNotFoundError,
-    ConfigError,
-    CorruptShardError,
-    ShardcacheError,
-    SourceError,
-    StateError,
-    TokenizerError,
-)
-from shardcache.format import FORMAT_VERSION
-from shardcache.plan import EpochPlan, PlanOptions, plan_epoch
-from shardcache.verify import VerifyReport, verify_cache
+from shardcache.store import key as _key
 from shardcache.version import __version__
 
-_LAZY = {
-    "DeviceBackend": "shardcache.prefetch",
-    "DevicePrefetcher": "shardcache.prefetch",
-    "EpochSplit": "shardcache.plan",
-    "PrefetchOptions": "shardcache.prefetch",
-    "PrefetchStats": "shardcache.prefetch",
-    "ShardDataset": "shardcache.dataset",
-    "TorchDeviceBackend": "shardcache.prefetch",
-    "split_epoch": "shardcache.plan",
+if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
+    from collections.abc import Mapping
+    from typing import Any
+
+    from shardcache.build.report import BuildReport
+    from shardcache.build.run import build_cache
+    from shardcache.config import BuildOptions, LayoutOptions, SourceOptions, TokenizeOptions
+    from shardcache.errors import (
+        BadRecordError,
+        BuildLockedError,
+        CacheError,
+        CacheKeyMismatch,
+        CacheNotFoundError,
+        ConfigError,
+        CorruptShardError,
+        IncompleteBuildError,
+        MissingDependencyError,
+        ShardcacheError,
+        SourceError,
+        StateError,
+        TokenizerError,
+    )
+    from shardcache.read.dataset import ShardDataset
+    from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
+    from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
+    from shardcache.store.cache import Cache, Provenance, open_cache
+    from shardcache.store.layout import FORMAT_VERSION
+    from shardcache.store.verify import VerifyReport, verify_cache
+
+_ERRORS = (
+    "BadRecordError",
+    "BuildLockedError",
+    "CacheError",
+    "CacheKeyMismatch",
+    "CacheNotFoundError",
+    "ConfigError",
+    "CorruptShardError",
+    "IncompleteBuildError",
+    "MissingDependencyError",
+    "ShardcacheError",
+    "SourceError",
+    "StateError",
+    "TokenizerError",
+)
+_LAZY: dict[str, str] = {
+    **dict.fromkeys(_ERRORS, "shardcache.errors"),
+    "BuildOptions": "shardcache.config",
+    "BuildReport": "shardcache.build.report",
+    "Cache": "shardcache.store.cache",
+    "DevicePrefetcher": "shardcache.read.prefetch",
+    "EpochPlan": "shardcache.read.plan",
+    "FORMAT_VERSION": "shardcache.store.layout",
+    "LayoutOptions": "shardcache.config",
+    "PlanOptions": "shardcache.read.plan",
+    "PrefetchOptions": "shardcache.read.prefetch",
+    "PrefetchStats": "shardcache.read.prefetch",
+    "Provenance": "shardcache.store.cache",
+    "ShardDataset": "shardcache.read.dataset",
+    "SourceOptions": "shardcache.config",
+    "TokenizeOptions": "shardcache.config",
+    "VerifyReport": "shardcache.store.verify",
+    "build_cache": "shardcache.build.run",
+    "open_cache": "shardcache.store.cache",
+    "plan_epoch": "shardcache.read.plan",
+    "verify_cache": "shardcache.store.verify",
 }
 
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
@@ -51,17 +93,16 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "CacheNotFoundError",
     "ConfigError",
     "CorruptShardError",
-    "DeviceBackend",
     "DevicePrefetcher",
     "EpochPlan",
-    "EpochSplit",
     "FORMAT_VERSION",
+    "IncompleteBuildError",
     "LayoutOptions",
+    "MissingDependencyError",
     "PlanOptions",
     "PrefetchOptions",
     "PrefetchStats",
     "Provenance",
-    "Sequence",
     "ShardDataset",
     "ShardcacheError",
     "SourceError",
@@ -69,22 +110,34 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "StateError",
     "TokenizeOptions",
     "TokenizerError",
-    "TorchDeviceBackend",
     "VerifyReport",
     "__version__",
     "build_cache",
     "open_cache",
     "plan_epoch",
-    "split_epoch",
     "verify_cache",
 ]
 
 
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
+    value = getattr(_importlib.import_module(module), name)
+    globals()[name] = value
+    return value
 
-        value = getattr(importlib.import_module(_LAZY[name]), name)
-        globals()[name] = value
-        return value
-    raise AttributeError(f"module 'shardcache' has no attribute {name!r}")
+
+def __dir__() -> list[str]:
+    return sorted({*globals(), *_LAZY})
+
+
+def _key_of_options(options: Mapping[str, Any]) -> _key.CacheKey:
+    """``ShardDataset(expect={...options})``: the key those options build (loads the
+    tokenizer; the builder is imported here, on demand, never by the reader modules)."""
+    from shardcache.build.keying import DataHashing, current_key
+
+    return current_key(options, DataHashing())
+
+
+_key.register_options_resolver(_key_of_options)

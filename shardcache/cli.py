@@ -245,10 +245,10 @@ def build(
     """
     import dataclasses
 
+    from shardcache.build.engines import EngineOptions, Share
+    from shardcache.build.report import format_report, report_json
+    from shardcache.build.run import build as run_build
     from shardcache.config import build_options_from_mapping
-    from shardcache.engines import EngineOptions, Share
-    from shardcache.engines import build as run_build
-    from shardcache.summary import format_report, report_json
 
     values = _values(recipe, inputs, flags)
     options = dataclasses.replace(build_options_from_mapping(values), force=force)
@@ -289,8 +289,8 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
       sbatch --array=0-7 --wrap 'shardcache build recipe.toml --partition $SLURM_ARRAY_TASK_ID/8'
       shardcache commit ./cache
     """
-    from shardcache.engines import commit_output
-    from shardcache.summary import format_report, report_json
+    from shardcache.build.commit import commit_output
+    from shardcache.build.report import format_report, report_json
 
     report = commit_output(output, strict_lint=strict_lint)
     if as_json:
@@ -305,8 +305,8 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
 @translate_errors
 def info(cache: str, as_json: bool) -> None:
     """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets."""
-    from shardcache.cache import open_cache
-    from shardcache.summary import cache_summary, format_summary
+    from shardcache.store.cache import open_cache
+    from shardcache.store.summary import cache_summary, format_summary
 
     summary = cache_summary(open_cache(cache))
     if as_json:
@@ -336,8 +336,9 @@ def _compare_for_check(
     targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ...], flags: dict
 ) -> tuple[str, Any, Any]:
     """Pick the two keys to compare: (description, old = recorded, new = current)."""
-    from shardcache.check import DataHashing, cache_key, current_key
-    from shardcache.key import read_lock
+    from shardcache.build.keying import DataHashing, current_key
+    from shardcache.store.check import cache_key
+    from shardcache.store.key import read_lock
 
     cache, recipe = _split_targets(targets)
     configured = recipe is not None or flags.get("tokenizer") is not None
@@ -384,7 +385,7 @@ def check(targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ..
     part is compared only when inputs (--input or the recipe's) or --data-version are given.
     Exit codes: 0 compatible, 1 not compatible, 2 usage or I/O error.
     """
-    from shardcache.check import compare_keys
+    from shardcache.store.check import compare_keys
 
     try:
         what, old, new = _compare_for_check(targets, lock_path, inputs, flags)
@@ -420,8 +421,8 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     The data part comes from hashing the inputs (or from --data-version). Commit the lock
     file; CI then runs `shardcache check --lock shardcache.lock RECIPE`.
     """
-    from shardcache.check import DataHashing, current_key
-    from shardcache.key import write_lock
+    from shardcache.build.keying import DataHashing, current_key
+    from shardcache.store.key import write_lock
 
     values = _values(recipe, inputs, flags)
     if no_data:
@@ -452,7 +453,7 @@ def verify(cache: str, as_json: bool) -> None:
       shardcache verify ./cache
       shardcache verify ./cache --json
     """
-    from shardcache.verify import format_verify, verify_cache
+    from shardcache.store.verify import format_verify, verify_cache
 
     report = verify_cache(cache)
     if as_json:

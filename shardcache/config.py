@@ -20,12 +20,13 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardcache.chat import ChatOptions
 from shardcache.errors import ConfigError
 
 TRUNCATION_STRATEGIES = ("truncate", "drop", "split")
 COMPRESSIONS = ("none", "zstd")
 ON_ERROR = ("skip", "fail")
+TRAIN_ON = ("assistant", "last-assistant", "all")
+TRUNCATION_SIDES = ("right", "left")
 
 #: Default bucket edges: powers of two. A sequence of length n goes to the first bucket whose
 #: edge is >= n; longer ones go to a last, open-ended bucket.
@@ -71,6 +72,34 @@ def default_workers() -> int:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
         return max(1, os.cpu_count() or 1)
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    """How conversations are rendered and masked. All of these are part of the cache key."""
+
+    messages_field: str = "messages"
+    template_path: str | None = None  # None: the tokenizer's own chat_template
+    train_on: str = "assistant"
+    truncation_side: str = "right"
+    lint_sample: int = 32  # conversations per partition compared with apply_chat_template
+
+    def __post_init__(self) -> None:
+        if not self.messages_field:
+            raise ConfigError("messages_field: must be a non-empty field name, got ''")
+        if self.train_on not in TRAIN_ON:
+            raise ConfigError(f"train_on: got {self.train_on!r}, expected one of {TRAIN_ON}")
+        if self.truncation_side not in TRUNCATION_SIDES:
+            raise ConfigError(
+                f"truncation_side: got {self.truncation_side!r}, expected one of {TRUNCATION_SIDES}"
+            )
+        if self.template_path is not None and not os.path.isfile(self.template_path):
+            raise ConfigError(
+                f"chat_template: {self.template_path!r} is not a file; give a Jinja template "
+                "file or leave it unset to use the tokenizer's chat_template"
+            )
+        if not isinstance(self.lint_sample, int) or self.lint_sample < 0:
+            raise ConfigError(f"lint_sample: got {self.lint_sample!r}, expected an integer >= 0")
 
 
 @dataclass(frozen=True)

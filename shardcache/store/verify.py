@@ -24,7 +24,10 @@ batches; memory is one record batch (4 MiB of tokens) at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import shutil
+import tempfile
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -32,7 +35,10 @@ import numpy as np
 import pyarrow as pa
 
 from shardcache.errors import CacheError
-from shardcache.format import SHARD_DIR, read_manifest, sha256_file
+from shardcache.store.files import sha256_file
+from shardcache.store.layout import MANIFEST, SHARD_DIR
+from shardcache.store.manifest import read_manifest
+from shardcache.store.remote import RemoteCache, cache_root, is_url
 
 
 @dataclass
@@ -233,11 +239,9 @@ def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any])
 def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
     """Check every file of the cache at ``path``; never raises for damage, reports it.
 
-    A URL is downloaded file by file into a temporary folder first (shardcache.remote)."""
+    A URL is downloaded file by file into a temporary folder first (:func:`verify_remote`)."""
     root = os.fspath(path)
-    if "://" in root:
-        from shardcache.remote import verify_remote
-
+    if is_url(root):
         return verify_remote(root)
     report = VerifyReport(cache=root)
     try:
@@ -287,6 +291,41 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
         report.extra_files = sorted(
             f"{SHARD_DIR}/{n}" for n in os.listdir(shard_dir) if n not in listed
         )
+    return report
+
+
+def verify_remote(url: str) -> VerifyReport:
+    """``verify_cache`` for a URL: download every listed file into a temporary folder."""
+    url = url.rstrip("/")
+    try:
+        remote = RemoteCache(url)
+    except CacheError as err:
+        report = VerifyReport(cache=url)
+        report.add(MANIFEST, "manifest", str(err))
+        return report
+    fs, root, manifest = remote.fs, remote.root, remote.manifest
+    folder = tempfile.mkdtemp(prefix="verify-", dir=cache_root())
+    try:
+        names = [MANIFEST]
+        index = manifest.get("index", {}).get("lengths", {}).get("name")
+        if index:
+            names.append(index)
+        if manifest.get("quarantine"):
+            names.append(manifest["quarantine"]["name"])
+        names += [f"{SHARD_DIR}/{s['name']}" for s in manifest.get("shards", [])]
+        for rel in names:
+            local = os.path.join(folder, rel)
+            os.makedirs(os.path.dirname(local), exist_ok=True)
+            with contextlib.suppress(FileNotFoundError):  # missing: reported by the verifier
+                fs.get_file(f"{root}/{rel}", local)
+        report = verify_cache(folder)
+        with contextlib.suppress(FileNotFoundError):
+            listed = {s["name"] for s in manifest.get("shards", [])}
+            found = [p.rsplit("/", 1)[-1] for p in fs.find(f"{root}/{SHARD_DIR}")]
+            report.extra_files = sorted(f"{SHARD_DIR}/{n}" for n in found if n not in listed)
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
+    report.cache = url
     return report
 
 

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from shardcache import CorruptShardError, open_cache
-from shardcache.format import BucketWriter, ShardReader
+from shardcache.store.shards import BucketWriter, ShardReader
 
 
 def _write(tmp_path, seqs, shard_size=1 << 20, compression="none"):

@@ -1,36 +1,22 @@
-"""The on-disk format: shards, the length index, the manifest, checksums.
-
-A cache directory::
-
-    manifest.json            written last, atomically: its presence means "committed"
-    index/lengths.npy        uint32 length of every sequence, in sample-id order
-    quarantine.jsonl         one line per skipped bad record (sha256 in the manifest)
-    shards/<part>-b<bucket>-<n>.arrow
-    parts/build.json         the plan and the options fingerprint (build bookkeeping)
-    parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
-    .lock                    only while a build runs (shardcache.buildlock)
+"""Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
 Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
-``tokens: list<uint16|uint32>, record: int64, piece: int32``; one shard holds sequences of
-one bucket from one partition (one input file or a range of one), in input order, cut
-into record batches of about :data:`RECORD_BATCH_BYTES` token bytes. Where shard and record
-batch boundaries fall is a function of the sequence lengths only (cumulative token bytes),
-never of how the build happened to batch its work, so the bytes are reproducible.
+``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add ``mask``); one
+shard holds sequences of one bucket from one partition (one input file or a range of one), in
+input order, cut into record batches of about :data:`~shardcache.store.layout.RECORD_BATCH_BYTES`
+token bytes. Where shard and record batch boundaries fall is a function of the sequence lengths
+only (cumulative token bytes), never of how the build happened to batch its work, so the bytes
+are reproducible.
 
-Sample ids are global row numbers: shards in manifest order, rows in shard order. The
-length index lets a reader plan an epoch without opening a shard.
-
-Every file is written as ``*.tmp``, fsynced and renamed; its sha256 is recorded in the
-manifest. No pickle anywhere: JSON, Arrow IPC and ``.npy`` (``allow_pickle=False``).
+Sample ids are global row numbers: shards in manifest order, rows in shard order. Every file
+is written as ``*.tmp``, fsynced and renamed; its sha256 is recorded in the manifest. No pickle
+anywhere: JSON, Arrow IPC and ``.npy`` (``allow_pickle=False``).
 """
 
 from __future__ import annotations
 
 import bisect
-import hashlib
-import json
 import os
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
@@ -38,17 +24,9 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardcache.errors import CacheNotFoundError, CorruptShardError
-
-FORMAT_VERSION = 1
-MANIFEST = "manifest.json"
-SHARD_DIR = "shards"
-INDEX_DIR = "index"
-PARTS_DIR = "parts"
-LENGTHS_FILE = "index/lengths.npy"
-#: Token bytes per Arrow record batch. Small enough that a reader of a compressed shard
-#: decompresses little more than it needs, large enough that per-batch overhead vanishes.
-RECORD_BATCH_BYTES = 4 * 1024 * 1024
+from shardcache.errors import CorruptShardError
+from shardcache.store.files import sha256_file
+from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
@@ -63,73 +41,6 @@ def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
     if with_mask:
         fields.append(pa.field("mask", pa.list_(pa.bool_()), nullable=False))
     return pa.schema(fields)
-
-
-def sha256_file(path: str) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        while chunk := f.read(1 << 20):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
-def fsync_dir(path: str) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_bytes_atomic(path: str, data: bytes) -> None:
-    """Write ``data`` to ``path`` via ``path.tmp`` + fsync + rename."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_json_atomic(path: str, obj: Any) -> None:
-    write_bytes_atomic(path, (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode())
-
-
-def write_npy_atomic(path: str, array: np.ndarray) -> None:
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_npy_concat_atomic(path: str, sources: list[str]) -> None:
-    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming:
-    memory is one source array, not the total. The bytes equal ``np.save`` of the
-    concatenated array (same header writer)."""
-    arrays_meta = []
-    for source in sources:
-        arr = np.load(source, mmap_mode="r", allow_pickle=False)
-        arrays_meta.append((source, arr.dtype, arr.shape[0]))
-    dtype = arrays_meta[0][1] if arrays_meta else np.dtype(np.uint32)
-    if any(d != dtype for _, d, _ in arrays_meta):
-        raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
-    total = sum(n for _, _, n in arrays_meta)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
-                  "fortran_order": False, "shape": (total,)}  # fmt: skip
-        np.lib.format.write_array_header_1_0(f, header)
-        for source, _, n in arrays_meta:
-            if n:
-                f.write(np.ascontiguousarray(np.load(source, allow_pickle=False)).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
 
 
 @dataclass
@@ -244,7 +155,7 @@ class BucketWriter:
             columns.append(pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())))
         batch = pa.record_batch(columns, schema=self.schema)
         if self._writer is None:
-            path = os.path.join(self.cache_dir, SHARD_DIR, self._shard_name() + ".tmp")
+            path = shard_path(self.cache_dir, self._shard_name() + ".tmp")
             self._sink = pa.OSFile(path, "wb")
             options = pa.ipc.IpcWriteOptions(compression=self.compression)
             self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
@@ -263,7 +174,7 @@ class BucketWriter:
         self._writer.close()
         self._sink.close()
         name = self._shard_name()
-        final = os.path.join(self.cache_dir, SHARD_DIR, name)
+        final = shard_path(self.cache_dir, name)
         tmp = final + ".tmp"
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
@@ -289,33 +200,6 @@ class BucketWriter:
         """Flush what is buffered and close the open shard."""
         self._write_batch()
         self._close_shard()
-
-
-def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read ``manifest.json``; a directory without one holds no (committed) cache."""
-    path = os.path.join(cache_dir, MANIFEST)
-    if not os.path.isfile(path):
-        hint = (
-            " (a build was started there but never committed; rerun the build)"
-            if os.path.isdir(os.path.join(cache_dir, PARTS_DIR))
-            else ""
-        )
-        raise CacheNotFoundError(
-            f"{cache_dir!r} holds no shardcache cache: {MANIFEST} is missing{hint}; "
-            "build one with `shardcache build`"
-        )
-    try:
-        with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
-    except (OSError, ValueError) as err:
-        raise CorruptShardError(f"{path}: cannot read the manifest: {err}") from err
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CorruptShardError(
-            f"{path}: format_version {version!r} is not supported by this shardcache "
-            f"(reads {FORMAT_VERSION}); rebuild the cache or use a matching shardcache version"
-        )
-    return manifest
 
 
 #: Shards whose sha256 this process has already checked: (path, size, mtime_ns, sha256).
@@ -497,27 +381,3 @@ def _mask_bits(path: str, column: pa.ListArray, offsets: np.ndarray) -> tuple[np
     data = values.buffers()[1]
     bits = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     return bits, values.offset
-
-
-class ShardCache:
-    """A small LRU of open :class:`ShardReader` s (open files and decompressed batches)."""
-
-    def __init__(self, cache_dir: str, shards: list[dict[str, Any]], dtype: np.dtype, size: int):
-        self.cache_dir = cache_dir
-        self.shards = shards
-        self.dtype = dtype
-        self.size = max(1, size)
-        self._open: OrderedDict[int, ShardReader] = OrderedDict()
-
-    def get(self, index: int) -> ShardReader:
-        reader = self._open.get(index)
-        if reader is not None:
-            self._open.move_to_end(index)
-            return reader
-        info = self.shards[index]
-        path = os.path.join(self.cache_dir, SHARD_DIR, info["name"])
-        reader = ShardReader(path, info, self.dtype)
-        self._open[index] = reader
-        if len(self._open) > self.size:
-            self._open.popitem(last=False)
-        return reader

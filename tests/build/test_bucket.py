@@ -4,7 +4,7 @@ import numpy as np
 from hypothesis import given
 from hypothesis import strategies as st
 
-from shardcache.bucket import assign_buckets, bucket_ranges, effective_edges
+from shardcache.build.bucket import assign_buckets, bucket_ranges, effective_edges
 
 
 def test_effective_edges_cap_at_max_length():

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from shardcache import ConfigError, TokenizerError
 from shardcache.config import TokenizeOptions
-from shardcache.tokenize import (
+from shardcache.build.tokenize import (
     TextEncoder,
     TruncationStats,
     append_end_token,
@@ -128,7 +128,7 @@ def test_named_class_loader_matches_autotokenizer(
 ):
     from transformers import AutoTokenizer
 
-    from shardcache.tokenize import load_hf_tokenizer
+    from shardcache.build.tokenize import load_hf_tokenizer
 
     text = "data 🙂 東京 <eos> w7 [SEP] café"
     for folder in (tokenizer_dir, bos_tokenizer_dir, wordpiece_dir, big_vocab_dir,

@@ -43,7 +43,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
+from shardcache.build.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
 from shardcache.config import TokenizeOptions
 from shardcache.errors import ConfigError, TokenizerError
 

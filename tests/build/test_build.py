@@ -12,9 +12,11 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-import shardcache.build as build_module
+import shardcache.build.partition as partition_module
+import shardcache.build.pool as pool_module
+import shardcache.build.run as build_module
 from shardcache import BuildLockedError, CacheError, CacheNotFoundError, SourceError, open_cache
-from shardcache.build import build_cache as build
+from shardcache.build.run import build_cache as build
 from shardcache.config import build_options_from_mapping
 
 
@@ -275,7 +277,7 @@ def test_identical_bytes_for_1_2_4_workers(
 
 
 def _run_killed(args: list[str], kill: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, build_module.KILL_ENV: kill, "PYTHONPATH": REPO}
+    env = {**os.environ, partition_module.KILL_ENV: kill, "PYTHONPATH": REPO}
     cmd = [sys.executable, "-m", "shardcache.cli", "build", *args, "-q"]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 
@@ -362,7 +364,7 @@ def test_bad_records_of_every_kind_counted_and_quarantined(tmp_path, build_cache
         entries = [json.loads(line) for line in f]
     assert {e["record"]: e["reason"] for e in entries} == injected
     assert all(e["source"] == "dirty.jsonl" and "excerpt" in e for e in entries)
-    from shardcache.summary import cache_summary, format_summary
+    from shardcache.store.summary import cache_summary, format_summary
 
     assert "not_json" in format_summary(cache_summary(cache))
 
@@ -448,14 +450,14 @@ def test_two_concurrent_builds_one_is_refused(monkeypatch, corpus, tmp_path, tok
         {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1}
     )
     started, release = threading.Event(), threading.Event()
-    real = build_module.build_partition
+    real = pool_module.build_partition
 
     def slow_partition(*args, **kwargs):
         started.set()
         release.wait(30)
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(build_module, "build_partition", slow_partition)
+    monkeypatch.setattr(pool_module, "build_partition", slow_partition)
     first = threading.Thread(target=build, args=(options,))
     first.start()
     try:

@@ -32,15 +32,14 @@ the same ids, and an error when it does not; ``strict=True`` makes any differenc
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardcache.errors import CacheKeyMismatch, ConfigError, SourceError
-from shardcache.format import FORMAT_VERSION
+from shardcache.store.files import sha256_text, write_json_atomic
 
 KEY_VERSION = 1
 LOCK_VERSION = 1
@@ -49,26 +48,12 @@ SOFT_COMPONENTS = ("versions",)
 COMPONENTS = HARD_COMPONENTS + SOFT_COMPONENTS
 INLINE_LIMIT = 2048
 
-#: Fixed probe texts; changing them changes every key (bump KEY_VERSION if you do).
-PROBES: dict[str, str] = {
-    "ascii": "The quick brown fox jumps over the lazy dog. 0123456789 !?#$%&*()[]{}",
-    "cjk": "東京は日本の首都です。数据处理和机器学习。한국어 텍스트",
-    "emoji": "🙂👍🏽 🇫🇷 👨‍👩‍👧 ✨",
-    "combining": "e\u0301 n\u0303 A\u030a Ω\u0308 क्षि ﬁ Ⅻ",
-    "whitespace": "a  b   c\t\td\n\ne \u00a0f\u2003g   \n\t ",
-    "code": "def f(x):\n    return {'k': [x ** 2, x // 3]}  # comment\n\tif a != b: pass",
-}
-
 
 def canonical_json(value: Any) -> str:
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
-def sha256_text(text: str) -> str:
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
-
-
-def _inline(value: Any) -> Any:
+def inline_value(value: Any) -> Any:
     """The value itself when small, else its digest and size."""
     text = canonical_json(value)
     if len(text) <= INLINE_LIMIT:
@@ -215,100 +200,10 @@ def compare(
     return result
 
 
-# --- building the components ---------------------------------------------------------------
-
-
-def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, padding: Any) -> dict:
-    """Canonical content of a backend tokenizer (parsed tokenizer.json) plus its saved
-    truncation/padding settings as they were when loaded."""
-    model = backend_json.get("model") or {}
-    vocab = model.get("vocab")
-    added = [
-        {
-            k: t.get(k)
-            for k in ("id", "content", "special", "single_word", "lstrip", "rstrip", "normalized")
-        }
-        for t in backend_json.get("added_tokens") or []
-    ]
-    return {
-        "normalizer": _inline(backend_json.get("normalizer")),
-        "pre_tokenizer": _inline(backend_json.get("pre_tokenizer")),
-        "model": {
-            "type": model.get("type"),
-            "vocab_size": len(vocab) if vocab is not None else None,
-            "merges": len(model.get("merges") or []),
-            "sha256": sha256_text(canonical_json(model)),
-            "options": _inline({k: v for k, v in model.items() if k not in ("vocab", "merges")}),
-        },
-        "post_processor": _inline(backend_json.get("post_processor")),
-        "decoder": _inline(backend_json.get("decoder")),
-        "added_tokens": _inline(added),
-        "truncation": truncation,
-        "padding": padding,
-    }
-
-
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                 "mask_token")  # fmt: skip
-
-
-def special_tokens_component(hf: Any, end_id: int | None, pad_id: int) -> dict:
-    named = {}
-    for name in SPECIAL_NAMES:
-        token = getattr(hf, name, None)
-        if token is not None:
-            named[name] = [str(token), hf.convert_tokens_to_ids(str(token))]
-    extra = sorted(str(t) for t in (getattr(hf, "additional_special_tokens", None) or []))
-    return {"named": named, "additional": _inline(extra), "end_id": end_id, "pad_id": pad_id}
-
-
-def behaviour_component(encode: Any, special_strings: list[str], chat: str | None = None) -> dict:
-    """Ids for the probe set through ``encode(list[str]) -> list[list[int]]``."""
-    probes = dict(PROBES)
-    if special_strings:
-        probes["special_tokens"] = " ".join(special_strings) + " x" + "".join(special_strings)
-    if chat is not None:
-        probes["chat"] = chat
-    names = sorted(probes)
-    ids = encode([probes[n] for n in names])
-    return {"probes_sha256": sha256_text(canonical_json(probes)),
-            "ids": {n: _inline(list(map(int, i))) for n, i in zip(names, ids)}}  # fmt: skip
-
-
-def truncation_component(max_length: int | None, strategy: str, side: str = "right") -> dict:
-    return {"max_length": max_length, "strategy": strategy, "side": side}
-
-
-def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
-    """Files keyed by relative path, so a diff names the file that was edited/added/removed."""
-    return {
-        "mode": "files",
-        "files": {f["relpath"]: {"size": f["size"], "sha256": f["sha256"]} for f in files},
-    }
-
-
-def data_component_from_version(version: str) -> dict:
-    return {"mode": "version", "version": str(version)}
-
-
-def versions_component(tokenizer_class: str) -> dict:
-    import tokenizers
-    import transformers
-
-    return {
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "format_version": FORMAT_VERSION,
-        "tokenizer_class": tokenizer_class,
-    }
-
-
 # --- lock files ----------------------------------------------------------------------------
 
 
 def write_lock(path: str, key: CacheKey) -> None:
-    from shardcache.format import write_json_atomic
-
     write_json_atomic(path, {"shardcache_lock": LOCK_VERSION, "key": key.to_json()})
 
 
@@ -348,29 +243,15 @@ def raise_if_mismatch(comparison: KeyComparison, where: str) -> None:
     )
 
 
-def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
-    """The key of a configuration: ``encoder`` is a :class:`~shardcache.tokenize.TextEncoder`
-    (duck-typed here to keep this module free of tokenizer imports); ``data`` a data component
-    or None when the data side is not known (then it is left out and not compared)."""
-    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
-    hf = text.hf
-    options = text.options
-    specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
-    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
-    side = encoder.options.truncation_side if chat is not None else "right"
-    return CacheKey(
-        {
-            "tokenizer": tokenizer_component(
-                text.backend_json, text.backend_truncation, text.backend_padding
-            ),
-            "special_tokens": special_tokens_component(hf, text.eos_id, text.pad_id),
-            "behaviour": behaviour_component(text.encode_texts, specials, chat),
-            "template": encoder.template_component(),
-            "truncation": truncation_component(options.max_length, options.truncation, side),
-            "data": dict(data) if data is not None else None,
-            "versions": versions_component(type(hf).__name__),
-        }
-    )
+#: options mapping -> CacheKey; registered by the package facade (``shardcache/__init__.py``),
+#: which may import the builder: the store and the readers never do (one-way layering).
+_OPTIONS_RESOLVER: Callable[[Mapping[str, Any]], CacheKey] | None = None
+
+
+def register_options_resolver(resolver: Callable[[Mapping[str, Any]], CacheKey]) -> None:
+    """Set how :func:`expected_key` turns a mapping of build options into a key."""
+    global _OPTIONS_RESOLVER
+    _OPTIONS_RESOLVER = resolver
 
 
 def expected_key(expect: Any) -> CacheKey:
@@ -381,9 +262,13 @@ def expected_key(expect: Any) -> CacheKey:
     if isinstance(expect, (str, os.PathLike)):
         return read_lock(os.fspath(expect))
     if isinstance(expect, Mapping):
-        from shardcache.check import DataHashing, current_key
-
-        return current_key(expect, DataHashing())
+        if _OPTIONS_RESOLVER is None:
+            raise ConfigError(
+                "expect: a mapping of tokenizer options needs the builder to compute its key "
+                "(it loads the tokenizer); import shardcache first, or pass a CacheKey or a "
+                "lock file path"
+            )
+        return _OPTIONS_RESOLVER(expect)
     raise ConfigError(
         f"expect: got {type(expect).__name__}; give a CacheKey, a lock file path or a mapping "
         "of tokenizer options"

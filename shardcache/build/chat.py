@@ -35,10 +35,10 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.build.tokenize import Encoded, TextEncoder
+from shardcache.config import ChatOptions
 from shardcache.errors import ConfigError, TokenizerError
 
-TRAIN_ON = ("assistant", "last-assistant", "all")
-TRUNCATION_SIDES = ("right", "left")
 CHAT_BAD_REASONS = (
     "no_messages_field",
     "messages_not_list",
@@ -47,34 +47,6 @@ CHAT_BAD_REASONS = (
     "template_error",
     "template_not_incremental",
 )
-
-
-@dataclass(frozen=True)
-class ChatOptions:
-    """How conversations are rendered and masked. All of these are part of the cache key."""
-
-    messages_field: str = "messages"
-    template_path: str | None = None  # None: the tokenizer's own chat_template
-    train_on: str = "assistant"
-    truncation_side: str = "right"
-    lint_sample: int = 32  # conversations per partition compared with apply_chat_template
-
-    def __post_init__(self) -> None:
-        if not self.messages_field:
-            raise ConfigError("messages_field: must be a non-empty field name, got ''")
-        if self.train_on not in TRAIN_ON:
-            raise ConfigError(f"train_on: got {self.train_on!r}, expected one of {TRAIN_ON}")
-        if self.truncation_side not in TRUNCATION_SIDES:
-            raise ConfigError(
-                f"truncation_side: got {self.truncation_side!r}, expected one of {TRUNCATION_SIDES}"
-            )
-        if self.template_path is not None and not os.path.isfile(self.template_path):
-            raise ConfigError(
-                f"chat_template: {self.template_path!r} is not a file; give a Jinja template "
-                "file or leave it unset to use the tokenizer's chat_template"
-            )
-        if not isinstance(self.lint_sample, int) or self.lint_sample < 0:
-            raise ConfigError(f"lint_sample: got {self.lint_sample!r}, expected an integer >= 0")
 
 
 @dataclass
@@ -292,7 +264,7 @@ class ChatSample:
 
 
 class ChatEncoder:
-    """The chat counterpart of :class:`~shardcache.tokenize.TextEncoder` (same build
+    """The chat counterpart of :class:`~shardcache.build.tokenize.TextEncoder` (same build
     interface: ``encode_texts`` in the encode thread, ``finish`` in the writer)."""
 
     def __init__(self, text: Any, options: ChatOptions):
@@ -391,11 +363,16 @@ class ChatEncoder:
             if list(map(int, reference)) != sample.ids.tolist():
                 self.lint.template_mismatch += 1
 
+    def take_lint(self) -> dict[str, int]:
+        """The lint counts gathered since the last call (one partition's), then reset."""
+        counts = self.lint.to_json()
+        self.lint = ChatLint()
+        self._checked = 0
+        return counts
+
     def finish(self, samples: list[ChatSample], stats: Any) -> Any:
         """Truncate, drop zero-trainable samples, lint; returns an Encoded with ``mask`` and
         ``failed`` (doc index, reason) for conversations that could not be rendered."""
-        from shardcache.tokenize import Encoded
-
         limit = self.text.options.max_length
         strategy = self.text.options.truncation
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
@@ -474,54 +451,3 @@ def _bos_added_by_post_processor(text: Any) -> int | None:
     if len(with_specials) > len(without) and with_specials[: len(without)] != without:
         return int(with_specials[0])
     return None
-
-
-def make_encoder(tokenize: Any, chat: ChatOptions | None) -> Any:
-    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data."""
-    from shardcache.tokenize import TextEncoder
-
-    text = TextEncoder(tokenize)
-    return text if chat is None else ChatEncoder(text, chat)
-
-
-def encoder_spec(encoder: Any) -> dict[str, Any]:
-    """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
-    worker process (chat: the tokenizer is loaded again, with transformers, for rendering)."""
-    import dataclasses
-
-    if isinstance(encoder, ChatEncoder):
-        cls = type(encoder.hf)
-        return {
-            "kind": "chat",
-            "tokenize": dataclasses.asdict(encoder.text.options),
-            "chat": dataclasses.asdict(encoder.options),
-            "hf_class": [cls.__module__, cls.__qualname__],
-        }
-    return {"kind": "text", "text": encoder.spec()}
-
-
-def encoder_from_spec(spec: dict[str, Any]) -> Any:
-    from shardcache.config import TokenizeOptions
-    from shardcache.tokenize import TextEncoder
-
-    if spec["kind"] == "chat":
-        import importlib
-
-        options = TokenizeOptions(**spec["tokenize"])
-        # the tokenizer class the parent resolved, loaded directly: AutoTokenizer would also
-        # import torch (through the model configs), 2 s and ~250 MB per worker process
-        module, name = spec["hf_class"]
-        cls = getattr(importlib.import_module(module), name)
-        hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
-        return ChatEncoder(TextEncoder(options, hf_tokenizer=hf), ChatOptions(**spec["chat"]))
-    return TextEncoder.from_spec(spec["text"])
-
-
-def take_lint(encoder: Any) -> dict[str, int]:
-    """The lint counts gathered since the last call (per partition), then reset."""
-    if not isinstance(encoder, ChatEncoder):
-        return {}
-    counts = encoder.lint.to_json()
-    encoder.lint = ChatLint()
-    encoder._checked = 0
-    return counts

@@ -9,10 +9,10 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer
 
-import shardcache.tokenize as tokenize_module
+import shardcache.build.tokenize as tokenize_module
 from conftest import WORDS, make_texts
 from shardcache import open_cache
-from shardcache.chunking import chunking_is_exact, encode_in_pieces, split_points
+from shardcache.build.chunking import chunking_is_exact, encode_in_pieces, split_points
 
 
 @settings(max_examples=80, deadline=None)
@@ -64,7 +64,7 @@ def test_huge_document_builds_exactly(monkeypatch, tmp_path, build_cache, tokeni
     from conftest import write_records
 
     monkeypatch.setattr(tokenize_module, "HUGE_CHARS", 5000)
-    monkeypatch.setattr("shardcache.chunking.PIECE_CHARS", 700)
+    monkeypatch.setattr("shardcache.build.chunking.PIECE_CHARS", 700)
     huge = _long_text(7, 4000)
     texts = [*make_texts(3), huge, "tail"]
     path = write_records(str(tmp_path / "h.jsonl"), [{"text": t} for t in texts], "jsonl")

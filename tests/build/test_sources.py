@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import write_records
 from shardcache import BadRecordError, SourceError
-from shardcache.sources import FileDigest, iter_text_batches, list_inputs
+from shardcache.build.sources import FileDigest, iter_text_batches, list_inputs
 
 
 def _collect(file, **kw):
@@ -132,7 +132,7 @@ def test_batches_respect_batch_docs(tmp_path):
 def test_split_lines_cover_the_file_at_line_boundaries(lines, trailing_newline, size):
     import tempfile
 
-    from shardcache.sources import InputFile, _split_lines
+    from shardcache.build.sources import InputFile, _split_lines
 
     raw = "\n".join(lines).encode() + (b"\n" if trailing_newline and lines else b"")
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
@@ -149,7 +149,7 @@ def test_split_lines_cover_the_file_at_line_boundaries(lines, trailing_newline, 
 
 
 def test_slices_read_the_same_records_as_the_whole_file(tmp_path):
-    from shardcache.sources import split_input
+    from shardcache.build.sources import split_input
 
     records = [{"text": f"doc {i} " + "x" * (i % 37)} if i % 9 else {"body": 1} for i in range(300)]
     path = write_records(str(tmp_path / "a.jsonl"), records, "jsonl")
@@ -168,7 +168,7 @@ def test_slices_read_the_same_records_as_the_whole_file(tmp_path):
 
 
 def test_batches_are_bounded_by_characters(tmp_path, monkeypatch):
-    import shardcache.sources as sources
+    import shardcache.build.sources as sources
 
     monkeypatch.setattr(sources, "MAX_BATCH_CHARS", 100)
     texts = ["x" * 30] * 7 + ["y" * 500] + ["z"]

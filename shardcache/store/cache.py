@@ -9,15 +9,74 @@ cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r
 from __future__ import annotations
 
 import bisect
+import contextlib
 import os
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from shardcache.errors import CorruptShardError
-from shardcache.format import LENGTHS_FILE, ShardCache, read_manifest
+from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
+from shardcache.store.manifest import read_manifest
+from shardcache.store.remote import RemoteCache, is_url
+from shardcache.store.shards import ShardReader
+
+#: ``fetch(shard entry) -> (local path, release)``: where a shard's bytes are, and what to call
+#: once the reader no longer needs them (a remote cache keeps its lock on the file until then).
+Fetch = Callable[[dict[str, Any]], tuple[str, Callable[[], None]]]
+
+
+def _no_release() -> None:
+    return None
+
+
+class ShardCache:
+    """A small LRU of open :class:`~shardcache.store.shards.ShardReader` s.
+
+    One class for local and remote caches: ``fetch`` says where a shard's file is (a local
+    cache joins its folder and the name; a remote one downloads into the local object store
+    and holds a shared lock on the file), and the release it returns is called when the
+    shard leaves the LRU.
+    """
+
+    def __init__(self, shards: list[dict[str, Any]], dtype: np.dtype, size: int, fetch: Fetch):
+        self.shards = shards
+        self.dtype = dtype
+        self.size = max(1, size)
+        self.fetch = fetch
+        self._open: OrderedDict[int, tuple[ShardReader, Callable[[], None]]] = OrderedDict()
+
+    def get(self, index: int) -> ShardReader:
+        entry = self._open.get(index)
+        if entry is not None:
+            self._open.move_to_end(index)
+            return entry[0]
+        info = self.shards[index]
+        path, release = self.fetch(info)
+        try:
+            reader = ShardReader(path, info, self.dtype)
+        except BaseException:
+            release()
+            raise
+        self._open[index] = (reader, release)
+        if len(self._open) > self.size:
+            _, (_, old_release) = self._open.popitem(last=False)
+            old_release()
+        return reader
+
+    def close(self) -> None:
+        """Release every open shard."""
+        while self._open:
+            _, (_, release) = self._open.popitem(last=False)
+            with contextlib.suppress(Exception):
+                release()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self.close()
 
 
 @dataclass(frozen=True)
@@ -45,11 +104,8 @@ class Cache:
 
     def __init__(self, path: str, open_shards: int = 8):
         self.path = os.fspath(path)
-        remote = None
-        if "://" in self.path:  # a URL: manifest and index downloaded, shards on demand
-            from shardcache.remote import RemoteCache
-
-            remote = RemoteCache(self.path)
+        # a URL: manifest and index downloaded, shards on demand into the local object store
+        remote = RemoteCache(self.path) if is_url(self.path) else None
         self.manifest: dict[str, Any] = (
             remote.manifest if remote is not None else read_manifest(self.path)
         )
@@ -62,7 +118,7 @@ class Cache:
             (s["bucket"] for s in self.shards), dtype=np.int32, count=len(self.shards)
         )
         lengths_path = (
-            remote.lengths_path if remote is not None else os.path.join(self.path, LENGTHS_FILE)
+            remote.lengths_path if remote is not None else cache_path(self.path, LENGTHS_FILE)
         )
         try:
             self.lengths: np.ndarray = np.load(lengths_path, mmap_mode="r", allow_pickle=False)
@@ -76,11 +132,12 @@ class Cache:
                 f"{int(self.shard_starts[-1])} rows; the cache is damaged, rebuild it"
             )
         self._starts_list: list[int] = self.shard_starts.tolist()
-        self._shards = (
-            remote.shard_cache(self.dtype, open_shards)
+        fetch: Fetch = (
+            remote.fetch_shard
             if remote is not None
-            else ShardCache(self.path, self.shards, self.dtype, open_shards)
+            else lambda info: (shard_path(self.path, info["name"]), _no_release)
         )
+        self._shards = ShardCache(self.shards, self.dtype, open_shards, fetch)
 
     def __repr__(self) -> str:
         return (
@@ -168,5 +225,5 @@ def open_cache(path: str | os.PathLike[str]) -> Cache:
     """Open a committed cache directory or URL (CacheNotFoundError if there is none).
 
     A URL (``s3://bucket/prefix``) reads through the local shard cache of
-    :mod:`shardcache.remote` (downloads checked against the manifest's sha256)."""
+    :mod:`shardcache.store.remote` (downloads checked against the manifest's sha256)."""
     return Cache(os.fspath(path))

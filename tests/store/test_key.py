@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import CacheKeyMismatch
-from shardcache.key import (
+from shardcache.store.key import (
     HARD_COMPONENTS,
     CacheKey,
     compare,
@@ -45,7 +45,7 @@ def test_digest_stable_across_processes():
     components = {"tokenizer": {"b": 1, "a": [1, 2]}, "data": {"mode": "version", "version": "v1"}}
     here = CacheKey(components).digest
     code = (
-        "import json, sys; from shardcache.key import CacheKey; "
+        "import json, sys; from shardcache.store.key import CacheKey; "
         "print(CacheKey(json.loads(sys.argv[1])).digest)"
     )
     out = subprocess.run(

@@ -38,7 +38,7 @@ def _pid_alive(pid: int) -> bool:
     return True
 
 
-def read_lock(path: str) -> dict[str, Any] | None:
+def read_owner(path: str) -> dict[str, Any] | None:
     """The lock's content; None when there is no lock; {} when it cannot be parsed."""
     try:
         with open(path, encoding="utf-8") as f:
@@ -84,7 +84,7 @@ class BuildLock:
                 os.remove(tmp)
 
     def _clear_stale_or_raise(self) -> None:
-        holder = read_lock(self.path)
+        holder = read_owner(self.path)
         if holder is None:
             return  # released meanwhile: retry
         pid, host = holder.get("pid"), holder.get("host")
@@ -115,7 +115,7 @@ class BuildLock:
     def release(self) -> None:
         if not self.held:
             return
-        holder = read_lock(self.path)
+        holder = read_owner(self.path)
         if holder and holder.get("pid") == os.getpid():
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self.path)

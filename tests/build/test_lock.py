@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from shardcache import BuildLockedError
-from shardcache.buildlock import LOCK_NAME, BuildLock, read_lock
+from shardcache.build.lock import LOCK_NAME, BuildLock, read_owner
 
 
 def _dead_pid() -> int:
@@ -20,7 +20,7 @@ def _dead_pid() -> int:
 
 def test_lock_is_exclusive_and_released(tmp_path):
     with BuildLock(str(tmp_path)) as lock:
-        holder = read_lock(lock.path)
+        holder = read_owner(lock.path)
         assert holder["pid"] == os.getpid() and holder["host"] == socket.gethostname()
         with pytest.raises(BuildLockedError, match=rf"pid {os.getpid()} on this host"):
             BuildLock(str(tmp_path)).acquire()
@@ -32,7 +32,7 @@ def test_stale_lock_of_a_dead_process_is_taken_over(tmp_path):
     stale = {"pid": _dead_pid(), "host": socket.gethostname(), "started": 0}
     (tmp_path / LOCK_NAME).write_text(json.dumps(stale))
     with BuildLock(str(tmp_path)) as lock:
-        assert read_lock(lock.path)["pid"] == os.getpid()
+        assert read_owner(lock.path)["pid"] == os.getpid()
 
 
 def test_foreign_host_and_unreadable_locks_are_refused_with_a_way_out(tmp_path):

@@ -47,7 +47,9 @@ from typing import Any, BinaryIO
 import numpy as np
 import zstandard
 
+from shardcache.build.chat import validate_messages
 from shardcache.errors import BadRecordError, SourceError
+from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
 
 FORMATS = ("jsonl", "jsonl.zst", "json.gz", "parquet")
 _SUFFIXES = {
@@ -67,7 +69,6 @@ BAD_REASONS = (
     "blank_line",
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
 )
-_READ_CHUNK = 1 << 20
 #: A batch is flushed at this many characters of text even below ``batch_docs`` documents.
 #: 8 Mi characters keep one batch (texts + ids + encodings) at a few tens of MB while staying
 #: far above the size where per-call overhead of ``encode_batch`` matters.
@@ -199,13 +200,12 @@ def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputS
     if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
         return [InputSlice()], ""
     if file.format == "parquet":
-        return _split_parquet(file, partition_size_bytes), hash_file(file.path)
+        return _split_parquet(file, partition_size_bytes), sha256_file(file.path)
     return _split_lines(file, partition_size_bytes)
 
 
 def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
     """One pass: hash, count newlines, and cut after the first newline past each target."""
-    digest = hashlib.sha256()
     slices: list[InputSlice] = []
     start, first_line = 0, 0
     target = size
@@ -215,9 +215,9 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
         f = open(file.path, "rb")  # noqa: SIM115
     except OSError as err:
         raise SourceError(f"{file.relpath}: cannot open: {err}") from err
-    with f:
-        while chunk := f.read(_SCAN_CHUNK):
-            digest.update(chunk)
+    reader = HashingReader(f)  # type: ignore[arg-type]
+    with reader:
+        while chunk := reader.read(_SCAN_CHUNK):
             while target < pos + len(chunk):
                 nl = chunk.find(b"\n", max(0, target - pos))
                 if nl < 0:
@@ -231,7 +231,7 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
             lines_before_chunk += chunk.count(b"\n")
             pos += len(chunk)
     slices.append(InputSlice(start, None, first_line))
-    return slices, digest.hexdigest()
+    return slices, reader.sha256.hexdigest()
 
 
 def _split_parquet(file: InputFile, size: int) -> list[InputSlice]:
@@ -287,47 +287,6 @@ class _RangeReader(io.RawIOBase):
         super().close()
 
 
-class HashingReader(io.RawIOBase):
-    """A raw reader that hashes (sha256) and counts every byte read through it."""
-
-    def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None = None):
-        self._raw = raw
-        self._on_bytes = on_bytes
-        self.sha256 = hashlib.sha256()
-        self.bytes_read = 0
-
-    def readable(self) -> bool:
-        return True
-
-    def readinto(self, buffer: Any) -> int:
-        n = self._raw.readinto(buffer)
-        if n:
-            view = memoryview(buffer)[:n]
-            self.sha256.update(view)
-            self.bytes_read += n
-            if self._on_bytes is not None:
-                self._on_bytes(n)
-        return n or 0
-
-    def drain(self) -> None:
-        """Read (and hash) whatever is left, so the digest covers the whole file."""
-        buf = bytearray(_READ_CHUNK)
-        while self.readinto(buf):
-            pass
-
-    def close(self) -> None:
-        self._raw.close()
-        super().close()
-
-
-def hash_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 hex digest of a file, read in 1 MiB chunks."""
-    with open(path, "rb") as f:
-        reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
-        reader.drain()
-        return reader.sha256.hexdigest()
-
-
 @dataclass
 class TextBatch:
     """Up to ``batch_docs`` valid texts of one file with their record indices."""
@@ -349,8 +308,6 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
     if not isinstance(obj, dict):
         return None, "not_an_object"
     if kind == "chat":
-        from shardcache.chat import validate_messages
-
         reason = validate_messages(obj.get(text_field))
         return (None, reason) if reason is not None else (obj[text_field], None)
     if text_field not in obj or obj[text_field] is None:
@@ -379,7 +336,7 @@ class ZstdReader(io.RawIOBase):
 
     def readinto(self, buffer: Any) -> int:
         while not self._pending:
-            chunk = self._raw.read(_READ_CHUNK)
+            chunk = self._raw.read(READ_CHUNK)
             if not chunk:
                 if self._in_frame:
                     raise zstandard.ZstdError("input ends inside a zstd frame (truncated file)")
@@ -403,9 +360,9 @@ class ZstdReader(io.RawIOBase):
 
 def _open_lines(raw: HashingReader, fmt: str) -> io.BufferedIOBase:
     if fmt == "jsonl":
-        return io.BufferedReader(raw, buffer_size=_READ_CHUNK)
+        return io.BufferedReader(raw, buffer_size=READ_CHUNK)
     if fmt == "jsonl.zst":
-        return io.BufferedReader(ZstdReader(raw), buffer_size=_READ_CHUNK)
+        return io.BufferedReader(ZstdReader(raw), buffer_size=READ_CHUNK)
     if fmt == "json.gz":
         return gzip.GzipFile(fileobj=raw, mode="rb")  # type: ignore[return-value]
     raise SourceError(f"format {fmt!r} is not line-based")
@@ -584,7 +541,7 @@ def iter_text_batches(
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:
-            sha = hash_file(file.path)
+            sha = sha256_file(file.path)
             if digest is not None:
                 digest.sha256 = sha
         if on_bytes is not None:

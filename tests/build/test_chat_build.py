@@ -12,10 +12,10 @@ from click.testing import CliRunner
 
 from conftest import CHATML_TEMPLATE, make_conversations, write_records
 from shardcache import ShardcacheError, ShardDataset, open_cache
-from shardcache.chat import ChatEncoder, ChatOptions
+from shardcache.build.chat import ChatEncoder, ChatOptions
 from shardcache.cli import main
 from shardcache.config import TokenizeOptions
-from shardcache.tokenize import TextEncoder
+from shardcache.build.tokenize import TextEncoder
 
 
 @pytest.fixture()

@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 from shardcache import CorruptShardError, open_cache
 from shardcache.cli import main
-from shardcache.verify import verify_cache
+from shardcache.store.verify import verify_cache
 
 
 @pytest.fixture()

@@ -1,7 +1,8 @@
-"""Human and machine summaries of a cache (``shardcache info``) and of a build report.
+"""Human and machine summaries of a cache (``shardcache info``).
 
 Pure functions from a manifest (and the length index) to a JSON-able dict, and from that
-dict to aligned text. Nothing here opens a shard.
+dict to aligned text. Nothing here opens a shard. The build report's text is
+:mod:`shardcache.build.report`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.build import BuildReport
-from shardcache.cache import Cache
+from shardcache.store.cache import Cache
 
 
 def human_bytes(n: float) -> str:
@@ -130,53 +130,3 @@ def format_summary(s: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines) + "\n\n" + _table(rows)
-
-
-def report_json(report: BuildReport) -> dict[str, Any]:
-    return {
-        "output": report.output,
-        "documents": report.documents,
-        "sequences": report.sequences,
-        "tokens": report.tokens,
-        "shards": report.shards,
-        "bytes_in": report.bytes_in,
-        "bytes_out": report.bytes_out,
-        "seconds": round(report.seconds, 3),
-        "tokens_per_second": round(report.tokens_per_second, 1),
-        "stats": report.stats,
-        "bad_records": report.bad_records,
-        "corrupt_files": report.corrupt_files,
-        "partitions": report.partitions,
-        "resumed_partitions": report.resumed_partitions,
-        "workers": report.workers,
-    }
-
-
-def format_report(report: BuildReport) -> str:
-    st = report.stats
-    secs = max(report.seconds, 1e-9)
-    bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
-    resumed = f", {report.resumed_partitions} resumed" if report.resumed_partitions else ""
-    lost = [
-        f"lost         {c['source']} from line/row {c['record']} (offset ~{c['offset']}): "
-        f"{c['excerpt']}"
-        for c in report.corrupt_files
-    ]
-    return "\n".join(
-        [
-            f"built        {report.output}",
-            f"partitions   {report.partitions}{resumed}, {report.workers} worker(s)",
-            f"documents    {report.documents:,}",
-            f"sequences    {report.sequences:,}",
-            f"tokens       {report.tokens:,}",
-            f"shards       {report.shards:,} ({human_bytes(report.bytes_out)})",
-            f"truncated    {st['truncated_documents']:,} docs, dropped "
-            f"{st['dropped_documents']:,}, split {st['split_documents']:,}, "
-            f"lost tokens {st['lost_tokens']:,}",
-            f"bad records  {bad}",
-            *lost,
-            *chat_lines(st),
-            f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
-            f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
-        ]
-    )

@@ -1,0 +1,202 @@
+"""The build's front door: plan -> map(partition) -> commit, parallel, resumable, crash-safe.
+
+:func:`build_cache` builds into a local folder holding ``<output>/.lock``
+(:mod:`shardcache.build.lock`): it plans or resumes (:mod:`shardcache.build.plan`), runs the
+pending partitions with an engine (:mod:`shardcache.build.pool` by default,
+:mod:`shardcache.build.engines` for Ray), and commits (:mod:`shardcache.build.commit`).
+:func:`build_share` runs one share of a job array without committing; :func:`build` picks
+between them and stages URL inputs/outputs through :mod:`shardcache.build.remote`.
+Since a partition's bytes do not depend on scheduling, a resumed or parallel build is
+byte-identical to an uninterrupted single-process one.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+
+from shardcache.build.commit import commit
+from shardcache.build.encoders import make_encoder
+from shardcache.build.encoders import EncoderFactory, encoder_for
+from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
+from shardcache.build.lock import BuildLock
+from shardcache.build.plan import (
+    PartitionResult,
+    clean_partitions,
+    completed_result,
+    prepare_output,
+    share_plan,
+)
+from shardcache.build.pool import run_local
+from shardcache.build.remote import build_remote
+from shardcache.build.report import BuildReport, Progress
+from shardcache.build.sources import (
+    InputFile,
+    list_inputs,
+)
+from shardcache.build.tokenize import TextEncoder
+from shardcache.config import BuildOptions
+from shardcache.errors import (
+    CacheError,
+    ConfigError,
+)
+from shardcache.store.files import write_json_atomic
+from shardcache.store.layout import (
+    MANIFEST,
+    PARTS_DIR,
+    SHARD_DIR,
+    SHARES_DIR,
+)
+from shardcache.store.remote import is_url
+
+
+def build_cache(
+    options: BuildOptions,
+    progress: Progress | None = None,
+    encoder_factory: Callable[[BuildOptions], TextEncoder] | None = None,
+    *,
+    engine: RunPartitions | None = None,
+    inputs: list[InputFile] | None = None,
+) -> BuildReport:
+    """Build (or resume building) a cache from ``options``; returns the report.
+
+    Holds ``<output>/.lock`` while it runs (:class:`~shardcache.errors.BuildLockedError` if
+    another live build holds it). The manifest is written last. ``engine(plan, pending,
+    encoder, progress, workers)`` replaces the local engine
+    (:func:`~shardcache.build.pool.run_local`; Ray: :mod:`shardcache.build.engines`); ``inputs``
+    replaces listing ``options.source.inputs`` (:mod:`shardcache.build.remote`: staged URLs).
+    """
+    progress = progress or Progress()
+    started = time.perf_counter()
+    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    encoder = encoder_for(options, encoder_factory)
+    workers = options.num_workers
+    if os.path.exists(options.output) and not os.path.isdir(options.output):
+        raise CacheError(
+            f"--output {options.output!r} exists and is not a folder; choose another path"
+        )
+    with BuildLock(options.output):
+        plan, done = prepare_output(options, inputs)
+        pending = [p for p in plan.partitions if p.id not in done]
+        try:
+            progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
+            results = dict(done)
+            if pending:
+                results.update((engine or run_local)(plan, pending, encoder, progress, workers))
+            manifest = commit(plan, [results[p.id] for p in plan.partitions], encoder)
+        finally:
+            progress.close()
+    totals = manifest["totals"]
+    stats = dict(manifest["stats"])
+    bad = stats.pop("bad_records")
+    corrupt = stats.pop("corrupt_files")
+    return BuildReport(
+        output=options.output,
+        documents=totals["documents"],
+        sequences=totals["sequences"],
+        tokens=totals["tokens"],
+        shards=totals["shards"],
+        bytes_in=totals["input_bytes"],
+        bytes_out=totals["shard_bytes"],
+        seconds=time.perf_counter() - started,
+        stats=stats,
+        bad_records=bad,
+        partitions=len(plan.partitions),
+        resumed_partitions=len(done),
+        workers=1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending)),
+        corrupt_files=corrupt,
+    )
+
+
+def build(
+    options: BuildOptions,
+    engine: EngineOptions | None = None,
+    progress: Progress | None = None,
+    encoder_factory: EncoderFactory | None = None,
+) -> BuildReport:
+    """Build with any engine, a share of a job array, and local or URL inputs / output."""
+    engine = engine or EngineOptions()
+    if engine.share is not None and options.force:
+        raise ConfigError(
+            "force: --force cannot be combined with --partition (other shares write the same "
+            "output); delete the output to start over"
+        )
+
+    def build_local(opts: BuildOptions, inputs: list[InputFile] | None) -> BuildReport:
+        if engine.share is not None:
+            return build_share(opts, engine, progress, encoder_factory, inputs)
+        return build_cache(
+            opts, progress, encoder_factory, engine=ENGINES[engine.engine](engine), inputs=inputs
+        )
+
+    if is_url(options.output) or any(map(is_url, options.source.inputs)):
+        tag = engine.share.name if engine.share is not None else ""
+        return build_remote(options, build_local, tag)
+    return build_local(options, None)
+
+
+def build_share(
+    options: BuildOptions,
+    engine: EngineOptions,
+    progress: Progress | None = None,
+    encoder_factory: EncoderFactory | None = None,
+    inputs: list[InputFile] | None = None,
+) -> BuildReport:
+    """Build this share's partitions into ``options.output`` (no commit)."""
+    assert engine.share is not None
+    share = engine.share
+    progress = progress or Progress()
+    started = time.perf_counter()
+    out = options.output
+    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    encoder = encoder_for(options, encoder_factory)
+    if os.path.exists(os.path.join(out, MANIFEST)):
+        raise CacheError(
+            f"{out!r} already holds a committed cache; a share has nothing to add (delete the "
+            "output to rebuild it)"
+        )
+    with BuildLock(os.path.join(out, SHARES_DIR, share.name)):
+        for sub in (SHARD_DIR, PARTS_DIR, "index"):
+            os.makedirs(os.path.join(out, sub), exist_ok=True)
+        plan = share_plan(options, inputs)
+        mine = share.select(plan.partitions)
+        done: dict[str, PartitionResult] = {}
+
+        for p in mine:
+            result = completed_result(out, p)
+            if result is not None:
+                done[p.id] = result
+        pending = [p for p in mine if p.id not in done]
+        clean_partitions(out, [p.id for p in pending], done)
+        write_json_atomic(
+            os.path.join(out, SHARES_DIR, f"{share.name}.json"),
+            {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
+            private=True,
+        )
+        run = ENGINES[engine.engine](engine)
+        try:
+            progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
+            results = dict(done)
+            if pending:
+                results.update(run(plan, pending, encoder, progress, options.num_workers))
+        finally:
+            progress.close()
+    stats: dict[str, int] = {}
+    for r in results.values():
+        for k, v in r.stats.to_json().items():
+            stats[k] = stats.get(k, 0) + int(v)
+    return BuildReport(
+        output=out,
+        documents=stats.get("documents", 0),
+        sequences=stats.get("sequences", 0),
+        tokens=stats.get("tokens", 0),
+        shards=sum(len(r.shards) for r in results.values()),
+        bytes_in=sum(p.nbytes for p in mine),
+        bytes_out=sum(s.bytes for r in results.values() for s in r.shards),
+        seconds=time.perf_counter() - started,
+        stats=stats,
+        partitions=len(mine),
+        resumed_partitions=len(done),
+        workers=options.num_workers,
+    )

@@ -1,0 +1,26 @@
+"""``shardcache check``, store side: the key a cache or lock records, and how two compare.
+
+The key of the *current* configuration needs the tokenizer
+(:func:`shardcache.build.keying.current_key`); the CLI puts the two together.
+"""
+
+from __future__ import annotations
+
+from shardcache.store.key import CacheKey, KeyComparison, compare, manifest_key
+from shardcache.store.manifest import read_manifest
+from shardcache.store.remote import RemoteCache, is_url
+
+
+def read_any_manifest(path: str) -> dict:
+    """The manifest of a cache folder or URL (reads only the manifest)."""
+    return RemoteCache(path).manifest if is_url(path) else read_manifest(path)
+
+
+def compare_keys(old: CacheKey, new: CacheKey, strict: bool) -> KeyComparison:
+    skip = ("data",) if new.components.get("data") is None else ()
+    return compare(old, new, strict=strict, skip=skip)
+
+
+def cache_key(path: str) -> CacheKey:
+    """The key recorded in a cache's manifest (reads only manifest.json; folder or URL)."""
+    return manifest_key(read_any_manifest(path), path)

@@ -1,0 +1,180 @@
+"""Local files: the one streaming sha256, atomic writes (tmp + fsync + rename), JSON reads.
+
+Every file of a cache is written as a temporary file, fsynced, then renamed over its final
+name, so a name always holds a whole file. Writers that may race with another process on the
+same name (job-array shares, ranks sharing a download folder) use a private temporary name
+(:func:`private_tmp`), so neither deletes nor overwrites the other's half-written file.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+from collections.abc import Callable
+from typing import Any, BinaryIO
+
+import numpy as np
+
+from shardcache.errors import CorruptShardError
+
+READ_CHUNK = 1 << 20
+
+
+def sha256_text(text: str) -> str:
+    """sha256 hex digest of a string's UTF-8 bytes."""
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()
+
+
+class HashingReader(io.RawIOBase):
+    """A raw reader that hashes (sha256) and counts every byte read through it."""
+
+    def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None = None):
+        self._raw = raw
+        self._on_bytes = on_bytes
+        self.sha256 = hashlib.sha256()
+        self.bytes_read = 0
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        n = self._raw.readinto(buffer)
+        if n:
+            view = memoryview(buffer)[:n]
+            self.sha256.update(view)
+            self.bytes_read += n
+            if self._on_bytes is not None:
+                self._on_bytes(n)
+        return n or 0
+
+    def drain(self) -> None:
+        """Read (and hash) whatever is left, so the digest covers the whole file."""
+        buf = bytearray(READ_CHUNK)
+        while self.readinto(buf):
+            pass
+
+    def close(self) -> None:
+        self._raw.close()
+        super().close()
+
+
+def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
+    """sha256 hex digest of a file, read in 1 MiB chunks (``on_bytes``: progress)."""
+    with open(path, "rb") as f:
+        reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
+        reader.drain()
+        return reader.sha256.hexdigest()
+
+
+def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
+    """Copy ``src`` to ``dst`` in 1 MiB chunks, feeding ``digest`` (a ``hashlib`` object);
+    returns the bytes and the newlines copied."""
+    size = lines = 0
+    while chunk := src.read(READ_CHUNK):
+        dst.write(chunk)
+        digest.update(chunk)
+        size += len(chunk)
+        lines += chunk.count(b"\n")
+    return size, lines
+
+
+def private_tmp(path: str) -> str:
+    """A temporary name for ``path`` no other process uses (pid + random suffix)."""
+    return f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+
+
+def fsync_dir(path: str) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _finish(tmp: str, path: str) -> None:
+    os.replace(tmp, path)
+    fsync_dir(os.path.dirname(os.path.abspath(path)))
+
+
+def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to ``path`` via a temporary file + fsync + rename (``private``: a
+    temporary name of this process's own, for files several processes may write)."""
+    tmp = private_tmp(path) if private else path + ".tmp"
+    try:
+        with open(tmp, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        _finish(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def write_json_atomic(path: str, obj: Any, *, private: bool = False) -> None:
+    data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+    write_bytes_atomic(path, data, private=private)
+
+
+def read_json_or_none(path: str) -> dict[str, Any] | None:
+    """A JSON object from ``path``; None when it is missing, unreadable or not an object."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = json.load(f)
+    except (OSError, ValueError, RecursionError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def write_npy_atomic(path: str, array: np.ndarray) -> None:
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        np.save(f, array, allow_pickle=False)
+        f.flush()
+        os.fsync(f.fileno())
+    _finish(tmp, path)
+
+
+def write_npy_concat_atomic(path: str, sources: list[str]) -> None:
+    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming:
+    memory is one source array, not the total. The bytes equal ``np.save`` of the
+    concatenated array (same header writer)."""
+    arrays_meta = []
+    for source in sources:
+        arr = np.load(source, mmap_mode="r", allow_pickle=False)
+        arrays_meta.append((source, arr.dtype, arr.shape[0]))
+    dtype = arrays_meta[0][1] if arrays_meta else np.dtype(np.uint32)
+    if any(d != dtype for _, d, _ in arrays_meta):
+        raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
+    total = sum(n for _, _, n in arrays_meta)
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
+                  "fortran_order": False, "shape": (total,)}  # fmt: skip
+        np.lib.format.write_array_header_1_0(f, header)
+        for source, _, n in arrays_meta:
+            if n:
+                f.write(np.ascontiguousarray(np.load(source, allow_pickle=False)).tobytes())
+        f.flush()
+        os.fsync(f.fileno())
+    _finish(tmp, path)
+
+
+def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
+    """Concatenate files into ``path`` (tmp + fsync + rename); returns bytes, sha256, lines."""
+    digest = hashlib.sha256()
+    size = lines = 0
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as out:
+        for source in sources:
+            with open(source, "rb") as f:
+                n, k = copy_hashing(f, out, digest)  # type: ignore[arg-type]
+            size += n
+            lines += k
+        out.flush()
+        os.fsync(out.fileno())
+    _finish(tmp, path)
+    return size, digest.hexdigest(), lines
