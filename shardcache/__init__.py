@@ -25,19 +25,19 @@ from shardcache.errors import (
     TokenizerError,
 )
 from shardcache.format import FORMAT_VERSION
-from shardcache.plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
 from shardcache.verify import VerifyReport, verify_cache
 from shardcache.version import __version__
 
 _LAZY = {
-    "DeviceBackend": "shardcache.prefetch",
-    "DevicePrefetcher": "shardcache.prefetch",
-    "EpochSplit": "shardcache.plan",
-    "PrefetchOptions": "shardcache.prefetch",
-    "PrefetchStats": "shardcache.prefetch",
-    "ShardDataset": "shardcache.dataset",
-    "TorchDeviceBackend": "shardcache.prefetch",
-    "split_epoch": "shardcache.plan",
+    "DeviceBackend": "shardcache.read.prefetch",
+    "DevicePrefetcher": "shardcache.read.prefetch",
+    "EpochSplit": "shardcache.read.plan",
+    "PrefetchOptions": "shardcache.read.prefetch",
+    "PrefetchStats": "shardcache.read.prefetch",
+    "ShardDataset": "shardcache.read.dataset",
+    "TorchDeviceBackend": "shardcache.read.prefetch",
+    "split_epoch": "shardcache.read.plan",
 }
 
 __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test

@@ -78,7 +78,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardcache.cache import Cache
 from shardcache.errors import ConfigError, StateError
 from shardcache.key import verify_manifest_key
-from shardcache.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
+from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 
 STATE_VERSION = 1
 #: Open shards kept per reader process. Memory maps are cheap; reopening a shard costs a

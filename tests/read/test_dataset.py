@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from conftest import assert_resumable
 from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
-from shardcache.dataset import cache_digest
+from shardcache.read.dataset import cache_digest
 
 
 @pytest.fixture()
@@ -97,7 +97,7 @@ class _FakeWorkers:
 
     def __init__(self, monkeypatch):
         self.current = None
-        monkeypatch.setattr("shardcache.dataset.get_worker_info", lambda: self.current)
+        monkeypatch.setattr("shardcache.read.dataset.get_worker_info", lambda: self.current)
 
     def start(self, ds, worker_id, num_workers):
         self.current = types.SimpleNamespace(id=worker_id, num_workers=num_workers)

@@ -1,4 +1,4 @@
-"""Tests for shardcache.prefetch.DevicePrefetcher.
+"""Tests for shardcache.read.prefetch.DevicePrefetcher.
 
 Most tests run the real prefetcher logic against ``FakeBackend``, a device simulated with threads:
 the copy stream is a worker thread that performs each "H2D copy" late (after a delay, in chunks),
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardcache.errors import ConfigError
-from shardcache.prefetch import (
+from shardcache.read.prefetch import (
     DeviceBackend,
     DevicePrefetcher,
     PrefetchOptions,
