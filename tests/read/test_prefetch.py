@@ -570,13 +570,13 @@ def test_batch_larger_than_pinned_cap(make_backend: Callable[..., FakeBackend]) 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_pinned_bytes": 0}, "max_pinned_bytes=0"),
-        ({"max_pinned_bytes": 1.5}, "max_pinned_bytes=1.5"),
-        ({"min_slot_bytes": -1}, "min_slot_bytes=-1"),
-        ({"copy_stream_priority": 100}, r"copy_stream_priority=100.*\[-64, 64\]"),
-        ({"timing": 1}, "timing=1"),
-        ({"poll_interval_s": 0}, r"poll_interval_s=0.*\[0.0001, 10.0\]"),
-        ({"join_timeout_s": "5"}, "join_timeout_s='5'"),
+        ({"max_pinned_bytes": 0}, "max_pinned_bytes: got 0"),
+        ({"max_pinned_bytes": 1.5}, "max_pinned_bytes: got 1.5"),
+        ({"min_slot_bytes": -1}, "min_slot_bytes: got -1"),
+        ({"copy_stream_priority": 100}, r"copy_stream_priority: got 100.*\[-64, 64\]"),
+        ({"timing": 1}, "timing: got 1"),
+        ({"poll_interval_s": 0}, r"poll_interval_s: got 0.*\[0.0001, 10.0\]"),
+        ({"join_timeout_s": "5"}, "join_timeout_s: got '5'"),
     ],
 )
 def test_options_validated(kwargs: dict[str, Any], match: str) -> None:
