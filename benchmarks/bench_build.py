@@ -118,9 +118,9 @@ def build(corpus: str, tokenizer: str, out: str, workers: int, env_extra: dict[s
 
 
 def ceiling(corpus: str, tokenizer: str, batch_docs: int) -> tuple[float, int, float]:
-    from shardcache.config import TokenizeOptions
     from shardcache.build.sources import iter_text_batches, list_inputs
     from shardcache.build.tokenize import TextEncoder
+    from shardcache.config import TokenizeOptions
 
     texts: list[str] = []
     for f in list_inputs([corpus]):

@@ -43,7 +43,7 @@ def main() -> None:
     args = ap.parse_args()
 
     from shardcache.build.keying import DataHashing, current_data, current_key
-from shardcache.store.check import cache_key, compare_keys
+    from shardcache.store.check import cache_key, compare_keys
     from shardcache.store.key import read_lock
 
     work = tempfile.mkdtemp(prefix="bench-check-")

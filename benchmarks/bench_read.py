@@ -39,7 +39,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from shardcache import Cache, PlanOptions, plan_epoch
-from shardcache.dataset import ShardDataset
+from shardcache.read.dataset import ShardDataset
 
 REPEATS = 3
 MODES = {
@@ -169,7 +169,7 @@ FIRST_BATCH = """
 import sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, {root!r})
-from shardcache.dataset import ShardDataset
+from shardcache.read.dataset import ShardDataset
 t1 = time.perf_counter()
 ds = ShardDataset({path!r}, 16384, seed=0, rank=0, world_size=1{extra})
 batch = next(iter(ds))

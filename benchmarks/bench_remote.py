@@ -74,9 +74,9 @@ def main() -> None:
     from moto.server import ThreadedMotoServer
 
     from shardcache import verify_cache
-    from shardcache.config import build_options_from_mapping
     from shardcache.build.engines import EngineOptions
-from shardcache.build.run import build
+    from shardcache.build.run import build
+    from shardcache.config import build_options_from_mapping
 
     work = tempfile.mkdtemp(prefix="bench-remote-")
     os.environ["SHARDCACHE_CACHE_DIR"] = os.path.join(work, "local-cache")

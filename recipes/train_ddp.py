@@ -32,7 +32,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.utils.data import DataLoader
 
 from shardcache import DevicePrefetcher, open_cache
-from shardcache.dataset import ShardDataset
+from shardcache.read.dataset import ShardDataset
 
 
 class TinyLM(torch.nn.Module):

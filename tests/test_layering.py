@@ -86,7 +86,7 @@ def test_no_import_cycles():
             if target in TOP:
                 continue  # the facade is never imported back by a layer (checked below)
             if state.get(target) == 1:
-                cycle = stack[stack.index(target) :] + [target]
+                cycle = [*stack[stack.index(target) :], target]
                 pytest.fail(f"import cycle: {' -> '.join(cycle)}")
             if state.get(target) is None:
                 visit(target)

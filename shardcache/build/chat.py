@@ -28,16 +28,15 @@ the first ``lint_sample`` conversations of each partition.
 
 from __future__ import annotations
 
-import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
-from shardcache.build.tokenize import Encoded, TextEncoder
+from shardcache.build.tokenize import Encoded
 from shardcache.config import ChatOptions
-from shardcache.errors import ConfigError, TokenizerError
+from shardcache.errors import TokenizerError
 
 CHAT_BAD_REASONS = (
     "no_messages_field",

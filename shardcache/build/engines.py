@@ -46,7 +46,6 @@ from shardcache.build.plan import BuildPlan, Partition, PartitionResult
 from shardcache.build.pool import run_local
 from shardcache.build.report import Progress
 from shardcache.build.tokenize import TextEncoder
-from shardcache.config import BuildOptions
 from shardcache.errors import (
     CacheError,
     ConfigError,

@@ -17,7 +17,6 @@ import time
 from collections.abc import Callable
 
 from shardcache.build.commit import commit
-from shardcache.build.encoders import make_encoder
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
 from shardcache.build.lock import BuildLock

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import glob
 import gzip
-import hashlib
 import io
 import json
 import os

@@ -7,8 +7,8 @@ from transformers import AutoTokenizer
 from conftest import CHATML_TEMPLATE, make_conversations
 from shardcache import ConfigError
 from shardcache.build.chat import ChatEncoder, ChatOptions, token_mask, validate_messages
-from shardcache.config import TokenizeOptions
 from shardcache.build.tokenize import TextEncoder, TruncationStats
+from shardcache.config import TokenizeOptions
 
 
 def _encoder(tokenizer_dir, chat=None, **tokenize):

@@ -13,9 +13,9 @@ from click.testing import CliRunner
 from conftest import CHATML_TEMPLATE, make_conversations, write_records
 from shardcache import ShardcacheError, ShardDataset, open_cache
 from shardcache.build.chat import ChatEncoder, ChatOptions
+from shardcache.build.tokenize import TextEncoder
 from shardcache.cli import main
 from shardcache.config import TokenizeOptions
-from shardcache.build.tokenize import TextEncoder
 
 
 @pytest.fixture()

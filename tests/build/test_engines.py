@@ -9,11 +9,11 @@ import pytest
 from click.testing import CliRunner
 
 from shardcache import build_cache
-from shardcache.cli import main
-from shardcache.config import build_options_from_mapping
 from shardcache.build.commit import commit_output
 from shardcache.build.engines import EngineOptions, Share
 from shardcache.build.run import build
+from shardcache.cli import main
+from shardcache.config import build_options_from_mapping
 from shardcache.errors import CacheError, ConfigError, IncompleteBuildError
 
 OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}

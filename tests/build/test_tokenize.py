@@ -8,7 +8,6 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, TokenizerError
-from shardcache.config import TokenizeOptions
 from shardcache.build.tokenize import (
     TextEncoder,
     TruncationStats,
@@ -16,6 +15,7 @@ from shardcache.build.tokenize import (
     apply_truncation,
     token_dtype,
 )
+from shardcache.config import TokenizeOptions
 
 EOS = 9
 

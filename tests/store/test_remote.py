@@ -10,11 +10,11 @@ import warnings
 import pytest
 
 from shardcache import ShardDataset, build_cache, open_cache, verify_cache
-from shardcache.store.check import cache_key
-from shardcache.config import build_options_from_mapping
 from shardcache.build.commit import commit_output
 from shardcache.build.engines import EngineOptions, Share
 from shardcache.build.run import build
+from shardcache.config import build_options_from_mapping
+from shardcache.store.check import cache_key
 
 pytestmark = [
     pytest.mark.slow,

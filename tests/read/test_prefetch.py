@@ -1,4 +1,4 @@
-"""Tests for shardcache.prefetch.DevicePrefetcher.
+"""Tests for shardcache.read.prefetch.DevicePrefetcher.
 
 Most tests run the real prefetcher logic against ``FakeBackend``, a device simulated with threads:
 the copy stream is a worker thread that performs each "H2D copy" late (after a delay, in chunks),
@@ -31,7 +31,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardcache.errors import ConfigError
-from shardcache.prefetch import (
+from shardcache.read.prefetch import (
     DeviceBackend,
     DevicePrefetcher,
     PrefetchOptions,
@@ -570,13 +570,13 @@ def test_batch_larger_than_pinned_cap(make_backend: Callable[..., FakeBackend]) 
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"max_pinned_bytes": 0}, "max_pinned_bytes=0"),
-        ({"max_pinned_bytes": 1.5}, "max_pinned_bytes=1.5"),
-        ({"min_slot_bytes": -1}, "min_slot_bytes=-1"),
-        ({"copy_stream_priority": 100}, r"copy_stream_priority=100.*\[-64, 64\]"),
-        ({"timing": 1}, "timing=1"),
-        ({"poll_interval_s": 0}, r"poll_interval_s=0.*\[0.0001, 10.0\]"),
-        ({"join_timeout_s": "5"}, "join_timeout_s='5'"),
+        ({"max_pinned_bytes": 0}, "max_pinned_bytes: got 0"),
+        ({"max_pinned_bytes": 1.5}, "max_pinned_bytes: got 1.5"),
+        ({"min_slot_bytes": -1}, "min_slot_bytes: got -1"),
+        ({"copy_stream_priority": 100}, r"copy_stream_priority: got 100.*\[-64, 64\]"),
+        ({"timing": 1}, "timing: got 1"),
+        ({"poll_interval_s": 0}, r"poll_interval_s: got 0.*\[0.0001, 10.0\]"),
+        ({"join_timeout_s": "5"}, "join_timeout_s: got '5'"),
     ],
 )
 def test_options_validated(kwargs: dict[str, Any], match: str) -> None:

@@ -14,7 +14,7 @@ from torch.utils.data import DataLoader
 
 from conftest import assert_resumable
 from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
-from shardcache.dataset import cache_digest
+from shardcache.read.dataset import cache_digest
 
 
 @pytest.fixture()
@@ -97,7 +97,7 @@ class _FakeWorkers:
 
     def __init__(self, monkeypatch):
         self.current = None
-        monkeypatch.setattr("shardcache.dataset.get_worker_info", lambda: self.current)
+        monkeypatch.setattr("shardcache.read.dataset.get_worker_info", lambda: self.current)
 
     def start(self, ds, worker_id, num_workers):
         self.current = types.SimpleNamespace(id=worker_id, num_workers=num_workers)
@@ -377,7 +377,7 @@ def test_options_object_and_keyword_errors(cache_dir):
 
 def test_expect_refuses_a_cache_built_under_another_key(cache_dir, tokenizer_dir, tmp_path):
     from shardcache import CacheKeyMismatch
-    from shardcache.key import manifest_key, write_lock
+    from shardcache.store.key import manifest_key, write_lock
 
     cache = open_cache(cache_dir)
     key = manifest_key(cache.manifest, cache_dir)

@@ -60,6 +60,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
@@ -70,16 +71,6 @@ DEFAULT_WINDOW_SIZE = 4096
 MODES = ("pad", "pack")
 PACKINGS = ("best_fit", "concat")
 TAILS = ("drop", "wrap")
-
-
-def _check_name(field: str, value: object, valid: tuple[str, ...]) -> None:
-    if value not in valid:
-        raise ConfigError(f"{field}: got {value!r}, expected one of {', '.join(valid)}")
-
-
-def _check_int(field: str, value: object, low: int) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < low:
-        raise ConfigError(f"{field}: got {value!r}, expected an integer >= {low}")
 
 
 @dataclass(frozen=True)
@@ -103,14 +94,14 @@ class PlanOptions:
     tail: str = "drop"
 
     def __post_init__(self) -> None:
-        _check_int("max_tokens", self.max_tokens, 1)
-        _check_int("pad_to_multiple_of", self.pad_to_multiple_of, 1)
-        _check_int("window_size", self.window_size, 1)
+        check_int("max_tokens", self.max_tokens, 1)
+        check_int("pad_to_multiple_of", self.pad_to_multiple_of, 1)
+        check_int("window_size", self.window_size, 1)
         if not isinstance(self.shuffle, bool):
             raise ConfigError(f"shuffle: got {self.shuffle!r}, expected True or False")
-        _check_name("mode", self.mode, MODES)
-        _check_name("packing", self.packing, PACKINGS)
-        _check_name("tail", self.tail, TAILS)
+        check_choice("mode", self.mode, MODES)
+        check_choice("packing", self.packing, PACKINGS)
+        check_choice("tail", self.tail, TAILS)
         if self.mode == "pad":
             if self.seq_len is not None:
                 raise ConfigError(
@@ -122,7 +113,7 @@ class PlanOptions:
             raise ConfigError(
                 "seq_len: mode='pack' needs seq_len (the tokens per packed row), e.g. 4096"
             )
-        _check_int("seq_len", self.seq_len, 1)
+        check_int("seq_len", self.seq_len, 1)
         if self.seq_len > self.max_tokens:
             raise ConfigError(
                 f"seq_len: {self.seq_len} exceeds max_tokens={self.max_tokens}; a batch holds "
@@ -467,10 +458,10 @@ def split_epoch(
 ) -> EpochSplit:
     """Deal global batches ``start ..`` of an epoch of ``num_batches`` to ``world_size`` ranks
     so that every rank gets the same count (see the module docstring)."""
-    _check_int("world_size", world_size, 1)
-    _check_int("num_batches", num_batches, 0)
-    _check_int("start", start, 0)
-    _check_name("tail", tail, TAILS)
+    check_int("world_size", world_size, 1)
+    check_int("num_batches", num_batches, 0)
+    check_int("start", start, 0)
+    check_choice("tail", tail, TAILS)
     remaining = max(num_batches - start, 0)
     per_rank = remaining // world_size if tail == "drop" else -(-remaining // world_size)
     return EpochSplit(num_batches, world_size, start, tail, per_rank)

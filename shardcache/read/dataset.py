@@ -1,8 +1,9 @@
 """ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
 
 ``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches (use it
-with ``DataLoader(ds, batch_size=None)``). Batches follow the global plan of plan.py; what a
-batch holds depends on ``PlanOptions.mode``:
+with ``DataLoader(ds, batch_size=None)``). Batches follow the global plan of plan.py and are
+laid out by collate.py (numpy; this module reads the shards and makes tensors); what a batch
+holds depends on ``PlanOptions.mode``:
 
 ``mode="pad"`` (default): rows are whole sequences of one length bucket.
 
@@ -75,10 +76,11 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardcache.cache import Cache
 from shardcache.errors import ConfigError, StateError
-from shardcache.key import verify_manifest_key
-from shardcache.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
+from shardcache.read.collate import pack_batch, pad_batch
+from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
+from shardcache.store.cache import Cache
+from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
 #: Open shards kept per reader process. Memory maps are cheap; reopening a shard costs a
@@ -122,7 +124,7 @@ class ShardDataset(IterableDataset):
     the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
     (then without ``max_tokens``/``shuffle``).
 
-    ``expect`` (a :class:`~shardcache.key.CacheKey`, a lock file path, or a mapping of
+    ``expect`` (a :class:`~shardcache.store.key.CacheKey`, a lock file path, or a mapping of
     tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
     constructor raise :class:`~shardcache.errors.CacheKeyMismatch`, naming the changed fields,
     when the cache was built under another key.
@@ -410,84 +412,28 @@ class ShardDataset(IterableDataset):
 
     def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
-        rows = self._read(np.asarray(sample_ids))
-        lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
-        width = int(self.options.padded(int(lengths.max())))
-        mask = np.arange(width)[None, :] < lengths[:, None]
-        # one boolean scatter (row-major, so in row order) instead of a copy per row: rows of
-        # short buckets number in the hundreds per batch
-        input_ids = np.full((len(rows), width), self.pad_id, dtype=np.int64)
-        input_ids[mask] = np.concatenate(rows)
-        loss_masks = self._read_masks(np.asarray(sample_ids))
-        if loss_masks is not None:
-            trainable = np.zeros_like(mask)
-            trainable[mask] = np.concatenate(loss_masks)
-            labels = np.where(trainable, input_ids, -100)
-        else:
-            labels = np.where(mask, input_ids, -100)
-        return {
-            "input_ids": torch.from_numpy(input_ids),
-            "attention_mask": torch.from_numpy(mask.astype(np.int64)),
-            "labels": torch.from_numpy(labels),
-            "sample_ids": torch.from_numpy(np.asarray(sample_ids, dtype=np.int64)),
-        }
+        sample_ids = np.asarray(sample_ids)
+        rows = self._read(sample_ids)
+        width = int(self.options.padded(max(map(len, rows))))
+        batch = pad_batch(rows, sample_ids, self.pad_id, width, self._read_masks(sample_ids))
+        return _to_tensors(batch)
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> dict[str, Any]:
-        seq_len = int(self.options.seq_len or 0)
         ids, starts, taken = plan.segments(index)
-        bounds = plan.row_bounds(index).tolist()
         pieces = self._read(ids)
-        loss_masks = self._read_masks(ids)
-        if taken is not None:
-            pieces = [p[s : s + n] for p, s, n in zip(pieces, starts.tolist(), taken.tolist())]
-            if loss_masks is not None:
-                loss_masks = [
-                    m[s : s + n] for m, s, n in zip(loss_masks, starts.tolist(), taken.tolist())
-                ]
-        num_rows = len(bounds) - 1
-        # segments in flat order with the padding run of each row as a segment of its own
-        parts: list[np.ndarray] = []
-        loss_parts: list[np.ndarray] = []
-        seg_len: list[int] = []
-        seg_sample: list[int] = []
-        seg_offset: list[int] = []
-        id_list, start_list = ids.tolist(), starts.tolist()
-        for r in range(num_rows):
-            used = 0
-            for k in range(bounds[r], bounds[r + 1]):
-                piece = pieces[k]
-                parts.append(piece)
-                if loss_masks is not None:
-                    loss_parts.append(loss_masks[k])
-                used += len(piece)
-                seg_len.append(len(piece))
-                seg_sample.append(id_list[k])
-                seg_offset.append(start_list[k])
-            if used < seq_len:
-                parts.append(np.full(seq_len - used, self.pad_id, dtype=np.int64))
-                loss_parts.append(np.zeros(seq_len - used, dtype=bool))
-                seg_len.append(seq_len - used)
-                seg_sample.append(-1)
-                seg_offset.append(-1)
-        flat = np.concatenate(parts).astype(np.int64, copy=False)
-        lengths = np.asarray(seg_len, dtype=np.int64)
-        cu_seqlens = np.zeros(len(lengths) + 1, dtype=np.int64)
-        np.cumsum(lengths, out=cu_seqlens[1:])
-        sample = np.asarray(seg_sample, dtype=np.int64)
-        positions = np.arange(len(flat), dtype=np.int64) - np.repeat(cu_seqlens[:-1], lengths)
-        labels = flat.copy()
-        labels[cu_seqlens[:-1]] = -100  # a segment's first token is never a target
-        for k in np.flatnonzero(sample < 0).tolist():
-            labels[cu_seqlens[k] : cu_seqlens[k + 1]] = -100
-        if loss_masks is not None:  # chat: only the trainable turns carry a loss
-            labels[~np.concatenate(loss_parts)] = -100
-        shape = (num_rows, seq_len)
-        return {
-            "input_ids": torch.from_numpy(flat.reshape(shape)),
-            "labels": torch.from_numpy(labels.reshape(shape)),
-            "position_ids": torch.from_numpy(positions.reshape(shape)),
-            "cu_seqlens": torch.from_numpy(cu_seqlens.astype(np.int32)),
-            "max_seqlen": int(lengths.max()),
-            "sample_ids": torch.from_numpy(sample),
-            "sample_offsets": torch.from_numpy(np.asarray(seg_offset, dtype=np.int64)),
-        }
+        batch = pack_batch(
+            pieces,
+            ids,
+            starts,
+            taken,
+            plan.row_bounds(index),
+            int(self.options.seq_len or 0),
+            self.pad_id,
+            self._read_masks(ids),
+        )
+        return _to_tensors(batch)
+
+
+def _to_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+    """The numpy arrays of a collated batch as tensors sharing their memory (ints stay ints)."""
+    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}

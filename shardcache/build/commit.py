@@ -1,0 +1,247 @@
+"""Commit: gather the completion records into the length index, quarantine and manifest.
+
+:func:`commit` reads only ``parts/`` (never worker memory), which is what makes resume work,
+and writes ``manifest.json`` last and atomically: a reader sees a whole cache or none. Commit
+streams the length index and the quarantine file part by part. :func:`commit_output` is
+``shardcache commit OUTPUT`` for job arrays: it rebuilds the plan from ``parts/build.json``,
+checks that every partition is present (naming the shares that still have to run) and commits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import shutil
+import time
+from collections import Counter
+from collections.abc import Mapping
+from typing import Any
+
+from shardcache.build.bucket import bucket_ranges
+from shardcache.build.encoders import EncoderFactory, encoder_for
+from shardcache.build.keying import (
+    compute_key,
+    data_component_from_files,
+    data_component_from_version,
+)
+from shardcache.build.lock import BuildLock
+from shardcache.build.partition import kill_point
+from shardcache.build.plan import (
+    BuildPlan,
+    PartitionResult,
+    completed_result,
+    options_from_json,
+    options_json,
+    plan_from_json,
+)
+from shardcache.build.remote import commit_remote
+from shardcache.build.report import BuildReport, report_from_manifest
+from shardcache.build.sources import (
+    InputFile,
+)
+from shardcache.build.tokenize import TextEncoder, TruncationStats
+from shardcache.errors import (
+    CacheError,
+    IncompleteBuildError,
+    ShardcacheError,
+)
+from shardcache.store.files import (
+    concat_files_atomic,
+    read_json_or_none,
+    sha256_file,
+    write_json_atomic,
+    write_npy_concat_atomic,
+)
+from shardcache.store.layout import (
+    BUILD_STATE,
+    FORMAT_VERSION,
+    LENGTHS_FILE,
+    MANIFEST,
+    PARTS_DIR,
+    QUARANTINE,
+    SHARD_DIR,
+    SHARES_DIR,
+)
+from shardcache.store.manifest import read_manifest
+from shardcache.store.remote import is_url
+from shardcache.version import __version__
+
+
+def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder) -> dict:
+    """Write the length index, the quarantine file and, last, the manifest.
+
+    ``results`` must be in partition-id order; everything is read from ``parts/``.
+    """
+    options = plan.options
+    out = options.output
+    lint: Counter[str] = Counter()
+    for r in results:
+        lint.update(r.lint)
+    problems = {k: v for k, v in sorted(lint.items()) if v and k != "template_checked"}
+    if options.strict_lint and problems:
+        raise ShardcacheError(
+            f"chat lint found problems with --strict-lint: {problems}; the cache was not "
+            "committed (the partitions are kept). Fix the template/data, or rerun without "
+            "--strict-lint to commit anyway (see `shardcache info` for the counts)"
+        )
+    parts = os.path.join(out, PARTS_DIR)
+    lengths_path = os.path.join(out, LENGTHS_FILE)
+    write_npy_concat_atomic(
+        lengths_path, [os.path.join(parts, f"{r.partition}.lengths.npy") for r in results]
+    )
+    kill_point("commit")
+    q_bytes, q_sha, q_lines = concat_files_atomic(
+        os.path.join(out, QUARANTINE),
+        [os.path.join(parts, f"{r.partition}.quarantine.jsonl") for r in results],
+    )
+    kill_point("commit")
+
+    stats = TruncationStats()
+    bad: Counter[str] = Counter()
+    per_file: dict[str, dict[str, Any]] = {}
+    for r in results:
+        stats.add(r.stats)
+        bad.update(r.bad_records)
+        entry = per_file.setdefault(r.source, {"sha256": "", "documents": 0, "bad_records": 0})
+        entry["sha256"] = entry["sha256"] or r.sha256
+        entry["documents"] += r.stats.documents
+        entry["bad_records"] += sum(r.bad_records.values())
+    shards = [s.to_json() for r in results for s in r.shards]
+    inputs = [
+        {
+            "relpath": f.relpath,
+            "size": f.size,
+            "format": f.format,
+            "sha256": plan.file_sha256.get(f.relpath) or per_file[f.relpath]["sha256"],
+            "documents": per_file[f.relpath]["documents"],
+            "bad_records": per_file[f.relpath]["bad_records"],
+        }
+        for f in plan.inputs
+    ]
+    data = (
+        data_component_from_version(options.data_version)
+        if options.data_version is not None
+        else data_component_from_files(inputs)
+    )
+    manifest = {
+        "format_version": FORMAT_VERSION,
+        "shardcache_version": __version__,
+        "kind": "text" if options.chat is None else "chat",
+        "options": options_json(options),
+        "tokenizer": encoder.describe(),
+        "dtype": encoder.dtype.name,
+        "buckets": {
+            "edges": list(plan.edges),
+            "ranges": [list(r) for r in bucket_ranges(plan.edges, options.tokenize.max_length)],
+        },
+        "key": compute_key(encoder, data).to_json(),
+        "inputs": inputs,
+        "partitions": len(results),
+        "shards": shards,
+        "index": {
+            "lengths": {
+                "name": LENGTHS_FILE,
+                "bytes": os.path.getsize(lengths_path),
+                "sha256": sha256_file(lengths_path),
+            }
+        },
+        "quarantine": {"name": QUARANTINE, "bytes": q_bytes, "sha256": q_sha, "records": q_lines},
+        "stats": {
+            **stats.to_json(),
+            "bad_records": dict(sorted(bad.items())),
+            "corrupt_files": [c for r in results for c in r.corrupt],
+            "lint": dict(sorted(lint.items())),
+        },
+        "totals": {
+            "documents": stats.documents,
+            "sequences": stats.sequences,
+            "tokens": stats.tokens,
+            "shards": len(shards),
+            "shard_bytes": sum(s["bytes"] for s in shards),
+            "input_bytes": sum(f.size for f in plan.inputs),
+        },
+    }
+    write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    return manifest
+
+
+def owner_hint(out: str, positions: list[int]) -> str:
+    counts = set()
+    folder = os.path.join(out, SHARES_DIR)
+    if os.path.isdir(folder):
+        for name in os.listdir(folder):
+            data = read_json_or_none(os.path.join(folder, name)) if name.endswith(".json") else None
+            if data and isinstance(data.get("shares"), int):
+                counts.add(data["shares"])
+    if len(counts) == 1:
+        n = counts.pop()
+        owners = sorted({k % n for k in positions})
+        return f"; they belong to share(s) {', '.join(f'{i}/{n}' for i in owners)}: run those"
+    return "; partition index k belongs to share k % N of `--partition i/N`: run the missing shares"
+
+
+def commit_output(
+    output: str,
+    encoder_factory: EncoderFactory | None = None,
+    shard_sizes: Mapping[str, int] | None = None,
+    strict_lint: bool = False,
+) -> BuildReport:
+    """``shardcache commit OUTPUT``: write the manifest once every partition is present
+    (``strict_lint``: refuse, as ``build --strict-lint`` does, when the chat lint found any
+    problem in the shares' partitions).
+
+    ``OUTPUT`` is a folder or a URL. Raises :class:`IncompleteBuildError` listing the
+    missing partitions (and their shares) when some are not built yet. Idempotent: a
+    committed output is reported as it is.
+    """
+    if is_url(output):
+        return commit_remote(
+            output, lambda stage, sizes: commit_output(stage, encoder_factory, sizes, strict_lint)
+        )
+    started = time.perf_counter()
+    if os.path.isfile(os.path.join(output, MANIFEST)):
+        return report_from_manifest(output, read_manifest(output), 0.0)
+    state = read_json_or_none(os.path.join(output, PARTS_DIR, BUILD_STATE))
+    if state is None:
+        raise CacheError(
+            f"{output!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is missing); run "
+            "`shardcache build ... --partition i/N` for every share first"
+        )
+    options = dataclasses.replace(
+        options_from_json(state["options"], output), strict_lint=strict_lint
+    )
+    inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"]) for f in state["inputs"]]
+    plan = plan_from_json(state, options, inputs)
+    with BuildLock(output):
+        if shard_sizes is None:
+            folder = os.path.join(output, SHARD_DIR)
+            names = os.listdir(folder) if os.path.isdir(folder) else []
+            shard_sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
+        results: list[PartitionResult] = []
+        missing: list[tuple[int, str]] = []
+        for k, p in enumerate(plan.partitions):
+            result = completed_result(output, p, shard_sizes)
+            if result is None:
+                missing.append((k, p.id))
+            else:
+                results.append(result)
+        if missing:
+            ids = [m[1] for m in missing]
+            shown = ", ".join(ids[:20]) + (f" ... ({len(ids)} in all)" if len(ids) > 20 else "")
+            raise IncompleteBuildError(
+                f"{output!r}: cannot commit, {len(ids)} of {len(plan.partitions)} partitions "
+                f"are not built: {shown}{owner_hint(output, [m[0] for m in missing])}, then "
+                "rerun `shardcache commit`",
+                ids,
+            )
+        encoder = encoder_for(options, encoder_factory)
+        listed = {s.name for r in results for s in r.shards}
+        folder = os.path.join(output, SHARD_DIR)
+        if os.path.isdir(folder):
+            for name in os.listdir(folder):  # half-written leftovers of killed shares
+                if name not in listed:
+                    os.remove(os.path.join(folder, name))
+        shutil.rmtree(os.path.join(output, SHARES_DIR), ignore_errors=True)
+        os.makedirs(os.path.join(output, "index"), exist_ok=True)
+        manifest = commit(plan, results, encoder)
+    return report_from_manifest(output, manifest, time.perf_counter() - started)

@@ -1,0 +1,71 @@
+"""Encoders: how a build turns records into ids, chosen in one place.
+
+Two encoders share one protocol (:data:`Encoder`): :class:`~shardcache.build.tokenize.TextEncoder`
+for plain text and :class:`~shardcache.build.chat.ChatEncoder` (which wraps a text encoder) for
+conversations. Both expose ``encode_texts`` (raw batch encode), ``finish`` (EOS, truncation,
+masks -> :class:`~shardcache.build.tokenize.Encoded`), ``describe``, ``template_component`` and
+``dtype``. :func:`encoder_for` picks the encoder of a build; :func:`encoder_spec` /
+:func:`encoder_from_spec` carry it to worker processes as plain JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Union
+
+from shardcache.build.chat import ChatEncoder
+from shardcache.build.tokenize import TextEncoder
+from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
+
+Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
+EncoderFactory = Callable[[BuildOptions], Encoder]
+
+
+def make_encoder(tokenize: TokenizeOptions, chat: ChatOptions | None) -> Encoder:
+    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data."""
+    text = TextEncoder(tokenize)
+    return text if chat is None else ChatEncoder(text, chat)
+
+
+def encoder_spec(encoder: Encoder) -> dict[str, Any]:
+    """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
+    worker process (chat: the tokenizer is loaded again, with transformers, for rendering)."""
+    if isinstance(encoder, ChatEncoder):
+        cls = type(encoder.hf)
+        return {
+            "kind": "chat",
+            "tokenize": dataclasses.asdict(encoder.text.options),
+            "chat": dataclasses.asdict(encoder.options),
+            "hf_class": [cls.__module__, cls.__qualname__],
+        }
+    return {"kind": "text", "text": encoder.spec()}
+
+
+def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
+    from shardcache.config import TokenizeOptions
+
+    if spec["kind"] == "chat":
+        options = TokenizeOptions(**spec["tokenize"])
+        # the tokenizer class the parent resolved, loaded directly: AutoTokenizer would also
+        # import torch (through the model configs), 2 s and ~250 MB per worker process
+        module, name = spec["hf_class"]
+        cls = getattr(importlib.import_module(module), name)
+        hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
+        return ChatEncoder(TextEncoder(options, hf_tokenizer=hf), ChatOptions(**spec["chat"]))
+    return TextEncoder.from_spec(spec["text"])
+
+
+def take_lint(encoder: Encoder) -> dict[str, int]:
+    """The lint counts gathered since the last call (per partition), then reset."""
+    if not isinstance(encoder, ChatEncoder):
+        return {}
+    return encoder.take_lint()
+
+
+def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) -> Encoder:
+    """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
+    if factory is not None:
+        return factory(options)
+    return make_encoder(options.tokenize, options.chat)

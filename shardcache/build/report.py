@@ -1,0 +1,119 @@
+"""What a build reports: progress events while it runs, the report when it ends.
+
+:class:`Progress` receives events (the CLI subclasses it with a bar); :class:`BuildReport` is
+what ``build`` / ``commit`` return and print (:func:`format_report`, :func:`report_json`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcache.store.summary import chat_lines, human_bytes
+
+
+class Progress:
+    """Receives build progress; the CLI subclasses it with a progress bar. No-op by default.
+
+    In a parallel build the workers' events are forwarded to this object in the parent, so
+    one bar covers the whole build.
+    """
+
+    def start(self, total_bytes: int, files: int) -> None:
+        """Called once before any partition runs (bytes still to read, input files)."""
+
+    def advance(self, n_bytes: int) -> None:
+        """Raw input bytes consumed."""
+
+    def update(self, documents: int, tokens: int) -> None:
+        """Documents and tokens just written."""
+
+    def close(self) -> None:
+        """Called once at the end (also on failure)."""
+
+
+@dataclass
+class BuildReport:
+    """The summary a build prints and returns."""
+
+    output: str
+    documents: int
+    sequences: int
+    tokens: int
+    shards: int
+    bytes_in: int
+    bytes_out: int
+    seconds: float
+    stats: dict[str, int]
+    bad_records: dict[str, int] = field(default_factory=dict)
+    partitions: int = 0
+    resumed_partitions: int = 0  # taken from an interrupted earlier run
+    workers: int = 1
+    corrupt_files: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def report_from_manifest(output: str, manifest: Mapping[str, Any], seconds: float) -> BuildReport:
+    totals, stats = manifest["totals"], dict(manifest["stats"])
+    bad, corrupt = stats.pop("bad_records"), stats.pop("corrupt_files")
+    return BuildReport(
+        output=output, documents=totals["documents"], sequences=totals["sequences"],
+        tokens=totals["tokens"], shards=totals["shards"], bytes_in=totals["input_bytes"],
+        bytes_out=totals["shard_bytes"], seconds=seconds, stats=stats, bad_records=bad,
+        partitions=manifest["partitions"], resumed_partitions=manifest["partitions"],
+        workers=0, corrupt_files=corrupt,
+    )  # fmt: skip
+
+
+def report_json(report: BuildReport) -> dict[str, Any]:
+    return {
+        "output": report.output,
+        "documents": report.documents,
+        "sequences": report.sequences,
+        "tokens": report.tokens,
+        "shards": report.shards,
+        "bytes_in": report.bytes_in,
+        "bytes_out": report.bytes_out,
+        "seconds": round(report.seconds, 3),
+        "tokens_per_second": round(report.tokens_per_second, 1),
+        "stats": report.stats,
+        "bad_records": report.bad_records,
+        "corrupt_files": report.corrupt_files,
+        "partitions": report.partitions,
+        "resumed_partitions": report.resumed_partitions,
+        "workers": report.workers,
+    }
+
+
+def format_report(report: BuildReport) -> str:
+    st = report.stats
+    secs = max(report.seconds, 1e-9)
+    bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
+    resumed = f", {report.resumed_partitions} resumed" if report.resumed_partitions else ""
+    lost = [
+        f"lost         {c['source']} from line/row {c['record']} (offset ~{c['offset']}): "
+        f"{c['excerpt']}"
+        for c in report.corrupt_files
+    ]
+    return "\n".join(
+        [
+            f"built        {report.output}",
+            f"partitions   {report.partitions}{resumed}, {report.workers} worker(s)",
+            f"documents    {report.documents:,}",
+            f"sequences    {report.sequences:,}",
+            f"tokens       {report.tokens:,}",
+            f"shards       {report.shards:,} ({human_bytes(report.bytes_out)})",
+            f"truncated    {st['truncated_documents']:,} docs, dropped "
+            f"{st['dropped_documents']:,}, split {st['split_documents']:,}, "
+            f"lost tokens {st['lost_tokens']:,}",
+            f"bad records  {bad}",
+            *lost,
+            *chat_lines(st),
+            f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
+            f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
+        ]
+    )

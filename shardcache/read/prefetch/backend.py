@@ -1,0 +1,178 @@
+"""The device backend: the only place the prefetcher touches device APIs.
+
+Device-agnostic
+---------------
+Device work goes through a small backend object (:class:`DeviceBackend`). The real one,
+:class:`TorchDeviceBackend`, uses ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` where
+the installed torch has them (>= 2.7) and ``torch.cuda`` otherwise; tests inject a fake backend
+that performs copies asynchronously. Without an accelerator (CPU-only torch, or
+``device="cpu"``) the prefetcher is a synchronous pass-through with the same API that never calls
+``pin_memory()`` (it raises on CPU builds of torch). Only CUDA has been the design target;
+other accelerators should work through ``torch.accelerator`` but are untested.
+
+:func:`parse_device` and :func:`default_device` turn the ``device=`` argument of
+``DevicePrefetcher`` into a ``torch.device``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from shardcache.errors import ConfigError, ShardcacheError
+
+
+@runtime_checkable
+class DeviceBackend(Protocol):
+    """The only place device APIs are touched. Streams and events are opaque to the prefetcher.
+
+    ``alloc_device`` must allocate on the *current* stream of the calling thread (the caching
+    allocator ties the block to it). ``copy_async`` enqueues ``dst.copy_(src)`` on ``stream``
+    without blocking the host; the copy may read ``src`` at any time until an event recorded on
+    ``stream`` after it completes. ``wait(stream, event)`` orders future work on ``stream`` after
+    ``event`` without blocking the host; ``synchronize(event)`` blocks the calling thread.
+    """
+
+    device: torch.device
+
+    def current_stream(self) -> Any: ...
+    def new_stream(self, priority: int) -> Any: ...
+    def new_event(self, timing: bool) -> Any: ...
+    def record(self, event: Any, stream: Any) -> None: ...
+    def wait(self, stream: Any, event: Any) -> None: ...
+    def query(self, event: Any) -> bool: ...
+    def synchronize(self, event: Any) -> None: ...
+    def elapsed_ms(self, start: Any, end: Any) -> float: ...
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor: ...
+    def alloc_device(self, nbytes: int) -> torch.Tensor: ...
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
+    def init_thread(self) -> None: ...
+
+
+def _has_generic_api() -> bool:
+    """True when torch has the device-agnostic stream API we need (torch >= 2.7)."""
+    acc = getattr(torch, "accelerator", None)
+    return (
+        acc is not None
+        and all(hasattr(acc, n) for n in ("set_device_index", "set_stream", "current_stream"))
+        and hasattr(torch, "Stream")
+        and hasattr(torch, "Event")
+    )
+
+
+def parse_device(device: object) -> torch.device:
+    """``torch.device(device)``, or a :class:`ConfigError` naming the accepted forms."""
+    try:
+        return torch.device(device)  # type: ignore[arg-type]
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ConfigError(
+            f"DevicePrefetcher device={device!r}: not a device torch understands ({err}); "
+            "use None, 'cpu', 'cuda' or 'cuda:N'."
+        ) from err
+
+
+def default_device() -> torch.device:
+    """The current accelerator device, or CPU when there is none."""
+    if _has_generic_api() and torch.accelerator.is_available():
+        acc = torch.accelerator.current_accelerator()
+        if acc is not None:
+            return torch.device(acc.type, torch.accelerator.current_device_index())
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+class TorchDeviceBackend:
+    """Real backend: ``torch.accelerator``/``torch.Stream``/``torch.Event``, else ``torch.cuda``."""
+
+    def __init__(self, device: torch.device) -> None:
+        acc = None
+        if _has_generic_api() and torch.accelerator.is_available():
+            acc = torch.accelerator.current_accelerator()
+        self._generic = acc is not None and acc.type == device.type
+        if not self._generic and device.type != "cuda":
+            raise ConfigError(
+                f"DevicePrefetcher device={str(device)!r}: no usable accelerator of that type "
+                f"(current accelerator: {acc}); use device=None or a device torch reports."
+            )
+        if not self._generic and not torch.cuda.is_available():
+            raise ConfigError(
+                f"DevicePrefetcher device={str(device)!r}: torch.cuda.is_available() is False; "
+                "use device=None (pass-through without an accelerator) or install a CUDA torch."
+            )
+        if device.index is None:
+            index = (
+                torch.accelerator.current_device_index()
+                if self._generic
+                else torch.cuda.current_device()
+            )
+            device = torch.device(device.type, index)
+        self.device = device
+
+    def current_stream(self) -> Any:
+        if self._generic:
+            return torch.accelerator.current_stream(self.device)
+        return torch.cuda.current_stream(self.device)
+
+    def new_stream(self, priority: int) -> Any:
+        if self._generic:
+            return torch.Stream(device=self.device, priority=priority)
+        return torch.cuda.Stream(self.device, priority=priority)
+
+    def new_event(self, timing: bool) -> Any:
+        # Sync-only events (no timing) are the cheapest for stream waits and queries.
+        if self._generic:
+            return torch.Event(device=self.device, enable_timing=timing)
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record(self, event: Any, stream: Any) -> None:
+        event.record(stream)
+
+    def wait(self, stream: Any, event: Any) -> None:
+        stream.wait_event(event)
+
+    def query(self, event: Any) -> bool:
+        return bool(event.query())
+
+    def synchronize(self, event: Any) -> None:
+        event.synchronize()
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        return float(start.elapsed_time(end))
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+        # pytorch#149032: pinning before the device is initialised returned unpinned memory in
+        # some versions; an unpinned slot would silently turn every copy into a synchronous one.
+        if not host.is_pinned():
+            raise ShardcacheError(
+                f"DevicePrefetcher: allocating {nbytes} bytes of pinned host memory returned "
+                "unpinned memory; the device may not be initialised or memlock is limited. "
+                "Initialise the device first (e.g. torch.cuda.init()) or raise the memlock limit."
+            )
+        return host
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        # set_stream in the calling thread only; a shared `with stream:` object is not
+        # thread-safe (torch.Stream keeps the saved stream on the object).
+        if self._generic:
+            prev = torch.accelerator.current_stream(self.device)
+            torch.accelerator.set_stream(stream)
+            try:
+                dst.copy_(src, non_blocking=True)
+            finally:
+                torch.accelerator.set_stream(prev)
+        else:
+            with torch.cuda.stream(stream):
+                dst.copy_(src, non_blocking=True)
+
+    def init_thread(self) -> None:
+        # The current device is per thread; the packer allocates pinned slots on it.
+        if self._generic:
+            torch.accelerator.set_device_index(self.device.index)
+        else:
+            torch.cuda.set_device(self.device)

@@ -1,0 +1,100 @@
+"""The prefetcher's options and its metrics snapshot.
+
+Metrics
+-------
+``DevicePrefetcher.stats()`` never synchronises the device: host timers (consumer wait = the
+stall, upstream wait, pack time, slot wait), queue depth sampled at each ``next()``, byte
+counters, and per-copy device time from timing events resolved lazily, only once ``query()``
+says they completed (the counting lives in ring.py). The three waits tell the story: high
+``source_wait_s`` means the producer is the bottleneck; high ``consumer_wait_s`` with low
+``source_wait_s`` means packing/transfer; high ``slot_wait_s`` with ~0 ``consumer_wait_s`` is the
+healthy, compute-bound case.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from shardcache.config import check_int
+from shardcache.errors import ConfigError
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchOptions:
+    """Less common knobs of :class:`DevicePrefetcher`, validated at construction.
+
+    ``max_pinned_bytes`` caps the pinned host memory of all slots together (each of the
+    ``depth + 1`` slots may hold up to ``max_pinned_bytes // (depth + 1)``); a larger batch raises
+    :class:`ConfigError`. ``min_slot_bytes`` is the smallest slot capacity (slots grow in powers of
+    two). ``copy_stream_priority`` is passed to the copy stream (lower = higher priority on CUDA).
+    ``timing`` records timing events around each copy for ``stats()``. ``poll_interval_s`` is the
+    timeout of every blocking wait between stop-flag checks; ``join_timeout_s`` bounds how long
+    ``close()`` waits for the packer thread.
+    """
+
+    max_pinned_bytes: int = 1 << 30
+    min_slot_bytes: int = 1 << 16
+    copy_stream_priority: int = 0
+    timing: bool = True
+    poll_interval_s: float = 0.05
+    join_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        check_int("PrefetchOptions.max_pinned_bytes", self.max_pinned_bytes, 1, unit="bytes")
+        check_int("PrefetchOptions.min_slot_bytes", self.min_slot_bytes, 1, unit="bytes")
+        check_int("PrefetchOptions.copy_stream_priority", self.copy_stream_priority, -64, 64)
+        if not isinstance(self.timing, bool):
+            raise ConfigError(
+                f"PrefetchOptions.timing: got {self.timing!r}, expected True or False"
+            )
+        for name, lo, hi in (("poll_interval_s", 1e-4, 10.0), ("join_timeout_s", 1e-3, 3600.0)):
+            value = getattr(self, name)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not lo <= value <= hi
+            ):
+                raise ConfigError(
+                    f"PrefetchOptions.{name}: got {value!r}, expected a number of seconds "
+                    f"in [{lo}, {hi}]"
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefetchStats:
+    """A snapshot of the prefetcher's counters (cumulative since construction).
+
+    Times are host seconds unless the name says otherwise. ``consumer_wait_s`` is the stall: time
+    ``next()`` blocked waiting for the packer. ``consumer_next_s`` is all host time spent in
+    ``next()`` (the wait plus issuing copies and building views). ``copy_s`` and
+    ``copy_bytes_timed`` cover only copies whose timing events were already complete when last
+    looked at (``copies_timed`` of them), so they lag a few batches behind ``batches``.
+    """
+
+    passthrough: bool
+    batches: int
+    bytes_copied: int
+    consumer_wait_s: float
+    consumer_wait_max_s: float
+    consumer_next_s: float
+    source_wait_s: float
+    pack_s: float
+    slot_wait_s: float
+    queue_depth_mean: float
+    queue_depth_min: int
+    copies_timed: int
+    copy_s: float
+    copy_bytes_timed: int
+    pinned_bytes: int
+    slots: int
+    slot_grows: int
+
+    @property
+    def copy_gbps(self) -> float:
+        """Achieved H2D bandwidth over the timed copies, in GB/s (1e9 bytes); 0 when none."""
+        return self.copy_bytes_timed / self.copy_s / 1e9 if self.copy_s > 0 else 0.0
+
+    @property
+    def mean_copy_ms(self) -> float:
+        """Mean device time of one timed copy in milliseconds; 0 when none."""
+        return 1e3 * self.copy_s / self.copies_timed if self.copies_timed else 0.0

@@ -1,0 +1,75 @@
+"""Batch structure: flatten a nested batch to its tensor leaves, rebuild it around new leaves.
+
+A batch is any nesting of containers around tensors. :func:`flatten` returns a *spec* tree and
+appends the tensors to a list; :func:`unflatten` rebuilds the batch from a spec and a list of
+(new) leaves. Containers are rebuilt with their own type: dicts (and dict subclasses), other
+Mappings, lists, tuples, namedtuples and dataclasses. Non-tensor values are kept in the spec and
+come back unchanged (the same object).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+
+def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
+    """A spec tree for ``obj``; tensors are appended to ``leaves`` and referenced by index."""
+    if isinstance(obj, torch.Tensor):
+        leaves.append(obj)
+        return ("t", len(leaves) - 1)
+    if isinstance(obj, Mapping):
+        return ("map", obj, tuple((k, flatten(v, leaves)) for k, v in obj.items()))
+    if isinstance(obj, tuple) and hasattr(obj, "_fields"):
+        return ("ntuple", type(obj), tuple(flatten(v, leaves) for v in obj))
+    if isinstance(obj, (list, tuple)):
+        return ("seq", type(obj), tuple(flatten(v, leaves) for v in obj))
+    if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
+        fields = tuple(
+            (f.name, flatten(getattr(obj, f.name), leaves)) for f in dataclasses.fields(obj)
+        )
+        return ("dc", obj, fields)
+    return ("const", obj)
+
+
+def unflatten(spec: tuple, leaves: list[Any]) -> Any:
+    """The batch described by ``spec`` (from :func:`flatten`) around ``leaves``."""
+    kind = spec[0]
+    if kind == "t":
+        return leaves[spec[1]]
+    if kind == "const":
+        return spec[1]
+    if kind == "map":
+        obj, items = spec[1], spec[2]
+        values = {k: unflatten(s, leaves) for k, s in items}
+        if type(obj) is dict:
+            return values
+        if isinstance(obj, dict):  # dict subclass: keep the type and its extra state
+            new = copy.copy(obj)
+            new.update(values)
+            return new
+        try:
+            return type(obj)(values)
+        except TypeError:
+            return values
+    if kind == "ntuple":
+        return spec[1](*(unflatten(s, leaves) for s in spec[2]))
+    if kind == "seq":
+        typ, items = spec[1], [unflatten(s, leaves) for s in spec[2]]
+        return items if typ is list else (tuple(items) if typ is tuple else typ(items))
+    # dataclass: a shallow copy keeps non-init fields and works for frozen classes too
+    new = copy.copy(spec[1])
+    for name, s in spec[2]:
+        object.__setattr__(new, name, unflatten(s, leaves))
+    return new
+
+
+def cast_tree(batch: Any, cast: Mapping[torch.dtype, torch.dtype]) -> Any:
+    """``batch`` with every tensor whose dtype is a key of ``cast`` converted to its value."""
+    leaves: list[torch.Tensor] = []
+    spec = flatten(batch, leaves)
+    return unflatten(spec, [t.to(cast[t.dtype]) if t.dtype in cast else t for t in leaves])
