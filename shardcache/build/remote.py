@@ -38,6 +38,7 @@ from shardcache.store.layout import (
     QUARANTINE,
     SHARD_DIR,
     SHARES_DIR,
+    check_relative_name,
 )
 from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import (
@@ -174,7 +175,8 @@ def commit_remote(url: str, commit_local: Callable[[str, dict[str, int]], Any]) 
                 rel = rpath[len(root) + 1 :]
                 if rel.endswith((".lock", ".tmp")):
                     continue
-                local = os.path.join(stage, rel)
+                # a listed key such as parts/../../x must not become a path outside the stage
+                local = os.path.join(stage, check_relative_name(rel, f"object {rpath!r}"))
                 os.makedirs(os.path.dirname(local), exist_ok=True)
                 fs.get_file(rpath, local)
     sizes: dict[str, int] = {}

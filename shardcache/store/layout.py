@@ -12,12 +12,21 @@ A cache directory::
     .lock                    only while a build runs (shardcache.build.lock)
 
 Names read from a manifest are joined to the cache folder only through :func:`cache_path`,
-so the rule about which names are acceptable lives here.
+so the rule about which names are acceptable lives here: a shard name is exactly what the
+writer makes (``p00042-b03-00007.arrow``), the index and quarantine names are the fixed ones
+above, every digest is 64 lowercase hex characters, and any other relative name (a remote
+listing under ``parts/``) is made of plain components (no ``..``, no leading ``/``, no
+backslash or NUL). Anything else is a :class:`~shardcache.errors.CacheError` naming the field
+and the value, raised before any file is opened or written: a crafted manifest cannot make a
+reader open, or a download write, a file outside the folder it belongs to.
 """
 
 from __future__ import annotations
 
 import os
+import re
+
+from shardcache.errors import CacheError
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -31,6 +40,45 @@ BUILD_STATE = "build.json"  # in parts/: the plan + the options fingerprint
 #: Token bytes per Arrow record batch. Small enough that a reader of a compressed shard
 #: decompresses little more than it needs, large enough that per-batch overhead vanishes.
 RECORD_BATCH_BYTES = 4 * 1024 * 1024
+#: What :class:`~shardcache.store.shards.BucketWriter` names a shard: partition, bucket, number.
+SHARD_NAME = re.compile(r"p[0-9]{5,}-b[0-9]{2,}-[0-9]{5,}\.arrow")
+#: A partition id of the build plan (``p00042``).
+PARTITION_ID = re.compile(r"p[0-9]{5,}")
+SHA256_HEX = re.compile(r"[0-9a-f]{64}")
+_PLAIN_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._\-]*")
+
+
+def _refuse(field: str, value: object, expected: str) -> CacheError:
+    shown = repr(value) if len(repr(value)) <= 200 else repr(value)[:200] + "..."
+    return CacheError(
+        f"{field} is {shown}: {expected}; names and digests of a cache must stay inside its "
+        "folder, so the cache was not read. The manifest is damaged or was not written by "
+        "shardcache: rebuild the cache"
+    )
+
+
+def check_shard_name(name: object, field: str = "shard name") -> str:
+    """``name`` if it is a shard name the writer makes, else :class:`CacheError`."""
+    if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
+        raise _refuse(field, name, "expected a shard name like 'p00000-b00-00000.arrow'")
+    return name
+
+
+def check_digest(digest: object, field: str = "sha256") -> str:
+    """``digest`` if it is a sha256 hex digest (64 lowercase hex), else :class:`CacheError`."""
+    if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
+        raise _refuse(field, digest, "expected 64 lowercase hex characters")
+    return digest
+
+
+def check_relative_name(name: object, field: str = "name") -> str:
+    """``name`` if it is a relative ``/``-separated path of plain components (letters,
+    digits, ``._-``, not starting with a dot), else :class:`CacheError`."""
+    if not isinstance(name, str) or not name:
+        raise _refuse(field, name, "expected a non-empty relative name")
+    if not all(_PLAIN_PART.fullmatch(part) for part in name.split("/")):
+        raise _refuse(field, name, "expected a relative name of plain components (no '..')")
+    return name
 
 
 def cache_path(root: str, *names: str) -> str:
@@ -39,5 +87,6 @@ def cache_path(root: str, *names: str) -> str:
 
 
 def shard_path(root: str, name: str) -> str:
-    """The path of shard ``name`` (as listed in the manifest) in the cache folder ``root``."""
-    return cache_path(root, SHARD_DIR, name)
+    """The path of shard ``name`` (as listed in the manifest) in the cache folder ``root``;
+    a name the writer does not make is a :class:`CacheError`."""
+    return cache_path(root, SHARD_DIR, check_shard_name(name))

@@ -2,7 +2,13 @@
 
 ``manifest.json`` is written last and atomically by a build's commit; its presence means the
 cache is complete. Every reader (``open_cache``, ``ShardDataset``, ``info``, ``verify``,
-``check``) gets it through :func:`read_manifest`.
+``check``, a remote cache) gets it through :func:`read_manifest`, which parses it with a
+guard against pathological input (NaN/Infinity, nesting deep enough to exhaust the stack) and
+runs :func:`validate_manifest` on it: after that every key a reader uses is present with the
+type and range it needs, and every name and digest passes :mod:`shardcache.store.layout`'s
+rule. A malformed manifest is one :class:`~shardcache.errors.CorruptShardError` (a
+:class:`~shardcache.errors.CacheError`) naming the field and the value, never a ``KeyError``,
+``TypeError``, ``OverflowError`` or ``RecursionError`` somewhere downstream.
 """
 
 from __future__ import annotations
@@ -11,12 +17,200 @@ import json
 import os
 from typing import Any
 
-from shardcache.errors import CacheNotFoundError, CorruptShardError
-from shardcache.store.layout import FORMAT_VERSION, MANIFEST, PARTS_DIR
+from shardcache.errors import CacheError, CacheNotFoundError, CorruptShardError
+from shardcache.store.layout import (
+    FORMAT_VERSION,
+    LENGTHS_FILE,
+    MANIFEST,
+    PARTITION_ID,
+    PARTS_DIR,
+    QUARANTINE,
+    check_digest,
+    check_shard_name,
+)
+
+#: Counts and sizes fit an int64 (numpy arrays of row starts, ``np.fromiter``).
+MAX_COUNT = 2**63 - 1
+DTYPES = ("uint16", "uint32")
+KINDS = ("text", "chat")
+TOTALS = ("documents", "sequences", "tokens", "shards", "shard_bytes", "input_bytes")
+STATS = ("truncated_documents", "dropped_documents", "split_documents", "empty_documents",
+         "lost_tokens")  # fmt: skip
+
+
+def _reject_constant(name: str) -> float:
+    raise ValueError(f"{name} is not a number a manifest may hold")
+
+
+def parse_manifest_text(text: str, where: str) -> dict[str, Any]:
+    """Parse manifest JSON; anything but a JSON object (NaN, nesting that exhausts the
+    parser's recursion limit) is a :class:`CorruptShardError`."""
+    try:
+        data = json.loads(text, parse_constant=_reject_constant)
+    except (ValueError, RecursionError) as err:  # json's C scanner guards its recursion
+        raise CorruptShardError(
+            f"{where}: cannot parse the manifest ({err}); rebuild the cache"
+        ) from err
+    if not isinstance(data, dict):
+        raise CorruptShardError(
+            f"{where}: the manifest is a JSON {type(data).__name__}, not an object; rebuild "
+            "the cache"
+        )
+    return data
+
+
+class _Check:
+    """Field checks that raise one CorruptShardError naming the field and the value."""
+
+    def __init__(self, where: str):
+        self.where = where
+
+    def fail(self, field: str, value: Any, expected: str) -> CorruptShardError:
+        shown = repr(value)
+        shown = shown if len(shown) <= 120 else shown[:120] + "..."
+        return CorruptShardError(
+            f"{self.where}: manifest field {field} is {shown}, expected {expected}; the "
+            "manifest is damaged or not written by this shardcache: rebuild the cache"
+        )
+
+    def get(self, obj: dict[str, Any], key: str, field: str) -> Any:
+        if key not in obj:
+            raise CorruptShardError(
+                f"{self.where}: manifest field {field} is missing; the manifest is damaged or "
+                "not written by this shardcache: rebuild the cache"
+            )
+        return obj[key]
+
+    def obj(self, obj: dict[str, Any], key: str, field: str) -> dict[str, Any]:
+        value = self.get(obj, key, field)
+        if not isinstance(value, dict):
+            raise self.fail(field, value, "an object")
+        return value
+
+    def list(self, obj: dict[str, Any], key: str, field: str) -> list[Any]:
+        value = self.get(obj, key, field)
+        if not isinstance(value, list):
+            raise self.fail(field, value, "a list")
+        return value
+
+    def int(self, value: Any, field: str, low: int = 0, high: int = MAX_COUNT) -> int:
+        if isinstance(value, bool) or not isinstance(value, int) or not low <= value <= high:
+            raise self.fail(field, value, f"an integer in {low}..{high}")
+        return value
+
+    def str(self, value: Any, field: str) -> str:
+        if not isinstance(value, str):
+            raise self.fail(field, value, "a string")
+        return value
+
+    def choice(self, value: Any, field: str, allowed: tuple[str, ...]) -> str:
+        if value not in allowed:
+            raise self.fail(field, value, f"one of {', '.join(allowed)}")
+        return value
+
+    def name(self, check: Any, value: Any, field: str) -> str:
+        try:
+            return check(value, field)
+        except CacheError as err:
+            raise CorruptShardError(f"{self.where}: {err}") from None
+
+
+def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
+    """Check everything a reader takes from a manifest; returns it, or raises
+    :class:`CorruptShardError` naming the first bad field and its value.
+
+    Checked: ``format_version``; ``kind``; ``dtype``; ``tokenizer.pad_id`` (and the integers
+    ``vocab_size`` / ``max_token_id``, the strings ``path`` / ``class``); ``buckets.ranges``
+    (``[low, high|null]`` pairs); every shard (``name`` the writer's form, ``bucket`` an
+    index into the ranges,
+    ``partition`` a partition id, ``source`` a string, ``rows`` / ``tokens`` / ``bytes``
+    int64-sized counts, ``sha256`` 64 hex); ``index.lengths`` and ``quarantine`` (the fixed
+    names, sizes, digests); ``totals``; ``options.tokenize``, ``stats`` and ``inputs`` (the
+    shapes ``info`` and the build report read); ``key`` (an object when present).
+    """
+    c = _Check(where)
+    if not isinstance(manifest, dict):
+        raise c.fail("(the whole manifest)", type(manifest).__name__, "an object")
+    version = manifest.get("format_version")
+    if version != FORMAT_VERSION or isinstance(version, bool):
+        raise CorruptShardError(
+            f"{where}: format_version {version!r} is not supported by this shardcache "
+            f"(reads {FORMAT_VERSION}); rebuild the cache or use a matching shardcache version"
+        )
+    c.choice(manifest.get("kind", "text"), "kind", KINDS)
+    c.choice(c.get(manifest, "dtype", "dtype"), "dtype", DTYPES)
+    c.str(c.get(manifest, "shardcache_version", "shardcache_version"), "shardcache_version")
+    tokenizer = c.obj(manifest, "tokenizer", "tokenizer")
+    c.int(c.get(tokenizer, "pad_id", "tokenizer.pad_id"), "tokenizer.pad_id")
+    for key in ("vocab_size", "max_token_id"):
+        c.int(c.get(tokenizer, key, f"tokenizer.{key}"), f"tokenizer.{key}")
+    for key in ("path", "class"):
+        c.str(c.get(tokenizer, key, f"tokenizer.{key}"), f"tokenizer.{key}")
+    ranges = c.list(c.obj(manifest, "buckets", "buckets"), "ranges", "buckets.ranges")
+    for i, pair in enumerate(ranges):
+        field = f"buckets.ranges[{i}]"
+        if not isinstance(pair, list) or len(pair) != 2:
+            raise c.fail(field, pair, "a [low, high] pair")
+        c.int(pair[0], f"{field}[0]")
+        if pair[1] is not None:
+            c.int(pair[1], f"{field}[1]", low=pair[0])
+    shards = c.list(manifest, "shards", "shards")
+    for i, shard in enumerate(shards):
+        field = f"shards[{i}]"
+        if not isinstance(shard, dict):
+            raise c.fail(field, shard, "an object")
+        c.name(check_shard_name, c.get(shard, "name", f"{field}.name"), f"{field}.name")
+        c.name(check_digest, c.get(shard, "sha256", f"{field}.sha256"), f"{field}.sha256")
+        bucket = c.get(shard, "bucket", f"{field}.bucket")
+        c.int(bucket, f"{field}.bucket", 0, len(ranges) - 1)
+        for key in ("rows", "tokens", "bytes"):
+            c.int(c.get(shard, key, f"{field}.{key}"), f"{field}.{key}")
+        partition = c.str(c.get(shard, "partition", f"{field}.partition"), f"{field}.partition")
+        if not PARTITION_ID.fullmatch(partition):
+            raise c.fail(f"{field}.partition", partition, "a partition id like 'p00000'")
+        c.str(c.get(shard, "source", f"{field}.source"), f"{field}.source")
+    lengths = c.obj(c.obj(manifest, "index", "index"), "lengths", "index.lengths")
+    _check_file_entry(c, lengths, "index.lengths", LENGTHS_FILE)
+    if "quarantine" in manifest:  # caches built before the quarantine was checksummed: none
+        quarantine = c.obj(manifest, "quarantine", "quarantine")
+        _check_file_entry(c, quarantine, "quarantine", QUARANTINE)
+        c.int(c.get(quarantine, "records", "quarantine.records"), "quarantine.records")
+    totals = c.obj(manifest, "totals", "totals")
+    for key in TOTALS:
+        c.int(c.get(totals, key, f"totals.{key}"), f"totals.{key}")
+    tokenize = c.obj(c.obj(manifest, "options", "options"), "tokenize", "options.tokenize")
+    max_length = c.get(tokenize, "max_length", "options.tokenize.max_length")
+    if max_length is not None:  # None: no limit
+        c.int(max_length, "options.tokenize.max_length")
+    c.str(c.get(tokenize, "truncation", "options.tokenize.truncation"),
+          "options.tokenize.truncation")  # fmt: skip
+    stats = c.obj(manifest, "stats", "stats")
+    for key in STATS:
+        c.int(c.get(stats, key, f"stats.{key}"), f"stats.{key}")
+    c.list(stats, "corrupt_files", "stats.corrupt_files")
+    bad = c.obj(stats, "bad_records", "stats.bad_records")
+    for reason, count in bad.items():
+        c.int(count, f"stats.bad_records.{reason}")
+    for i, entry in enumerate(c.list(manifest, "inputs", "inputs")):
+        if not isinstance(entry, dict):
+            raise c.fail(f"inputs[{i}]", entry, "an object")
+        c.int(entry.get("documents", 0), f"inputs[{i}].documents")
+    c.int(c.get(manifest, "partitions", "partitions"), "partitions")
+    if "key" in manifest and not isinstance(manifest["key"], dict):
+        raise c.fail("key", manifest["key"], "an object")
+    return manifest
+
+
+def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -> None:
+    if c.get(entry, "name", f"{field}.name") != name:
+        raise c.fail(f"{field}.name", entry["name"], repr(name))
+    c.int(c.get(entry, "bytes", f"{field}.bytes"), f"{field}.bytes")
+    c.name(check_digest, c.get(entry, "sha256", f"{field}.sha256"), f"{field}.sha256")
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read ``manifest.json``; a directory without one holds no (committed) cache."""
+    """Read and validate ``manifest.json``; a directory without one holds no (committed)
+    cache (:class:`CacheNotFoundError`), a malformed one is a :class:`CorruptShardError`."""
     path = os.path.join(cache_dir, MANIFEST)
     if not os.path.isfile(path):
         hint = (
@@ -30,13 +224,7 @@ def read_manifest(cache_dir: str) -> dict[str, Any]:
         )
     try:
         with open(path, encoding="utf-8") as f:
-            manifest = json.load(f)
+            text = f.read()
     except (OSError, ValueError) as err:
         raise CorruptShardError(f"{path}: cannot read the manifest: {err}") from err
-    version = manifest.get("format_version")
-    if version != FORMAT_VERSION:
-        raise CorruptShardError(
-            f"{path}: format_version {version!r} is not supported by this shardcache "
-            f"(reads {FORMAT_VERSION}); rebuild the cache or use a matching shardcache version"
-        )
-    return manifest
+    return validate_manifest(parse_manifest_text(text, path), path)

@@ -46,7 +46,14 @@ from shardcache.errors import (
     MissingDependencyError,
 )
 from shardcache.store.files import copy_hashing, private_tmp, sha256_text
-from shardcache.store.layout import LENGTHS_FILE, MANIFEST, PARTS_DIR, SHARD_DIR
+from shardcache.store.layout import (
+    LENGTHS_FILE,
+    MANIFEST,
+    PARTS_DIR,
+    SHARD_DIR,
+    check_digest,
+    check_shard_name,
+)
 from shardcache.store.manifest import read_manifest
 
 CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
@@ -147,7 +154,7 @@ class ObjectStore:
         os.makedirs(folder, exist_ok=True)
 
     def path(self, sha256: str) -> str:
-        return os.path.join(self.folder, f"{sha256}.arrow")
+        return os.path.join(self.folder, f"{check_digest(sha256, 'shard sha256')}.arrow")
 
     def acquire(self, fs: Any, rpath: str, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
         """Download (if needed) the shard ``info``; returns its path and a release function
@@ -156,7 +163,7 @@ class ObjectStore:
         ``flock`` locks of two descriptors conflict even inside one process, so a process
         takes each object's lock once and counts its users (``_HELD``).
         """
-        sha = str(info["sha256"])
+        sha = check_digest(info["sha256"], "shard sha256")  # it names files here
         path = self.path(sha)
         held = _HELD.get(sha)
         if held is not None and os.path.isfile(path):
@@ -266,13 +273,15 @@ class RemoteCache:
     @property
     def lengths_path(self) -> str:
         entry = self.manifest["index"]["lengths"]
-        path = os.path.join(cache_root(), "index", f"{entry['sha256']}.npy")
+        sha = check_digest(entry["sha256"], "index.lengths.sha256")
+        path = os.path.join(cache_root(), "index", f"{sha}.npy")
         if not os.path.isfile(path) or os.path.getsize(path) != int(entry["bytes"]):
             download(self.fs, f"{self.root}/{LENGTHS_FILE}", path, entry["sha256"], entry["bytes"])
         return path
 
     def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
-        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{info['name']}", info)
+        name = check_shard_name(info["name"], "shard name")
+        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info)
 
 
 # ------------------------------------------------------------------------ write side

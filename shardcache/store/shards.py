@@ -155,7 +155,7 @@ class BucketWriter:
             columns.append(pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())))
         batch = pa.record_batch(columns, schema=self.schema)
         if self._writer is None:
-            path = shard_path(self.cache_dir, self._shard_name() + ".tmp")
+            path = shard_path(self.cache_dir, self._shard_name()) + ".tmp"
             self._sink = pa.OSFile(path, "wb")
             options = pa.ipc.IpcWriteOptions(compression=self.compression)
             self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)

@@ -36,7 +36,7 @@ import pyarrow as pa
 
 from shardcache.errors import CacheError
 from shardcache.store.files import sha256_file
-from shardcache.store.layout import MANIFEST, SHARD_DIR
+from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
 from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import RemoteCache, cache_root, is_url
 
@@ -313,8 +313,8 @@ def verify_remote(url: str) -> VerifyReport:
         if manifest.get("quarantine"):
             names.append(manifest["quarantine"]["name"])
         names += [f"{SHARD_DIR}/{s['name']}" for s in manifest.get("shards", [])]
-        for rel in names:
-            local = os.path.join(folder, rel)
+        for rel in names:  # validated by read_manifest; checked again where it is written
+            local = os.path.join(folder, check_relative_name(rel, "manifest name"))
             os.makedirs(os.path.dirname(local), exist_ok=True)
             with contextlib.suppress(FileNotFoundError):  # missing: reported by the verifier
                 fs.get_file(f"{root}/{rel}", local)
