@@ -5,8 +5,17 @@ the content is written to a private temporary file, fsynced, then hard-linked to
 (``link`` fails if the name exists), so a reader never sees a half-written lock.
 
 A lock whose host is this machine and whose pid is not alive is *stale* (the build was
-killed): it is moved aside with ``rename`` (atomic, so of two builds that find the same stale
-lock only one wins) and taken over. A lock from another host cannot be checked: the error
+killed) and is taken over, with exactly one winner among builds that find it at once:
+
+1. the take-over runs under an exclusive ``flock`` on ``.lock.takeover``, so two builds never
+   interleave "read the lock, judge it stale, move it aside" (without it, B reads the stale
+   lock, A takes it over, and B moves A's *live* lock aside: two holders);
+2. the lock is renamed to a private name and what was renamed is read again: only if it is
+   still the stale lock that was judged (same content) is it deleted; anything else (a live
+   lock written by a build that does not take the flock, an older shardcache) is linked back
+   under ``.lock`` and the build gives up with :class:`BuildLockedError`.
+
+A lock from another host cannot be checked: the error
 says who holds it and how to remove it if that build is gone. ``--force`` never breaks a live
 lock: two writers in one folder would corrupt it, whatever the options.
 
@@ -17,6 +26,7 @@ live; the error message names the pid and start time so a person can decide and 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
 import socket
@@ -26,6 +36,7 @@ from typing import Any
 from shardcache.errors import BuildLockedError
 
 LOCK_NAME = ".lock"
+TAKEOVER_NAME = ".lock.takeover"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -100,10 +111,7 @@ class BuildLock:
                 f"{holder!r}); if no build is writing there, delete {self.path} and retry"
             )
         if host == socket.gethostname() and not _pid_alive(pid):
-            aside = f"{self.path}.stale-{pid}-{os.getpid()}"
-            with contextlib.suppress(FileNotFoundError):  # another build took it over first
-                os.rename(self.path, aside)
-                os.remove(aside)
+            self._take_over(holder)
             return
         where = "this host" if host == socket.gethostname() else f"host {host!r}"
         raise BuildLockedError(
@@ -111,6 +119,37 @@ class BuildLock:
             f"started {since}); two builds cannot write one output: wait for it, stop it, or "
             f"choose another --output (if that build is gone, delete {self.path})"
         )
+
+    def _take_over(self, stale: dict[str, Any]) -> None:
+        """Remove the stale lock ``stale`` if ``.lock`` still is it (see the module notes);
+        returns so that the caller retries the link."""
+        guard = os.open(os.path.join(self.output, TAKEOVER_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(guard, fcntl.LOCK_EX)  # one take-over at a time (released on close)
+            if read_owner(self.path) != stale:
+                return  # taken over or released meanwhile: retry from the start
+            aside = f"{self.path}.stale-{os.getpid()}-{os.urandom(4).hex()}"
+            try:
+                os.rename(self.path, aside)
+            except FileNotFoundError:
+                return
+            if read_owner(aside) == stale:
+                os.remove(aside)
+                return
+            # not the lock judged stale: put it back, never break a live lock
+            # (FileExistsError: someone linked a new lock meanwhile; it stands, we refuse)
+            with contextlib.suppress(FileExistsError):
+                os.link(aside, self.path)
+            os.remove(aside)
+            holder = read_owner(self.path) or {}
+            raise BuildLockedError(
+                f"{self.output!r} was taken by another build (pid {holder.get('pid')}) while "
+                "this one replaced a stale lock; two builds cannot write one output: wait for "
+                f"it, stop it, or choose another --output (if that build is gone, delete "
+                f"{self.path})"
+            )
+        finally:
+            os.close(guard)
 
     def release(self) -> None:
         if not self.held:

@@ -300,7 +300,7 @@ def upload_tree(folder: str, url: str, with_manifest: bool) -> int:
         dirs.sort()
         for name in sorted(files):
             rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
-            if name == ".lock" or name.endswith(".tmp") or rel == MANIFEST:
+            if name.startswith(".lock") or name.endswith(".tmp") or rel == MANIFEST:
                 continue
             local.append(os.path.join(dirpath, name))
             remote.append(f"{root}/{rel}")
