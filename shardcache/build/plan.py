@@ -315,14 +315,22 @@ def share_plan(options: BuildOptions, inputs: list[InputFile]) -> BuildPlan:
     return plan_from_json(state, options, inputs)
 
 
-def clean_partitions(out: str, ids: list[str], done: Mapping[str, PartitionResult]) -> None:
-    """Remove the leftovers of partitions about to be (re)built, and nothing else."""
+def clean_partitions(out: str, ids: list[str]) -> None:
+    """Remove the leftovers of the partitions ``ids`` (this share's, about to be (re)built),
+    and nothing else.
+
+    Shares of a job array run at once in one folder: another share's in-flight files
+    (``*.arrow.tmp``, ``*.quarantine.jsonl.tmp``, ``*.lengths.npy.tmp``, a private
+    ``build.json.<pid>.<random>.tmp``) belong to partitions it owns, or to no partition, and
+    are never touched here. Leftovers of a killed share are removed when that share reruns
+    (they are its pending partitions'); stray shards at commit (:mod:`.commit`).
+    """
     pending = set(ids)
     for sub in (SHARD_DIR, PARTS_DIR):
         folder = os.path.join(out, sub)
         for name in os.listdir(folder):
             owner = name.split("-", 1)[0] if sub == SHARD_DIR else name.split(".", 1)[0]
-            if owner in pending or (name.endswith(".tmp") and owner not in done):
+            if owner in pending:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(os.path.join(folder, name))
 

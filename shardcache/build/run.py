@@ -167,7 +167,7 @@ def build_share(
             if result is not None:
                 done[p.id] = result
         pending = [p for p in mine if p.id not in done]
-        clean_partitions(out, [p.id for p in pending], done)
+        clean_partitions(out, [p.id for p in pending])
         write_json_atomic(
             os.path.join(out, SHARES_DIR, f"{share.name}.json"),
             {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},

@@ -106,3 +106,47 @@ def test_share_refuses_other_options_and_force(local_reference, tokenizer_dir, t
     forced = dataclasses.replace(_options(folder, tokenizer_dir, out), force=True)
     with pytest.raises(ConfigError, match="--force cannot be combined"):
         build(forced, EngineOptions(share=Share(1, 2)))
+
+
+def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
+    corpus, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Two shares of a 13-partition build at once: share 1 is killed mid-run, then restarted
+    while share 0 is in the middle of a partition (its quarantine file, and shards, are in
+    flight). The restart must not delete share 0's files; both finish, and the commit
+    equals a local build byte for byte."""
+    import subprocess
+    import sys
+
+    import shardcache.build.partition as partition_module
+
+    folder, _ = corpus("jsonl", n_files=3, docs=100)
+    extra = {"partition_size": "3KiB"}
+    reference = str(tmp_path / "reference")
+    build_cache(_options(folder, tokenizer_dir, reference, **extra))
+    out = str(tmp_path / "array")
+    args = [sys.executable, "-m", "shardcache.cli", "build", "-i", folder, "-t", tokenizer_dir,
+            "-o", out, "-w", "1", "-q", "--partition-size", "3KiB", "--shard-size", "4096",
+            "--buckets", "16,64", "--batch-docs", "16", "--partition", "1/2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "SHARDCACHE_TEST_KILL": "batch:3"}
+    killed = subprocess.run(args, env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]  # share 1 died mid-run
+    env.pop("SHARDCACHE_TEST_KILL")
+    real_kill_point = partition_module.kill_point
+    restarts = []
+
+    def restart_share_1_mid_partition(event: str) -> None:
+        real_kill_point(event)
+        in_flight = [n for sub in ("shards", "parts") for n in os.listdir(os.path.join(out, sub))
+                     if n.endswith(".tmp") and int(n[1:6]) % 2 == 0]  # fmt: skip
+        if event == "batch" and not restarts and in_flight:
+            restarts.append(in_flight)
+            done = subprocess.run(args, env=env, capture_output=True, timeout=300)
+            assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+    monkeypatch.setattr(partition_module, "kill_point", restart_share_1_mid_partition)
+    build(_options(folder, tokenizer_dir, out, **extra), EngineOptions(share=Share(0, 2)))
+    assert restarts and any(".quarantine.jsonl.tmp" in n for n in restarts[0]), restarts
+    report = commit_output(out)
+    assert report.partitions == 13
+    assert tree(out) == tree(reference)
