@@ -7,7 +7,8 @@ the content is written to a private temporary file, fsynced, then hard-linked to
 A lock whose host is this machine and whose pid is not alive is *stale* (the build was
 killed) and is taken over, with exactly one winner among builds that find it at once:
 
-1. the take-over runs under an exclusive ``flock`` on ``.lock.takeover``, so two builds never
+1. the take-over runs under an exclusive ``flock`` on ``.lock.takeover`` (deleted by its
+   holder when done, so only a build killed inside a take-over leaves it), so two builds never
    interleave "read the lock, judge it stale, move it aside" (without it, B reads the stale
    lock, A takes it over, and B moves A's *live* lock aside: two holders);
 2. the lock is renamed to a private name and what was renamed is read again: only if it is
@@ -59,6 +60,21 @@ def read_owner(path: str) -> dict[str, Any] | None:
     except (OSError, ValueError):
         return {}
     return data if isinstance(data, dict) else {}
+
+
+def _lock_guard(path: str) -> int:
+    """An exclusive ``flock`` on ``path``, created if needed; returns the descriptor. The
+    holder deletes the file before closing (no file is left behind), so a waiter that got the
+    lock on a deleted file retries on the current one (inode check)."""
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        try:
+            if os.fstat(fd).st_ino == os.stat(path).st_ino:
+                return fd
+        except FileNotFoundError:
+            pass
+        os.close(fd)
 
 
 class BuildLock:
@@ -123,9 +139,9 @@ class BuildLock:
     def _take_over(self, stale: dict[str, Any]) -> None:
         """Remove the stale lock ``stale`` if ``.lock`` still is it (see the module notes);
         returns so that the caller retries the link."""
-        guard = os.open(os.path.join(self.output, TAKEOVER_NAME), os.O_RDWR | os.O_CREAT, 0o644)
+        guard_path = os.path.join(self.output, TAKEOVER_NAME)
+        guard = _lock_guard(guard_path)
         try:
-            fcntl.flock(guard, fcntl.LOCK_EX)  # one take-over at a time (released on close)
             if read_owner(self.path) != stale:
                 return  # taken over or released meanwhile: retry from the start
             aside = f"{self.path}.stale-{os.getpid()}-{os.urandom(4).hex()}"
@@ -149,6 +165,8 @@ class BuildLock:
                 f"{self.path})"
             )
         finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(guard_path)  # still held: a waiter sees the unlink and reopens
             os.close(guard)
 
     def release(self) -> None:
