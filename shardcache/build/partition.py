@@ -22,10 +22,12 @@ tokens) buffered per bucket, and 4 bytes per sequence of the partition for its l
 
 from __future__ import annotations
 
+import heapq
 import json
 import os
 import signal
 from collections import Counter
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -86,6 +88,43 @@ def check_parent() -> None:
         os._exit(1)  # the build that started this worker is gone: stop writing
 
 
+class _BadLog:
+    """The bad records one thread reports, in its (record) order: a file and the counts."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.counts: Counter[str] = Counter()
+        self.corrupt: list[dict[str, Any]] = []
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.counts[entry["reason"]] += 1
+        if entry["reason"] == "corrupt_file":
+            self.corrupt.append({k: entry[k] for k in ("source", "record", "offset", "excerpt")})
+        self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def merge_bad_logs(path: str, logs: list[str]) -> None:
+    """Merge record-ordered quarantine logs into ``path`` by record (streaming; the logs are
+    removed). A record is in at most one log, so the order is total."""
+
+    def lines(log: str) -> Iterator[tuple[int, str]]:
+        with open(log, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["record"], line
+
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for _, line in heapq.merge(*map(lines, logs), key=lambda item: item[0]):
+            out.write(line)
+    os.replace(tmp, path)
+    for log in logs:
+        os.remove(log)
+
+
 def build_partition(
     plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
 ) -> PartitionResult:
@@ -93,16 +132,18 @@ def build_partition(
     options = plan.options
     out = options.output
     stats = TruncationStats()
-    bad: Counter[str] = Counter()
-    corrupt: list[dict[str, Any]] = []
     quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
-    quarantine = open(quarantine_path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
+    # Bad records come from two threads: the reader (in encode_ahead's thread: bad lines, a
+    # corrupt end) and this one (conversations the template refused). Each thread owns its
+    # counter and its file, each written in record order; the two are merged by record at the
+    # end, so the quarantine (and so the manifest) does not depend on the threads' timing.
+    reader_bad = _BadLog(quarantine_path + ".reader.tmp")
+    template_bad = _BadLog(quarantine_path + ".template.tmp")
     relpath = partition.file.relpath
 
-    def on_bad(record: int, reason: str, excerpt: str) -> None:
-        bad[reason] += 1
-        entry = {"source": relpath, "record": record, "reason": reason, "excerpt": excerpt}
-        quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    def on_bad(record: int, reason: str, excerpt: str) -> None:  # reader thread
+        reader_bad.add({"source": relpath, "record": record, "reason": reason,
+                        "excerpt": excerpt})  # fmt: skip
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
         record = int(batch.records[doc])
@@ -111,14 +152,12 @@ def build_partition(
                 f"{relpath}: record {record} cannot be used ({detail}); fix the input or the "
                 "chat template, or build with --on-error skip to quarantine such records"
             )
-        on_bad(record, reason, detail)
+        template_bad.add({"source": relpath, "record": record, "reason": reason,
+                          "excerpt": detail})  # fmt: skip
 
-    def on_corrupt(record: int, offset: int, message: str) -> None:
-        bad["corrupt_file"] += 1
-        entry = {"source": relpath, "record": record, "reason": "corrupt_file",
-                 "offset": offset, "excerpt": message}  # fmt: skip
-        corrupt.append({k: entry[k] for k in ("source", "record", "offset", "excerpt")})
-        quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
+    def on_corrupt(record: int, offset: int, message: str) -> None:  # reader thread
+        reader_bad.add({"source": relpath, "record": record, "reason": "corrupt_file",
+                        "offset": offset, "excerpt": message})  # fmt: skip
 
     writers = [
         BucketWriter(
@@ -178,10 +217,13 @@ def build_partition(
         for writer in writers:
             writer.close()
     finally:
-        quarantine.close()
+        reader_bad.close()
+        template_bad.close()
     if read_bytes < partition.nbytes:  # compressed/parquet readers report approximately
         progress.advance(partition.nbytes - read_bytes)
-    os.replace(quarantine_path + ".tmp", quarantine_path)
+    bad = reader_bad.counts + template_bad.counts
+    corrupt = reader_bad.corrupt
+    merge_bad_logs(quarantine_path, [reader_bad.path, template_bad.path])
     shards = [s for w in writers for s in w.shards]
     lengths = [arr for w in writers for arr in w.lengths]
     write_npy_atomic(
