@@ -38,6 +38,8 @@ from shardcache.build.plan import BuildPlan, Partition, PartitionResult
 from shardcache.build.report import Progress
 from shardcache.build.sources import (
     FileDigest,
+    check_unchanged,
+    input_changed,
     iter_text_batches,
 )
 from shardcache.build.tokenize import TextEncoder, TruncationStats, encode_ahead
@@ -125,10 +127,33 @@ def merge_bad_logs(path: str, logs: list[str]) -> None:
         os.remove(log)
 
 
+def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> None:
+    """The bytes this partition read are the bytes the plan described: the file's size and
+    mtime are unchanged now (they were checked at open), a line-based read covered its whole
+    byte range, and a whole file's sha256 equals the plan's when the plan hashed it."""
+    file, span = partition.file, partition.span
+    check_unchanged(file, "while this partition read it")
+    if file.format != "parquet":
+        expected = (file.size if span.end is None else span.end) - span.start
+        if digest.bytes_read != expected:
+            raise input_changed(
+                file, "while this partition read it",
+                f"read {digest.bytes_read} bytes of its range {span.start}..{span.end}, "
+                f"expected {expected}",
+            )  # fmt: skip
+    planned = plan.file_sha256.get(file.relpath)
+    if span.whole and planned and digest.sha256 and digest.sha256 != planned:
+        raise input_changed(
+            file, "after the plan hashed it", f"sha256 {digest.sha256[:16]}... of the bytes "
+            f"read, {planned[:16]}... planned"
+        )  # fmt: skip
+
+
 def build_partition(
     plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
 ) -> PartitionResult:
     """Map one partition to shard files and its completion record."""
+    check_unchanged(partition.file, "between the plan and this partition's read")
     options = plan.options
     out = options.output
     stats = TruncationStats()
@@ -219,6 +244,7 @@ def build_partition(
     finally:
         reader_bad.close()
         template_bad.close()
+    check_read(plan, partition, digest)  # before anything of this partition is final
     if read_bytes < partition.nbytes:  # compressed/parquet readers report approximately
         progress.advance(partition.nbytes - read_bytes)
     bad = reader_bad.counts + template_bad.counts

@@ -111,7 +111,7 @@ def stage_inputs(specs: tuple[str, ...]) -> list[InputFile]:
             download(fs, p, local, None, size)
             os.utime(local, ns=(mtime, mtime))
         fmt = detect_format(p) or ""
-        files.append(InputFile(path=local, relpath=relpath, size=size, format=fmt))
+        files.append(InputFile(local, relpath, size, fmt, os.stat(local).st_mtime_ns))
     files.sort(key=lambda f: f.relpath)
     return files
 

@@ -83,12 +83,14 @@ CorruptFileCallback = Callable[[int, int, str], None]
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: absolute path, path relative to the corpus root, size, format."""
+    """One input file: absolute path, path relative to the corpus root, size, format, and
+    the modification time seen when it was listed (0: unknown)."""
 
     path: str
     relpath: str
     size: int
     format: str
+    mtime_ns: int = 0
 
 
 def detect_format(path: str) -> str | None:
@@ -139,15 +141,12 @@ def list_inputs(specs: tuple[str, ...] | list[str]) -> list[InputFile]:
     if not paths:
         raise SourceError(f"inputs {list(specs)}: no input file found")
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
-    files = [
-        InputFile(
-            path=p,
-            relpath=os.path.relpath(p, root).replace(os.sep, "/"),
-            size=os.path.getsize(p),
-            format=detect_format(p) or "",
-        )
-        for p in paths
-    ]
+    files = []
+    for p in paths:
+        st = os.stat(p)
+        relpath = os.path.relpath(p, root).replace(os.sep, "/")
+        fmt = detect_format(p) or ""
+        files.append(InputFile(p, relpath, st.st_size, fmt, st.st_mtime_ns))
     files.sort(key=lambda f: f.relpath)
     return files
 
@@ -229,6 +228,9 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
                 target = end + size
             lines_before_chunk += chunk.count(b"\n")
             pos += len(chunk)
+    if reader.bytes_read != file.size:  # the cuts and the hash would describe other bytes
+        raise input_changed(file, "while the plan read it", f"listed with {file.size} bytes, "
+                            f"{reader.bytes_read} read")  # fmt: skip
     slices.append(InputSlice(start, None, first_line))
     return slices, reader.sha256.hexdigest()
 
@@ -511,9 +513,34 @@ def _iter_parquet(
 
 @dataclass
 class FileDigest:
-    """Filled in once a file has been read to the end."""
+    """Filled in once a file (or a line-based slice) has been read to the end: the sha256 of
+    a whole file, and the raw bytes read (0 for parquet, read by row groups)."""
 
     sha256: str = ""
+    bytes_read: int = 0
+
+
+def check_unchanged(file: InputFile, when: str) -> None:
+    """Raise :class:`SourceError` naming ``file`` if its size or modification time is not
+    the one it had when it was listed and planned (the plan hashed and cut those bytes)."""
+    try:
+        st = os.stat(file.path)
+    except OSError as err:
+        raise SourceError(f"{file.relpath}: the input disappeared {when} ({err})") from err
+    if st.st_size != file.size or (file.mtime_ns and st.st_mtime_ns != file.mtime_ns):
+        raise input_changed(
+            file, when, f"size {file.size} -> {st.st_size} bytes, mtime_ns "
+            f"{file.mtime_ns} -> {st.st_mtime_ns}"
+        )  # fmt: skip
+
+
+def input_changed(file: InputFile, when: str, detail: str) -> SourceError:
+    return SourceError(
+        f"{file.relpath}: the input changed {when} ({detail}); the bytes read are not the "
+        "ones the build planned and hashed, so nothing was committed for them. Stop whatever "
+        "writes the file, then rebuild with --force (the interrupted build's plan no longer "
+        "matches the input)"
+    )
 
 
 def iter_text_batches(
@@ -554,7 +581,9 @@ def iter_text_batches(
     raw = HashingReader(source, on_bytes)
     try:
         yield from _iter_lines(file, raw, batcher, text_field, part.first_record)
-        if digest is not None and part.whole:
-            digest.sha256 = raw.sha256.hexdigest()
+        if digest is not None:
+            digest.bytes_read = raw.bytes_read
+            if part.whole:
+                digest.sha256 = raw.sha256.hexdigest()
     finally:
         raw.close()

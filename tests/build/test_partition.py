@@ -127,3 +127,69 @@ def test_chat_builds_with_bad_records_are_byte_reproducible(
     manifest = json.loads(manifests[1, "reader"])
     assert manifest["partitions"] > 1
     assert sum(manifest["stats"]["bad_records"].values()) == len(records)
+
+
+def _rewrite(path: str, how: str) -> None:
+    """Change an input in place: truncate it to half, or rewrite it with other bytes of the
+    same size (the mtime moved one second on, as any later write moves it)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    data = data[: len(data) // 2] if how == "truncate" else data.replace(b"a", b"e")
+    st = os.stat(path)
+    with open(path, "r+b") as f:
+        f.write(data)
+        f.truncate(len(data))
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+
+
+@pytest.mark.parametrize("how", ["truncate", "rewrite"])
+@pytest.mark.parametrize("partition_size", ["4KiB", "64MiB"])  # split / whole-file partitions
+def test_an_input_changed_during_the_build_fails_naming_the_file(
+    corpus, tokenizer_dir, tmp_path, monkeypatch, how, partition_size
+):
+    import shardcache.build.partition as partition_module
+    from shardcache import SourceError
+
+    folder, _ = corpus("jsonl", n_files=1, docs=200)
+    path = os.path.join(folder, "part-00.jsonl")
+    out = str(tmp_path / "out")
+    real_kill_point = partition_module.kill_point
+    changed = []
+
+    def change_after_the_first_batch(event: str) -> None:
+        real_kill_point(event)
+        if event == "batch" and not changed:
+            changed.append(event)
+            _rewrite(path, how)
+
+    monkeypatch.setattr(partition_module, "kill_point", change_after_the_first_batch)
+    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+              "batch_docs": 16, "partition_size": partition_size}  # fmt: skip
+    with pytest.raises(SourceError, match=r"part-00\.jsonl.*changed") as err:
+        build_cache(build_options_from_mapping(values))
+    assert changed
+    assert "--force" in str(err.value)
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp_path):
+    """A later partition of a split file opens a file that is no longer the planned one."""
+    from shardcache import SourceError
+    from shardcache.build.encoders import encoder_for
+    from shardcache.build.partition import build_partition
+    from shardcache.build.plan import plan_build
+    from shardcache.build.report import Progress
+
+    folder, _ = corpus("jsonl", n_files=1, docs=200)
+    path = os.path.join(folder, "part-00.jsonl")
+    out = str(tmp_path / "out")
+    for sub in ("shards", "parts"):
+        os.makedirs(os.path.join(out, sub))
+    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+              "partition_size": "4KiB"}  # fmt: skip
+    options = build_options_from_mapping(values)
+    plan = plan_build(options)
+    assert len(plan.partitions) > 2
+    _rewrite(path, "rewrite")
+    with pytest.raises(SourceError, match=r"part-00\.jsonl.*changed"):
+        build_partition(plan, plan.partitions[1], encoder_for(options, None), Progress())
