@@ -39,12 +39,19 @@ rank is the same for any ``num_workers``. The state is that global cursor::
      "epoch": 3, "consumed": 1200, "world_size": 8}
 
 ``consumed`` counts global batches of ``epoch`` already delivered (by all ranks together);
-loading it with another world size continues with exactly the batches not yet consumed. The
-digest (``manifest["key"]["digest"]``, or sha256 of the manifest's shard list when the cache
-has no key) and the plan options must match, else :class:`StateError`. Inside a DataLoader
-worker the state also carries ``"worker": {"id", "num_workers", "start", "yielded"}``: that is
-the per-worker protocol of torchdata's ``StatefulDataLoader`` (it snapshots each worker's
-dataset and restores it into the worker with the same id; it needs the same ``num_workers``).
+loading it with another world size continues with exactly the batches not yet consumed (the
+new split's tail aside: ``tail="drop"`` leaves out at most ``world_size - 1`` of the last
+global batches). The digest (``manifest["key"]["digest"]``, or sha256 of the manifest's shard
+list when the cache has no key) and the plan options must match, else :class:`StateError`.
+Inside a DataLoader worker the state also carries
+``"worker": {"id", "num_workers", "world_size", "start", "yielded"}``: that is the per-worker
+protocol of torchdata's ``StatefulDataLoader`` (it snapshots each worker's dataset and
+restores it into the worker with the same id). One worker's position is not the global
+cursor (it lags the rank's by up to ``num_workers - 1`` batches), so a worker state restores
+only the same worker, ``num_workers`` and world size, else :class:`StateError`. The whole
+loader state is exact, though: ``ds.load_state_dict(loader.state_dict())`` sums the workers'
+positions into the global cursor (:func:`dataset_state_of_loader`), for any world size and
+``num_workers`` of the resumed job (then build a new loader without ``loader.load_state_dict``).
 Iterating in-process (``num_workers=0``) keeps the dataset's own state current. With a plain
 ``DataLoader`` and workers, the main-process copy does not see the workers' progress: use
 ``state_dict(steps=k)``, the state after this rank took ``k`` batches since the position set
@@ -291,7 +298,17 @@ class ShardDataset(IterableDataset):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue from ``state`` (from any world size and ``num_workers``); refuses a state
-        of another cache or other plan options with :class:`StateError`."""
+        of another cache or other plan options with :class:`StateError`.
+
+        ``state`` is what :meth:`state_dict` returned, or a whole ``StatefulDataLoader``
+        state (``loader.state_dict()``): its worker states together give the global cursor
+        (:func:`loader_state_cursor`), so a checkpoint taken with workers resumes at any world
+        size and ``num_workers`` when it is loaded here (not with ``loader.load_state_dict``).
+        """
+        if isinstance(state, dict) and "version" not in state:
+            converted = dataset_state_of_loader(state)
+            if converted is not None:
+                state = converted
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise StateError(
                 f"reader state: expected a dict with version {STATE_VERSION}, got "
@@ -324,8 +341,10 @@ class ShardDataset(IterableDataset):
         self.epoch = epoch
         self._start = self._consumed = consumed
         self._loaded = True
-        worker = state.get("worker")
-        self._worker_resume = dict(worker) if isinstance(worker, dict) else None
+        worker = state.get("worker")  # (states of older versions lack its world_size)
+        self._worker_resume = (
+            {"world_size": state.get("world_size"), **worker} if isinstance(worker, dict) else None
+        )
 
     # ---- iteration -------------------------------------------------------------------------
 
@@ -336,12 +355,8 @@ class ShardDataset(IterableDataset):
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         resume, self._worker_resume = self._worker_resume, None
-        if (
-            info is not None
-            and resume is not None
-            and resume.get("id") == worker_id
-            and resume.get("num_workers") == num_workers
-        ):
+        if resume is not None:
+            self._check_worker_resume(resume, worker_id, num_workers)
             start, skip = int(resume["start"]), int(resume["yielded"])
         else:
             start, skip = self._pass_start(self._consumed), 0
@@ -359,10 +374,31 @@ class ShardDataset(IterableDataset):
             self._worker = {
                 "id": worker_id,
                 "num_workers": num_workers,
+                "world_size": self.world_size,
                 "start": start,
                 "yielded": skip,
             }
         return self._generate(plan, mine, positions[skip:], start)
+
+    def _check_worker_resume(
+        self, resume: dict[str, Any], worker_id: int, num_workers: int
+    ) -> None:
+        """A DataLoader worker state is a position in the round-robin of its own rank's
+        batches: it resumes only the same worker of the same ``num_workers`` at the same world
+        size. Anything else would lose or repeat batches, so it is a StateError."""
+        theirs = (resume.get("id"), resume.get("num_workers"), resume.get("world_size"))
+        ours = (worker_id, num_workers, self.world_size)
+        if theirs == ours:
+            return
+        raise StateError(
+            f"reader state: a DataLoader worker state of worker {theirs[0]} of {theirs[1]} at "
+            f"world_size {theirs[2]} is being restored into worker {ours[0]} of {ours[1]} at "
+            f"world_size {ours[2]}; one worker's position does not give the global cursor "
+            "once the ranks or workers change, so resuming from it would skip or repeat "
+            "batches. Resume from the whole StatefulDataLoader checkpoint instead: "
+            "ds.load_state_dict(loader_state) on the dataset before building the loader (any "
+            "world size and num_workers), and do not call loader.load_state_dict"
+        )
 
     def _generate(
         self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
@@ -432,6 +468,66 @@ class ShardDataset(IterableDataset):
             self._read_masks(ids),
         )
         return _to_tensors(batch)
+
+
+def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | None:
+    """The dataset state (global cursor) in a torchdata ``StatefulDataLoader`` state, or None
+    when ``loader_state`` is not one.
+
+    In-process (``num_workers=0``) the loader keeps the dataset's own state, already a
+    global cursor. With workers it keeps one state per worker, each the position after the
+    last batch the loader handed out from that worker; the rank took ``T`` = the sum of the
+    workers' ``yielded`` (plus the loader's ``_steps_since_snapshot``) batches since their
+    common ``start``, so the global cursor is ``start + world_size * T``: exact for any
+    world size and ``num_workers`` to come (:func:`loader_state_cursor`).
+    """
+    if isinstance(loader_state.get("dataset_state"), dict) and "_num_yielded" in loader_state:
+        return dict(loader_state["dataset_state"])
+    snapshot = loader_state.get("_snapshot")
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("_worker_snapshots"), dict):
+        return None
+    workers = [w.get("dataset_state") if isinstance(w, dict) else None
+               for w in snapshot["_worker_snapshots"].values()]  # fmt: skip
+    if not workers or not all(isinstance(w, dict) for w in workers):
+        raise StateError(
+            "reader state: the StatefulDataLoader state holds no ShardDataset state for some "
+            "workers; take the checkpoint with loader.state_dict() of a loader over a "
+            "ShardDataset"
+        )
+    steps = loader_state.get("_steps_since_snapshot", 0)
+    consumed = loader_state_cursor(workers, int(steps) if isinstance(steps, int) else 0)
+    state = {k: v for k, v in workers[0].items() if k != "worker"}
+    state["consumed"] = consumed
+    return state
+
+
+def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int = 0) -> int:
+    """The global cursor of one rank's DataLoader worker states taken together (see
+    :func:`dataset_state_of_loader`); a StateError when they do not belong together."""
+    starts, worlds, epochs, taken = set(), set(), set(), steps_since_snapshot
+    for state in workers:
+        worker = state.get("worker")
+        epochs.add(state.get("epoch"))
+        worlds.add(state.get("world_size"))
+        if isinstance(worker, dict):  # a worker that iterated
+            starts.add(worker.get("start"))
+            taken += int(worker.get("yielded", 0))
+        else:  # a worker that has not started: at the cursor it was given
+            starts.add(state.get("consumed"))
+    if len(starts) != 1 or len(worlds) != 1 or len(epochs) != 1:
+        raise StateError(
+            f"reader state: the worker states of the StatefulDataLoader disagree (starts "
+            f"{sorted(map(str, starts))}, world sizes {sorted(map(str, worlds))}, epochs "
+            f"{sorted(map(str, epochs))}); they are not one loader's checkpoint: pass the "
+            "dict loader.state_dict() returned, unmodified"
+        )
+    (start,), (world_size,) = starts, worlds
+    if not isinstance(start, int) or not isinstance(world_size, int):
+        raise StateError(
+            f"reader state: start {start!r} / world_size {world_size!r} are not integers; "
+            "pass the dict loader.state_dict() returned, unmodified"
+        )
+    return start + world_size * taken
 
 
 def _to_tensors(batch: dict[str, Any]) -> dict[str, Any]:

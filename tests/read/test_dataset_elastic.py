@@ -1,0 +1,86 @@
+"""Elastic resume through torchdata's StatefulDataLoader (issue 12 item 5): states taken at
+one world size and restored at another continue with exactly the global batches not yet
+consumed (the tail of the new split aside), or refuse with a StateError that says how."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from torchdata.stateful_dataloader import StatefulDataLoader
+
+from shardcache import ShardDataset, StateError
+
+# torchdata 0.11 calls a torch API that torch >= 2.9 deprecates (a warning, not our code)
+pytestmark = pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+
+
+@pytest.fixture()
+def cache_dir(corpus, build_cache, tokenizer_dir):
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    return build_cache(folder, tokenizer_dir, max_length=64, truncation="split", buckets="8,16,32")
+
+
+def _key(batch) -> tuple[int, ...]:
+    return tuple(batch["sample_ids"].tolist())
+
+
+def _loader(ds: ShardDataset, num_workers: int) -> StatefulDataLoader:
+    return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize(("world", "new_world"), [(2, 4), (4, 2)])
+def test_stateful_dataloader_states_resume_at_another_world_size(
+    cache_dir, num_workers, world, new_world
+):
+    def make(rank: int, world_size: int) -> ShardDataset:
+        return ShardDataset(cache_dir, 128, seed=5, rank=rank, world_size=world_size)
+
+    plan = make(0, 1).plan()
+    steps = make(0, world).batches_per_rank() // 2 + 1  # odd or even: workers mid-round
+    head, states = [], []
+    for rank in range(world):  # every rank trains `steps` steps, then checkpoints
+        loader = _loader(make(rank, world), num_workers)
+        it = iter(loader)
+        head += [_key(next(it)) for _ in range(steps)]
+        states.append(json.loads(json.dumps(loader.state_dict())))
+        del it
+    rest: list[tuple[int, ...]] = []
+    for rank in range(new_world):  # the new job: every rank loads rank 0's checkpoint
+        loader = _loader(make(rank, new_world), num_workers)
+        loader.load_state_dict(states[0])
+        try:
+            rest += [_key(b) for b in loader]
+        except StateError as err:
+            assert num_workers > 0, err  # in-process states carry the global cursor
+            assert "ds.load_state_dict(loader_state)" in str(err), err
+            # the way the message gives: the dataset takes the whole loader state
+            ds = make(rank, new_world)
+            ds.load_state_dict(states[0])
+            rest += [_key(b) for b in _loader(ds, num_workers)]
+    delivered = head + rest
+    assert len(delivered) == len(set(delivered)), "a batch was delivered twice"
+    consumed = steps * world
+    tail = (len(plan) - consumed) % new_world  # the documented tail of the new split
+    expected = {tuple(plan.batch(i).tolist()) for i in range(len(plan) - tail)}
+    assert set(delivered) == expected
+    for state in states[1:]:  # any rank's checkpoint gives the same cursor
+        ds = make(0, new_world)
+        ds.load_state_dict(state)
+        assert ds.state_dict()["consumed"] == consumed
+
+
+def test_a_worker_state_restored_into_other_workers_is_refused(cache_dir):
+    """Worker states of 2 workers at world size 2, restored at world size 4: a StateError
+    naming both shapes and the way to resume, never a silent loss."""
+    loader = _loader(ShardDataset(cache_dir, 128, seed=5, rank=0, world_size=2), 2)
+    it = iter(loader)
+    for _ in range(3):
+        next(it)
+    state = loader.state_dict()
+    del it
+    resumed = _loader(ShardDataset(cache_dir, 128, seed=5, rank=0, world_size=4), 2)
+    resumed.load_state_dict(state)
+    with pytest.raises(StateError, match=r"world_size 2.*world_size 4"):
+        list(resumed)
