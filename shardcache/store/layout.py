@@ -45,15 +45,15 @@ SHARD_NAME = re.compile(r"p[0-9]{5,}-b[0-9]{2,}-[0-9]{5,}\.arrow")
 #: A partition id of the build plan (``p00042``).
 PARTITION_ID = re.compile(r"p[0-9]{5,}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
-_PLAIN_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._\-]*")
+_PLAIN_PART = re.compile(r"[A-Za-z0-9._\-]+")
 
 
 def _refuse(field: str, value: object, expected: str) -> CacheError:
     shown = repr(value) if len(repr(value)) <= 200 else repr(value)[:200] + "..."
     return CacheError(
         f"{field} is {shown}: {expected}; names and digests of a cache must stay inside its "
-        "folder, so the cache was not read. The manifest is damaged or was not written by "
-        "shardcache: rebuild the cache"
+        "folder, so nothing was opened or written for it. The manifest (or the store's "
+        "listing) is damaged or was not written by shardcache: rebuild the cache"
     )
 
 
@@ -73,10 +73,11 @@ def check_digest(digest: object, field: str = "sha256") -> str:
 
 def check_relative_name(name: object, field: str = "name") -> str:
     """``name`` if it is a relative ``/``-separated path of plain components (letters,
-    digits, ``._-``, not starting with a dot), else :class:`CacheError`."""
+    digits, ``._-``; not ``.`` or ``..``), else :class:`CacheError`."""
     if not isinstance(name, str) or not name:
         raise _refuse(field, name, "expected a non-empty relative name")
-    if not all(_PLAIN_PART.fullmatch(part) for part in name.split("/")):
+    parts = name.split("/")
+    if not all(_PLAIN_PART.fullmatch(p) and p not in (".", "..") for p in parts):
         raise _refuse(field, name, "expected a relative name of plain components (no '..')")
     return name
 

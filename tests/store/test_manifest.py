@@ -147,7 +147,8 @@ def test_the_name_rule():
     with pytest.raises(CacheError):
         layout.shard_path("/cache", "../../etc/passwd")
     assert check_relative_name("parts/p00001.json") == "parts/p00001.json"
-    for bad in ["parts/../../x", "/abs", "a//b", "..", ".hidden/x", "a\\b", "a\x00b"]:
+    assert check_relative_name(".shares/share-0-of-2.json") == ".shares/share-0-of-2.json"
+    for bad in ["parts/../../x", "/abs", "a//b", "..", "./x", "a\\b", "a\x00b", ""]:
         with pytest.raises(CacheError):
             check_relative_name(bad)
 
