@@ -126,7 +126,7 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
     ``partition`` a partition id, ``source`` a string, ``rows`` / ``tokens`` / ``bytes``
     int64-sized counts, ``sha256`` 64 hex); ``index.lengths`` and ``quarantine`` (the fixed
     names, sizes, digests); ``totals``; ``options.tokenize``, ``stats`` and ``inputs`` (the
-    shapes ``info`` and the build report read); ``key`` (an object when present).
+    shapes ``info`` and the build report read); ``key`` (when present: ``components`` and a digest).
     """
     c = _Check(where)
     if not isinstance(manifest, dict):
@@ -196,8 +196,10 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
             raise c.fail(f"inputs[{i}]", entry, "an object")
         c.int(entry.get("documents", 0), f"inputs[{i}].documents")
     c.int(c.get(manifest, "partitions", "partitions"), "partitions")
-    if "key" in manifest and not isinstance(manifest["key"], dict):
-        raise c.fail("key", manifest["key"], "an object")
+    if "key" in manifest:  # caches built before the cache key: none
+        key = c.obj(manifest, "key", "key")
+        c.obj(key, "components", "key.components")
+        c.name(check_digest, c.get(key, "digest", "key.digest"), "key.digest")
     return manifest
 
 

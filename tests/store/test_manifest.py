@@ -124,6 +124,8 @@ MALFORMED = {
     "index name": (_set("index", "lengths", "name", value="../x.npy"), None, "index.lengths"),
     "quarantine": (_set("quarantine", "name", value="/etc/passwd"), None, "quarantine.name"),
     "not an object": (lambda m: None, None, "not an object"),
+    "key a list": (_set("key", value=[1]), None, "key"),
+    "key digest": (_set("key", "digest", value="../x"), None, "key.digest"),
 }
 
 
