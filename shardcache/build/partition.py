@@ -130,7 +130,8 @@ def merge_bad_logs(path: str, logs: list[str]) -> None:
 def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> None:
     """The bytes this partition read are the bytes the plan described: the file's size and
     mtime are unchanged now (they were checked at open), a line-based read covered its whole
-    byte range, and a whole file's sha256 equals the plan's when the plan hashed it."""
+    byte range, and the sha256 of what it read equals the plan's when the plan hashed it (the
+    byte range of a slice the plan cut; a whole file)."""
     file, span = partition.file, partition.span
     check_unchanged(file, "while this partition read it")
     if file.format != "parquet":
@@ -141,6 +142,11 @@ def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> Non
                 f"read {digest.bytes_read} bytes of its range {span.start}..{span.end}, "
                 f"expected {expected}",
             )  # fmt: skip
+    if span.sha256 and digest.read_sha256 and digest.read_sha256 != span.sha256:
+        raise input_changed(
+            file, "after the plan hashed it", f"sha256 {digest.read_sha256[:16]}... of bytes "
+            f"{span.start}..{span.end} read, {span.sha256[:16]}... planned"
+        )  # fmt: skip
     planned = plan.file_sha256.get(file.relpath)
     if span.whole and planned and digest.sha256 and digest.sha256 != planned:
         raise input_changed(

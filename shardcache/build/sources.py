@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import glob
 import gzip
+import hashlib
 import io
 import json
 import os
@@ -157,13 +158,15 @@ class InputSlice:
 
     ``start``/``end`` are byte offsets (jsonl; ``end`` None = to the end of the file),
     ``first_record`` the file-global index of its first line or row, ``row_groups`` the
-    parquet row groups (None = all).
+    parquet row groups (None = all), ``sha256`` the digest of the byte range when the plan
+    cut it (a partition checks that it read those bytes; "" = not known).
     """
 
     start: int = 0
     end: int | None = None
     first_record: int = 0
     row_groups: tuple[int, ...] | None = None
+    sha256: str = ""
 
     @property
     def whole(self) -> bool:
@@ -175,6 +178,7 @@ class InputSlice:
             "end": self.end,
             "first_record": self.first_record,
             "row_groups": list(self.row_groups) if self.row_groups is not None else None,
+            "sha256": self.sha256,
         }
 
     @classmethod
@@ -185,6 +189,7 @@ class InputSlice:
             None if data["end"] is None else int(data["end"]),
             int(data["first_record"]),
             None if groups is None else tuple(int(g) for g in groups),
+            str(data.get("sha256") or ""),
         )
 
 
@@ -203,8 +208,10 @@ def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputS
 
 
 def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
-    """One pass: hash, count newlines, and cut after the first newline past each target."""
+    """One pass: hash (the file, and each slice's byte range), count newlines, and cut after
+    the first newline past each target."""
     slices: list[InputSlice] = []
+    piece = hashlib.sha256()  # of the current slice's bytes
     start, first_line = 0, 0
     target = size
     pos = 0  # file offset of chunk[0]
@@ -216,6 +223,7 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
     reader = HashingReader(f)  # type: ignore[arg-type]
     with reader:
         while chunk := reader.read(_SCAN_CHUNK):
+            view, hashed = memoryview(chunk), 0  # chunk[:hashed] is in a slice's digest
             while target < pos + len(chunk):
                 nl = chunk.find(b"\n", max(0, target - pos))
                 if nl < 0:
@@ -223,15 +231,18 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
                 end = pos + nl + 1
                 lines = lines_before_chunk + chunk.count(b"\n", 0, nl + 1)
                 if end < file.size:
-                    slices.append(InputSlice(start, end, first_line))
-                    start, first_line = end, lines
+                    piece.update(view[hashed : nl + 1])
+                    hashed = nl + 1
+                    slices.append(InputSlice(start, end, first_line, sha256=piece.hexdigest()))
+                    start, first_line, piece = end, lines, hashlib.sha256()
                 target = end + size
+            piece.update(view[hashed:])
             lines_before_chunk += chunk.count(b"\n")
             pos += len(chunk)
     if reader.bytes_read != file.size:  # the cuts and the hash would describe other bytes
         raise input_changed(file, "while the plan read it", f"listed with {file.size} bytes, "
                             f"{reader.bytes_read} read")  # fmt: skip
-    slices.append(InputSlice(start, None, first_line))
+    slices.append(InputSlice(start, None, first_line, sha256=piece.hexdigest()))
     return slices, reader.sha256.hexdigest()
 
 
@@ -518,6 +529,7 @@ class FileDigest:
 
     sha256: str = ""
     bytes_read: int = 0
+    read_sha256: str = ""  # of the bytes read (the slice's range, or the whole file)
 
 
 def check_unchanged(file: InputFile, when: str) -> None:
@@ -583,6 +595,7 @@ def iter_text_batches(
         yield from _iter_lines(file, raw, batcher, text_field, part.first_record)
         if digest is not None:
             digest.bytes_read = raw.bytes_read
+            digest.read_sha256 = raw.sha256.hexdigest()
             if part.whole:
                 digest.sha256 = raw.sha256.hexdigest()
     finally:

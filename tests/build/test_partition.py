@@ -131,7 +131,8 @@ def test_chat_builds_with_bad_records_are_byte_reproducible(
 
 def _rewrite(path: str, how: str) -> None:
     """Change an input in place: truncate it to half, or rewrite it with other bytes of the
-    same size (the mtime moved one second on, as any later write moves it)."""
+    same size (the mtime moved one second on, as any later write moves it; or, for
+    ``"rewrite-same-mtime"``, put back as it was, as ``cp -p`` would)."""
     with open(path, "rb") as f:
         data = f.read()
     data = data[: len(data) // 2] if how == "truncate" else data.replace(b"a", b"e")
@@ -139,7 +140,8 @@ def _rewrite(path: str, how: str) -> None:
     with open(path, "r+b") as f:
         f.write(data)
         f.truncate(len(data))
-    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000_000))
+    keep = how == "rewrite-same-mtime"
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns + (0 if keep else 1_000_000_000)))
 
 
 @pytest.mark.parametrize("how", ["truncate", "rewrite"])
@@ -172,8 +174,10 @@ def test_an_input_changed_during_the_build_fails_naming_the_file(
     assert not os.path.exists(os.path.join(out, "manifest.json"))
 
 
-def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp_path):
-    """A later partition of a split file opens a file that is no longer the planned one."""
+@pytest.mark.parametrize("how", ["rewrite", "rewrite-same-mtime"])
+def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp_path, how):
+    """A later partition of a split file opens a file that is no longer the planned one (with
+    the same size and mtime: only the range's sha256, computed by the plan, tells)."""
     from shardcache import SourceError
     from shardcache.build.encoders import encoder_for
     from shardcache.build.partition import build_partition
@@ -190,6 +194,6 @@ def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp
     options = build_options_from_mapping(values)
     plan = plan_build(options)
     assert len(plan.partitions) > 2
-    _rewrite(path, "rewrite")
+    _rewrite(path, how)
     with pytest.raises(SourceError, match=r"part-00\.jsonl.*changed"):
         build_partition(plan, plan.partitions[1], encoder_for(options, None), Progress())

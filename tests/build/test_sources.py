@@ -191,3 +191,21 @@ def test_truncated_zst_with_skip_reports_and_keeps_the_prefix(tmp_path):
     [(record, offset, message)] = corrupt
     assert records == list(range(len(records))) and record == len(records) > 0
     assert texts[-1] == f"doc {record - 1}" and offset > 0 and "broken.jsonl.zst" in message
+
+
+def test_the_plan_hashes_every_byte_range_it_cuts(corpus):
+    """Each slice of a split jsonl file carries the sha256 of its byte range, so the partition
+    that reads it can tell whether it read the planned bytes."""
+    import hashlib
+
+    from shardcache.build.sources import list_inputs, split_input
+
+    folder, _ = corpus("jsonl", n_files=1, docs=300)
+    [file] = list_inputs([folder])
+    slices, whole = split_input(file, 4096)
+    assert len(slices) > 3
+    with open(file.path, "rb") as f:
+        data = f.read()
+    assert whole == hashlib.sha256(data).hexdigest()
+    for s in slices:
+        assert s.sha256 == hashlib.sha256(data[s.start : s.end]).hexdigest()
