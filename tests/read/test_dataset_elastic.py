@@ -30,7 +30,7 @@ def _loader(ds: ShardDataset, num_workers: int) -> StatefulDataLoader:
 
 
 @pytest.mark.parametrize("num_workers", [0, 2])
-@pytest.mark.parametrize(("world", "new_world"), [(2, 4), (4, 2)])
+@pytest.mark.parametrize(("world", "new_world"), [(2, 4), (4, 2), (2, 2)])
 def test_stateful_dataloader_states_resume_at_another_world_size(
     cache_dir, num_workers, world, new_world
 ):
@@ -47,13 +47,14 @@ def test_stateful_dataloader_states_resume_at_another_world_size(
         states.append(json.loads(json.dumps(loader.state_dict())))
         del it
     rest: list[tuple[int, ...]] = []
-    for rank in range(new_world):  # the new job: every rank loads rank 0's checkpoint
+    for rank in range(new_world):  # the new job: rank 0's checkpoint, or its own (same shape)
         loader = _loader(make(rank, new_world), num_workers)
-        loader.load_state_dict(states[0])
+        loader.load_state_dict(states[rank] if new_world == world else states[0])
         try:
             rest += [_key(b) for b in loader]
         except StateError as err:
-            assert num_workers > 0, err  # in-process states carry the global cursor
+            # in-process states carry the global cursor; worker states resume the same shape
+            assert num_workers > 0 and new_world != world, err
             assert "ds.load_state_dict(loader_state)" in str(err), err
             # the way the message gives: the dataset takes the whole loader state
             ds = make(rank, new_world)
