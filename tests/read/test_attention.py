@@ -12,7 +12,10 @@ from hypothesis import strategies as st
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
+from conftest import make_conversations, make_texts, write_records
 from shardcache import ConfigError, ShardDataset, open_cache
+from shardcache.build.run import build_cache
+from shardcache.config import build_options_from_mapping
 from shardcache.read.attention import block_causal_mask, segment_starts, varlen_keys
 from shardcache.read.dataset import model_inputs
 
@@ -90,11 +93,6 @@ def test_mask_and_varlen_keys_equal_their_definitions(pos):
 
 @pytest.fixture(scope="module")
 def text_cache(tmp_path_factory, tokenizer_dir):
-    from conftest import make_texts, write_records
-
-    from shardcache.build.run import build_cache
-    from shardcache.config import build_options_from_mapping
-
     folder = tmp_path_factory.mktemp("attn-corpus")
     records = [{"text": t} for t in make_texts(24, seed=4, max_words=30)]
     write_records(str(folder / "docs.jsonl"), records, "jsonl")
@@ -108,7 +106,7 @@ def text_cache(tmp_path_factory, tokenizer_dir):
 def test_pack_requires_an_attention_mode(text_cache):
     with pytest.raises(ConfigError, match="mode='pack' needs attention= one of mask, varlen, none"):
         ShardDataset(text_cache, 128, mode="pack", seq_len=64)
-    with pytest.raises(ConfigError, match="attention: got 'masks'.*did you mean 'mask'"):
+    with pytest.raises(ConfigError, match=r"attention: got 'masks'.*did you mean 'mask'"):
         ShardDataset(text_cache, 128, mode="pack", seq_len=64, attention="masks")
     with pytest.raises(ConfigError, match="applies to mode='pack' only"):
         ShardDataset(text_cache, 128, attention="mask")
@@ -251,11 +249,6 @@ def test_pad_batches_are_exact(model, text_cache):
 
 @pytest.fixture(scope="module")
 def chat_cache(tmp_path_factory, chatml_tokenizer_dir):
-    from conftest import make_conversations, write_records
-
-    from shardcache.build.run import build_cache
-    from shardcache.config import build_options_from_mapping
-
     folder = tmp_path_factory.mktemp("attn-chat")
     records = [{"messages": m} for m in make_conversations(30, seed=1)]
     write_records(str(folder / "a.jsonl"), records, "jsonl")
@@ -264,7 +257,6 @@ def chat_cache(tmp_path_factory, chatml_tokenizer_dir):
               "workers": 1, "chat": True, "max_length": 128}  # fmt: skip
     build_cache(build_options_from_mapping(values))
     return out
-
 
 
 @pytest.mark.parametrize("attention", ["mask", "varlen", "none"])

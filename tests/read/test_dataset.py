@@ -152,7 +152,8 @@ def test_packed_batches_restart_positions_and_never_cross_documents(cache_dir, p
         rows = ids.shape[0]
         assert ids.shape == labels.shape == pos.shape == (rows, seq_len) and rows <= 256 // seq_len
         cu = b["meta"]["cu_seqlens"].tolist()
-        assert cu[0] == 0 and cu[-1] == rows * seq_len and b["meta"]["cu_seqlens"].dtype == torch.int32
+        assert cu[0] == 0 and cu[-1] == rows * seq_len
+        assert b["meta"]["cu_seqlens"].dtype == torch.int32
         lengths = [b - a for a, b in itertools.pairwise(cu)]
         assert b["meta"]["max_seqlen"] == max(lengths)
         flat_ids, flat_labels, flat_pos = ids.flatten(), labels.flatten(), pos.flatten()
