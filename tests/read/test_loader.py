@@ -75,7 +75,6 @@ def test_state_after_k_batches_resumes_the_rest_of_the_stream(cache_dir, num_wor
 
 
 def test_stateful_dataloader_resumes_the_stream(cache_dir):
-    pytest.importorskip("torchdata")
     full = ids(shardcache.loader(cache_dir, 128, num_workers=0, seed=4))
     dl = shardcache.loader(cache_dir, 128, num_workers=0, seed=4, stateful=True)
     it = iter(dl.dataloader)
