@@ -69,8 +69,9 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument("--resume", help="reader state JSON written by --save-state")
     parser.add_argument("--save-state", help="write the reader state after the last step")
-    parser.add_argument("--overfit-batch", action="store_true",
-                        help="train on the first batch over and over (the loss must fall)")  # fmt: skip
+    parser.add_argument(
+        "--overfit-batch", action="store_true", help="train on the first batch over and over"
+    )
     parser.add_argument("--report", help="write losses and consumed sample ids here (JSON)")
     args = parser.parse_args(argv)
 

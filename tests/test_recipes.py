@@ -4,6 +4,7 @@ is finite and falls, the reader state resumes the same stream, progress is print
 from __future__ import annotations
 
 import importlib.util
+import itertools
 import os
 
 import pytest
@@ -33,7 +34,7 @@ def test_train_loop_loss_falls_on_a_repeated_batch(cache_dir, capsys):
     report = train.main([cache_dir, *SMALL, "--steps", "8", "--overfit-batch",
                          "--num-workers", "0", "--log-every", "4"])  # fmt: skip
     losses = report["losses"]
-    assert len(losses) == 8 and all(a > b for a, b in zip(losses, losses[1:]))
+    assert len(losses) == 8 and all(a > b for a, b in itertools.pairwise(losses))
     assert all(b == report["batches"][0] for b in report["batches"])
     out = capsys.readouterr().out
     assert "parameters" in out and "step 4: loss" in out and "step 8: loss" in out
@@ -57,6 +58,6 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
                          "--max-steps", "12", "--logging-steps", "3",
                          "--num-workers", "0"])  # fmt: skip
     losses = report["losses"]
-    assert len(losses) == 4 and all(a > b for a, b in zip(losses, losses[1:]))
+    assert len(losses) == 4 and all(a > b for a, b in itertools.pairwise(losses))
     assert report["last_epoch"] >= 1  # Trainer called set_epoch on the loader
     assert "12 steps; logged losses" in capsys.readouterr().out
