@@ -1,8 +1,8 @@
 """Per-document attention for packed rows: the keys a transformers model needs, from positions.
 
-Pure numpy, vectorised (no Python loop over tokens, rows or segments). Everything here is
-derived from ``position_ids`` alone, as collate.py lays them out: a packed row is a run of
-segments whose positions restart at 0, the padding run at a row's end being one more segment.
+Pure numpy; no Python loop over tokens. Everything here is derived from ``position_ids``
+alone, as collate.py lays them out: a packed row is a run of segments whose positions restart
+at 0, the padding run at a row's end being one more segment.
 Token ``i`` of a row therefore belongs to the segment that starts at ``i - position_ids[i]``.
 
 Why this module exists (measured with tiny random Qwen2 / Llama models, transformers 5.24,
@@ -20,9 +20,12 @@ It must be additive: ``eager`` adds the mask to the scores, so a boolean mask (r
 is 0.85 off there. Padding attends causally to itself only, so no query row is fully masked
 (no NaN, also when the mask is cast to bf16 and its minimum becomes ``-inf``). Memory:
 ``R * L * L * 4`` bytes per batch, 128 MiB for ``max_tokens=8192, seq_len=4096`` (R = 2),
-against 128 KiB for the token ids: it is built in the loader process, travels to the device
-with the batch and costs host->device bandwidth; use ``"varlen"`` with flash attention for
-long rows.
+against 64 KiB for the token ids (int64); it takes ~40-70 ms to build on one core
+(benchmarks/bench_attention.py): it is built in the loader process, travels to the device
+with the batch and costs host->device bandwidth (and pinned memory: ``DevicePrefetcher``'s
+default ``PrefetchOptions.max_pinned_bytes`` of 1 GiB over 3 slots refuses a batch above
+~341 MiB, e.g. ``seq_len=8192`` with two rows). Use ``"varlen"`` with flash attention for long
+rows.
 
 ``"varlen"`` (:func:`varlen_keys`): ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, the segment
 boundaries in the flattened ``R * L`` tokens, ending at ``R * L``) and ``max_length_q`` /
@@ -59,18 +62,24 @@ def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.
     """The additive 4-D mask ``R x 1 x L x L`` of packed rows: 0 where query ``i`` may attend
     to key ``j`` (``start(i) <= j <= i``: same segment, causal), ``finfo(dtype).min`` elsewhere.
 
-    ``R * L * L * itemsize`` bytes (see the module docstring).
+    ``R * L * L * itemsize`` bytes (see the module docstring). The mask is filled once and
+    each segment's lower triangle is cleared in place: a loop over segments (tens per batch),
+    never over tokens. That touches the ``L * L`` fill plus the diagonal blocks; one broadcast
+    comparison over ``R x L x L`` took twice as long (benchmarks/bench_attention.py).
     """
-    starts = segment_starts(position_ids)  # R x L, per query
-    length = starts.shape[1]
-    keys = np.arange(length, dtype=np.int64)
-    # key j visible to query i iff start(i) <= j <= i; built as one boolean R x L x L array
-    visible = keys[None, None, :] >= starts[:, :, None]
-    visible &= np.tri(length, dtype=bool)[None]
-    out = np.empty(visible.shape, dtype=dtype)
+    positions = np.asarray(position_ids)
+    if positions.ndim != 2:
+        raise ValueError(f"position_ids: expected a 2-D R x L array, got shape {positions.shape}")
+    rows, length = positions.shape
+    out = np.empty((rows, 1, length, length), dtype=dtype)
     out.fill(np.finfo(dtype).min)
-    out[visible] = 0
-    return out[:, None]
+    lower = np.tri(length, dtype=bool)
+    row_of, start_of = np.nonzero(positions == 0)  # segment starts, row-major
+    ends = np.append(start_of[1:], length)
+    ends[np.append(row_of[1:] != row_of[:-1], True)] = length  # a row's last segment
+    for r, s, e in zip(row_of.tolist(), start_of.tolist(), ends.tolist()):
+        np.copyto(out[r, 0, s:e, s:e], 0, where=lower[: e - s, : e - s])
+    return out
 
 
 def varlen_keys(position_ids: np.ndarray) -> dict[str, np.ndarray | int]:
