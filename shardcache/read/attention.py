@@ -43,6 +43,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardcache.errors import ConfigError
+
 #: The values of ``ShardDataset(attention=...)`` in pack mode.
 ATTENTION_MODES = ("mask", "varlen", "none")
 
@@ -54,7 +56,10 @@ def segment_starts(position_ids: np.ndarray) -> np.ndarray:
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
-        raise ValueError(f"position_ids: expected a 2-D R x L array, got shape {positions.shape}")
+        raise ConfigError(
+            f"position_ids: got shape {positions.shape}, expected a 2-D R x L array (the "
+            "position_ids of a packed batch, restarting at 0 at every segment)"
+        )
     return np.arange(positions.shape[1], dtype=np.int64)[None, :] - positions
 
 
@@ -69,9 +74,12 @@ def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
-        raise ValueError(f"position_ids: expected a 2-D R x L array, got shape {positions.shape}")
+        raise ConfigError(
+            f"position_ids: got shape {positions.shape}, expected a 2-D R x L array (the "
+            "position_ids of a packed batch, restarting at 0 at every segment)"
+        )
     rows, length = positions.shape
-    out = np.empty((rows, 1, length, length), dtype=dtype)
+    out: np.ndarray = np.empty((rows, 1, length, length), dtype=dtype)
     out.fill(np.finfo(dtype).min)
     lower = np.tri(length, dtype=bool)
     row_of, start_of = np.nonzero(positions == 0)  # segment starts, row-major

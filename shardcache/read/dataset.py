@@ -83,6 +83,7 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -352,7 +353,7 @@ class ShardDataset(IterableDataset):
 
     # ---- iteration -------------------------------------------------------------------------
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Batch]:
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         plan = self.plan()
@@ -389,7 +390,7 @@ class ShardDataset(IterableDataset):
 
     def _generate(
         self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
-    ) -> Any:
+    ) -> Iterator[Batch]:
         for position in positions.tolist():
             batch = self.collate_batch(plan, int(mine[position]))
             # a batch counts as consumed once it is handed out (the torchdata convention)
@@ -456,10 +457,11 @@ class ShardDataset(IterableDataset):
             self._read_masks(ids),
         )
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        positions = np.asarray(batch["position_ids"])
         if self.attention == "mask":
-            batch["attention_mask"] = block_causal_mask(batch["position_ids"])
+            batch["attention_mask"] = block_causal_mask(positions)
         elif self.attention == "varlen":
-            batch.update(varlen_keys(batch["position_ids"]))
+            batch.update(varlen_keys(positions))
         return _to_batch(batch, meta)
 
 

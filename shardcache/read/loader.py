@@ -157,7 +157,9 @@ def loader(
     dataloader: DataLoader[Batch]
     if stateful:
         try:
-            from torchdata.stateful_dataloader import StatefulDataLoader
+            from torchdata.stateful_dataloader import (  # type: ignore[import-untyped]
+                StatefulDataLoader,
+            )
         except ImportError as err:
             raise MissingDependencyError(
                 "loader(stateful=True): torchdata is not installed; `pip install torchdata` "

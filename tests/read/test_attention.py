@@ -285,3 +285,8 @@ def test_chat_labels_follow_the_masks(attention, packing, chat_cache):
             assert labels[a:e].tolist() == want.tolist()
             checked += 1
     assert checked >= cache.num_sequences
+
+
+def test_positions_must_be_two_dimensional():
+    with pytest.raises(ConfigError, match=r"position_ids: got shape \(4,\), expected a 2-D"):
+        block_causal_mask(np.arange(4))
