@@ -46,7 +46,8 @@ class ShardLoader:
     Built by :func:`loader`. ``for batch in loader`` runs one pass over the current epoch;
     ``set_epoch(e)`` before each epoch reshuffles; ``len(loader)`` is the batches of that pass;
     ``state_dict()`` is the reader position after the batches handed out so far (exact with
-    workers and prefetching), ``load_state_dict`` restores one. ``dataset``, ``dataloader``
+    workers and prefetching), ``load_state_dict`` restores one. A pass left early (``break``)
+    and iterated again continues after the last batch it handed out. ``dataset``, ``dataloader``
     and ``prefetcher`` (``None`` without ``device=``) are the parts.
     """
 
@@ -60,20 +61,35 @@ class ShardLoader:
         self.dataloader = dataloader
         self.prefetcher = prefetcher
         self._base: dict[str, Any] | None = None  # the position where the current pass began
-        self._taken = 0
+        self._taken = 0  # batches handed out in the current pass
+        self._finished = False  # the current pass ran to its end
 
     def __iter__(self) -> Iterator[Batch]:
-        self._base, self._taken = self.dataset.state_dict(steps=0), 0
+        if self._base is not None and not self._finished:
+            # the previous pass was left early (break): continue after the last batch handed
+            # out, not where the readers had got to (workers and the prefetcher read ahead)
+            self.dataset.load_state_dict(self.state_dict())
+        self._base, self._taken, self._finished = self.dataset.state_dict(steps=0), 0, False
         source = self.prefetcher if self.prefetcher is not None else self.dataloader
-        for batch in source:
-            self._taken += 1
-            yield batch
+        batches = iter(source)
+        try:
+            for batch in batches:
+                self._taken += 1
+                yield batch
+            self._finished = True
+        finally:
+            close = getattr(batches, "close", None)
+            if close is not None:  # a generator (the prefetcher's epoch): stop it now
+                close()
 
     def __len__(self) -> int:
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (see :meth:`ShardDataset.set_epoch`)."""
+        """Select the epoch (see :meth:`ShardDataset.set_epoch`): a new one starts at 0, the
+        current one keeps its position (after the last batch handed out)."""
+        if self._base is not None and not self._finished and epoch == self.dataset.epoch:
+            self.dataset.load_state_dict(self.state_dict())
         self.dataset.set_epoch(epoch)
         self._base = None
 

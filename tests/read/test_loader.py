@@ -74,6 +74,25 @@ def test_state_after_k_batches_resumes_the_rest_of_the_stream(cache_dir, num_wor
     assert len(ids(resumed)) == len(full)
 
 
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_pass_left_early_continues_after_the_last_batch_handed_out(cache_dir, num_workers):
+    full = ids(shardcache.loader(cache_dir, 128, num_workers=0, seed=3))
+    dl = shardcache.loader(cache_dir, 128, num_workers=num_workers, device="cpu", seed=3)
+    head = []
+    for batch in dl:
+        head.append(batch["meta"]["sample_ids"].tolist())
+        if len(head) == 2:
+            break
+    dl.set_epoch(0)  # the current epoch: keeps the position
+    middle = []
+    for batch in dl:
+        middle.append(batch["meta"]["sample_ids"].tolist())
+        if len(middle) == 2:
+            break
+    assert head + middle + ids(dl) == full
+    dl.close()
+
+
 def test_stateful_dataloader_resumes_the_stream(cache_dir):
     full = ids(shardcache.loader(cache_dir, 128, num_workers=0, seed=4))
     dl = shardcache.loader(cache_dir, 128, num_workers=0, seed=4, stateful=True)
