@@ -209,6 +209,17 @@ def test_mask_mode_is_exact_with_the_default_use_cache(model, text_cache):
     model.zero_grad(set_to_none=True)
 
 
+@pytest.mark.parametrize("arch_impl", ARCH_IMPL, ids=lambda p: "-".join(p))
+def test_the_float32_mask_trains_a_bf16_model(text_cache, arch_impl):
+    """The float32 minimum becomes -inf in bf16: still finite, no query row is fully masked."""
+    vocab = int(open_cache(text_cache).manifest["tokenizer"]["vocab_size"]) + 8
+    bf16 = make_model(*arch_impl, vocab).to(torch.bfloat16)
+    out = bf16(**packed_batch(text_cache, "mask"))
+    assert torch.isfinite(out.logits).all() and torch.isfinite(out.loss)
+    out.loss.backward()
+    assert all(torch.isfinite(p.grad).all() for p in bf16.parameters() if p.grad is not None)
+
+
 @torch.no_grad()
 def test_varlen_mode_is_exact_with_use_cache_false(model, text_cache):
     batch = packed_batch(text_cache, "varlen")

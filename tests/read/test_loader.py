@@ -30,6 +30,12 @@ def test_a_dataloader_that_collates_batches_is_refused(cache_dir, batch_size):
     assert batch["input_ids"].dim() == 2
 
 
+def test_the_refusal_reaches_the_training_loop_from_a_worker(cache_dir):
+    ds = ShardDataset(cache_dir, 128, seed=1)
+    with pytest.raises(ConfigError, match=r"batch_size=None"):
+        next(iter(DataLoader(ds, num_workers=1, timeout=120)))
+
+
 def test_loader_configures_the_dataloader(cache_dir):
     dl = shardcache.loader(cache_dir, 128, num_workers=2, seed=1)
     assert isinstance(dl, shardcache.ShardLoader) and dl.prefetcher is None
