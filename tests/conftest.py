@@ -83,6 +83,13 @@ def _save_bpe(
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """Each test's downloads and integrity records (``$SHARDCACHE_CACHE_DIR``) go to a folder
+    of its own: hermetic, and a test never skips a hash because another test recorded it."""
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A byte-level BPE tokenizer (vocab 600) with <eos>, <pad>, <bos>; adds no specials."""

@@ -20,6 +20,17 @@ import numpy as np
 from shardcache.errors import CorruptShardError
 
 READ_CHUNK = 1 << 20
+CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """The local folder for downloads, staging and integrity records
+    (``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache``)."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "shardcache"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
 
 
 def sha256_text(text: str) -> str:
