@@ -79,7 +79,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.collate import pack_batch, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
-from shardcache.store.cache import Cache
+from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
@@ -400,36 +400,35 @@ class ShardDataset(IterableDataset):
             return self.collate(plan.batch(index))
         return self._collate_packed(plan, index)
 
-    def _read(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+    def _gather(
+        self, sample_ids: np.ndarray, starts: np.ndarray | None = None, lengths: Any = None
+    ) -> Gathered:
+        """The tokens (and, for chat caches, loss masks) of segments, concatenated."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        return self._cache.read_many(sample_ids)
-
-    def _read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray] | None:
-        """Loss masks for chat caches (tokens outside the trainable turns get -100), else None."""
-        assert self._cache is not None
-        return self._cache.read_masks(sample_ids) if self._cache.has_mask else None
+        return self._cache.gather(sample_ids, starts, lengths, with_mask=self._cache.has_mask)
 
     def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
-        rows = self._read(sample_ids)
-        width = int(self.options.padded(max(map(len, rows))))
-        batch = pad_batch(rows, sample_ids, self.pad_id, width, self._read_masks(sample_ids))
+        got = self._gather(sample_ids)
+        lengths = got.lengths
+        width = int(self.options.padded(int(lengths.max())))
+        batch = pad_batch(got.tokens, lengths, sample_ids, self.pad_id, width, got.mask)
         return _to_tensors(batch)
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> dict[str, Any]:
         ids, starts, taken = plan.segments(index)
-        pieces = self._read(ids)
+        got = self._gather(ids, starts, taken)
         batch = pack_batch(
-            pieces,
+            got.tokens,
+            got.lengths,
             ids,
             starts,
-            taken,
             plan.row_bounds(index),
             int(self.options.seq_len or 0),
             self.pad_id,
-            self._read_masks(ids),
+            got.mask,
         )
         return _to_tensors(batch)
 
