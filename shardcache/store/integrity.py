@@ -8,12 +8,13 @@ the whole file (~0.5 s/GiB), so it is done **once per file version, not once per
 after a file hashed clean, a marker is written under ``$SHARDCACHE_CACHE_DIR/verified/`` whose
 name is a digest of the file's identity
 
-    (absolute path, size, mtime_ns, ctime_ns, inode, the manifest's sha256)
+    (absolute path, size, mtime_ns, inode, the manifest's sha256)
 
 Every later process, DataLoader worker and epoch that opens the same file finds the marker with
 one ``stat`` and skips the hash; any write to the file (new mtime/ctime), a replacement (new
 inode) or a rebuilt manifest (new sha256) changes the identity, so a changed file is hashed
-again. ``shardcache verify`` records the files it hashed clean (:func:`record_verified`), and a
+again (not the ctime: the remote object store's LRU bumps it with ``utime`` on every open).
+``shardcache verify`` records the files it hashed clean (:func:`record_verified`), and a
 remote download, which hashes while it streams, records the object it wrote, so a downloaded
 shard is hashed once, not twice.
 
@@ -24,7 +25,7 @@ not N times. When the folder cannot be written, the record is kept in this proce
 old behaviour: once per process).
 
 Trust: the marker is as trustworthy as the user cache folder; a file changed in place with its
-size, mtime, ctime and inode all restored is not re-hashed. ``SHARDCACHE_SHARD_CHECKSUMS=0``
+size, mtime and inode all restored is not re-hashed. ``SHARDCACHE_SHARD_CHECKSUMS=0``
 skips the sha256 entirely (size and structure are still checked).
 """
 
@@ -53,9 +54,7 @@ def checksums_enabled(checksum: bool | None = None) -> bool:
 
 
 def _identity(path: str, st: os.stat_result, sha256: str) -> str:
-    text = "|".join(
-        map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino))
-    )
+    text = "|".join(map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)))
     return sha256_text(f"{text}|{sha256}")
 
 
