@@ -65,7 +65,7 @@ def pad_batch(
         "input_ids": input_ids,
         "attention_mask": mask.astype(np.int64),
         "labels": labels,
-        "sample_ids": np.asarray(sample_ids, dtype=np.int64),
+        "sample_ids": np.array(sample_ids, dtype=np.int64),  # a copy: plans may be read-only
     }
 
 

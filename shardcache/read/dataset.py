@@ -79,6 +79,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.collate import pack_batch, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
+from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
 
@@ -177,6 +178,12 @@ class ShardDataset(IterableDataset):
         self.cache_digest = cache_digest(cache.manifest)
         self._lengths = np.asarray(cache.lengths)
         self._buckets = cache.buckets()
+        # what a plan is a function of, besides options/seed/epoch (plan_store.py)
+        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
+        table = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
+        self._data_identity = (
+            hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
+        )
         self._cache: Cache | None = None
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
@@ -208,7 +215,14 @@ class ShardDataset(IterableDataset):
         """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            plan = plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch)
+            # computed once per machine and epoch, memory-mapped by the other processes
+            options = json.dumps(self.options.to_json(), sort_keys=True)
+            digest = plan_digest(self._data_identity, options, self.seed, epoch)
+            plan = shared_plan(
+                digest,
+                len(self._lengths) if self._data_identity else 0,
+                lambda: plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch),
+            )
             self._plan = (epoch, plan)
         return self._plan[1]
 
