@@ -22,7 +22,7 @@ from shardcache.store.integrity import check_file
 from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
 from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import RemoteCache, is_url
-from shardcache.store.shards import ShardReader
+from shardcache.store.shards import ShardReader, flat_ranges
 
 #: ``fetch(shard entry) -> (local path, release)``: where a shard's bytes are, and what to call
 #: once the reader no longer needs them (a remote cache keeps its lock on the file until then).
@@ -243,13 +243,49 @@ class Cache:
         mask = np.empty(len(tokens), dtype=bool) if with_mask else None
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
         rows = ids - self.shard_starts[shard]
+        # segments grouped by shard (stable: in order inside a shard); group g is
+        # order[bounds[g]:bounds[g + 1]]
         order = np.argsort(shard, kind="stable")
-        cut = np.flatnonzero(np.diff(shard[order])) + 1
-        for sel in np.split(order, cut) if n else []:
-            reader = self._shards.get(int(shard[sel[0]]))
-            reader.gather_into(
-                rows[sel], first[sel], take[sel], offsets[sel], tokens, mask, full[sel]
+        sorted_shards = shard[order]
+        bounds = np.r_[0, np.flatnonzero(sorted_shards[1:] != sorted_shards[:-1]) + 1, n]
+        if not n:
+            return Gathered(tokens, offsets, mask)
+        # memory-mapped shards: every segment's source position in its shard's token array,
+        # then one gather + one scatter per shard over precomputed index runs
+        starts_in_file = np.zeros(n, dtype=np.int64)
+        stored = full[order]  # replaced by the shards' own row lengths below
+        flats: list[tuple[int, int, Any]] = []
+        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+            reader = self._shards.get(int(sorted_shards[lo]))
+            flat = None if with_mask else reader.flat_rows()
+            sel = order[lo:hi]
+            if flat is None:  # compressed (or masks asked): per record batch
+                reader.gather_into(
+                    rows[sel], first[sel], take[sel], offsets[sel], tokens, mask, full[sel]
+                )
+                continue
+            r = rows[sel]
+            starts_in_file[lo:hi] = flat.starts[r]
+            stored[lo:hi] = flat.lengths[r]
+            flats.append((lo, hi, flat.tokens))
+        if not flats:
+            return Gathered(tokens, offsets, mask)
+        if not np.array_equal(stored, full[order]):
+            j = int(np.flatnonzero(stored != full[order])[0])
+            raise CorruptShardError(
+                f"{self.path}: sample {int(ids[order[j]])} holds {int(stored[j])} tokens but "
+                f"the length index says {int(full[order[j]])}; the index and the shards "
+                "disagree: run `shardcache verify` and rebuild"
             )
+        first_s, take_s = first[order], take[order]
+        if np.any(first_s < 0) or np.any(first_s + take_s > stored):
+            raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
+        ends = np.cumsum(take_s)
+        src = flat_ranges(starts_in_file + first_s, take_s)
+        dst = flat_ranges(offsets[order], take_s)
+        for lo, hi, flat_tokens in flats:
+            a, b = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
+            tokens[dst[a:b]] = flat_tokens[src[a:b]]
         return Gathered(tokens, offsets, mask)
 
     def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:

@@ -261,6 +261,16 @@ class _Batch:
         return ((self.mask_bits[bit >> 3] >> (bit & 7).astype(np.uint8)) & 1).astype(bool)
 
 
+@dataclass
+class FlatRows:
+    """An uncompressed shard's tokens as one array (the mapped file viewed as the token type)
+    and per row its start in that array and its length (int64)."""
+
+    tokens: np.ndarray
+    starts: np.ndarray
+    lengths: np.ndarray
+
+
 class _DecodedBatches:
     """The process-wide LRU of decoded record batches of compressed shards, bounded in bytes
     (:func:`decode_budget_bytes`); the batch just decoded is always kept."""
@@ -408,6 +418,7 @@ class ShardReader:
                 "rebuild"
             )
         self._resident: list[_Batch | None] = [None] * len(rows)
+        self._flat: FlatRows | None = None
 
     def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
         expected = shard_schema(self.dtype, self.has_mask if with_mask is None else with_mask)
@@ -431,6 +442,7 @@ class ShardReader:
         """Drop the decoded record batches (the budget they took is freed)."""
         DECODED.drop(self._id)
         self._resident = [None] * len(self._resident)
+        self._flat = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -491,6 +503,36 @@ class ShardReader:
             mask_shift=shift,
             nbytes=batch.nbytes if self.compressed else 0,
         )
+
+    def flat_rows(self) -> FlatRows | None:
+        """An uncompressed shard as one token array over the whole mapped file, with every
+        row's start in it (``None`` for a compressed shard). Built once (every record batch
+        decoded and checked, zero-copy), it lets a reader gather any rows of the shard with
+        one fancy index, whatever record batches they are in."""
+        if self.compressed:
+            return None
+        if self._flat is None:
+            itemsize = self.dtype.itemsize
+            buffer = self._source.read_buffer()  # zero-copy: the whole mapped file
+            self._source.seek(0)
+            tokens = np.frombuffer(buffer, dtype=np.uint8)
+            starts, lengths = [], []
+            for b in range(len(self._resident)):
+                batch = self._batch(b)
+                base = batch.values.__array_interface__["data"][0] - buffer.address
+                if base % itemsize or not 0 <= base <= buffer.size:
+                    raise CorruptShardError(
+                        f"{self.path}: record batch {b} token values are misaligned; rebuild"
+                    )
+                starts.append(base // itemsize + batch.offsets[:-1])
+                lengths.append(np.diff(batch.offsets))
+            usable = (len(tokens) // itemsize) * itemsize
+            self._flat = FlatRows(
+                tokens=tokens[:usable].view(self.dtype),
+                starts=np.concatenate(starts) if starts else np.zeros(0, np.int64),
+                lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+            )
+        return self._flat
 
     # ---- access ----------------------------------------------------------------------------
 
