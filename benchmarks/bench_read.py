@@ -132,7 +132,9 @@ def bench_modes(path: str, max_tokens: int, batches: int, rows: list[dict]) -> N
             n = min(batches, len(plan) - 1)
             tokens = sum(plan.token_count(lengths, i) for i in range(1, n + 1))
             reader_s = base_s = flat_s = float("inf")
+            start = ds.state_dict()
             for _ in range(REPEATS):  # interleaved, best of REPEATS each (shared, noisy hosts)
+                ds.load_state_dict(start)  # every repeat reads the same batches
                 it = iter(ds)
                 next(it)  # warm-up: opens shards
                 t0 = time.perf_counter()

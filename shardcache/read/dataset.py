@@ -60,8 +60,10 @@ an epoch boundary neither repeats nor skips an epoch). With
 not reach them: use the default ``persistent_workers=False``.
 
 Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
-sequence), cached per epoch and shared copy-on-write with forked workers when it was computed
-in the main process first (``len(ds)`` does that); no Python object per sample.
+sequence), computed once per machine and epoch and memory-mapped by every worker and rank
+(plan_store.py; small caches just recompute it); no Python object per sample. Batches are
+gathered with one index computation per shard touched (``Cache.gather``) and laid out by
+collate.py without a Python loop per sequence.
 """
 
 from __future__ import annotations

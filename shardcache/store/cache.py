@@ -9,6 +9,7 @@ cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r
 from __future__ import annotations
 
 import contextlib
+import itertools
 import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator
@@ -247,7 +248,8 @@ class Cache:
         # order[bounds[g]:bounds[g + 1]]
         order = np.argsort(shard, kind="stable")
         sorted_shards = shard[order]
-        bounds = np.r_[0, np.flatnonzero(sorted_shards[1:] != sorted_shards[:-1]) + 1, n]
+        cuts = np.flatnonzero(sorted_shards[1:] != sorted_shards[:-1]) + 1
+        bounds = np.concatenate(([0], cuts, [n])).tolist()
         if not n:
             return Gathered(tokens, offsets, mask)
         # memory-mapped shards: every segment's source position in its shard's token array,
@@ -255,7 +257,7 @@ class Cache:
         starts_in_file = np.zeros(n, dtype=np.int64)
         stored = full[order]  # replaced by the shards' own row lengths below
         flats: list[tuple[int, int, Any]] = []
-        for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):
+        for lo, hi in itertools.pairwise(bounds):
             reader = self._shards.get(int(sorted_shards[lo]))
             flat = None if with_mask else reader.flat_rows()
             sel = order[lo:hi]
