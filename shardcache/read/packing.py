@@ -17,6 +17,11 @@ Two implementations give the same bins (tests/read/test_packing.py compares them
 * ``"loop"``: the reference, a Python loop per sequence shorter than ``capacity / 2`` over a
   sorted list of free spaces (``bisect``), ~1 us a sequence (10.7 s for 10 M).
 
+:func:`stable_order` (a counting sort, compiled too) then groups each window's items by
+shuffled row in one pass instead of a sort per window. With both, planning 10 M sequences
+measured 2.3 s on a loaded 2-core machine (load 4-6), of which the kernel 0.12-0.26 s and the
+epoch permutation 0.5-0.9 s; the loop version took 10.7 s.
+
 A per-item loop is inherent to best-fit; vectorising it across windows in numpy (all windows
 advance one item per step) was measured at ~0.9 us a sequence on 2,442 windows: no faster
 than the loop, because every step is ~70 gathers and scatters over all windows.
@@ -93,6 +98,31 @@ def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
             bisect.insort(free, left)
             holders.setdefault(left, []).append(b)
     return bins
+
+
+def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
+    """``np.argsort(keys, kind="stable")`` for integer keys in ``[0, num_keys)``: a counting
+    sort (O(n), numba) when the kernel is available, else numpy's stable sort."""
+    keys = np.ascontiguousarray(keys, dtype=np.int64)
+    compiled = _compiled_counting() if len(keys) >= JIT_MIN_SEQUENCES else None
+    if compiled is None:
+        return np.argsort(keys, kind="stable")
+    out = np.empty(len(keys), dtype=np.int64)
+    compiled(keys, int(num_keys), out)
+    return out
+
+
+def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None:  # pragma: no cover
+    """Stable counting sort of ``keys`` (numba compiles it): ``out`` gets the order."""
+    start = np.zeros(num_keys + 1, dtype=np.int64)
+    for k in keys:
+        start[k + 1] += 1
+    for k in range(num_keys):
+        start[k + 1] += start[k]
+    for i in range(len(keys)):
+        k = keys[i]
+        out[start[k]] = i
+        start[k] += 1
 
 
 # 64-bit de Bruijn sequence: index of the lowest set bit with one multiply and a table
@@ -181,12 +211,20 @@ def _windows_kernel(
 
 
 @functools.cache
-def _compiled() -> Callable[..., Any] | None:
+def _jit(function: Callable[..., Any]) -> Callable[..., Any] | None:
     try:
         import numba
     except ImportError:
         return None
-    return numba.njit(cache=True, nogil=True)(_windows_kernel)
+    return numba.njit(cache=True, nogil=True)(function)
+
+
+def _compiled() -> Callable[..., Any] | None:
+    return _jit(_windows_kernel)
+
+
+def _compiled_counting() -> Callable[..., Any] | None:
+    return _jit(_counting_kernel)
 
 
 def _kernel(required: bool) -> Callable[[np.ndarray, np.ndarray, int, np.ndarray], None] | None:

@@ -62,7 +62,7 @@ import numpy as np
 
 from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
-from shardcache.read.packing import best_fit_bins
+from shardcache.read.packing import best_fit_bins, stable_order
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
 #: padding in pad mode, tighter rows in best_fit) but mix the order less. On the 20k-document
@@ -322,18 +322,19 @@ def _plan_best_fit(
     ids = _sort_windows(window, lengths[order], order, num_windows)  # longest first, then id
     bounds = np.minimum(np.arange(num_windows + 1, dtype=np.int64) * options.window_size, n)
     bins = best_fit_bins(lengths[ids], bounds, seq_len)
-    rows: list[np.ndarray] = []  # per window: sample ids in row order
-    row_sizes: list[np.ndarray] = []
-    for lo, hi in zip(bounds[:-1].tolist(), bounds[1:].tolist()):  # once per window
-        window_bins = bins[lo:hi]
-        num_bins = int(window_bins.max()) + 1
-        if rng is not None:  # shuffle the rows of the window
-            window_bins = rng.permutation(num_bins)[window_bins]
-        by_row = np.argsort(window_bins, kind="stable")
-        rows.append(ids[lo:hi][by_row])
-        row_sizes.append(np.bincount(window_bins, minlength=num_bins))
-    sample_ids = np.concatenate(rows)
-    row_offsets = np.r_[0, np.cumsum(np.concatenate(row_sizes))].astype(np.int64)
+    # rows (bins) of every window shuffled, one rng.permutation per window in window order;
+    # the global row number of an item orders windows, then shuffled rows, items stable
+    num_bins = np.maximum.reduceat(bins, bounds[:-1]) + 1
+    base = np.zeros(num_windows + 1, dtype=np.int64)
+    np.cumsum(num_bins, out=base[1:])
+    item_base = np.repeat(base[:-1], np.diff(bounds))
+    if rng is not None:
+        perms = [rng.permutation(k) for k in num_bins.tolist()]
+        bins = np.concatenate(perms)[item_base + bins]
+    row = item_base + bins
+    sample_ids = ids[stable_order(row, int(base[-1]))]
+    row_offsets = np.zeros(int(base[-1]) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row, minlength=int(base[-1])), out=row_offsets[1:])
     batch_offsets = _rows_to_batches(row_offsets, int(options.rows_per_batch or 1))
     return EpochPlan(batch_offsets.astype(np.int64), sample_ids, row_offsets)
 
