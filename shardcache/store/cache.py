@@ -283,10 +283,23 @@ class Cache:
         if np.any(first_s < 0) or np.any(first_s + take_s > stored):
             raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
         ends = np.cumsum(take_s)
-        src = flat_ranges(starts_in_file + first_s, take_s)
-        dst = flat_ranges(offsets[order], take_s)
+        seg_src = starts_in_file + first_s
+        seg_dst = offsets[:-1][order]
+        # a shard's segments that follow each other in the file and in the output (unshuffled
+        # reads, runs of one document) are one slice copy, not an index computation
+        step = take_s[:-1]
+        joined = (seg_src[1:] == seg_src[:-1] + step) & (seg_dst[1:] == seg_dst[:-1] + step)
+        breaks = np.concatenate(([0], np.cumsum(~joined)))
+        src = dst = None
         for lo, hi, flat_tokens in flats:
             a, b = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
+            if breaks[hi - 1] == breaks[lo]:
+                s0, d0 = int(seg_src[lo]), int(seg_dst[lo])
+                tokens[d0 : d0 + b - a] = flat_tokens[s0 : s0 + b - a]
+                continue
+            if src is None or dst is None:
+                src = flat_ranges(seg_src, take_s)
+                dst = flat_ranges(seg_dst, take_s)
             tokens[dst[a:b]] = flat_tokens[src[a:b]]
         return Gathered(tokens, offsets, mask)
 
