@@ -110,20 +110,24 @@ def pack_batch(
     offsets = np.full(total_segs, -1, dtype=np.int64)
     offsets[real_at] = starts
     # slots: row-major; a row's tokens come first, its padding after
-    real = np.arange(seq_len)[None, :] < used[:, None]
-    flat = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
-    flat[real] = tokens
     cu_seqlens = np.zeros(total_segs + 1, dtype=np.int64)
     np.cumsum(lengths_out, out=cu_seqlens[1:])
-    positions = np.arange(num_rows * seq_len, dtype=np.int64) - np.repeat(
-        cu_seqlens[:-1], lengths_out
-    )
-    if loss_mask is not None:  # chat: only the trainable turns carry a loss
-        keep = np.zeros_like(real)
-        keep[real] = loss_mask
+    positions = np.arange(num_rows * seq_len, dtype=np.int64)
+    positions -= np.repeat(cu_seqlens[:-1], lengths_out)
+    if not total_segs - num_segs and loss_mask is None:
+        # every row full (concat: all but the epoch's last batch): no scatter, no mask
+        flat = tokens.astype(np.int64).reshape(num_rows, seq_len)
+        labels = flat.reshape(-1).copy()
     else:
-        keep = real
-    labels = np.where(keep, flat, IGNORE_INDEX).reshape(-1)
+        real = np.arange(seq_len)[None, :] < used[:, None]
+        flat = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
+        flat[real] = tokens
+        if loss_mask is not None:  # chat: only the trainable turns carry a loss
+            keep = np.zeros_like(real)
+            keep[real] = loss_mask
+        else:
+            keep = real
+        labels = np.where(keep, flat, IGNORE_INDEX).reshape(-1)
     labels[cu_seqlens[:-1]] = IGNORE_INDEX  # a segment's first token is never a target
     shape = (num_rows, seq_len)
     return {
