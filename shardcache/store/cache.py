@@ -285,22 +285,26 @@ class Cache:
         ends = np.cumsum(take_s)
         seg_src = starts_in_file + first_s
         seg_dst = offsets[:-1][order]
-        # a shard's segments that follow each other in the file and in the output (unshuffled
-        # reads, runs of one document) are one slice copy, not an index computation
+        # a shard's segments that follow each other in the file (runs of one document,
+        # unshuffled reads) or in the output (one shard per batch) need no index there
         step = take_s[:-1]
-        joined = (seg_src[1:] == seg_src[:-1] + step) & (seg_dst[1:] == seg_dst[:-1] + step)
-        breaks = np.concatenate(([0], np.cumsum(~joined)))
+        src_breaks = np.concatenate(([0], np.cumsum(seg_src[1:] != seg_src[:-1] + step)))
+        dst_breaks = np.concatenate(([0], np.cumsum(seg_dst[1:] != seg_dst[:-1] + step)))
         src = dst = None
         for lo, hi, flat_tokens in flats:
             a, b = (int(ends[lo - 1]) if lo else 0), int(ends[hi - 1])
-            if breaks[hi - 1] == breaks[lo]:
-                s0, d0 = int(seg_src[lo]), int(seg_dst[lo])
-                tokens[d0 : d0 + b - a] = flat_tokens[s0 : s0 + b - a]
-                continue
-            if src is None or dst is None:
-                src = flat_ranges(seg_src, take_s)
-                dst = flat_ranges(seg_dst, take_s)
-            tokens[dst[a:b]] = flat_tokens[src[a:b]]
+            if src_breaks[hi - 1] == src_breaks[lo]:
+                source = flat_tokens[int(seg_src[lo]) : int(seg_src[lo]) + b - a]
+            else:
+                if src is None:
+                    src = flat_ranges(seg_src, take_s)
+                source = flat_tokens[src[a:b]]
+            if dst_breaks[hi - 1] == dst_breaks[lo]:
+                tokens[int(seg_dst[lo]) : int(seg_dst[lo]) + b - a] = source
+            else:
+                if dst is None:
+                    dst = flat_ranges(seg_dst, take_s)
+                tokens[dst[a:b]] = source
         return Gathered(tokens, offsets, mask)
 
     def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:
