@@ -24,7 +24,6 @@ deleted when a new one is written; a reader that still maps one keeps its pages)
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 import shutil
 from collections.abc import Callable
@@ -32,7 +31,13 @@ from collections.abc import Callable
 import numpy as np
 
 from shardcache.read.plan import EpochPlan
-from shardcache.store.files import cache_root, private_tmp, sha256_text, write_npy_atomic
+from shardcache.store.files import (
+    cache_root,
+    exclusive_lock,
+    private_tmp,
+    sha256_text,
+    write_npy_atomic,
+)
 
 PLAN_FILE_VERSION = 1
 PLANS_DIR = "plans"
@@ -97,12 +102,13 @@ def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan
     try:
         root = os.path.join(cache_root(), PLANS_DIR)
         os.makedirs(root, exist_ok=True)
-        lock_fd = os.open(os.path.join(root, f"{digest}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
         return compute()  # no writable folder: every process plans for itself
     folder = os.path.join(root, digest)
-    try:
-        fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one process computes, the others wait and read
+    # one process computes, the others wait on the lock and read what it stored
+    with exclusive_lock(os.path.join(root, f"{digest}.lock")) as locked:
+        if not locked:
+            return compute()
         plan = _read(folder) if os.path.isdir(folder) else None
         if plan is not None:
             return plan
@@ -111,5 +117,3 @@ def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan
             _write(folder, plan)
             _evict(root, keep=folder)
         return plan
-    finally:
-        os.close(lock_fd)

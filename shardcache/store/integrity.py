@@ -32,12 +32,17 @@ skips the sha256 entirely (size and structure are still checked).
 from __future__ import annotations
 
 import contextlib
-import fcntl
 import os
 from typing import Any
 
 from shardcache.errors import CorruptShardError
-from shardcache.store.files import cache_root, sha256_file, sha256_text, write_bytes_atomic
+from shardcache.store.files import (
+    cache_root,
+    exclusive_lock,
+    sha256_file,
+    sha256_text,
+    write_bytes_atomic,
+)
 
 CHECKSUMS_ENV = "SHARDCACHE_SHARD_CHECKSUMS"
 VERIFIED_DIR = "verified"
@@ -116,15 +121,11 @@ def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | Non
     if is_verified(path, expected, st):
         return
     marker = _marker(_identity(path, st, expected))
-    lock_fd = None
-    if marker is not None:
-        with contextlib.suppress(OSError):
-            lock_fd = os.open(marker + ".lock", os.O_RDWR | os.O_CREAT, 0o644)
-    try:
-        if lock_fd is not None:
-            fcntl.flock(lock_fd, fcntl.LOCK_EX)  # one process hashes, the others wait
-            if is_verified(path, expected, st):
-                return
+    with contextlib.ExitStack() as stack:
+        # one process hashes, the others wait on the lock and then find the marker
+        locked = marker is not None and stack.enter_context(exclusive_lock(marker + ".lock"))
+        if locked and is_verified(path, expected, st):
+            return
         actual = sha256_file(path)
         if actual != expected:
             raise CorruptShardError(
@@ -133,6 +134,3 @@ def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | Non
                 "run `shardcache verify CACHE` to list every damaged file, then rebuild"
             )
         record_verified(path, expected, st)
-    finally:
-        if lock_fd is not None:
-            os.close(lock_fd)  # closing releases the flock
