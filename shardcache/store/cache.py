@@ -3,7 +3,14 @@
 A :class:`Cache` holds the manifest, the memory-mapped length index and an LRU of open
 shards. Sample ids are global row numbers (shards in manifest order); everything a reader
 needs to plan an epoch (lengths, buckets) is available without opening a shard, so opening a
-cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r")``.
+cache of thousands of shards costs one JSON parse and one ``np.load(mmap_mode="r")`` (plus,
+once per index version for all processes, its sha256: store/integrity.py).
+
+Reads are vectorised (:meth:`Cache.gather`): the segments of a batch are located with one
+``searchsorted``, grouped by shard, and each shard touched costs one gather and one scatter
+(memory-mapped shards: over the whole mapped file, :meth:`ShardReader.flat_rows`; compressed
+ones: per decoded record batch), or one slice copy when its segments are contiguous. There is
+no Python work per sequence; the previous per-sequence reads cost ~4.9 us each.
 """
 
 from __future__ import annotations
