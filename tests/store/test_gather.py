@@ -12,6 +12,7 @@ from conftest import make_texts, write_records
 from shardcache import open_cache
 from shardcache.build.run import build_cache
 from shardcache.config import build_options_from_mapping
+from shardcache.store import cache as cache_module
 
 
 @pytest.fixture(scope="module")
@@ -47,9 +48,11 @@ segments = st.lists(
 @settings(
     max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
-@given(segments, st.sampled_from(["none", "zstd"]), st.booleans())
-def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, run):
+@given(segments, st.sampled_from(["none", "zstd"]), st.booleans(), st.booleans())
+def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, run, by_slices):
     cache = open_cache(caches[compression])
+    # both copy strategies of memory-mapped shards: slice per segment, or index arrays
+    cache_module.LONG_SEGMENT_TOKENS = 0 if by_slices else 10**9
     seqs = [s.ids for s in cache.iter_sequences()]
     n = len(seqs)
     first = segs[0][0] % n
@@ -70,7 +73,16 @@ def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, r
     assert np.array_equal(whole.tokens, np.concatenate([seqs[i] for i in ids]))
 
 
-def test_gather_refuses_ids_and_segments_out_of_range(caches):
+@pytest.fixture(autouse=True)
+def _restore_threshold():
+    saved = cache_module.LONG_SEGMENT_TOKENS
+    yield
+    cache_module.LONG_SEGMENT_TOKENS = saved
+
+
+@pytest.mark.parametrize("threshold", [0, 10**9])
+def test_gather_refuses_ids_and_segments_out_of_range(caches, threshold):
+    cache_module.LONG_SEGMENT_TOKENS = threshold
     cache = open_cache(caches["none"])
     with pytest.raises(IndexError, match="out of range"):
         cache.gather(np.array([cache.num_sequences]))

@@ -12,6 +12,7 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shardcache import CorruptShardError, ShardDataset, open_cache, verify_cache
+from shardcache.store import cache as cache_module
 from shardcache.store import files
 
 
@@ -105,9 +106,11 @@ def test_tampered_length_index_is_refused(cache_dir):
         open_cache(cache_dir)
 
 
+@pytest.mark.parametrize("threshold", [0, 10**9])  # slice copies / index arrays
 def test_index_disagreeing_with_the_shards_is_caught_on_read_without_checksums(
-    cache_dir, monkeypatch
+    cache_dir, monkeypatch, threshold
 ):
+    monkeypatch.setattr(cache_module, "LONG_SEGMENT_TOKENS", threshold)
     monkeypatch.setenv("SHARDCACHE_SHARD_CHECKSUMS", "0")
     _rewrite_lengths(cache_dir, lambda a: np.r_[a[:-1], a[-1] - 1].astype(a.dtype))
     ds = ShardDataset(cache_dir, max_tokens=4096, mode="pack", seq_len=128, packing="concat")
