@@ -73,8 +73,10 @@ an epoch boundary neither repeats nor skips an epoch). With
 not reach them: use the default ``persistent_workers=False``.
 
 Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
-sequence), cached per epoch and shared copy-on-write with forked workers when it was computed
-in the main process first (``len(ds)`` does that); no Python object per sample.
+sequence), computed once per machine and epoch and memory-mapped by every worker and rank
+(plan_store.py; small caches just recompute it); no Python object per sample. Batches are
+gathered with one index computation per shard touched (``Cache.gather``) and laid out by
+collate.py without a Python loop per sequence.
 """
 
 from __future__ import annotations
@@ -95,7 +97,8 @@ from shardcache.errors import ConfigError, StateError
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
-from shardcache.store.cache import Cache
+from shardcache.read.plan_store import plan_digest, shared_plan
+from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
@@ -201,6 +204,12 @@ class ShardDataset(IterableDataset):
         self.cache_digest = cache_digest(cache.manifest)
         self._lengths = np.asarray(cache.lengths)
         self._buckets = cache.buckets()
+        # what a plan is a function of, besides options/seed/epoch (plan_store.py)
+        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
+        table = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
+        self._data_identity = (
+            hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
+        )
         self._cache: Cache | None = None
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
@@ -232,7 +241,14 @@ class ShardDataset(IterableDataset):
         """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            plan = plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch)
+            # computed once per machine and epoch, memory-mapped by the other processes
+            options = json.dumps(self.options.to_json(), sort_keys=True)
+            digest = plan_digest(self._data_identity, options, self.seed, epoch)
+            plan = shared_plan(
+                digest,
+                len(self._lengths) if self._data_identity else 0,
+                lambda: plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch),
+            )
             self._plan = (epoch, plan)
         return self._plan[1]
 
@@ -424,37 +440,35 @@ class ShardDataset(IterableDataset):
             return self.collate(plan.batch(index))
         return self._collate_packed(plan, index)
 
-    def _read(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+    def _gather(
+        self, sample_ids: np.ndarray, starts: np.ndarray | None = None, lengths: Any = None
+    ) -> Gathered:
+        """The tokens (and, for chat caches, loss masks) of segments, concatenated."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        return self._cache.read_many(sample_ids)
-
-    def _read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray] | None:
-        """Loss masks for chat caches (tokens outside the trainable turns get -100), else None."""
-        assert self._cache is not None
-        return self._cache.read_masks(sample_ids) if self._cache.has_mask else None
+        return self._cache.gather(sample_ids, starts, lengths, with_mask=self._cache.has_mask)
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
-        rows = self._read(sample_ids)
-        width = int(self.options.padded(max(map(len, rows))))
-        batch = pad_batch(rows, sample_ids, self.pad_id, width, self._read_masks(sample_ids))
+        got = self._gather(sample_ids)
+        width = int(self.options.padded(int(got.lengths.max())))
+        batch = pad_batch(got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask)
         meta = {"sample_ids": batch.pop("sample_ids")}
         return _to_batch(batch, meta)
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
         ids, starts, taken = plan.segments(index)
-        pieces = self._read(ids)
+        got = self._gather(ids, starts, taken)
         batch = pack_batch(
-            pieces,
+            got.tokens,
+            got.lengths,
             ids,
             starts,
-            taken,
             plan.row_bounds(index),
             int(self.options.seq_len or 0),
             self.pad_id,
-            self._read_masks(ids),
+            got.mask,
         )
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         positions = np.asarray(batch["position_ids"])

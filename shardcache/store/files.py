@@ -8,11 +8,13 @@ same name (job-array shares, ranks sharing a download folder) use a private temp
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import io
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -20,6 +22,17 @@ import numpy as np
 from shardcache.errors import CorruptShardError
 
 READ_CHUNK = 1 << 20
+CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """The local folder for downloads, staging and integrity records
+    (``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache``)."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "shardcache"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
 
 
 def sha256_text(text: str) -> str:
@@ -83,6 +96,23 @@ def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
 def private_tmp(path: str) -> str:
     """A temporary name for ``path`` no other process uses (pid + random suffix)."""
     return f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the
+    block: "one process computes, the others wait, then find the result". Yields False
+    (holding nothing) when the lock file cannot be opened, e.g. a read-only folder."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def fsync_dir(path: str) -> None:

@@ -45,11 +45,12 @@ from shardcache.errors import (
     CorruptShardError,
     MissingDependencyError,
 )
-from shardcache.store.files import copy_hashing, private_tmp, sha256_text
+from shardcache.store.files import CACHE_DIR_ENV as CACHE_DIR_ENV  # re-exported
+from shardcache.store.files import cache_root, copy_hashing, private_tmp, sha256_text
+from shardcache.store.integrity import record_verified
 from shardcache.store.layout import LENGTHS_FILE, MANIFEST, PARTS_DIR, SHARD_DIR
 from shardcache.store.manifest import read_manifest
 
-CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
 CACHE_SIZE_ENV = "SHARDCACHE_CACHE_SIZE"
 DEFAULT_CACHE_SIZE_BYTES = 64 << 30
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -80,15 +81,6 @@ def filesystem(url: str) -> tuple[Any, str]:
     except ValueError as err:
         raise ConfigError(f"{url!r}: not a URL fsspec can open ({err}); check the scheme") from err
     return fs, path.rstrip("/")
-
-
-def cache_root() -> str:
-    """The local folder for downloads and staging (``SHARDCACHE_CACHE_DIR``)."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "shardcache"
-    )
-    os.makedirs(root, exist_ok=True)
-    return root
 
 
 def cache_size_bytes() -> int:
@@ -125,6 +117,8 @@ def download(fs: Any, rpath: str, local: str, sha256: str | None, size: int | No
                 "object is corrupt: run `shardcache verify` on the URL and rebuild the cache"
             )
         os.replace(tmp, local)
+        if sha256:  # hashed while streaming: readers of this copy need not hash it again
+            record_verified(local, sha256)
     except FileNotFoundError as err:
         raise CacheError(
             f"{fs.unstrip_protocol(rpath)}: listed in the manifest but missing from the store "

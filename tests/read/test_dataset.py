@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
-from conftest import assert_resumable
+from conftest import assert_batches_equal, assert_resumable
 from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
 from shardcache.read.dataset import cache_digest
 
@@ -393,3 +393,24 @@ def test_expect_refuses_a_cache_built_under_another_key(cache_dir, tokenizer_dir
     with pytest.raises(CacheKeyMismatch, match=r"truncation\.max_length") as info:
         ShardDataset(cache_dir, max_tokens=256, expect={**same, "max_length": 32})
     assert ("truncation", "max_length", 64, 32) in info.value.differences
+
+
+def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
+    corpus, build_cache, tokenizer_dir, monkeypatch
+):
+    from shardcache.store.shards import DECODED
+
+    monkeypatch.setenv("SHARDCACHE_DECODE_BUDGET", "8KiB")
+    folder, _ = corpus("jsonl", n_files=2, docs=60)
+    opts = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "shard_size": 4096}
+    plain = build_cache(folder, tokenizer_dir, **opts)
+    packed = build_cache(folder, tokenizer_dir, compression="zstd", **opts)
+    for mode in ({}, {"mode": "pack", "seq_len": 64, "packing": "concat", "attention": "mask"}):
+        want = _stream(ShardDataset(plain, max_tokens=256, seed=2, **mode), 0)
+        got = []
+        for batch in ShardDataset(packed, max_tokens=256, seed=2, **mode):
+            assert DECODED.nbytes <= (8 << 10) + (4 << 10)  # the budget + one record batch
+            got.append(batch)
+        assert len(got) == len(want)
+        for a, b in zip(got, want):
+            assert_batches_equal(a, b)
