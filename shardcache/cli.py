@@ -194,6 +194,12 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
+    "--max-bad-fraction",
+    type=click.FloatRange(0, 1),
+    help="Fail the build (no manifest) when more than this fraction of the records is bad; "
+    "a build that keeps no document always fails.  [default: 0.1]",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -276,8 +282,12 @@ def build(
 @click.option("--strict-lint", is_flag=True, help="Chat: refuse to commit when the shares' "
               "lint found double BOS, a missing end-of-turn, unknown tokens, span boundary "
               "tokens or template mismatches.")  # fmt: skip
+@click.option("--max-bad-fraction", type=click.FloatRange(0, 1), help="Refuse to commit when "
+              "more than this fraction of the records is bad.  [default: 0.1]")  # fmt: skip
 @translate_errors
-def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
+def commit_command(
+    output: str, as_json: bool, strict_lint: bool, max_bad_fraction: float | None
+) -> None:
     """Commit a job-array build: write the manifest of OUTPUT once every share is built.
 
     OUTPUT is the folder or URL all `shardcache build --partition I/N` runs wrote to. The
@@ -292,7 +302,7 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
     from shardcache.build.commit import commit_output
     from shardcache.build.report import format_report, report_json
 
-    report = commit_output(output, strict_lint=strict_lint)
+    report = commit_output(output, strict_lint=strict_lint, max_bad_fraction=max_bad_fraction)
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:

@@ -121,9 +121,10 @@ class PartitionResult:
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
     """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
-    cannot change the bytes (``strict_lint`` only decides whether to commit)."""
+    cannot change the bytes (``strict_lint`` and ``max_bad_fraction`` only decide whether to
+    commit)."""
     data = options.to_json()
-    for key in ("force", "workers", "output", "strict_lint"):
+    for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction"):
         data.pop(key, None)
     return json.loads(json.dumps(data))
 

@@ -33,6 +33,7 @@ loss is reported once (reason ``corrupt_file``) and the rest of that file is ski
 
 from __future__ import annotations
 
+import difflib
 import glob
 import gzip
 import io
@@ -479,12 +480,14 @@ def _iter_parquet(
         batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
         return
     names = pf.schema_arrow.names
-    if text_field not in names:
-        raise SourceError(
-            f"{file.relpath}: parquet file has no column {text_field!r} (columns: {names}); "
-            "pass --text-field with one of them"
-        )
     groups = list(part.row_groups) if part.row_groups is not None else None
+    if text_field not in names:  # every row lacks the field: bad records, as in jsonl
+        reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+        meta = pf.metadata
+        n_rows = sum(meta.row_group(g).num_rows for g in (groups or range(meta.num_row_groups)))
+        for row in range(part.first_record, part.first_record + n_rows):
+            batcher.bad(row, reason, f"columns: {', '.join(names)}")
+        return
     batches = pf.iter_batches(
         batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
     )
@@ -507,6 +510,57 @@ def _iter_parquet(
     batch = batcher.flush()
     if batch is not None:
         yield batch
+
+
+def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
+    """The fields of the first ``records`` records of ``file`` (name -> type of its first
+    value), for messages that suggest the right field; {} when the file cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        if file.format == "parquet":
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(file.path)
+            return {name: str(schema.field(name).type) for name in schema.names}
+        with HashingReader(open(file.path, "rb")) as raw:
+            stream = _open_lines(raw, file.format)
+            for _, line in zip(range(records), stream):
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(obj, dict):
+                    for key, value in obj.items():
+                        fields.setdefault(str(key), type(value).__name__)
+    except Exception:  # a hint only: the build already reported what is wrong with the file
+        return fields
+    return fields
+
+
+def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
+    """Why records lack ``field`` and what to pass instead, from the first records' fields:
+    "no record has field 'body'; fields seen in the first records: text, id; did you mean
+    --text-field text?" ("" when nothing can be said)."""
+    fields: dict[str, str] = {}
+    for file in files[:3]:
+        for name, type_name in sample_fields(file).items():
+            fields.setdefault(name, type_name)
+    if not fields or field in fields:
+        return ""
+    seen = ", ".join(list(fields)[:12])
+    hint = f"no record has field {field!r}; fields seen in the first records: {seen}"
+    lists = [n for n, t in fields.items() if t == "list" or t.startswith(("list", "large_list"))]
+    strings = [n for n, t in fields.items() if t in ("str", "string", "large_string")]
+    if kind == "chat":
+        guess = difflib.get_close_matches(field, lists, n=1) or lists[:1]
+        flag = "--messages-field"
+    else:
+        chat = [n for n in lists if n in ("messages", "conversations", "conversation", "chat")]
+        if chat and not strings:
+            return f"{hint}; this is chat data: build it with --chat --messages-field {chat[0]}"
+        guess = difflib.get_close_matches(field, strings, n=1) or strings[:1]
+        flag = "--text-field"
+    return f"{hint}; did you mean {flag} {guess[0]}?" if guess else hint
 
 
 @dataclass

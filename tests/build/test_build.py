@@ -353,7 +353,9 @@ def test_bad_records_of_every_kind_counted_and_quarantined(tmp_path, build_cache
         valid[len(lines) - 1] = f"{i} {text}"
     path = tmp_path / "dirty.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    out = build_cache(str(path), tokenizer_dir, partition_size="2KiB", workers=2)
+    out = build_cache(
+        str(path), tokenizer_dir, partition_size="2KiB", workers=2, max_bad_fraction=0.5
+    )
     cache = open_cache(out)
     records = [s.provenance.record for s in cache.iter_sequences()]
     assert sorted(records) == sorted(valid)  # every valid record exactly once
