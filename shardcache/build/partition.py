@@ -37,8 +37,10 @@ from shardcache.build.report import Progress
 from shardcache.build.sources import (
     FileDigest,
     iter_text_batches,
+    position_fields,
+    record_position,
 )
-from shardcache.build.tokenize import TextEncoder, TruncationStats, encode_ahead
+from shardcache.build.tokenize import TextEncoder, TruncationStats, drop_failures, encode_ahead
 from shardcache.errors import (
     BadRecordError,
 )
@@ -101,15 +103,18 @@ def build_partition(
 
     def on_bad(record: int, reason: str, excerpt: str) -> None:
         bad[reason] += 1
-        entry = {"source": relpath, "record": record, "reason": reason, "excerpt": excerpt}
+        entry = {"source": relpath, "record": record,
+                 **position_fields(partition.file.format, record),
+                 "reason": reason, "excerpt": excerpt}  # fmt: skip
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
         record = int(batch.records[doc])
         if options.source.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: record {record} cannot be used ({detail}); fix the input or the "
-                "chat template, or build with --on-error skip to quarantine such records"
+                f"{relpath}: {record_position(partition.file.format, record)} cannot be used "
+                f"({reason}: {detail}); fix the input or the chat template, or build with "
+                "--on-error skip to quarantine such records"
             )
         on_bad(record, reason, detail)
 
@@ -157,6 +162,10 @@ def build_partition(
     try:
         for batch, ids in encode_ahead(encoder, batches):
             check_parent()
+            original = batch
+            batch, ids, failures = drop_failures(batch, ids)
+            for doc, detail in failures:  # records the tokenizer failed on alone
+                batch_bad(original, doc, "encode_error", detail)
             encoded = encoder.finish(ids, stats)
             del ids
             for doc, reason, detail in encoded.failed:  # conversations the template refused

@@ -67,6 +67,9 @@ BAD_REASONS = (
     "text_not_string",
     "empty_text",
     "blank_line",
+    "invalid_unicode",  # valid JSON holding a lone surrogate ("\ud800"): not encodable text
+    "too_deep",  # nested deeper than the JSON parser's recursion limit
+    "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
 )
 #: A batch is flushed at this many characters of text even below ``batch_docs`` documents.
@@ -80,6 +83,33 @@ BadRecordCallback = Callable[[int, str, str], None]
 #: Called as ``on_corrupt(record_index, compressed_offset, message)`` when a file is damaged:
 #: ``record_index`` is the first line/row that could not be read.
 CorruptFileCallback = Callable[[int, int, str], None]
+
+
+def record_position(fmt: str, index: int) -> str:
+    """How a person finds record ``index`` (0-based, as stored) of a file of format ``fmt``:
+    "line 4" (1-based, what editors and ``sed -n 4p`` show) or "row 4" for parquet."""
+    return f"{'row' if fmt == 'parquet' else 'line'} {index + 1}"
+
+
+def position_fields(fmt: str, index: int) -> dict[str, int]:
+    """The 1-based position stored next to the 0-based ``record`` in quarantine entries."""
+    return {("row" if fmt == "parquet" else "line"): index + 1}
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """True when a text (or any string of a conversation) holds a lone surrogate: JSON
+    allows ``"\ud800"`` but such a string is not Unicode text (it cannot be encoded)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(v) for v in value.values())
+    return False
 
 
 @dataclass(frozen=True)
@@ -385,6 +415,7 @@ class _Batcher:
         self.on_bad = on_bad
         self.on_corrupt = on_corrupt
         self.kind = "text"
+        self.format = ""
         self.texts: list[str] = []
         self.records: list[int] = []
         self.chars = 0
@@ -393,7 +424,8 @@ class _Batcher:
         excerpt = _excerpt(raw)
         if self.on_error == "fail":
             raise BadRecordError(
-                f"{self.relpath}: record {index} is invalid ({reason}): {excerpt!r}; fix the "
+                f"{self.relpath}: {record_position(self.format, index)} is invalid ({reason}): "
+                f"{excerpt!r}; fix the "
                 "input or build with --on-error skip to quarantine bad records"
             )
         if self.on_bad is not None:
@@ -447,10 +479,15 @@ def _iter_lines(
                 continue
             try:
                 obj = json.loads(decoded)
-            except json.JSONDecodeError:
+            except RecursionError:
+                batcher.bad(index, "too_deep", decoded)
+                continue
+            except ValueError:  # JSONDecodeError, or an integer beyond int_max_str_digits
                 batcher.bad(index, "not_json", decoded)
                 continue
             text, reason = _validate(obj, text_field, batcher.kind)
+            if reason is None and "\\u" in decoded and has_lone_surrogate(text):
+                reason = "invalid_unicode"  # only an escape can make one: checked only then
             if reason is not None:
                 batcher.bad(index, reason, decoded)
                 continue
@@ -591,6 +628,7 @@ def iter_text_batches(
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
     batcher.kind = kind  # "text": a string field; "chat": a list of {role, content} messages
+    batcher.format = file.format
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:

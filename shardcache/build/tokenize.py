@@ -376,6 +376,41 @@ def apply_truncation(
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class EncodeFailure:
+    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`)."""
+
+    detail: str
+
+
+def encode_isolating(encoder: Any, texts: list[Any]) -> list[Any]:
+    """``encoder.encode_texts(texts)``; when that raises, each text is encoded alone and a
+    text that still fails gets an :class:`EncodeFailure` instead of its ids: one record the
+    tokenizer cannot take (a bug, an allocator limit) is that record's, not the build's."""
+    try:
+        return list(encoder.encode_texts(texts))
+    except Exception as err:  # re-tried one by one below
+        if len(texts) == 1:
+            return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
+    out: list[Any] = []
+    for text in texts:
+        out += encode_isolating(encoder, [text])
+    return out
+
+
+def drop_failures(batch: Any, ids: list[Any]) -> tuple[Any, list[Any], list[tuple[int, str]]]:
+    """Remove the :class:`EncodeFailure` s of a batch: returns the batch and ids without them
+    and ``(doc, detail)`` for each (``doc``: its position in the original batch)."""
+    failed = [(i, x.detail) for i, x in enumerate(ids) if isinstance(x, EncodeFailure)]
+    if not failed:
+        return batch, ids, []
+    keep = [i for i, x in enumerate(ids) if not isinstance(x, EncodeFailure)]
+    kept = dataclasses.replace(
+        batch, texts=[batch.texts[i] for i in keep], records=batch.records[keep]
+    )
+    return kept, [ids[i] for i in keep], failed
+
+
 @dataclass
 class _Failure:
     error: BaseException
@@ -398,7 +433,7 @@ def encode_ahead(
             for batch in batches:
                 if stop.is_set():
                     return
-                out.put((batch, encoder.encode_texts(batch.texts)))
+                out.put((batch, encode_isolating(encoder, batch.texts)))
             out.put(_DONE)
         except BaseException as err:  # re-raised in the consumer
             out.put(_Failure(err))

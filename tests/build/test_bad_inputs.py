@@ -61,3 +61,84 @@ def test_more_bad_than_max_bad_fraction_fails_unless_allowed(tmp_path, tokenizer
     assert open_cache(out).manifest["totals"]["documents"] == 16
     bad = runner.invoke(main, [*args, "--max-bad-fraction", "1.5"])
     assert bad.exit_code == 2 and "max-bad-fraction" in bad.output
+
+
+# --- 5. one bad record never kills a build ----------------------------------------------------
+
+
+def _dirty_file(tmp_path, bad_lines: list[str], n_good: int = 40) -> tuple[str, dict[int, str]]:
+    """A jsonl file of good records with ``bad_lines`` spread in; returns (path, line -> bad)."""
+    lines = [json.dumps(r) for r in _records(n_good)]
+    where = {}
+    for k, bad in enumerate(bad_lines):
+        index = 3 + k * 5
+        lines.insert(index, bad)
+        where[index] = bad
+    path = tmp_path / "dirty.jsonl"
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path), where
+
+
+DEEP = '{"text": ' + "[" * 100_000 + "]" * 100_000 + "}"
+
+
+def test_lone_surrogate_and_deep_nesting_are_quarantined_with_file_and_line(
+    tmp_path, build_cache, tokenizer_dir
+):
+    path, _ = _dirty_file(tmp_path, ['{"text": "x\\ud800y"}', DEEP, '{"text": "a\\udfffb"}'])
+    out = build_cache(path, tokenizer_dir, max_bad_fraction=0.5)
+    cache = open_cache(out)
+    assert cache.manifest["totals"]["documents"] == 40
+    with open(os.path.join(out, "quarantine.jsonl"), encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f]
+    got = {e["record"]: (e["reason"], e["line"], e["source"]) for e in entries}
+    assert got == {
+        3: ("invalid_unicode", 4, "dirty.jsonl"),
+        8: ("too_deep", 9, "dirty.jsonl"),
+        13: ("invalid_unicode", 14, "dirty.jsonl"),
+    }
+
+
+def test_lone_surrogate_with_on_error_fail_names_file_and_line(
+    tmp_path, build_cache, tokenizer_dir
+):
+    path, _ = _dirty_file(tmp_path, ['{"text": "x\\ud800y"}'])
+    with pytest.raises(SourceError, match=r"dirty\.jsonl: line 4 .*invalid_unicode"):
+        build_cache(path, tokenizer_dir, on_error="fail")
+
+
+def test_lone_surrogate_in_a_conversation_is_quarantined(
+    tmp_path, build_cache, chatml_tokenizer_dir
+):
+    turns = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+    good = [{"messages": turns} for _ in range(20)]
+    lines = [json.dumps(r) for r in good]
+    lines.insert(2, '{"messages": [{"role": "user", "content": "x\\ud800"}]}')
+    path = tmp_path / "chat.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    out = build_cache(str(path), chatml_tokenizer_dir, chat=True)
+    with open(os.path.join(out, "quarantine.jsonl"), encoding="utf-8") as f:
+        [entry] = [json.loads(line) for line in f]
+    assert entry["reason"] == "invalid_unicode" and entry["line"] == 3
+
+
+def test_a_record_the_tokenizer_rejects_is_quarantined_not_fatal(
+    tmp_path, build_cache, tokenizer_dir, monkeypatch
+):
+    # Whatever makes the backend fail on one text (a tokenizer bug, an allocator limit) is
+    # that record's: the batch is retried text by text and only the failing one is quarantined.
+    from shardcache.build.tokenize import TextEncoder
+
+    real = TextEncoder.encode_texts
+
+    def picky(self, texts):
+        if any("POISON" in t for t in texts) and len(texts) > 1:
+            raise RuntimeError("backend failure on a batch")
+        if any("POISON" in t for t in texts):
+            raise RuntimeError("backend failure")
+        return real(self, texts)
+
+    monkeypatch.setattr(TextEncoder, "encode_texts", picky)
+    path, _ = _dirty_file(tmp_path, ['{"text": "a POISON text"}'])
+    out = build_cache(path, tokenizer_dir)
+    assert open_cache(out).manifest["stats"]["bad_records"] == {"encode_error": 1}

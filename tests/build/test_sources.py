@@ -88,7 +88,7 @@ def test_bad_records_reported_by_reason_with_line_numbers(tmp_path, fmt):
         (7, "blank_line"),
     ]
     assert digest.sha256 == hashlib.sha256(raw_file).hexdigest()
-    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: record 1 is invalid \(not_json\)"):
+    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: line 2 is invalid \(not_json\)"):
         _collect(file, on_error="fail")
 
 
