@@ -144,7 +144,11 @@ def fingerprint_of(options: dict[str, Any], inputs: list[dict[str, Any]]) -> str
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
     """List and split the inputs (reads every file that is split once, to hash and cut it)."""
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
     for f in inputs:

@@ -68,7 +68,11 @@ def build_cache(
     """
     progress = progress or Progress()
     started = time.perf_counter()
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     encoder = encoder_for(options, encoder_factory)
     workers = options.num_workers
     if os.path.exists(options.output) and not os.path.isdir(options.output):
@@ -148,7 +152,11 @@ def build_share(
     progress = progress or Progress()
     started = time.perf_counter()
     out = options.output
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     encoder = encoder_for(options, encoder_factory)
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise CacheError(

@@ -34,11 +34,13 @@ loss is reported once (reason ``corrupt_file``) and the rest of that file is ski
 from __future__ import annotations
 
 import difflib
+import errno
 import glob
 import gzip
 import io
 import json
 import os
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,6 +52,7 @@ import zstandard
 from shardcache.build.chat import validate_messages
 from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
+from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
 
 FORMATS = ("jsonl", "jsonl.zst", "json.gz", "parquet")
 _SUFFIXES = {
@@ -131,44 +134,120 @@ def detect_format(path: str) -> str | None:
     return None
 
 
-def _expand(spec: str) -> list[str]:
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path: str) -> None:
+    """Raise :class:`SourceError` unless ``path`` is (a link to) a regular file: reading a
+    FIFO, a socket or a device such as /dev/zero would block or never end."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SourceError(
+                f"input {path!r}: too many levels of symbolic links (a symlink loop); fix or "
+                "remove the link"
+            ) from err
+        if os.path.islink(path):
+            raise SourceError(
+                f"input {path!r}: a symbolic link to {os.readlink(path)!r}, which does not "
+                "exist; fix or remove the link"
+            ) from err
+        raise SourceError(
+            f"input {path!r}: cannot read it ({err.strerror}); check the path"
+        ) from err
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError(
+            f"input {path!r} is {_file_kind(st.st_mode)}, not a regular file: reading it could "
+            "block forever or never end; remove it from the inputs (or move it out of the folder)"
+        )
+
+
+def is_cache_folder(path: str) -> bool:
+    """True for a folder holding a shardcache manifest or build state: a cache (or a build
+    in progress) inside a corpus folder is output, never input (its quarantine.jsonl and
+    parts/*.jsonl would otherwise feed the next build)."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(
+        os.path.join(path, PARTS_DIR, BUILD_STATE)
+    )
+
+
+def _excluded(path: str, exclude: frozenset[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == e or real.startswith(e + os.sep) for e in exclude)
+
+
+def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
     if any(ch in spec for ch in "*?["):
         matches = glob.glob(spec, recursive=True)
         if not matches:
             raise SourceError(f"input {spec!r}: the pattern matches no file; check the path")
-        return [m for m in matches if os.path.isfile(m)]
+        found = []
+        for m in matches:
+            parents = (os.path.dirname(m), os.path.dirname(os.path.dirname(m)))
+            if os.path.isdir(m) or _excluded(m, exclude) or any(map(is_cache_folder, parents)):
+                continue
+            check_regular_file(m)
+            found.append(m)
+        return found
     if os.path.isdir(spec):
         found = []
         for root, dirs, files in os.walk(spec):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            found += [os.path.join(root, f) for f in files if detect_format(f)]
+            dirs[:] = [
+                d
+                for d in dirs
+                if not d.startswith(".")
+                and not _excluded(os.path.join(root, d), exclude)
+                and not is_cache_folder(os.path.join(root, d))
+            ]
+            for name in files:
+                if detect_format(name):
+                    check_regular_file(os.path.join(root, name))
+                    found.append(os.path.join(root, name))
         if not found:
             raise SourceError(
                 f"input {spec!r}: the folder holds no input file ({', '.join(FORMATS)})"
             )
         return found
-    if os.path.isfile(spec):
+    if os.path.lexists(spec):
+        check_regular_file(spec)
         return [spec]
     raise SourceError(f"input {spec!r}: no such file or folder")
 
 
-def list_inputs(specs: tuple[str, ...] | list[str]) -> list[InputFile]:
+def list_inputs(
+    specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
+) -> list[InputFile]:
     """Resolve files / folders / globs into input files, sorted by relative path.
 
     A file given explicitly must have a known format; files inside folders without one are
-    ignored. The same file reached twice (e.g. by a folder and a glob) is listed once.
+    ignored. The format and the relative path come from the name as listed, so a symbolic
+    link (a Hugging Face hub snapshot: ``snap/train.jsonl -> ../blobs/<hash>``) is read as
+    the link names it. The same file reached twice (by a folder and a glob, or by two links)
+    is listed once. Folders in ``exclude`` (the build's output) and folders holding a cache
+    or a build state are skipped; anything that is not a regular file is refused.
     """
-    paths: set[str] = set()
+    excluded = frozenset(os.path.realpath(os.fspath(e)) for e in exclude)
+    by_target: dict[str, str] = {}
     for spec in specs:
-        for p in _expand(os.fspath(spec)):
+        for p in _expand(os.fspath(spec), excluded):
             if detect_format(p) is None:
                 raise SourceError(
                     f"input {p!r}: unknown format; expected a name ending in "
                     f"{', '.join(sorted(_SUFFIXES))}"
                 )
-            paths.add(os.path.realpath(p))
-    if not paths:
+            path = os.path.abspath(p)
+            target = os.path.realpath(p)
+            by_target[target] = min(by_target.get(target, path), path)
+    if not by_target:
         raise SourceError(f"inputs {list(specs)}: no input file found")
+    paths = sorted(by_target.values())
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
     files = [
         InputFile(

@@ -142,3 +142,85 @@ def test_a_record_the_tokenizer_rejects_is_quarantined_not_fatal(
     path, _ = _dirty_file(tmp_path, ['{"text": "a POISON text"}'])
     out = build_cache(path, tokenizer_dir)
     assert open_cache(out).manifest["stats"]["bad_records"] == {"encode_error": 1}
+
+
+# --- 2. an output folder inside an input folder ----------------------------------------------
+
+
+def test_output_inside_the_input_folder_is_not_an_input(tmp_path, tokenizer_dir):
+    data = tmp_path / "data"
+    data.mkdir()
+    write_records(str(data / "a.jsonl"), _records(30), "jsonl")
+    (data / "b.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n')  # a quarantined line
+    out = str(data / "cache")
+    args = ["build", "-i", str(data), "-t", tokenizer_dir, "-o", out, "-q", "-w", "1"]
+    runner = CliRunner()
+    assert runner.invoke(main, args).exit_code == 0
+    assert os.path.exists(os.path.join(out, "quarantine.jsonl"))
+    result = runner.invoke(main, [*args, "--force"])
+    assert result.exit_code == 0, result.output
+    manifest = open_cache(out).manifest
+    assert [f["relpath"] for f in manifest["inputs"]] == ["a.jsonl", "b.jsonl"]
+    assert manifest["totals"]["documents"] == 32
+    # another cache (or an interrupted build) inside the corpus is not read either
+    other = str(data / "old-cache")
+    assert runner.invoke(main, ["build", "-i", str(data / "a.jsonl"), "-t", tokenizer_dir,
+                                "-o", other, "-q", "-w", "1"]).exit_code == 0  # fmt: skip
+    from shardcache.build.sources import list_inputs
+
+    assert [f.relpath for f in list_inputs([str(data)])] == ["a.jsonl", "b.jsonl"]
+
+
+# --- 6. FIFOs, devices, sockets -------------------------------------------------------------
+
+
+def test_a_fifo_among_the_inputs_is_refused_at_listing(tmp_path):
+    from shardcache.build.sources import list_inputs
+
+    write_records(str(tmp_path / "a.jsonl"), _records(3), "jsonl")
+    os.mkfifo(tmp_path / "pipe.jsonl")
+    with pytest.raises(SourceError, match=r"pipe\.jsonl.*not a regular file"):
+        list_inputs([str(tmp_path)])
+    with pytest.raises(SourceError, match=r"pipe\.jsonl.*not a regular file"):
+        list_inputs([str(tmp_path / "pipe.jsonl")])
+    os.symlink("/dev/zero", tmp_path / "zero.jsonl")
+    os.remove(tmp_path / "pipe.jsonl")
+    with pytest.raises(SourceError, match=r"zero\.jsonl.*not a regular file"):
+        list_inputs([str(tmp_path / "*.jsonl")])
+
+
+# --- 12. symlinked inputs (a Hugging Face hub snapshot) -------------------------------------
+
+
+def test_symlinked_inputs_take_format_and_provenance_from_the_link(
+    tmp_path, build_cache, tokenizer_dir
+):
+    blobs, snap = tmp_path / "blobs", tmp_path / "snap"
+    blobs.mkdir()
+    snap.mkdir()
+    write_records(str(blobs / "9f3a1c"), _records(12), "jsonl")
+    write_records(str(blobs / "77b0e2"), _records(5, seed=1), "json.gz")
+    os.symlink("../blobs/9f3a1c", snap / "train.jsonl")
+    os.symlink("../blobs/77b0e2", snap / "valid.json.gz")
+    from shardcache.build.sources import list_inputs
+
+    files = list_inputs([str(snap)])
+    assert [(f.relpath, f.format) for f in files] == [
+        ("train.jsonl", "jsonl"),
+        ("valid.json.gz", "json.gz"),
+    ]
+    cache = open_cache(build_cache(str(snap / "train.jsonl"), tokenizer_dir))
+    assert {s.provenance.source for s in cache.iter_sequences()} == {"train.jsonl"}
+    # the same file reached through a link and directly is listed once
+    assert len(list_inputs([str(snap / "train.jsonl"), str(snap)])) == 2
+
+
+def test_a_symlink_loop_is_a_clear_error(tmp_path):
+    from shardcache.build.sources import list_inputs
+
+    os.symlink("b.jsonl", tmp_path / "a.jsonl")
+    os.symlink("a.jsonl", tmp_path / "b.jsonl")
+    with pytest.raises(SourceError, match=r"a\.jsonl.*(loop|links)"):
+        list_inputs([str(tmp_path / "a.jsonl")])
+    with pytest.raises(SourceError, match=r"\.jsonl.*(loop|links)"):
+        list_inputs([str(tmp_path)])
