@@ -242,7 +242,7 @@ def commit_output(
         )
     started = time.perf_counter()
     if os.path.isfile(os.path.join(output, MANIFEST)):
-        return report_from_manifest(output, read_manifest(output), 0.0)
+        return report_from_manifest(output, read_manifest(output), 0.0, up_to_date=True)
     state = read_json_or_none(os.path.join(output, PARTS_DIR, BUILD_STATE))
     if state is None:
         raise CacheError(

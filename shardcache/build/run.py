@@ -24,12 +24,17 @@ from shardcache.build.plan import (
     PartitionResult,
     clean_partitions,
     completed_result,
+    differences,
+    fingerprint_of,
+    input_differences,
+    inputs_json,
+    options_json,
     prepare_output,
     share_plan,
 )
 from shardcache.build.pool import run_local
 from shardcache.build.remote import build_remote
-from shardcache.build.report import BuildReport, Progress
+from shardcache.build.report import BuildReport, Progress, report_from_manifest
 from shardcache.build.sources import (
     InputFile,
     list_inputs,
@@ -40,13 +45,15 @@ from shardcache.errors import (
     CacheError,
     ConfigError,
 )
-from shardcache.store.files import write_json_atomic
+from shardcache.store.files import read_json_or_none, write_json_atomic
 from shardcache.store.layout import (
+    BUILD_STATE,
     MANIFEST,
     PARTS_DIR,
     SHARD_DIR,
     SHARES_DIR,
 )
+from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import is_url
 
 
@@ -80,6 +87,10 @@ def build_cache(
             f"--output {options.output!r} exists and is not a folder; choose another path"
         )
     with BuildLock(options.output):
+        if not options.force and os.path.isfile(os.path.join(options.output, MANIFEST)):
+            check_up_to_date(options, inputs)  # raises, naming what differs
+            manifest = read_manifest(options.output)
+            return report_from_manifest(options.output, manifest, 0.0, up_to_date=True)
         plan, done = prepare_output(options, inputs)
         pending = [p for p in plan.partitions if p.id not in done]
         try:
@@ -109,6 +120,26 @@ def build_cache(
         resumed_partitions=len(done),
         workers=1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending)),
         corrupt_files=corrupt,
+    )
+
+
+def check_up_to_date(options: BuildOptions, inputs: list[InputFile]) -> None:
+    """Raise :class:`CacheError` unless the committed cache at ``options.output`` was built
+    with these options and inputs (its ``parts/build.json`` fingerprint), naming what
+    differs: rerunning a finished build is then a no-op (idempotent pipelines)."""
+    out = options.output
+    state = read_json_or_none(os.path.join(out, PARTS_DIR, BUILD_STATE))
+    options_now, inputs_now = options_json(options), inputs_json(inputs)
+    if state is not None and state.get("fingerprint") == fingerprint_of(options_now, inputs_now):
+        return
+    changes = []
+    if state is not None:
+        changes = differences(state.get("options"), options_now)
+        changes += input_differences(state.get("inputs") or [], inputs_now)
+    what = "; ".join(changes[:8]) or "its build record is missing, so it cannot be compared"
+    raise CacheError(
+        f"{out!r} already holds a committed cache built with other options or inputs ({what}); "
+        "pass --force to rebuild it, or choose another --output"
     )
 
 

@@ -224,3 +224,32 @@ def test_a_symlink_loop_is_a_clear_error(tmp_path):
         list_inputs([str(tmp_path / "a.jsonl")])
     with pytest.raises(SourceError, match=r"\.jsonl.*(loop|links)"):
         list_inputs([str(tmp_path)])
+
+
+# --- 16. an idempotent rerun ----------------------------------------------------------------
+
+
+def test_rerunning_a_committed_build_is_up_to_date_and_a_change_is_named(tmp_path, tokenizer_dir):
+    path = write_records(str(tmp_path / "a.jsonl"), _records(10), "jsonl")
+    out = str(tmp_path / "out")
+    args = ["build", "-i", path, "-t", tokenizer_dir, "-o", out, "-q", "-w", "1"]
+    runner = CliRunner()
+    assert runner.invoke(main, args).exit_code == 0
+    before = os.stat(os.path.join(out, "manifest.json")).st_mtime_ns
+    again = runner.invoke(main, args)
+    assert again.exit_code == 0, again.output
+    assert "up to date" in again.output and "tokens/s" not in again.output
+    assert os.stat(os.path.join(out, "manifest.json")).st_mtime_ns == before
+    as_json = runner.invoke(main, [*args, "--json"])
+    assert json.loads(as_json.output)["up_to_date"] is True
+    other = runner.invoke(main, [*args, "--max-length", "8"])
+    assert other.exit_code == 1
+    assert "tokenize.max_length: None -> 8" in other.output and "--force" in other.output
+    with open(path, "a") as f:
+        f.write('{"text": "one more"}\n')
+    changed = runner.invoke(main, args)
+    assert changed.exit_code == 1 and "input a.jsonl: changed" in changed.output
+    # `commit` on a committed cache reports it as up to date, not at an absurd speed
+    committed = runner.invoke(main, ["commit", out])
+    assert committed.exit_code == 0 and "up to date" in committed.output
+    assert "tokens/s" not in committed.output

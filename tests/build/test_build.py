@@ -187,8 +187,10 @@ def test_existing_cache_needs_force(corpus, build_cache, tokenizer_dir):
     options = build_options_from_mapping(
         {"input": folder, "tokenizer": tokenizer_dir, "output": out}
     )
-    with pytest.raises(CacheError, match="--force"):
-        build(options)
+    assert build(options).up_to_date  # same options and inputs: nothing to do (issue 13)
+    with pytest.raises(CacheError, match=r"max_length: None -> 8.*--force"):
+        build(dataclasses.replace(options, tokenize=dataclasses.replace(
+            options.tokenize, max_length=8)))  # fmt: skip
     build(dataclasses.replace(options, force=True))
     assert open_cache(out).num_sequences == 5
 
