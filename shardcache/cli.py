@@ -102,7 +102,8 @@ def key_options(func: F) -> F:
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,
-            help="Input file, folder or glob (jsonl, jsonl.zst, json.gz, parquet). "
+            help="Input file, folder or glob (jsonl, jsonl.zst, json, json.gz: JSON lines or one "
+            "array of objects; parquet). "
             "Repeatable. Processed in sorted order.",
         ),
         click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),

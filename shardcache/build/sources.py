@@ -40,6 +40,7 @@ import gzip
 import io
 import json
 import os
+import re
 import stat
 import zlib
 from collections.abc import Callable, Iterator
@@ -54,9 +55,10 @@ from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
 from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
 
-FORMATS = ("jsonl", "jsonl.zst", "json.gz", "parquet")
+FORMATS = ("jsonl", "jsonl.zst", "json", "json.gz", "parquet")
 _SUFFIXES = {
     ".jsonl": "jsonl",
+    ".json": "json",
     ".jsonl.zst": "jsonl.zst",
     ".json.gz": "json.gz",
     ".jsonl.gz": "json.gz",
@@ -467,8 +469,92 @@ class ZstdReader(io.RawIOBase):
         return n
 
 
+BOM = b"\xef\xbb\xbf"
+_HEAD_BYTES = 64 * 1024
+_WHITESPACE = b" \t\r\n"
+_SPECIAL = re.compile(rb'["\\\[\]{},]')  # structure outside strings
+_IN_STRING = re.compile(rb'["\\]')  # the end of a string, or an escape
+
+
+def record_layout(head: bytes) -> str:
+    """How the records of a line-based file are laid out, from its first bytes: ``"array"``
+    (one top-level JSON array of objects, a common export form), ``"cr"`` (lines ended by
+    CR alone: classic Mac), or ``"lines"`` (JSON lines)."""
+    body = head.removeprefix(BOM).lstrip(_WHITESPACE)
+    if body.startswith(b"[") and body[1:].lstrip(_WHITESPACE)[:1] in (b"{", b"]"):
+        return "array"
+    if b"\n" not in head and b"\r" in head:
+        return "cr"
+    return "lines"
+
+
+def array_items(stream: Any) -> Iterator[bytes]:
+    """The elements of the top-level JSON array(s) in ``stream``, as bytes, streamed: memory
+    holds one element plus one read chunk. Strings are skipped with a regex jump to the next
+    quote or backslash, so brackets and commas inside texts are never structure. Anything
+    after the array that is not another array is yielded as one (bad) element."""
+    buf, pos, depth, in_string, elem_from = b"", 0, 0, False, 0
+    while True:
+        m = (_IN_STRING if in_string else _SPECIAL).search(buf, pos)
+        if m is None or (in_string and m.group() == b"\\" and m.end() >= len(buf)):
+            chunk = stream.read(READ_CHUNK)
+            if not chunk:
+                break
+            keep = elem_from if depth >= 1 else (m.start() if m else len(buf))
+            buf, pos, elem_from = buf[keep:] + chunk, (m.start() if m else len(buf)) - keep, 0
+            if depth >= 1:
+                elem_from = 0
+            continue
+        p, c = m.start(), m.group()
+        pos = p + 1
+        if in_string:
+            if c == b"\\":
+                pos = p + 2  # the escaped byte is never structure
+            else:
+                in_string = False
+            continue
+        if c == b'"':
+            in_string = True
+        elif depth == 0:
+            if c != b"[" or buf[:p].replace(BOM, b"").strip(_WHITESPACE):
+                yield buf[p:] + stream.read(_HEAD_BYTES)  # trailing garbage: one bad element
+                return
+            depth, elem_from = 1, p + 1
+        elif c in (b"[", b"{"):
+            depth += 1
+        elif c in (b"]", b"}"):
+            depth -= 1
+            if depth == 0:  # the end of the top-level array
+                item = buf[elem_from:p].strip(_WHITESPACE)
+                if item:
+                    yield item
+                buf, pos, elem_from = buf[p + 1 :], 0, 0
+        elif c == b"," and depth == 1:
+            yield buf[elem_from:p].strip(_WHITESPACE)
+            elem_from = p + 1
+    rest = buf[elem_from:].strip(_WHITESPACE) if depth >= 1 else b""
+    if rest:
+        yield rest  # an unterminated array: the partial element is reported as bad
+
+
+class _CrToLf(io.RawIOBase):
+    """Reads a stream whose lines end with CR alone as if they ended with LF."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._stream.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data.replace(b"\r", b"\n")
+        return n
+
+
 def _open_lines(raw: HashingReader, fmt: str) -> io.BufferedIOBase:
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "json"):
         return io.BufferedReader(raw, buffer_size=READ_CHUNK)
     if fmt == "jsonl.zst":
         return io.BufferedReader(ZstdReader(raw), buffer_size=READ_CHUNK)
@@ -544,10 +630,16 @@ class _Batcher:
 def _iter_lines(
     file: InputFile, raw: HashingReader, batcher: _Batcher, text_field: str, first_record: int
 ) -> Iterator[TextBatch]:
-    stream = _open_lines(raw, file.format)
+    stream: Any = _open_lines(raw, file.format)
     index = first_record - 1
     try:
-        for index, line in enumerate(stream, first_record):
+        layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if first_record == 0 else ""
+        if layout == "cr":
+            stream = io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK)
+        records: Iterator[bytes] = array_items(stream) if layout == "array" else stream
+        for index, line in enumerate(records, first_record):
+            if index == 0 and line.startswith(BOM):
+                line = line[len(BOM) :]
             if not line.strip():
                 batcher.bad(index, "blank_line", line)
                 continue

@@ -253,3 +253,91 @@ def test_rerunning_a_committed_build_is_up_to_date_and_a_change_is_named(tmp_pat
     committed = runner.invoke(main, ["commit", out])
     assert committed.exit_code == 0 and "up to date" in committed.output
     assert "tokens/s" not in committed.output
+
+
+# --- 3, 4. JSON array files, BOM, CR-only line endings --------------------------------------
+
+
+def _texts_of(file, **kw) -> tuple[list[str], list[tuple[int, str]]]:
+    from shardcache.build.sources import iter_text_batches
+
+    bad: list[tuple[int, str]] = []
+    texts: list[str] = []
+    for batch in iter_text_batches(file, on_bad=lambda i, r, e: bad.append((i, r)), **kw):
+        texts += batch.texts
+    return texts, bad
+
+
+@pytest.mark.parametrize("name", ["export.json", "export.json.gz"])
+@pytest.mark.parametrize("indent", [None, 2])
+def test_a_json_array_file_is_read_as_records(tmp_path, name, indent):
+    import gzip
+
+    from shardcache.build.sources import list_inputs
+
+    records = [
+        {"text": f'doc {i} with "quotes", [brackets] {{braces}} \\ and 東京'} for i in range(50)
+    ]
+    records.insert(7, {"body": "no text"})
+    data = json.dumps(records, indent=indent, ensure_ascii=False).encode()
+    path = tmp_path / name
+    path.write_bytes(gzip.compress(data) if name.endswith(".gz") else data)
+    [file] = list_inputs([str(tmp_path)])
+    texts, bad = _texts_of(file, batch_docs=8)
+    assert texts == [r["text"] for r in records if "text" in r]
+    assert bad == [(7, "no_text_field")]
+
+
+def test_json_array_is_streamed_with_bounded_memory(tmp_path, monkeypatch):
+    import shardcache.build.sources as sources
+
+    path = tmp_path / "big.json"
+    n = 3000
+    path.write_text(json.dumps([{"text": f"doc {i} " + "x" * 500} for i in range(n)]))
+    reads: list[int] = []
+    real = sources.array_items
+
+    def spy(stream):
+        for item in real(stream):
+            reads.append(len(item))
+            yield item
+
+    monkeypatch.setattr(sources, "array_items", spy)
+    [file] = sources.list_inputs([str(path)])
+    texts, bad = _texts_of(file, batch_docs=64)
+    assert len(texts) == n and not bad and max(reads) < 600
+
+
+def test_jsonl_still_reads_when_it_starts_with_an_array_line(tmp_path):
+    from shardcache.build.sources import list_inputs
+
+    path = tmp_path / "x.jsonl"
+    path.write_text('[1, 2]\n{"text": "a"}\n')
+    [file] = list_inputs([str(path)])
+    assert _texts_of(file) == (["a"], [(0, "not_an_object")])
+
+
+def test_a_utf8_bom_does_not_cost_the_first_record(tmp_path):
+    from shardcache.build.sources import list_inputs
+
+    path = tmp_path / "bom.jsonl"
+    path.write_bytes(b'\xef\xbb\xbf{"text": "first"}\n{"text": "second"}\n')
+    [file] = list_inputs([str(path)])
+    assert _texts_of(file) == (["first", "second"], [])
+    path = tmp_path / "bom.json"
+    path.write_bytes(b'\xef\xbb\xbf[{"text": "first"}, {"text": "second"}]')
+    [file] = list_inputs([str(path)])
+    assert _texts_of(file) == (["first", "second"], [])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "json.gz"])
+def test_cr_only_line_endings_are_lines(tmp_path, fmt):
+    import gzip
+
+    from shardcache.build.sources import list_inputs
+
+    data = b'{"text": "one"}\r{"text": "two"}\r\r{"text": "three"}\r'
+    path = tmp_path / f"mac.{fmt}"
+    path.write_bytes(gzip.compress(data) if fmt == "json.gz" else data)
+    [file] = list_inputs([str(path)])
+    assert _texts_of(file) == (["one", "two", "three"], [(2, "blank_line")])
