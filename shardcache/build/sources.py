@@ -473,7 +473,8 @@ BOM = b"\xef\xbb\xbf"
 _HEAD_BYTES = 64 * 1024
 _WHITESPACE = b" \t\r\n"
 _SPECIAL = re.compile(rb'["\\\[\]{},]')  # structure outside strings
-_IN_STRING = re.compile(rb'["\\]')  # the end of a string, or an escape
+#: The rest of a JSON string after its opening quote, through the closing one (unrolled loop).
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 def record_layout(head: bytes) -> str:
@@ -490,31 +491,27 @@ def record_layout(head: bytes) -> str:
 
 def array_items(stream: Any) -> Iterator[bytes]:
     """The elements of the top-level JSON array(s) in ``stream``, as bytes, streamed: memory
-    holds one element plus one read chunk. Strings are skipped with a regex jump to the next
-    quote or backslash, so brackets and commas inside texts are never structure. Anything
-    after the array that is not another array is yielded as one (bad) element."""
-    buf, pos, depth, in_string, elem_from = b"", 0, 0, False, 0
+    holds one element plus one read chunk. A string is skipped with one regex match to its
+    closing quote, so brackets and commas inside texts are never structure. Anything after
+    the array that is not another array is yielded as one (bad) element."""
+    buf, pos, depth, elem_from = b"", 0, 0, 0
     while True:
-        m = (_IN_STRING if in_string else _SPECIAL).search(buf, pos)
-        if m is None or (in_string and m.group() == b"\\" and m.end() >= len(buf)):
+        m = _SPECIAL.search(buf, pos)
+        string_end = None
+        if m is not None and m.group() == b'"':
+            string_end = _STRING_REST.match(buf, m.end())
+        if m is None or (m.group() == b'"' and string_end is None):  # need more bytes
             chunk = stream.read(READ_CHUNK)
             if not chunk:
                 break
-            keep = elem_from if depth >= 1 else (m.start() if m else len(buf))
-            buf, pos, elem_from = buf[keep:] + chunk, (m.start() if m else len(buf)) - keep, 0
-            if depth >= 1:
-                elem_from = 0
+            resume = m.start() if m is not None else len(buf)
+            keep = elem_from if depth >= 1 else resume
+            buf, pos, elem_from = buf[keep:] + chunk, resume - keep, 0
             continue
         p, c = m.start(), m.group()
         pos = p + 1
-        if in_string:
-            if c == b"\\":
-                pos = p + 2  # the escaped byte is never structure
-            else:
-                in_string = False
-            continue
-        if c == b'"':
-            in_string = True
+        if string_end is not None:
+            pos = string_end.end()
         elif depth == 0:
             if c != b"[" or buf[:p].replace(BOM, b"").strip(_WHITESPACE):
                 yield buf[p:] + stream.read(_HEAD_BYTES)  # trailing garbage: one bad element
