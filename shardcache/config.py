@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,6 +74,23 @@ def check_fraction(field: str, value: object) -> None:
     """Raise :class:`ConfigError` unless ``value`` is a number in ``[0, 1]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"{field}: got {value!r}, expected a number in [0, 1] (a fraction)")
+
+
+def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str = "key") -> None:
+    """Raise :class:`ConfigError` naming the names in ``given`` that are not in ``valid``
+    (only those), each with the closest valid name when one is close."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), valid, n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"{what}: unknown {noun}{plural} {', '.join(parts)}; valid {noun}s: {', '.join(valid)}"
+    )
 
 
 def default_workers() -> int:
@@ -325,9 +342,7 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
     """Make :class:`BuildOptions` from flat recipe/CLI values (unknown keys are an error)."""
-    unknown = sorted(set(values) - RECIPE_KEYS)
-    if unknown:
-        raise ConfigError(f"recipe: unknown key(s) {unknown}; valid keys are {sorted(RECIPE_KEYS)}")
+    check_known("recipe", values, RECIPE_KEYS)
     missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
     if missing:
         raise ConfigError(
