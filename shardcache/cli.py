@@ -311,7 +311,7 @@ def commit_command(
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @translate_errors
 def info(cache: str, as_json: bool) -> None:
@@ -449,7 +449,7 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @translate_errors
 def verify(cache: str, as_json: bool) -> None:

@@ -100,6 +100,14 @@ def load_hf_tokenizer(path: str) -> Any:
             "tokenizer.json (shardcache never downloads tokenizers)"
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+             "tokenizer.model", "spiece.model")  # fmt: skip
+    if not any(os.path.isfile(os.path.join(path, name)) for name in known):
+        raise TokenizerError(
+            f"tokenizer {path!r}: the folder holds no tokenizer files (none of "
+            f"{', '.join(known)}); pass --tokenizer with the folder that holds tokenizer.json "
+            "(e.g. one saved with tokenizer.save_pretrained(folder))"
+        )
     try:
         cls = named_tokenizer_class(path)
         if cls is None:
@@ -109,7 +117,8 @@ def load_hf_tokenizer(path: str) -> Any:
         tok = cls.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for unusable folders
         raise TokenizerError(
-            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: {err}); "
+            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:300]}); "
             "the folder needs tokenizer.json or the files of a fast tokenizer"
         ) from err
     ensure_fast(tok, path)

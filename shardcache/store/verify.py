@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardcache.errors import CacheError
+from shardcache.errors import CacheError, CacheNotFoundError
 from shardcache.store.files import sha256_file
 from shardcache.store.layout import MANIFEST, SHARD_DIR
 from shardcache.store.manifest import read_manifest
@@ -246,6 +246,9 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(cache=root)
     try:
         manifest = read_manifest(root)
+    except CacheNotFoundError as err:  # not a cache at all: say so, not "corrupt"
+        report.add(MANIFEST, "not_a_cache", str(err))
+        return report
     except CacheError as err:
         report.add("manifest.json", "manifest", str(err))
         return report
@@ -331,7 +334,11 @@ def verify_remote(url: str) -> VerifyReport:
 
 def format_verify(report: VerifyReport) -> str:
     """Human-readable lines: one per problem, then a summary line."""
-    lines = [f"CORRUPT  {p.file}: {p.kind}: {p.message}" for p in report.problems]
+    lines = [
+        f"NOT A CACHE  {p.message}" if p.kind == "not_a_cache" else
+        f"CORRUPT  {p.file}: {p.kind}: {p.message}"
+        for p in report.problems
+    ]  # fmt: skip
     lines += [
         f"extra    {name} (not in the manifest; ignored by readers)" for name in report.extra_files
     ]
