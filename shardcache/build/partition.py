@@ -120,9 +120,10 @@ def build_partition(
 
     def on_corrupt(record: int, offset: int, message: str) -> None:
         bad["corrupt_file"] += 1
-        entry = {"source": relpath, "record": record, "reason": "corrupt_file",
+        position = position_fields(partition.file.format, record)
+        entry = {"source": relpath, "record": record, **position, "reason": "corrupt_file",
                  "offset": offset, "excerpt": message}  # fmt: skip
-        corrupt.append({k: entry[k] for k in ("source", "record", "offset", "excerpt")})
+        corrupt.append({k: entry[k] for k in ("source", "record", *position, "offset", "excerpt")})
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     writers = [

@@ -100,7 +100,8 @@ def format_report(report: BuildReport) -> str:
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
     resumed = f", {report.resumed_partitions} resumed" if report.resumed_partitions else ""
     lost = [
-        f"lost         {c['source']} from line/row {c['record']} (offset ~{c['offset']}): "
+        f"lost         {c['source']} from {'row' if 'row' in c else 'line'} {c['record'] + 1} "
+        f"(offset ~{c['offset']}): "
         f"{c['excerpt']}"
         for c in report.corrupt_files
     ]

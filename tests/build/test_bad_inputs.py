@@ -341,3 +341,23 @@ def test_cr_only_line_endings_are_lines(tmp_path, fmt):
     path.write_bytes(gzip.compress(data) if fmt == "json.gz" else data)
     [file] = list_inputs([str(path)])
     assert _texts_of(file) == (["one", "two", "three"], [(2, "blank_line")])
+
+
+# --- 17. 1-based line numbers wherever a person reads them ----------------------------------
+
+
+def test_people_read_1_based_lines(tmp_path, build_cache, tokenizer_dir):
+    from shardcache.build.report import format_report, report_from_manifest
+
+    data = [{"text": f"doc {i} " + "word " * (i % 50)} for i in range(8000)]
+    broken = write_records(str(tmp_path / "broken.json.gz"), data, "json.gz")
+    with open(broken, "r+b") as f:
+        f.truncate(os.path.getsize(broken) // 2)
+    out = build_cache(broken, tokenizer_dir)
+    cache = open_cache(out)
+    [lost] = cache.manifest["stats"]["corrupt_files"]
+    assert lost["line"] == lost["record"] + 1
+    text = format_report(report_from_manifest(out, cache.manifest, 1.0))
+    assert f"from line {lost['record'] + 1} " in text
+    first = next(iter(cache.iter_sequences()))
+    assert first.provenance.line == first.provenance.record + 1
