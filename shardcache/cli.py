@@ -7,11 +7,14 @@ usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -20,6 +23,36 @@ from shardcache.errors import ConfigError, ShardcacheError
 from shardcache.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    os._exit(130)  # a second Ctrl-C: no cleanup (workers die with this process)
+
+
+@contextlib.contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Ctrl-C handling for long commands: the first SIGINT raises KeyboardInterrupt (clean
+    stop, exit 130 with ``what`` to do next), a second one during the cleanup exits at once.
+    Left alone where SIGINT is ignored (a background job) or off the main thread."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    ):
+        yield
+        return
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, _exit_now)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {what}", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def translate_errors(func: F) -> F:
@@ -264,7 +297,9 @@ def build(
     except ConfigError as err:
         raise click.BadParameter(str(err)) from err
     progress = _BarProgress(enabled=not quiet and not as_json)
-    report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
+    resume = "completed partitions are kept; rerun the same command to resume"
+    with interruptible(resume):
+        report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:

@@ -60,11 +60,15 @@ _PARENT_PID: int | None = None  # set in worker processes
 
 
 def kill_point(event: str) -> None:
-    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring)."""
+    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring); ``<event>:<n>:INT``
+    sends SIGINT (Ctrl-C) to the build process instead of killing it."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
     _KILL_COUNTS[event] += 1
+    if spec == f"{event}:{_KILL_COUNTS[event]}:INT":
+        os.kill(_PARENT_PID if _PARENT_PID is not None else os.getpid(), signal.SIGINT)
+        return
     if spec == f"{event}:{_KILL_COUNTS[event]}":
         once = os.environ.get(KILL_ONCE_ENV)
         if once:

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -437,15 +438,23 @@ def encode_ahead(
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: Any) -> bool:
+        while not stop.is_set():  # never block forever on a consumer that has gone
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                if stop.is_set():
+                if stop.is_set() or not put((batch, encode_isolating(encoder, batch.texts))):
                     return
-                out.put((batch, encode_isolating(encoder, batch.texts)))
-            out.put(_DONE)
+            put(_DONE)
         except BaseException as err:  # re-raised in the consumer
-            out.put(_Failure(err))
+            put(_Failure(err))
 
     thread = threading.Thread(target=produce, name="shardcache-encode", daemon=True)
     thread.start()
@@ -459,7 +468,10 @@ def encode_ahead(
             yield item
     finally:
         stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                out.get(timeout=0.05)
-        thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.get_nowait()
+        # On an error, Ctrl-C or an early close, do not wait for the encode in flight (a huge
+        # batch takes seconds): the thread sees ``stop`` and ends by itself; it writes no file.
+        if sys.exc_info()[0] is None:
+            thread.join()

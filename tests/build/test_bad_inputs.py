@@ -361,3 +361,77 @@ def test_people_read_1_based_lines(tmp_path, build_cache, tokenizer_dir):
     assert f"from line {lost['record'] + 1} " in text
     first = next(iter(cache.iter_sequences()))
     assert first.provenance.line == first.provenance.record + 1
+
+
+# --- 8. Ctrl-C ------------------------------------------------------------------------------
+
+
+def _tree(folder: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            rel = os.path.relpath(os.path.join(root, name), folder)
+            if not rel.startswith(("parts", ".lock")):
+                with open(os.path.join(root, name), "rb") as f:
+                    out[rel] = f.read()
+    return out
+
+
+def _sigint_default() -> None:  # a child of a shell that ignores SIGINT would inherit that
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
+def _cli(args: list[str], env: dict[str, str] | None = None, **kw):
+    import subprocess
+    import sys
+
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo, **(env or {})}
+    cmd = [sys.executable, "-m", "shardcache.cli", *args]
+    return subprocess.run(
+        cmd, env=env, capture_output=True, text=True, preexec_fn=_sigint_default, timeout=120, **kw
+    )  # fmt: skip  (timeout: a hang guard)
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_ctrl_c_stops_the_build_and_a_rerun_resumes_to_the_same_bytes(
+    workers, tmp_path, tokenizer_dir
+):
+    folder = tmp_path / "data"
+    folder.mkdir()
+    for f in range(3):
+        write_records(str(folder / f"{f}.jsonl"), _records(150, seed=f), "jsonl")
+    args = ["build", "-i", str(folder), "-t", tokenizer_dir, "--partition-size", "2KiB",
+            "--batch-docs", "8", "--shard-size", "4096", "-q", "-w", str(workers)]  # fmt: skip
+    reference = str(tmp_path / "reference")
+    assert _cli([*args, "-o", reference]).returncode == 0
+    out = str(tmp_path / "out")
+    # the test hook sends SIGINT (to the build process) at the 3rd encode batch
+    result = _cli([*args, "-o", out], env={"SHARDCACHE_TEST_KILL": "batch:3:INT"})
+    assert result.returncode == 130, result.stderr
+    assert "interrupted" in result.stderr and "rerun" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    assert _cli([*args, "-o", out]).returncode == 0
+    assert _tree(out) == _tree(reference)
+
+
+def test_a_second_ctrl_c_exits_at_once():
+    import subprocess
+    import sys
+
+    script = (
+        "import os, signal, time\n"
+        "from shardcache.cli import interruptible\n"
+        "with interruptible('cleanup'):\n"
+        "    try:\n"
+        "        os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"
+        "    except KeyboardInterrupt:\n"
+        "        os.kill(os.getpid(), signal.SIGINT); time.sleep(5)\n"  # slow cleanup
+        "        print('cleanup finished')\n"
+    )
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            preexec_fn=_sigint_default, timeout=60)  # fmt: skip
+    assert result.returncode == 130 and "cleanup finished" not in result.stdout
