@@ -435,3 +435,34 @@ def test_a_second_ctrl_c_exits_at_once():
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
                             preexec_fn=_sigint_default, timeout=60)  # fmt: skip
     assert result.returncode == 130 and "cleanup finished" not in result.stdout
+
+
+# --- 9. workers that cannot start -----------------------------------------------------------
+
+
+def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_path, tokenizer_dir):
+    import subprocess
+    import sys
+
+    for f in range(2):
+        write_records(str(tmp_path / f"{f}.jsonl"), _records(20, seed=f), "jsonl")
+    script = (
+        "from shardcache.build.run import build_cache\n"
+        "from shardcache.config import build_options_from_mapping\n"
+        f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
+        "build_cache(build_options_from_mapping(values))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": repo},
+        timeout=120,
+    )  # fmt: skip  (timeout: a hang guard)
+    assert result.returncode == 1
+    assert "if __name__ == '__main__':" in result.stderr
+    assert "ShardcacheError" in result.stderr
