@@ -12,9 +12,11 @@ byte-identical to an uninterrupted single-process one.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from shardcache.build.commit import commit
 from shardcache.build.encoders import EncoderFactory, encoder_for
@@ -45,7 +47,7 @@ from shardcache.errors import (
     CacheError,
     ConfigError,
 )
-from shardcache.store.files import read_json_or_none, write_json_atomic
+from shardcache.store.files import disk_error, read_json_or_none, write_json_atomic
 from shardcache.store.layout import (
     BUILD_STATE,
     MANIFEST,
@@ -56,7 +58,28 @@ from shardcache.store.layout import (
 from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import is_url
 
+F = TypeVar("F", bound=Callable[..., Any])
 
+
+def disk_errors_explained(func: F) -> F:
+    """Disk full, quota, file-size limit, read-only or permission errors while building
+    ``options.output`` (the first argument) become a :class:`CacheError` naming the path and
+    what to do (:func:`~shardcache.store.files.disk_error`), also from worker processes."""
+
+    @functools.wraps(func)
+    def wrapper(options: BuildOptions, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(options, *args, **kwargs)
+        except OSError as err:
+            explained = disk_error(err, options.output)
+            if explained is None:
+                raise
+            raise explained from err
+
+    return wrapper  # type: ignore[return-value]
+
+
+@disk_errors_explained
 def build_cache(
     options: BuildOptions,
     progress: Progress | None = None,
@@ -170,6 +193,7 @@ def build(
     return build_local(options, None)
 
 
+@disk_errors_explained
 def build_share(
     options: BuildOptions,
     engine: EngineOptions,

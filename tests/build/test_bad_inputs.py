@@ -466,3 +466,35 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
     assert result.returncode == 1
     assert "if __name__ == '__main__':" in result.stderr
     assert "ShardcacheError" in result.stderr
+
+
+# --- 11. disk errors ------------------------------------------------------------------------
+
+
+def _small_file_limit() -> None:
+    import resource
+    import signal
+
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, resource.RLIM_INFINITY))
+
+
+def test_a_file_size_limit_is_a_clear_error_and_the_build_resumes(tmp_path, tokenizer_dir):
+    import subprocess
+    import sys
+
+    path = write_records(str(tmp_path / "a.jsonl"), _records(3000), "jsonl")
+    out = str(tmp_path / "out")
+    args = ["build", "-i", path, "-t", tokenizer_dir, "-o", out, "-q", "-w", "1",
+            "--shard-size", "1MiB", "--buckets", "4096"]  # fmt: skip
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": repo}
+    cmd = [sys.executable, "-m", "shardcache.cli", *args]
+    limited = subprocess.run(cmd, env=env, capture_output=True, text=True,
+                             preexec_fn=_small_file_limit, timeout=120)  # fmt: skip
+    assert limited.returncode == 1, limited.stderr
+    assert "Traceback" not in limited.stderr
+    assert "file-size limit" in limited.stderr and "shards" in limited.stderr
+    assert "rerun" in limited.stderr
+    assert _cli(args).returncode == 0
+    assert open_cache(out).manifest["totals"]["documents"] == 3000
