@@ -56,7 +56,7 @@ from shardcache.store.layout import (
     SHARES_DIR,
 )
 from shardcache.store.manifest import read_manifest
-from shardcache.store.remote import is_url
+from shardcache.store.remote import is_url, unreachable
 
 F = TypeVar("F", bound=Callable[..., Any])
 
@@ -189,7 +189,14 @@ def build(
 
     if is_url(options.output) or any(map(is_url, options.source.inputs)):
         tag = engine.share.name if engine.share is not None else ""
-        return build_remote(options, build_local, tag)
+        try:
+            return build_remote(options, build_local, tag)
+        except Exception as err:
+            urls = [u for u in (options.output, *options.source.inputs) if is_url(u)]
+            explained = unreachable(err, ", ".join(urls))
+            if explained is None:
+                raise
+            raise explained from err
     return build_local(options, None)
 
 
