@@ -498,3 +498,45 @@ def test_a_file_size_limit_is_a_clear_error_and_the_build_resumes(tmp_path, toke
     assert "rerun" in limited.stderr
     assert _cli(args).returncode == 0
     assert open_cache(out).manifest["totals"]["documents"] == 3000
+
+
+# --- 7. chat template render budget ---------------------------------------------------------
+
+HUGE_LOOP = "{% for i in range(100000) %}{% for j in range(100000) %}{% endfor %}{% endfor %}"
+HUGE_OUTPUT = "{% for i in range(100000) %}{{ 'x' * 1000 }}{% endfor %}"
+BUDGET_TEMPLATE = (
+    "{% for m in messages %}{% if m['content'] == 'loop' %}" + HUGE_LOOP + "{% endif %}"
+    "{% if m['content'] == 'big' %}" + HUGE_OUTPUT + "{% endif %}"
+    "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+)
+
+
+def test_a_template_over_its_render_budget_quarantines_the_conversation(
+    tmp_path, build_cache, chatml_tokenizer_dir
+):
+    template = tmp_path / "t.jinja"
+    template.write_text(BUDGET_TEMPLATE)
+    convs = [[{"role": "user", "content": f"hi {i}"}, {"role": "assistant", "content": "yo"}]
+             for i in range(30)]  # fmt: skip
+    convs[4][0]["content"] = "loop"
+    convs[9][0]["content"] = "big"
+    path = tmp_path / "c.jsonl"
+    path.write_text("".join(json.dumps({"messages": c}) + "\n" for c in convs))
+    out = build_cache(str(path), chatml_tokenizer_dir, chat=True, chat_template=str(template))
+    cache = open_cache(out)
+    assert cache.manifest["stats"]["bad_records"] == {"template_budget": 2}
+    with open(os.path.join(out, "quarantine.jsonl"), encoding="utf-8") as f:
+        entries = [json.loads(line) for line in f]
+    assert [(e["line"], e["reason"]) for e in entries] == [(5, "template_budget"),
+                                                          (10, "template_budget")]  # fmt: skip
+    assert cache.manifest["totals"]["documents"] == 28
+
+
+def test_lock_with_a_runaway_template_fails_cleanly(tmp_path, chatml_tokenizer_dir):
+    template = tmp_path / "t.jinja"
+    template.write_text(HUGE_LOOP + "{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    args = ["lock", "-t", chatml_tokenizer_dir, "--chat", "--chat-template", str(template),
+            "--no-data", "-o", str(tmp_path / "x.lock")]  # fmt: skip
+    result = _cli(args)
+    assert result.returncode == 1, result.stderr
+    assert "render budget" in result.stderr and "Traceback" not in result.stderr
