@@ -69,7 +69,7 @@ def translate_errors(func: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="shardcache")
+@click.version_option(__version__, "-V", "--version", prog_name="shardcache")
 def main() -> None:
     """Pre-tokenize a text corpus (plain text or chat) once into verified, versioned shards.
 
@@ -79,10 +79,11 @@ def main() -> None:
       shardcache build --input data/ --tokenizer tok/ --output cache/ --max-length 2048
       shardcache info cache/                          # what is in it
       shardcache verify cache/                        # recompute every checksum
-      shardcache lock recipes/train.toml              # write shardcache.lock for CI
-      shardcache check --lock shardcache.lock recipes/train.toml   # still matching?
+      shardcache lock recipes/quickstart.toml         # write shardcache.lock for CI
+      shardcache check --lock shardcache.lock recipes/quickstart.toml   # still matching?
 
-    Exit codes: 0 success, 1 failure, 2 usage error.
+    Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
+    (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
     """
 
 
