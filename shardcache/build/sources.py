@@ -550,6 +550,15 @@ class _CrToLf(io.RawIOBase):
         return n
 
 
+def _raw_records(stream: Any, at_start: bool) -> Iterator[bytes]:
+    """The raw records of a line-based stream: its lines, the lines of a CR-only file, or the
+    elements of a JSON array file (the layout is told from the first bytes, ``at_start``)."""
+    layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
+    if layout == "cr":
+        return iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
+    return array_items(stream) if layout == "array" else iter(stream)
+
+
 def _open_lines(raw: HashingReader, fmt: str) -> io.BufferedIOBase:
     if fmt in ("jsonl", "json"):
         return io.BufferedReader(raw, buffer_size=READ_CHUNK)
@@ -630,11 +639,7 @@ def _iter_lines(
     stream: Any = _open_lines(raw, file.format)
     index = first_record - 1
     try:
-        layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if first_record == 0 else ""
-        if layout == "cr":
-            stream = io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK)
-        records: Iterator[bytes] = array_items(stream) if layout == "array" else stream
-        for index, line in enumerate(records, first_record):
+        for index, line in enumerate(_raw_records(stream, first_record == 0), first_record):
             if index == 0 and line.startswith(BOM):
                 line = line[len(BOM) :]
             if not line.strip():
@@ -728,8 +733,10 @@ def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
             schema = pq.read_schema(file.path)
             return {name: str(schema.field(name).type) for name in schema.names}
         with HashingReader(open(file.path, "rb")) as raw:
-            stream = _open_lines(raw, file.format)
+            stream = _raw_records(_open_lines(raw, file.format), at_start=True)
             for _, line in zip(range(records), stream):
+                if len(line) > _HEAD_BYTES * 16:
+                    continue  # a huge record: not worth parsing for a hint
                 try:
                     obj = json.loads(line)
                 except (ValueError, RecursionError):
