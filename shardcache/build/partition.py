@@ -10,7 +10,8 @@ Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself
 worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
 open then), ``part`` (completion record written by this process) or ``commit`` (1: after the
 length index, 2: after the quarantine file, before the manifest). Tests use it to kill a
-build at deterministic points; it costs one environment lookup per batch. With
+build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
+sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
 ``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
 is created first): a retried task (Ray) then runs through.
 

@@ -4,7 +4,12 @@ Owns two things:
 
 * :func:`list_inputs` turns files, folders and globs into a sorted list of
   :class:`InputFile` with a *relative path* (relative to the common parent folder of all
-  inputs), so a corpus moved as a whole keeps the same provenance and cache key.
+  inputs), so a corpus moved as a whole keeps the same provenance and cache key. A symbolic
+  link is listed under its own name (its format and provenance come from the link, as in a
+  Hugging Face hub snapshot). The build's output and any folder holding a cache or a build
+  state are skipped (a cache inside its corpus folder must not feed itself), and anything
+  that is not a regular file (a FIFO, a socket, /dev/zero, a symlink loop) is refused at
+  listing, naming it, instead of hanging the build.
 * :func:`split_input` cuts a large input into :class:`InputSlice` s for parallel builds:
   an uncompressed jsonl file into byte ranges that start and end at line boundaries, a
   parquet file into runs of row groups. Compressed jsonl.zst / json.gz files cannot be
@@ -19,6 +24,15 @@ Owns two things:
   ``batch_docs`` (a single document larger than that is a batch of its own). The record index
   is the file-global 0-based line number for jsonl formats (blank and bad lines count, so it
   always points at the physical line) and the row number for parquet.
+
+Line-based files (jsonl, jsonl.zst, json, json.gz) hold JSON lines, lines ended by CR alone,
+or one top-level array of objects (a common export form, read element by element by
+:func:`array_items` with one element in memory); a UTF-8 BOM is skipped. The layout is told
+from the first 64 KiB (:func:`record_layout`).
+
+A record that fails anywhere on its own is that record's: a lone surrogate (valid JSON, not
+text) is ``invalid_unicode``, nesting past the parser's limit ``too_deep``, and a tokenizer
+failure on one record ``encode_error`` (:func:`~shardcache.build.tokenize.encode_isolating`).
 
 While a line-based file is read, its raw (compressed) bytes are hashed on the way through
 (:class:`HashingReader`), so the data component of the cache key costs no second pass.
