@@ -105,11 +105,15 @@ def build_partition(
     quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
     quarantine = open(quarantine_path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
     relpath = partition.file.relpath
+    positions = {"format": partition.file.format}  # "json-array": records are array items
+
+    def on_layout(layout: str) -> None:
+        positions["format"] = layout
 
     def on_bad(record: int, reason: str, excerpt: str) -> None:
         bad[reason] += 1
         entry = {"source": relpath, "record": record,
-                 **position_fields(partition.file.format, record),
+                 **position_fields(positions["format"], record),
                  "reason": reason, "excerpt": excerpt}  # fmt: skip
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
@@ -117,7 +121,7 @@ def build_partition(
         record = int(batch.records[doc])
         if options.source.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: {record_position(partition.file.format, record)} cannot be used "
+                f"{relpath}: {record_position(positions['format'], record)} cannot be used "
                 f"({reason}: {detail}); fix the input or the chat template, or build with "
                 "--on-error skip to quarantine such records"
             )
@@ -164,6 +168,7 @@ def build_partition(
         part=partition.span,
         on_corrupt=on_corrupt,
         kind="text" if options.chat is None else "chat",
+        on_layout=on_layout,
     )
     try:
         for batch, ids in encode_ahead(encoder, batches):

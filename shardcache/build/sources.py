@@ -104,15 +104,20 @@ BadRecordCallback = Callable[[int, str, str], None]
 CorruptFileCallback = Callable[[int, int, str], None]
 
 
+def _position_name(fmt: str) -> str:
+    return {"parquet": "row", ARRAY_LAYOUT: "item"}.get(fmt, "line")
+
+
 def record_position(fmt: str, index: int) -> str:
     """How a person finds record ``index`` (0-based, as stored) of a file of format ``fmt``:
-    "line 4" (1-based, what editors and ``sed -n 4p`` show) or "row 4" for parquet."""
-    return f"{'row' if fmt == 'parquet' else 'line'} {index + 1}"
+    "line 4" (1-based, what editors and ``sed -n 4p`` show), "row 4" for parquet, "item 4"
+    for the elements of a JSON array file (``fmt`` :data:`ARRAY_LAYOUT`)."""
+    return f"{_position_name(fmt)} {index + 1}"
 
 
 def position_fields(fmt: str, index: int) -> dict[str, int]:
     """The 1-based position stored next to the 0-based ``record`` in quarantine entries."""
-    return {("row" if fmt == "parquet" else "line"): index + 1}
+    return {_position_name(fmt): index + 1}
 
 
 def has_lone_surrogate(value: Any) -> bool:
@@ -484,6 +489,8 @@ class ZstdReader(io.RawIOBase):
 
 
 BOM = b"\xef\xbb\xbf"
+#: The "format" of positions in a JSON array file: its records are items, not lines.
+ARRAY_LAYOUT = "json-array"
 _HEAD_BYTES = 64 * 1024
 _WHITESPACE = b" \t\r\n"
 _SPECIAL = re.compile(rb'["\\\[\]{},]')  # structure outside strings
@@ -564,13 +571,14 @@ class _CrToLf(io.RawIOBase):
         return n
 
 
-def _raw_records(stream: Any, at_start: bool) -> Iterator[bytes]:
-    """The raw records of a line-based stream: its lines, the lines of a CR-only file, or the
-    elements of a JSON array file (the layout is told from the first bytes, ``at_start``)."""
+def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
+    """``(layout, raw records)`` of a line-based stream: its lines, the lines of a CR-only
+    file, or the elements of a JSON array file (the layout is told from the first bytes,
+    ``at_start``; see :func:`record_layout`)."""
     layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
     if layout == "cr":
-        return iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
-    return array_items(stream) if layout == "array" else iter(stream)
+        return layout, iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
+    return layout, array_items(stream) if layout == "array" else iter(stream)
 
 
 def _open_lines(raw: HashingReader, fmt: str) -> io.BufferedIOBase:
@@ -601,6 +609,7 @@ class _Batcher:
         self.on_corrupt = on_corrupt
         self.kind = "text"
         self.format = ""
+        self.on_layout: Callable[[str], None] | None = None
         self.texts: list[str] = []
         self.records: list[int] = []
         self.chars = 0
@@ -653,7 +662,12 @@ def _iter_lines(
     stream: Any = _open_lines(raw, file.format)
     index = first_record - 1
     try:
-        for index, line in enumerate(_raw_records(stream, first_record == 0), first_record):
+        layout, records = _raw_records(stream, first_record == 0)
+        if layout == "array":  # records are array elements: "item N" in messages
+            batcher.format = ARRAY_LAYOUT
+            if batcher.on_layout is not None:
+                batcher.on_layout(ARRAY_LAYOUT)
+        for index, line in enumerate(records, first_record):
             if index == 0 and line.startswith(BOM):
                 line = line[len(BOM) :]
             if not line.strip():
@@ -747,7 +761,7 @@ def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
             schema = pq.read_schema(file.path)
             return {name: str(schema.field(name).type) for name in schema.names}
         with HashingReader(open(file.path, "rb")) as raw:
-            stream = _raw_records(_open_lines(raw, file.format), at_start=True)
+            _, stream = _raw_records(_open_lines(raw, file.format), at_start=True)
             for _, line in zip(range(records), stream):
                 if len(line) > _HEAD_BYTES * 16:
                     continue  # a huge record: not worth parsing for a hint
@@ -807,17 +821,20 @@ def iter_text_batches(
     part: InputSlice | None = None,
     on_corrupt: CorruptFileCallback | None = None,
     kind: str = "text",
+    on_layout: Callable[[str], None] | None = None,
 ) -> Iterator[TextBatch]:
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
     ``on_bytes(n)`` is called as raw bytes are consumed (progress); when a whole file has been
     read to the end, ``digest.sha256`` holds the sha256 of the file's bytes (a slice leaves it
-    empty: :func:`split_input` hashed the file).
+    empty: :func:`split_input` hashed the file). ``on_layout(ARRAY_LAYOUT)`` is called before
+    the first record of a JSON array file (its records are items, not lines).
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
     batcher.kind = kind  # "text": a string field; "chat": a list of {role, content} messages
     batcher.format = file.format
+    batcher.on_layout = on_layout
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:

@@ -286,6 +286,19 @@ def test_a_json_array_file_is_read_as_records(tmp_path, name, indent):
     texts, bad = _texts_of(file, batch_docs=8)
     assert texts == [r["text"] for r in records if "text" in r]
     assert bad == [(7, "no_text_field")]
+    with pytest.raises(SourceError, match=rf"{name}: item 8 is invalid \(no_text_field\)"):
+        _texts_of(file, on_error="fail")
+
+
+def test_quarantine_of_a_json_array_file_names_items(tmp_path, build_cache, tokenizer_dir):
+    records = [{"text": f"doc {i}"} for i in range(30)]
+    records[3] = {"body": "x"}
+    path = tmp_path / "export.json"
+    path.write_text(json.dumps(records))
+    out = build_cache(str(path), tokenizer_dir)
+    with open(os.path.join(out, "quarantine.jsonl"), encoding="utf-8") as f:
+        [entry] = [json.loads(line) for line in f]
+    assert entry["record"] == 3 and entry["item"] == 4 and "line" not in entry
 
 
 def test_json_array_is_streamed_with_bounded_memory(tmp_path, monkeypatch):
