@@ -38,7 +38,7 @@ from shardcache.errors import CacheError, CacheNotFoundError
 from shardcache.store.files import sha256_file
 from shardcache.store.layout import MANIFEST, SHARD_DIR
 from shardcache.store.manifest import read_manifest
-from shardcache.store.remote import RemoteCache, cache_root, is_url
+from shardcache.store.remote import RemoteCache, cache_root, is_url, unreachable
 
 
 @dataclass
@@ -303,8 +303,11 @@ def verify_remote(url: str) -> VerifyReport:
     try:
         remote = RemoteCache(url)
     except CacheError as err:
+        if err.__cause__ is not None and unreachable(err.__cause__, url) is not None:
+            raise  # the store cannot be reached: nothing was verified (not "corrupt")
         report = VerifyReport(cache=url)
-        report.add(MANIFEST, "manifest", str(err))
+        kind = "not_a_cache" if isinstance(err, CacheNotFoundError) else "manifest"
+        report.add(MANIFEST, kind, str(err))
         return report
     fs, root, manifest = remote.fs, remote.root, remote.manifest
     folder = tempfile.mkdtemp(prefix="verify-", dir=cache_root())

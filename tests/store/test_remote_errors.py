@@ -32,6 +32,10 @@ def test_an_unreachable_endpoint_is_a_clear_error(monkeypatch, tmp_path):
     try:
         with pytest.raises(CacheError, match=r"s3://corpus/cache.*cannot reach.*endpoint"):
             open_cache("s3://corpus/cache")
+        from shardcache.store.verify import verify_cache
+
+        with pytest.raises(CacheError, match=r"cannot reach"):
+            verify_cache("s3://corpus/cache")  # not reported as a corrupt manifest
         from shardcache.build.run import build
         from shardcache.config import build_options_from_mapping
 
