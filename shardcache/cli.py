@@ -7,11 +7,14 @@ usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -20,6 +23,36 @@ from shardcache.errors import ConfigError, ShardcacheError
 from shardcache.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    os._exit(130)  # a second Ctrl-C: no cleanup (workers die with this process)
+
+
+@contextlib.contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Ctrl-C handling for long commands: the first SIGINT raises KeyboardInterrupt (clean
+    stop, exit 130 with ``what`` to do next), a second one during the cleanup exits at once.
+    Left alone where SIGINT is ignored (a background job) or off the main thread."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    ):
+        yield
+        return
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, _exit_now)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {what}", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def translate_errors(func: F) -> F:
@@ -36,7 +69,7 @@ def translate_errors(func: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="shardcache")
+@click.version_option(__version__, "-V", "--version", prog_name="shardcache")
 def main() -> None:
     """Pre-tokenize a text corpus (plain text or chat) once into verified, versioned shards.
 
@@ -46,10 +79,11 @@ def main() -> None:
       shardcache build --input data/ --tokenizer tok/ --output cache/ --max-length 2048
       shardcache info cache/                          # what is in it
       shardcache verify cache/                        # recompute every checksum
-      shardcache lock recipes/train.toml              # write shardcache.lock for CI
-      shardcache check --lock shardcache.lock recipes/train.toml   # still matching?
+      shardcache lock recipes/quickstart.toml         # write shardcache.lock for CI
+      shardcache check --lock shardcache.lock recipes/quickstart.toml   # still matching?
 
-    Exit codes: 0 success, 1 failure, 2 usage error.
+    Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
+    (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
     """
 
 
@@ -102,7 +136,8 @@ def key_options(func: F) -> F:
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,
-            help="Input file, folder or glob (jsonl, jsonl.zst, json.gz, parquet). "
+            help="Input file, folder or glob (jsonl, jsonl.zst, json, json.gz: JSON lines or one "
+            "array of objects; parquet). "
             "Repeatable. Processed in sorted order.",
         ),
         click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),
@@ -194,6 +229,12 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
+    "--max-bad-fraction",
+    type=click.FloatRange(0, 1),
+    help="Fail the build (no manifest) when more than this fraction of the records is bad; "
+    "a build that keeps no document always fails.  [default: 0.1]",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -257,7 +298,9 @@ def build(
     except ConfigError as err:
         raise click.BadParameter(str(err)) from err
     progress = _BarProgress(enabled=not quiet and not as_json)
-    report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
+    resume = "completed partitions are kept; rerun the same command to resume"
+    with interruptible(resume):
+        report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
@@ -276,8 +319,12 @@ def build(
 @click.option("--strict-lint", is_flag=True, help="Chat: refuse to commit when the shares' "
               "lint found double BOS, a missing end-of-turn, unknown tokens, span boundary "
               "tokens or template mismatches.")  # fmt: skip
+@click.option("--max-bad-fraction", type=click.FloatRange(0, 1), help="Refuse to commit when "
+              "more than this fraction of the records is bad.  [default: 0.1]")  # fmt: skip
 @translate_errors
-def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
+def commit_command(
+    output: str, as_json: bool, strict_lint: bool, max_bad_fraction: float | None
+) -> None:
     """Commit a job-array build: write the manifest of OUTPUT once every share is built.
 
     OUTPUT is the folder or URL all `shardcache build --partition I/N` runs wrote to. The
@@ -292,7 +339,7 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
     from shardcache.build.commit import commit_output
     from shardcache.build.report import format_report, report_json
 
-    report = commit_output(output, strict_lint=strict_lint)
+    report = commit_output(output, strict_lint=strict_lint, max_bad_fraction=max_bad_fraction)
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
@@ -300,7 +347,7 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @translate_errors
 def info(cache: str, as_json: bool) -> None:
@@ -438,7 +485,7 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @translate_errors
 def verify(cache: str, as_json: bool) -> None:

@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,6 +43,10 @@ DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
 DEFAULT_PARTITION_SIZE_BYTES = 256 * 1024 * 1024
 MIN_PARTITION_SIZE_BYTES = 1024
 
+#: More bad records than this fraction fails a build: a wrong --text-field or chat data built
+#: as text quarantines every record, and an empty cache must not look like a success.
+DEFAULT_MAX_BAD_FRACTION = 0.1
+
 
 def check_int(field: str, value: object, low: int, high: int | None = None, unit: str = "") -> None:
     """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) in ``[low, high]``."""
@@ -64,6 +68,29 @@ def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
     close = difflib.get_close_matches(str(value), list(valid), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(f"{field}: got {value!r}, expected one of {', '.join(valid)}{hint}")
+
+
+def check_fraction(field: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a number in ``[0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{field}: got {value!r}, expected a number in [0, 1] (a fraction)")
+
+
+def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str = "key") -> None:
+    """Raise :class:`ConfigError` naming the names in ``given`` that are not in ``valid``
+    (only those), each with the closest valid name when one is close."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), valid, n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"{what}: unknown {noun}{plural} {', '.join(parts)}; valid {noun}s: {', '.join(valid)}"
+    )
 
 
 def default_workers() -> int:
@@ -195,6 +222,9 @@ class BuildOptions:
     chat: ChatOptions | None = None
     #: Fail the build (no manifest) when the chat lint counts anything suspicious.
     strict_lint: bool = False
+    #: Fail the build (no manifest) when more than this fraction of the records is bad (a
+    #: build that keeps no document always fails). Decides only whether to commit.
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -214,6 +244,8 @@ class BuildOptions:
                 f"partition_size: got {self.partition_size_bytes!r} bytes, expected an integer "
                 f">= {MIN_PARTITION_SIZE_BYTES}"
             )
+
+        check_fraction("max_bad_fraction", self.max_bad_fraction)
 
     @property
     def num_workers(self) -> int:
@@ -265,7 +297,7 @@ RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
-    "train_on", "truncation_side", "strict_lint",
+    "train_on", "truncation_side", "strict_lint", "max_bad_fraction",
 }  # fmt: skip
 
 
@@ -310,9 +342,7 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
     """Make :class:`BuildOptions` from flat recipe/CLI values (unknown keys are an error)."""
-    unknown = sorted(set(values) - RECIPE_KEYS)
-    if unknown:
-        raise ConfigError(f"recipe: unknown key(s) {unknown}; valid keys are {sorted(RECIPE_KEYS)}")
+    check_known("recipe", values, RECIPE_KEYS)
     missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
     if missing:
         raise ConfigError(
@@ -349,4 +379,9 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
         ),
         chat=chat,
         strict_lint=bool(values.get("strict_lint", False)),
+        **(
+            {"max_bad_fraction": values["max_bad_fraction"]}
+            if values.get("max_bad_fraction") is not None
+            else {}
+        ),
     )

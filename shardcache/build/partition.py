@@ -10,7 +10,8 @@ Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself
 worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
 open then), ``part`` (completion record written by this process) or ``commit`` (1: after the
 length index, 2: after the quarantine file, before the manifest). Tests use it to kill a
-build at deterministic points; it costs one environment lookup per batch. With
+build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
+sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
 ``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
 is created first): a retried task (Ray) then runs through.
 
@@ -37,8 +38,10 @@ from shardcache.build.report import Progress
 from shardcache.build.sources import (
     FileDigest,
     iter_text_batches,
+    position_fields,
+    record_position,
 )
-from shardcache.build.tokenize import TextEncoder, TruncationStats, encode_ahead
+from shardcache.build.tokenize import TextEncoder, TruncationStats, drop_failures, encode_ahead
 from shardcache.errors import (
     BadRecordError,
 )
@@ -58,11 +61,15 @@ _PARENT_PID: int | None = None  # set in worker processes
 
 
 def kill_point(event: str) -> None:
-    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring)."""
+    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring); ``<event>:<n>:INT``
+    sends SIGINT (Ctrl-C) to the build process instead of killing it."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
     _KILL_COUNTS[event] += 1
+    if spec == f"{event}:{_KILL_COUNTS[event]}:INT":
+        os.kill(_PARENT_PID if _PARENT_PID is not None else os.getpid(), signal.SIGINT)
+        return
     if spec == f"{event}:{_KILL_COUNTS[event]}":
         once = os.environ.get(KILL_ONCE_ENV)
         if once:
@@ -98,26 +105,34 @@ def build_partition(
     quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
     quarantine = open(quarantine_path + ".tmp", "w", encoding="utf-8")  # noqa: SIM115
     relpath = partition.file.relpath
+    positions = {"format": partition.file.format}  # "json-array": records are array items
+
+    def on_layout(layout: str) -> None:
+        positions["format"] = layout
 
     def on_bad(record: int, reason: str, excerpt: str) -> None:
         bad[reason] += 1
-        entry = {"source": relpath, "record": record, "reason": reason, "excerpt": excerpt}
+        entry = {"source": relpath, "record": record,
+                 **position_fields(positions["format"], record),
+                 "reason": reason, "excerpt": excerpt}  # fmt: skip
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
         record = int(batch.records[doc])
         if options.source.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: record {record} cannot be used ({detail}); fix the input or the "
-                "chat template, or build with --on-error skip to quarantine such records"
+                f"{relpath}: {record_position(positions['format'], record)} cannot be used "
+                f"({reason}: {detail}); fix the input or the chat template, or build with "
+                "--on-error skip to quarantine such records"
             )
         on_bad(record, reason, detail)
 
     def on_corrupt(record: int, offset: int, message: str) -> None:
         bad["corrupt_file"] += 1
-        entry = {"source": relpath, "record": record, "reason": "corrupt_file",
+        position = position_fields(partition.file.format, record)
+        entry = {"source": relpath, "record": record, **position, "reason": "corrupt_file",
                  "offset": offset, "excerpt": message}  # fmt: skip
-        corrupt.append({k: entry[k] for k in ("source", "record", "offset", "excerpt")})
+        corrupt.append({k: entry[k] for k in ("source", "record", *position, "offset", "excerpt")})
         quarantine.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     writers = [
@@ -153,10 +168,15 @@ def build_partition(
         part=partition.span,
         on_corrupt=on_corrupt,
         kind="text" if options.chat is None else "chat",
+        on_layout=on_layout,
     )
     try:
         for batch, ids in encode_ahead(encoder, batches):
             check_parent()
+            original = batch
+            batch, ids, failures = drop_failures(batch, ids)
+            for doc, detail in failures:  # records the tokenizer failed on alone
+                batch_bad(original, doc, "encode_error", detail)
             encoded = encoder.finish(ids, stats)
             del ids
             for doc, reason, detail in encoded.failed:  # conversations the template refused

@@ -121,9 +121,10 @@ class PartitionResult:
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
     """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
-    cannot change the bytes (``strict_lint`` only decides whether to commit)."""
+    cannot change the bytes (``strict_lint`` and ``max_bad_fraction`` only decide whether to
+    commit)."""
     data = options.to_json()
-    for key in ("force", "workers", "output", "strict_lint"):
+    for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction"):
         data.pop(key, None)
     return json.loads(json.dumps(data))
 
@@ -143,7 +144,11 @@ def fingerprint_of(options: dict[str, Any], inputs: list[dict[str, Any]]) -> str
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
     """List and split the inputs (reads every file that is split once, to hash and cut it)."""
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
     for f in inputs:

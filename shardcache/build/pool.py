@@ -76,6 +76,9 @@ def _worker_init(
     spec: dict[str, Any], plan: BuildPlan, queue: Any, rayon_threads: int, parent: int
 ) -> None:
     set_parent_pid(parent)
+    # Ctrl-C reaches the whole process group: the parent stops the build and terminates the
+    # workers; a worker's own KeyboardInterrupt would only print a traceback per process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     check_parent()  # the parent may have died before prctl
     # before the tokenizer's Rayon pool starts (on the first encode_batch)

@@ -12,9 +12,11 @@ byte-identical to an uninterrupted single-process one.
 
 from __future__ import annotations
 
+import functools
 import os
 import time
 from collections.abc import Callable
+from typing import Any, TypeVar
 
 from shardcache.build.commit import commit
 from shardcache.build.encoders import EncoderFactory, encoder_for
@@ -24,12 +26,17 @@ from shardcache.build.plan import (
     PartitionResult,
     clean_partitions,
     completed_result,
+    differences,
+    fingerprint_of,
+    input_differences,
+    inputs_json,
+    options_json,
     prepare_output,
     share_plan,
 )
 from shardcache.build.pool import run_local
 from shardcache.build.remote import build_remote
-from shardcache.build.report import BuildReport, Progress
+from shardcache.build.report import BuildReport, Progress, report_from_manifest
 from shardcache.build.sources import (
     InputFile,
     list_inputs,
@@ -40,16 +47,39 @@ from shardcache.errors import (
     CacheError,
     ConfigError,
 )
-from shardcache.store.files import write_json_atomic
+from shardcache.store.files import disk_error, read_json_or_none, write_json_atomic
 from shardcache.store.layout import (
+    BUILD_STATE,
     MANIFEST,
     PARTS_DIR,
     SHARD_DIR,
     SHARES_DIR,
 )
-from shardcache.store.remote import is_url
+from shardcache.store.manifest import read_manifest
+from shardcache.store.remote import is_url, unreachable
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 
+def disk_errors_explained(func: F) -> F:
+    """Disk full, quota, file-size limit, read-only or permission errors while building
+    ``options.output`` (the first argument) become a :class:`CacheError` naming the path and
+    what to do (:func:`~shardcache.store.files.disk_error`), also from worker processes."""
+
+    @functools.wraps(func)
+    def wrapper(options: BuildOptions, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return func(options, *args, **kwargs)
+        except OSError as err:
+            explained = disk_error(err, options.output)
+            if explained is None:
+                raise
+            raise explained from err
+
+    return wrapper  # type: ignore[return-value]
+
+
+@disk_errors_explained
 def build_cache(
     options: BuildOptions,
     progress: Progress | None = None,
@@ -68,7 +98,11 @@ def build_cache(
     """
     progress = progress or Progress()
     started = time.perf_counter()
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     encoder = encoder_for(options, encoder_factory)
     workers = options.num_workers
     if os.path.exists(options.output) and not os.path.isdir(options.output):
@@ -76,6 +110,10 @@ def build_cache(
             f"--output {options.output!r} exists and is not a folder; choose another path"
         )
     with BuildLock(options.output):
+        if not options.force and os.path.isfile(os.path.join(options.output, MANIFEST)):
+            check_up_to_date(options, inputs)  # raises, naming what differs
+            manifest = read_manifest(options.output)
+            return report_from_manifest(options.output, manifest, 0.0, up_to_date=True)
         plan, done = prepare_output(options, inputs)
         pending = [p for p in plan.partitions if p.id not in done]
         try:
@@ -108,6 +146,26 @@ def build_cache(
     )
 
 
+def check_up_to_date(options: BuildOptions, inputs: list[InputFile]) -> None:
+    """Raise :class:`CacheError` unless the committed cache at ``options.output`` was built
+    with these options and inputs (its ``parts/build.json`` fingerprint), naming what
+    differs: rerunning a finished build is then a no-op (idempotent pipelines)."""
+    out = options.output
+    state = read_json_or_none(os.path.join(out, PARTS_DIR, BUILD_STATE))
+    options_now, inputs_now = options_json(options), inputs_json(inputs)
+    if state is not None and state.get("fingerprint") == fingerprint_of(options_now, inputs_now):
+        return
+    changes = []
+    if state is not None:
+        changes = differences(state.get("options"), options_now)
+        changes += input_differences(state.get("inputs") or [], inputs_now)
+    what = "; ".join(changes[:8]) or "its build record is missing, so it cannot be compared"
+    raise CacheError(
+        f"{out!r} already holds a committed cache built with other options or inputs ({what}); "
+        "pass --force to rebuild it, or choose another --output"
+    )
+
+
 def build(
     options: BuildOptions,
     engine: EngineOptions | None = None,
@@ -131,10 +189,18 @@ def build(
 
     if is_url(options.output) or any(map(is_url, options.source.inputs)):
         tag = engine.share.name if engine.share is not None else ""
-        return build_remote(options, build_local, tag)
+        try:
+            return build_remote(options, build_local, tag)
+        except Exception as err:
+            urls = [u for u in (options.output, *options.source.inputs) if is_url(u)]
+            explained = unreachable(err, ", ".join(urls))
+            if explained is None:
+                raise
+            raise explained from err
     return build_local(options, None)
 
 
+@disk_errors_explained
 def build_share(
     options: BuildOptions,
     engine: EngineOptions,
@@ -148,7 +214,11 @@ def build_share(
     progress = progress or Progress()
     started = time.perf_counter()
     out = options.output
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     encoder = encoder_for(options, encoder_factory)
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise CacheError(

@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -100,6 +101,14 @@ def load_hf_tokenizer(path: str) -> Any:
             "tokenizer.json (shardcache never downloads tokenizers)"
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+             "tokenizer.model", "spiece.model")  # fmt: skip
+    if not any(os.path.isfile(os.path.join(path, name)) for name in known):
+        raise TokenizerError(
+            f"tokenizer {path!r}: the folder holds no tokenizer files (none of "
+            f"{', '.join(known)}); pass --tokenizer with the folder that holds tokenizer.json "
+            "(e.g. one saved with tokenizer.save_pretrained(folder))"
+        )
     try:
         cls = named_tokenizer_class(path)
         if cls is None:
@@ -109,7 +118,8 @@ def load_hf_tokenizer(path: str) -> Any:
         tok = cls.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for unusable folders
         raise TokenizerError(
-            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: {err}); "
+            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:300]}); "
             "the folder needs tokenizer.json or the files of a fast tokenizer"
         ) from err
     ensure_fast(tok, path)
@@ -376,6 +386,41 @@ def apply_truncation(
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class EncodeFailure:
+    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`)."""
+
+    detail: str
+
+
+def encode_isolating(encoder: Any, texts: list[Any]) -> list[Any]:
+    """``encoder.encode_texts(texts)``; when that raises, each text is encoded alone and a
+    text that still fails gets an :class:`EncodeFailure` instead of its ids: one record the
+    tokenizer cannot take (a bug, an allocator limit) is that record's, not the build's."""
+    try:
+        return list(encoder.encode_texts(texts))
+    except Exception as err:  # re-tried one by one below
+        if len(texts) == 1:
+            return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
+    out: list[Any] = []
+    for text in texts:
+        out += encode_isolating(encoder, [text])
+    return out
+
+
+def drop_failures(batch: Any, ids: list[Any]) -> tuple[Any, list[Any], list[tuple[int, str]]]:
+    """Remove the :class:`EncodeFailure` s of a batch: returns the batch and ids without them
+    and ``(doc, detail)`` for each (``doc``: its position in the original batch)."""
+    failed = [(i, x.detail) for i, x in enumerate(ids) if isinstance(x, EncodeFailure)]
+    if not failed:
+        return batch, ids, []
+    keep = [i for i, x in enumerate(ids) if not isinstance(x, EncodeFailure)]
+    kept = dataclasses.replace(
+        batch, texts=[batch.texts[i] for i in keep], records=batch.records[keep]
+    )
+    return kept, [ids[i] for i in keep], failed
+
+
 @dataclass
 class _Failure:
     error: BaseException
@@ -393,15 +438,23 @@ def encode_ahead(
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: Any) -> bool:
+        while not stop.is_set():  # never block forever on a consumer that has gone
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                if stop.is_set():
+                if stop.is_set() or not put((batch, encode_isolating(encoder, batch.texts))):
                     return
-                out.put((batch, encoder.encode_texts(batch.texts)))
-            out.put(_DONE)
+            put(_DONE)
         except BaseException as err:  # re-raised in the consumer
-            out.put(_Failure(err))
+            put(_Failure(err))
 
     thread = threading.Thread(target=produce, name="shardcache-encode", daemon=True)
     thread.start()
@@ -415,7 +468,10 @@ def encode_ahead(
             yield item
     finally:
         stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                out.get(timeout=0.05)
-        thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.get_nowait()
+        # On an error, Ctrl-C or an early close, do not wait for the encode in flight (a huge
+        # batch takes seconds): the thread sees ``stop`` and ends by itself; it writes no file.
+        if sys.exc_info()[0] is None:
+            thread.join()

@@ -85,6 +85,7 @@ import hashlib
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -92,7 +93,7 @@ import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
-from shardcache.config import check_choice
+from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, pad_batch
@@ -118,15 +119,34 @@ def cache_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(shards.encode()).hexdigest()
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"{name} environment variable: got {value!r}, expected an integer (set by torchrun); "
+            "fix or unset it, or pass rank= and world_size="
+        ) from None
+
+
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        rank = 0 if rank is None else rank
-        world_size = 1 if world_size is None else world_size
+    if (rank is None) != (world_size is None):
+        given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+        raise ConfigError(
+            f"rank/world_size: got {given}={rank if world_size is None else world_size} without "
+            f"{missing}; pass both (or neither: then torch.distributed or RANK/WORLD_SIZE)"
+        )
+    if rank is not None and world_size is not None:
+        check_int("rank", rank, 0)
+        check_int("world_size", world_size, 1)
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    assert rank is not None and world_size is not None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
             f"rank/world_size: got rank={rank}, world_size={world_size}; need "
@@ -183,17 +203,13 @@ class ShardDataset(IterableDataset):
             if max_tokens is None:
                 raise ConfigError("max_tokens: required (the token budget of a batch)")
             shuffle = True if shuffle is None else shuffle
-            try:
-                options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
-            except TypeError as err:
-                names = sorted(PlanOptions.__dataclass_fields__)
-                raise ConfigError(
-                    f"ShardDataset: unknown batch option(s) {sorted(plan_options)}; the "
-                    f"options are {names}"
-                ) from err
+            fields = PlanOptions.__dataclass_fields__
+            check_known("ShardDataset", plan_options, fields, noun="batch option")
+            options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
         self.options: PlanOptions = options
         self.attention: str | None = _check_attention(attention, options.mode)
-        self.seed = int(seed)
+        check_int("seed", seed, 0)
+        self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         cache = Cache(self.path)
@@ -269,7 +285,22 @@ class ShardDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches this rank yields in the current (or next) pass over the current epoch."""
-        return self.split(start=self._pass_start(self._start)).batches_per_rank
+        n = self.split(start=self._pass_start(self._start)).batches_per_rank
+        if n == 0 and self._start == 0:
+            self._warn_empty()
+        return n
+
+    def _warn_empty(self) -> None:
+        """More ranks than batches: every rank gets 0 batches (warned once per dataset)."""
+        total = len(self.plan())
+        if total < self.world_size and not getattr(self, "_warned_empty", False):
+            self._warned_empty = True
+            warnings.warn(
+                f"ShardDataset({self.path!r}): world_size={self.world_size} but epoch "
+                f"{self.epoch} has {total} global batches, so every rank gets 0 batches; use "
+                "a smaller max_tokens, fewer ranks, or tail='wrap'",
+                stacklevel=3,
+            )
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
         """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) so that every
@@ -361,6 +392,15 @@ class ShardDataset(IterableDataset):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateError(f"reader state: {name}={value!r}, expected an integer >= 0")
         assert isinstance(epoch, int) and isinstance(consumed, int)
+        total = len(self.plan(epoch))
+        their_world = state.get("world_size")
+        slack = max(self.world_size, their_world if isinstance(their_world, int) else 1)
+        if consumed > total + slack:  # tail="wrap" may run up to world_size - 1 past the end
+            raise StateError(
+                f"reader state: consumed={consumed} but epoch {epoch} of {self.path!r} has "
+                f"{total} global batches; the state is damaged or belongs to another run: "
+                "pass the state that ShardDataset.state_dict() returned"
+            )
         self.epoch = epoch
         self._start = self._consumed = consumed
         self._loaded = True
@@ -387,6 +427,8 @@ class ShardDataset(IterableDataset):
             start, skip = self._pass_start(self._consumed), 0
         split = split_epoch(len(plan), self.world_size, start, self.options.tail)
         mine = split.for_rank(self.rank)
+        if start == 0 and worker_id == 0 and split.batches_per_rank == 0:
+            self._warn_empty()
         positions = np.arange(worker_id, len(mine), num_workers)
         if info is None:
             self._start = start

@@ -121,8 +121,13 @@ class Provenance:
     """Where a sequence came from: input file (relative path), record index, piece index."""
 
     source: str
-    record: int
+    record: int  # 0-based, as stored
     piece: int
+
+    @property
+    def line(self) -> int:
+        """The 1-based line (jsonl) or row (parquet) of the record, as people count."""
+        return self.record + 1
 
 
 @dataclass(frozen=True)

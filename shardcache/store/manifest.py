@@ -18,6 +18,15 @@ from shardcache.store.layout import FORMAT_VERSION, MANIFEST, PARTS_DIR
 def read_manifest(cache_dir: str) -> dict[str, Any]:
     """Read ``manifest.json``; a directory without one holds no (committed) cache."""
     path = os.path.join(cache_dir, MANIFEST)
+    if not os.path.exists(cache_dir):
+        raise CacheNotFoundError(
+            f"{cache_dir!r} does not exist; give the folder a `shardcache build --output` wrote"
+        )
+    if not os.path.isdir(cache_dir):
+        raise CacheNotFoundError(
+            f"{cache_dir!r} is a file, not a cache folder; give the folder a `shardcache build "
+            "--output` wrote"
+        )
     if not os.path.isfile(path):
         hint = (
             " (a build was started there but never committed; rerun the build)"

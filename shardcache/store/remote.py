@@ -83,6 +83,23 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, path.rstrip("/")
 
 
+def unreachable(err: BaseException, url: str) -> CacheError | None:
+    """A :class:`CacheError` naming the URL and what to check when ``err`` means the object
+    store could not be reached (connection refused, DNS, timeout: builtin, botocore or aiohttp
+    errors); None for other errors."""
+    names = {t.__name__ for t in type(err).__mro__}
+    network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+               "ConnectionError", "TimeoutError", "ServerTimeoutError"}  # fmt: skip
+    if not names & network:
+        return None
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+    return CacheError(
+        f"{url!r}: cannot reach the object store ({type(err).__name__}: {err}); check the "
+        f"network, the endpoint ({endpoint}; AWS_ENDPOINT_URL or the fsspec options) and the "
+        "credentials, then retry"
+    )
+
+
 def cache_size_bytes() -> int:
     """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``, e.g. ``200GiB``)."""
     value = os.environ.get(CACHE_SIZE_ENV)
@@ -249,6 +266,11 @@ class RemoteCache:
                 f"{self.url!r} holds no shardcache cache: {MANIFEST} is missing{hint}; build "
                 "one with `shardcache build --output URL`"
             ) from None
+        except Exception as err:
+            explained = unreachable(err, self.url)
+            if explained is None:
+                raise
+            raise explained from err
         os.makedirs(self.local_dir, exist_ok=True)
         target = os.path.join(self.local_dir, MANIFEST)
         tmp = private_tmp(target)

@@ -168,12 +168,17 @@ class BucketWriter:
         if mask is not None:
             columns.append(pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())))
         batch = pa.record_batch(columns, schema=self.schema)
-        if self._writer is None:
-            path = shard_path(self.cache_dir, self._shard_name() + ".tmp")
-            self._sink = pa.OSFile(path, "wb")
-            options = pa.ipc.IpcWriteOptions(compression=self.compression)
-            self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
-        self._writer.write_batch(batch)
+        path = shard_path(self.cache_dir, self._shard_name() + ".tmp")
+        try:
+            if self._writer is None:
+                self._sink = pa.OSFile(path, "wb")
+                options = pa.ipc.IpcWriteOptions(compression=self.compression)
+                self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
+            self._writer.write_batch(batch)
+        except OSError as err:  # Arrow's write errors do not name the file: a person needs it
+            if err.filename is None:
+                err.filename = path
+            raise
         self._shard_rows += len(lengths)
         self._shard_tokens += len(tokens)
         self._shard_token_bytes += len(tokens) * self.dtype.itemsize

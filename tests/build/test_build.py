@@ -187,8 +187,10 @@ def test_existing_cache_needs_force(corpus, build_cache, tokenizer_dir):
     options = build_options_from_mapping(
         {"input": folder, "tokenizer": tokenizer_dir, "output": out}
     )
-    with pytest.raises(CacheError, match="--force"):
-        build(options)
+    assert build(options).up_to_date  # same options and inputs: nothing to do (issue 13)
+    with pytest.raises(CacheError, match=r"max_length: None -> 8.*--force"):
+        build(dataclasses.replace(options, tokenize=dataclasses.replace(
+            options.tokenize, max_length=8)))  # fmt: skip
     build(dataclasses.replace(options, force=True))
     assert open_cache(out).num_sequences == 5
 
@@ -353,7 +355,9 @@ def test_bad_records_of_every_kind_counted_and_quarantined(tmp_path, build_cache
         valid[len(lines) - 1] = f"{i} {text}"
     path = tmp_path / "dirty.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    out = build_cache(str(path), tokenizer_dir, partition_size="2KiB", workers=2)
+    out = build_cache(
+        str(path), tokenizer_dir, partition_size="2KiB", workers=2, max_bad_fraction=0.5
+    )
     cache = open_cache(out)
     records = [s.provenance.record for s in cache.iter_sequences()]
     assert sorted(records) == sorted(valid)  # every valid record exactly once

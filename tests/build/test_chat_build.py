@@ -104,7 +104,7 @@ def test_bad_conversations_are_quarantined(tmp_path, build_cache, chatml_tokeniz
         {"messages": good[1]},
     ]
     write_records(str(path), records, "jsonl")
-    out = build_cache(str(path), chatml_tokenizer_dir, chat=True)
+    out = build_cache(str(path), chatml_tokenizer_dir, chat=True, max_bad_fraction=1.0)
     cache = open_cache(out)
     assert sorted(s.provenance.record for s in cache.iter_sequences()) == [0, 5]
     assert cache.manifest["stats"]["bad_records"] == {

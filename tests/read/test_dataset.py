@@ -372,7 +372,9 @@ def test_options_object_and_keyword_errors(cache_dir):
     assert ds.options == options
     with pytest.raises(ConfigError, match="either as options="):
         ShardDataset(cache_dir, 256, options=options)
-    with pytest.raises(ConfigError, match=r"unknown batch option\(s\) \['seqlen'\]"):
+    with pytest.raises(
+        ConfigError, match=r"unknown batch option 'seqlen' \(did you mean 'seq_len'\?\)"
+    ):
         ShardDataset(cache_dir, 256, seqlen=3)
     with pytest.raises(ConfigError, match="max_tokens: required"):
         ShardDataset(cache_dir)
