@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Union
 
+from shardcache.build.backends import EncoderSelection
 from shardcache.build.chat import ChatEncoder
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
@@ -39,6 +40,7 @@ def encoder_spec(encoder: Encoder) -> dict[str, Any]:
             "tokenize": dataclasses.asdict(encoder.text.options),
             "chat": dataclasses.asdict(encoder.options),
             "hf_class": [cls.__module__, cls.__qualname__],
+            "selection": encoder.text.selection.to_json(),  # the gate's decision (always HF)
         }
     return {"kind": "text", "text": encoder.spec()}
 
@@ -53,7 +55,9 @@ def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
         module, name = spec["hf_class"]
         cls = getattr(importlib.import_module(module), name)
         hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
-        return ChatEncoder(TextEncoder(options, hf_tokenizer=hf), ChatOptions(**spec["chat"]))
+        text = TextEncoder(options, hf_tokenizer=hf)
+        text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
+        return ChatEncoder(text, ChatOptions(**spec["chat"]))
     return TextEncoder.from_spec(spec["text"])
 
 

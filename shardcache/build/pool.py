@@ -80,6 +80,7 @@ def _worker_init(
     check_parent()  # the parent may have died before prctl
     # before the tokenizer's Rayon pool starts (on the first encode_batch)
     os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
+    os.environ["FASTOKENS_BPE_THREADS"] = str(rayon_threads)  # the fast backend's own pool
     queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
     _WORKER.update(encoder=encoder_from_spec(spec), plan=plan, queue=queue)
 

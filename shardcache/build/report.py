@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardcache.store.summary import chat_lines, human_bytes
+from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
 class Progress:
@@ -51,6 +51,7 @@ class BuildReport:
     resumed_partitions: int = 0  # taken from an interrupted earlier run
     workers: int = 1
     corrupt_files: list[dict[str, Any]] = field(default_factory=list)
+    encoder: dict[str, Any] = field(default_factory=dict)  # the manifest's "encoder" field
 
     @property
     def tokens_per_second(self) -> float:
@@ -65,7 +66,7 @@ def report_from_manifest(output: str, manifest: Mapping[str, Any], seconds: floa
         tokens=totals["tokens"], shards=totals["shards"], bytes_in=totals["input_bytes"],
         bytes_out=totals["shard_bytes"], seconds=seconds, stats=stats, bad_records=bad,
         partitions=manifest["partitions"], resumed_partitions=manifest["partitions"],
-        workers=0, corrupt_files=corrupt,
+        workers=0, corrupt_files=corrupt, encoder=manifest.get("encoder") or {},
     )  # fmt: skip
 
 
@@ -86,6 +87,7 @@ def report_json(report: BuildReport) -> dict[str, Any]:
         "partitions": report.partitions,
         "resumed_partitions": report.resumed_partitions,
         "workers": report.workers,
+        "encoder": report.encoder,
     }
 
 
@@ -113,6 +115,7 @@ def format_report(report: BuildReport) -> str:
             f"bad records  {bad}",
             *lost,
             *chat_lines(st),
+            *encoder_lines(report.encoder),
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]

@@ -19,6 +19,7 @@ from collections.abc import Callable
 from shardcache.build.commit import commit
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
+from shardcache.build.gate import gate_encoder
 from shardcache.build.lock import BuildLock
 from shardcache.build.plan import (
     PartitionResult,
@@ -78,6 +79,9 @@ def build_cache(
     with BuildLock(options.output):
         plan, done = prepare_output(options, inputs)
         pending = [p for p in plan.partitions if p.id not in done]
+        # which backend encodes (HF or the proven fast one); also when every partition is
+        # resumed, so the manifest's encoder field does not depend on where a build stopped
+        gate_encoder(encoder, plan)
         try:
             progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
             results = dict(done)
@@ -105,6 +109,7 @@ def build_cache(
         resumed_partitions=len(done),
         workers=1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending)),
         corrupt_files=corrupt,
+        encoder=manifest.get("encoder") or {},
     )
 
 
@@ -168,6 +173,8 @@ def build_share(
                 done[p.id] = result
         pending = [p for p in mine if p.id not in done]
         clean_partitions(out, [p.id for p in pending], done)
+        if pending:
+            gate_encoder(encoder, plan)
         write_json_atomic(
             os.path.join(out, SHARES_DIR, f"{share.name}.json"),
             {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},

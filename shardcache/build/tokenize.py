@@ -43,9 +43,17 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.build.backends import (
+    EncoderSelection,
+    FastBackend,
+    HFBackend,
+    VerifyCounts,
+    sample_positions,
+    verify_sample,
+)
 from shardcache.build.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
-from shardcache.config import TokenizeOptions
-from shardcache.errors import ConfigError, TokenizerError
+from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
+from shardcache.errors import ConfigError, EncoderError, TokenizerError
 
 
 @dataclass
@@ -62,6 +70,27 @@ class Encoded:
     piece: np.ndarray  # int32
     mask: np.ndarray | None = None  # bool per token: trainable (chat data); None = all
     failed: list[tuple[int, str, str]] = field(default_factory=list)  # (doc, reason, detail)
+
+
+@dataclass
+class FlatIds:
+    """Raw ids of one encode batch: every text's ids concatenated (uint32) and the number
+    of ids per text. ``ids[i]`` is text ``i``'s ids (a view)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        end = int(self.lengths[: i + 1].sum())
+        return self.tokens[end - int(self.lengths[i]) : end]
+
+
+class EncodingMismatch(EncoderError):
+    """The fast backend's ids differed from HF's on the in-build sample (partition.py then
+    re-encodes the partition with HF, or fails the build under ``--encoder fast``)."""
 
 
 @dataclass
@@ -172,6 +201,7 @@ class TextEncoder:
         self.backend = Tokenizer.from_str(serialized)
         self.backend.no_truncation()
         self.backend.no_padding()
+        self._init_backends()
         self.add_special_tokens = (
             True if options.add_special_tokens is None else options.add_special_tokens
         )
@@ -195,6 +225,9 @@ class TextEncoder:
             "max_token_id": self.max_token_id,
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
+            "selection": self.selection.to_json(),
+            "fast": self.fast is not None,
+            "verify_fraction": self.verify_fraction,
         }
 
     @classmethod
@@ -209,12 +242,44 @@ class TextEncoder:
         self.backend_truncation = spec["backend_truncation"]
         self.backend_padding = spec["backend_padding"]
         self.backend = Tokenizer.from_str(spec["backend"])
+        self._init_backends()
+        self.selection = EncoderSelection(**spec["selection"])
+        self.verify_fraction = float(spec["verify_fraction"])
+        if spec["fast"]:  # the parent's gate passed: the same backend, or a loud failure
+            self.fast = FastBackend(spec["backend"])
         self.add_special_tokens = bool(spec["add_special_tokens"])
         self.max_token_id = int(spec["max_token_id"])
         self.dtype = token_dtype(self.max_token_id)
         self.eos_id = spec["eos_id"]
         self.pad_id = int(spec["pad_id"])
         return self
+
+    def _init_backends(self) -> None:
+        #: The reference (HF) backend; ``fast`` is set by :meth:`use_fast` after the gate.
+        self.reference = HFBackend(self.backend)
+        self.fast: FastBackend | None = None
+        self.selection = EncoderSelection("hf", self.reference.name, self.reference.version,
+                                          "the gate did not run (HF by default)")  # fmt: skip
+        self.verify_fraction = DEFAULT_VERIFY_FRACTION
+        self.verify = VerifyCounts()
+        self._batches = 0
+
+    def use_fast(
+        self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
+    ) -> None:
+        """Encode with ``fast`` (None: HF) from now on; ``selection`` says why (the gate)."""
+        self.fast = fast
+        self.selection = selection
+        self.verify_fraction = verify_fraction
+
+    def take_verify(self) -> VerifyCounts:
+        """The in-build verification counts since the last call (per partition), then reset."""
+        counts, self.verify, self._batches = self.verify, VerifyCounts(), 0
+        return counts
+
+    def encode_reference(self, texts: list[str]) -> list[list[int]]:
+        """Ids per text from the HF backend (the cache key's behaviour probe, audits)."""
+        return self.reference.encode_lists(texts, self.add_special_tokens)
 
     def _end_token_id(self) -> int | None:
         for name in ("eos_token_id", "sep_token_id"):
@@ -252,23 +317,41 @@ class TextEncoder:
             "append_eos": self.options.append_eos,
         }
 
-    def encode_texts(self, texts: list[str]) -> list[Any]:
-        """Raw ids per text from the backend (releases the GIL, uses all cores): a list of
-        ints, or an int64 array for a huge document encoded in pieces (chunking.py)."""
+    def encode_texts(self, texts: list[str]) -> FlatIds:
+        """Raw ids of a batch (the backend releases the GIL and uses all cores). With the fast
+        backend a deterministic sample is re-encoded with HF (:func:`verify_sample`); a
+        difference raises :class:`EncodingMismatch`. A huge document is encoded in pieces
+        by HF (chunking.py), exact by construction."""
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
-            encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
-            return [e.ids for e in encodings]
+            return self._encode_flat(texts)
         out: list[Any] = [None] * len(texts)
         for i in huge:
             out[i] = self._encode_huge(texts[i])
         small = [i for i in range(len(texts)) if out[i] is None]
-        encodings = self.backend.encode_batch(
-            [texts[i] for i in small], add_special_tokens=self.add_special_tokens
-        )
-        for i, e in zip(small, encodings):
-            out[i] = e.ids
-        return out
+        rest = self._encode_flat([texts[i] for i in small])
+        for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):
+            out[i] = ids
+        lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
+        return FlatIds(np.concatenate(out).astype(np.uint32, copy=False), lengths)
+
+    def _encode_flat(self, texts: list[str]) -> FlatIds:
+        if self.fast is None:
+            return FlatIds(*self.reference.encode_flat(texts, self.add_special_tokens))
+        tokens, lengths = self.fast.encode_flat(texts, self.add_special_tokens)
+        positions = sample_positions(texts, lengths, self.verify_fraction, self._batches)
+        self._batches += 1
+        before = self.verify.mismatches
+        verify_sample(
+            texts, tokens, lengths, positions, self.reference, self.add_special_tokens,
+            self.verify,
+        )  # fmt: skip
+        if self.verify.mismatches > before:
+            raise EncodingMismatch(
+                f"the fast encoder ({self.selection.backend} {self.selection.version}) and HF "
+                f"disagree: {self.verify.detail[-1]}"
+            )
+        return FlatIds(tokens, lengths)
 
     def _encode_huge(self, text: str) -> np.ndarray | None:
         if not hasattr(self, "_wrapping"):
@@ -277,15 +360,11 @@ class TextEncoder:
             return None  # not provably exact for this tokenizer: encoded whole
         return encode_in_pieces(self.backend, text, self._wrapping)
 
-    def finish(self, ids: list[Any], stats: TruncationStats) -> Encoded:
-        """EOS and truncation over a batch of id lists; updates ``stats``."""
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        tokens = (
-            np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids])
-            if ids
-            else np.zeros(0, dtype=self.dtype)
-        )
-        stats.documents += len(ids)
+    def finish(self, ids: FlatIds, stats: TruncationStats) -> Encoded:
+        """EOS and truncation over a batch's flat ids; updates ``stats``."""
+        lengths = ids.lengths
+        tokens = ids.tokens.astype(self.dtype, copy=False)
+        stats.documents += len(lengths)
         if self.options.append_eos and self.eos_id is not None:
             tokens, lengths = append_end_token(tokens, lengths, self.eos_id)
         encoded = apply_truncation(tokens, lengths, self.options, self.eos_id, stats)
@@ -383,7 +462,7 @@ class _Failure:
 
 def encode_ahead(
     encoder: TextEncoder, batches: Iterable[Any], depth: int = 2
-) -> Iterator[tuple[Any, list[list[int]]]]:
+) -> Iterator[tuple[Any, Any]]:
     """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
 
     A background thread reads the upstream and runs ``encode_batch`` (GIL released) while the

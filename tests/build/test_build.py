@@ -202,7 +202,7 @@ def test_no_tmp_files_or_pickles_left(corpus, build_cache, tokenizer_dir):
 
 # ------------------------------------------------------------------ parallel, resume, bad input
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tree(folder: str) -> dict[str, bytes]:
