@@ -194,6 +194,22 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
+    "--encoder",
+    type=click.Choice(["auto", "hf", "fast"]),
+    help="Tokenizer backend: auto uses the fast one (pip install 'shardcache[fast]') when "
+    "it supports the tokenizer and gives HF's exact ids on the probe set and a corpus "
+    "sample, else HF (the reason is in the report); hf always HF; fast fails, saying why, "
+    "when the fast one cannot be used or disagrees. Never changes the output bytes.  "
+    "[default: auto]",
+)
+@click.option(
+    "--verify-fraction",
+    help="Fast encoder: share of each partition's documents re-encoded with HF and compared "
+    "(plus the longest and the most non-ASCII document of every batch); a mismatch "
+    "re-encodes the partition with HF (--encoder fast: fails), e.g. 0.02 or 1/64.  "
+    "[default: 1/64]",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
