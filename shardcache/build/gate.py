@@ -10,26 +10,40 @@ offsets) -> HF for the whole build; the reason goes to the manifest's ``encoder`
 build report and ``shardcache info``. The decision travels to worker processes in the
 encoder's spec, so every partition of a build uses the same backend.
 
-Cost: reading ~512 documents and encoding them twice, ~0.1 s on a 151k-vocabulary BPE.
+Cost: loading the fast backend (1.3 CPU-s for a 151k-vocabulary BPE; started by
+:func:`start_loading` before planning, in a thread, so it overlaps the rest of the start), and
+encoding the probe plus at most 512 documents / 256 Ki characters with both backends.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from shardcache.build.backends import GATE_SAMPLE_DOCS, EncoderSelection, select_backend
+from shardcache.build.backends import (
+    GATE_SAMPLE_CHARS,
+    GATE_SAMPLE_DOCS,
+    Ahead,
+    EncoderSelection,
+    FastBackend,
+    load_fast_ahead,
+    select_backend,
+)
 from shardcache.build.keying import probe_texts
 from shardcache.build.plan import BuildPlan
 from shardcache.build.sources import iter_text_batches
+from shardcache.config import BuildOptions
 from shardcache.errors import SourceError
 
 #: Partitions the corpus sample is drawn from (evenly spaced over the plan).
 GATE_PARTITIONS = 8
 
 
-def corpus_sample(plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS) -> list[str]:
-    """Up to ``limit`` texts: the first documents of up to :data:`GATE_PARTITIONS` partitions
-    spread over the plan (bad records skipped; a damaged file just contributes less)."""
+def corpus_sample(
+    plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
+) -> list[str]:
+    """Up to ``limit`` texts and about ``max_chars`` characters: the first documents of up
+    to :data:`GATE_PARTITIONS` partitions spread over the plan (bad records skipped; a
+    damaged file just contributes less)."""
     partitions = plan.partitions
     if not partitions or limit <= 0:
         return []
@@ -38,6 +52,7 @@ def corpus_sample(plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS) -> list[str]:
     per_partition = max(1, limit // len(chosen))
     options = plan.options
     texts: list[str] = []
+    chars_per_partition = max_chars // len(chosen)
     for partition in chosen:
         batches = iter_text_batches(
             partition.file,
@@ -49,7 +64,12 @@ def corpus_sample(plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS) -> list[str]:
         )
         try:
             for batch in batches:
-                texts.extend(batch.texts[: limit - len(texts)])
+                chars = 0
+                for text in batch.texts[: limit - len(texts)]:
+                    if chars and chars + len(text) > chars_per_partition:
+                        break
+                    texts.append(text)
+                    chars += len(text)
                 break
         except SourceError:
             pass  # the build itself reports the unreadable input
@@ -60,7 +80,17 @@ def corpus_sample(plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS) -> list[str]:
     return texts
 
 
-def gate_encoder(encoder: Any, plan: BuildPlan) -> EncoderSelection:
+def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
+    """Start loading the fast backend in the background when the build may use it (so the
+    load overlaps planning; :func:`gate_encoder` takes it)."""
+    if options.encoding.encoder == "hf" or options.chat is not None:
+        return None
+    return load_fast_ahead(getattr(encoder, "text", encoder).serialized)
+
+
+def gate_encoder(
+    encoder: Any, plan: BuildPlan, loading: Ahead[FastBackend] | None = None
+) -> EncoderSelection:
     """Run the gate for ``encoder`` (a TextEncoder or a ChatEncoder wrapping one) under the
     plan's options; the encoder then encodes with the chosen backend. Raises
     :class:`~shardcache.errors.EncoderError` when ``--encoder fast`` cannot be honoured."""
@@ -71,12 +101,13 @@ def gate_encoder(encoder: Any, plan: BuildPlan) -> EncoderSelection:
     sample = [] if chat or requested == "hf" else corpus_sample(plan)
     fast, selection = select_backend(
         requested,
-        text.backend.to_str(),
+        text.serialized,
         text.reference,
         text.add_special_tokens,
         [] if chat else probe_texts(text.hf, encoder),
         chat=chat,
         sample=sample,
+        loading=loading,
     )
     text.use_fast(fast, selection, options.encoding.verify_fraction)
     return selection

@@ -19,7 +19,8 @@ from collections.abc import Callable
 from shardcache.build.commit import commit
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
-from shardcache.build.gate import gate_encoder
+from shardcache.build.gate import gate_encoder, start_loading
+from shardcache.build.keying import start_tokenizer_component
 from shardcache.build.lock import BuildLock
 from shardcache.build.plan import (
     PartitionResult,
@@ -71,6 +72,7 @@ def build_cache(
     started = time.perf_counter()
     inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
     encoder = encoder_for(options, encoder_factory)
+    loading = start_loading(encoder, options)
     workers = options.num_workers
     if os.path.exists(options.output) and not os.path.isdir(options.output):
         raise CacheError(
@@ -81,7 +83,8 @@ def build_cache(
         pending = [p for p in plan.partitions if p.id not in done]
         # which backend encodes (HF or the proven fast one); also when every partition is
         # resumed, so the manifest's encoder field does not depend on where a build stopped
-        gate_encoder(encoder, plan)
+        gate_encoder(encoder, plan, loading)
+        start_tokenizer_component(encoder)  # overlaps the build; the commit needs it
         try:
             progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
             results = dict(done)
@@ -155,6 +158,7 @@ def build_share(
     out = options.output
     inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
     encoder = encoder_for(options, encoder_factory)
+    loading = start_loading(encoder, options)
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise CacheError(
             f"{out!r} already holds a committed cache; a share has nothing to add (delete the "
@@ -174,7 +178,7 @@ def build_share(
         pending = [p for p in mine if p.id not in done]
         clean_partitions(out, [p.id for p in pending], done)
         if pending:
-            gate_encoder(encoder, plan)
+            gate_encoder(encoder, plan, loading)
         write_json_atomic(
             os.path.join(out, SHARES_DIR, f"{share.name}.json"),
             {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
