@@ -14,7 +14,6 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from shardcache.build.backends import Ahead
 from shardcache.build.encoders import make_encoder
 from shardcache.build.sources import list_inputs
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
@@ -142,13 +141,13 @@ def versions_component(tokenizer_class: str) -> dict:
     }
 
 
-def start_tokenizer_component(encoder: Any) -> None:
-    """Compute the key's tokenizer component in the background (the canonical JSON of a
-    151k-vocabulary model costs 0.6 CPU-s), so it fills time the build spends waiting for
-    the encoder; :func:`compute_key` takes it."""
+def precompute_tokenizer_component(encoder: Any) -> None:
+    """Compute the key's tokenizer component now (the canonical JSON of a 151k-vocabulary
+    model: 0.3-0.6 CPU-s, holding the GIL) and keep it on the encoder for
+    :func:`compute_key`: a build calls this while fastokens loads in the background."""
     text = getattr(encoder, "text", encoder)
-    text.tokenizer_component_ahead = Ahead(
-        tokenizer_component, text.backend_json, text.backend_truncation, text.backend_padding
+    text.tokenizer_component = tokenizer_component(
+        text.backend_json, text.backend_truncation, text.backend_padding
     )
 
 
@@ -162,11 +161,11 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
     chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
     side = encoder.options.truncation_side if chat is not None else "right"
-    ahead = getattr(text, "tokenizer_component_ahead", None)
+    component = getattr(text, "tokenizer_component", None)
     return CacheKey(
         {
-            "tokenizer": ahead.result()
-            if ahead is not None
+            "tokenizer": component
+            if component is not None
             else tokenizer_component(
                 text.backend_json, text.backend_truncation, text.backend_padding
             ),

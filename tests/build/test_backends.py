@@ -376,3 +376,21 @@ def test_fast_build_identical_for_1_and_2_workers(hard_corpus, tokenizer_dir, tm
     b = _build(hard_corpus, tokenizer_dir, two, encoder="fast", partition_size="2KiB", workers=2)
     assert a == b and _data_files(one) == _data_files(two)
     assert set(a["encoder"]["partitions_by_backend"]) == {"fastokens"}
+
+
+def test_default_workers_shrink_for_the_fast_backend(tokenizer_dir):
+    """Unset --workers: one process per FAST_BYTES_PER_WORKER of input with the fast backend
+    (a worker's start-up outweighs small inputs); HF and explicit counts are unchanged."""
+    pytest.importorskip("fastokens")
+    from types import SimpleNamespace
+
+    from shardcache.build.run import FAST_BYTES_PER_WORKER, fast_workers
+
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    small = [SimpleNamespace(nbytes=1000)] * 4
+    big = [SimpleNamespace(nbytes=FAST_BYTES_PER_WORKER)] * 3
+    assert fast_workers(encoder, small, 4) == 4  # HF
+    encoder.use_fast(FastBackend(encoder.serialized), encoder.selection, 1 / 64)
+    assert fast_workers(encoder, small, 4) == 1
+    assert fast_workers(encoder, big, 2) == 2
+    assert fast_workers(encoder, big, 8) == 3
