@@ -119,11 +119,15 @@ def run_pool(
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     rayon_threads = max(1, default_workers() // workers)
+    spec = encoder_spec(encoder)
+    # this process only waits from here on: free its copy of the fast backend (~120 MB for a
+    # 151k vocabulary; the workers load their own from the spec)
+    getattr(encoder, "text", encoder).fast = None
     executor = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(encoder_spec(encoder), plan, queue, rayon_threads, os.getpid()),
+        initargs=(spec, plan, queue, rayon_threads, os.getpid()),
     )
     index = {p.id: i for i, p in enumerate(plan.partitions)}
     futures: dict[Future[dict[str, Any]], Partition] = {}
