@@ -24,9 +24,12 @@ Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
 EncoderFactory = Callable[[BuildOptions], Encoder]
 
 
-def make_encoder(tokenize: TokenizeOptions, chat: ChatOptions | None) -> Encoder:
-    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data."""
-    text = TextEncoder(tokenize)
+def make_encoder(
+    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
+) -> Encoder:
+    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
+    (``preload_fast``: start loading the fast backend for the gate, text only)."""
+    text = TextEncoder(tokenize, preload_fast=preload_fast and chat is None)
     return text if chat is None else ChatEncoder(text, chat)
 
 
@@ -72,4 +75,4 @@ def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) ->
     """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
     if factory is not None:
         return factory(options)
-    return make_encoder(options.tokenize, options.chat)
+    return make_encoder(options.tokenize, options.chat, options.encoding.encoder != "hf")

@@ -81,11 +81,13 @@ def corpus_sample(
 
 
 def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
-    """Start loading the fast backend in the background when the build may use it (so the
-    load overlaps planning; :func:`gate_encoder` takes it)."""
+    """The fast backend's load, in the background, when the build may use it: the one the
+    encoder started (``TextEncoder(preload_fast=True)``, right after the HF load), else one
+    started now. It overlaps the rest of the start; :func:`gate_encoder` takes it."""
     if options.encoding.encoder == "hf" or options.chat is not None:
         return None
-    return load_fast_ahead(getattr(encoder, "text", encoder).serialized)
+    text = getattr(encoder, "text", encoder)
+    return getattr(text, "fast_loading", None) or load_fast_ahead(text.serialized)
 
 
 def gate_encoder(
@@ -110,4 +112,5 @@ def gate_encoder(
         loading=loading,
     )
     text.use_fast(fast, selection, options.encoding.verify_fraction)
+    text.fast_loading = None  # a refused backend is not kept alive
     return selection

@@ -185,7 +185,11 @@ def ensure_fast(tok: Any, path: str) -> None:
 class TextEncoder:
     """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`."""
 
-    def __init__(self, options: TokenizeOptions, hf_tokenizer: Any | None = None):
+    def __init__(
+        self, options: TokenizeOptions, hf_tokenizer: Any | None = None, preload_fast: bool = False
+    ):
+        """``preload_fast``: start loading the fast backend (in a thread) as soon as the
+        backend JSON is known; the build's gate takes it from ``fast_loading``."""
         from tokenizers import Tokenizer
 
         self.options = options
@@ -197,6 +201,8 @@ class TextEncoder:
         self.backend_truncation = _plain(source.truncation)
         self.backend_padding = _plain(source.padding)
         serialized = source.to_str()
+        #: The fast backend loading in the background (the gate decides whether it is used).
+        self.fast_loading = load_fast_ahead(serialized) if preload_fast else None
         #: The backend as loaded, parsed (canonical content for the cache key).
         self.backend_json = json.loads(serialized)
         self.backend = Tokenizer.from_str(serialized)
@@ -249,6 +255,7 @@ class TextEncoder:
         self.backend_padding = spec["backend_padding"]
         self.backend = Tokenizer.from_str(spec["backend"])
         self.serialized = spec["backend"]
+        self.fast_loading = None
         self._init_backends()
         self.selection = EncoderSelection(**spec["selection"])
         self.verify_fraction = float(spec["verify_fraction"])
