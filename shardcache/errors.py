@@ -91,7 +91,8 @@ class IncompleteBuildError(CacheError):
 
 
 class MissingDependencyError(ShardcacheError, ImportError):
-    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``) is not installed."""
+    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``, ``shardcache[fast]``
+    for ``--encoder fast``) is not installed."""
 
 
 class StateError(ShardcacheError, ValueError):

@@ -37,7 +37,7 @@ from typing import Any, Generic, Protocol, TypeVar
 
 import numpy as np
 
-from shardcache.errors import EncoderError
+from shardcache.errors import EncoderError, MissingDependencyError
 
 #: The accelerated backend's import name and its pip extra.
 FAST_MODULE = "fastokens"
@@ -158,7 +158,7 @@ def load_fast_backend(serialized: str) -> FastBackend:
     refusal (never a crash of the build)."""
     try:
         return FastBackend(serialized)
-    except EncoderError:
+    except (EncoderError, MissingDependencyError):
         raise
     except Exception as err:
         raise EncoderError(f"{FAST_MODULE} failed to load the tokenizer: {err!r}") from err
@@ -172,11 +172,11 @@ def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
 
 
 def import_fast_module() -> Any:
-    """The fastokens module, or :class:`EncoderError` naming the pip command."""
+    """The fastokens module, or :class:`MissingDependencyError` naming the pip command."""
     try:
         return importlib.import_module(FAST_MODULE)
     except ImportError as err:
-        raise EncoderError(
+        raise MissingDependencyError(
             f"the fast encoder needs the optional package {FAST_MODULE!r}, which is not "
             f"installed ({err}); install it with {FAST_PIP}, or build with --encoder hf"
         ) from err
@@ -258,9 +258,10 @@ def select_backend(
         hf.reason = "--encoder hf"
         return None, hf
 
-    def refuse(reason: str) -> tuple[None, EncoderSelection]:
+    def refuse(reason: str, missing: bool = False) -> tuple[None, EncoderSelection]:
         if requested == "fast":
-            raise EncoderError(f"--encoder fast cannot be used: {reason}")
+            error = MissingDependencyError if missing else EncoderError
+            raise error(f"--encoder fast cannot be used: {reason}")
         hf.reason = reason
         return None, hf
 
@@ -271,6 +272,8 @@ def select_backend(
         )
     try:
         fast = (loading or load_fast_ahead(serialized)).result()
+    except MissingDependencyError as err:
+        return refuse(str(err), missing=True)
     except EncoderError as err:
         return refuse(str(err))
     try:

@@ -17,7 +17,7 @@ from shardcache.build.backends import FastBackend, flatten_ids, sample_positions
 from shardcache.build.run import build_cache as run_build
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import TokenizeOptions, build_options_from_mapping
-from shardcache.errors import ConfigError, EncoderError
+from shardcache.errors import ConfigError, EncoderError, MissingDependencyError
 from shardcache.store.cache import open_cache
 
 SPECIALS = ["<eos>", "<pad>", "<bos>", "<|im_start|>", "<|im_end|>"]
@@ -320,7 +320,7 @@ def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir,
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
     [reason] = manifest["encoder"]["gate"]
     assert "not installed" in reason and "pip install 'shardcache[fast]'" in reason
-    with pytest.raises(EncoderError, match=r"--encoder fast cannot be used: .*not installed"):
+    with pytest.raises(MissingDependencyError, match=r"--encoder fast cannot be used: .*not inst"):
         _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
 
 
