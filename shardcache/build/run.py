@@ -89,6 +89,7 @@ def build_cache(
         # which backend encodes (HF or the proven fast one); also when every partition is
         # resumed, so the manifest's encoder field does not depend on where a build stopped
         gate_encoder(encoder, plan, loading)
+        loading = None  # the encoder holds the backend it uses (a pool's parent frees it)
         if options.workers is None and (engine or run_local) is run_local:
             workers = fast_workers(encoder, pending, workers)
         try:
@@ -202,6 +203,7 @@ def build_share(
         clean_partitions(out, [p.id for p in pending], done)
         if pending:
             gate_encoder(encoder, plan, loading)
+        loading = None
         write_json_atomic(
             os.path.join(out, SHARES_DIR, f"{share.name}.json"),
             {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
