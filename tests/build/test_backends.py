@@ -224,6 +224,19 @@ def test_fast_ids_equal_tokenizer_call_for_every_family(family_dir):
         assert flat[i].tolist() == tok(text)["input_ids"], (name, text[:40])
 
 
+def test_hf_build_ids_equal_tokenizer_call_for_every_family(family_dir):
+    """The HF path encodes with encode_batch_fast (no offsets): the same ids."""
+    from transformers import AutoTokenizer
+
+    name, folder = family_dir
+    encoder = TextEncoder(TokenizeOptions(folder))
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = _texts()
+    flat = encoder.encode_texts(texts)
+    for i, text in enumerate(texts):
+        assert flat[i].tolist() == tok(text)["input_ids"], (name, text[:40])
+
+
 def test_families_fastokens_supports_and_refuses(family_dir):
     """Which families the fast path covers today (fastokens 0.3.5): a new release that
     supports more shows up here, and a tokenizer it refuses is refused at load (so the gate
