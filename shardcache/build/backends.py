@@ -140,8 +140,11 @@ class Ahead(Generic[T]):
     def __init__(self, fn: Callable[..., T], *args: Any):
         self._value: T | None = None
         self._error: BaseException | None = None
+        # not a daemon: interpreter shutdown waits for it. A daemon thread still inside
+        # fastokens when a failing build exits aborted the process once ("FATAL: exception
+        # not rethrown", seen when it reacquired the GIL during finalization)
         self._thread = threading.Thread(
-            target=self._run, args=(fn, args), name="shardcache-ahead", daemon=True
+            target=self._run, args=(fn, args), name="shardcache-ahead", daemon=False
         )
         self._thread.start()
 
