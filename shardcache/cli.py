@@ -235,6 +235,22 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "a build that keeps no document always fails.  [default: 0.1]",
 )
 @click.option(
+    "--encoder",
+    type=click.Choice(["auto", "hf", "fast"]),
+    help="Tokenizer backend: auto uses the fast one (pip install 'shardcache[fast]') when "
+    "it supports the tokenizer and gives HF's exact ids on the probe set and a corpus "
+    "sample, else HF (the reason is in the report); hf always HF; fast fails, saying why, "
+    "when the fast one cannot be used or disagrees. Never changes the output bytes.  "
+    "[default: auto]",
+)
+@click.option(
+    "--verify-fraction",
+    help="Fast encoder: share of each partition's documents re-encoded with HF and compared "
+    "(plus the longest and the most non-ASCII document of every batch); a mismatch "
+    "re-encodes the partition with HF (--encoder fast: fails), e.g. 0.02 or 1/64.  "
+    "[default: 1/64]",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -486,28 +502,71 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
 
 @main.command()
 @click.argument("cache")
+@click.option(
+    "--tokens",
+    is_flag=True,
+    help="Also re-tokenize a sample of the stored documents from their inputs with the "
+    "Hugging Face tokenizer and compare ids (and chat loss masks) with the cache.",
+)
+@click.option(
+    "--fraction",
+    default="1/64",
+    show_default=True,
+    help="With --tokens: share of each input's records to re-tokenize (chosen by a fixed "
+    "hash of the record index), e.g. 0.1, 1/64 or 1 for all.",
+)
+@click.option("--input", "-i", "inputs", multiple=True, help="With --tokens: the inputs, "
+              "when they moved since the build (default: the paths in the manifest).")  # fmt: skip
+@click.option("--tokenizer", "-t", help="With --tokens: the tokenizer folder, when it moved "
+              "since the build.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @translate_errors
-def verify(cache: str, as_json: bool) -> None:
+def verify(
+    cache: str,
+    tokens: bool,
+    fraction: str,
+    inputs: tuple[str, ...],
+    tokenizer: str | None,
+    as_json: bool,
+) -> None:
     """Recompute every checksum of a CACHE and check its structure.
 
     Checks every shard (size, sha256, Arrow structure, rows, offsets, token type, lengths
     inside the bucket ranges, token ids), the length index, the quarantine file and the
-    manifest totals. Names each corrupt or missing file. Exit 0 when clean, 1 otherwise.
+    manifest totals. Names each corrupt or missing file. With --tokens, also re-tokenizes
+    a deterministic sample of the documents from the inputs with the Hugging Face tokenizer
+    and compares with the stored ids (whichever encoder built the cache). Exit 0 when clean,
+    1 otherwise.
 
     \b
     Example:
       shardcache verify ./cache
       shardcache verify ./cache --json
+      shardcache verify ./cache --tokens --fraction 0.01
     """
+    from shardcache.config import parse_fraction
     from shardcache.store.verify import format_verify, verify_cache
 
+    share = parse_fraction(fraction, "fraction")
+    if not 0 < share <= 1:
+        raise click.BadParameter(f"got {fraction!r}, expected a number in (0, 1]",
+                                 param_hint="--fraction")  # fmt: skip
     report = verify_cache(cache)
+    audit = None
+    if tokens:
+        from shardcache.build.audit import audit_tokens, format_token_audit
+
+        audit = audit_tokens(cache, share, inputs or None, tokenizer)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        data = report.to_json()
+        if audit is not None:
+            data["tokens"] = audit.to_json()
+        click.echo(json.dumps(data, indent=1))
     else:
         click.echo(format_verify(report))
-    if not report.ok:
+        if audit is not None:
+            click.echo(format_token_audit(audit))
+    if not report.ok or (audit is not None and not audit.ok):
         sys.exit(1)
 
 

@@ -27,6 +27,14 @@ COMPRESSIONS = ("none", "zstd")
 ON_ERROR = ("skip", "fail")
 TRAIN_ON = ("assistant", "last-assistant", "all")
 TRUNCATION_SIDES = ("right", "left")
+#: Which encoder backend tokenizes (build/backends.py): ``auto`` the accelerated one when it
+#: is installed, supports the tokenizer and passes the gate, else Hugging Face; ``hf`` always
+#: the Hugging Face tokenizer; ``fast`` the accelerated one or fail, saying why.
+ENCODERS = ("auto", "hf", "fast")
+#: Share of documents per partition that the in-build check re-encodes with the Hugging Face
+#: tokenizer when the accelerated backend is used (plus the longest and the most non-ASCII
+#: document of every encode batch).
+DEFAULT_VERIFY_FRACTION = 1 / 64
 
 #: Default bucket edges: powers of two. A sequence of length n goes to the first bucket whose
 #: edge is >= n; longer ones go to a last, open-ended bucket.
@@ -176,6 +184,25 @@ class TokenizeOptions:
 
 
 @dataclass(frozen=True)
+class EncodingOptions:
+    """Which backend encodes, and how much of its output is re-checked against the Hugging
+    Face tokenizer. Never changes the bytes (ids are proven equal), so not in the cache key."""
+
+    encoder: str = "auto"
+    verify_fraction: float = DEFAULT_VERIFY_FRACTION
+
+    def __post_init__(self) -> None:
+        check_choice("encoder", self.encoder, ENCODERS)
+        value = self.verify_fraction
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(
+                f"verify_fraction: got {value!r}, expected a number in [0, 1] (the share of "
+                "documents re-encoded with the Hugging Face tokenizer, e.g. 0.015625 = 1/64)"
+            )
+        object.__setattr__(self, "verify_fraction", float(value))
+
+
+@dataclass(frozen=True)
 class LayoutOptions:
     """How sequences are laid out on disk. Not part of the cache key."""
 
@@ -225,6 +252,8 @@ class BuildOptions:
     #: Fail the build (no manifest) when more than this fraction of the records is bad (a
     #: build that keeps no document always fails). Decides only whether to commit.
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+    #: Encoder backend and its in-build verification (never changes the bytes).
+    encoding: EncodingOptions = field(default_factory=EncodingOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -297,7 +326,8 @@ RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
-    "train_on", "truncation_side", "strict_lint", "max_bad_fraction",
+    "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
+    "verify_fraction",
 }  # fmt: skip
 
 
@@ -384,4 +414,30 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
             if values.get("max_bad_fraction") is not None
             else {}
         ),
+        encoding=encoding_options_from_mapping(values),
     )
+
+
+def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
+    """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be written
+    ``"1/64"``)."""
+    fraction: Any = values.get("verify_fraction")
+    if fraction is None:
+        fraction = DEFAULT_VERIFY_FRACTION
+    elif isinstance(fraction, str):
+        fraction = parse_fraction(fraction)
+    return EncodingOptions(encoder=values.get("encoder") or "auto", verify_fraction=fraction)
+
+
+def parse_fraction(value: str, name: str = "verify_fraction") -> float:
+    """``"0.02"`` or ``"1/64"`` as a float."""
+    text = value.strip()
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(
+            f"{name}: got {value!r}, expected a number in [0, 1] such as 0.02 or 1/64"
+        ) from None

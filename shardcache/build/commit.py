@@ -138,6 +138,8 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
             "ranges": [list(r) for r in bucket_ranges(plan.edges, options.tokenize.max_length)],
         },
         "key": compute_key(encoder, data).to_json(),
+        # soft: which backend produced the ids (never part of the key: ids are proven equal)
+        "encoder": encoder_summary(results),
         "inputs": inputs,
         "partitions": len(results),
         "shards": shards,
@@ -201,6 +203,24 @@ def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str,
         "was committed (the built partitions are kept): fix the input, or allow it by rerunning "
         f"the same command with --max-bad-fraction {min(1.0, n_bad / records + 0.005):.2f}"
     )
+
+
+def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
+    """The manifest's ``encoder`` field, from the partitions' records (so a job-array commit
+    and a local build agree): the gate's decision, the backends used, documents verified
+    against HF, mismatches and partitions re-encoded with HF."""
+    encodings = [r.encoding for r in results if r.encoding]
+    backends = Counter(e["backend"] for e in encodings)
+    return {
+        "requested": sorted({e["requested"] for e in encodings}),
+        "gate": sorted({e["gate"] for e in encodings}),
+        "partitions_by_backend": dict(sorted(backends.items())),
+        "versions": sorted({f"{e['backend']} {e['version']}" for e in encodings}),
+        "documents_verified": sum(int(e["verified"]) for e in encodings),
+        "mismatches": sum(int(e["mismatches"]) for e in encodings),
+        "partitions_reencoded": sorted(r.partition for r in results if r.encoding.get("reencoded")),
+        "mismatch_detail": [d for e in encodings for d in e["detail"]][:5],
+    }
 
 
 def owner_hint(out: str, positions: list[int]) -> str:

@@ -41,9 +41,16 @@ from shardcache.build.sources import (
     position_fields,
     record_position,
 )
-from shardcache.build.tokenize import TextEncoder, TruncationStats, drop_failures, encode_ahead
+from shardcache.build.tokenize import (
+    EncodingMismatch,
+    TextEncoder,
+    TruncationStats,
+    drop_failures,
+    encode_ahead,
+)
 from shardcache.errors import (
     BadRecordError,
+    EncoderError,
 )
 from shardcache.store.files import (
     write_json_atomic,
@@ -51,6 +58,7 @@ from shardcache.store.files import (
 )
 from shardcache.store.layout import (
     PARTS_DIR,
+    SHARD_DIR,
 )
 from shardcache.store.shards import BucketWriter
 
@@ -96,7 +104,62 @@ def check_parent() -> None:
 def build_partition(
     plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
 ) -> PartitionResult:
-    """Map one partition to shard files and its completion record."""
+    """Map one partition to shard files and its completion record.
+
+    With the fast encoder, a difference from HF on the in-build sample re-encodes the whole
+    partition with HF (its first attempt's files are removed) and is recorded in the
+    result's ``encoding``; under ``--encoder fast`` it fails the build instead."""
+    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
+    text.take_verify()  # counts are per partition (whatever ran before in this process)
+    try:
+        result = map_partition(plan, partition, encoder, progress)
+        counts = text.take_verify()
+        reencoded = False
+    except EncodingMismatch as err:
+        counts = text.take_verify()
+        if plan.options.encoding.encoder == "fast":
+            raise EncoderError(
+                f"partition {partition.id} ({partition.file.relpath}): {err}; the fast encoder "
+                "is not exact on this corpus, and --encoder fast forbids falling back: build "
+                "with --encoder auto (that partition is then re-encoded with HF) or hf"
+            ) from err
+        remove_partition_files(plan.options.output, partition.id)
+        fast, text.fast = text.fast, None
+        try:
+            result = map_partition(plan, partition, encoder, progress)
+        finally:
+            text.fast = fast
+        reencoded = True
+    backend = text.reference if text.fast is None or reencoded else text.fast
+    result.encoding = {
+        "requested": text.selection.requested,
+        "gate": f"{text.selection.backend}: {text.selection.reason}",
+        "backend": backend.name,
+        "version": backend.version,
+        "verified": counts.documents,
+        "mismatches": counts.mismatches,
+        "reencoded": reencoded,
+        "detail": counts.detail[:3],
+    }
+    write_json_atomic(os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.json"),
+                      result.to_json())  # fmt: skip
+    kill_point("part")
+    return result
+
+
+def remove_partition_files(out: str, partition_id: str) -> None:
+    """Remove what a failed attempt at ``partition_id`` wrote (shards, parts files)."""
+    for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
+        folder = os.path.join(out, sub)
+        for name in os.listdir(folder):
+            if name.startswith(prefix):
+                os.remove(os.path.join(folder, name))
+
+
+def map_partition(
+    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+) -> PartitionResult:
+    """Read, encode and write one partition's shard files (not its completion record)."""
     options = plan.options
     out = options.output
     stats = TruncationStats()
@@ -177,6 +240,8 @@ def build_partition(
             batch, ids, failures = drop_failures(batch, ids)
             for doc, detail in failures:  # records the tokenizer failed on alone
                 batch_bad(original, doc, "encode_error", detail)
+            if not len(ids):
+                continue  # every record of the batch failed (quarantined above)
             encoded = encoder.finish(ids, stats)
             del ids
             for doc, reason, detail in encoded.failed:  # conversations the template refused
@@ -218,6 +283,4 @@ def build_partition(
         corrupt=corrupt,
         lint=take_lint(encoder),
     )
-    write_json_atomic(os.path.join(out, PARTS_DIR, f"{partition.id}.json"), result.to_json())
-    kill_point("part")
     return result

@@ -92,6 +92,9 @@ class PartitionResult:
     bad_records: dict[str, int]
     corrupt: list[dict[str, Any]] = field(default_factory=list)
     lint: dict[str, int] = field(default_factory=dict)  # chat lint counts of this partition
+    #: The encoder backend of this partition and its in-build verification (backends.py):
+    #: backend, version, verified (documents re-encoded with HF), mismatches, reencoded.
+    encoding: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +106,7 @@ class PartitionResult:
             "bad_records": dict(sorted(self.bad_records.items())),
             "corrupt": self.corrupt,
             "lint": dict(sorted(self.lint.items())),
+            "encoding": self.encoding,
         }
 
     @classmethod
@@ -116,15 +120,16 @@ class PartitionResult:
             bad_records=dict(data["bad_records"]),
             corrupt=list(data.get("corrupt", [])),
             lint=dict(data.get("lint", {})),
+            encoding=dict(data.get("encoding", {})),
         )
 
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
     """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
     cannot change the bytes (``strict_lint`` and ``max_bad_fraction`` only decide whether to
-    commit)."""
+    commit; ``encoding`` picks a backend whose ids are proven equal to the reference's)."""
     data = options.to_json()
-    for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction"):
+    for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
     return json.loads(json.dumps(data))
 

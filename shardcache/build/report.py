@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardcache.store.summary import chat_lines, human_bytes
+from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
 class Progress:
@@ -53,6 +53,7 @@ class BuildReport:
     corrupt_files: list[dict[str, Any]] = field(default_factory=list)
     #: Nothing was done: the output already held this build, committed (idempotent rerun).
     up_to_date: bool = False
+    encoder: dict[str, Any] = field(default_factory=dict)  # the manifest's "encoder" field
 
     @property
     def tokens_per_second(self) -> float:
@@ -70,6 +71,7 @@ def report_from_manifest(
         bytes_out=totals["shard_bytes"], seconds=seconds, stats=stats, bad_records=bad,
         partitions=manifest["partitions"], resumed_partitions=manifest["partitions"],
         workers=0, corrupt_files=corrupt, up_to_date=up_to_date,
+        encoder=manifest.get("encoder") or {},
     )  # fmt: skip
 
 
@@ -91,6 +93,7 @@ def report_json(report: BuildReport) -> dict[str, Any]:
         "resumed_partitions": report.resumed_partitions,
         "workers": report.workers,
         "up_to_date": report.up_to_date,
+        "encoder": report.encoder,
     }
 
 
@@ -124,6 +127,7 @@ def format_report(report: BuildReport) -> str:
             f"bad records  {bad}",
             *lost,
             *chat_lines(st),
+            *encoder_lines(report.encoder),
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]

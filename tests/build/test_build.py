@@ -204,7 +204,7 @@ def test_no_tmp_files_or_pickles_left(corpus, build_cache, tokenizer_dir):
 
 # ------------------------------------------------------------------ parallel, resume, bad input
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tree(folder: str) -> dict[str, bytes]:
@@ -250,6 +250,15 @@ def mixed_reference(mixed_corpus, tokenizer_dir, tmp_path_factory):
 
 
 MIXED = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
+
+
+def test_mixed_builds_use_the_fast_backend_when_installed(mixed_reference):
+    """With shardcache[fast] installed, the default (auto) builds of this module -- 1/2/4
+    workers, kill + resume -- run on the fast backend, so their byte-identity covers it."""
+    pytest.importorskip("fastokens")
+    manifest = open_cache(mixed_reference[0]).manifest
+    assert set(manifest["encoder"]["partitions_by_backend"]) == {"fastokens"}
+    assert manifest["encoder"]["documents_verified"] > 0
 
 
 def test_identical_bytes_for_1_2_4_workers(
