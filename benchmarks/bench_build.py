@@ -21,6 +21,18 @@ manifest; ``wall`` adds interpreter start and imports):
   and its workers), for ``--corpus`` and ``--corpus-large`` at the default worker count.
 * ``HF datasets``: ``load_dataset("json") -> map(batched=True, num_proc=2) -> save_to_disk``
   with the same tokenizer, run by ``--hf-python`` (an interpreter with ``datasets``).
+
+Encoder backends (issue 14), ``--encoders hf,fast [--repeat 3]``: in one run, interleaved,
+``--repeat`` rounds of (ceiling, build --encoder hf, build --encoder fast, ...), best of each.
+The ceiling is HF ``encode_batch`` over the texts preloaded in memory
+(``add_special_tokens=False``), timed alone; a build is the whole ``shardcache build``
+process (``seconds`` from its report, and wall with interpreter start), with its peak tree
+RSS. ``x ceiling`` = ceiling seconds / build seconds (goal: >= 5 with the fast backend,
+>= 0.95 with HF). ``--profile`` adds one in-process fast build under cProfile (main thread;
+the encode thread's time shows as lock waits) with the top functions::
+
+    python benchmarks/bench_build.py --corpus /tmp/c20k --tokenizer /tmp/tok151k \
+        --encoders hf,fast --repeat 3 --workers-encoders 1 [--profile]
 """
 
 from __future__ import annotations
@@ -107,12 +119,12 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str
 
 
 def build(corpus: str, tokenizer: str, out: str, workers: int, env_extra: dict[str, str],
-          batch_docs: int) -> tuple[dict, float, float]:  # fmt: skip
+          batch_docs: int, extra: tuple[str, ...] = ()) -> tuple[dict, float, float]:  # fmt: skip
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": REPO, **env_extra}
     cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", corpus, "-t", tokenizer,
            "-o", out, "-q", "--json", "--workers", str(workers), "--batch-docs",
-           str(batch_docs)]  # fmt: skip
+           str(batch_docs), *extra]  # fmt: skip
     wall, rss, stdout = run_measured(cmd, env)
     return json.loads(stdout), wall, rss
 
@@ -135,6 +147,98 @@ def ceiling(corpus: str, tokenizer: str, batch_docs: int) -> tuple[float, int, f
     return time.perf_counter() - start, tokens, sum(len(t.encode()) for t in texts) / 1e6
 
 
+def load_texts(corpus: str) -> list[str]:
+    from shardcache.build.sources import iter_text_batches, list_inputs
+
+    texts: list[str] = []
+    for f in list_inputs([corpus]):
+        for batch in iter_text_batches(f):
+            texts += batch.texts
+    return texts
+
+
+def hf_ceiling_seconds(backend, texts: list[str], batch_docs: int) -> tuple[float, int]:
+    """HF encode_batch over preloaded texts (add_special_tokens=False), nothing else."""
+    tokens = 0
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch_docs):
+        for encoding in backend.encode_batch(texts[i : i + batch_docs], add_special_tokens=False):
+            tokens += len(encoding)
+    return time.perf_counter() - start, tokens
+
+
+def compare_encoders(args: argparse.Namespace) -> None:
+    """Ceiling and builds per encoder, interleaved, best of ``--repeat`` (see the docstring)."""
+    from tokenizers import Tokenizer
+
+    from shardcache.build.tokenize import TextEncoder
+    from shardcache.config import TokenizeOptions
+
+    texts = load_texts(args.corpus)
+    backend = Tokenizer.from_str(TextEncoder(TokenizeOptions(args.tokenizer)).backend.to_str())
+    encoders = args.encoders.split(",")
+    best: dict[str, tuple[float, float, float, dict]] = {}
+    ceiling_s, tokens = float("inf"), 0
+    work = tempfile.mkdtemp(prefix="bench-encoders-")
+    try:
+        for _ in range(args.repeat):
+            seconds, tokens = hf_ceiling_seconds(backend, texts, args.batch_docs)
+            ceiling_s = min(ceiling_s, seconds)
+            for name in encoders:
+                extra = ("--encoder", name, "--no-add-special-tokens")
+                out = os.path.join(work, name)
+                workers = args.workers_encoders
+                report, wall, rss = build(
+                    args.corpus, args.tokenizer, out, workers, {}, args.batch_docs, extra
+                )
+                seconds = report["seconds"]
+                if name not in best or seconds < best[name][0]:
+                    best[name] = (seconds, wall, max(rss, best.get(name, (0, 0, 0))[2]), report)
+                else:
+                    best[name] = (*best[name][:2], max(rss, best[name][2]), best[name][3])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB text, {tokens:,} tokens; "
+          f"cores {os.cpu_count()}; best of {args.repeat}, interleaved; "
+          f"workers={args.workers_encoders}")  # fmt: skip
+    print("| run | seconds | wall s | x ceiling | peak RSS MiB | backend | verified | mismatches |")
+    print("|---|---:|---:|---:|---:|---|---:|---:|")
+    print(f"| HF encode_batch, texts preloaded (ceiling) | {ceiling_s:.2f} | - | 1.00 | - | hf "
+          f"| - | - |")  # fmt: skip
+    for name, (seconds, wall, rss, report) in best.items():
+        enc = report.get("encoder") or {}
+        used = ", ".join(f"{k} x{v}" for k, v in (enc.get("partitions_by_backend") or {}).items())
+        print(f"| shardcache build --encoder {name} | {seconds:.2f} | {wall:.1f} | "
+              f"{ceiling_s / seconds:.2f} | {rss:,.0f} | {used} | "
+              f"{enc.get('documents_verified', 0):,} | {enc.get('mismatches', 0)} |")  # fmt: skip
+    if args.profile:
+        profile_fast_build(args)
+
+
+def profile_fast_build(args: argparse.Namespace) -> None:
+    import cProfile
+    import pstats
+
+    from shardcache.build.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    out = tempfile.mkdtemp(prefix="bench-profile-")
+    try:
+        options = build_options_from_mapping({
+            "input": args.corpus, "tokenizer": args.tokenizer, "output": out + "/c",
+            "workers": 1, "encoder": "fast", "add_special_tokens": False,
+            "batch_docs": args.batch_docs,
+        })  # fmt: skip
+        profile = cProfile.Profile()
+        profile.enable()
+        build_cache(options)
+        profile.disable()
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    pstats.Stats(profile).sort_stats("tottime").print_stats(20)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--corpus", required=True, help="folder of input files")
@@ -143,7 +247,19 @@ def main() -> None:
     ap.add_argument("--batch-docs", type=int, default=1024)
     ap.add_argument("--workers", default="1,2", help="worker counts to sweep (comma-separated)")
     ap.add_argument("--hf-python", help="python with `datasets` installed, for the HF row")
+    ap.add_argument("--encoders", help="compare encoder backends instead, e.g. hf,fast")
+    ap.add_argument("--repeat", type=int, default=3, help="--encoders: rounds (best of)")
+    ap.add_argument(
+        "--workers-encoders",
+        type=int,
+        default=1,
+        help="--encoders: build processes (1: in-process, fast backend threads)",
+    )
+    ap.add_argument("--profile", action="store_true", help="--encoders: profile a fast build")
     args = ap.parse_args()
+    if args.encoders:
+        compare_encoders(args)
+        return
     cores = os.cpu_count() or 1
     work = tempfile.mkdtemp(prefix="bench-build-")
     rows: list[tuple[str, ...]] = []

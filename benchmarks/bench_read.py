@@ -1,16 +1,19 @@
 #!/usr/bin/env python3
 """Reader benchmark: throughput vs memmap slicing, padding efficiency, plan time, first batch.
 
-    python benchmarks/bench_read.py CACHE [--first-batch CACHE_1K] [--plan-sequences 10000000]
+    python benchmarks/bench_read.py CACHE [--first-batch CACHE_10K] [--zstd CACHE_ZSTD]
+                                          [--plan-sequences 10000000] [--batches 300]
 
 Measures, single process, no DataLoader:
 
 * **throughput**: real tokens per second that ``ShardDataset`` turns into batch tensors
-  (pad, pack best_fit, pack concat), and the same figure for a baseline that slices the
-  *same* segments of the *same* batches out of one flat ``np.memmap`` of all tokens and copies
-  them into an equally shaped numpy array (the floor cost of any reader). ``ratio`` = reader /
-  baseline; target >= 0.5. Each mode runs ``--batches`` batches after one warm-up batch,
-  best of 3 for each side.
+  (pad, pack best_fit, pack concat), against two baselines over one flat ``np.memmap`` of all
+  tokens, in the same run and interleaved (reader, baselines, reader, ...; best of 3 each):
+  ``flat``: contiguous ``max_tokens`` slices of the memmap, each summed (the physical floor:
+  no plan, no gather; the issue's ``x memmap`` column, target >= 0.35 for pad and concat);
+  ``same``: the *same* segments of the *same* batches sliced out of the memmap and copied into
+  an equally shaped array (``ratio_same``). Each mode runs ``--batches`` batches after one
+  warm-up batch.
 * **padding efficiency**: real tokens / batch slots (``rows x width`` of every batch) over a
   whole epoch plan, per mode; targets >= 0.97 pad, >= 0.99 best_fit.
 * **plan time**: ``plan_epoch`` over ``--plan-sequences`` synthetic lognormal lengths
@@ -18,8 +21,13 @@ Measures, single process, no DataLoader:
 * **first batch** (``--first-batch CACHE``, e.g. a 1,000-shard cache): a fresh process
   constructs ``ShardDataset`` and takes ``next(iter(ds))``; wall time from process start of the
   measured code; target <= 1 s.
-* **memory**: the plan's bytes per sequence, and the reader process's anonymous RSS before and
-  after a full pass (it must not grow with the number of batches read).
+* **memory**: the plan's bytes per sequence, and the reader process's RSS (``VmRSS`` and
+  ``RssAnon``) before and after a full pass in pad mode, each cache in a fresh process; with
+  ``--zstd CACHE_ZSTD`` (the same corpus built with ``--compression zstd``) both, side by side
+  (target: zstd <= uncompressed + 64 MiB; the decode budget is ``SHARDCACHE_DECODE_BUDGET``).
+
+For the 10,000-shard first-batch cache, build the corpus with a small ``--shard-size`` (e.g.
+``--shard-size 4KiB`` on a 20k-document corpus).
 
 Prints one JSON line per measurement and a markdown table at the end.
 """
@@ -49,10 +57,16 @@ MODES = {
 }
 
 
-def rss_anon_mb() -> float:
+def reader(extra: dict) -> dict:
+    """ShardDataset keywords of a mode: pack needs attention=; "none" times the reader alone
+    (the 4-D mask of attention="mask" is timed by bench_attention.py)."""
+    return {**extra, "attention": "none"} if extra.get("mode") == "pack" else extra
+
+
+def rss_mb(field: str = "RssAnon") -> float:
     with open("/proc/self/status") as f:
         for line in f:
-            if line.startswith("RssAnon:"):
+            if line.startswith(field + ":"):
                 return int(line.split()[1]) / 1024
     return float("nan")
 
@@ -101,25 +115,41 @@ def efficiency(plan, lengths: np.ndarray, opts: PlanOptions) -> float:
     return real / slots
 
 
+def flat_floor(flat: np.ndarray, tokens: int, max_tokens: int) -> int:
+    """Sum ``tokens`` tokens of the memmap in contiguous ``max_tokens`` slices (the floor)."""
+    done = total = 0
+    while done < tokens:
+        n = min(max_tokens, tokens - done)
+        lo = done % max(1, len(flat) - n)
+        total += int(flat[lo : lo + n].sum(dtype=np.int64))
+        done += n
+    return total
+
+
 def bench_modes(path: str, max_tokens: int, batches: int, rows: list[dict]) -> None:
     cache = Cache(path)
     lengths = np.asarray(cache.lengths, dtype=np.int64)
     with tempfile.TemporaryDirectory() as tmp:
         flat, offsets = flat_memmap(cache, tmp)
         for name, extra in MODES.items():
-            ds = ShardDataset(path, max_tokens, seed=0, rank=0, world_size=1, **extra)
+            ds = ShardDataset(path, max_tokens, seed=0, rank=0, world_size=1, **reader(extra))
             plan = ds.plan()
             eff = efficiency(plan, lengths, ds.options)
             n = min(batches, len(plan) - 1)
             tokens = sum(plan.token_count(lengths, i) for i in range(1, n + 1))
-            reader_s = base_s = float("inf")
-            for _ in range(REPEATS):  # best of REPEATS for both sides (shared, noisy hosts)
+            reader_s = base_s = flat_s = float("inf")
+            start = ds.state_dict()
+            for _ in range(REPEATS):  # interleaved, best of REPEATS each (shared, noisy hosts)
+                ds.load_state_dict(start)  # every repeat reads the same batches
                 it = iter(ds)
                 next(it)  # warm-up: opens shards
                 t0 = time.perf_counter()
                 for _ in range(n):
                     next(it)
                 reader_s = min(reader_s, time.perf_counter() - t0)
+                t0 = time.perf_counter()
+                flat_floor(flat, tokens, max_tokens)
+                flat_s = min(flat_s, time.perf_counter() - t0)
                 t0 = time.perf_counter()
                 base_tokens = sum(
                     baseline_batch(flat, offsets, plan, i, ds.options) for i in range(1, n + 1)
@@ -131,8 +161,10 @@ def bench_modes(path: str, max_tokens: int, batches: int, rows: list[dict]) -> N
                 "mode": name,
                 "batches": n,
                 "reader_mtok_s": tokens / reader_s / 1e6,
-                "memmap_mtok_s": tokens / base_s / 1e6,
-                "ratio": base_s / reader_s,
+                "flat_mtok_s": tokens / flat_s / 1e6,
+                "same_mtok_s": tokens / base_s / 1e6,
+                "ratio_flat": flat_s / reader_s,
+                "ratio_same": base_s / reader_s,
                 "padding_efficiency": eff,
                 "global_batches": len(plan),
             }
@@ -148,7 +180,7 @@ def bench_plan(n: int, rows: list[dict]) -> None:
     for name, extra in MODES.items():
         opts = PlanOptions(max_tokens=16384, **extra)
         best = float("inf")
-        for _ in range(3 if name != "pack-best_fit" else 1):
+        for _ in range(3):  # best of 3 (the first best_fit run also loads numba)
             t0 = time.perf_counter()
             plan = plan_epoch(lengths, buckets, opts, seed=1, epoch=0)
             best = min(best, time.perf_counter() - t0)
@@ -182,7 +214,7 @@ def bench_first_batch(path: str, rows: list[dict]) -> None:
     root = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
     shards = len(Cache(path).shards)
     for name, extra in MODES.items():
-        kw = "".join(f", {k}={v!r}" for k, v in extra.items())
+        kw = "".join(f", {k}={v!r}" for k, v in reader(extra).items())
         code = FIRST_BATCH.format(root=root, path=path, extra=kw)
         out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
         if out.returncode:
@@ -194,20 +226,38 @@ def bench_first_batch(path: str, rows: list[dict]) -> None:
         rows.append(row)
 
 
-def bench_memory(path: str, max_tokens: int, rows: list[dict]) -> None:
-    ds = ShardDataset(path, max_tokens, seed=0, rank=0, world_size=1)
-    before = rss_anon_mb()
-    it = iter(ds)
-    next(it)
-    after_first = rss_anon_mb()
-    for _ in it:
-        pass
+MEMORY = """
+import json, sys
+sys.path.insert(0, {root!r})
+sys.path.insert(0, {here!r})
+from bench_read import rss_mb
+from shardcache.read.dataset import ShardDataset
+ds = ShardDataset({path!r}, {max_tokens}, seed=0, rank=0, world_size=1)
+before = (rss_mb("VmRSS"), rss_mb())
+it = iter(ds)
+next(it)
+first = (rss_mb("VmRSS"), rss_mb())
+for _ in it:
+    pass
+print(json.dumps([before, first, (rss_mb("VmRSS"), rss_mb()), len(ds.plan())]))
+"""
+
+
+def bench_memory(path: str, max_tokens: int, rows: list[dict], label: str) -> None:
+    """A full pad-mode pass in a fresh process: VmRSS / RssAnon before, after the first batch,
+    after the pass."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = MEMORY.format(root=os.path.join(here, ".."), here=here, path=path, max_tokens=max_tokens)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    if out.returncode:
+        raise SystemExit(out.stderr)
+    before, first, after, batches = json.loads(out.stdout.strip().splitlines()[-1])
     row = {
         "what": "memory",
-        "rss_anon_mb_before": before,
-        "after_first_batch": after_first,
-        "after_epoch": rss_anon_mb(),
-        "batches": len(ds.plan()),
+        "cache": label,
+        "vm_rss_mb": [before[0], first[0], after[0]],
+        "rss_anon_mb": [before[1], first[1], after[1]],
+        "batches": batches,
     }
     print(json.dumps(row), flush=True)
     rows.append(row)
@@ -220,10 +270,13 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=300)
     parser.add_argument("--plan-sequences", type=int, default=10_000_000)
     parser.add_argument("--first-batch", metavar="CACHE", help="cache for time to first batch")
+    parser.add_argument("--zstd", metavar="CACHE", help="the same corpus built with zstd (RSS)")
     args = parser.parse_args()
     rows: list[dict] = []
     bench_modes(args.cache, args.max_tokens, args.batches, rows)
-    bench_memory(args.cache, args.max_tokens, rows)
+    bench_memory(args.cache, args.max_tokens, rows, "uncompressed")
+    if args.zstd:
+        bench_memory(args.zstd, args.max_tokens, rows, "zstd")
     if args.plan_sequences:
         bench_plan(args.plan_sequences, rows)
     if args.first_batch:
@@ -232,8 +285,12 @@ def main() -> None:
     for r in rows:
         if r["what"] == "throughput":
             print(
-                f"| reader / memmap | {r['mode']} | {r['reader_mtok_s']:.1f} / "
-                f"{r['memmap_mtok_s']:.1f} Mtok/s = **{r['ratio']:.2f}** |"
+                f"| reader / flat memmap | {r['mode']} | {r['reader_mtok_s']:.1f} / "
+                f"{r['flat_mtok_s']:.1f} Mtok/s = **{r['ratio_flat']:.3f}** |"
+            )
+            print(
+                f"| reader / same segments from memmap | {r['mode']} | "
+                f"{r['same_mtok_s']:.1f} Mtok/s = **{r['ratio_same']:.2f}** |"
             )
             print(f"| padding efficiency | {r['mode']} | **{r['padding_efficiency']:.4f}** |")
         elif r["what"] == "plan":
@@ -247,10 +304,11 @@ def main() -> None:
                 f"(+{r['import_s']:.2f} s imports) |"
             )
         else:
+            vm, anon = r["vm_rss_mb"], r["rss_anon_mb"]
             print(
-                f"| RssAnon MB: start / first batch / after {r['batches']} batches | pad | "
-                f"{r['rss_anon_mb_before']:.0f} / {r['after_first_batch']:.0f} / "
-                f"{r['after_epoch']:.0f} |"
+                f"| {r['cache']}: VmRSS (RssAnon) MB, start / first batch / after "
+                f"{r['batches']} batches | pad | {vm[0]:.0f} ({anon[0]:.0f}) / "
+                f"{vm[1]:.0f} ({anon[1]:.0f}) / {vm[2]:.0f} ({anon[2]:.0f}) |"
             )
 
 

@@ -7,11 +7,14 @@ usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
+import signal
 import sys
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterator
 from typing import Any, TypeVar
 
 import click
@@ -20,6 +23,36 @@ from shardcache.errors import ConfigError, ShardcacheError
 from shardcache.version import __version__
 
 F = TypeVar("F", bound=Callable[..., Any])
+
+
+def _exit_now(signum: int, frame: Any) -> None:
+    os._exit(130)  # a second Ctrl-C: no cleanup (workers die with this process)
+
+
+@contextlib.contextmanager
+def interruptible(what: str) -> Iterator[None]:
+    """Ctrl-C handling for long commands: the first SIGINT raises KeyboardInterrupt (clean
+    stop, exit 130 with ``what`` to do next), a second one during the cleanup exits at once.
+    Left alone where SIGINT is ignored (a background job) or off the main thread."""
+    if (
+        threading.current_thread() is not threading.main_thread()
+        or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
+    ):
+        yield
+        return
+
+    def first(signum: int, frame: Any) -> None:
+        signal.signal(signal.SIGINT, _exit_now)
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, first)
+    try:
+        yield
+    except KeyboardInterrupt:
+        click.echo(f"\ninterrupted: {what}", err=True)
+        sys.exit(130)
+    finally:
+        signal.signal(signal.SIGINT, previous)
 
 
 def translate_errors(func: F) -> F:
@@ -36,7 +69,7 @@ def translate_errors(func: F) -> F:
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
-@click.version_option(__version__, prog_name="shardcache")
+@click.version_option(__version__, "-V", "--version", prog_name="shardcache")
 def main() -> None:
     """Pre-tokenize a text corpus (plain text or chat) once into verified, versioned shards.
 
@@ -46,10 +79,11 @@ def main() -> None:
       shardcache build --input data/ --tokenizer tok/ --output cache/ --max-length 2048
       shardcache info cache/                          # what is in it
       shardcache verify cache/                        # recompute every checksum
-      shardcache lock recipes/train.toml              # write shardcache.lock for CI
-      shardcache check --lock shardcache.lock recipes/train.toml   # still matching?
+      shardcache lock recipes/quickstart.toml         # write shardcache.lock for CI
+      shardcache check --lock shardcache.lock recipes/quickstart.toml   # still matching?
 
-    Exit codes: 0 success, 1 failure, 2 usage error.
+    Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
+    (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
     """
 
 
@@ -102,7 +136,8 @@ def key_options(func: F) -> F:
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,
-            help="Input file, folder or glob (jsonl, jsonl.zst, json.gz, parquet). "
+            help="Input file, folder or glob (jsonl, jsonl.zst, json, json.gz: JSON lines or one "
+            "array of objects; parquet). "
             "Repeatable. Processed in sorted order.",
         ),
         click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),
@@ -194,6 +229,28 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "end-of-turn, unknown tokens, span boundary tokens or template mismatches.",
 )
 @click.option(
+    "--max-bad-fraction",
+    type=click.FloatRange(0, 1),
+    help="Fail the build (no manifest) when more than this fraction of the records is bad; "
+    "a build that keeps no document always fails.  [default: 0.1]",
+)
+@click.option(
+    "--encoder",
+    type=click.Choice(["auto", "hf", "fast"]),
+    help="Tokenizer backend: auto uses the fast one (pip install 'shardcache[fast]') when "
+    "it supports the tokenizer and gives HF's exact ids on the probe set and a corpus "
+    "sample, else HF (the reason is in the report); hf always HF; fast fails, saying why, "
+    "when the fast one cannot be used or disagrees. Never changes the output bytes.  "
+    "[default: auto]",
+)
+@click.option(
+    "--verify-fraction",
+    help="Fast encoder: share of each partition's documents re-encoded with HF and compared "
+    "(plus the longest and the most non-ASCII document of every batch); a mismatch "
+    "re-encodes the partition with HF (--encoder fast: fails), e.g. 0.02 or 1/64.  "
+    "[default: 1/64]",
+)
+@click.option(
     "--engine",
     type=click.Choice(["local", "ray"]),
     default="local",
@@ -257,7 +314,9 @@ def build(
     except ConfigError as err:
         raise click.BadParameter(str(err)) from err
     progress = _BarProgress(enabled=not quiet and not as_json)
-    report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
+    resume = "completed partitions are kept; rerun the same command to resume"
+    with interruptible(resume):
+        report = run_build(options, run, progress=progress)  # type: ignore[arg-type]
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
@@ -276,8 +335,12 @@ def build(
 @click.option("--strict-lint", is_flag=True, help="Chat: refuse to commit when the shares' "
               "lint found double BOS, a missing end-of-turn, unknown tokens, span boundary "
               "tokens or template mismatches.")  # fmt: skip
+@click.option("--max-bad-fraction", type=click.FloatRange(0, 1), help="Refuse to commit when "
+              "more than this fraction of the records is bad.  [default: 0.1]")  # fmt: skip
 @translate_errors
-def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
+def commit_command(
+    output: str, as_json: bool, strict_lint: bool, max_bad_fraction: float | None
+) -> None:
     """Commit a job-array build: write the manifest of OUTPUT once every share is built.
 
     OUTPUT is the folder or URL all `shardcache build --partition I/N` runs wrote to. The
@@ -292,7 +355,7 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
     from shardcache.build.commit import commit_output
     from shardcache.build.report import format_report, report_json
 
-    report = commit_output(output, strict_lint=strict_lint)
+    report = commit_output(output, strict_lint=strict_lint, max_bad_fraction=max_bad_fraction)
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
@@ -300,7 +363,7 @@ def commit_command(output: str, as_json: bool, strict_lint: bool) -> None:
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @translate_errors
 def info(cache: str, as_json: bool) -> None:
@@ -438,29 +501,72 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
 
 
 @main.command()
-@click.argument("cache", type=click.Path(file_okay=False))
+@click.argument("cache")
+@click.option(
+    "--tokens",
+    is_flag=True,
+    help="Also re-tokenize a sample of the stored documents from their inputs with the "
+    "Hugging Face tokenizer and compare ids (and chat loss masks) with the cache.",
+)
+@click.option(
+    "--fraction",
+    default="1/64",
+    show_default=True,
+    help="With --tokens: share of each input's records to re-tokenize (chosen by a fixed "
+    "hash of the record index), e.g. 0.1, 1/64 or 1 for all.",
+)
+@click.option("--input", "-i", "inputs", multiple=True, help="With --tokens: the inputs, "
+              "when they moved since the build (default: the paths in the manifest).")  # fmt: skip
+@click.option("--tokenizer", "-t", help="With --tokens: the tokenizer folder, when it moved "
+              "since the build.")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @translate_errors
-def verify(cache: str, as_json: bool) -> None:
+def verify(
+    cache: str,
+    tokens: bool,
+    fraction: str,
+    inputs: tuple[str, ...],
+    tokenizer: str | None,
+    as_json: bool,
+) -> None:
     """Recompute every checksum of a CACHE and check its structure.
 
     Checks every shard (size, sha256, Arrow structure, rows, offsets, token type, lengths
     inside the bucket ranges, token ids), the length index, the quarantine file and the
-    manifest totals. Names each corrupt or missing file. Exit 0 when clean, 1 otherwise.
+    manifest totals. Names each corrupt or missing file. With --tokens, also re-tokenizes
+    a deterministic sample of the documents from the inputs with the Hugging Face tokenizer
+    and compares with the stored ids (whichever encoder built the cache). Exit 0 when clean,
+    1 otherwise.
 
     \b
     Example:
       shardcache verify ./cache
       shardcache verify ./cache --json
+      shardcache verify ./cache --tokens --fraction 0.01
     """
+    from shardcache.config import parse_fraction
     from shardcache.store.verify import format_verify, verify_cache
 
+    share = parse_fraction(fraction, "fraction")
+    if not 0 < share <= 1:
+        raise click.BadParameter(f"got {fraction!r}, expected a number in (0, 1]",
+                                 param_hint="--fraction")  # fmt: skip
     report = verify_cache(cache)
+    audit = None
+    if tokens:
+        from shardcache.build.audit import audit_tokens, format_token_audit
+
+        audit = audit_tokens(cache, share, inputs or None, tokenizer)
     if as_json:
-        click.echo(json.dumps(report.to_json(), indent=1))
+        data = report.to_json()
+        if audit is not None:
+            data["tokens"] = audit.to_json()
+        click.echo(json.dumps(data, indent=1))
     else:
         click.echo(format_verify(report))
-    if not report.ok:
+        if audit is not None:
+            click.echo(format_token_audit(audit))
+    if not report.ok or (audit is not None and not audit.ok):
         sys.exit(1)
 
 

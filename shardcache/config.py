@@ -16,7 +16,7 @@ import dataclasses
 import difflib
 import itertools
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -27,6 +27,14 @@ COMPRESSIONS = ("none", "zstd")
 ON_ERROR = ("skip", "fail")
 TRAIN_ON = ("assistant", "last-assistant", "all")
 TRUNCATION_SIDES = ("right", "left")
+#: Which encoder backend tokenizes (build/backends.py): ``auto`` the accelerated one when it
+#: is installed, supports the tokenizer and passes the gate, else Hugging Face; ``hf`` always
+#: the Hugging Face tokenizer; ``fast`` the accelerated one or fail, saying why.
+ENCODERS = ("auto", "hf", "fast")
+#: Share of documents per partition that the in-build check re-encodes with the Hugging Face
+#: tokenizer when the accelerated backend is used (plus the longest and the most non-ASCII
+#: document of every encode batch).
+DEFAULT_VERIFY_FRACTION = 1 / 64
 
 #: Default bucket edges: powers of two. A sequence of length n goes to the first bucket whose
 #: edge is >= n; longer ones go to a last, open-ended bucket.
@@ -42,6 +50,10 @@ DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
 #: (a process round trip, a few small files) vanish, short enough that a kill loses little.
 DEFAULT_PARTITION_SIZE_BYTES = 256 * 1024 * 1024
 MIN_PARTITION_SIZE_BYTES = 1024
+
+#: More bad records than this fraction fails a build: a wrong --text-field or chat data built
+#: as text quarantines every record, and an empty cache must not look like a success.
+DEFAULT_MAX_BAD_FRACTION = 0.1
 
 
 def check_int(field: str, value: object, low: int, high: int | None = None, unit: str = "") -> None:
@@ -64,6 +76,29 @@ def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
     close = difflib.get_close_matches(str(value), list(valid), n=1)
     hint = f" (did you mean {close[0]!r}?)" if close else ""
     raise ConfigError(f"{field}: got {value!r}, expected one of {', '.join(valid)}{hint}")
+
+
+def check_fraction(field: str, value: object) -> None:
+    """Raise :class:`ConfigError` unless ``value`` is a number in ``[0, 1]``."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(f"{field}: got {value!r}, expected a number in [0, 1] (a fraction)")
+
+
+def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str = "key") -> None:
+    """Raise :class:`ConfigError` naming the names in ``given`` that are not in ``valid``
+    (only those), each with the closest valid name when one is close."""
+    valid = sorted(valid)
+    unknown = sorted(set(given) - set(valid))
+    if not unknown:
+        return
+    parts = []
+    for name in unknown:
+        close = difflib.get_close_matches(str(name), valid, n=1)
+        parts.append(f"{name!r} (did you mean {close[0]!r}?)" if close else repr(name))
+    plural = "s" if len(unknown) > 1 else ""
+    raise ConfigError(
+        f"{what}: unknown {noun}{plural} {', '.join(parts)}; valid {noun}s: {', '.join(valid)}"
+    )
 
 
 def default_workers() -> int:
@@ -149,6 +184,25 @@ class TokenizeOptions:
 
 
 @dataclass(frozen=True)
+class EncodingOptions:
+    """Which backend encodes, and how much of its output is re-checked against the Hugging
+    Face tokenizer. Never changes the bytes (ids are proven equal), so not in the cache key."""
+
+    encoder: str = "auto"
+    verify_fraction: float = DEFAULT_VERIFY_FRACTION
+
+    def __post_init__(self) -> None:
+        check_choice("encoder", self.encoder, ENCODERS)
+        value = self.verify_fraction
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+            raise ConfigError(
+                f"verify_fraction: got {value!r}, expected a number in [0, 1] (the share of "
+                "documents re-encoded with the Hugging Face tokenizer, e.g. 0.015625 = 1/64)"
+            )
+        object.__setattr__(self, "verify_fraction", float(value))
+
+
+@dataclass(frozen=True)
 class LayoutOptions:
     """How sequences are laid out on disk. Not part of the cache key."""
 
@@ -195,6 +249,11 @@ class BuildOptions:
     chat: ChatOptions | None = None
     #: Fail the build (no manifest) when the chat lint counts anything suspicious.
     strict_lint: bool = False
+    #: Fail the build (no manifest) when more than this fraction of the records is bad (a
+    #: build that keeps no document always fails). Decides only whether to commit.
+    max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
+    #: Encoder backend and its in-build verification (never changes the bytes).
+    encoding: EncodingOptions = field(default_factory=EncodingOptions)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "output", os.fspath(self.output))
@@ -214,6 +273,8 @@ class BuildOptions:
                 f"partition_size: got {self.partition_size_bytes!r} bytes, expected an integer "
                 f">= {MIN_PARTITION_SIZE_BYTES}"
             )
+
+        check_fraction("max_bad_fraction", self.max_bad_fraction)
 
     @property
     def num_workers(self) -> int:
@@ -265,7 +326,8 @@ RECIPE_KEYS = {
     "input", "text_field", "on_error", "tokenizer", "add_special_tokens", "append_eos",
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
-    "train_on", "truncation_side", "strict_lint",
+    "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
+    "verify_fraction",
 }  # fmt: skip
 
 
@@ -310,9 +372,7 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
     """Make :class:`BuildOptions` from flat recipe/CLI values (unknown keys are an error)."""
-    unknown = sorted(set(values) - RECIPE_KEYS)
-    if unknown:
-        raise ConfigError(f"recipe: unknown key(s) {unknown}; valid keys are {sorted(RECIPE_KEYS)}")
+    check_known("recipe", values, RECIPE_KEYS)
     missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
     if missing:
         raise ConfigError(
@@ -349,4 +409,35 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
         ),
         chat=chat,
         strict_lint=bool(values.get("strict_lint", False)),
+        **(
+            {"max_bad_fraction": values["max_bad_fraction"]}
+            if values.get("max_bad_fraction") is not None
+            else {}
+        ),
+        encoding=encoding_options_from_mapping(values),
     )
+
+
+def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
+    """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be written
+    ``"1/64"``)."""
+    fraction: Any = values.get("verify_fraction")
+    if fraction is None:
+        fraction = DEFAULT_VERIFY_FRACTION
+    elif isinstance(fraction, str):
+        fraction = parse_fraction(fraction)
+    return EncodingOptions(encoder=values.get("encoder") or "auto", verify_fraction=fraction)
+
+
+def parse_fraction(value: str, name: str = "verify_fraction") -> float:
+    """``"0.02"`` or ``"1/64"`` as a float."""
+    text = value.strip()
+    try:
+        if "/" in text:
+            num, den = text.split("/", 1)
+            return float(num) / float(den)
+        return float(text)
+    except (ValueError, ZeroDivisionError):
+        raise ConfigError(
+            f"{name}: got {value!r}, expected a number in [0, 1] such as 0.02 or 1/64"
+        ) from None

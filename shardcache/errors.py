@@ -11,6 +11,7 @@ Messages follow one template: what failed -> the values -> why -> what to do.
     ├── SourceError                          an input cannot be listed or read
     │   └── BadRecordError                   one record is malformed (--on-error fail)
     ├── TokenizerError                       tokenizer missing, slow-only, unusable
+    │   └── EncoderError                     --encoder fast cannot be used, or disagreed with HF
     ├── CacheError                           the cache on disk
     │   ├── CacheNotFoundError               no committed manifest at the path
     │   ├── CorruptShardError                a shard fails a checksum or structure check
@@ -44,6 +45,11 @@ class BadRecordError(SourceError):
 
 class TokenizerError(ShardcacheError):
     """The tokenizer cannot be loaded or cannot be used the way the build needs."""
+
+
+class EncoderError(TokenizerError):
+    """The accelerated encoder was required (``--encoder fast``) but cannot be used for this
+    tokenizer / build, or produced ids that differ from the Hugging Face tokenizer's."""
 
 
 class CacheError(ShardcacheError):
@@ -85,7 +91,8 @@ class IncompleteBuildError(CacheError):
 
 
 class MissingDependencyError(ShardcacheError, ImportError):
-    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``) is not installed."""
+    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``, ``shardcache[fast]``
+    for ``--encoder fast``) is not installed."""
 
 
 class StateError(ShardcacheError, ValueError):

@@ -83,6 +83,13 @@ def _save_bpe(
     return folder
 
 
+@pytest.fixture(autouse=True)
+def _private_cache_dir(tmp_path_factory: pytest.TempPathFactory, monkeypatch) -> None:
+    """Each test's downloads and integrity records (``$SHARDCACHE_CACHE_DIR``) go to a folder
+    of its own: hermetic, and a test never skips a hash because another test recorded it."""
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path_factory.mktemp("user-cache")))
+
+
 @pytest.fixture(scope="session")
 def tokenizer_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     """A byte-level BPE tokenizer (vocab 600) with <eos>, <pad>, <bos>; adds no specials."""
@@ -281,3 +288,17 @@ def assert_resumable(
         rest = [key(item) for item in stream(resumed)]
         assert rest == full[k:], f"resume after {k} of {len(full)} items differs"
     return full
+
+
+def assert_batches_equal(a: dict, b: dict) -> None:
+    """Two batches hold the same keys in the same order and equal values (``meta`` too)."""
+    import torch
+
+    assert list(a) == list(b)
+    for k in b:
+        if isinstance(b[k], dict):
+            assert_batches_equal(a[k], b[k])
+        elif torch.is_tensor(b[k]):
+            assert torch.equal(a[k], b[k]), k
+        else:
+            assert a[k] == b[k], k

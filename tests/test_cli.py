@@ -85,6 +85,8 @@ def test_exit_codes(tmp_path, corpus, tokenizer_dir):
     out = str(tmp_path / "twice")
     args = ["build", "-i", folder, "-t", tokenizer_dir, "-o", out, "-q"]
     assert runner.invoke(main, args).exit_code == 0
-    again = runner.invoke(main, args)
+    again = runner.invoke(main, args)  # same options and inputs: up to date (issue 13)
+    assert again.exit_code == 0 and "up to date" in again.output
+    again = runner.invoke(main, [*args, "--truncation", "drop", "--max-length", "9"])
     assert again.exit_code == 1 and "--force" in again.output
     assert runner.invoke(main, [*args, "--force"]).exit_code == 0

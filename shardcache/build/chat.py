@@ -28,7 +28,10 @@ the first ``lint_sample`` conversations of each partition.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +48,72 @@ CHAT_BAD_REASONS = (
     "empty_messages",
     "template_error",
     "template_not_incremental",
+    "template_budget",  # rendering took longer than RENDER_SECONDS or wrote > RENDER_CHARS
 )
+
+#: Render budget per conversation (all its prefix renders together). A template with a huge
+#: loop or an exponential macro would otherwise hang the build (and ``lock``/``check``). Real
+#: templates render a conversation in well under a millisecond, so 5 s never cuts a sane one.
+RENDER_SECONDS = 5.0
+#: Output budget per render: 64 Mi characters, far above any real conversation's text.
+RENDER_CHARS = 64 * 1024 * 1024
+
+
+class RenderBudgetExceeded(Exception):
+    """A template exceeded the per-conversation render budget (time or output size)."""
+
+
+class _Watchdog:
+    """Stops a render that runs past its deadline, in whatever thread it runs.
+
+    Jinja compiles a template to Python; a loop such as ``range(100000)`` nested twice runs
+    in that code and never returns to us, and a thread cannot be stopped from outside except
+    by an *asynchronous exception* (``PyThreadState_SetAsyncExc``), which the interpreter
+    raises at its next check (every loop back-edge and call). One daemon thread per process
+    polls the deadlines every 20 ms; a render registers its deadline and clears it (and any
+    exception still pending for it) when done, so nothing outside a render is ever hit."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.deadlines: dict[int, float] = {}
+        self.thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.02)
+            now = time.monotonic()
+            with self.lock:
+                for ident, deadline in list(self.deadlines.items()):
+                    if now > deadline:
+                        del self.deadlines[ident]
+                        _async_raise(ident, RenderBudgetExceeded)
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="shardcache-render-watchdog",
+                                               daemon=True)  # fmt: skip
+                self.thread.start()
+            self.deadlines[ident] = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.deadlines.pop(ident, None)
+                _async_raise(ident, None)  # clear an exception set but not raised yet
+
+
+def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+_WATCHDOG = _Watchdog()
 
 
 @dataclass
@@ -125,10 +193,17 @@ class _FastRender:
         return self.alias(self.plain(messages))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        return self.compiled.render(
+        """The rendered text; streamed so that an output over :data:`RENDER_CHARS` stops."""
+        parts, size = [], 0
+        for part in self.compiled.generate(
             messages=messages, tools=None, documents=None,
             add_generation_prompt=add_generation_prompt, **self.variables,
-        )  # fmt: skip
+        ):  # fmt: skip
+            size += len(part)
+            if size > RENDER_CHARS:
+                raise RenderBudgetExceeded(f"the output passed {RENDER_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
 
 
 @dataclass
@@ -180,7 +255,14 @@ class ChatRenderer:
         out: list[Rendered] = []
         for messages in conversations:
             try:
-                out.append(self._render_one(messages))
+                with _WATCHDOG.limit(RENDER_SECONDS):
+                    rendered = self._render_one(messages)
+                if len(rendered.text) > RENDER_CHARS:  # the public path renders unstreamed
+                    raise RenderBudgetExceeded(f"the output passed {RENDER_CHARS:,} characters")
+                out.append(rendered)
+            except RenderBudgetExceeded as err:
+                detail = str(err) or f"rendering took more than {RENDER_SECONDS:g} s"
+                out.append(Rendered(error=f"template_budget: {detail}"))
             except Exception as err:  # a template can raise anything (jinja, exceptions)
                 out.append(Rendered(error=f"template_error: {type(err).__name__}: {err}"))
         return out
@@ -317,6 +399,12 @@ class ChatEncoder:
         rendered = self.renderer.render([demo])[0]
         if rendered.error is not None:  # a template without system support
             rendered = self.renderer.render([demo[1:]])[0]
+        if rendered.error is not None and rendered.error.startswith("template_budget"):
+            raise TokenizerError(
+                f"chat template ({self.renderer.template_kind}): rendering a 2-message demo "
+                f"conversation exceeded the render budget ({rendered.error}); the template "
+                "loops or recurses without bound: fix it or pass another --chat-template"
+            )
         return rendered.text if rendered.error is None else f"<render failed: {rendered.error}>"
 
     def encode_texts(self, conversations: list[list[dict[str, Any]]]) -> list[ChatSample]:
@@ -375,12 +463,12 @@ class ChatEncoder:
         limit = self.text.options.max_length
         strategy = self.text.options.truncation
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
-        stats.documents += len(samples)
         for i, sample in enumerate(samples):
-            if sample.ids is None or sample.mask is None:
+            if sample.ids is None or sample.mask is None:  # a bad record, not a document
                 reason = (sample.error or "template_error").split(":")[0]
                 failed.append((i, reason, sample.error or reason))
                 continue
+            stats.documents += 1
             ids, mask = sample.ids, sample.mask
             self.lint.boundary_tokens += sample.straddle
             self._lint_sample(ids, mask)

@@ -8,16 +8,25 @@ each encoded without special tokens, and the special tokens the post-processor a
 (e.g. ``[CLS] ... [SEP]``, a BOS) are put around the concatenated ids.
 
 That is exact only when the tokenizer treats a cut the same as the whole text. Pieces are
-cut only before a single space between two non-space characters (``"a b"`` -> ``"a"`` +
+cut before a single space between two non-space characters (``"a b"`` -> ``"a"`` +
 ``" b"``), where whitespace-splitting pre-tokenizers (BERT, byte-level BPE, Metaspace) start
 a new word anyway; and :func:`chunking_is_exact` checks, once per tokenizer, that this holds
-on probe texts and that the post-processor only wraps the ids. A tokenizer that fails the
-check (e.g. one whose normalizer prepends a marker to every input), or a document with no
-such space, is encoded whole as before: exact first, memory second.
+on probe texts and that the post-processor only wraps the ids.
+
+Text without ASCII spaces (CJK, minified code, base64: a 10 M-character CJK document peaked
+at 6.7 GB RSS encoded whole) is cut where the tokenizer's own pre-tokenizer splits a window
+of :data:`WINDOW_CHARS` around the target (:func:`pretokenizer_cut`): a cut is taken only if
+the pre-tokenizer splits there and encoding :data:`CHECK_CHARS` characters on each side
+whole gives the ids of the two sides encoded apart (the model never sees across a
+pre-token, so the cut is invisible to it); the start-up check covers such cuts too. A
+tokenizer that fails the check (e.g. one whose normalizer prepends a marker to every input),
+or a stretch with no such boundary, is encoded whole as before: exact first, memory second.
 """
 
 from __future__ import annotations
 
+import itertools
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -26,6 +35,8 @@ import numpy as np
 HUGE_CHARS = 1 << 20
 #: Target piece size in characters.
 PIECE_CHARS = 1 << 18
+#: UTF-8 bytes of pieces encoded in one ``encode_batch`` call (see :func:`encode_in_pieces`).
+BATCH_BYTES = 1 << 20
 
 _PROBE_WORDS = (
     "The quick brown fox jumps over the lazy dog; data, shard & cache! 42 x3.5 don't "
@@ -33,23 +44,82 @@ _PROBE_WORDS = (
 ).split(" ")
 
 
-def split_points(text: str, piece_chars: int = PIECE_CHARS) -> list[int] | None:
-    """Cut positions (each at a space with non-space characters on both sides) giving pieces
-    of about ``piece_chars``; None when some stretch has no such space."""
+#: Characters around a target position that the pre-tokenizer looks at for a boundary.
+WINDOW_CHARS = 4096
+#: Characters on each side of a pre-tokenizer cut encoded to check it.
+CHECK_CHARS = 1024
+
+#: ``fallback(text, start, target)``: a cut in ``(start, target]`` where no space serves.
+CutFinder = Callable[[str, int, int], "int | None"]
+
+
+def _space_cut(text: str, start: int, target: int) -> int | None:
+    pos = target
+    while True:
+        pos = text.rfind(" ", start + 1, pos)
+        if pos <= start:
+            return None
+        if not text[pos - 1].isspace() and pos + 1 < len(text) and not text[pos + 1].isspace():
+            return pos
+
+
+_SPACELESS_PROBE = (
+    "東京データ。日本語の文章です、中文字符！function(a,b){return a*2+b;}var x=f(1,2);"
+    "aGVsbG8gd29ybGQ+/=QUJDRA==ñandú🙂🙂—«»1234.56e7"
+)
+
+
+def split_points(
+    text: str, piece_chars: int = PIECE_CHARS, fallback: CutFinder | None = None
+) -> list[int] | None:
+    """Cut positions (each at a space with non-space characters on both sides, else where
+    ``fallback`` finds one) giving pieces of about ``piece_chars``; None when some stretch
+    has no cut."""
     cuts = []
     start = 0
     while len(text) - start > piece_chars:
         target = start + piece_chars
-        pos = target
-        while True:
-            pos = text.rfind(" ", start + 1, pos)
-            if pos <= start:
-                return None
-            if not text[pos - 1].isspace() and pos + 1 < len(text) and not text[pos + 1].isspace():
-                break
+        pos = _space_cut(text, start, target)
+        if pos is None and fallback is not None:
+            pos = fallback(text, start, target)
+        if pos is None or pos <= start:
+            return None
         cuts.append(pos)
         start = pos
     return cuts
+
+
+def pretokenizer_cut(backend: Any, text: str, start: int, target: int) -> int | None:
+    """A cut in ``(start, target]``, as close to ``target`` as possible, where ``backend``'s
+    pre-tokenizer splits the text around it and the ids on both sides are the same encoded
+    together or apart (see the module docstring); None if the window has none."""
+    pre = backend.pre_tokenizer
+    if pre is None:
+        return None
+    lo = max(start + 1, target - WINDOW_CHARS)
+    window_start = max(0, lo - CHECK_CHARS)
+    window = text[window_start : min(len(text), target + CHECK_CHARS)]
+    margin = min(CHECK_CHARS, max(1, (target - start) // 4))
+    bounds = sorted({window_start + s for _, (s, _) in pre.pre_tokenize_str(window)}, reverse=True)
+    tried = 0
+    for pos in bounds:
+        if pos > target or pos < lo or pos - window_start < margin:
+            continue
+        if pos + margin > window_start + len(window) and pos + margin <= len(text):
+            continue  # too close to the window end to trust the split
+        if _cut_is_invisible(backend, text, pos):
+            return pos
+        tried += 1
+        if tried >= 8:
+            return None
+    return None
+
+
+def _cut_is_invisible(backend: Any, text: str, pos: int) -> bool:
+    left, right = text[max(0, pos - CHECK_CHARS) : pos], text[pos : pos + CHECK_CHARS]
+    whole = backend.encode(left + right, add_special_tokens=False).ids
+    apart = backend.encode_batch([left, right], add_special_tokens=False)
+    return whole == apart[0].ids + apart[1].ids
 
 
 def special_wrapping(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
@@ -67,19 +137,37 @@ def encode_in_pieces(
     backend: Any, text: str, wrapping: tuple[list[int], list[int]], piece_chars: int = PIECE_CHARS
 ) -> np.ndarray | None:
     """The ids of ``text`` encoded piecewise (int64), or None if it cannot be cut."""
-    cuts = split_points(text, piece_chars)
+    cuts = split_points(
+        text, piece_chars, lambda t, start, target: pretokenizer_cut(backend, t, start, target)
+    )
     if cuts is None:
         return None
     bounds = [0, *cuts, len(text)]
     prefix, suffix = wrapping
     parts = [np.asarray(prefix, dtype=np.int64)]
-    batch = 8  # pieces per encode_batch call: parallel, and still a few MB of encodings
-    for i in range(0, len(bounds) - 1, batch):
-        pieces = [text[a:b] for a, b in zip(bounds[i : i + batch], bounds[i + 1 : i + batch + 1])]
-        for encoding in backend.encode_batch(pieces, add_special_tokens=False):
-            parts.append(np.asarray(encoding.ids, dtype=np.int64))
+    # Pieces per encode_batch call: parallel, yet at most BATCH_BYTES of UTF-8 at once, since
+    # an Encoding costs ~200 bytes per token and tokens follow bytes, not characters (CJK: 3
+    # bytes and ~2 byte-level tokens per character; 8 pieces of CJK peaked at 865 MB, measured).
+    pending: list[str] = []
+    pending_bytes = 0
+    for a, b in itertools.pairwise(bounds):
+        piece = text[a:b]
+        size = len(piece.encode("utf-8", "surrogatepass"))
+        if pending and pending_bytes + size > BATCH_BYTES:
+            parts += _encode_pieces(backend, pending)
+            pending, pending_bytes = [], 0
+        pending.append(piece)
+        pending_bytes += size
+    parts += _encode_pieces(backend, pending)
     parts.append(np.asarray(suffix, dtype=np.int64))
     return np.concatenate(parts)
+
+
+def _encode_pieces(backend: Any, pieces: list[str]) -> list[np.ndarray]:
+    if not pieces:
+        return []
+    encodings = backend.encode_batch(pieces, add_special_tokens=False)
+    return [np.asarray(e.ids, dtype=np.int64) for e in encodings]
 
 
 def chunking_is_exact(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
@@ -89,10 +177,11 @@ def chunking_is_exact(backend: Any, add_special_tokens: bool) -> tuple[list[int]
     if wrapping is None:
         return None
     words = list(_PROBE_WORDS) * 6
-    for n in (17, 29, 53):  # piece sizes above the longest probe word
-        text = " ".join(words[i % len(words)] for i in range(n * 9))
+    texts = [(" ".join(words[i % len(words)] for i in range(n * 9)), n) for n in (17, 29, 53)]
+    texts += [(_SPACELESS_PROBE * 4, n) for n in (23, 61)]  # pre-tokenizer cuts
+    for text, n in texts:  # piece sizes above the longest probe word
         whole = backend.encode(text, add_special_tokens=add_special_tokens).ids
         pieces = encode_in_pieces(backend, text, wrapping, piece_chars=n)
-        if pieces is None or pieces.tolist() != whole:
-            return None
+        if pieces is not None and pieces.tolist() != whole:
+            return None  # a cut changed the ids: never cut with this tokenizer
     return wrapping

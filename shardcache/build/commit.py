@@ -38,12 +38,14 @@ from shardcache.build.remote import commit_remote
 from shardcache.build.report import BuildReport, report_from_manifest
 from shardcache.build.sources import (
     InputFile,
+    field_hint,
 )
 from shardcache.build.tokenize import TextEncoder, TruncationStats
 from shardcache.errors import (
     CacheError,
     IncompleteBuildError,
     ShardcacheError,
+    SourceError,
 )
 from shardcache.store.files import (
     concat_files_atomic,
@@ -106,6 +108,7 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
         entry["sha256"] = entry["sha256"] or r.sha256
         entry["documents"] += r.stats.documents
         entry["bad_records"] += sum(r.bad_records.values())
+    check_bad_records(plan, stats, bad)
     shards = [s.to_json() for r in results for s in r.shards]
     inputs = [
         {
@@ -135,6 +138,8 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
             "ranges": [list(r) for r in bucket_ranges(plan.edges, options.tokenize.max_length)],
         },
         "key": compute_key(encoder, data).to_json(),
+        # soft: which backend produced the ids (never part of the key: ids are proven equal)
+        "encoder": encoder_summary(results),
         "inputs": inputs,
         "partitions": len(results),
         "shards": shards,
@@ -165,6 +170,59 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
     return manifest
 
 
+#: Reasons that are not records (a blank line) do not count towards ``max_bad_fraction``.
+_NOT_RECORDS = ("blank_line",)
+
+
+def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str, int]) -> None:
+    """Refuse to commit a build that kept no document, or whose bad records exceed
+    ``max_bad_fraction`` of its records: a wrong ``--text-field`` or chat data built as text
+    must not end as an empty cache with exit 0. The partitions stay (a rerun with a higher
+    ``--max-bad-fraction`` commits them)."""
+    options = plan.options
+    n_bad = sum(n for reason, n in bad.items() if reason not in _NOT_RECORDS)
+    records = stats.documents + n_bad
+    if stats.documents and n_bad <= options.max_bad_fraction * records:
+        return
+    reasons = ", ".join(f"{k}: {v}" for k, v in sorted(bad.items(), key=lambda kv: -kv[1]))
+    field = options.chat.messages_field if options.chat else options.source.text_field
+    hint = ""
+    if {"no_text_field", "no_messages_field"} & set(bad):
+        hint = field_hint(plan.inputs, field, "chat" if options.chat else "text")
+    hint = f"; {hint}" if hint else ""
+    where = f"see {os.path.join(options.output, QUARANTINE)}"
+    if not stats.documents:
+        raise SourceError(
+            f"build kept no document: all {records} records of {len(plan.inputs)} input file(s) "
+            f"are bad ({reasons or 'the inputs hold no record'}){hint}; {where}. Nothing was "
+            "committed: fix the options (a changed option needs --force) or the input"
+        )
+    raise SourceError(
+        f"build: {n_bad} of {records} records ({n_bad / records:.1%}) are bad, more than "
+        f"--max-bad-fraction {options.max_bad_fraction:g} ({reasons}){hint}; {where}. Nothing "
+        "was committed (the built partitions are kept): fix the input, or allow it by rerunning "
+        f"the same command with --max-bad-fraction {min(1.0, n_bad / records + 0.005):.2f}"
+    )
+
+
+def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
+    """The manifest's ``encoder`` field, from the partitions' records (so a job-array commit
+    and a local build agree): the gate's decision, the backends used, documents verified
+    against HF, mismatches and partitions re-encoded with HF."""
+    encodings = [r.encoding for r in results if r.encoding]
+    backends = Counter(e["backend"] for e in encodings)
+    return {
+        "requested": sorted({e["requested"] for e in encodings}),
+        "gate": sorted({e["gate"] for e in encodings}),
+        "partitions_by_backend": dict(sorted(backends.items())),
+        "versions": sorted({f"{e['backend']} {e['version']}" for e in encodings}),
+        "documents_verified": sum(int(e["verified"]) for e in encodings),
+        "mismatches": sum(int(e["mismatches"]) for e in encodings),
+        "partitions_reencoded": sorted(r.partition for r in results if r.encoding.get("reencoded")),
+        "mismatch_detail": [d for e in encodings for d in e["detail"]][:5],
+    }
+
+
 def owner_hint(out: str, positions: list[int]) -> str:
     counts = set()
     folder = os.path.join(out, SHARES_DIR)
@@ -185,10 +243,11 @@ def commit_output(
     encoder_factory: EncoderFactory | None = None,
     shard_sizes: Mapping[str, int] | None = None,
     strict_lint: bool = False,
+    max_bad_fraction: float | None = None,
 ) -> BuildReport:
     """``shardcache commit OUTPUT``: write the manifest once every partition is present
     (``strict_lint``: refuse, as ``build --strict-lint`` does, when the chat lint found any
-    problem in the shares' partitions).
+    problem in the shares' partitions; ``max_bad_fraction``: as ``build --max-bad-fraction``).
 
     ``OUTPUT`` is a folder or a URL. Raises :class:`IncompleteBuildError` listing the
     missing partitions (and their shares) when some are not built yet. Idempotent: a
@@ -196,11 +255,14 @@ def commit_output(
     """
     if is_url(output):
         return commit_remote(
-            output, lambda stage, sizes: commit_output(stage, encoder_factory, sizes, strict_lint)
+            output,
+            lambda stage, sizes: commit_output(
+                stage, encoder_factory, sizes, strict_lint, max_bad_fraction
+            ),
         )
     started = time.perf_counter()
     if os.path.isfile(os.path.join(output, MANIFEST)):
-        return report_from_manifest(output, read_manifest(output), 0.0)
+        return report_from_manifest(output, read_manifest(output), 0.0, up_to_date=True)
     state = read_json_or_none(os.path.join(output, PARTS_DIR, BUILD_STATE))
     if state is None:
         raise CacheError(
@@ -210,6 +272,8 @@ def commit_output(
     options = dataclasses.replace(
         options_from_json(state["options"], output), strict_lint=strict_lint
     )
+    if max_bad_fraction is not None:
+        options = dataclasses.replace(options, max_bad_fraction=max_bad_fraction)
     inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"]) for f in state["inputs"]]
     plan = plan_from_json(state, options, inputs)
     with BuildLock(output):

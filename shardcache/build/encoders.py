@@ -15,6 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Union
 
+from shardcache.build.backends import EncoderSelection
 from shardcache.build.chat import ChatEncoder
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
@@ -23,9 +24,12 @@ Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
 EncoderFactory = Callable[[BuildOptions], Encoder]
 
 
-def make_encoder(tokenize: TokenizeOptions, chat: ChatOptions | None) -> Encoder:
-    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data."""
-    text = TextEncoder(tokenize)
+def make_encoder(
+    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
+) -> Encoder:
+    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
+    (``preload_fast``: start loading the fast backend for the gate, text only)."""
+    text = TextEncoder(tokenize, preload_fast=preload_fast and chat is None)
     return text if chat is None else ChatEncoder(text, chat)
 
 
@@ -39,6 +43,7 @@ def encoder_spec(encoder: Encoder) -> dict[str, Any]:
             "tokenize": dataclasses.asdict(encoder.text.options),
             "chat": dataclasses.asdict(encoder.options),
             "hf_class": [cls.__module__, cls.__qualname__],
+            "selection": encoder.text.selection.to_json(),  # the gate's decision (always HF)
         }
     return {"kind": "text", "text": encoder.spec()}
 
@@ -53,7 +58,9 @@ def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
         module, name = spec["hf_class"]
         cls = getattr(importlib.import_module(module), name)
         hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
-        return ChatEncoder(TextEncoder(options, hf_tokenizer=hf), ChatOptions(**spec["chat"]))
+        text = TextEncoder(options, hf_tokenizer=hf)
+        text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
+        return ChatEncoder(text, ChatOptions(**spec["chat"]))
     return TextEncoder.from_spec(spec["text"])
 
 
@@ -68,4 +75,4 @@ def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) ->
     """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
     if factory is not None:
         return factory(options)
-    return make_encoder(options.tokenize, options.chat)
+    return make_encoder(options.tokenize, options.chat, options.encoding.encoder != "hf")

@@ -85,13 +85,28 @@ def special_tokens_component(hf: Any, end_id: int | None, pad_id: int) -> dict:
     return {"named": named, "additional": inline_value(extra), "end_id": end_id, "pad_id": pad_id}
 
 
-def behaviour_component(encode: Any, special_strings: list[str], chat: str | None = None) -> dict:
-    """Ids for the probe set through ``encode(list[str]) -> list[list[int]]``."""
+def probe_set(special_strings: list[str], chat: str | None = None) -> dict[str, str]:
+    """The behaviour probe texts by name: :data:`PROBES`, the special tokens written in text,
+    and a rendered conversation for chat builds."""
     probes = dict(PROBES)
     if special_strings:
         probes["special_tokens"] = " ".join(special_strings) + " x" + "".join(special_strings)
     if chat is not None:
         probes["chat"] = chat
+    return probes
+
+
+def probe_texts(hf: Any, encoder: Any) -> list[str]:
+    """The behaviour probe texts of ``encoder``'s key (the encoder gate encodes them too)."""
+    specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
+    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
+    probes = probe_set(specials, chat)
+    return [probes[n] for n in sorted(probes)]
+
+
+def behaviour_component(encode: Any, special_strings: list[str], chat: str | None = None) -> dict:
+    """Ids for the probe set through ``encode(list[str]) -> list[list[int]]``."""
+    probes = probe_set(special_strings, chat)
     names = sorted(probes)
     ids = encode([probes[n] for n in names])
     return {"probes_sha256": sha256_text(canonical_json(probes)),
@@ -126,6 +141,16 @@ def versions_component(tokenizer_class: str) -> dict:
     }
 
 
+def precompute_tokenizer_component(encoder: Any) -> None:
+    """Compute the key's tokenizer component now (the canonical JSON of a 151k-vocabulary
+    model: 0.3-0.6 CPU-s, holding the GIL) and keep it on the encoder for
+    :func:`compute_key`: a build calls this while fastokens loads in the background."""
+    text = getattr(encoder, "text", encoder)
+    text.tokenizer_component = tokenizer_component(
+        text.backend_json, text.backend_truncation, text.backend_padding
+    )
+
+
 def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     """The key of a configuration: ``encoder`` is a :class:`~shardcache.build.tokenize.TextEncoder`
     (duck-typed here to keep this module free of tokenizer imports); ``data`` a data component
@@ -136,13 +161,17 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
     chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
     side = encoder.options.truncation_side if chat is not None else "right"
+    component = getattr(text, "tokenizer_component", None)
     return CacheKey(
         {
-            "tokenizer": tokenizer_component(
+            "tokenizer": component
+            if component is not None
+            else tokenizer_component(
                 text.backend_json, text.backend_truncation, text.backend_padding
             ),
             "special_tokens": special_tokens_component(hf, text.eos_id, text.pad_id),
-            "behaviour": behaviour_component(text.encode_texts, specials, chat),
+            # the reference (HF) encodes the probe: the key never depends on the backend
+            "behaviour": behaviour_component(text.encode_reference, specials, chat),
             "template": encoder.template_component(),
             "truncation": truncation_component(options.max_length, options.truncation, side),
             "data": dict(data) if data is not None else None,

@@ -10,7 +10,8 @@ Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself
 worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
 open then), ``part`` (completion record written by this process) or ``commit`` (1: after the
 length index, 2: after the quarantine file, before the manifest). Tests use it to kill a
-build at deterministic points; it costs one environment lookup per batch. With
+build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
+sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
 ``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
 is created first): a retried task (Ray) then runs through.
 
@@ -41,10 +42,19 @@ from shardcache.build.sources import (
     check_unchanged,
     input_changed,
     iter_text_batches,
+    position_fields,
+    record_position,
 )
-from shardcache.build.tokenize import TextEncoder, TruncationStats, encode_ahead
+from shardcache.build.tokenize import (
+    EncodingMismatch,
+    TextEncoder,
+    TruncationStats,
+    drop_failures,
+    encode_ahead,
+)
 from shardcache.errors import (
     BadRecordError,
+    EncoderError,
 )
 from shardcache.store.files import (
     write_json_atomic,
@@ -52,6 +62,7 @@ from shardcache.store.files import (
 )
 from shardcache.store.layout import (
     PARTS_DIR,
+    SHARD_DIR,
 )
 from shardcache.store.shards import BucketWriter
 
@@ -62,11 +73,15 @@ _PARENT_PID: int | None = None  # set in worker processes
 
 
 def kill_point(event: str) -> None:
-    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring)."""
+    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring); ``<event>:<n>:INT``
+    sends SIGINT (Ctrl-C) to the build process instead of killing it."""
     spec = os.environ.get(KILL_ENV)
     if not spec:
         return
     _KILL_COUNTS[event] += 1
+    if spec == f"{event}:{_KILL_COUNTS[event]}:INT":
+        os.kill(_PARENT_PID if _PARENT_PID is not None else os.getpid(), signal.SIGINT)
+        return
     if spec == f"{event}:{_KILL_COUNTS[event]}":
         once = os.environ.get(KILL_ONCE_ENV)
         if once:
@@ -102,7 +117,7 @@ class _BadLog:
     def add(self, entry: dict[str, Any]) -> None:
         self.counts[entry["reason"]] += 1
         if entry["reason"] == "corrupt_file":
-            self.corrupt.append({k: entry[k] for k in ("source", "record", "offset", "excerpt")})
+            self.corrupt.append({k: v for k, v in entry.items() if k != "reason"})
         self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
 
     def close(self) -> None:
@@ -158,7 +173,62 @@ def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> Non
 def build_partition(
     plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
 ) -> PartitionResult:
-    """Map one partition to shard files and its completion record."""
+    """Map one partition to shard files and its completion record.
+
+    With the fast encoder, a difference from HF on the in-build sample re-encodes the whole
+    partition with HF (its first attempt's files are removed) and is recorded in the
+    result's ``encoding``; under ``--encoder fast`` it fails the build instead."""
+    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
+    text.take_verify()  # counts are per partition (whatever ran before in this process)
+    try:
+        result = map_partition(plan, partition, encoder, progress)
+        counts = text.take_verify()
+        reencoded = False
+    except EncodingMismatch as err:
+        counts = text.take_verify()
+        if plan.options.encoding.encoder == "fast":
+            raise EncoderError(
+                f"partition {partition.id} ({partition.file.relpath}): {err}; the fast encoder "
+                "is not exact on this corpus, and --encoder fast forbids falling back: build "
+                "with --encoder auto (that partition is then re-encoded with HF) or hf"
+            ) from err
+        remove_partition_files(plan.options.output, partition.id)
+        fast, text.fast = text.fast, None
+        try:
+            result = map_partition(plan, partition, encoder, progress)
+        finally:
+            text.fast = fast
+        reencoded = True
+    backend = text.reference if text.fast is None or reencoded else text.fast
+    result.encoding = {
+        "requested": text.selection.requested,
+        "gate": f"{text.selection.backend}: {text.selection.reason}",
+        "backend": backend.name,
+        "version": backend.version,
+        "verified": counts.documents,
+        "mismatches": counts.mismatches,
+        "reencoded": reencoded,
+        "detail": counts.detail[:3],
+    }
+    write_json_atomic(os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.json"),
+                      result.to_json())  # fmt: skip
+    kill_point("part")
+    return result
+
+
+def remove_partition_files(out: str, partition_id: str) -> None:
+    """Remove what a failed attempt at ``partition_id`` wrote (shards, parts files)."""
+    for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
+        folder = os.path.join(out, sub)
+        for name in os.listdir(folder):
+            if name.startswith(prefix):
+                os.remove(os.path.join(folder, name))
+
+
+def map_partition(
+    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+) -> PartitionResult:
+    """Read, encode and write one partition's shard files (not its completion record)."""
     check_unchanged(partition.file, "between the plan and this partition's read")
     options = plan.options
     out = options.output
@@ -170,24 +240,38 @@ def build_partition(
     # end, so the quarantine (and so the manifest) does not depend on the threads' timing.
     reader_bad = _BadLog(quarantine_path + ".reader.tmp")
     template_bad = _BadLog(quarantine_path + ".template.tmp")
+    batch_failures: list[dict[str, Any]] = []
     relpath = partition.file.relpath
+    positions = {"format": partition.file.format}  # "json-array": records are array items
+
+    def on_layout(layout: str) -> None:
+        positions["format"] = layout
 
     def on_bad(record: int, reason: str, excerpt: str) -> None:  # reader thread
-        reader_bad.add({"source": relpath, "record": record, "reason": reason,
-                        "excerpt": excerpt})  # fmt: skip
+        reader_bad.add({"source": relpath, "record": record,
+                        **position_fields(positions["format"], record),
+                        "reason": reason, "excerpt": excerpt})  # fmt: skip
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
         record = int(batch.records[doc])
         if options.source.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: record {record} cannot be used ({detail}); fix the input or the "
-                "chat template, or build with --on-error skip to quarantine such records"
+                f"{relpath}: {record_position(positions['format'], record)} cannot be used "
+                f"({reason}: {detail}); fix the input or the chat template, or build with "
+                "--on-error skip to quarantine such records"
             )
-        template_bad.add({"source": relpath, "record": record, "reason": reason,
-                          "excerpt": detail})  # fmt: skip
+        batch_failures.append({"source": relpath, "record": record,
+                               **position_fields(positions["format"], record),
+                               "reason": reason, "excerpt": detail})  # fmt: skip
+
+    def write_batch_failures() -> None:  # this thread: one batch's failures, in record order
+        for entry in sorted(batch_failures, key=lambda e: e["record"]):
+            template_bad.add(entry)
+        batch_failures.clear()
 
     def on_corrupt(record: int, offset: int, message: str) -> None:  # reader thread
-        reader_bad.add({"source": relpath, "record": record, "reason": "corrupt_file",
+        position = position_fields(partition.file.format, record)
+        reader_bad.add({"source": relpath, "record": record, **position, "reason": "corrupt_file",
                         "offset": offset, "excerpt": message})  # fmt: skip
 
     writers = [
@@ -223,14 +307,23 @@ def build_partition(
         part=partition.span,
         on_corrupt=on_corrupt,
         kind="text" if options.chat is None else "chat",
+        on_layout=on_layout,
     )
     try:
         for batch, ids in encode_ahead(encoder, batches):
             check_parent()
+            original = batch
+            batch, ids, failures = drop_failures(batch, ids)
+            for doc, detail in failures:  # records the tokenizer failed on alone
+                batch_bad(original, doc, "encode_error", detail)
+            if not len(ids):
+                write_batch_failures()
+                continue  # every record of the batch failed (quarantined above)
             encoded = encoder.finish(ids, stats)
             del ids
             for doc, reason, detail in encoded.failed:  # conversations the template refused
                 batch_bad(batch, doc, reason, detail)
+            write_batch_failures()
             records = batch.records[encoded.doc_index]
             buckets = assign_buckets(encoded.lengths, plan.edges)
             for b in np.unique(buckets):
@@ -272,6 +365,4 @@ def build_partition(
         corrupt=corrupt,
         lint=take_lint(encoder),
     )
-    write_json_atomic(os.path.join(out, PARTS_DIR, f"{partition.id}.json"), result.to_json())
-    kill_point("part")
     return result

@@ -92,6 +92,9 @@ class PartitionResult:
     bad_records: dict[str, int]
     corrupt: list[dict[str, Any]] = field(default_factory=list)
     lint: dict[str, int] = field(default_factory=dict)  # chat lint counts of this partition
+    #: The encoder backend of this partition and its in-build verification (backends.py):
+    #: backend, version, verified (documents re-encoded with HF), mismatches, reencoded.
+    encoding: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -103,6 +106,7 @@ class PartitionResult:
             "bad_records": dict(sorted(self.bad_records.items())),
             "corrupt": self.corrupt,
             "lint": dict(sorted(self.lint.items())),
+            "encoding": self.encoding,
         }
 
     @classmethod
@@ -116,14 +120,16 @@ class PartitionResult:
             bad_records=dict(data["bad_records"]),
             corrupt=list(data.get("corrupt", [])),
             lint=dict(data.get("lint", {})),
+            encoding=dict(data.get("encoding", {})),
         )
 
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
     """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
-    cannot change the bytes (``strict_lint`` only decides whether to commit)."""
+    cannot change the bytes (``strict_lint`` and ``max_bad_fraction`` only decide whether to
+    commit; ``encoding`` picks a backend whose ids are proven equal to the reference's)."""
     data = options.to_json()
-    for key in ("force", "workers", "output", "strict_lint"):
+    for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
     return json.loads(json.dumps(data))
 
@@ -143,7 +149,11 @@ def fingerprint_of(options: dict[str, Any], inputs: list[dict[str, Any]]) -> str
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
     """List and split the inputs (reads every file that is split once, to hash and cut it)."""
-    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    inputs = (
+        inputs
+        if inputs is not None
+        else list_inputs(options.source.inputs, exclude=[options.output])
+    )
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
     for f in inputs:

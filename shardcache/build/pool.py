@@ -76,10 +76,14 @@ def _worker_init(
     spec: dict[str, Any], plan: BuildPlan, queue: Any, rayon_threads: int, parent: int
 ) -> None:
     set_parent_pid(parent)
+    # Ctrl-C reaches the whole process group: the parent stops the build and terminates the
+    # workers; a worker's own KeyboardInterrupt would only print a traceback per process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     _die_with_parent()
     check_parent()  # the parent may have died before prctl
     # before the tokenizer's Rayon pool starts (on the first encode_batch)
     os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
+    os.environ["FASTOKENS_BPE_THREADS"] = str(rayon_threads)  # the fast backend's own pool
     queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
     _WORKER.update(encoder=encoder_from_spec(spec), plan=plan, queue=queue)
 
@@ -118,11 +122,15 @@ def run_pool(
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     rayon_threads = max(1, default_workers() // workers)
+    spec = encoder_spec(encoder)
+    # this process only waits from here on: free its copy of the fast backend (~120 MB for a
+    # 151k vocabulary; the workers load their own from the spec)
+    getattr(encoder, "text", encoder).fast = None
     executor = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(encoder_spec(encoder), plan, queue, rayon_threads, os.getpid()),
+        initargs=(spec, plan, queue, rayon_threads, os.getpid()),
     )
     index = {p.id: i for i, p in enumerate(plan.partitions)}
     futures: dict[Future[dict[str, Any]], Partition] = {}

@@ -10,7 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardcache.store.summary import chat_lines, human_bytes
+from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
 class Progress:
@@ -51,13 +51,18 @@ class BuildReport:
     resumed_partitions: int = 0  # taken from an interrupted earlier run
     workers: int = 1
     corrupt_files: list[dict[str, Any]] = field(default_factory=list)
+    #: Nothing was done: the output already held this build, committed (idempotent rerun).
+    up_to_date: bool = False
+    encoder: dict[str, Any] = field(default_factory=dict)  # the manifest's "encoder" field
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def report_from_manifest(output: str, manifest: Mapping[str, Any], seconds: float) -> BuildReport:
+def report_from_manifest(
+    output: str, manifest: Mapping[str, Any], seconds: float, up_to_date: bool = False
+) -> BuildReport:
     totals, stats = manifest["totals"], dict(manifest["stats"])
     bad, corrupt = stats.pop("bad_records"), stats.pop("corrupt_files")
     return BuildReport(
@@ -65,7 +70,8 @@ def report_from_manifest(output: str, manifest: Mapping[str, Any], seconds: floa
         tokens=totals["tokens"], shards=totals["shards"], bytes_in=totals["input_bytes"],
         bytes_out=totals["shard_bytes"], seconds=seconds, stats=stats, bad_records=bad,
         partitions=manifest["partitions"], resumed_partitions=manifest["partitions"],
-        workers=0, corrupt_files=corrupt,
+        workers=0, corrupt_files=corrupt, up_to_date=up_to_date,
+        encoder=manifest.get("encoder") or {},
     )  # fmt: skip
 
 
@@ -86,6 +92,8 @@ def report_json(report: BuildReport) -> dict[str, Any]:
         "partitions": report.partitions,
         "resumed_partitions": report.resumed_partitions,
         "workers": report.workers,
+        "up_to_date": report.up_to_date,
+        "encoder": report.encoder,
     }
 
 
@@ -95,10 +103,16 @@ def format_report(report: BuildReport) -> str:
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
     resumed = f", {report.resumed_partitions} resumed" if report.resumed_partitions else ""
     lost = [
-        f"lost         {c['source']} from line/row {c['record']} (offset ~{c['offset']}): "
+        f"lost         {c['source']} from {'row' if 'row' in c else 'line'} {c['record'] + 1} "
+        f"(offset ~{c['offset']}): "
         f"{c['excerpt']}"
         for c in report.corrupt_files
     ]
+    if report.up_to_date:
+        return (
+            f"up to date   {report.output}: already committed with these options and inputs "
+            f"({report.documents:,} documents, {report.tokens:,} tokens); nothing to do"
+        )
     return "\n".join(
         [
             f"built        {report.output}",
@@ -113,6 +127,7 @@ def format_report(report: BuildReport) -> str:
             f"bad records  {bad}",
             *lost,
             *chat_lines(st),
+            *encoder_lines(report.encoder),
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]

@@ -4,7 +4,12 @@ Owns two things:
 
 * :func:`list_inputs` turns files, folders and globs into a sorted list of
   :class:`InputFile` with a *relative path* (relative to the common parent folder of all
-  inputs), so a corpus moved as a whole keeps the same provenance and cache key.
+  inputs), so a corpus moved as a whole keeps the same provenance and cache key. A symbolic
+  link is listed under its own name (its format and provenance come from the link, as in a
+  Hugging Face hub snapshot). The build's output and any folder holding a cache or a build
+  state are skipped (a cache inside its corpus folder must not feed itself), and anything
+  that is not a regular file (a FIFO, a socket, /dev/zero, a symlink loop) is refused at
+  listing, naming it, instead of hanging the build.
 * :func:`split_input` cuts a large input into :class:`InputSlice` s for parallel builds:
   an uncompressed jsonl file into byte ranges that start and end at line boundaries, a
   parquet file into runs of row groups. Compressed jsonl.zst / json.gz files cannot be
@@ -20,6 +25,15 @@ Owns two things:
   is the file-global 0-based line number for jsonl formats (blank and bad lines count, so it
   always points at the physical line) and the row number for parquet.
 
+Line-based files (jsonl, jsonl.zst, json, json.gz) hold JSON lines, lines ended by CR alone,
+or one top-level array of objects (a common export form, read element by element by
+:func:`array_items` with one element in memory); a UTF-8 BOM is skipped. The layout is told
+from the first 64 KiB (:func:`record_layout`).
+
+A record that fails anywhere on its own is that record's: a lone surrogate (valid JSON, not
+text) is ``invalid_unicode``, nesting past the parser's limit ``too_deep``, and a tokenizer
+failure on one record ``encode_error`` (:func:`~shardcache.build.tokenize.encode_isolating`).
+
 While a line-based file is read, its raw (compressed) bytes are hashed on the way through
 (:class:`HashingReader`), so the data component of the cache key costs no second pass.
 Bad records are never silently dropped: each one is handed to an ``on_bad`` callback with its
@@ -33,12 +47,16 @@ loss is reported once (reason ``corrupt_file``) and the rest of that file is ski
 
 from __future__ import annotations
 
+import difflib
+import errno
 import glob
 import gzip
 import hashlib
 import io
 import json
 import os
+import re
+import stat
 import zlib
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -50,10 +68,12 @@ import zstandard
 from shardcache.build.chat import validate_messages
 from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
+from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
 
-FORMATS = ("jsonl", "jsonl.zst", "json.gz", "parquet")
+FORMATS = ("jsonl", "jsonl.zst", "json", "json.gz", "parquet")
 _SUFFIXES = {
     ".jsonl": "jsonl",
+    ".json": "json",
     ".jsonl.zst": "jsonl.zst",
     ".json.gz": "json.gz",
     ".jsonl.gz": "json.gz",
@@ -67,6 +87,9 @@ BAD_REASONS = (
     "text_not_string",
     "empty_text",
     "blank_line",
+    "invalid_unicode",  # valid JSON holding a lone surrogate ("\ud800"): not encodable text
+    "too_deep",  # nested deeper than the JSON parser's recursion limit
+    "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
 )
 #: A batch is flushed at this many characters of text even below ``batch_docs`` documents.
@@ -80,6 +103,38 @@ BadRecordCallback = Callable[[int, str, str], None]
 #: Called as ``on_corrupt(record_index, compressed_offset, message)`` when a file is damaged:
 #: ``record_index`` is the first line/row that could not be read.
 CorruptFileCallback = Callable[[int, int, str], None]
+
+
+def _position_name(fmt: str) -> str:
+    return {"parquet": "row", ARRAY_LAYOUT: "item"}.get(fmt, "line")
+
+
+def record_position(fmt: str, index: int) -> str:
+    """How a person finds record ``index`` (0-based, as stored) of a file of format ``fmt``:
+    "line 4" (1-based, what editors and ``sed -n 4p`` show), "row 4" for parquet, "item 4"
+    for the elements of a JSON array file (``fmt`` :data:`ARRAY_LAYOUT`)."""
+    return f"{_position_name(fmt)} {index + 1}"
+
+
+def position_fields(fmt: str, index: int) -> dict[str, int]:
+    """The 1-based position stored next to the 0-based ``record`` in quarantine entries."""
+    return {_position_name(fmt): index + 1}
+
+
+def has_lone_surrogate(value: Any) -> bool:
+    """True when a text (or any string of a conversation) holds a lone surrogate: JSON
+    allows ``"\ud800"`` but such a string is not Unicode text (it cannot be encoded)."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            return True
+        return False
+    if isinstance(value, list):
+        return any(has_lone_surrogate(v) for v in value)
+    if isinstance(value, dict):
+        return any(has_lone_surrogate(v) for v in value.values())
+    return False
 
 
 @dataclass(frozen=True)
@@ -103,44 +158,120 @@ def detect_format(path: str) -> str | None:
     return None
 
 
-def _expand(spec: str) -> list[str]:
+def _file_kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a folder"), (stat.S_ISFIFO, "a FIFO (named pipe)"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):  # fmt: skip
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_regular_file(path: str) -> None:
+    """Raise :class:`SourceError` unless ``path`` is (a link to) a regular file: reading a
+    FIFO, a socket or a device such as /dev/zero would block or never end."""
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        if err.errno == errno.ELOOP:
+            raise SourceError(
+                f"input {path!r}: too many levels of symbolic links (a symlink loop); fix or "
+                "remove the link"
+            ) from err
+        if os.path.islink(path):
+            raise SourceError(
+                f"input {path!r}: a symbolic link to {os.readlink(path)!r}, which does not "
+                "exist; fix or remove the link"
+            ) from err
+        raise SourceError(
+            f"input {path!r}: cannot read it ({err.strerror}); check the path"
+        ) from err
+    if not stat.S_ISREG(st.st_mode):
+        raise SourceError(
+            f"input {path!r} is {_file_kind(st.st_mode)}, not a regular file: reading it could "
+            "block forever or never end; remove it from the inputs (or move it out of the folder)"
+        )
+
+
+def is_cache_folder(path: str) -> bool:
+    """True for a folder holding a shardcache manifest or build state: a cache (or a build
+    in progress) inside a corpus folder is output, never input (its quarantine.jsonl and
+    parts/*.jsonl would otherwise feed the next build)."""
+    return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(
+        os.path.join(path, PARTS_DIR, BUILD_STATE)
+    )
+
+
+def _excluded(path: str, exclude: frozenset[str]) -> bool:
+    real = os.path.realpath(path)
+    return any(real == e or real.startswith(e + os.sep) for e in exclude)
+
+
+def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
     if any(ch in spec for ch in "*?["):
         matches = glob.glob(spec, recursive=True)
         if not matches:
             raise SourceError(f"input {spec!r}: the pattern matches no file; check the path")
-        return [m for m in matches if os.path.isfile(m)]
+        found = []
+        for m in matches:
+            parents = (os.path.dirname(m), os.path.dirname(os.path.dirname(m)))
+            if os.path.isdir(m) or _excluded(m, exclude) or any(map(is_cache_folder, parents)):
+                continue
+            check_regular_file(m)
+            found.append(m)
+        return found
     if os.path.isdir(spec):
         found = []
         for root, dirs, files in os.walk(spec):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            found += [os.path.join(root, f) for f in files if detect_format(f)]
+            dirs[:] = [
+                d
+                for d in dirs
+                if not d.startswith(".")
+                and not _excluded(os.path.join(root, d), exclude)
+                and not is_cache_folder(os.path.join(root, d))
+            ]
+            for name in files:
+                if detect_format(name):
+                    check_regular_file(os.path.join(root, name))
+                    found.append(os.path.join(root, name))
         if not found:
             raise SourceError(
                 f"input {spec!r}: the folder holds no input file ({', '.join(FORMATS)})"
             )
         return found
-    if os.path.isfile(spec):
+    if os.path.lexists(spec):
+        check_regular_file(spec)
         return [spec]
     raise SourceError(f"input {spec!r}: no such file or folder")
 
 
-def list_inputs(specs: tuple[str, ...] | list[str]) -> list[InputFile]:
+def list_inputs(
+    specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
+) -> list[InputFile]:
     """Resolve files / folders / globs into input files, sorted by relative path.
 
     A file given explicitly must have a known format; files inside folders without one are
-    ignored. The same file reached twice (e.g. by a folder and a glob) is listed once.
+    ignored. The format and the relative path come from the name as listed, so a symbolic
+    link (a Hugging Face hub snapshot: ``snap/train.jsonl -> ../blobs/<hash>``) is read as
+    the link names it. The same file reached twice (by a folder and a glob, or by two links)
+    is listed once. Folders in ``exclude`` (the build's output) and folders holding a cache
+    or a build state are skipped; anything that is not a regular file is refused.
     """
-    paths: set[str] = set()
+    excluded = frozenset(os.path.realpath(os.fspath(e)) for e in exclude)
+    by_target: dict[str, str] = {}
     for spec in specs:
-        for p in _expand(os.fspath(spec)):
+        for p in _expand(os.fspath(spec), excluded):
             if detect_format(p) is None:
                 raise SourceError(
                     f"input {p!r}: unknown format; expected a name ending in "
                     f"{', '.join(sorted(_SUFFIXES))}"
                 )
-            paths.add(os.path.realpath(p))
-    if not paths:
+            path = os.path.abspath(p)
+            target = os.path.realpath(p)
+            by_target[target] = min(by_target.get(target, path), path)
+    if not by_target:
         raise SourceError(f"inputs {list(specs)}: no input file found")
+    paths = sorted(by_target.values())
     root = os.path.commonpath([os.path.dirname(p) for p in paths])
     files = []
     for p in paths:
@@ -370,8 +501,101 @@ class ZstdReader(io.RawIOBase):
         return n
 
 
+BOM = b"\xef\xbb\xbf"
+#: The "format" of positions in a JSON array file: its records are items, not lines.
+ARRAY_LAYOUT = "json-array"
+_HEAD_BYTES = 64 * 1024
+_WHITESPACE = b" \t\r\n"
+_SPECIAL = re.compile(rb'["\\\[\]{},]')  # structure outside strings
+#: The rest of a JSON string after its opening quote, through the closing one (unrolled loop).
+_STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
+
+
+def record_layout(head: bytes) -> str:
+    """How the records of a line-based file are laid out, from its first bytes: ``"array"``
+    (one top-level JSON array of objects, a common export form), ``"cr"`` (lines ended by
+    CR alone: classic Mac), or ``"lines"`` (JSON lines)."""
+    body = head.removeprefix(BOM).lstrip(_WHITESPACE)
+    if body.startswith(b"[") and body[1:].lstrip(_WHITESPACE)[:1] in (b"{", b"]"):
+        return "array"
+    if b"\n" not in head and b"\r" in head:
+        return "cr"
+    return "lines"
+
+
+def array_items(stream: Any) -> Iterator[bytes]:
+    """The elements of the top-level JSON array(s) in ``stream``, as bytes, streamed: memory
+    holds one element plus one read chunk. A string is skipped with one regex match to its
+    closing quote, so brackets and commas inside texts are never structure. Anything after
+    the array that is not another array is yielded as one (bad) element."""
+    buf, pos, depth, elem_from = b"", 0, 0, 0
+    while True:
+        m = _SPECIAL.search(buf, pos)
+        string_end = None
+        if m is not None and m.group() == b'"':
+            string_end = _STRING_REST.match(buf, m.end())
+        if m is None or (m.group() == b'"' and string_end is None):  # need more bytes
+            chunk = stream.read(READ_CHUNK)
+            if not chunk:
+                break
+            resume = m.start() if m is not None else len(buf)
+            keep = elem_from if depth >= 1 else resume
+            buf, pos, elem_from = buf[keep:] + chunk, resume - keep, 0
+            continue
+        p, c = m.start(), m.group()
+        pos = p + 1
+        if string_end is not None:
+            pos = string_end.end()
+        elif depth == 0:
+            if c != b"[" or buf[:p].replace(BOM, b"").strip(_WHITESPACE):
+                yield buf[p:] + stream.read(_HEAD_BYTES)  # trailing garbage: one bad element
+                return
+            depth, elem_from = 1, p + 1
+        elif c in (b"[", b"{"):
+            depth += 1
+        elif c in (b"]", b"}"):
+            depth -= 1
+            if depth == 0:  # the end of the top-level array
+                item = buf[elem_from:p].strip(_WHITESPACE)
+                if item:
+                    yield item
+                buf, pos, elem_from = buf[p + 1 :], 0, 0
+        elif c == b"," and depth == 1:
+            yield buf[elem_from:p].strip(_WHITESPACE)
+            elem_from = p + 1
+    rest = buf[elem_from:].strip(_WHITESPACE) if depth >= 1 else b""
+    if rest:
+        yield rest  # an unterminated array: the partial element is reported as bad
+
+
+class _CrToLf(io.RawIOBase):
+    """Reads a stream whose lines end with CR alone as if they ended with LF."""
+
+    def __init__(self, stream: Any):
+        self._stream = stream
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buffer: Any) -> int:
+        data = self._stream.read(len(buffer))
+        n = len(data)
+        buffer[:n] = data.replace(b"\r", b"\n")
+        return n
+
+
+def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
+    """``(layout, raw records)`` of a line-based stream: its lines, the lines of a CR-only
+    file, or the elements of a JSON array file (the layout is told from the first bytes,
+    ``at_start``; see :func:`record_layout`)."""
+    layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
+    if layout == "cr":
+        return layout, iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
+    return layout, array_items(stream) if layout == "array" else iter(stream)
+
+
 def _open_lines(raw: HashingReader, fmt: str) -> io.BufferedIOBase:
-    if fmt == "jsonl":
+    if fmt in ("jsonl", "json"):
         return io.BufferedReader(raw, buffer_size=READ_CHUNK)
     if fmt == "jsonl.zst":
         return io.BufferedReader(ZstdReader(raw), buffer_size=READ_CHUNK)
@@ -397,6 +621,8 @@ class _Batcher:
         self.on_bad = on_bad
         self.on_corrupt = on_corrupt
         self.kind = "text"
+        self.format = ""
+        self.on_layout: Callable[[str], None] | None = None
         self.texts: list[str] = []
         self.records: list[int] = []
         self.chars = 0
@@ -405,7 +631,8 @@ class _Batcher:
         excerpt = _excerpt(raw)
         if self.on_error == "fail":
             raise BadRecordError(
-                f"{self.relpath}: record {index} is invalid ({reason}): {excerpt!r}; fix the "
+                f"{self.relpath}: {record_position(self.format, index)} is invalid ({reason}): "
+                f"{excerpt!r}; fix the "
                 "input or build with --on-error skip to quarantine bad records"
             )
         if self.on_bad is not None:
@@ -445,10 +672,17 @@ class _Batcher:
 def _iter_lines(
     file: InputFile, raw: HashingReader, batcher: _Batcher, text_field: str, first_record: int
 ) -> Iterator[TextBatch]:
-    stream = _open_lines(raw, file.format)
+    stream: Any = _open_lines(raw, file.format)
     index = first_record - 1
     try:
-        for index, line in enumerate(stream, first_record):
+        layout, records = _raw_records(stream, first_record == 0)
+        if layout == "array":  # records are array elements: "item N" in messages
+            batcher.format = ARRAY_LAYOUT
+            if batcher.on_layout is not None:
+                batcher.on_layout(ARRAY_LAYOUT)
+        for index, line in enumerate(records, first_record):
+            if index == 0 and line.startswith(BOM):
+                line = line[len(BOM) :]
             if not line.strip():
                 batcher.bad(index, "blank_line", line)
                 continue
@@ -459,10 +693,15 @@ def _iter_lines(
                 continue
             try:
                 obj = json.loads(decoded)
-            except json.JSONDecodeError:
+            except RecursionError:
+                batcher.bad(index, "too_deep", decoded)
+                continue
+            except ValueError:  # JSONDecodeError, or an integer beyond int_max_str_digits
                 batcher.bad(index, "not_json", decoded)
                 continue
             text, reason = _validate(obj, text_field, batcher.kind)
+            if reason is None and "\\u" in decoded and has_lone_surrogate(text):
+                reason = "invalid_unicode"  # only an escape can make one: checked only then
             if reason is not None:
                 batcher.bad(index, reason, decoded)
                 continue
@@ -492,12 +731,14 @@ def _iter_parquet(
         batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
         return
     names = pf.schema_arrow.names
-    if text_field not in names:
-        raise SourceError(
-            f"{file.relpath}: parquet file has no column {text_field!r} (columns: {names}); "
-            "pass --text-field with one of them"
-        )
     groups = list(part.row_groups) if part.row_groups is not None else None
+    if text_field not in names:  # every row lacks the field: bad records, as in jsonl
+        reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+        meta = pf.metadata
+        n_rows = sum(meta.row_group(g).num_rows for g in (groups or range(meta.num_row_groups)))
+        for row in range(part.first_record, part.first_record + n_rows):
+            batcher.bad(row, reason, f"columns: {', '.join(names)}")
+        return
     batches = pf.iter_batches(
         batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
     )
@@ -520,6 +761,59 @@ def _iter_parquet(
     batch = batcher.flush()
     if batch is not None:
         yield batch
+
+
+def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
+    """The fields of the first ``records`` records of ``file`` (name -> type of its first
+    value), for messages that suggest the right field; {} when the file cannot be read."""
+    fields: dict[str, str] = {}
+    try:
+        if file.format == "parquet":
+            import pyarrow.parquet as pq
+
+            schema = pq.read_schema(file.path)
+            return {name: str(schema.field(name).type) for name in schema.names}
+        with HashingReader(open(file.path, "rb")) as raw:
+            _, stream = _raw_records(_open_lines(raw, file.format), at_start=True)
+            for _, line in zip(range(records), stream):
+                if len(line) > _HEAD_BYTES * 16:
+                    continue  # a huge record: not worth parsing for a hint
+                try:
+                    obj = json.loads(line)
+                except (ValueError, RecursionError):
+                    continue
+                if isinstance(obj, dict):
+                    for key, value in obj.items():
+                        fields.setdefault(str(key), type(value).__name__)
+    except Exception:  # a hint only: the build already reported what is wrong with the file
+        return fields
+    return fields
+
+
+def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
+    """Why records lack ``field`` and what to pass instead, from the first records' fields:
+    "no record has field 'body'; fields seen in the first records: text, id; did you mean
+    --text-field text?" ("" when nothing can be said)."""
+    fields: dict[str, str] = {}
+    for file in files[:3]:
+        for name, type_name in sample_fields(file).items():
+            fields.setdefault(name, type_name)
+    if not fields or field in fields:
+        return ""
+    seen = ", ".join(list(fields)[:12])
+    hint = f"no record has field {field!r}; fields seen in the first records: {seen}"
+    lists = [n for n, t in fields.items() if t == "list" or t.startswith(("list", "large_list"))]
+    strings = [n for n, t in fields.items() if t in ("str", "string", "large_string")]
+    if kind == "chat":
+        guess = difflib.get_close_matches(field, lists, n=1) or lists[:1]
+        flag = "--messages-field"
+    else:
+        chat = [n for n in lists if n in ("messages", "conversations", "conversation", "chat")]
+        if chat and not strings:
+            return f"{hint}; this is chat data: build it with --chat --messages-field {chat[0]}"
+        guess = difflib.get_close_matches(field, strings, n=1) or strings[:1]
+        flag = "--text-field"
+    return f"{hint}; did you mean {flag} {guess[0]}?" if guess else hint
 
 
 @dataclass
@@ -566,16 +860,20 @@ def iter_text_batches(
     part: InputSlice | None = None,
     on_corrupt: CorruptFileCallback | None = None,
     kind: str = "text",
+    on_layout: Callable[[str], None] | None = None,
 ) -> Iterator[TextBatch]:
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
     ``on_bytes(n)`` is called as raw bytes are consumed (progress); when a whole file has been
     read to the end, ``digest.sha256`` holds the sha256 of the file's bytes (a slice leaves it
-    empty: :func:`split_input` hashed the file).
+    empty: :func:`split_input` hashed the file). ``on_layout(ARRAY_LAYOUT)`` is called before
+    the first record of a JSON array file (its records are items, not lines).
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
     batcher.kind = kind  # "text": a string field; "chat": a list of {role, content} messages
+    batcher.format = file.format
+    batcher.on_layout = on_layout
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:

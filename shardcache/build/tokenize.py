@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import queue
+import sys
 import threading
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
@@ -43,9 +44,18 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.build.backends import (
+    EncoderSelection,
+    FastBackend,
+    HFBackend,
+    VerifyCounts,
+    load_fast_ahead,
+    sample_positions,
+    verify_sample,
+)
 from shardcache.build.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
-from shardcache.config import TokenizeOptions
-from shardcache.errors import ConfigError, TokenizerError
+from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
+from shardcache.errors import ConfigError, EncoderError, TokenizerError
 
 
 @dataclass
@@ -62,6 +72,27 @@ class Encoded:
     piece: np.ndarray  # int32
     mask: np.ndarray | None = None  # bool per token: trainable (chat data); None = all
     failed: list[tuple[int, str, str]] = field(default_factory=list)  # (doc, reason, detail)
+
+
+@dataclass
+class FlatIds:
+    """Raw ids of one encode batch: every text's ids concatenated (uint32) and the number
+    of ids per text. ``ids[i]`` is text ``i``'s ids (a view)."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray  # int64
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        end = int(self.lengths[: i + 1].sum())
+        return self.tokens[end - int(self.lengths[i]) : end]
+
+
+class EncodingMismatch(EncoderError):
+    """The fast backend's ids differed from HF's on the in-build sample (partition.py then
+    re-encodes the partition with HF, or fails the build under ``--encoder fast``)."""
 
 
 @dataclass
@@ -100,6 +131,14 @@ def load_hf_tokenizer(path: str) -> Any:
             "tokenizer.json (shardcache never downloads tokenizers)"
         )
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "true")
+    known = ("tokenizer.json", "tokenizer_config.json", "vocab.json", "vocab.txt",
+             "tokenizer.model", "spiece.model")  # fmt: skip
+    if not any(os.path.isfile(os.path.join(path, name)) for name in known):
+        raise TokenizerError(
+            f"tokenizer {path!r}: the folder holds no tokenizer files (none of "
+            f"{', '.join(known)}); pass --tokenizer with the folder that holds tokenizer.json "
+            "(e.g. one saved with tokenizer.save_pretrained(folder))"
+        )
     try:
         cls = named_tokenizer_class(path)
         if cls is None:
@@ -109,7 +148,8 @@ def load_hf_tokenizer(path: str) -> Any:
         tok = cls.from_pretrained(path, local_files_only=True)
     except Exception as err:  # transformers raises many types for unusable folders
         raise TokenizerError(
-            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: {err}); "
+            f"tokenizer {path!r}: transformers cannot load it ({type(err).__name__}: "
+            f"{' '.join(str(err).split())[:300]}); "
             "the folder needs tokenizer.json or the files of a fast tokenizer"
         ) from err
     ensure_fast(tok, path)
@@ -155,7 +195,11 @@ def ensure_fast(tok: Any, path: str) -> None:
 class TextEncoder:
     """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`."""
 
-    def __init__(self, options: TokenizeOptions, hf_tokenizer: Any | None = None):
+    def __init__(
+        self, options: TokenizeOptions, hf_tokenizer: Any | None = None, preload_fast: bool = False
+    ):
+        """``preload_fast``: start loading the fast backend (in a thread) as soon as the
+        backend JSON is known; the build's gate takes it from ``fast_loading``."""
         from tokenizers import Tokenizer
 
         self.options = options
@@ -167,11 +211,16 @@ class TextEncoder:
         self.backend_truncation = _plain(source.truncation)
         self.backend_padding = _plain(source.padding)
         serialized = source.to_str()
+        #: The fast backend loading in the background (the gate decides whether it is used).
+        self.fast_loading = load_fast_ahead(serialized) if preload_fast else None
         #: The backend as loaded, parsed (canonical content for the cache key).
         self.backend_json = json.loads(serialized)
         self.backend = Tokenizer.from_str(serialized)
+        #: The backend as JSON (the fast backend loads it; to_str costs 0.2 s for 151k vocab)
+        self.serialized = serialized
         self.backend.no_truncation()
         self.backend.no_padding()
+        self._init_backends()
         self.add_special_tokens = (
             True if options.add_special_tokens is None else options.add_special_tokens
         )
@@ -195,6 +244,9 @@ class TextEncoder:
             "max_token_id": self.max_token_id,
             "eos_id": self.eos_id,
             "pad_id": self.pad_id,
+            "selection": self.selection.to_json(),
+            "fast": self.fast is not None,
+            "verify_fraction": self.verify_fraction,
         }
 
     @classmethod
@@ -203,18 +255,55 @@ class TextEncoder:
         from tokenizers import Tokenizer
 
         self = cls.__new__(cls)
+        # the parent's gate passed: load the same fast backend (in a thread, overlapping the
+        # HF load below), or fail loudly
+        loading = load_fast_ahead(spec["backend"]) if spec["fast"] else None
         self.options = TokenizeOptions(**spec["options"])
         self.hf = None
         self.hf_class = spec["hf_class"]
         self.backend_truncation = spec["backend_truncation"]
         self.backend_padding = spec["backend_padding"]
         self.backend = Tokenizer.from_str(spec["backend"])
+        self.serialized = spec["backend"]
+        self.fast_loading = None
+        self._init_backends()
+        self.selection = EncoderSelection(**spec["selection"])
+        self.verify_fraction = float(spec["verify_fraction"])
+        if loading is not None:
+            self.fast = loading.result()
         self.add_special_tokens = bool(spec["add_special_tokens"])
         self.max_token_id = int(spec["max_token_id"])
         self.dtype = token_dtype(self.max_token_id)
         self.eos_id = spec["eos_id"]
         self.pad_id = int(spec["pad_id"])
         return self
+
+    def _init_backends(self) -> None:
+        #: The reference (HF) backend; ``fast`` is set by :meth:`use_fast` after the gate.
+        self.reference = HFBackend(self.backend)
+        self.fast: FastBackend | None = None
+        self.selection = EncoderSelection("hf", self.reference.name, self.reference.version,
+                                          "the gate did not run (HF by default)")  # fmt: skip
+        self.verify_fraction = DEFAULT_VERIFY_FRACTION
+        self.verify = VerifyCounts()
+        self._batches = 0
+
+    def use_fast(
+        self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
+    ) -> None:
+        """Encode with ``fast`` (None: HF) from now on; ``selection`` says why (the gate)."""
+        self.fast = fast
+        self.selection = selection
+        self.verify_fraction = verify_fraction
+
+    def take_verify(self) -> VerifyCounts:
+        """The in-build verification counts since the last call (per partition), then reset."""
+        counts, self.verify, self._batches = self.verify, VerifyCounts(), 0
+        return counts
+
+    def encode_reference(self, texts: list[str]) -> list[list[int]]:
+        """Ids per text from the HF backend (the cache key's behaviour probe, audits)."""
+        return self.reference.encode_lists(texts, self.add_special_tokens)
 
     def _end_token_id(self) -> int | None:
         for name in ("eos_token_id", "sep_token_id"):
@@ -252,23 +341,41 @@ class TextEncoder:
             "append_eos": self.options.append_eos,
         }
 
-    def encode_texts(self, texts: list[str]) -> list[Any]:
-        """Raw ids per text from the backend (releases the GIL, uses all cores): a list of
-        ints, or an int64 array for a huge document encoded in pieces (chunking.py)."""
+    def encode_texts(self, texts: list[str]) -> FlatIds:
+        """Raw ids of a batch (the backend releases the GIL and uses all cores). With the fast
+        backend a deterministic sample is re-encoded with HF (:func:`verify_sample`); a
+        difference raises :class:`EncodingMismatch`. A huge document is encoded in pieces
+        by HF (chunking.py), exact by construction."""
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
-            encodings = self.backend.encode_batch(texts, add_special_tokens=self.add_special_tokens)
-            return [e.ids for e in encodings]
+            return self._encode_flat(texts)
         out: list[Any] = [None] * len(texts)
         for i in huge:
             out[i] = self._encode_huge(texts[i])
         small = [i for i in range(len(texts)) if out[i] is None]
-        encodings = self.backend.encode_batch(
-            [texts[i] for i in small], add_special_tokens=self.add_special_tokens
-        )
-        for i, e in zip(small, encodings):
-            out[i] = e.ids
-        return out
+        rest = self._encode_flat([texts[i] for i in small])
+        for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):
+            out[i] = ids
+        lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
+        return FlatIds(np.concatenate(out).astype(np.uint32, copy=False), lengths)
+
+    def _encode_flat(self, texts: list[str]) -> FlatIds:
+        if self.fast is None:
+            return FlatIds(*self.reference.encode_flat(texts, self.add_special_tokens))
+        tokens, lengths = self.fast.encode_flat(texts, self.add_special_tokens)
+        positions = sample_positions(texts, lengths, self.verify_fraction, self._batches)
+        self._batches += 1
+        before = self.verify.mismatches
+        verify_sample(
+            texts, tokens, lengths, positions, self.reference, self.add_special_tokens,
+            self.verify,
+        )  # fmt: skip
+        if self.verify.mismatches > before:
+            raise EncodingMismatch(
+                f"the fast encoder ({self.selection.backend} {self.selection.version}) and HF "
+                f"disagree: {self.verify.detail[-1]}"
+            )
+        return FlatIds(tokens, lengths)
 
     def _encode_huge(self, text: str) -> np.ndarray | None:
         if not hasattr(self, "_wrapping"):
@@ -277,15 +384,11 @@ class TextEncoder:
             return None  # not provably exact for this tokenizer: encoded whole
         return encode_in_pieces(self.backend, text, self._wrapping)
 
-    def finish(self, ids: list[Any], stats: TruncationStats) -> Encoded:
-        """EOS and truncation over a batch of id lists; updates ``stats``."""
-        lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
-        tokens = (
-            np.concatenate([np.asarray(x, dtype=self.dtype) for x in ids])
-            if ids
-            else np.zeros(0, dtype=self.dtype)
-        )
-        stats.documents += len(ids)
+    def finish(self, ids: FlatIds, stats: TruncationStats) -> Encoded:
+        """EOS and truncation over a batch's flat ids; updates ``stats``."""
+        lengths = ids.lengths
+        tokens = ids.tokens.astype(self.dtype, copy=False)
+        stats.documents += len(lengths)
         if self.options.append_eos and self.eos_id is not None:
             tokens, lengths = append_end_token(tokens, lengths, self.eos_id)
         encoded = apply_truncation(tokens, lengths, self.options, self.eos_id, stats)
@@ -376,6 +479,55 @@ def apply_truncation(
 _DONE = object()
 
 
+@dataclass(frozen=True)
+class EncodeFailure:
+    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`)."""
+
+    detail: str
+
+
+def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
+    """``encoder.encode_texts(texts)``; when that raises, each text is encoded alone and a
+    text that still fails gets an :class:`EncodeFailure` instead of its ids (a list is
+    returned then): one record the tokenizer cannot take (a bug, an allocator limit) is that
+    record's, not the build's. :class:`EncodingMismatch` (the fast backend disagreeing with
+    HF) is the partition's, never a record's: it propagates."""
+    try:
+        return encoder.encode_texts(texts)
+    except EncodingMismatch:
+        raise
+    except Exception as err:  # re-tried one by one below
+        if len(texts) == 1:
+            return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
+    out: list[Any] = []
+    for text in texts:
+        out += list(encode_isolating(encoder, [text]))
+    return out
+
+
+def drop_failures(batch: Any, ids: Any) -> tuple[Any, Any, list[tuple[int, str]]]:
+    """Remove the :class:`EncodeFailure` s of a batch: returns the batch and ids without them
+    and ``(doc, detail)`` for each (``doc``: its position in the original batch). Text ids
+    come back as :class:`FlatIds` (what :meth:`TextEncoder.finish` takes)."""
+    if isinstance(ids, FlatIds):
+        return batch, ids, []
+    failed = [(i, x.detail) for i, x in enumerate(ids) if isinstance(x, EncodeFailure)]
+    keep = [i for i, x in enumerate(ids) if not isinstance(x, EncodeFailure)]
+    kept_ids = [ids[i] for i in keep]
+    if failed:
+        batch = dataclasses.replace(
+            batch, texts=[batch.texts[i] for i in keep], records=batch.records[keep]
+        )
+    if kept_ids and all(isinstance(x, np.ndarray) for x in kept_ids):
+        lengths = np.fromiter(map(len, kept_ids), dtype=np.int64, count=len(kept_ids))
+        return (
+            batch,
+            FlatIds(np.concatenate(kept_ids).astype(np.uint32, copy=False), lengths),
+            failed,
+        )
+    return batch, kept_ids, failed
+
+
 @dataclass
 class _Failure:
     error: BaseException
@@ -383,7 +535,7 @@ class _Failure:
 
 def encode_ahead(
     encoder: TextEncoder, batches: Iterable[Any], depth: int = 2
-) -> Iterator[tuple[Any, list[list[int]]]]:
+) -> Iterator[tuple[Any, Any]]:
     """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
 
     A background thread reads the upstream and runs ``encode_batch`` (GIL released) while the
@@ -393,15 +545,23 @@ def encode_ahead(
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
+    def put(item: Any) -> bool:
+        while not stop.is_set():  # never block forever on a consumer that has gone
+            try:
+                out.put(item, timeout=0.1)
+                return True
+            except queue.Full:
+                continue
+        return False
+
     def produce() -> None:
         try:
             for batch in batches:
-                if stop.is_set():
+                if stop.is_set() or not put((batch, encode_isolating(encoder, batch.texts))):
                     return
-                out.put((batch, encoder.encode_texts(batch.texts)))
-            out.put(_DONE)
+            put(_DONE)
         except BaseException as err:  # re-raised in the consumer
-            out.put(_Failure(err))
+            put(_Failure(err))
 
     thread = threading.Thread(target=produce, name="shardcache-encode", daemon=True)
     thread.start()
@@ -415,7 +575,10 @@ def encode_ahead(
             yield item
     finally:
         stop.set()
-        while thread.is_alive():
-            with contextlib.suppress(queue.Empty):
-                out.get(timeout=0.05)
-        thread.join()
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.get_nowait()
+        # On an error, Ctrl-C or an early close, do not wait for the encode in flight (a huge
+        # batch takes seconds): the thread sees ``stop`` and ends by itself; it writes no file.
+        if sys.exc_info()[0] is None:
+            thread.join()

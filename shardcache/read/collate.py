@@ -1,8 +1,16 @@
 """Batch collation: planned sequences + their token arrays -> the arrays of one batch.
 
-Pure numpy, no torch and no file access: the caller (``ShardDataset``) reads the token arrays
-(and, for chat caches, the stored loss masks) of the sample ids the plan chose, passes them
-here, and turns the returned arrays into tensors. What a batch holds is documented in
+Pure numpy, no torch and no file access: the caller (``ShardDataset``) gathers the tokens of
+the segments the plan chose into one flat array (``Cache.gather``: one copy per shard touched;
+for chat caches also the stored loss masks), passes it here with the segment lengths, and turns
+the returned arrays into tensors.
+
+Vectorised: a batch costs a fixed number of numpy calls whatever its number of rows and
+segments: tokens land in their slots with one boolean scatter (slots are row-major and every
+row's tokens precede its padding), position ids are ``arange - repeat(segment start)``,
+labels one ``where`` plus one scatter of the segment starts. There is no Python loop per
+sequence or per segment (the previous version looped per segment: ~1 us each, the largest
+cost of a packed batch of short documents). What a batch holds is documented in
 ``shardcache.read.dataset``; in short:
 
 :func:`pad_batch` (``mode="pad"``): whole sequences, one per row, padded to a common width.
@@ -19,8 +27,6 @@ padding).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import numpy as np
 
 #: The label of a position that carries no loss (the Hugging Face / PyTorch ignore index).
@@ -28,29 +34,30 @@ IGNORE_INDEX = -100
 
 
 def pad_batch(
-    rows: Sequence[np.ndarray],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
     sample_ids: np.ndarray,
     pad_id: int,
     width: int | None = None,
-    loss_masks: Sequence[np.ndarray] | None = None,
+    loss_mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
-    """Pad whole sequences into one ``len(rows) x width`` batch.
+    """Pad whole sequences into one ``len(lengths) x width`` batch.
 
-    ``width`` defaults to the longest row (``ShardDataset`` passes it rounded up to
-    ``pad_to_multiple_of``); ``loss_masks`` (one boolean array per row, chat caches) keep the
-    labels of trainable tokens only.
+    ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``). ``width``
+    defaults to the longest row (``ShardDataset`` passes it rounded up to
+    ``pad_to_multiple_of``); ``loss_mask`` (bool per token, aligned with ``tokens``; chat
+    caches) keeps the labels of trainable tokens only.
     """
-    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
         width = int(lengths.max())
     mask = np.arange(width)[None, :] < lengths[:, None]
-    # one boolean scatter (row-major, so in row order) instead of a copy per row: rows of
-    # short buckets number in the hundreds per batch
-    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
-    input_ids[mask] = np.concatenate(rows)
-    if loss_masks is not None:
+    # one boolean scatter (row-major, so in row order) instead of a copy per row
+    input_ids = np.full((len(lengths), width), pad_id, dtype=np.int64)
+    input_ids[mask] = tokens
+    if loss_mask is not None:
         trainable = np.zeros_like(mask)
-        trainable[mask] = np.concatenate(loss_masks)
+        trainable[mask] = loss_mask
         labels = np.where(trainable, input_ids, IGNORE_INDEX)
     else:
         labels = np.where(mask, input_ids, IGNORE_INDEX)
@@ -58,78 +65,77 @@ def pad_batch(
         "input_ids": input_ids,
         "attention_mask": mask.astype(np.int64),
         "labels": labels,
-        "sample_ids": np.asarray(sample_ids, dtype=np.int64),
+        "sample_ids": np.array(sample_ids, dtype=np.int64),  # a copy: plans may be read-only
     }
 
 
 def pack_batch(
-    pieces: Sequence[np.ndarray],
+    tokens: np.ndarray,
+    seg_lengths: np.ndarray,
     sample_ids: np.ndarray,
     starts: np.ndarray,
-    lengths: np.ndarray | None,
     row_bounds: np.ndarray,
     seq_len: int,
     pad_id: int,
-    loss_masks: Sequence[np.ndarray] | None = None,
+    loss_mask: np.ndarray | None = None,
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
-    ``pieces`` are the whole sequences of the segments (``EpochPlan.segments``: ``sample_ids``,
-    ``starts``, and ``lengths``, ``None`` when every segment is a whole sequence); segment ``k``
-    is ``pieces[k][starts[k] : starts[k] + lengths[k]]``. ``row_bounds`` cuts the segments into
-    rows (``EpochPlan.row_bounds``). ``loss_masks`` (one boolean array per piece, chat caches)
-    keep the labels of trainable tokens only.
+    ``tokens`` holds the segments' ids concatenated (segment ``k`` has ``seg_lengths[k]``
+    tokens: offset ``starts[k]`` of sequence ``sample_ids[k]``, see ``EpochPlan.segments``);
+    ``row_bounds`` cuts the segments into rows (``EpochPlan.row_bounds``). ``loss_mask`` (bool
+    per token, aligned with ``tokens``; chat caches) keeps the labels of trainable tokens only.
     """
-    if lengths is not None:
-        cuts = list(zip(starts.tolist(), lengths.tolist()))
-        pieces = [p[s : s + n] for p, (s, n) in zip(pieces, cuts)]
-        if loss_masks is not None:
-            loss_masks = [m[s : s + n] for m, (s, n) in zip(loss_masks, cuts)]
-    bounds = np.asarray(row_bounds).tolist()
+    seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
+    bounds = np.asarray(row_bounds, dtype=np.int64)
     num_rows = len(bounds) - 1
-    # segments in flat order with the padding run of each row as a segment of its own
-    parts: list[np.ndarray] = []
-    loss_parts: list[np.ndarray] = []
-    seg_len: list[int] = []
-    seg_sample: list[int] = []
-    seg_offset: list[int] = []
-    id_list, start_list = np.asarray(sample_ids).tolist(), np.asarray(starts).tolist()
-    for r in range(num_rows):
-        used = 0
-        for k in range(bounds[r], bounds[r + 1]):
-            piece = pieces[k]
-            parts.append(piece)
-            if loss_masks is not None:
-                loss_parts.append(loss_masks[k])
-            used += len(piece)
-            seg_len.append(len(piece))
-            seg_sample.append(id_list[k])
-            seg_offset.append(start_list[k])
-        if used < seq_len:
-            parts.append(np.full(seq_len - used, pad_id, dtype=np.int64))
-            loss_parts.append(np.zeros(seq_len - used, dtype=bool))
-            seg_len.append(seq_len - used)
-            seg_sample.append(-1)
-            seg_offset.append(-1)
-    flat = np.concatenate(parts).astype(np.int64, copy=False)
-    seg_lengths = np.asarray(seg_len, dtype=np.int64)
-    cu_seqlens = np.zeros(len(seg_lengths) + 1, dtype=np.int64)
-    np.cumsum(seg_lengths, out=cu_seqlens[1:])
-    sample = np.asarray(seg_sample, dtype=np.int64)
-    positions = np.arange(len(flat), dtype=np.int64) - np.repeat(cu_seqlens[:-1], seg_lengths)
-    labels = flat.copy()
+    num_segs = len(seg_lengths)
+    seg_end = np.zeros(num_segs + 1, dtype=np.int64)
+    np.cumsum(seg_lengths, out=seg_end[1:])
+    used = seg_end[bounds[1:]] - seg_end[bounds[:-1]]  # tokens per row
+    pad = seq_len - used
+    has_pad = pad > 0
+    # final segment list: each row's segments, then its padding run (when it has one)
+    pads_before = np.zeros(num_rows + 1, dtype=np.int64)
+    np.cumsum(has_pad, out=pads_before[1:])
+    row_of_seg = np.repeat(np.arange(num_rows), np.diff(bounds))
+    real_at = np.arange(num_segs) + pads_before[row_of_seg]
+    pad_at = (bounds[1:] + pads_before[:-1])[has_pad]
+    total_segs = num_segs + int(pads_before[-1])
+    lengths_out = np.empty(total_segs, dtype=np.int64)
+    lengths_out[real_at] = seg_lengths
+    lengths_out[pad_at] = pad[has_pad]
+    sample = np.full(total_segs, -1, dtype=np.int64)
+    sample[real_at] = sample_ids
+    offsets = np.full(total_segs, -1, dtype=np.int64)
+    offsets[real_at] = starts
+    # slots: row-major; a row's tokens come first, its padding after
+    cu_seqlens = np.zeros(total_segs + 1, dtype=np.int64)
+    np.cumsum(lengths_out, out=cu_seqlens[1:])
+    positions = np.arange(num_rows * seq_len, dtype=np.int64)
+    positions -= np.repeat(cu_seqlens[:-1], lengths_out)
+    if not total_segs - num_segs and loss_mask is None:
+        # every row full (concat: all but the epoch's last batch): no scatter, no mask
+        flat = tokens.astype(np.int64).reshape(num_rows, seq_len)
+        labels = flat.reshape(-1).copy()
+    else:
+        real = np.arange(seq_len)[None, :] < used[:, None]
+        flat = np.full((num_rows, seq_len), pad_id, dtype=np.int64)
+        flat[real] = tokens
+        if loss_mask is not None:  # chat: only the trainable turns carry a loss
+            keep = np.zeros_like(real)
+            keep[real] = loss_mask
+        else:
+            keep = real
+        labels = np.where(keep, flat, IGNORE_INDEX).reshape(-1)
     labels[cu_seqlens[:-1]] = IGNORE_INDEX  # a segment's first token is never a target
-    for k in np.flatnonzero(sample < 0).tolist():
-        labels[cu_seqlens[k] : cu_seqlens[k + 1]] = IGNORE_INDEX
-    if loss_masks is not None:  # chat: only the trainable turns carry a loss
-        labels[~np.concatenate(loss_parts)] = IGNORE_INDEX
     shape = (num_rows, seq_len)
     return {
-        "input_ids": flat.reshape(shape),
+        "input_ids": flat,
         "labels": labels.reshape(shape),
         "position_ids": positions.reshape(shape),
         "cu_seqlens": cu_seqlens.astype(np.int32),
-        "max_seqlen": int(seg_lengths.max()),
+        "max_seqlen": int(lengths_out.max()),
         "sample_ids": sample,
-        "sample_offsets": np.asarray(seg_offset, dtype=np.int64),
+        "sample_offsets": offsets,
     }

@@ -1,8 +1,14 @@
 """ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
 
-``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches (use it
-with ``DataLoader(ds, batch_size=None)``). Batches follow the global plan of plan.py and are
-laid out by collate.py (numpy; this module reads the shards and makes tensors); what a batch
+``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches. Use it
+with ``DataLoader(ds, batch_size=None)`` (or ``shardcache.loader``, which does that): the
+DataLoader default ``batch_size=1`` would add a leading dimension to every tensor, so a batch
+collated that way raises :class:`ConfigError`. Batches follow the global plan of plan.py and
+are laid out by collate.py (numpy; this module reads the shards and makes tensors).
+
+A batch is a ``dict`` (:class:`Batch`) of *model inputs*, so ``model(**batch)`` works with
+transformers' causal LMs, plus ``batch["meta"]``, a dict of bookkeeping tensors that are not
+model inputs (:func:`model_inputs` drops it, for models that reject unknown keywords). What it
 holds depends on ``PlanOptions.mode``:
 
 ``mode="pad"`` (default): rows are whole sequences of one length bucket.
@@ -12,7 +18,7 @@ holds depends on ``PlanOptions.mode``:
 * ``attention_mask`` int64, 1 on tokens, 0 on padding;
 * ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
   outside the trainable turns: the stored loss mask);
-* ``sample_ids`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
+* ``meta["sample_ids"]`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
 
 ``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
 *segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
@@ -22,11 +28,18 @@ ends. The flattened batch is a list of segments, padding runs included as segmen
 * ``position_ids`` restart at 0 at every segment (so at every document);
 * ``labels`` are the input ids with -100 on padding *and on the first token of every segment*:
   labels follow the Hugging Face convention (the model shifts them), so no position is trained
-  to predict across a document boundary;
-* ``cu_seqlens`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len`` tokens,
-  ending at ``R * seq_len``) and ``max_seqlen`` (a Python int), for variable-length attention;
-* ``sample_ids`` / ``sample_offsets`` int64 ``S``: per segment the sample id and the token
-  offset inside that sequence (-1 / -1 for padding segments).
+  to predict across a document boundary, and the model's mean loss over a packed batch equals
+  the token-weighted mean of the per-document losses;
+* per ``attention=`` (required in pack mode, no default; see ``shardcache.read.attention``):
+  ``"mask"`` adds ``attention_mask``, a float32 additive ``R x 1 x seq_len x seq_len``
+  block-causal mask (exact with sdpa/eager whatever ``use_cache``; ``R * seq_len**2 * 4``
+  bytes); ``"varlen"`` adds ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and
+  ``max_length_q``/``max_length_k`` (int) for flash attention (sdpa/eager are exact only with
+  ``model(**batch, use_cache=False)``); ``"none"`` adds nothing (documents see each other);
+* ``meta["cu_seqlens"]`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len``
+  tokens, ending at ``R * seq_len``), ``meta["max_seqlen"]`` (int), and
+  ``meta["sample_ids"]`` / ``meta["sample_offsets"]`` int64 ``S``: per segment the sample id and
+  the token offset inside that sequence (-1 / -1 for padding segments).
 
 Ranks, workers, state
 ---------------------
@@ -67,8 +80,10 @@ an epoch boundary neither repeats nor skips an epoch). With
 not reach them: use the default ``persistent_workers=False``.
 
 Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
-sequence), cached per epoch and shared copy-on-write with forked workers when it was computed
-in the main process first (``len(ds)`` does that); no Python object per sample.
+sequence), computed once per machine and epoch and memory-mapped by every worker and rank
+(plan_store.py; small caches just recompute it); no Python object per sample. Batches are
+gathered with one index computation per shard touched (``Cache.gather``) and laid out by
+collate.py without a Python loop per sequence.
 """
 
 from __future__ import annotations
@@ -77,16 +92,21 @@ import hashlib
 import json
 import logging
 import os
+import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
+from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
-from shardcache.store.cache import Cache
+from shardcache.read.plan_store import plan_digest, shared_plan
+from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
@@ -106,15 +126,34 @@ def cache_digest(manifest: dict[str, Any]) -> str:
     return hashlib.sha256(shards.encode()).hexdigest()
 
 
+def _env_int(name: str, default: int) -> int:
+    value = os.environ.get(name)
+    if value is None or value.strip() == "":
+        return default
+    try:
+        return int(value)
+    except ValueError:
+        raise ConfigError(
+            f"{name} environment variable: got {value!r}, expected an integer (set by torchrun); "
+            "fix or unset it, or pass rank= and world_size="
+        ) from None
+
+
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
-    if rank is not None or world_size is not None:
-        rank = 0 if rank is None else rank
-        world_size = 1 if world_size is None else world_size
+    if (rank is None) != (world_size is None):
+        given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
+        raise ConfigError(
+            f"rank/world_size: got {given}={rank if world_size is None else world_size} without "
+            f"{missing}; pass both (or neither: then torch.distributed or RANK/WORLD_SIZE)"
+        )
+    if rank is not None and world_size is not None:
+        check_int("rank", rank, 0)
+        check_int("world_size", world_size, 1)
     elif torch.distributed.is_available() and torch.distributed.is_initialized():
         rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        rank = int(os.environ.get("RANK", "0"))
-        world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+    assert rank is not None and world_size is not None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
             f"rank/world_size: got rank={rank}, world_size={world_size}; need "
@@ -130,6 +169,12 @@ class ShardDataset(IterableDataset):
     (``mode``, ``seq_len``, ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``) are
     the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
     (then without ``max_tokens``/``shuffle``).
+
+    ``attention`` (``"mask"``, ``"varlen"`` or ``"none"``) is required with ``mode="pack"``
+    and refused otherwise: how the documents packed into a row are kept apart (module
+    docstring; ``"varlen"`` is exact with sdpa/eager only under ``use_cache=False``).
+
+    Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch.
 
     ``expect`` (a :class:`~shardcache.store.key.CacheKey`, a lock file path, or a mapping of
     tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
@@ -148,8 +193,9 @@ class ShardDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         expect: Any = None,
+        attention: str | None = None,
         **plan_options: Any,
-    ):
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         if options is not None:
@@ -164,16 +210,13 @@ class ShardDataset(IterableDataset):
             if max_tokens is None:
                 raise ConfigError("max_tokens: required (the token budget of a batch)")
             shuffle = True if shuffle is None else shuffle
-            try:
-                options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
-            except TypeError as err:
-                names = sorted(PlanOptions.__dataclass_fields__)
-                raise ConfigError(
-                    f"ShardDataset: unknown batch option(s) {sorted(plan_options)}; the "
-                    f"options are {names}"
-                ) from err
+            fields = PlanOptions.__dataclass_fields__
+            check_known("ShardDataset", plan_options, fields, noun="batch option")
+            options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
         self.options: PlanOptions = options
-        self.seed = int(seed)
+        self.attention: str | None = _check_attention(attention, options.mode)
+        check_int("seed", seed, 0)
+        self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         cache = Cache(self.path)
@@ -184,6 +227,12 @@ class ShardDataset(IterableDataset):
         self.cache_digest = cache_digest(cache.manifest)
         self._lengths = np.asarray(cache.lengths)
         self._buckets = cache.buckets()
+        # what a plan is a function of, besides options/seed/epoch (plan_store.py)
+        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
+        table = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
+        self._data_identity = (
+            hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
+        )
         self._cache: Cache | None = None
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
@@ -215,7 +264,14 @@ class ShardDataset(IterableDataset):
         """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            plan = plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch)
+            # computed once per machine and epoch, memory-mapped by the other processes
+            options = json.dumps(self.options.to_json(), sort_keys=True)
+            digest = plan_digest(self._data_identity, options, self.seed, epoch)
+            plan = shared_plan(
+                digest,
+                len(self._lengths) if self._data_identity else 0,
+                lambda: plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch),
+            )
             self._plan = (epoch, plan)
         return self._plan[1]
 
@@ -236,7 +292,22 @@ class ShardDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches this rank yields in the current (or next) pass over the current epoch."""
-        return self.split(start=self._pass_start(self._start)).batches_per_rank
+        n = self.split(start=self._pass_start(self._start)).batches_per_rank
+        if n == 0 and self._start == 0:
+            self._warn_empty()
+        return n
+
+    def _warn_empty(self) -> None:
+        """More ranks than batches: every rank gets 0 batches (warned once per dataset)."""
+        total = len(self.plan())
+        if total < self.world_size and not getattr(self, "_warned_empty", False):
+            self._warned_empty = True
+            warnings.warn(
+                f"ShardDataset({self.path!r}): world_size={self.world_size} but epoch "
+                f"{self.epoch} has {total} global batches, so every rank gets 0 batches; use "
+                "a smaller max_tokens, fewer ranks, or tail='wrap'",
+                stacklevel=3,
+            )
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
         """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) so that every
@@ -338,6 +409,15 @@ class ShardDataset(IterableDataset):
             if isinstance(value, bool) or not isinstance(value, int) or value < 0:
                 raise StateError(f"reader state: {name}={value!r}, expected an integer >= 0")
         assert isinstance(epoch, int) and isinstance(consumed, int)
+        total = len(self.plan(epoch))
+        their_world = state.get("world_size")
+        slack = max(self.world_size, their_world if isinstance(their_world, int) else 1)
+        if consumed > total + slack:  # tail="wrap" may run up to world_size - 1 past the end
+            raise StateError(
+                f"reader state: consumed={consumed} but epoch {epoch} of {self.path!r} has "
+                f"{total} global batches; the state is damaged or belongs to another run: "
+                "pass the state that ShardDataset.state_dict() returned"
+            )
         self.epoch = epoch
         self._start = self._consumed = consumed
         self._loaded = True
@@ -348,7 +428,7 @@ class ShardDataset(IterableDataset):
 
     # ---- iteration -------------------------------------------------------------------------
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Batch]:
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         plan = self.plan()
@@ -362,6 +442,8 @@ class ShardDataset(IterableDataset):
             start, skip = self._pass_start(self._consumed), 0
         split = split_epoch(len(plan), self.world_size, start, self.options.tail)
         mine = split.for_rank(self.rank)
+        if start == 0 and worker_id == 0 and split.batches_per_rank == 0:
+            self._warn_empty()
         positions = np.arange(worker_id, len(mine), num_workers)
         if info is None:
             self._start = start
@@ -402,7 +484,7 @@ class ShardDataset(IterableDataset):
 
     def _generate(
         self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
-    ) -> Any:
+    ) -> Iterator[Batch]:
         for position in positions.tolist():
             batch = self.collate_batch(plan, int(mine[position]))
             # a batch counts as consumed once it is handed out (the torchdata convention)
@@ -430,44 +512,49 @@ class ShardDataset(IterableDataset):
 
     # ---- collation -------------------------------------------------------------------------
 
-    def collate_batch(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+    def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors."""
         if self.options.mode == "pad":
             return self.collate(plan.batch(index))
         return self._collate_packed(plan, index)
 
-    def _read(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+    def _gather(
+        self, sample_ids: np.ndarray, starts: np.ndarray | None = None, lengths: Any = None
+    ) -> Gathered:
+        """The tokens (and, for chat caches, loss masks) of segments, concatenated."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        return self._cache.read_many(sample_ids)
+        return self._cache.gather(sample_ids, starts, lengths, with_mask=self._cache.has_mask)
 
-    def _read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray] | None:
-        """Loss masks for chat caches (tokens outside the trainable turns get -100), else None."""
-        assert self._cache is not None
-        return self._cache.read_masks(sample_ids) if self._cache.has_mask else None
-
-    def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
-        rows = self._read(sample_ids)
-        width = int(self.options.padded(max(map(len, rows))))
-        batch = pad_batch(rows, sample_ids, self.pad_id, width, self._read_masks(sample_ids))
-        return _to_tensors(batch)
+        got = self._gather(sample_ids)
+        width = int(self.options.padded(int(got.lengths.max())))
+        batch = pad_batch(got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask)
+        meta = {"sample_ids": batch.pop("sample_ids")}
+        return _to_batch(batch, meta)
 
-    def _collate_packed(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+    def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
         ids, starts, taken = plan.segments(index)
-        pieces = self._read(ids)
+        got = self._gather(ids, starts, taken)
         batch = pack_batch(
-            pieces,
+            got.tokens,
+            got.lengths,
             ids,
             starts,
-            taken,
             plan.row_bounds(index),
             int(self.options.seq_len or 0),
             self.pad_id,
-            self._read_masks(ids),
+            got.mask,
         )
-        return _to_tensors(batch)
+        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        positions = np.asarray(batch["position_ids"])
+        if self.attention == "mask":
+            batch["attention_mask"] = block_causal_mask(positions)
+        elif self.attention == "varlen":
+            batch.update(varlen_keys(positions))
+        return _to_batch(batch, meta)
 
 
 def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | None:
@@ -530,6 +617,79 @@ def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int
     return start + world_size * taken
 
 
-def _to_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+#: Bookkeeping keys, kept under ``batch["meta"]`` (never model inputs).
+META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen")
+
+
+class Batch(dict):  # type: ignore[type-arg]
+    """One batch: a plain ``dict`` of model inputs plus ``"meta"`` (see the module docstring).
+
+    A ``dict`` subclass only so that a ``DataLoader`` left with its default ``batch_size=1``
+    fails loudly instead of stacking batches into a leading dimension (see
+    :func:`_refuse_collate`); everything else treats it as a dict.
+    """
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` without its ``"meta"`` bookkeeping: the keyword arguments of the model.
+
+    ``model(**batch)`` works with transformers' causal LMs (they ignore unknown keywords); a
+    model that rejects unknown keywords takes ``model(**model_inputs(batch))``.
+    """
+    return {k: v for k, v in batch.items() if k != "meta"}
+
+
+def _check_attention(attention: str | None, mode: str) -> str | None:
+    """``attention`` is required in pack mode (no silent default) and meaningless in pad mode."""
+    if mode == "pack":
+        if attention is None:
+            raise ConfigError(
+                "attention: mode='pack' needs attention= one of "
+                f"{', '.join(ATTENTION_MODES)}: 'mask' (4-D block-causal attention_mask; exact "
+                "with sdpa/eager), 'varlen' (cu_seq_lens_* for flash attention; sdpa/eager "
+                "need use_cache=False), 'none' (documents attend to each other). Without it, "
+                "transformers lets every document attend to the ones packed before it"
+            )
+        check_choice("attention", attention, ATTENTION_MODES)
+    elif attention is not None:
+        raise ConfigError(
+            f"attention: got {attention!r} with mode={mode!r}; it applies to mode='pack' only "
+            "(padded rows carry a 2-D attention_mask that every model honours). Drop attention="
+        )
+    return attention
+
+
+def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
     """The numpy arrays of a collated batch as tensors sharing their memory (ints stay ints)."""
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+    def tensors(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
+
+    batch = Batch(tensors(arrays))
+    batch["meta"] = tensors(meta)
+    return batch
+
+
+def _refuse_collate(batches: list[Batch], **_: Any) -> Batch:
+    """A DataLoader with ``batch_size`` set collates ``batch_size`` of our (already whole)
+    batches into one with a leading dimension: refuse, naming the fix."""
+    raise ConfigError(
+        f"DataLoader: it collated {len(batches)} ShardDataset batch(es) into one (its "
+        "batch_size defaults to 1, which adds a leading dimension to every tensor). "
+        "ShardDataset yields whole token-budget batches: use DataLoader(ds, batch_size=None), "
+        "or shardcache.loader(path, ...), which configures it"
+    )
+
+
+def _register_collate_guard() -> None:
+    # torch documents extending default_collate by editing default_collate_fn_map in place;
+    # an exact-type entry wins over its generic Mapping rule. Absent (another torch): the
+    # README and docstrings remain the guard.
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return
+    default_collate_fn_map[Batch] = _refuse_collate
+
+
+_register_collate_guard()

@@ -8,18 +8,32 @@ same name (job-array shares, ranks sharing a download folder) use a private temp
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import fcntl
 import hashlib
 import io
 import json
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, BinaryIO
 
 import numpy as np
 
-from shardcache.errors import CorruptShardError
+from shardcache.errors import CacheError, CorruptShardError
 
 READ_CHUNK = 1 << 20
+CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
+
+
+def cache_root() -> str:
+    """The local folder for downloads, staging and integrity records
+    (``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache``)."""
+    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
+        os.path.expanduser("~"), ".cache", "shardcache"
+    )
+    os.makedirs(root, exist_ok=True)
+    return root
 
 
 def sha256_text(text: str) -> str:
@@ -83,6 +97,23 @@ def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
 def private_tmp(path: str) -> str:
     """A temporary name for ``path`` no other process uses (pid + random suffix)."""
     return f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
+
+
+@contextlib.contextmanager
+def exclusive_lock(path: str) -> Iterator[bool]:
+    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the
+    block: "one process computes, the others wait, then find the result". Yields False
+    (holding nothing) when the lock file cannot be opened, e.g. a read-only folder."""
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError:
+        yield False
+        return
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield True
+    finally:
+        os.close(fd)  # closing releases the lock
 
 
 def fsync_dir(path: str) -> None:
@@ -178,3 +209,30 @@ def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
         os.fsync(out.fileno())
     _finish(tmp, path)
     return size, digest.hexdigest(), lines
+
+
+#: Write errors of the disk or its limits, with what a person does about them.
+_DISK_ERRORS = {
+    errno.ENOSPC: ("no space left on the device", "free space"),
+    errno.EDQUOT: ("the disk quota is exceeded", "free space or raise the quota"),
+    errno.EFBIG: ("a file reached the file-size limit (ulimit -f)", "raise the limit"),
+    errno.EROFS: ("the file system is read-only", "choose a writable --output"),
+    errno.EACCES: ("permission denied", "choose a writable --output or fix its permissions"),
+    errno.EPERM: ("operation not permitted", "choose a writable --output or fix its permissions"),
+}
+
+
+def disk_error(err: OSError, output: str) -> CacheError | None:
+    """A :class:`CacheError` naming the path and what to do for a disk-full, quota,
+    file-size-limit, read-only or permission error while writing ``output``; None for other
+    errors. Completed partitions are kept, so after freeing space a rerun resumes to the same
+    bytes."""
+    known = _DISK_ERRORS.get(err.errno or 0)
+    if known is None:
+        return None
+    why, fix = known
+    path = err.filename or output
+    return CacheError(
+        f"cannot write {path!r} ({why}: {err.strerror}); {fix}, then rerun the same command: "
+        f"completed partitions in {output!r} are kept and the result is byte-identical"
+    )

@@ -214,6 +214,15 @@ def read_manifest(cache_dir: str) -> dict[str, Any]:
     """Read and validate ``manifest.json``; a directory without one holds no (committed)
     cache (:class:`CacheNotFoundError`), a malformed one is a :class:`CorruptShardError`."""
     path = os.path.join(cache_dir, MANIFEST)
+    if not os.path.exists(cache_dir):
+        raise CacheNotFoundError(
+            f"{cache_dir!r} does not exist; give the folder a `shardcache build --output` wrote"
+        )
+    if not os.path.isdir(cache_dir):
+        raise CacheNotFoundError(
+            f"{cache_dir!r} is a file, not a cache folder; give the folder a `shardcache build "
+            "--output` wrote"
+        )
     if not os.path.isfile(path):
         hint = (
             " (a build was started there but never committed; rerun the build)"

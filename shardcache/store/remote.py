@@ -45,7 +45,9 @@ from shardcache.errors import (
     CorruptShardError,
     MissingDependencyError,
 )
-from shardcache.store.files import copy_hashing, private_tmp, sha256_text
+from shardcache.store.files import CACHE_DIR_ENV as CACHE_DIR_ENV  # re-exported
+from shardcache.store.files import cache_root, copy_hashing, private_tmp, sha256_text
+from shardcache.store.integrity import record_verified
 from shardcache.store.layout import (
     LENGTHS_FILE,
     MANIFEST,
@@ -56,7 +58,6 @@ from shardcache.store.layout import (
 )
 from shardcache.store.manifest import read_manifest
 
-CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
 CACHE_SIZE_ENV = "SHARDCACHE_CACHE_SIZE"
 DEFAULT_CACHE_SIZE_BYTES = 64 << 30
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.\-]*://")
@@ -89,13 +90,21 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, path.rstrip("/")
 
 
-def cache_root() -> str:
-    """The local folder for downloads and staging (``SHARDCACHE_CACHE_DIR``)."""
-    root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
-        os.path.expanduser("~"), ".cache", "shardcache"
+def unreachable(err: BaseException, url: str) -> CacheError | None:
+    """A :class:`CacheError` naming the URL and what to check when ``err`` means the object
+    store could not be reached (connection refused, DNS, timeout: builtin, botocore or aiohttp
+    errors); None for other errors."""
+    names = {t.__name__ for t in type(err).__mro__}
+    network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
+               "ConnectionError", "TimeoutError", "ServerTimeoutError"}  # fmt: skip
+    if not names & network:
+        return None
+    endpoint = os.environ.get("AWS_ENDPOINT_URL") or "the default endpoint"
+    return CacheError(
+        f"{url!r}: cannot reach the object store ({type(err).__name__}: {err}); check the "
+        f"network, the endpoint ({endpoint}; AWS_ENDPOINT_URL or the fsspec options) and the "
+        "credentials, then retry"
     )
-    os.makedirs(root, exist_ok=True)
-    return root
 
 
 def cache_size_bytes() -> int:
@@ -132,6 +141,8 @@ def download(fs: Any, rpath: str, local: str, sha256: str | None, size: int | No
                 "object is corrupt: run `shardcache verify` on the URL and rebuild the cache"
             )
         os.replace(tmp, local)
+        if sha256:  # hashed while streaming: readers of this copy need not hash it again
+            record_verified(local, sha256)
     except FileNotFoundError as err:
         raise CacheError(
             f"{fs.unstrip_protocol(rpath)}: listed in the manifest but missing from the store "
@@ -262,6 +273,11 @@ class RemoteCache:
                 f"{self.url!r} holds no shardcache cache: {MANIFEST} is missing{hint}; build "
                 "one with `shardcache build --output URL`"
             ) from None
+        except Exception as err:
+            explained = unreachable(err, self.url)
+            if explained is None:
+                raise
+            raise explained from err
         os.makedirs(self.local_dir, exist_ok=True)
         target = os.path.join(self.local_dir, MANIFEST)
         tmp = private_tmp(target)

@@ -61,7 +61,30 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
         },
         "key_digest": (m.get("key") or {}).get("digest"),
         "kind": m.get("kind", "text"),
+        "encoder": m.get("encoder") or {},
     }
+
+
+def encoder_lines(encoder: dict[str, Any]) -> list[str]:
+    """Which backend encoded the cache, the gate's decision, and the in-build verification
+    (empty for caches built before the encoder was recorded)."""
+    if not encoder or not encoder.get("versions"):
+        return []
+    by_backend = ", ".join(f"{k} {v}" for k, v in encoder["partitions_by_backend"].items())
+    lines = [
+        f"encoder      {', '.join(encoder['versions'])} (requested "
+        f"{'/'.join(encoder['requested'])}; partitions: {by_backend})",
+        *(f"encoder gate {reason}" for reason in encoder["gate"]),
+    ]
+    verified, mismatches = int(encoder["documents_verified"]), int(encoder["mismatches"])
+    if verified or mismatches:
+        redone = encoder["partitions_reencoded"]
+        again = f", re-encoded with HF: {', '.join(redone)}" if redone else ""
+        lines.append(
+            f"verified     {verified:,} documents re-encoded with HF during the build, "
+            f"{mismatches:,} mismatches{again}"
+        )
+    return lines
 
 
 def chat_lines(stats: dict[str, Any]) -> list[str]:
@@ -115,6 +138,7 @@ def format_summary(s: dict[str, Any]) -> str:
     bad_text = ", ".join(f"{k} {v:,}" for k, v in bad.items()) if bad else "none"
     lines.append(f"bad records  {bad_text}")
     lines += chat_lines(st)
+    lines += encoder_lines(s.get("encoder") or {})
     if s.get("key_digest"):
         lines.append(f"key          {s['key_digest']}")
     rows = [("bucket", "lengths", "sequences", "tokens", "shards")]

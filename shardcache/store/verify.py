@@ -34,11 +34,12 @@ from typing import Any
 import numpy as np
 import pyarrow as pa
 
-from shardcache.errors import CacheError
+from shardcache.errors import CacheError, CacheNotFoundError
 from shardcache.store.files import sha256_file
+from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
 from shardcache.store.manifest import read_manifest
-from shardcache.store.remote import RemoteCache, cache_root, is_url
+from shardcache.store.remote import RemoteCache, cache_root, is_url, unreachable
 
 
 @dataclass
@@ -93,9 +94,13 @@ def _check_file(report: VerifyReport, root: str, rel: str, entry: dict[str, Any]
     if "bytes" in entry and size != int(entry["bytes"]):
         report.add(rel, "size", f"{size} bytes, the manifest says {entry['bytes']}")
         return False
-    if "sha256" in entry and sha256_file(path) != entry["sha256"]:
-        report.add(rel, "checksum", f"sha256 differs from the manifest's {entry['sha256']}")
-        return False
+    if "sha256" in entry:
+        st = os.stat(path)
+        if sha256_file(path) != entry["sha256"]:
+            report.add(rel, "checksum", f"sha256 differs from the manifest's {entry['sha256']}")
+            return False
+        # readers (other processes, later epochs) trust this record instead of hashing again
+        record_verified(path, str(entry["sha256"]), st)
     return True
 
 
@@ -246,6 +251,9 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
     report = VerifyReport(cache=root)
     try:
         manifest = read_manifest(root)
+    except CacheNotFoundError as err:  # not a cache at all: say so, not "corrupt"
+        report.add(MANIFEST, "not_a_cache", str(err))
+        return report
     except CacheError as err:
         report.add("manifest.json", "manifest", str(err))
         return report
@@ -300,8 +308,11 @@ def verify_remote(url: str) -> VerifyReport:
     try:
         remote = RemoteCache(url)
     except CacheError as err:
+        if err.__cause__ is not None and unreachable(err.__cause__, url) is not None:
+            raise  # the store cannot be reached: nothing was verified (not "corrupt")
         report = VerifyReport(cache=url)
-        report.add(MANIFEST, "manifest", str(err))
+        kind = "not_a_cache" if isinstance(err, CacheNotFoundError) else "manifest"
+        report.add(MANIFEST, kind, str(err))
         return report
     fs, root, manifest = remote.fs, remote.root, remote.manifest
     folder = tempfile.mkdtemp(prefix="verify-", dir=cache_root())
@@ -331,7 +342,11 @@ def verify_remote(url: str) -> VerifyReport:
 
 def format_verify(report: VerifyReport) -> str:
     """Human-readable lines: one per problem, then a summary line."""
-    lines = [f"CORRUPT  {p.file}: {p.kind}: {p.message}" for p in report.problems]
+    lines = [
+        f"NOT A CACHE  {p.message}" if p.kind == "not_a_cache" else
+        f"CORRUPT  {p.file}: {p.kind}: {p.message}"
+        for p in report.problems
+    ]  # fmt: skip
     lines += [
         f"extra    {name} (not in the manifest; ignored by readers)" for name in report.extra_files
     ]

@@ -187,8 +187,10 @@ def test_existing_cache_needs_force(corpus, build_cache, tokenizer_dir):
     options = build_options_from_mapping(
         {"input": folder, "tokenizer": tokenizer_dir, "output": out}
     )
-    with pytest.raises(CacheError, match="--force"):
-        build(options)
+    assert build(options).up_to_date  # same options and inputs: nothing to do (issue 13)
+    with pytest.raises(CacheError, match=r"max_length: None -> 8.*--force"):
+        build(dataclasses.replace(options, tokenize=dataclasses.replace(
+            options.tokenize, max_length=8)))  # fmt: skip
     build(dataclasses.replace(options, force=True))
     assert open_cache(out).num_sequences == 5
 
@@ -202,7 +204,7 @@ def test_no_tmp_files_or_pickles_left(corpus, build_cache, tokenizer_dir):
 
 # ------------------------------------------------------------------ parallel, resume, bad input
 
-REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the root
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def _tree(folder: str) -> dict[str, bytes]:
@@ -248,6 +250,15 @@ def mixed_reference(mixed_corpus, tokenizer_dir, tmp_path_factory):
 
 
 MIXED = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
+
+
+def test_mixed_builds_use_the_fast_backend_when_installed(mixed_reference):
+    """With shardcache[fast] installed, the default (auto) builds of this module -- 1/2/4
+    workers, kill + resume -- run on the fast backend, so their byte-identity covers it."""
+    pytest.importorskip("fastokens")
+    manifest = open_cache(mixed_reference[0]).manifest
+    assert set(manifest["encoder"]["partitions_by_backend"]) == {"fastokens"}
+    assert manifest["encoder"]["documents_verified"] > 0
 
 
 def test_identical_bytes_for_1_2_4_workers(
@@ -353,7 +364,9 @@ def test_bad_records_of_every_kind_counted_and_quarantined(tmp_path, build_cache
         valid[len(lines) - 1] = f"{i} {text}"
     path = tmp_path / "dirty.jsonl"
     path.write_bytes(b"\n".join(lines) + b"\n")
-    out = build_cache(str(path), tokenizer_dir, partition_size="2KiB", workers=2)
+    out = build_cache(
+        str(path), tokenizer_dir, partition_size="2KiB", workers=2, max_bad_fraction=0.5
+    )
     cache = open_cache(out)
     records = [s.provenance.record for s in cache.iter_sequences()]
     assert sorted(records) == sorted(valid)  # every valid record exactly once

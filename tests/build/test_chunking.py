@@ -73,3 +73,36 @@ def test_huge_document_builds_exactly(monkeypatch, tmp_path, build_cache, tokeni
     stored = {s.provenance.record: s.ids.tolist() for s in cache.iter_sequences()}
     for i, text in enumerate(texts):
         assert stored[i] == [*tok(text)["input_ids"], tok.eos_token_id]
+
+
+# issue 13 item 10: huge documents without ASCII spaces (CJK, minified code, base64) are cut
+# at pre-tokenizer boundaries, with the same ids as the whole-document encoding.
+
+
+def _spaceless_texts(seed: int) -> dict[str, str]:
+    import base64
+
+    rng = random.Random(seed)
+    marks = ["", "", "。", "、"]
+    cjk = "".join(rng.choice("東京データ日本語の文章です中文字符") + rng.choice(marks)
+                  for _ in range(6000))  # fmt: skip
+    code = "".join(f"f{i}=(a,b)=>{{a*={i};return(a+b);}};x{i}=f{i}(1,2);" for i in range(500))
+    blob = base64.b64encode(rng.randbytes(9000)).decode()
+    return {"cjk": cjk, "code": code, "base64": blob}
+
+
+@pytest.mark.parametrize("fixture", ["tokenizer_dir", "bos_tokenizer_dir", "wordpiece_dir"])
+@pytest.mark.parametrize("kind", ["cjk", "code", "base64"])
+def test_text_without_spaces_is_cut_at_pre_tokenizer_boundaries(fixture, kind, request):
+    folder = request.getfixturevalue(fixture)
+    tok = AutoTokenizer.from_pretrained(folder)
+    backend = Tokenizer.from_str(tok.backend_tokenizer.to_str())
+    backend.no_truncation()
+    backend.no_padding()
+    wrapping = chunking_is_exact(backend, True)
+    assert wrapping is not None
+    text = _spaceless_texts(3)[kind]
+    assert " " not in text
+    pieces = encode_in_pieces(backend, text, wrapping, piece_chars=997)
+    assert pieces is not None  # cut, not encoded whole
+    assert pieces.tolist() == tok(text)["input_ids"]

@@ -99,7 +99,8 @@ def _build_slowed(folder, template, tokenizer, out, workers, mode, monkeypatch, 
             __import__("tests_slowdown").apply(mode)
         values = {"input": folder, "tokenizer": tokenizer, "output": out, "workers": workers,
                   "chat": True, "chat_template": template, "batch_docs": 8,
-                  "partition_size": "16KiB", "on_error": "skip"}  # fmt: skip
+                  "partition_size": "16KiB", "on_error": "skip",
+                  "max_bad_fraction": 0.5}  # fmt: skip
         build_cache(build_options_from_mapping(values))
     return out
 

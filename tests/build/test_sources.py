@@ -88,7 +88,7 @@ def test_bad_records_reported_by_reason_with_line_numbers(tmp_path, fmt):
         (7, "blank_line"),
     ]
     assert digest.sha256 == hashlib.sha256(raw_file).hexdigest()
-    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: record 1 is invalid \(not_json\)"):
+    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: line 2 is invalid \(not_json\)"):
         _collect(file, on_error="fail")
 
 
@@ -99,8 +99,11 @@ def test_parquet_rows_and_missing_column(tmp_path):
     [file] = list_inputs([path])
     texts, records, bad = _collect(file, batch_docs=1)
     assert texts == ["a", "c"] and records == [0, 2] and bad[0][:2] == (1, "no_text_field")
-    with pytest.raises(SourceError, match="no column 'body'"):
-        _collect(file, text_field="body")
+    # a missing column makes every row a bad record, as a missing field does in jsonl
+    texts, records, bad = _collect(file, text_field="body")
+    assert texts == [] and [b[:2] for b in bad] == [(i, "no_text_field") for i in range(3)]
+    with pytest.raises(SourceError, match="no_text_field"):
+        _collect(file, text_field="body", on_error="fail")
 
 
 def test_corrupt_zst_names_file_and_offset(tmp_path):

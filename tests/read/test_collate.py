@@ -1,4 +1,7 @@
-"""Direct tests of the pure-numpy batch collation (shardcache.read.collate)."""
+"""Direct tests of the pure-numpy batch collation (shardcache.read.collate), and property
+tests that the vectorised collation equals the per-sequence reference it replaced (kept here
+as ``_reference_pad`` / ``_reference_pack``) for random plans of every mode, with and without
+chat loss masks."""
 
 from __future__ import annotations
 
@@ -10,8 +13,34 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache.read.collate import IGNORE_INDEX, pack_batch, pad_batch
+from shardcache.read.plan import PlanOptions, plan_epoch
 
 PAD = 0
+
+
+def _flat(parts) -> np.ndarray:
+    return np.concatenate(parts) if len(parts) else np.zeros(0, dtype=np.int64)
+
+
+def _pad(rows, sample_ids, pad_id, width=None, loss_masks=None):
+    """pad_batch called with one array per row (as the tests below write them)."""
+    lengths = np.asarray([len(r) for r in rows], dtype=np.int64)
+    masks = None if loss_masks is None else _flat(loss_masks)
+    return pad_batch(_flat(rows), lengths, sample_ids, pad_id, width, masks)
+
+
+def _pack(pieces, sample_ids, starts, lengths, row_bounds, seq_len, pad_id, loss_masks=None):
+    """pack_batch called with whole sequences + (starts, lengths), like the old signature."""
+    if lengths is None:
+        lengths = np.asarray([len(p) for p in pieces], dtype=np.int64)
+    segs = [p[s : s + n] for p, s, n in zip(pieces, starts, lengths)]
+    masks = None
+    if loss_masks is not None:
+        masks = _flat([m[s : s + n] for m, s, n in zip(loss_masks, starts, lengths)]).astype(bool)
+    seg_lengths = np.asarray([len(x) for x in segs], dtype=np.int64)
+    return pack_batch(
+        _flat(segs), seg_lengths, sample_ids, starts, row_bounds, seq_len, pad_id, masks
+    )
 
 
 def _arr(*values: int) -> np.ndarray:
@@ -20,7 +49,7 @@ def _arr(*values: int) -> np.ndarray:
 
 def test_pad_batch_masks_padding_and_keeps_tokens():
     rows = [_arr(5, 6, 7), _arr(8)]
-    out = pad_batch(rows, _arr(10, 11), PAD)
+    out = _pad(rows, _arr(10, 11), PAD)
     assert list(out) == ["input_ids", "attention_mask", "labels", "sample_ids"]
     assert all(v.dtype == np.int64 for v in out.values())
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, PAD, PAD]]
@@ -30,7 +59,7 @@ def test_pad_batch_masks_padding_and_keeps_tokens():
 
 
 def test_pad_batch_width_and_pad_id():
-    out = pad_batch([_arr(1, 2, 3)], _arr(0), pad_id=9, width=8)
+    out = _pad([_arr(1, 2, 3)], _arr(0), pad_id=9, width=8)
     assert out["input_ids"].tolist() == [[1, 2, 3, 9, 9, 9, 9, 9]]
     assert out["attention_mask"].sum() == 3
     assert (out["labels"][0, 3:] == IGNORE_INDEX).all()
@@ -39,7 +68,7 @@ def test_pad_batch_width_and_pad_id():
 def test_pad_batch_loss_masks_keep_only_trainable_labels():
     rows = [_arr(5, 6, 7), _arr(8, 9)]
     masks = [np.array([False, True, True]), np.array([True, False])]
-    out = pad_batch(rows, _arr(0, 1), PAD, loss_masks=masks)
+    out = _pad(rows, _arr(0, 1), PAD, loss_masks=masks)
     assert out["labels"].tolist() == [[-100, 6, 7], [8, -100, -100]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 1, 0]]
 
@@ -49,7 +78,7 @@ def test_pack_batch_labels_positions_and_cu_seqlens():
     # (2 tokens) + 3 padding slots
     pieces = [_arr(1, 2, 3), _arr(4, 5), _arr(6, 7)]
     ids, starts = _arr(3, 4, 5), _arr(0, 0, 0)
-    out = pack_batch(pieces, ids, starts, None, _arr(0, 2, 3), seq_len=5, pad_id=PAD)
+    out = _pack(pieces, ids, starts, None, _arr(0, 2, 3), seq_len=5, pad_id=PAD)
     assert list(out) == [
         "input_ids",
         "labels",
@@ -75,7 +104,7 @@ def test_pack_batch_labels_positions_and_cu_seqlens():
 def test_pack_batch_cuts_pieces_of_sequences():
     # concat packing: sample 7 continues from offset 2 of its sequence, sample 8 is cut at 2
     pieces = [_arr(10, 11, 12, 13), _arr(20, 21, 22)]
-    out = pack_batch(pieces, _arr(7, 8), _arr(2, 0), _arr(2, 2), _arr(0, 2), 4, PAD)
+    out = _pack(pieces, _arr(7, 8), _arr(2, 0), _arr(2, 2), _arr(0, 2), 4, PAD)
     assert out["input_ids"].tolist() == [[12, 13, 20, 21]]
     assert out["labels"].tolist() == [[-100, 13, -100, 21]]
     assert out["sample_offsets"].tolist() == [2, 0]
@@ -85,7 +114,7 @@ def test_pack_batch_cuts_pieces_of_sequences():
 def test_pack_batch_loss_masks():
     pieces = [_arr(1, 2, 3), _arr(4, 5)]
     masks = [np.array([False, True, False]), np.array([True, True])]
-    out = pack_batch(pieces, _arr(0, 1), _arr(0, 0), None, _arr(0, 2), 6, PAD, masks)
+    out = _pack(pieces, _arr(0, 1), _arr(0, 0), None, _arr(0, 2), 6, PAD, masks)
     assert out["labels"].tolist() == [[-100, 2, -100, -100, 5, -100]]
 
 
@@ -130,7 +159,7 @@ def test_pack_batch_matches_a_token_by_token_reference(case):
     pieces = [np.asarray(seg, dtype=np.int64) for row in rows for seg in row]
     bounds = np.r_[0, np.cumsum([len(row) for row in rows])]
     ids = np.arange(len(pieces), dtype=np.int64)
-    out = pack_batch(pieces, ids, np.zeros_like(ids), None, bounds, seq_len, PAD)
+    out = _pack(pieces, ids, np.zeros_like(ids), None, bounds, seq_len, PAD)
     want_ids, want_labels, want_pos = _pack_reference(rows, seq_len)
     assert out["input_ids"].tolist() == want_ids
     assert out["labels"].tolist() == want_labels
@@ -143,3 +172,141 @@ def test_collate_does_not_import_torch():
     code = "import sys, shardcache.read.collate; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
+
+
+# ---- the vectorised collation equals the per-sequence reference it replaced -----------------
+
+
+def _reference_pad(rows, sample_ids, pad_id, width, loss_masks=None):
+    """The previous pad_batch: one array per row."""
+    lengths = np.fromiter(map(len, rows), dtype=np.int64, count=len(rows))
+    mask = np.arange(width)[None, :] < lengths[:, None]
+    input_ids = np.full((len(rows), width), pad_id, dtype=np.int64)
+    for i, row in enumerate(rows):
+        input_ids[i, : len(row)] = row
+    labels = np.where(mask, input_ids, IGNORE_INDEX)
+    if loss_masks is not None:
+        for i, m in enumerate(loss_masks):
+            labels[i, : len(m)][~m] = IGNORE_INDEX
+    return {
+        "input_ids": input_ids,
+        "attention_mask": mask.astype(np.int64),
+        "labels": labels,
+        "sample_ids": np.asarray(sample_ids, dtype=np.int64),
+    }
+
+
+def _reference_pack(pieces, sample_ids, starts, lengths, row_bounds, seq_len, pad_id, masks):
+    """The previous pack_batch: a Python loop per segment."""
+    if lengths is not None:
+        cuts = list(zip(starts.tolist(), lengths.tolist()))
+        pieces = [p[s : s + n] for p, (s, n) in zip(pieces, cuts)]
+        if masks is not None:
+            masks = [m[s : s + n] for m, (s, n) in zip(masks, cuts)]
+    bounds = np.asarray(row_bounds).tolist()
+    parts, loss_parts, seg_len, seg_sample, seg_offset = [], [], [], [], []
+    for r in range(len(bounds) - 1):
+        used = 0
+        for k in range(bounds[r], bounds[r + 1]):
+            parts.append(pieces[k])
+            if masks is not None:
+                loss_parts.append(masks[k])
+            used += len(pieces[k])
+            seg_len.append(len(pieces[k]))
+            seg_sample.append(int(sample_ids[k]))
+            seg_offset.append(int(starts[k]))
+        if used < seq_len:
+            parts.append(np.full(seq_len - used, pad_id, dtype=np.int64))
+            loss_parts.append(np.zeros(seq_len - used, dtype=bool))
+            seg_len.append(seq_len - used)
+            seg_sample.append(-1)
+            seg_offset.append(-1)
+    flat = np.concatenate(parts).astype(np.int64)
+    seg_lengths = np.asarray(seg_len, dtype=np.int64)
+    cu = np.r_[0, np.cumsum(seg_lengths)].astype(np.int64)
+    sample = np.asarray(seg_sample, dtype=np.int64)
+    positions = np.arange(len(flat), dtype=np.int64) - np.repeat(cu[:-1], seg_lengths)
+    labels = flat.copy()
+    labels[cu[:-1]] = IGNORE_INDEX
+    for k in np.flatnonzero(sample < 0).tolist():
+        labels[cu[k] : cu[k + 1]] = IGNORE_INDEX
+    if masks is not None:
+        labels[~np.concatenate(loss_parts)] = IGNORE_INDEX
+    shape = (len(bounds) - 1, seq_len)
+    return {
+        "input_ids": flat.reshape(shape),
+        "labels": labels.reshape(shape),
+        "position_ids": positions.reshape(shape),
+        "cu_seqlens": cu.astype(np.int32),
+        "max_seqlen": int(seg_lengths.max()),
+        "sample_ids": sample,
+        "sample_offsets": np.asarray(seg_offset, dtype=np.int64),
+    }
+
+
+def _assert_same(got: dict, want: dict) -> None:
+    assert list(got) == list(want)
+    for key, value in want.items():
+        if isinstance(value, np.ndarray):
+            assert got[key].dtype == value.dtype, key
+            assert got[key].shape == value.shape, key
+            assert np.array_equal(got[key], value), key
+        else:
+            assert got[key] == value and type(got[key]) is type(value), key
+
+
+_corpus = st.lists(st.integers(1, 40), min_size=1, max_size=60).flatmap(
+    lambda lengths: st.tuples(
+        st.just(lengths),
+        st.integers(0, 2**31 - 1),  # token ids / masks seed
+        st.sampled_from(["pad", "best_fit", "concat"]),
+        st.integers(0, 1000),  # plan seed
+        st.booleans(),  # chat loss masks
+        st.integers(1, 16),  # window size
+        st.integers(1, 4),  # pad_to_multiple_of / rows per batch
+    )
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(_corpus)
+def test_vectorised_collation_equals_the_reference_for_random_plans(case):
+    lengths, data_seed, mode, seed, chat, window, k = case
+    rng = np.random.default_rng(data_seed)
+    seqs = [rng.integers(0, 60_000, n).astype(np.uint16) for n in lengths]
+    masks = [rng.random(n) < 0.6 for n in lengths] if chat else None
+    lengths_arr = np.asarray(lengths, dtype=np.int64)
+    buckets = (lengths_arr > 20).astype(np.int32)
+    longest = int(lengths_arr.max())
+    if mode == "pad":
+        options = PlanOptions(
+            max_tokens=longest * 3 + 4 * k, window_size=window, pad_to_multiple_of=k
+        )
+    else:
+        seq_len = longest if mode == "best_fit" else max(1, longest // 2)
+        options = PlanOptions(
+            max_tokens=seq_len * k, mode="pack", seq_len=seq_len, packing=mode, window_size=window
+        )
+    plan = plan_epoch(lengths_arr, buckets, options, seed=seed)
+    for index in range(len(plan)):
+        ids, starts, taken = plan.segments(index)
+        whole = [seqs[i].astype(np.int64) for i in ids]
+        whole_masks = None if masks is None else [masks[i] for i in ids]
+        taken_arr = lengths_arr[ids] - starts if taken is None else taken
+        flat = _flat([w[s : s + n] for w, s, n in zip(whole, starts, taken_arr)])
+        flat_mask = None
+        if whole_masks is not None:
+            flat_mask = _flat([m[s : s + n] for m, s, n in zip(whole_masks, starts, taken_arr)])
+            flat_mask = flat_mask.astype(bool)
+        # tokens arrive in the cache dtype (uint16 here), as Cache.gather delivers them
+        flat = flat.astype(np.uint16)
+        if mode == "pad":
+            width = int(options.padded(int(taken_arr.max())))
+            got = pad_batch(flat, taken_arr, ids, 7, width, flat_mask)
+            want = _reference_pad(whole, ids, 7, width, whole_masks)
+        else:
+            seq_len = int(options.seq_len or 0)
+            bounds = plan.row_bounds(index)
+            got = pack_batch(flat, taken_arr, ids, starts, bounds, seq_len, 7, flat_mask)
+            want = _reference_pack(whole, ids, starts, taken, bounds, seq_len, 7, whole_masks)
+        _assert_same(got, want)

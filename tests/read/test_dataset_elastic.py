@@ -22,7 +22,7 @@ def cache_dir(corpus, build_cache, tokenizer_dir):
 
 
 def _key(batch) -> tuple[int, ...]:
-    return tuple(batch["sample_ids"].tolist())
+    return tuple(batch["meta"]["sample_ids"].tolist())
 
 
 def _loader(ds: ShardDataset, num_workers: int) -> StatefulDataLoader:

@@ -86,3 +86,48 @@ def test_missing_shard_and_bad_version_are_named(corpus, build_cache, tokenizer_
         json.dump(manifest, f)
     with pytest.raises(CorruptShardError, match="format_version 999"):
         open_cache(out)
+
+
+def _vm_rss_bytes() -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS in /proc/self/status")
+
+
+def test_reading_zstd_shards_keeps_memory_within_the_decode_budget(tmp_path, monkeypatch):
+    # 8 zstd shards holding 64 MiB of tokens once decoded; the old reader decompressed every
+    # opened shard whole and kept it (+64 MiB); a reader decodes record batches on demand
+    # into an LRU of SHARDCACHE_DECODE_BUDGET bytes per process
+    monkeypatch.setenv("SHARDCACHE_DECODE_BUDGET", "8MiB")
+    length, rows = 512, 65536
+    os.makedirs(tmp_path / "shards")
+    writer = BucketWriter(
+        str(tmp_path), "p00000", "src.jsonl", 0, np.dtype(np.uint16), 8 << 20, "zstd"
+    )
+    tokens = (np.arange(rows * length) % 5003).astype(np.uint16)
+    writer.add(
+        tokens,
+        np.full(rows, length),
+        np.arange(rows),
+        np.zeros(rows, dtype=np.int32),
+    )
+    writer.close()
+    del tokens
+    assert len(writer.shards) == 8
+    rss_before = _vm_rss_bytes()
+    readers = [
+        ShardReader(str(tmp_path / "shards" / s.name), s.to_json(), np.dtype(np.uint16))
+        for s in writer.shards
+    ]
+    first = 0
+    for reader in readers:  # every row of every shard, all readers kept open (as the LRU does)
+        for lo in range(0, reader.rows, 1024):
+            got = reader.tokens_many(list(range(lo, min(lo + 1024, reader.rows))))
+            want = (np.arange(len(got) * length) + (first + lo) * length) % 5003
+            assert np.array_equal(np.concatenate(got), want)
+            del got
+        first += reader.rows
+    growth = _vm_rss_bytes() - rss_before
+    assert growth < 32 << 20, f"RSS grew {growth / 2**20:.1f} MiB reading 64 MiB of tokens"

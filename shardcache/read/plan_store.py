@@ -1,0 +1,119 @@
+"""An epoch plan computed once and shared by every process that needs it (workers, ranks).
+
+What this module owns
+---------------------
+``ShardDataset`` needs the epoch plan in every DataLoader worker. Forked workers inherit it
+only when the main process computed it first; spawn/forkserver workers, workers of a new epoch
+(``persistent_workers=False``) and the ranks of one machine would each recompute it (1-2 s
+for 10 M sequences, more for best_fit). :func:`shared_plan` stores a computed plan as ``.npy``
+files under ``$SHARDCACHE_CACHE_DIR/plans/<digest>/`` (written tmp + fsync + rename, the
+folder renamed into place last) and every other process memory-maps it: one computation per
+(data, options, seed, epoch) per machine, and the plan's pages are shared through the page
+cache instead of copied per worker.
+
+The digest covers everything a plan is a function of: the caller's identity of the data (the
+length index's sha256 and the shard table: a rebuild with other bucket edges keeps the cache
+key but renumbers the samples), the plan options, the seed and the epoch, and
+:data:`PLAN_FILE_VERSION`. The first process takes an exclusive ``flock`` on
+``<digest>.lock``, computes and writes; the others wait on the lock and read. Plans of small
+caches (under :data:`SHARE_MIN_SEQUENCES` sequences, a few milliseconds to compute) are not
+written. The folder keeps the :data:`KEEP_PLANS` most recently used plans (older ones are
+deleted when a new one is written; a reader that still maps one keeps its pages).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+from collections.abc import Callable
+
+import numpy as np
+
+from shardcache.read.plan import EpochPlan
+from shardcache.store.files import (
+    cache_root,
+    exclusive_lock,
+    private_tmp,
+    sha256_text,
+    write_npy_atomic,
+)
+
+PLAN_FILE_VERSION = 1
+PLANS_DIR = "plans"
+#: Below this many sequences a plan is recomputed (milliseconds), not written.
+SHARE_MIN_SEQUENCES = 200_000
+#: Plans kept in the folder (a few epochs of a few option sets).
+KEEP_PLANS = 8
+_FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_lengths")
+
+
+def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
+    """The name of a stored plan (see the module docstring)."""
+    return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
+
+
+def _read(folder: str) -> EpochPlan | None:
+    arrays: dict[str, np.ndarray | None] = {}
+    try:
+        for name in _FIELDS:
+            path = os.path.join(folder, f"{name}.npy")
+            arrays[name] = (
+                np.load(path, mmap_mode="r", allow_pickle=False) if os.path.exists(path) else None
+            )
+    except (OSError, ValueError):
+        return None
+    if arrays["batch_offsets"] is None or arrays["sample_ids"] is None:
+        return None
+    with contextlib.suppress(OSError):
+        os.utime(folder)  # most recently used
+    return EpochPlan(**arrays)  # type: ignore[arg-type]
+
+
+def _write(folder: str, plan: EpochPlan) -> None:
+    tmp = private_tmp(folder)
+    os.makedirs(tmp)
+    try:
+        for name in _FIELDS:
+            value = getattr(plan, name)
+            if value is not None:
+                write_npy_atomic(os.path.join(tmp, f"{name}.npy"), np.asarray(value))
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _evict(root: str, keep: str) -> None:
+    entries = []
+    with os.scandir(root) as it:
+        for entry in it:
+            if entry.is_dir() and not entry.name.endswith(".tmp") and entry.path != keep:
+                with contextlib.suppress(OSError):
+                    entries.append((entry.stat().st_mtime_ns, entry.path))
+    for _, path in sorted(entries)[: max(len(entries) - (KEEP_PLANS - 1), 0)]:
+        shutil.rmtree(path, ignore_errors=True)  # lock files stay: a waiter may hold one
+
+
+def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan]) -> EpochPlan:
+    """The plan named ``digest``: read from the plan folder when some process stored it,
+    else computed (by one process at a time) and stored for the others."""
+    if num_sequences < SHARE_MIN_SEQUENCES:
+        return compute()
+    try:
+        root = os.path.join(cache_root(), PLANS_DIR)
+        os.makedirs(root, exist_ok=True)
+    except OSError:
+        return compute()  # no writable folder: every process plans for itself
+    folder = os.path.join(root, digest)
+    # one process computes, the others wait on the lock and read what it stored
+    with exclusive_lock(os.path.join(root, f"{digest}.lock")) as locked:
+        if not locked:
+            return compute()
+        plan = _read(folder) if os.path.isdir(folder) else None
+        if plan is not None:
+            return plan
+        plan = compute()
+        with contextlib.suppress(OSError):
+            _write(folder, plan)
+            _evict(root, keep=folder)
+        return plan

@@ -1,0 +1,136 @@
+"""Integrity checked once: a record of the files whose sha256 matched their manifest entry.
+
+What this module owns
+---------------------
+:func:`check_file` is the one check of a cache file (shard or length index) against its
+manifest entry: presence, size (one ``stat``) and sha256. The sha256 is a sequential read of
+the whole file (~0.5 s/GiB), so it is done **once per file version, not once per process**:
+after a file hashed clean, a marker is written under ``$SHARDCACHE_CACHE_DIR/verified/`` whose
+name is a digest of the file's identity
+
+    (absolute path, size, mtime_ns, inode, the manifest's sha256)
+
+Every later process, DataLoader worker and epoch that opens the same file finds the marker with
+one ``stat`` and skips the hash; any write to the file (new mtime/ctime), a replacement (new
+inode) or a rebuilt manifest (new sha256) changes the identity, so a changed file is hashed
+again (not the ctime: the remote object store's LRU bumps it with ``utime`` on every open).
+``shardcache verify`` records the files it hashed clean (:func:`record_verified`), and a
+remote download, which hashes while it streams, records the object it wrote, so a downloaded
+shard is hashed once, not twice.
+
+Concurrency: the first process to open a file takes an exclusive ``flock`` on the marker's lock
+file, hashes, writes the marker (tmp + fsync + rename), and unlocks; processes opening the
+same file meanwhile wait on the lock and then find the marker, so N workers hash a shard once,
+not N times. When the folder cannot be written, the record is kept in this process only (the
+old behaviour: once per process).
+
+Trust: the marker is as trustworthy as the user cache folder; a file changed in place with its
+size, mtime and inode all restored is not re-hashed. ``SHARDCACHE_SHARD_CHECKSUMS=0``
+skips the sha256 entirely (size and structure are still checked).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from typing import Any
+
+from shardcache.errors import CorruptShardError
+from shardcache.store.files import (
+    cache_root,
+    exclusive_lock,
+    sha256_file,
+    sha256_text,
+    write_bytes_atomic,
+)
+
+CHECKSUMS_ENV = "SHARDCACHE_SHARD_CHECKSUMS"
+VERIFIED_DIR = "verified"
+
+#: identities verified by this process (also the fallback when no marker can be written)
+_SEEN: set[str] = set()
+
+
+def checksums_enabled(checksum: bool | None = None) -> bool:
+    """``checksum`` if given, else the environment (``SHARDCACHE_SHARD_CHECKSUMS=0`` skips)."""
+    if checksum is not None:
+        return checksum
+    return os.environ.get(CHECKSUMS_ENV, "1").lower() not in ("0", "false", "no")
+
+
+def _identity(path: str, st: os.stat_result, sha256: str) -> str:
+    text = "|".join(map(str, (os.path.abspath(path), st.st_size, st.st_mtime_ns, st.st_ino)))
+    return sha256_text(f"{text}|{sha256}")
+
+
+def _marker(identity: str) -> str | None:
+    try:
+        folder = os.path.join(cache_root(), VERIFIED_DIR, identity[:2])
+        os.makedirs(folder, exist_ok=True)
+    except OSError:
+        return None
+    return os.path.join(folder, identity)
+
+
+def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> bool:
+    """True when ``path`` in its current version was hashed clean against ``sha256``."""
+    st = os.stat(path) if st is None else st
+    identity = _identity(path, st, sha256)
+    if identity in _SEEN:
+        return True
+    marker = _marker(identity)
+    if marker is not None and os.path.exists(marker):
+        _SEEN.add(identity)
+        return True
+    return False
+
+
+def record_verified(path: str, sha256: str, st: os.stat_result | None = None) -> None:
+    """Record that ``path`` (as it is now) has sha256 ``sha256`` (the caller hashed it)."""
+    st = os.stat(path) if st is None else st
+    identity = _identity(path, st, sha256)
+    _SEEN.add(identity)
+    marker = _marker(identity)
+    if marker is not None and not os.path.exists(marker):
+        with contextlib.suppress(OSError):
+            write_bytes_atomic(marker, b"", private=True)
+
+
+def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> None:
+    """Raise :class:`CorruptShardError` unless ``path`` has the size and sha256 of its
+    manifest ``entry`` (``bytes``, ``sha256``); ``what`` names the file in messages ("shard",
+    "length index"). The sha256 is computed at most once per file version (module docstring).
+    """
+    try:
+        st = os.stat(path)
+    except OSError as err:
+        raise CorruptShardError(
+            f"{path}: {what} listed in the manifest is missing or unreadable ({err}); the cache "
+            "is incomplete: rebuild it or restore the file"
+        ) from err
+    expected_bytes = entry.get("bytes")
+    if expected_bytes is not None and st.st_size != int(expected_bytes):
+        raise CorruptShardError(
+            f"{path}: not a readable {what}: {st.st_size} bytes but the manifest says "
+            f"{expected_bytes} (truncated or replaced); run `shardcache verify` and rebuild"
+        )
+    expected = entry.get("sha256")
+    if not expected or not checksums_enabled(checksum):
+        return
+    expected = str(expected)
+    if is_verified(path, expected, st):
+        return
+    marker = _marker(_identity(path, st, expected))
+    with contextlib.ExitStack() as stack:
+        # one process hashes, the others wait on the lock and then find the marker
+        locked = marker is not None and stack.enter_context(exclusive_lock(marker + ".lock"))
+        if locked and is_verified(path, expected, st):
+            return
+        actual = sha256_file(path)
+        if actual != expected:
+            raise CorruptShardError(
+                f"{path}: checksum mismatch: sha256 {actual[:16]}... but the manifest says "
+                f"{expected[:16]}...; the {what} is corrupt (flipped bytes or a partial write): "
+                "run `shardcache verify CACHE` to list every damaged file, then rebuild"
+            )
+        record_verified(path, expected, st)

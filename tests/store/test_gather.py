@@ -1,0 +1,91 @@
+"""Cache.gather (vectorised reads) equals reading sequence by sequence, for memory-mapped and
+zstd shards, whole sequences and pieces, shuffled and consecutive segments."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from conftest import make_texts, write_records
+from shardcache import open_cache
+from shardcache.build.run import build_cache
+from shardcache.config import build_options_from_mapping
+from shardcache.store import cache as cache_module
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("gather")
+    folder = root / "in"
+    folder.mkdir()
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(80, seed=4)], "jsonl")
+    out = {}
+    for compression in ("none", "zstd"):
+        path = str(root / compression)
+        values = {
+            "input": str(folder),
+            "tokenizer": tokenizer_dir,
+            "output": path,
+            "workers": 1,
+            "shard_size": 4096,
+            "buckets": "16,64",
+            "compression": compression,
+        }
+        build_cache(build_options_from_mapping(values))
+        out[compression] = path
+    return out
+
+
+segments = st.lists(
+    st.tuples(st.integers(0, 10**6), st.integers(0, 10**6), st.integers(0, 10**6), st.booleans()),
+    min_size=1,
+    max_size=40,
+)
+
+
+@settings(
+    max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(segments, st.sampled_from(["none", "zstd"]), st.booleans(), st.booleans())
+def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, run, by_slices):
+    cache = open_cache(caches[compression])
+    # both copy strategies of memory-mapped shards: slice per segment, or index arrays
+    cache_module.LONG_SEGMENT_TOKENS = 0 if by_slices else 10**9
+    seqs = [s.ids for s in cache.iter_sequences()]
+    n = len(seqs)
+    first = segs[0][0] % n
+    # run: consecutive sample ids (an unshuffled read); else arbitrary ids
+    ids = np.array([(first + k) % n if run else a % n for k, (a, _, _, _) in enumerate(segs)])
+    starts, lengths = [], []
+    for i, (_, b, c, whole) in zip(ids, segs):
+        size = len(seqs[i])
+        start = 0 if whole else b % size
+        starts.append(start)
+        lengths.append(size - start if whole else 1 + c % (size - start))
+    got = cache.gather(ids, np.array(starts), np.array(lengths))
+    want = np.concatenate([seqs[i][s : s + m] for i, s, m in zip(ids, starts, lengths)])
+    assert got.tokens.dtype == cache.dtype
+    assert np.array_equal(got.tokens, want)
+    assert np.array_equal(got.lengths, lengths)
+    whole = cache.gather(ids)
+    assert np.array_equal(whole.tokens, np.concatenate([seqs[i] for i in ids]))
+
+
+@pytest.fixture(autouse=True)
+def _restore_threshold():
+    saved = cache_module.LONG_SEGMENT_TOKENS
+    yield
+    cache_module.LONG_SEGMENT_TOKENS = saved
+
+
+@pytest.mark.parametrize("threshold", [0, 10**9])
+def test_gather_refuses_ids_and_segments_out_of_range(caches, threshold):
+    cache_module.LONG_SEGMENT_TOKENS = threshold
+    cache = open_cache(caches["none"])
+    with pytest.raises(IndexError, match="out of range"):
+        cache.gather(np.array([cache.num_sequences]))
+    size = int(cache.lengths[0])
+    with pytest.raises(IndexError, match="past the end"):
+        cache.gather(np.array([0]), np.array([size - 1]), np.array([2]))
