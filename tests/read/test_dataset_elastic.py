@@ -4,6 +4,7 @@ consumed (the tail of the new split aside), or refuse with a StateError that say
 
 from __future__ import annotations
 
+import gc
 import json
 
 import pytest
@@ -29,6 +30,18 @@ def _loader(ds: ShardDataset, num_workers: int) -> StatefulDataLoader:
     return StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
 
 
+def _take(ds: ShardDataset, num_workers: int, steps: int) -> tuple[list, dict]:
+    """``steps`` batches through a StatefulDataLoader, then its checkpoint; its workers are
+    shut down here (not when a later fork's child collects the iterator)."""
+    loader = _loader(ds, num_workers)
+    it = iter(loader)
+    keys = [_key(next(it)) for _ in range(steps)]
+    state = json.loads(json.dumps(loader.state_dict()))
+    del it, loader
+    gc.collect()
+    return keys, state
+
+
 @pytest.mark.parametrize("num_workers", [0, 2])
 @pytest.mark.parametrize(("world", "new_world"), [(2, 4), (4, 2), (2, 2)])
 def test_stateful_dataloader_states_resume_at_another_world_size(
@@ -41,11 +54,9 @@ def test_stateful_dataloader_states_resume_at_another_world_size(
     steps = make(0, world).batches_per_rank() // 2 + 1  # odd or even: workers mid-round
     head, states = [], []
     for rank in range(world):  # every rank trains `steps` steps, then checkpoints
-        loader = _loader(make(rank, world), num_workers)
-        it = iter(loader)
-        head += [_key(next(it)) for _ in range(steps)]
-        states.append(json.loads(json.dumps(loader.state_dict())))
-        del it
+        keys, state = _take(make(rank, world), num_workers, steps)
+        head += keys
+        states.append(state)
     rest: list[tuple[int, ...]] = []
     for rank in range(new_world):  # the new job: rank 0's checkpoint, or its own (same shape)
         loader = _loader(make(rank, new_world), num_workers)
@@ -57,6 +68,8 @@ def test_stateful_dataloader_states_resume_at_another_world_size(
             assert num_workers > 0 and new_world != world, err
             assert "ds.load_state_dict(loader_state)" in str(err), err
             # the way the message gives: the dataset takes the whole loader state
+            del loader
+            gc.collect()  # the refused loader's workers
             ds = make(rank, new_world)
             ds.load_state_dict(states[0])
             rest += [_key(b) for b in _loader(ds, num_workers)]
@@ -75,13 +88,10 @@ def test_stateful_dataloader_states_resume_at_another_world_size(
 def test_a_worker_state_restored_into_other_workers_is_refused(cache_dir):
     """Worker states of 2 workers at world size 2, restored at world size 4: a StateError
     naming both shapes and the way to resume, never a silent loss."""
-    loader = _loader(ShardDataset(cache_dir, 128, seed=5, rank=0, world_size=2), 2)
-    it = iter(loader)
-    for _ in range(3):
-        next(it)
-    state = loader.state_dict()
-    del it
+    _, state = _take(ShardDataset(cache_dir, 128, seed=5, rank=0, world_size=2), 2, 3)
     resumed = _loader(ShardDataset(cache_dir, 128, seed=5, rank=0, world_size=4), 2)
     resumed.load_state_dict(state)
     with pytest.raises(StateError, match=r"world_size 2.*world_size 4"):
         list(resumed)
+    del resumed
+    gc.collect()  # its workers are shut down here, not in some later test
