@@ -67,6 +67,15 @@ class ShardCache:
             old_release()
         return reader
 
+    def shed(self) -> bool:
+        """Release the least recently used open shard (False when none is open): the local
+        shard cache of a remote cache asks for this when open shards leave no room."""
+        if not self._open:
+            return False
+        _, (_, release) = self._open.popitem(last=False)
+        release()
+        return True
+
     def close(self) -> None:
         """Release every open shard."""
         while self._open:
@@ -138,6 +147,8 @@ class Cache:
             else lambda info: (shard_path(self.path, info["name"]), _no_release)
         )
         self._shards = ShardCache(self.shards, self.dtype, open_shards, fetch)
+        if remote is not None:
+            remote.shed = self._shards.shed
 
     def __repr__(self) -> str:
         return (

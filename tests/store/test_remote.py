@@ -202,3 +202,65 @@ def test_s3_job_array_and_bounded_local_cache(s3, reference, tokenizer_dir, monk
     objects = os.path.join(os.environ["SHARDCACHE_CACHE_DIR"], "objects")
     kept = [n for n in os.listdir(objects) if n.endswith(".arrow")]
     assert 0 < len(kept) < len(here.manifest["shards"])
+
+
+_RANK_READER = """
+import json, sys
+from torch.utils.data import DataLoader
+from shardcache import ShardDataset
+
+url, rank, world, out = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+ds = ShardDataset(url, max_tokens=256, seed=1, rank=rank, world_size=world)
+batches = [b["input_ids"].tolist() for b in DataLoader(ds, batch_size=None, num_workers=2)]
+with open(out, "w") as f:
+    json.dump(batches, f)
+"""
+
+
+def test_s3_readers_sharing_a_tiny_local_cache_never_deadlock(
+    s3, reference, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Issue 12 item 4: 4 processes x 2 DataLoader workers, one SHARDCACHE_CACHE_DIR far
+    smaller than the cache, cold then warm: all finish (hang guard) with the batches a local
+    read gives."""
+    import json
+    import subprocess
+    import sys
+
+    folder, ref = reference
+    url = "s3://corpus/caches/shared"
+    build(_options(folder, tokenizer_dir, url, workers=1))
+    monkeypatch.setenv("SHARDCACHE_CACHE_SIZE", "16KiB")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = {**os.environ, "PYTHONPATH": root}
+    world = 4
+    expected = [
+        [
+            b["input_ids"].tolist()
+            for b in ShardDataset(ref, max_tokens=256, seed=1, rank=r, world_size=world)
+        ]
+        for r in range(world)
+    ]
+    for run in ("cold", "warm"):
+        outs = [str(tmp_path / f"{run}-{r}.json") for r in range(world)]
+        procs = [
+            subprocess.Popen(
+                [sys.executable, "-c", _RANK_READER, url, str(r), str(world), outs[r]],
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
+            )
+            for r in range(world)
+        ]
+        try:
+            logs = [p.communicate(timeout=300)[0] for p in procs]
+        except subprocess.TimeoutExpired:
+            for p in procs:
+                p.kill()
+                p.communicate()
+            pytest.fail(f"{run} run: readers sharing one local shard cache hung")
+        assert [p.returncode for p in procs] == [0] * world, logs
+        for r in range(world):
+            with open(outs[r]) as f:
+                assert json.load(f) == expected[r], f"{run} run, rank {r}"
