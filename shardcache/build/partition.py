@@ -33,6 +33,7 @@ import numpy as np
 from shardcache.build.bucket import assign_buckets
 from shardcache.build.encoders import take_lint
 from shardcache.build.plan import BuildPlan, Partition, PartitionResult
+from shardcache.build.remote import build_partition_into_store
 from shardcache.build.report import Progress
 from shardcache.build.sources import (
     FileDigest,
@@ -49,6 +50,7 @@ from shardcache.store.files import (
 from shardcache.store.layout import (
     PARTS_DIR,
 )
+from shardcache.store.remote import is_url
 from shardcache.store.shards import BucketWriter
 
 KILL_ENV = "SHARDCACHE_TEST_KILL"
@@ -89,7 +91,12 @@ def check_parent() -> None:
 def build_partition(
     plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
 ) -> PartitionResult:
-    """Map one partition to shard files and its completion record."""
+    """Map one partition to shard files and its completion record (for a URL output: in a
+    scratch folder of this task, then uploaded, record last; see build/remote.py)."""
+    if is_url(plan.options.output):
+        return build_partition_into_store(  # type: ignore[no-any-return]
+            plan, partition, lambda local: build_partition(local, partition, encoder, progress)
+        )
     options = plan.options
     out = options.output
     stats = TruncationStats()

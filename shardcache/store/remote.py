@@ -6,9 +6,8 @@ settings (for S3: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROF
 ``AWS_ENDPOINT_URL`` for an S3-compatible store, or any ``FSSPEC_S3_<KWARG>`` variable).
 ``s3fs`` is the optional extra ``shardcache[s3]``.
 
-The write side (staging a build, uploading it, committing shares) is
-:mod:`shardcache.build.remote`; this module gives it :func:`staging_dir` and
-:func:`upload_tree`.
+The write side (partition tasks uploading their files, commit from the records in the store)
+is :mod:`shardcache.build.remote`; this module gives it :func:`filesystem`.
 
 Read side: **a content-addressed local shard cache.** ``open_cache(URL)`` (and so
 ``ShardDataset``, ``info``, ``check``) downloads the manifest (each open) and the length index
@@ -208,7 +207,7 @@ class ObjectStore:
         path = self.path(sha)
         with _HELD_LOCK.lock:
             held = _HELD.get(sha)
-            if held is not None:
+            if held is not None and os.path.isfile(path):  # (the folder may have been wiped)
                 held[1] += 1
                 return path, functools.partial(_release, sha)
         fd = _open_lock(os.path.join(self.folder, f"{sha}.lock"))
@@ -225,9 +224,10 @@ class ObjectStore:
             raise
         with _HELD_LOCK.lock:
             held = _HELD.get(sha)
-            if held is not None:  # another thread of this process opened it meanwhile
+            if held is not None:  # another thread opened it meanwhile, or it was re-fetched
                 held[1] += 1
-                os.close(fd)  # its descriptor keeps the shared lock
+                fd, held[0] = held[0], fd  # keep the lock on the file that is there now
+                os.close(fd)
             else:
                 _HELD[sha] = [fd, 1]
         return path, functools.partial(_release, sha)
@@ -433,31 +433,3 @@ class RemoteCache:
     def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
         rpath = f"{self.root}/{SHARD_DIR}/{info['name']}"
         return self.store.acquire(self.fs, rpath, info, shed=self.shed)
-
-
-# ------------------------------------------------------------------------ write side
-
-
-def staging_dir(url: str, tag: str = "") -> str:
-    """The local folder a build for ``url`` runs in (kept until the upload succeeded)."""
-    return os.path.join(cache_root(), "staging", url_digest(f"{url.rstrip('/')}|{tag}"))
-
-
-def upload_tree(folder: str, url: str, with_manifest: bool) -> int:
-    """Upload every file of a staged build (not locks or tmp files); the manifest last."""
-    fs, root = filesystem(url)
-    local, remote = [], []
-    for dirpath, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
-            if name == ".lock" or name.endswith(".tmp") or rel == MANIFEST:
-                continue
-            local.append(os.path.join(dirpath, name))
-            remote.append(f"{root}/{rel}")
-    if local:
-        fs.put(local, remote)
-    if with_manifest:
-        fs.put_file(os.path.join(folder, MANIFEST), f"{root}/{MANIFEST}")
-    fs.invalidate_cache()
-    return len(local) + int(with_manifest)
