@@ -264,3 +264,115 @@ def test_s3_readers_sharing_a_tiny_local_cache_never_deadlock(
         for r in range(world):
             with open(outs[r]) as f:
                 assert json.load(f) == expected[r], f"{run} run, rank {r}"
+
+
+# ------------------------------------------- builds into object storage, no shared folder
+
+_BUILDER = """
+import json, sys
+from shardcache.build.commit import commit_output
+from shardcache.build.engines import EngineOptions, Share
+from shardcache.build.run import build
+from shardcache.config import build_options_from_mapping
+
+values, share = json.loads(sys.argv[1]), sys.argv[2]
+if share == "commit":
+    report = commit_output(values["output"])
+else:
+    engine = EngineOptions(share=Share.parse(share)) if share else EngineOptions()
+    report = build(build_options_from_mapping(values), engine)
+print("resumed", report.resumed_partitions)
+"""
+
+
+def _host(tmp_path, name: str) -> dict[str, str]:
+    """The environment of a fresh machine: its own HOME and TMPDIR, and a local shard-cache
+    folder that cannot be created (under a plain file), so any use of it fails."""
+    home = tmp_path / "hosts" / name
+    (home / "tmp").mkdir(parents=True)
+    (home / "not-a-folder").write_text("")
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return {**os.environ, "HOME": str(home), "TMPDIR": str(home / "tmp"), "PYTHONPATH": root,
+            "SHARDCACHE_CACHE_DIR": str(home / "not-a-folder" / "cache")}  # fmt: skip
+
+
+def _run_on(env: dict[str, str], values: dict, share: str = "", kill: str = "") -> tuple[int, str]:
+    import json
+    import subprocess
+    import sys
+
+    env = {**env, "SHARDCACHE_TEST_KILL": kill} if kill else env
+    proc = subprocess.run(
+        [sys.executable, "-c", _BUILDER, json.dumps(values), share],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    return proc.returncode, proc.stdout + proc.stderr
+
+
+def _store_tree(client, prefix: str) -> dict[str, bytes]:
+    listed = client.list_objects_v2(Bucket="corpus", Prefix=f"{prefix}/").get("Contents", [])
+    return {
+        o["Key"][len(prefix) + 1 :]: client.get_object(Bucket="corpus", Key=o["Key"])["Body"].read()
+        for o in listed
+    }
+
+
+def _assert_same_cache(client, prefix: str, ref: str) -> None:
+    """Every object equals the local build's file; the manifests differ only where the
+    inputs were named (URLs here, a folder there) and the plan files in their mtimes."""
+    import json
+
+    got, want = _store_tree(client, prefix), tree(ref)
+    assert set(got) == set(want)
+    for name in want:
+        if name not in ("manifest.json", "parts/build.json"):
+            assert got[name] == want[name], name
+    a, b = json.loads(got["manifest.json"]), json.loads(want["manifest.json"])
+    a["options"]["source"].pop("inputs")
+    b["options"]["source"].pop("inputs")
+    assert a == b
+
+
+def test_s3_to_s3_build_uses_no_local_folder_and_resumes_on_another_machine(
+    s3, reference, tokenizer_dir, tmp_path
+):
+    folder, ref = reference
+    _upload_folder(s3, folder, "raw")
+    values = {"input": ["s3://corpus/raw"], "tokenizer": tokenizer_dir, "workers": 2,
+              "output": "s3://corpus/caches/moved", **OPTIONS}  # fmt: skip
+    # machine A dies after its 3rd partition (workers=1: in the driver process itself)
+    rc, log = _run_on(_host(tmp_path, "a"), {**values, "workers": 1}, kill="part:3")
+    assert rc == -9, log
+    assert "manifest.json" not in _store_tree(s3, "caches/moved")
+    # machine B, fresh HOME / TMPDIR and no usable local cache folder, finishes the build
+    rc, log = _run_on(_host(tmp_path, "b"), values)
+    assert rc == 0, log
+    assert "resumed 2" in log
+    _assert_same_cache(s3, "caches/moved", ref)
+    # inputs streamed (the local cache folder of each host is unusable); scratch folders of
+    # partitions and commit are gone after a run that finished
+    assert list((tmp_path / "hosts" / "b" / "tmp").iterdir()) == []
+
+
+def test_s3_job_array_on_separate_hosts_with_a_restarted_share_and_commit(
+    s3, reference, tokenizer_dir, tmp_path
+):
+    folder, ref = reference
+    _upload_folder(s3, folder, "raw")
+    values = {"input": ["s3://corpus/raw"], "tokenizer": tokenizer_dir, "workers": 1,
+              "output": "s3://corpus/caches/array2", **OPTIONS}  # fmt: skip
+    assert _run_on(_host(tmp_path, "share0"), values, "0/2")[0] == 0
+    rc, log = _run_on(_host(tmp_path, "share1"), values, "1/2", kill="part:2")
+    assert rc == -9, log
+    rc, log = _run_on(_host(tmp_path, "share1-again"), values, "1/2")  # another host
+    assert rc == 0 and "resumed 1" in log, log
+    # a commit that dies before the manifest, then redone elsewhere
+    rc, log = _run_on(_host(tmp_path, "commit"), values, "commit", kill="commit:3")
+    assert rc == -9, log
+    assert "manifest.json" not in _store_tree(s3, "caches/array2")
+    rc, log = _run_on(_host(tmp_path, "commit-again"), values, "commit")
+    assert rc == 0, log
+    _assert_same_cache(s3, "caches/array2", ref)
