@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 import warnings
@@ -312,20 +313,20 @@ def _run_on(env: dict[str, str], values: dict, share: str = "", kill: str = "") 
     return proc.returncode, proc.stdout + proc.stderr
 
 
-def _store_tree(client, prefix: str) -> dict[str, bytes]:
-    listed = client.list_objects_v2(Bucket="corpus", Prefix=f"{prefix}/").get("Contents", [])
+def _store_tree(client, prefix: str, bucket: str = "corpus") -> dict[str, bytes]:
+    listed = client.list_objects_v2(Bucket=bucket, Prefix=f"{prefix}/").get("Contents", [])
     return {
-        o["Key"][len(prefix) + 1 :]: client.get_object(Bucket="corpus", Key=o["Key"])["Body"].read()
+        o["Key"][len(prefix) + 1 :]: client.get_object(Bucket=bucket, Key=o["Key"])["Body"].read()
         for o in listed
     }
 
 
-def _assert_same_cache(client, prefix: str, ref: str) -> None:
+def _assert_same_cache(client, prefix: str, ref: str, bucket: str = "corpus") -> None:
     """Every object equals the local build's file; the manifests differ only where the
     inputs were named (URLs here, a folder there) and the plan files in their mtimes."""
     import json
 
-    got, want = _store_tree(client, prefix), tree(ref)
+    got, want = _store_tree(client, prefix, bucket), tree(ref)
     assert set(got) == set(want)
     for name in want:
         if name not in ("manifest.json", "parts/build.json"):
@@ -376,3 +377,120 @@ def test_s3_job_array_on_separate_hosts_with_a_restarted_share_and_commit(
     rc, log = _run_on(_host(tmp_path, "commit-again"), values, "commit")
     assert rc == 0, log
     _assert_same_cache(s3, "caches/array2", ref)
+
+
+# ------------------------------------------- the README's cluster recipes, run as written
+
+
+def _readme_cluster_blocks() -> list[list[str]]:
+    """The commands of the bash blocks of the README's "Running on a cluster" section
+    (continuation lines joined, comments dropped)."""
+    import re
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
+        section = f.read().split("### Running on a cluster", 1)[1].split("\n### ", 1)[0]
+    blocks = []
+    for block in re.findall(r"```bash\n(.*?)\n```", section, flags=re.S):
+        text = block.replace("\\\n", " ")
+        lines = [line.split("  #", 1)[0].strip() for line in text.splitlines()]
+        blocks.append([" ".join(line.split()) for line in lines if line and line[0] != "#"])
+    return blocks
+
+
+def _wait_for_nodes(address: str, count: int, env: dict[str, str]) -> None:
+    import subprocess
+    import sys
+
+    script = (
+        "import ray, time, sys\n"
+        f"ray.init(address={address!r}, logging_level='error')\n"
+        "for _ in range(120):\n"
+        f"    if len([n for n in ray.nodes() if n['Alive']]) >= {count}: sys.exit(0)\n"
+        "    time.sleep(1)\n"
+        "sys.exit(1)\n"
+    )
+    subprocess.run([sys.executable, "-c", script], env=env, check=True, timeout=180)
+
+
+def test_readme_cluster_recipes_run_against_loopback_s3(
+    s3, reference, tokenizer_dir, tmp_path, monkeypatch
+):
+    """The README's Ray recipe (a head and a second node on this host, each with its own
+    folders) and its SLURM job-array script (two shares on two "hosts", then commit), run
+    from s3:// to s3://; the driver has no usable local cache folder; both caches equal a
+    local build byte for byte."""
+    import subprocess
+
+    pytest.importorskip("ray")
+    folder, _ = reference
+    _upload_folder(s3, folder, "raw")
+    s3.create_bucket(Bucket="caches")
+    work = tmp_path / "work"
+    work.mkdir()
+    os.symlink(tokenizer_dir, work / "tok")
+    monkeypatch.chdir(work)
+    local = str(tmp_path / "local-ref")
+    build_cache(build_options_from_mapping({"input": folder, "tokenizer": "./tok",
+                                            "output": local}))  # fmt: skip
+    ray_block, sbatch_script, sbatch_submit = _readme_cluster_blocks()
+    assert [c.split()[:2] for c in ray_block] == [["ray", "start"]] * 2 + [["shardcache", "build"]]
+
+    import shutil
+    import tempfile
+
+    port = _free_port()
+    nodes = []
+    ray_temp = tempfile.mkdtemp(prefix="sc-ray-", dir="/tmp")  # short: Unix socket paths
+    ray_env = {"HEAD_IP": "127.0.0.1", "RAY_AUTH_MODE": "disabled"}  # loopback, no token files
+    try:
+        for k, command in enumerate(ray_block[:2]):
+            env = {**_host(tmp_path, f"node{k}"), **ray_env}
+            extra = " --block --num-cpus=1 --object-store-memory=80000000 --disable-usage-stats"
+            extra += " --node-ip-address=127.0.0.1"
+            if k == 0:
+                extra += f" --include-dashboard=false --temp-dir={ray_temp}"
+            else:  # a second node on this host: ports of its own
+                extra += f" --dashboard-agent-listen-port={_free_port()}"
+                extra += f" --metrics-export-port={_free_port()}"
+                extra += f" --runtime-env-agent-port={_free_port()}"
+            line = command.replace("6379", str(port)) + extra
+            nodes.append(
+                subprocess.Popen(["bash", "-c", f"exec {line}"], env=env, cwd=work,
+                                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                 start_new_session=True)
+            )  # fmt: skip
+            _wait_for_nodes(f"127.0.0.1:{port}", k + 1, env)
+        driver = {**_host(tmp_path, "driver"), **ray_env}
+        build_line = ray_block[2].replace("6379", str(port))
+        proc = subprocess.run(["bash", "-c", build_line], env=driver, cwd=work,
+                              capture_output=True, text=True, timeout=400)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    finally:
+        import signal
+
+        for node in reversed(nodes):
+            node.terminate()
+        for node in reversed(nodes):
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                node.wait(timeout=60)
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(node.pid, signal.SIGKILL)  # what the node left (raylet, gcs)
+        shutil.rmtree(ray_temp, ignore_errors=True)
+    _assert_same_cache(s3, "v1", local, bucket="caches")
+
+    # the job array: every share on its own "host", then the commit job
+    for key in [o["Key"] for o in s3.list_objects_v2(Bucket="caches").get("Contents", [])]:
+        s3.delete_object(Bucket="caches", Key=key)
+    (share_line,) = sbatch_script
+    for i in range(2):
+        env = {**_host(tmp_path, f"array{i}"), "SLURM_ARRAY_TASK_ID": str(i),
+               "SLURM_ARRAY_TASK_COUNT": "2"}  # fmt: skip
+        proc = subprocess.run(["bash", "-c", share_line], env=env, cwd=work,
+                              capture_output=True, text=True, timeout=300)  # fmt: skip
+        assert proc.returncode == 0, proc.stdout + proc.stderr
+    (commit_line,) = [c.split("--wrap '", 1)[1].rstrip("'") for c in sbatch_submit if "--wrap" in c]
+    proc = subprocess.run(["bash", "-c", commit_line], env=_host(tmp_path, "commit-job"),
+                          cwd=work, capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    _assert_same_cache(s3, "v1", local, bucket="caches")
