@@ -13,6 +13,12 @@
   the build runs the rest. A different fingerprint is refused, naming what changed, unless
   ``--force`` starts over. Job-array shares use :func:`share_plan` and
   :func:`clean_partitions`, which touch only the share's own partitions.
+* **URL outputs** keep the same files in the store and resume from them on any machine:
+  :func:`prepare_store_output` / :func:`share_plan_in_store` read or write the plan there,
+  :func:`completed_in_store` checks the records found in one listing of ``parts/`` and one of
+  ``shards/`` with the same rule as local outputs (:func:`check_record`). Nothing is deleted
+  on resume: a partition rebuilt rewrites its own object names, and the commit deletes
+  objects no record lists.
 """
 
 from __future__ import annotations
