@@ -128,9 +128,18 @@ class OutputStore:
     def __init__(self, url: str):
         self.url = url.rstrip("/")
         self.fs, self.root = filesystem(self.url)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        #: a filesystem with real folders (``file://``) needs them made before a write
+        self._folders = "file" in protocols or "local" in protocols
 
     def _path(self, name: str) -> str:
         return f"{self.root}/{name}"
+
+    def _writing(self, name: str) -> str:
+        path = self._path(name)
+        if self._folders:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        return path
 
     def exists(self, name: str) -> bool:
         self.fs.invalidate_cache()
@@ -158,12 +167,12 @@ class OutputStore:
     def write_json(self, name: str, obj: Any) -> None:
         """One object, written whole (the format of ``write_json_atomic``)."""
         data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
-        self.fs.pipe_file(self._path(name), data)
+        self.fs.pipe_file(self._writing(name), data)
 
     def put(self, pairs: list[tuple[str, str]]) -> None:
         """Upload ``(local file, name)`` pairs (in order, one request each)."""
         for local, name in pairs:
-            self.fs.put_file(local, self._path(name))
+            self.fs.put_file(local, self._writing(name))
 
     def get(self, pairs: list[tuple[str, str]]) -> None:
         """Download ``(name, local file)`` pairs."""
