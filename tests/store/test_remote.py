@@ -251,14 +251,18 @@ def test_s3_readers_sharing_a_tiny_local_cache_never_deadlock(
                 stdout=subprocess.PIPE,
                 stderr=subprocess.STDOUT,
                 text=True,
+                start_new_session=True,  # the hang guard kills the workers too
             )
             for r in range(world)
         ]
         try:
             logs = [p.communicate(timeout=300)[0] for p in procs]
         except subprocess.TimeoutExpired:
+            import signal
+
             for p in procs:
-                p.kill()
+                with contextlib.suppress(ProcessLookupError):
+                    os.killpg(p.pid, signal.SIGKILL)
                 p.communicate()
             pytest.fail(f"{run} run: readers sharing one local shard cache hung")
         assert [p.returncode for p in procs] == [0] * world, logs
