@@ -4,6 +4,7 @@ against a loopback S3 server, tests/store/test_remote.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -82,3 +83,23 @@ def test_shares_into_a_url_then_a_full_build_resumes_them(corpus, tokenizer_dir,
     _same_cache(str(tmp_path / "store"), local)
     # committing again is a no-op report
     assert commit_output(url).shards == report.shards
+
+
+def test_a_url_output_is_refused_or_rebuilt_with_force(corpus, tokenizer_dir, tmp_path):
+    from shardcache.errors import CacheError
+
+    folder, _ = corpus("jsonl", n_files=2, docs=40)
+    url = f"file://{tmp_path / 'store'}"
+    options = build_options_from_mapping(_values(folder, tokenizer_dir, url))
+    build(options, EngineOptions(share=Share(0, 2)))  # an unfinished build in the store
+    other = build_options_from_mapping(_values(folder, tokenizer_dir, url, batch_docs=8))
+    with pytest.raises(CacheError, match="batch_docs"):
+        build(other)  # other options: its partitions cannot be reused
+    build(options)
+    done = tree(str(tmp_path / "store"))
+    with pytest.raises(CacheError, match="already holds a committed cache"):
+        build(options)
+    forced = dataclasses.replace(options, force=True)
+    report = build(forced)
+    assert report.resumed_partitions == 0
+    assert tree(str(tmp_path / "store")) == done
