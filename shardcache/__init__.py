@@ -37,7 +37,8 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StateError,
         TokenizerError,
     )
-    from shardcache.read.dataset import ShardDataset
+    from shardcache.read.dataset import ShardDataset, model_inputs
+    from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
     from shardcache.store.cache import Cache, Provenance, open_cache
@@ -73,10 +74,13 @@ _LAZY: dict[str, str] = {
     "PrefetchStats": "shardcache.read.prefetch",
     "Provenance": "shardcache.store.cache",
     "ShardDataset": "shardcache.read.dataset",
+    "ShardLoader": "shardcache.read.loader",
     "SourceOptions": "shardcache.config",
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.build.run",
+    "loader": "shardcache.read.loader",
+    "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
     "plan_epoch": "shardcache.read.plan",
     "verify_cache": "shardcache.store.verify",
@@ -104,6 +108,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PrefetchStats",
     "Provenance",
     "ShardDataset",
+    "ShardLoader",
     "ShardcacheError",
     "SourceError",
     "SourceOptions",
@@ -113,6 +118,8 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "VerifyReport",
     "__version__",
     "build_cache",
+    "loader",
+    "model_inputs",
     "open_cache",
     "plan_epoch",
     "verify_cache",

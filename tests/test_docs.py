@@ -29,3 +29,23 @@ def test_ci_runs_the_readme_setup_commands_verbatim():
     ci = _read(".ci", "run")
     for command in commands:
         assert command.strip() in ci
+
+
+def test_every_public_name_has_a_readme_section():
+    import shardcache
+
+    readme = _read("README.md")
+    api = readme.split("## Python API", 1)[1].split("\n## ", 1)[0]
+    headings = set(re.findall(r"^#### `([^`]+)`$", api, flags=re.M))
+    rows = set(re.findall(r"^\| `([A-Za-z]+)` \|", api, flags=re.M))  # the errors table
+    missing = sorted(set(shardcache.__all__) - headings - rows)
+    assert not missing, f"README '## Python API' lacks a section for {missing}"
+
+
+def test_pack_attention_and_batch_size_rules_are_up_front():
+    readme = _read("README.md")
+    batches = readme.split("### Batches: pad or pack\n\n", 1)[1]
+    assert batches.startswith("> **Two rules, or training is silently wrong:**")
+    box = batches.split("\n\n`ShardDataset`", 1)[0]
+    assert "**Pack mode needs `attention=`**" in box
+    assert "**`DataLoader(ds, batch_size=None)`**" in box

@@ -25,9 +25,13 @@ def test_torchrun_two_ranks_full_epoch(corpus, build_cache, tokenizer_dir, tmp_p
     recipe = os.path.join(ROOT, "recipes", "train_ddp.py")
     command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
                "--nproc_per_node", "2", recipe, cache_dir, "--max-tokens", "384",
-               "--num-workers", "2", "--report", str(report), *extra]  # fmt: skip
+               "--num-workers", "2", "--report", str(report), "--log-every", "2",
+               *extra]  # fmt: skip
     out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    # it says what it measures and prints progress (a silent run looked hung)
+    assert "measuring: steps/s" in out.stdout and "folded to" in out.stdout
+    assert "step 2/" in out.stdout and "steps/s" in out.stdout.split("step 2/", 1)[1]
     data = json.loads(report.read_text())
     ranks = data["ranks"]
     assert data["world_size"] == 2 and len(ranks) == 2

@@ -1,8 +1,14 @@
 """ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
 
-``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches (use it
-with ``DataLoader(ds, batch_size=None)``). Batches follow the global plan of plan.py and are
-laid out by collate.py (numpy; this module reads the shards and makes tensors); what a batch
+``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches. Use it
+with ``DataLoader(ds, batch_size=None)`` (or ``shardcache.loader``, which does that): the
+DataLoader default ``batch_size=1`` would add a leading dimension to every tensor, so a batch
+collated that way raises :class:`ConfigError`. Batches follow the global plan of plan.py and
+are laid out by collate.py (numpy; this module reads the shards and makes tensors).
+
+A batch is a ``dict`` (:class:`Batch`) of *model inputs*, so ``model(**batch)`` works with
+transformers' causal LMs, plus ``batch["meta"]``, a dict of bookkeeping tensors that are not
+model inputs (:func:`model_inputs` drops it, for models that reject unknown keywords). What it
 holds depends on ``PlanOptions.mode``:
 
 ``mode="pad"`` (default): rows are whole sequences of one length bucket.
@@ -12,7 +18,7 @@ holds depends on ``PlanOptions.mode``:
 * ``attention_mask`` int64, 1 on tokens, 0 on padding;
 * ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
   outside the trainable turns: the stored loss mask);
-* ``sample_ids`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
+* ``meta["sample_ids"]`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
 
 ``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
 *segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
@@ -22,11 +28,18 @@ ends. The flattened batch is a list of segments, padding runs included as segmen
 * ``position_ids`` restart at 0 at every segment (so at every document);
 * ``labels`` are the input ids with -100 on padding *and on the first token of every segment*:
   labels follow the Hugging Face convention (the model shifts them), so no position is trained
-  to predict across a document boundary;
-* ``cu_seqlens`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len`` tokens,
-  ending at ``R * seq_len``) and ``max_seqlen`` (a Python int), for variable-length attention;
-* ``sample_ids`` / ``sample_offsets`` int64 ``S``: per segment the sample id and the token
-  offset inside that sequence (-1 / -1 for padding segments).
+  to predict across a document boundary, and the model's mean loss over a packed batch equals
+  the token-weighted mean of the per-document losses;
+* per ``attention=`` (required in pack mode, no default; see ``shardcache.read.attention``):
+  ``"mask"`` adds ``attention_mask``, a float32 additive ``R x 1 x seq_len x seq_len``
+  block-causal mask (exact with sdpa/eager whatever ``use_cache``; ``R * seq_len**2 * 4``
+  bytes); ``"varlen"`` adds ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and
+  ``max_length_q``/``max_length_k`` (int) for flash attention (sdpa/eager are exact only with
+  ``model(**batch, use_cache=False)``); ``"none"`` adds nothing (documents see each other);
+* ``meta["cu_seqlens"]`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len``
+  tokens, ending at ``R * seq_len``), ``meta["max_seqlen"]`` (int), and
+  ``meta["sample_ids"]`` / ``meta["sample_offsets"]`` int64 ``S``: per segment the sample id and
+  the token offset inside that sequence (-1 / -1 for padding segments).
 
 Ranks, workers, state
 ---------------------
@@ -70,13 +83,16 @@ import hashlib
 import json
 import logging
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import torch
 from torch.utils.data import IterableDataset, get_worker_info
 
+from shardcache.config import check_choice
 from shardcache.errors import ConfigError, StateError
+from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.store.cache import Cache
@@ -124,6 +140,12 @@ class ShardDataset(IterableDataset):
     the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
     (then without ``max_tokens``/``shuffle``).
 
+    ``attention`` (``"mask"``, ``"varlen"`` or ``"none"``) is required with ``mode="pack"``
+    and refused otherwise: how the documents packed into a row are kept apart (module
+    docstring; ``"varlen"`` is exact with sdpa/eager only under ``use_cache=False``).
+
+    Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch.
+
     ``expect`` (a :class:`~shardcache.store.key.CacheKey`, a lock file path, or a mapping of
     tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
     constructor raise :class:`~shardcache.errors.CacheKeyMismatch`, naming the changed fields,
@@ -141,8 +163,9 @@ class ShardDataset(IterableDataset):
         rank: int | None = None,
         world_size: int | None = None,
         expect: Any = None,
+        attention: str | None = None,
         **plan_options: Any,
-    ):
+    ) -> None:
         super().__init__()
         self.path = os.fspath(path)
         if options is not None:
@@ -166,6 +189,7 @@ class ShardDataset(IterableDataset):
                     f"options are {names}"
                 ) from err
         self.options: PlanOptions = options
+        self.attention: str | None = _check_attention(attention, options.mode)
         self.seed = int(seed)
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
@@ -329,7 +353,7 @@ class ShardDataset(IterableDataset):
 
     # ---- iteration -------------------------------------------------------------------------
 
-    def __iter__(self) -> Any:
+    def __iter__(self) -> Iterator[Batch]:
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         plan = self.plan()
@@ -366,7 +390,7 @@ class ShardDataset(IterableDataset):
 
     def _generate(
         self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
-    ) -> Any:
+    ) -> Iterator[Batch]:
         for position in positions.tolist():
             batch = self.collate_batch(plan, int(mine[position]))
             # a batch counts as consumed once it is handed out (the torchdata convention)
@@ -394,7 +418,7 @@ class ShardDataset(IterableDataset):
 
     # ---- collation -------------------------------------------------------------------------
 
-    def collate_batch(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+    def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors."""
         if self.options.mode == "pad":
             return self.collate(plan.batch(index))
@@ -410,15 +434,16 @@ class ShardDataset(IterableDataset):
         assert self._cache is not None
         return self._cache.read_masks(sample_ids) if self._cache.has_mask else None
 
-    def collate(self, sample_ids: np.ndarray) -> dict[str, torch.Tensor]:
+    def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         rows = self._read(sample_ids)
         width = int(self.options.padded(max(map(len, rows))))
         batch = pad_batch(rows, sample_ids, self.pad_id, width, self._read_masks(sample_ids))
-        return _to_tensors(batch)
+        meta = {"sample_ids": batch.pop("sample_ids")}
+        return _to_batch(batch, meta)
 
-    def _collate_packed(self, plan: EpochPlan, index: int) -> dict[str, Any]:
+    def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
         ids, starts, taken = plan.segments(index)
         pieces = self._read(ids)
         batch = pack_batch(
@@ -431,9 +456,88 @@ class ShardDataset(IterableDataset):
             self.pad_id,
             self._read_masks(ids),
         )
-        return _to_tensors(batch)
+        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        positions = np.asarray(batch["position_ids"])
+        if self.attention == "mask":
+            batch["attention_mask"] = block_causal_mask(positions)
+        elif self.attention == "varlen":
+            batch.update(varlen_keys(positions))
+        return _to_batch(batch, meta)
 
 
-def _to_tensors(batch: dict[str, Any]) -> dict[str, Any]:
+#: Bookkeeping keys, kept under ``batch["meta"]`` (never model inputs).
+META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen")
+
+
+class Batch(dict):  # type: ignore[type-arg]
+    """One batch: a plain ``dict`` of model inputs plus ``"meta"`` (see the module docstring).
+
+    A ``dict`` subclass only so that a ``DataLoader`` left with its default ``batch_size=1``
+    fails loudly instead of stacking batches into a leading dimension (see
+    :func:`_refuse_collate`); everything else treats it as a dict.
+    """
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """``batch`` without its ``"meta"`` bookkeeping: the keyword arguments of the model.
+
+    ``model(**batch)`` works with transformers' causal LMs (they ignore unknown keywords); a
+    model that rejects unknown keywords takes ``model(**model_inputs(batch))``.
+    """
+    return {k: v for k, v in batch.items() if k != "meta"}
+
+
+def _check_attention(attention: str | None, mode: str) -> str | None:
+    """``attention`` is required in pack mode (no silent default) and meaningless in pad mode."""
+    if mode == "pack":
+        if attention is None:
+            raise ConfigError(
+                "attention: mode='pack' needs attention= one of "
+                f"{', '.join(ATTENTION_MODES)}: 'mask' (4-D block-causal attention_mask; exact "
+                "with sdpa/eager), 'varlen' (cu_seq_lens_* for flash attention; sdpa/eager "
+                "need use_cache=False), 'none' (documents attend to each other). Without it, "
+                "transformers lets every document attend to the ones packed before it"
+            )
+        check_choice("attention", attention, ATTENTION_MODES)
+    elif attention is not None:
+        raise ConfigError(
+            f"attention: got {attention!r} with mode={mode!r}; it applies to mode='pack' only "
+            "(padded rows carry a 2-D attention_mask that every model honours). Drop attention="
+        )
+    return attention
+
+
+def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
     """The numpy arrays of a collated batch as tensors sharing their memory (ints stay ints)."""
-    return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in batch.items()}
+
+    def tensors(d: dict[str, Any]) -> dict[str, Any]:
+        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
+
+    batch = Batch(tensors(arrays))
+    batch["meta"] = tensors(meta)
+    return batch
+
+
+def _refuse_collate(batches: list[Batch], **_: Any) -> Batch:
+    """A DataLoader with ``batch_size`` set collates ``batch_size`` of our (already whole)
+    batches into one with a leading dimension: refuse, naming the fix."""
+    raise ConfigError(
+        f"DataLoader: it collated {len(batches)} ShardDataset batch(es) into one (its "
+        "batch_size defaults to 1, which adds a leading dimension to every tensor). "
+        "ShardDataset yields whole token-budget batches: use DataLoader(ds, batch_size=None), "
+        "or shardcache.loader(path, ...), which configures it"
+    )
+
+
+def _register_collate_guard() -> None:
+    # torch documents extending default_collate by editing default_collate_fn_map in place;
+    # an exact-type entry wins over its generic Mapping rule. Absent (another torch): the
+    # README and docstrings remain the guard.
+    try:
+        from torch.utils.data._utils.collate import default_collate_fn_map
+    except ImportError:  # pragma: no cover - depends on the torch version
+        return
+    default_collate_fn_map[Batch] = _refuse_collate
+
+
+_register_collate_guard()

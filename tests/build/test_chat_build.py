@@ -62,8 +62,8 @@ def test_every_conversation_once_with_exact_ids_and_masks(
     "mode",
     [
         {},
-        {"mode": "pack", "seq_len": 128, "packing": "best_fit"},
-        {"mode": "pack", "seq_len": 64, "packing": "concat"},
+        {"mode": "pack", "seq_len": 128, "packing": "best_fit", "attention": "mask"},
+        {"mode": "pack", "seq_len": 64, "packing": "concat", "attention": "varlen"},
     ],
 )
 def test_labels_in_batches_follow_the_stored_mask(
@@ -79,7 +79,7 @@ def test_labels_in_batches_follow_the_stored_mask(
         assert torch.all((labels == -100) | (labels == ids))
         trained += int((labels != -100).sum())
         if not mode:
-            for row, sid in enumerate(batch["sample_ids"].tolist()):
+            for row, sid in enumerate(batch["meta"]["sample_ids"].tolist()):
                 mask = cache.read_masks(np.array([sid]))[0]
                 n = len(mask)
                 want = np.where(mask, ids[row, :n].numpy(), -100)

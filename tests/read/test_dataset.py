@@ -40,9 +40,9 @@ def test_batches_are_padded_within_budget_and_cover_every_sequence(cache_dir):
         assert torch.equal(labels[mask == 0], torch.full_like(labels[mask == 0], -100))
         assert torch.equal(labels[mask == 1], ids[mask == 1])
         assert torch.all(ids[mask == 0] == cache.pad_id)
-        buckets = cache.buckets()[b["sample_ids"].numpy()]
+        buckets = cache.buckets()[b["meta"]["sample_ids"].numpy()]
         assert len(set(buckets.tolist())) == 1
-        for row, sid in enumerate(b["sample_ids"].tolist()):
+        for row, sid in enumerate(b["meta"]["sample_ids"].tolist()):
             n = int(mask[row].sum())
             assert ids[row, :n].tolist() == cache.read(sid).tolist()
             seen[sid] += 1
@@ -52,8 +52,8 @@ def test_batches_are_padded_within_budget_and_cover_every_sequence(cache_dir):
 @pytest.mark.parametrize("num_workers", [1, 2])
 def test_stream_independent_of_num_workers(cache_dir, num_workers):
     ds = ShardDataset(cache_dir, max_tokens=128, seed=0)
-    base = [b["sample_ids"].tolist() for b in _stream(ds, 0)]
-    other = [b["sample_ids"].tolist() for b in _stream(ds, num_workers)]
+    base = [b["meta"]["sample_ids"].tolist() for b in _stream(ds, 0)]
+    other = [b["meta"]["sample_ids"].tolist() for b in _stream(ds, num_workers)]
     assert base == other
 
 
@@ -61,7 +61,7 @@ def test_ranks_partition_batches_with_equal_counts(cache_dir):
     world = 3
     streams = [
         [
-            b["sample_ids"].tolist()
+            b["meta"]["sample_ids"].tolist()
             for b in _stream(ShardDataset(cache_dir, max_tokens=128, rank=r, world_size=world), 0)
         ]
         for r in range(world)
@@ -75,9 +75,9 @@ def test_ranks_partition_batches_with_equal_counts(cache_dir):
 
 def test_set_epoch_reshuffles(cache_dir):
     ds = ShardDataset(cache_dir, max_tokens=128, seed=0)
-    first = [b["sample_ids"].tolist() for b in _stream(ds, 0)]
+    first = [b["meta"]["sample_ids"].tolist() for b in _stream(ds, 0)]
     ds.set_epoch(1)
-    second = [b["sample_ids"].tolist() for b in _stream(ds, 0)]
+    second = [b["meta"]["sample_ids"].tolist() for b in _stream(ds, 0)]
     assert first != second
     assert sorted(x for b in first for x in b) == sorted(x for b in second for x in b)
 
@@ -124,16 +124,17 @@ class _FakeWorkers:
 
 
 def _ids(batch):
-    return batch["sample_ids"].tolist()
+    return batch["meta"]["sample_ids"].tolist()
 
 
 def _key(batch):
-    if "sample_offsets" in batch:
-        return list(zip(_ids(batch), batch["sample_offsets"].tolist()))
+    if "sample_offsets" in batch["meta"]:
+        return list(zip(_ids(batch), batch["meta"]["sample_offsets"].tolist()))
     return _ids(batch)
 
 
-MODES = [{}, {"mode": "pack", "seq_len": 64}, {"mode": "pack", "seq_len": 48, "packing": "concat"}]
+PACK = {"mode": "pack", "attention": "none"}
+MODES = [{}, {**PACK, "seq_len": 64}, {**PACK, "seq_len": 48, "packing": "concat"}]
 
 
 # ---- packed batches --------------------------------------------------------------------------
@@ -143,18 +144,20 @@ MODES = [{}, {"mode": "pack", "seq_len": 64}, {"mode": "pack", "seq_len": 48, "p
 def test_packed_batches_restart_positions_and_never_cross_documents(cache_dir, packing):
     cache = open_cache(cache_dir)
     seq_len = 64 if packing == "best_fit" else 40
-    ds = ShardDataset(cache_dir, 256, mode="pack", seq_len=seq_len, packing=packing)
+    ds = ShardDataset(cache_dir, 256, mode="pack", seq_len=seq_len, packing=packing,
+                      attention="none")  # fmt: skip
     covered = collections.defaultdict(list)
     for b in _stream(ds, 0):
         ids, labels, pos = b["input_ids"], b["labels"], b["position_ids"]
         rows = ids.shape[0]
         assert ids.shape == labels.shape == pos.shape == (rows, seq_len) and rows <= 256 // seq_len
-        cu = b["cu_seqlens"].tolist()
-        assert cu[0] == 0 and cu[-1] == rows * seq_len and b["cu_seqlens"].dtype == torch.int32
+        cu = b["meta"]["cu_seqlens"].tolist()
+        assert cu[0] == 0 and cu[-1] == rows * seq_len
+        assert b["meta"]["cu_seqlens"].dtype == torch.int32
         lengths = [b - a for a, b in itertools.pairwise(cu)]
-        assert b["max_seqlen"] == max(lengths)
+        assert b["meta"]["max_seqlen"] == max(lengths)
         flat_ids, flat_labels, flat_pos = ids.flatten(), labels.flatten(), pos.flatten()
-        for k, (sid, offset) in enumerate(zip(_ids(b), b["sample_offsets"].tolist())):
+        for k, (sid, offset) in enumerate(zip(_ids(b), b["meta"]["sample_offsets"].tolist())):
             a, e = cu[k], cu[k + 1]
             assert a // seq_len == (e - 1) // seq_len  # a segment never spans two rows
             assert flat_pos[a:e].tolist() == list(range(e - a))
@@ -305,7 +308,7 @@ def test_plain_dataloader_resumes_from_a_step_count_with_real_workers(cache_dir)
 
 
 @pytest.mark.parametrize("world,new_world", [(4, 2), (2, 3)])
-@pytest.mark.parametrize("extra", [{}, {"mode": "pack", "seq_len": 64}])
+@pytest.mark.parametrize("extra", [{}, {**PACK, "seq_len": 64}])
 def test_elastic_resume_neither_repeats_nor_skips(cache_dir, world, new_world, extra):
     def make(rank, w):
         return ShardDataset(cache_dir, 128, seed=3, rank=rank, world_size=w, **extra)
@@ -342,7 +345,7 @@ def test_state_of_another_cache_or_plan_is_refused(cache_dir, corpus, build_cach
     with pytest.raises(StateError, match=r"seed: 0 -> 1"):
         ShardDataset(cache_dir, 128, seed=1).load_state_dict(state)
     with pytest.raises(StateError, match="mode: 'pad' -> 'pack'"):
-        ShardDataset(cache_dir, 128, mode="pack", seq_len=64).load_state_dict(state)
+        ShardDataset(cache_dir, 128, **PACK, seq_len=64).load_state_dict(state)
     folder, _ = corpus("jsonl", n_files=1, docs=20, seed=9)
     other = build_cache(folder, tokenizer_dir, max_length=64, truncation="split")
     with pytest.raises(StateError, match="cache with digest"):
@@ -365,7 +368,7 @@ def test_cache_digest_prefers_the_cache_key():
 
 def test_options_object_and_keyword_errors(cache_dir):
     options = PlanOptions(max_tokens=256, mode="pack", seq_len=64)
-    ds = ShardDataset(cache_dir, options=options)
+    ds = ShardDataset(cache_dir, options=options, attention="mask")
     assert ds.options == options
     with pytest.raises(ConfigError, match="either as options="):
         ShardDataset(cache_dir, 256, options=options)
