@@ -3,7 +3,11 @@
 1. Build overhead of the Ray engine: a local Ray cluster with 2 CPUs (``ray.init(num_cpus=2)``,
    started before timing) against the local process pool with 2 workers, same corpus and
    options; both outputs are checked byte-identical.
-2. Read throughput from a loopback S3 server (moto's standalone server on 127.0.0.1) against
+2. A build into a loopback S3 server (partition tasks upload their own files, the driver
+   commits from the records in the store): its time, and the bytes uploaded (counted by the
+   server: request bodies of PUT/POST) against the size of the cache (each byte once: ~1.00;
+   the rest is records, plan and manifest).
+3. Read throughput from a loopback S3 server (moto's standalone server on 127.0.0.1) against
    local disk: a cold full pass (downloads + sha256 into the local shard cache), a warm pass
    (cache hit), and the local folder; plus ``verify`` on both.
 
@@ -62,6 +66,41 @@ def read_all(path: str) -> int:
     return sum(int(s.ids.nbytes) for s in open_cache(path).iter_sequences())
 
 
+class _Uploads:
+    """WSGI middleware: the body bytes of every PUT/POST (decoded length for aws-chunked)."""
+
+    def __init__(self, app):  # type: ignore[no-untyped-def]
+        self.app = app
+        self.bytes = 0
+        self.requests = 0
+
+    def __call__(self, environ, start_response):  # type: ignore[no-untyped-def]
+        if environ.get("REQUEST_METHOD") in ("PUT", "POST"):
+            length = environ.get("HTTP_X_AMZ_DECODED_CONTENT_LENGTH") or environ.get(
+                "CONTENT_LENGTH"
+            )
+            self.bytes += int(length or 0)
+            self.requests += 1
+        return self.app(environ, start_response)
+
+
+def counting_server(port: int):  # type: ignore[no-untyped-def]
+    """moto's threaded server with :class:`_Uploads` around its app."""
+    from moto.moto_server.threaded_moto_server import ThreadedMotoServer
+    from moto.server import DomainDispatcherApplication, create_backend_app
+    from werkzeug.serving import make_server
+
+    class Server(ThreadedMotoServer):
+        uploads = _Uploads(DomainDispatcherApplication(create_backend_app))
+
+        def _server_entry(self) -> None:
+            self._server = make_server(self._ip_address, self._port, self.uploads, True)
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    return Server(ip_address="127.0.0.1", port=port, verbose=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--docs", type=int, default=20000)
@@ -71,7 +110,6 @@ def main() -> None:
 
     import boto3
     import ray
-    from moto.server import ThreadedMotoServer
 
     from shardcache import verify_cache
     from shardcache.build.engines import EngineOptions
@@ -109,18 +147,28 @@ def main() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server = counting_server(port)
     server.start()
     endpoint = f"http://127.0.0.1:{port}"
     os.environ.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
                       AWS_DEFAULT_REGION="us-east-1", AWS_ENDPOINT_URL=endpoint)  # fmt: skip
-    boto3.client("s3", endpoint_url=endpoint).create_bucket(Bucket="bench")
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="bench")
     url = "s3://bench/cache"
+    server.uploads.bytes = server.uploads.requests = 0
     up, _ = timed(lambda: build(options(url)))
+    uploaded, puts = server.uploads.bytes, server.uploads.requests
     local = os.path.join(work, "local-0")
     nbytes = sum(os.path.getsize(os.path.join(local, "shards", n))
                  for n in os.listdir(os.path.join(local, "shards")))  # fmt: skip
-    print(f"\nbuild into s3:// (stage + upload): {up:.2f} s; shards {nbytes / 1e6:.1f} MB")
+    stored = sum(o["Size"] for o in client.list_objects_v2(Bucket="bench")["Contents"])
+    print(f"\nbuild into s3:// (tasks upload, commit from records): {up:.2f} s")
+    print("\n| bytes | MB | / cache |")
+    print("|---|---|---|")
+    for name, value in (("cache in the store (all objects)", stored),
+                        (f"uploaded ({puts} PUT/POST requests)", uploaded),
+                        ("shards alone", nbytes)):  # fmt: skip
+        print(f"| {name} | {value / 1e6:.2f} | {value / stored:.2f} |")
     print("\n| read pass (all sequences) | s | MB/s |")
     print("|---|---|---|")
     for name, path in (("local disk", local), ("s3 cold (download+sha256)", url),

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Mapping
@@ -29,12 +30,13 @@ from shardcache.build.partition import kill_point
 from shardcache.build.plan import (
     BuildPlan,
     PartitionResult,
+    completed_in_store,
     completed_result,
     options_from_json,
     options_json,
     plan_from_json,
 )
-from shardcache.build.remote import commit_remote
+from shardcache.build.remote import OutputStore
 from shardcache.build.report import BuildReport, report_from_manifest
 from shardcache.build.sources import (
     InputFile,
@@ -57,6 +59,7 @@ from shardcache.store.files import (
 from shardcache.store.layout import (
     BUILD_STATE,
     FORMAT_VERSION,
+    INDEX_DIR,
     LENGTHS_FILE,
     MANIFEST,
     PARTS_DIR,
@@ -231,6 +234,11 @@ def owner_hint(out: str, positions: list[int]) -> str:
             data = read_json_or_none(os.path.join(folder, name)) if name.endswith(".json") else None
             if data and isinstance(data.get("shares"), int):
                 counts.add(data["shares"])
+    return owners_of(counts, positions)
+
+
+def owners_of(counts: set[int], positions: list[int]) -> str:
+    """Which shares own the partitions at ``positions``, when the shares agree on N."""
     if len(counts) == 1:
         n = counts.pop()
         owners = sorted({k % n for k in positions})
@@ -254,12 +262,7 @@ def commit_output(
     committed output is reported as it is.
     """
     if is_url(output):
-        return commit_remote(
-            output,
-            lambda stage, sizes: commit_output(
-                stage, encoder_factory, sizes, strict_lint, max_bad_fraction
-            ),
-        )
+        return commit_store_output(output, encoder_factory, strict_lint, max_bad_fraction)
     started = time.perf_counter()
     if os.path.isfile(os.path.join(output, MANIFEST)):
         return report_from_manifest(output, read_manifest(output), 0.0, up_to_date=True)
@@ -290,14 +293,7 @@ def commit_output(
             else:
                 results.append(result)
         if missing:
-            ids = [m[1] for m in missing]
-            shown = ", ".join(ids[:20]) + (f" ... ({len(ids)} in all)" if len(ids) > 20 else "")
-            raise IncompleteBuildError(
-                f"{output!r}: cannot commit, {len(ids)} of {len(plan.partitions)} partitions "
-                f"are not built: {shown}{owner_hint(output, [m[0] for m in missing])}, then "
-                "rerun `shardcache commit`",
-                ids,
-            )
+            raise _incomplete(output, plan, missing, owner_hint(output, [m[0] for m in missing]))
         encoder = encoder_for(options, encoder_factory)
         listed = {s.name for r in results for s in r.shards}
         folder = os.path.join(output, SHARD_DIR)
@@ -309,3 +305,87 @@ def commit_output(
         os.makedirs(os.path.join(output, "index"), exist_ok=True)
         manifest = commit(plan, results, encoder)
     return report_from_manifest(output, manifest, time.perf_counter() - started)
+
+
+def _incomplete(
+    output: str, plan: BuildPlan, missing: list[tuple[int, str]], hint: str
+) -> IncompleteBuildError:
+    ids = [m[1] for m in missing]
+    shown = ", ".join(ids[:20]) + (f" ... ({len(ids)} in all)" if len(ids) > 20 else "")
+    return IncompleteBuildError(
+        f"{output!r}: cannot commit, {len(ids)} of {len(plan.partitions)} partitions are not "
+        f"built: {shown}{hint}, then rerun `shardcache commit`",
+        ids,
+    )
+
+
+def commit_into_store(
+    store: OutputStore, plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
+) -> dict:
+    """:func:`commit` for a URL output, from the store alone; ``manifest.json`` last.
+
+    The records' small files (length arrays, quarantine lines) are fetched into a temporary
+    folder of this process, committed there exactly as a local build would, and the length
+    index and the quarantine file uploaded; objects no record lists (a killed task's
+    leftovers) and the shares' notes are deleted; then the manifest is uploaded, the commit
+    point. Every step before it is a pure function of the records: a commit that died is
+    redone by running it again.
+    """
+    with tempfile.TemporaryDirectory(prefix="shardcache-commit-") as scratch:
+        for sub in (PARTS_DIR, INDEX_DIR):
+            os.makedirs(os.path.join(scratch, sub))
+        names = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
+                 for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
+        store.get([(n, os.path.join(scratch, n)) for n in names])
+        local = dataclasses.replace(plan, options=dataclasses.replace(plan.options, output=scratch))
+        manifest = commit(local, results, encoder)
+        listed = {s.name for r in results for s in r.shards}
+        store.remove([f"{SHARD_DIR}/{n}" for n in store.sizes(SHARD_DIR) if n not in listed])
+        keep = {f"{r.partition}.{ext}" for r in results
+                for ext in ("json", "lengths.npy", "quarantine.jsonl")} | {BUILD_STATE}  # fmt: skip
+        store.remove([f"{PARTS_DIR}/{n}" for n in store.sizes(PARTS_DIR) if n not in keep])
+        store.remove_folders([SHARES_DIR])
+        store.put([(os.path.join(scratch, n), n) for n in (LENGTHS_FILE, QUARANTINE)])
+        kill_point("commit")
+        store.put([(os.path.join(scratch, MANIFEST), MANIFEST)])  # last: the commit point
+    return manifest
+
+
+def commit_store_output(
+    url: str,
+    encoder_factory: EncoderFactory | None = None,
+    strict_lint: bool = False,
+    max_bad_fraction: float | None = None,
+) -> BuildReport:
+    """``shardcache commit URL``: commit the records found in the store (any machine)."""
+    started = time.perf_counter()
+    store = OutputStore(url)
+    manifest = store.read_json(MANIFEST)
+    if manifest is not None:
+        return report_from_manifest(store.url, manifest, 0.0, up_to_date=True)
+    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
+    if state is None:
+        raise CacheError(
+            f"{store.url!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is missing); "
+            "run `shardcache build ... --partition i/N` for every share first"
+        )
+    options = dataclasses.replace(
+        options_from_json(state["options"], store.url), strict_lint=strict_lint
+    )
+    if max_bad_fraction is not None:
+        options = dataclasses.replace(options, max_bad_fraction=max_bad_fraction)
+    inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"], f.get("mtime_ns"))
+              for f in state["inputs"]]  # fmt: skip
+    plan = plan_from_json(state, options, inputs)
+    done = completed_in_store(store, plan.partitions)
+    missing = [(k, p.id) for k, p in enumerate(plan.partitions) if p.id not in done]
+    if missing:
+        counts = set()
+        for name in store.sizes(SHARES_DIR):
+            data = store.read_json(f"{SHARES_DIR}/{name}") if name.endswith(".json") else None
+            if data and isinstance(data.get("shares"), int):
+                counts.add(data["shares"])
+        raise _incomplete(store.url, plan, missing, owners_of(counts, [m[0] for m in missing]))
+    encoder = encoder_for(options, encoder_factory)
+    manifest = commit_into_store(store, plan, [done[p.id] for p in plan.partitions], encoder)
+    return report_from_manifest(store.url, manifest, time.perf_counter() - started)

@@ -12,7 +12,8 @@ local pool and the front door that picks one:
   rewrites every file of its partition from scratch and writes the record last, a retry
   leaves nothing partial behind), results gathered with ``ray.wait``, the driver commits.
   ``--ray-address`` joins an existing cluster (``ray.init(address=...)``; the output must
-  then be a folder every node sees, or a URL: see remote.py), else a local Ray with
+  then be a folder every node sees, or a URL: each task then uploads its own partition to
+  the store and no node's disk is shared, see remote.py), else a local Ray with
   ``num_cpus = --workers``. A Ray worker builds its encoder once (per process) from the
   encoder spec and runs its tokenizer on one Rayon thread per task CPU. A killed driver
   resumes like a local build: rerun the command.

@@ -36,6 +36,7 @@ import numpy as np
 from shardcache.build.bucket import assign_buckets
 from shardcache.build.encoders import take_lint
 from shardcache.build.plan import BuildPlan, Partition, PartitionResult
+from shardcache.build.remote import build_partition_into_store
 from shardcache.build.report import Progress
 from shardcache.build.sources import (
     FileDigest,
@@ -64,6 +65,7 @@ from shardcache.store.layout import (
     PARTS_DIR,
     SHARD_DIR,
 )
+from shardcache.store.remote import is_url
 from shardcache.store.shards import BucketWriter
 
 KILL_ENV = "SHARDCACHE_TEST_KILL"
@@ -178,6 +180,11 @@ def build_partition(
     With the fast encoder, a difference from HF on the in-build sample re-encodes the whole
     partition with HF (its first attempt's files are removed) and is recorded in the
     result's ``encoding``; under ``--encoder fast`` it fails the build instead."""
+    if is_url(plan.options.output):
+        return build_partition_into_store(  # type: ignore[no-any-return]
+            plan, partition, lambda local: build_partition(local, partition, encoder, progress)
+        )
+
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     try:

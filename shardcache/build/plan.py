@@ -13,6 +13,12 @@
   the build runs the rest. A different fingerprint is refused, naming what changed, unless
   ``--force`` starts over. Job-array shares use :func:`share_plan` and
   :func:`clean_partitions`, which touch only the share's own partitions.
+* **URL outputs** keep the same files in the store and resume from them on any machine:
+  :func:`prepare_store_output` / :func:`share_plan_in_store` read or write the plan there,
+  :func:`completed_in_store` checks the records found in one listing of ``parts/`` and one of
+  ``shards/`` with the same rule as local outputs (:func:`check_record`). Nothing is deleted
+  on resume: a partition rebuilt rewrites its own object names, and the commit deletes
+  objects no record lists.
 """
 
 from __future__ import annotations
@@ -24,11 +30,12 @@ import json
 import os
 import shutil
 import typing
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardcache.build.bucket import effective_edges
+from shardcache.build.remote import OutputStore
 from shardcache.build.sources import (
     InputFile,
     InputSlice,
@@ -47,10 +54,12 @@ from shardcache.store.files import (
 from shardcache.store.layout import (
     BUILD_STATE,
     INDEX_DIR,
+    LENGTHS_FILE,
     MANIFEST,
     PARTS_DIR,
     QUARANTINE,
     SHARD_DIR,
+    SHARES_DIR,
 )
 from shardcache.store.shards import ShardInfo
 
@@ -137,7 +146,7 @@ def options_json(options: BuildOptions) -> dict[str, Any]:
 def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
     return [
         {"relpath": f.relpath, "size": f.size, "format": f.format,
-         "mtime_ns": os.stat(f.path).st_mtime_ns}
+         "mtime_ns": f.mtime_ns if f.mtime_ns is not None else os.stat(f.path).st_mtime_ns}
         for f in inputs
     ]  # fmt: skip
 
@@ -227,6 +236,26 @@ def completed_result(
     """The partition's completion record, if it and every file it lists are intact
     (``shard_sizes``: the shard folder listed once, for callers checking many partitions)."""
     data = read_json_or_none(os.path.join(out, PARTS_DIR, f"{partition.id}.json"))
+
+    def shard_size(name: str) -> int | None:
+        if shard_sizes is not None:
+            return shard_sizes.get(name)
+        path = os.path.join(out, SHARD_DIR, name)
+        return os.path.getsize(path) if os.path.isfile(path) else None
+
+    return check_record(
+        data, partition, lambda name: os.path.isfile(os.path.join(out, PARTS_DIR, name)), shard_size
+    )
+
+
+def check_record(
+    data: dict[str, Any] | None,
+    partition: Partition,
+    has_part_file: Callable[[str], bool],
+    shard_size: Callable[[str], int | None],
+) -> PartitionResult | None:
+    """A completion record, if it is whole, belongs to ``partition`` and its files are all
+    there (``parts/<id>.lengths.npy`` and ``.quarantine.jsonl``, every shard at its size)."""
     if data is None:
         return None
     try:
@@ -236,17 +265,83 @@ def completed_result(
     if result.partition != partition.id or result.source != partition.file.relpath:
         return None
     for name in (f"{partition.id}.lengths.npy", f"{partition.id}.quarantine.jsonl"):
-        if not os.path.isfile(os.path.join(out, PARTS_DIR, name)):
+        if not has_part_file(name):
             return None
     for shard in result.shards:
-        if shard_sizes is not None:
-            if shard_sizes.get(shard.name) != shard.bytes:
-                return None
-            continue
-        path = os.path.join(out, SHARD_DIR, shard.name)
-        if not os.path.isfile(path) or os.path.getsize(path) != shard.bytes:
+        if shard_size(shard.name) != shard.bytes:
             return None
     return result
+
+
+def completed_in_store(
+    store: OutputStore, partitions: list[Partition]
+) -> dict[str, PartitionResult]:
+    """The partitions of a URL output whose completion records check out (one listing of
+    ``parts/`` and one of ``shards/``, the records read concurrently)."""
+    parts = store.sizes(PARTS_DIR)
+    shards = store.sizes(SHARD_DIR)
+    names = [f"{PARTS_DIR}/{p.id}.json" for p in partitions if f"{p.id}.json" in parts]
+    records = store.read_many(names)
+    done: dict[str, PartitionResult] = {}
+    for p in partitions:
+        raw = records.get(f"{PARTS_DIR}/{p.id}.json")
+        try:
+            data = json.loads(raw) if raw is not None else None
+        except (ValueError, RecursionError):
+            data = None
+        result = check_record(data if isinstance(data, dict) else None, p, parts.__contains__,
+                              shards.get)  # fmt: skip
+        if result is not None:
+            done[p.id] = result
+    return done
+
+
+def _fingerprint_refused(out: str, state: dict[str, Any], options: BuildOptions,
+                         inputs: list[InputFile]) -> CacheError:  # fmt: skip
+    changes = differences(state.get("options"), options_json(options))
+    changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
+    return CacheError(
+        f"{out!r} holds an interrupted build with other options or inputs "
+        f"({'; '.join(changes[:8]) or 'fingerprint differs'}); its partitions cannot be "
+        "reused: rerun with the original options to resume it, pass --force to discard it "
+        "and start over, or choose another --output"
+    )
+
+
+def prepare_store_output(
+    options: BuildOptions, inputs: list[InputFile], store: OutputStore
+) -> tuple[BuildPlan, dict[str, PartitionResult]]:
+    """:func:`prepare_output` for a URL output, from what the store holds (any machine).
+
+    The manifest must be gone already (the caller removes it first for ``--force``). A
+    matching plan in the store is resumed with the partitions whose records check out; none
+    (or ``--force``) deletes the build's objects and writes a new plan first.
+    """
+    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
+    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
+    if state is not None and state.get("fingerprint") != fingerprint and not options.force:
+        raise _fingerprint_refused(options.output, state, options, inputs)
+    if state is None or options.force:
+        store.remove([QUARANTINE, LENGTHS_FILE])
+        store.remove_folders([SHARD_DIR, PARTS_DIR, INDEX_DIR, SHARES_DIR])
+        plan = plan_build(options, inputs)
+        store.write_json(f"{PARTS_DIR}/{BUILD_STATE}", plan_to_json(plan))
+        return plan, {}
+    plan = plan_from_json(state, options, inputs)
+    return plan, completed_in_store(store, plan.partitions)
+
+
+def share_plan_in_store(
+    options: BuildOptions, inputs: list[InputFile], store: OutputStore
+) -> BuildPlan:
+    """:func:`share_plan` for a URL output: the plan in the store, or a new one written."""
+    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
+    if state is None:
+        plan = plan_build(options, inputs)
+        store.write_json(f"{PARTS_DIR}/{BUILD_STATE}", plan_to_json(plan))  # all shares: same
+        return plan
+    _check_share_fingerprint(options, inputs, state)
+    return plan_from_json(state, options, inputs)
 
 
 def prepare_output(
@@ -270,14 +365,7 @@ def prepare_output(
     options_now, inputs_now = options_json(options), inputs_json(inputs)
     fingerprint = fingerprint_of(options_now, inputs_now)
     if state is not None and state.get("fingerprint") != fingerprint and not options.force:
-        changes = differences(state.get("options"), options_now)
-        changes += input_differences(state.get("inputs") or [], inputs_now)
-        raise CacheError(
-            f"{out!r} holds an interrupted build with other options or inputs "
-            f"({'; '.join(changes[:8]) or 'fingerprint differs'}); its partitions cannot be "
-            "reused: rerun with the original options to resume it, pass --force to discard it "
-            "and start over, or choose another --output"
-        )
+        raise _fingerprint_refused(out, state, options, inputs)
     if state is None or options.force:
         wipe_output(out)
         plan = plan_build(options, inputs)
@@ -308,13 +396,20 @@ def prepare_output(
 def share_plan(options: BuildOptions, inputs: list[InputFile]) -> BuildPlan:
     path = os.path.join(options.output, PARTS_DIR, BUILD_STATE)
     state = read_json_or_none(path)
-    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
     if state is None:
         plan = plan_build(options, inputs)
         write_json_atomic(
             path, plan_to_json(plan), private=True
         )  # every share computes the same plan
         return plan
+    _check_share_fingerprint(options, inputs, state)
+    return plan_from_json(state, options, inputs)
+
+
+def _check_share_fingerprint(
+    options: BuildOptions, inputs: list[InputFile], state: dict[str, Any]
+) -> None:
+    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
     if state.get("fingerprint") != fingerprint:
         raise CacheError(
             f"{options.output!r} holds a build with other options or inputs (fingerprint "
@@ -322,7 +417,6 @@ def share_plan(options: BuildOptions, inputs: list[InputFile]) -> BuildPlan:
             "job array must use the same options and inputs: fix the command, or delete the "
             "output to start over"
         )
-    return plan_from_json(state, options, inputs)
 
 
 def clean_partitions(out: str, ids: list[str]) -> None:

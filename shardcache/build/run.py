@@ -5,7 +5,8 @@
 pending partitions with an engine (:mod:`shardcache.build.pool` by default,
 :mod:`shardcache.build.engines` for Ray), and commits (:mod:`shardcache.build.commit`).
 :func:`build_share` runs one share of a job array without committing; :func:`build` picks
-between them and stages URL inputs/outputs through :mod:`shardcache.build.remote`.
+between them; URL inputs are streamed and URL outputs written straight to the store
+(:func:`build_into_store`, :mod:`shardcache.build.remote`).
 Since a partition's bytes do not depend on scheduling, a resumed or parallel build is
 byte-identical to an uninterrupted single-process one.
 """
@@ -15,10 +16,10 @@ from __future__ import annotations
 import functools
 import os
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from shardcache.build.commit import commit
+from shardcache.build.commit import commit, commit_into_store
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
 from shardcache.build.gate import gate_encoder, start_loading
@@ -28,6 +29,7 @@ from shardcache.build.plan import (
     Partition,
     PartitionResult,
     clean_partitions,
+    completed_in_store,
     completed_result,
     differences,
     fingerprint_of,
@@ -35,10 +37,12 @@ from shardcache.build.plan import (
     inputs_json,
     options_json,
     prepare_output,
+    prepare_store_output,
     share_plan,
+    share_plan_in_store,
 )
 from shardcache.build.pool import run_local
-from shardcache.build.remote import build_remote
+from shardcache.build.remote import OutputStore, list_url_inputs
 from shardcache.build.report import BuildReport, Progress, report_from_manifest
 from shardcache.build.sources import (
     InputFile,
@@ -137,12 +141,25 @@ def build_cache(
             manifest = commit(plan, [results[p.id] for p in plan.partitions], encoder)
         finally:
             progress.close()
+    return _build_report(options.output, manifest, started, len(plan.partitions), done, pending,
+                         workers)  # fmt: skip
+
+
+def _build_report(
+    output: str,
+    manifest: dict,
+    started: float,
+    partitions: int,
+    done: Mapping[str, PartitionResult],
+    pending: list[Partition],
+    workers: int,
+) -> BuildReport:
     totals = manifest["totals"]
     stats = dict(manifest["stats"])
     bad = stats.pop("bad_records")
     corrupt = stats.pop("corrupt_files")
     return BuildReport(
-        output=options.output,
+        output=output,
         documents=totals["documents"],
         sequences=totals["sequences"],
         tokens=totals["tokens"],
@@ -152,7 +169,7 @@ def build_cache(
         seconds=time.perf_counter() - started,
         stats=stats,
         bad_records=bad,
-        partitions=len(plan.partitions),
+        partitions=partitions,
         resumed_partitions=len(done),
         workers=1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending)),
         corrupt_files=corrupt,
@@ -197,6 +214,46 @@ def fast_workers(encoder: Any, pending: list[Partition], workers: int) -> int:
     return max(1, min(workers, -(-nbytes // FAST_BYTES_PER_WORKER)))
 
 
+def build_into_store(
+    options: BuildOptions,
+    progress: Progress | None = None,
+    encoder_factory: EncoderFactory | None = None,
+    *,
+    engine: RunPartitions | None = None,
+    inputs: list[InputFile] | None = None,
+) -> BuildReport:
+    """:func:`build_cache` for a URL output: plan, records and manifest live in the store,
+    each partition task uploads its own files (:mod:`shardcache.build.remote`); rerunning on
+    any machine resumes."""
+    progress = progress or Progress()
+    started = time.perf_counter()
+    inputs = inputs if inputs is not None else list_inputs(options.source.inputs)
+    encoder = encoder_for(options, encoder_factory)
+    store = OutputStore(options.output)
+    if store.exists(MANIFEST):
+        if not options.force:
+            raise CacheError(
+                f"{store.url!r} already holds a committed cache; pass --force to rebuild it, "
+                "or choose another --output"
+            )
+        store.remove([MANIFEST])  # first: readers stop seeing the old cache
+    plan, done = prepare_store_output(options, inputs, store)
+    pending = [p for p in plan.partitions if p.id not in done]
+    gate_encoder(encoder, plan, start_loading(encoder, options))  # HF or the proven fast one
+    try:
+        progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
+        results = dict(done)
+        if pending:
+            run = engine or run_local
+            results.update(run(plan, pending, encoder, progress, options.num_workers))
+        manifest = commit_into_store(store, plan, [results[p.id] for p in plan.partitions],
+                                     encoder)  # fmt: skip
+    finally:
+        progress.close()
+    return _build_report(store.url, manifest, started, len(plan.partitions), done, pending,
+                         options.num_workers)  # fmt: skip
+
+
 def build(
     options: BuildOptions,
     engine: EngineOptions | None = None,
@@ -211,24 +268,24 @@ def build(
             "output); delete the output to start over"
         )
 
-    def build_local(opts: BuildOptions, inputs: list[InputFile] | None) -> BuildReport:
-        if engine.share is not None:
-            return build_share(opts, engine, progress, encoder_factory, inputs)
-        return build_cache(
-            opts, progress, encoder_factory, engine=ENGINES[engine.engine](engine), inputs=inputs
+    urls = [u for u in (options.output, *options.source.inputs) if is_url(u)]
+    try:
+        inputs = (
+            list_url_inputs(options.source.inputs)
+            if any(map(is_url, options.source.inputs))
+            else None
         )
-
-    if is_url(options.output) or any(map(is_url, options.source.inputs)):
-        tag = engine.share.name if engine.share is not None else ""
-        try:
-            return build_remote(options, build_local, tag)
-        except Exception as err:
-            urls = [u for u in (options.output, *options.source.inputs) if is_url(u)]
-            explained = unreachable(err, ", ".join(urls))
-            if explained is None:
-                raise
-            raise explained from err
-    return build_local(options, None)
+        if engine.share is not None:
+            return build_share(options, engine, progress, encoder_factory, inputs)
+        run = ENGINES[engine.engine](engine)
+        if is_url(options.output):
+            return build_into_store(options, progress, encoder_factory, engine=run, inputs=inputs)
+        return build_cache(options, progress, encoder_factory, engine=run, inputs=inputs)
+    except Exception as err:
+        explained = unreachable(err, ", ".join(urls)) if urls else None
+        if explained is None:
+            raise
+        raise explained from err
 
 
 @disk_errors_explained
@@ -251,6 +308,8 @@ def build_share(
         else list_inputs(options.source.inputs, exclude=[options.output])
     )
     encoder = encoder_for(options, encoder_factory)
+    if is_url(out):
+        return _build_share_into_store(options, engine, progress, encoder, inputs, started)
     loading = start_loading(encoder, options)
     if os.path.exists(os.path.join(out, MANIFEST)):
         raise CacheError(
@@ -286,6 +345,55 @@ def build_share(
                 results.update(run(plan, pending, encoder, progress, options.num_workers))
         finally:
             progress.close()
+    return _share_report(out, mine, done, results, started, options.num_workers)
+
+
+def _build_share_into_store(
+    options: BuildOptions,
+    engine: EngineOptions,
+    progress: Progress,
+    encoder: TextEncoder,
+    inputs: list[InputFile],
+    started: float,
+) -> BuildReport:
+    """A share into a URL output: plan and records in the store, no local state (a share
+    restarted on another host keeps every partition whose record checks out)."""
+    assert engine.share is not None
+    share = engine.share
+    store = OutputStore(options.output)
+    if store.exists(MANIFEST):
+        raise CacheError(
+            f"{store.url!r} already holds a committed cache; a share has nothing to add "
+            "(delete the prefix to rebuild it)"
+        )
+    plan = share_plan_in_store(options, inputs, store)
+    mine = share.select(plan.partitions)
+    gate_encoder(encoder, plan, start_loading(encoder, options))  # as every share and build
+    done = completed_in_store(store, mine)
+    pending = [p for p in mine if p.id not in done]
+    store.write_json(
+        f"{SHARES_DIR}/{share.name}.json",
+        {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
+    )
+    run = ENGINES[engine.engine](engine)
+    try:
+        progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
+        results = dict(done)
+        if pending:
+            results.update(run(plan, pending, encoder, progress, options.num_workers))
+    finally:
+        progress.close()
+    return _share_report(store.url, mine, done, results, started, options.num_workers)
+
+
+def _share_report(
+    out: str,
+    mine: list[Partition],
+    done: Mapping[str, PartitionResult],
+    results: Mapping[str, PartitionResult],
+    started: float,
+    workers: int,
+) -> BuildReport:
     stats: dict[str, int] = {}
     for r in results.values():
         for k, v in r.stats.to_json().items():
@@ -302,5 +410,5 @@ def build_share(
         stats=stats,
         partitions=len(mine),
         resumed_partitions=len(done),
-        workers=options.num_workers,
+        workers=workers,
     )

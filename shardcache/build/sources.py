@@ -47,6 +47,7 @@ loss is reported once (reason ``corrupt_file``) and the rest of that file is ski
 
 from __future__ import annotations
 
+import contextlib
 import difflib
 import errno
 import glob
@@ -69,6 +70,7 @@ from shardcache.build.chat import validate_messages
 from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
 from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
+from shardcache.store.remote import filesystem, is_url
 
 FORMATS = ("jsonl", "jsonl.zst", "json", "json.gz", "parquet")
 _SUFFIXES = {
@@ -97,6 +99,9 @@ BAD_REASONS = (
 #: far above the size where per-call overhead of ``encode_batch`` matters.
 MAX_BATCH_CHARS = 8 * 1024 * 1024
 _SCAN_CHUNK = 8 << 20
+#: read size of an input on object storage: each read of a URL input is a range request of
+#: this many bytes (fsspec's read-ahead cache holds one block), so memory stays bounded
+URL_BLOCK_BYTES = 8 << 20
 
 #: Called as ``on_bad(record_index, reason, excerpt)`` for every skipped record.
 BadRecordCallback = Callable[[int, str, str], None]
@@ -139,14 +144,35 @@ def has_lone_surrogate(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: absolute path, path relative to the corpus root, size, format, and
-    the modification time seen when it was listed (0: unknown)."""
+    """One input file: absolute path (or URL), path relative to the corpus root, size,
+    format, and ``mtime_ns``: the modification time seen when it was listed (a URL's from the
+    store; None: unknown). A partition checks the size and mtime again (check_unchanged)."""
 
     path: str
     relpath: str
     size: int
     format: str
-    mtime_ns: int = 0
+    mtime_ns: int | None = None
+
+
+def open_input(file: InputFile) -> BinaryIO:
+    """Open an input for reading: a local file, or for a URL an fsspec file object whose
+    reads are range requests of :data:`URL_BLOCK_BYTES` (streamed, never staged whole;
+    seeks for byte-range partitions and parquet footers/row groups are range reads)."""
+    if is_url(file.path):
+        fs, path = filesystem(file.path)
+        handle: BinaryIO = fs.open(path, "rb", block_size=URL_BLOCK_BYTES, cache_type="readahead")
+        return handle
+    return open(file.path, "rb")  # the caller closes it
+
+
+def sha256_input(file: InputFile) -> str:
+    """sha256 of an input's bytes (streamed for a URL)."""
+    if not is_url(file.path):
+        return sha256_file(file.path)
+    with HashingReader(open_input(file)) as reader:  # type: ignore[arg-type]
+        reader.drain()
+        return reader.sha256.hexdigest()
 
 
 def detect_format(path: str) -> str | None:
@@ -334,7 +360,7 @@ def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputS
     if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
         return [InputSlice()], ""
     if file.format == "parquet":
-        return _split_parquet(file, partition_size_bytes), sha256_file(file.path)
+        return _split_parquet(file, partition_size_bytes), sha256_input(file)
     return _split_lines(file, partition_size_bytes)
 
 
@@ -348,7 +374,7 @@ def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
     pos = 0  # file offset of chunk[0]
     lines_before_chunk = 0
     try:
-        f = open(file.path, "rb")  # noqa: SIM115
+        f = open_input(file)
     except OSError as err:
         raise SourceError(f"{file.relpath}: cannot open: {err}") from err
     reader = HashingReader(f)  # type: ignore[arg-type]
@@ -382,7 +408,8 @@ def _split_parquet(file: InputFile, size: int) -> list[InputSlice]:
     import pyarrow.parquet as pq
 
     try:
-        meta = pq.ParquetFile(file.path).metadata
+        with open_input(file) as f:
+            meta = pq.ParquetFile(f).metadata
     except Exception:  # unreadable: one slice, whose read reports the error
         return [InputSlice()]
     slices: list[InputSlice] = []
@@ -721,12 +748,25 @@ def _iter_lines(
 def _iter_parquet(
     file: InputFile, batcher: _Batcher, text_field: str, part: InputSlice
 ) -> Iterator[TextBatch]:
+    try:
+        handle = open_input(file)
+    except OSError as err:  # as an unreadable footer: reported, not raised
+        message = f"{file.relpath}: not a readable parquet file: {err}"
+        batcher.corrupt(part.first_record, 0, message, err)
+        return
+    with handle:
+        yield from _iter_parquet_file(file, handle, batcher, text_field, part)
+
+
+def _iter_parquet_file(
+    file: InputFile, handle: BinaryIO, batcher: _Batcher, text_field: str, part: InputSlice
+) -> Iterator[TextBatch]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = part.first_record
     try:
-        pf = pq.ParquetFile(file.path)
+        pf = pq.ParquetFile(handle)
     except Exception as err:  # pyarrow raises several types for a bad footer
         batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
         return
@@ -830,13 +870,21 @@ def check_unchanged(file: InputFile, when: str) -> None:
     """Raise :class:`SourceError` naming ``file`` if its size or modification time is not
     the one it had when it was listed and planned (the plan hashed and cut those bytes)."""
     try:
-        st = os.stat(file.path)
+        if is_url(file.path):  # one HEAD request; the store's mtime is not compared
+            fs, path = filesystem(file.path)
+            with contextlib.suppress(Exception):
+                fs.invalidate_cache(path)
+            size, mtime_ns = int(fs.info(path).get("size") or 0), None
+        else:
+            st = os.stat(file.path)
+            size, mtime_ns = st.st_size, st.st_mtime_ns
     except OSError as err:
         raise SourceError(f"{file.relpath}: the input disappeared {when} ({err})") from err
-    if st.st_size != file.size or (file.mtime_ns and st.st_mtime_ns != file.mtime_ns):
+    moved = file.mtime_ns is not None and mtime_ns is not None and mtime_ns != file.mtime_ns
+    if size != file.size or moved:
         raise input_changed(
-            file, when, f"size {file.size} -> {st.st_size} bytes, mtime_ns "
-            f"{file.mtime_ns} -> {st.st_mtime_ns}"
+            file, when, f"size {file.size} -> {size} bytes, mtime_ns {file.mtime_ns} -> "
+            f"{mtime_ns}"
         )  # fmt: skip
 
 
@@ -877,14 +925,14 @@ def iter_text_batches(
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:
-            sha = sha256_file(file.path)
+            sha = sha256_input(file)
             if digest is not None:
                 digest.sha256 = sha
         if on_bytes is not None:
             on_bytes(file.size if part.whole else 0)
         return
     try:
-        handle = open(file.path, "rb")  # noqa: SIM115 - closed by the HashingReader below
+        handle = open_input(file)  # closed by the HashingReader below
     except OSError as err:
         raise SourceError(f"{file.relpath}: cannot open: {err}") from err
     source: Any = handle if part.whole else _RangeReader(handle, part.start, part.end)

@@ -89,6 +89,15 @@ class ShardCache:
             old_release()
         return reader
 
+    def shed(self) -> bool:
+        """Release the least recently used open shard (False when none is open): the local
+        shard cache of a remote cache asks for this when open shards leave no room."""
+        if not self._open:
+            return False
+        _, (_, release) = self._open.popitem(last=False)
+        release()
+        return True
+
     def close(self) -> None:
         """Release every open shard."""
         while self._open:
@@ -194,6 +203,8 @@ class Cache:
             "with_mask": self.has_mask,
         }
         self._shards = ShardCache(self.shards, self.dtype, open_shards, fetch, options)
+        if remote is not None:
+            remote.shed = self._shards.shed
 
     def __repr__(self) -> str:
         return (

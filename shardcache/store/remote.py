@@ -6,9 +6,8 @@ settings (for S3: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROF
 ``AWS_ENDPOINT_URL`` for an S3-compatible store, or any ``FSSPEC_S3_<KWARG>`` variable).
 ``s3fs`` is the optional extra ``shardcache[s3]``.
 
-The write side (staging a build, uploading it, committing shares) is
-:mod:`shardcache.build.remote`; this module gives it :func:`staging_dir` and
-:func:`upload_tree`.
+The write side (partition tasks uploading their files, commit from the records in the store)
+is :mod:`shardcache.build.remote`; this module gives it :func:`filesystem`.
 
 Read side: **a content-addressed local shard cache.** ``open_cache(URL)`` (and so
 ``ShardDataset``, ``info``, ``check``) downloads the manifest (each open) and the length index
@@ -20,8 +19,9 @@ on one machine share the folder: a per-object ``flock`` (``<sha256>.lock``) seri
 download (one rank downloads, the others wait and then find it), and a reader holds a shared
 lock on it while the shard is open. The folder is bounded (``SHARDCACHE_CACHE_SIZE``, default
 64 GiB): after a download, least-recently-opened objects are deleted until the total fits,
-skipping any object some process holds open (a non-blocking exclusive lock fails). The bound
-is soft when the shards open at once exceed it. ``verify URL`` downloads every listed file
+skipping any object some process holds open (a non-blocking exclusive lock fails); see
+:class:`ObjectStore` for the locks and the bound (hard for closed objects; reported once when
+the open ones alone exceed it). ``verify URL`` downloads every listed file
 into a temporary folder and runs the local verifier on it, so damage is reported, not raised.
 """
 
@@ -31,8 +31,10 @@ import contextlib
 import fcntl
 import functools
 import hashlib
+import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -118,16 +120,31 @@ def url_digest(text: str) -> str:
     return sha256_text(text)[:20]
 
 
-def download(fs: Any, rpath: str, local: str, sha256: str | None, size: int | None) -> None:
-    """Stream ``rpath`` into ``local`` (private tmp, checked, renamed); raise if it differs."""
+def download(
+    fs: Any,
+    rpath: str,
+    local: str,
+    sha256: str | None,
+    size: int | None,
+    tmp: str | None = None,
+) -> None:
+    """Stream ``rpath`` into ``local`` (private tmp, checked, renamed); raise if it differs.
+
+    ``tmp``: an existing temporary file to write into without truncating it first (its
+    size is a reservation others count, see :class:`ObjectStore`)."""
     os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
-    tmp = private_tmp(local)
+    reserved = tmp is not None
+    tmp = tmp or private_tmp(local)
     digest = hashlib.sha256()
     with contextlib.suppress(Exception):
         fs.invalidate_cache(rpath)  # a listing cached before the object was replaced
     try:
-        with fs.open(rpath, "rb", block_size=_CHUNK) as src, open(tmp, "wb") as dst:
+        with (
+            fs.open(rpath, "rb", block_size=_CHUNK) as src,
+            open(tmp, "r+b" if reserved else "wb") as dst,
+        ):
             got, _ = copy_hashing(src, dst, digest)
+            dst.truncate(got)
         if size is not None and got != int(size):
             raise CorruptShardError(
                 f"{fs.unstrip_protocol(rpath)}: downloaded {got} bytes but the manifest says "
@@ -155,9 +172,29 @@ def download(fs: Any, rpath: str, local: str, sha256: str | None, size: int | No
 
 # ------------------------------------------------------------------------- read side
 
+#: Per object ``<sha>.lock``: shared while some process has the object open (readers hold it
+#: as long as the shard is in their LRU), exclusive only for the instant an evictor deletes it
+#: (non-blocking: an evictor never waits). Per object ``<sha>.fetch``: exclusive while one
+#: process downloads it. Folder-wide ``.space.lock``: exclusive while one process makes room
+#: and reserves the bytes of a download. Nobody waits for a lock while holding one that others
+#: keep long, so no wait can close a cycle (the old single lock was upgraded to exclusive
+#: while every reader held shared locks on the shards of its LRU: two readers each waiting
+#: for the other's shard hung forever).
+_SPACE_LOCK = ".space.lock"
+logger = logging.getLogger("shardcache")
+
 
 class ObjectStore:
-    """The bounded, content-addressed folder of downloaded shards shared by local processes."""
+    """The bounded, content-addressed folder of downloaded shards shared by local processes.
+
+    The bound is hard for closed objects: before a download, least-recently-opened objects no
+    process holds open are deleted until the new object fits, and the bytes of a download in
+    flight are reserved (its temporary file is created at full size), so concurrent downloads
+    of several processes cannot overshoot together. Open objects are never deleted: when they
+    alone exceed the bound, :meth:`acquire` first asks its caller to close idle ones
+    (``shed``), and if they still do not fit it says so once (a warning on the ``shardcache``
+    logger with the numbers) and goes over the bound rather than failing the reader.
+    """
 
     def __init__(self, folder: str, size_bytes: int):
         self.folder = folder
@@ -167,85 +204,205 @@ class ObjectStore:
     def path(self, sha256: str) -> str:
         return os.path.join(self.folder, f"{check_digest(sha256, 'shard sha256')}.arrow")
 
-    def acquire(self, fs: Any, rpath: str, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
+    def acquire(
+        self,
+        fs: Any,
+        rpath: str,
+        info: dict[str, Any],
+        shed: Callable[[], bool] | None = None,
+    ) -> tuple[str, Callable[[], None]]:
         """Download (if needed) the shard ``info``; returns its path and a release function
         to call when done with it (until then a shared lock keeps it from eviction).
+
+        ``shed()``: close one shard the caller holds open but does not need now (False when
+        there is none); called when open objects leave no room for this one.
 
         ``flock`` locks of two descriptors conflict even inside one process, so a process
         takes each object's lock once and counts its users (``_HELD``).
         """
         sha = check_digest(info["sha256"], "shard sha256")  # it names files here
+        size = int(info["bytes"])
         path = self.path(sha)
-        held = _HELD.get(sha)
-        if held is not None and os.path.isfile(path):
-            held[1] += 1
-            return path, functools.partial(_release, sha)
-        fd = os.open(os.path.join(self.folder, f"{sha}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        with _HELD_LOCK.lock:
+            held = _HELD.get(sha)
+            if held is not None and os.path.isfile(path):  # (the folder may have been wiped)
+                held[1] += 1
+                return path, functools.partial(_release, sha)
+        fd = _open_lock(os.path.join(self.folder, f"{sha}.lock"))
         try:
-            while True:
-                fcntl.flock(fd, fcntl.LOCK_EX)  # one process downloads, the others wait
-                fresh = False
-                if not os.path.isfile(path) or os.path.getsize(path) != int(info["bytes"]):
-                    download(fs, rpath, path, sha, int(info["bytes"]))
-                    fresh = True
-                fcntl.flock(fd, fcntl.LOCK_SH)  # in use: not evictable
-                if os.path.isfile(path):  # an evictor may have won the gap between the locks
-                    break
+            # waits only for an evictor's instant exclusive lock; from here on the object
+            # cannot be deleted
+            fcntl.flock(fd, fcntl.LOCK_SH)
+            if not _complete(path, size):
+                self._download(fs, rpath, sha, size, shed)
             st = os.stat(path)
             os.utime(path, ns=(time.time_ns(), st.st_mtime_ns))  # atime = LRU order
         except BaseException:
             os.close(fd)
             raise
-        _HELD[sha] = [fd, 1]
-        if fresh:
-            self.evict(keep=path)
+        with _HELD_LOCK.lock:
+            held = _HELD.get(sha)
+            if held is not None:  # another thread opened it meanwhile, or it was re-fetched
+                held[1] += 1
+                fd, held[0] = held[0], fd  # keep the lock on the file that is there now
+                os.close(fd)
+            else:
+                _HELD[sha] = [fd, 1]
         return path, functools.partial(_release, sha)
 
-    def evict(self, keep: str) -> None:
-        """Delete least-recently-opened objects not in use until the folder fits the bound."""
+    def _download(
+        self, fs: Any, rpath: str, sha: str, size: int, shed: Callable[[], bool] | None
+    ) -> None:
+        """Download one object (one process at a time per object), room made first."""
+        path = self.path(sha)
+        fd = _open_lock(os.path.join(self.folder, f"{sha}.fetch"))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the holder only downloads: a bounded wait
+            if _complete(path, size):  # another process downloaded it while we waited
+                return
+            tmp = private_tmp(path)
+            try:
+                self._reserve(tmp, sha, size, shed)
+                download(fs, rpath, path, sha, size, tmp=tmp)
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(tmp)
+        finally:
+            os.close(fd)
+
+    def _reserve(self, tmp: str, sha: str, size: int, shed: Callable[[], bool] | None) -> None:
+        """Make room for ``size`` bytes and reserve them (``tmp`` created at that size)."""
+        fd = _open_lock(os.path.join(self.folder, _SPACE_LOCK))
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the holder never waits for another lock
+            used = self._usage()
+            used -= self._evict(used + size - self.size_bytes, keep=sha)
+            while used + size > self.size_bytes and shed is not None and shed():
+                used -= self._evict(used + size - self.size_bytes, keep=sha)
+            if used + size > self.size_bytes:
+                self._report_over(used, size)
+            with open(tmp, "wb") as f:
+                f.truncate(size)
+        finally:
+            os.close(fd)
+
+    def _usage(self) -> int:
+        """Bytes of the objects plus the reservations of downloads in flight; removes the
+        temporary files of downloads that died (their fetch lock is free)."""
+        used = 0
+        with os.scandir(self.folder) as it:
+            entries = list(it)
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if entry.name.endswith(".arrow"):
+                    used += entry.stat().st_size
+                elif entry.name.endswith(".tmp"):
+                    sha = entry.name.split(".", 1)[0]
+                    if _try_exclusive(os.path.join(self.folder, f"{sha}.fetch"), entry.path):
+                        continue  # nobody downloads it: a leftover, removed
+                    used += entry.stat().st_size
+        return used
+
+    def _evict(self, need: int, keep: str) -> int:
+        """Delete least-recently-opened objects no process holds open until ``need`` bytes
+        are freed (or none is left); returns the bytes freed."""
+        if need <= 0:
+            return 0
         entries = []
         with os.scandir(self.folder) as it:
             for entry in it:
                 if entry.name.endswith(".arrow"):
                     with contextlib.suppress(FileNotFoundError):
                         st = entry.stat()
-                        entries.append((st.st_atime_ns, st.st_size, entry.path))
-        total = sum(e[1] for e in entries)
-        for _, size, path in sorted(entries):
-            if total <= self.size_bytes:
-                return
-            if path == keep:
-                continue
-            if os.path.basename(path)[: -len(".arrow")] in _HELD:
+                        entries.append((st.st_atime_ns, st.st_size, entry.name[: -len(".arrow")]))
+        freed = 0
+        for _, size, sha in sorted(entries):
+            if freed >= need:
+                break
+            if sha == keep or sha in _HELD:
                 continue  # open in this process
-            lock = path[: -len(".arrow")] + ".lock"
-            fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
-            try:
-                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                os.close(fd)
-                continue  # open in some process
-            try:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(path)
-                    total -= size
-            finally:
-                os.close(fd)
+            lock = os.path.join(self.folder, f"{sha}.lock")
+            if _try_exclusive(lock, self.path(sha)):
+                freed += size
+        return freed
+
+    def _report_over(self, used: int, size: int) -> None:
+        if self.folder in _REPORTED:
+            return
+        _REPORTED.add(self.folder)
+        logger.warning(
+            "local shard cache %s: the shards open in reader processes hold %d bytes, so the "
+            "next %d-byte shard takes the folder to %d bytes, over SHARDCACHE_CACHE_SIZE=%d "
+            "(open shards are never deleted; the folder shrinks back as they are closed); "
+            "raise SHARDCACHE_CACHE_SIZE or open fewer shards at once (fewer DataLoader "
+            "workers or ranks per machine)",
+            self.folder,
+            used,
+            size,
+            used + size,
+            self.size_bytes,
+        )
 
 
-#: sha256 -> [lock fd, users] for the objects this process holds open
+def _open_lock(path: str) -> int:
+    return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+
+
+def _complete(path: str, size: int) -> bool:
+    try:
+        return os.path.getsize(path) == size
+    except FileNotFoundError:
+        return False
+
+
+def _try_exclusive(lock: str, victim: str) -> bool:
+    """Delete ``victim`` if the exclusive lock ``lock`` is free right now (never waits)."""
+    fd = _open_lock(lock)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # held by some process
+        try:
+            os.remove(victim)
+        except FileNotFoundError:
+            return False
+        return True
+    finally:
+        os.close(fd)
+
+
+class _ProcessLock:
+    """A threading lock replaced in a forked child (a DataLoader worker may be forked while
+    another thread of the parent holds it)."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+
+    def reset(self) -> None:
+        self.lock = threading.Lock()
+
+
+#: sha256 -> [lock fd, users] for the objects this process holds open. A forked child inherits
+#: the descriptors (and so the shared locks, until both sides close them): still correct.
 _HELD: dict[str, list[int]] = {}
+_HELD_LOCK = _ProcessLock()
+os.register_at_fork(after_in_child=_HELD_LOCK.reset)
+#: object folders whose bound was reported exceeded (once per process)
+_REPORTED: set[str] = set()
 
 
 def _release(sha: str) -> None:
-    held = _HELD.get(sha)
-    if held is None:
-        return
-    held[1] -= 1
-    if held[1] <= 0:
+    with _HELD_LOCK.lock:
+        held = _HELD.get(sha)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
         del _HELD[sha]
-        with contextlib.suppress(OSError):
-            os.close(held[0])
+    with contextlib.suppress(OSError):
+        os.close(held[0])
 
 
 class RemoteCache:
@@ -257,6 +414,8 @@ class RemoteCache:
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
+        #: set by the reader: closes one idle open shard (see :meth:`ObjectStore.acquire`)
+        self.shed: Callable[[], bool] | None = None
         self.fs, self.root = filesystem(self.url)
         self.fs.invalidate_cache()  # every open sees the store as it is now
         base = cache_root()
@@ -297,32 +456,4 @@ class RemoteCache:
 
     def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
         name = check_shard_name(info["name"], "shard name")
-        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info)
-
-
-# ------------------------------------------------------------------------ write side
-
-
-def staging_dir(url: str, tag: str = "") -> str:
-    """The local folder a build for ``url`` runs in (kept until the upload succeeded)."""
-    return os.path.join(cache_root(), "staging", url_digest(f"{url.rstrip('/')}|{tag}"))
-
-
-def upload_tree(folder: str, url: str, with_manifest: bool) -> int:
-    """Upload every file of a staged build (not locks or tmp files); the manifest last."""
-    fs, root = filesystem(url)
-    local, remote = [], []
-    for dirpath, dirs, files in os.walk(folder):
-        dirs.sort()
-        for name in sorted(files):
-            rel = os.path.relpath(os.path.join(dirpath, name), folder).replace(os.sep, "/")
-            if name.startswith(".lock") or name.endswith(".tmp") or rel == MANIFEST:
-                continue
-            local.append(os.path.join(dirpath, name))
-            remote.append(f"{root}/{rel}")
-    if local:
-        fs.put(local, remote)
-    if with_manifest:
-        fs.put_file(os.path.join(folder, MANIFEST), f"{root}/{MANIFEST}")
-    fs.invalidate_cache()
-    return len(local) + int(with_manifest)
+        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=self.shed)

@@ -17,7 +17,7 @@ import pytest
 from click.testing import CliRunner
 
 from shardcache import CacheError, ShardDataset, open_cache
-from shardcache.build.remote import commit_remote
+from shardcache.build.commit import commit_output
 from shardcache.cli import main
 from shardcache.store import layout
 from shardcache.store.verify import verify_cache
@@ -204,15 +204,15 @@ def test_verify_of_a_crafted_remote_manifest_writes_nothing_outside(memory_cache
     assert not [p for p in _files_under(str(tmp_path)) if "evil" in p]
 
 
-def test_a_remote_commit_writes_no_listed_key_outside_its_staging_folder(memory_cache, tmp_path):
+def test_a_remote_commit_refuses_a_listed_key_that_leaves_the_output(memory_cache, tmp_path):
+    """The commit lists ``parts/`` in the store: a key like ``parts/../../evil.txt`` is
+    refused by name (never read, deleted or written anywhere), and nothing is committed."""
     fs, root = memory_cache
+    fs.rm_file(f"{root}/manifest.json")  # an uncommitted build of every partition
     fs.pipe_file(f"{root}/parts/../../../../../evil.txt", b"attacker bytes")
-
-    def commit_local(stage: str, sizes: dict[str, int]) -> None:
-        raise AssertionError("the commit must stop at the crafted key")
-
     with pytest.raises(CacheError, match=r"evil\.txt"):
-        commit_remote(f"memory://{root}", commit_local)
+        commit_output(f"memory://{root}")
+    assert not fs.exists(f"{root}/manifest.json")
     assert not [p for p in _files_under(str(tmp_path)) if p.endswith("evil.txt")]
 
 

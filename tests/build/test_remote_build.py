@@ -1,0 +1,105 @@
+"""Builds with URL inputs and a URL output (``build/remote.py``), fast tier: fsspec's real
+``file://`` filesystem stands in for an object store (the slow tier runs the same paths
+against a loopback S3 server, tests/store/test_remote.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+
+from shardcache.build.commit import commit_output
+from shardcache.build.engines import EngineOptions, Share
+from shardcache.build.run import build, build_cache
+from shardcache.config import build_options_from_mapping
+from shardcache.errors import IncompleteBuildError
+
+OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
+
+
+def tree(folder: str) -> dict[str, bytes]:
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            with open(os.path.join(root, name), "rb") as f:
+                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
+    return out
+
+
+def _values(inputs: str, tokenizer: str, out: str, **extra) -> dict:
+    return {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 1,
+            **OPTIONS, **extra}  # fmt: skip
+
+
+def _same_cache(got: str, want: str) -> None:
+    import json
+
+    a, b = tree(got), tree(want)
+    assert set(a) == set(b)
+    for name in b:
+        if name not in ("manifest.json", "parts/build.json"):  # input names, mtimes
+            assert a[name] == b[name], name
+    ma, mb = json.loads(a["manifest.json"]), json.loads(b["manifest.json"])
+    ma["options"]["source"].pop("inputs")
+    mb["options"]["source"].pop("inputs")
+    assert ma == mb
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "parquet"])
+def test_url_inputs_and_output_equal_a_local_build(fmt, corpus, tokenizer_dir, tmp_path,
+                                                   monkeypatch):  # fmt: skip
+    # inputs streamed (byte ranges / row groups) and no local cache folder used at all
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path / "file" / "unusable"))
+    folder, _ = corpus(fmt, n_files=2, docs=80)
+    if fmt == "parquet":  # row groups of 10 rows: partitions are runs of row groups
+        import pyarrow.parquet as pq
+
+        for name in os.listdir(folder):
+            path = os.path.join(folder, name)
+            pq.write_table(pq.read_table(path), path, row_group_size=10)
+    local = str(tmp_path / "local")
+    build_cache(build_options_from_mapping(_values(folder, tokenizer_dir, local)))
+    out = tmp_path / "store"
+    report = build(build_options_from_mapping(_values(f"file://{folder}", tokenizer_dir,
+                                                      f"file://{out}")))  # fmt: skip
+    assert report.partitions > 2
+    _same_cache(str(out), local)
+
+
+def test_shares_into_a_url_then_a_full_build_resumes_them(corpus, tokenizer_dir, tmp_path):
+    folder, _ = corpus("jsonl", n_files=2, docs=80)
+    local = str(tmp_path / "local")
+    build_cache(build_options_from_mapping(_values(folder, tokenizer_dir, local)))
+    url = f"file://{tmp_path / 'store'}"
+    options = build_options_from_mapping(_values(folder, tokenizer_dir, url))
+    share = build(options, EngineOptions(share=Share(0, 2)))
+    with pytest.raises(IncompleteBuildError, match="share"):
+        commit_output(url)
+    # the rest by a plain build: the share's partitions are kept, found in the store
+    report = build(options)
+    assert report.resumed_partitions == share.partitions > 0
+    _same_cache(str(tmp_path / "store"), local)
+    # committing again is a no-op report
+    assert commit_output(url).shards == report.shards
+
+
+def test_a_url_output_is_refused_or_rebuilt_with_force(corpus, tokenizer_dir, tmp_path):
+    from shardcache.errors import CacheError
+
+    folder, _ = corpus("jsonl", n_files=2, docs=40)
+    url = f"file://{tmp_path / 'store'}"
+    options = build_options_from_mapping(_values(folder, tokenizer_dir, url))
+    build(options, EngineOptions(share=Share(0, 2)))  # an unfinished build in the store
+    other = build_options_from_mapping(_values(folder, tokenizer_dir, url, batch_docs=8))
+    with pytest.raises(CacheError, match="batch_docs"):
+        build(other)  # other options: its partitions cannot be reused
+    build(options)
+    done = tree(str(tmp_path / "store"))
+    with pytest.raises(CacheError, match="already holds a committed cache"):
+        build(options)
+    forced = dataclasses.replace(options, force=True)
+    report = build(forced)
+    assert report.resumed_partitions == 0
+    assert tree(str(tmp_path / "store")) == done
