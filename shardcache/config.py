@@ -122,19 +122,14 @@ class ChatOptions:
     def __post_init__(self) -> None:
         if not self.messages_field:
             raise ConfigError("messages_field: must be a non-empty field name, got ''")
-        if self.train_on not in TRAIN_ON:
-            raise ConfigError(f"train_on: got {self.train_on!r}, expected one of {TRAIN_ON}")
-        if self.truncation_side not in TRUNCATION_SIDES:
-            raise ConfigError(
-                f"truncation_side: got {self.truncation_side!r}, expected one of {TRUNCATION_SIDES}"
-            )
+        check_choice("train_on", self.train_on, TRAIN_ON)
+        check_choice("truncation_side", self.truncation_side, TRUNCATION_SIDES)
         if self.template_path is not None and not os.path.isfile(self.template_path):
             raise ConfigError(
                 f"chat_template: {self.template_path!r} is not a file; give a Jinja template "
                 "file or leave it unset to use the tokenizer's chat_template"
             )
-        if not isinstance(self.lint_sample, int) or self.lint_sample < 0:
-            raise ConfigError(f"lint_sample: got {self.lint_sample!r}, expected an integer >= 0")
+        check_int("lint_sample", self.lint_sample, 0)
 
 
 @dataclass(frozen=True)
@@ -153,8 +148,7 @@ class SourceOptions:
             raise ConfigError("inputs: no input given; pass --input PATH (file, folder or glob)")
         if not self.text_field:
             raise ConfigError("text_field: must be a non-empty field name, got ''")
-        if self.on_error not in ON_ERROR:
-            raise ConfigError(f"on_error: got {self.on_error!r}, expected one of {ON_ERROR}")
+        check_choice("on_error", self.on_error, ON_ERROR)
 
 
 @dataclass(frozen=True)
@@ -177,10 +171,7 @@ class TokenizeOptions:
             raise ConfigError(
                 f"max_length: got {self.max_length!r}, expected an integer >= 2 (or unset)"
             )
-        if self.truncation not in TRUNCATION_STRATEGIES:
-            raise ConfigError(
-                f"truncation: got {self.truncation!r}, expected one of {TRUNCATION_STRATEGIES}"
-            )
+        check_choice("truncation", self.truncation, TRUNCATION_STRATEGIES)
 
 
 @dataclass(frozen=True)
@@ -219,14 +210,8 @@ class LayoutOptions:
             raise ConfigError(
                 f"buckets: edges must be positive and strictly increasing, got {list(edges)}"
             )
-        if not isinstance(self.shard_size_bytes, int) or self.shard_size_bytes < 4096:
-            raise ConfigError(
-                f"shard_size: got {self.shard_size_bytes!r} bytes, expected an integer >= 4096"
-            )
-        if self.compression not in COMPRESSIONS:
-            raise ConfigError(
-                f"compression: got {self.compression!r}, expected one of {COMPRESSIONS}"
-            )
+        check_int("shard_size", self.shard_size_bytes, 4096, unit="bytes")
+        check_choice("compression", self.compression, COMPRESSIONS)
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from shardcache.build.gate import gate_encoder, start_loading
 from shardcache.build.keying import precompute_tokenizer_component
 from shardcache.build.lock import BuildLock
 from shardcache.build.plan import (
+    BuildPlan,
     Partition,
     PartitionResult,
     clean_partitions,
@@ -337,14 +338,7 @@ def build_share(
             {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
             private=True,
         )
-        run = ENGINES[engine.engine](engine)
-        try:
-            progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
-            results = dict(done)
-            if pending:
-                results.update(run(plan, pending, encoder, progress, options.num_workers))
-        finally:
-            progress.close()
+        results = _run_share(plan, done, pending, encoder, progress, engine, options)
     return _share_report(out, mine, done, results, started, options.num_workers)
 
 
@@ -375,6 +369,20 @@ def _build_share_into_store(
         f"{SHARES_DIR}/{share.name}.json",
         {"share": share.index, "shares": share.count, "partitions": [p.id for p in mine]},
     )
+    results = _run_share(plan, done, pending, encoder, progress, engine, options)
+    return _share_report(store.url, mine, done, results, started, options.num_workers)
+
+
+def _run_share(
+    plan: BuildPlan,
+    done: Mapping[str, PartitionResult],
+    pending: list[Partition],
+    encoder: TextEncoder,
+    progress: Progress,
+    engine: EngineOptions,
+    options: BuildOptions,
+) -> dict[str, PartitionResult]:
+    """Run a share's pending partitions with its engine; the done and new results."""
     run = ENGINES[engine.engine](engine)
     try:
         progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
@@ -383,7 +391,7 @@ def _build_share_into_store(
             results.update(run(plan, pending, encoder, progress, options.num_workers))
     finally:
         progress.close()
-    return _share_report(store.url, mine, done, results, started, options.num_workers)
+    return results
 
 
 def _share_report(
