@@ -13,9 +13,9 @@ holds depends on ``PlanOptions.mode``:
 
 ``mode="pad"`` (default): rows are whole sequences of one length bucket.
 
-* ``input_ids`` int64 ``B x L`` (``L`` = longest row, rounded up to ``pad_to_multiple_of``),
+* ``input_ids`` int32 ``B x L`` (``L`` = longest row, rounded up to ``pad_to_multiple_of``),
   padded with the tokenizer's pad id; ``B x L <= max_tokens``;
-* ``attention_mask`` int64, 1 on tokens, 0 on padding;
+* ``attention_mask`` int32, 1 on tokens, 0 on padding;
 * ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
   outside the trainable turns: the stored loss mask);
 * ``meta["sample_ids"]`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
@@ -24,7 +24,7 @@ holds depends on ``PlanOptions.mode``:
 *segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
 ends. The flattened batch is a list of segments, padding runs included as segments of their own:
 
-* ``input_ids``, ``labels``, ``position_ids`` int64 ``R x seq_len``;
+* ``input_ids``, ``position_ids`` int32 and ``labels`` int64, ``R x seq_len``;
 * ``position_ids`` restart at 0 at every segment (so at every document);
 * ``labels`` are the input ids with -100 on padding *and on the first token of every segment*:
   labels follow the Hugging Face convention (the model shifts them), so no position is trained
@@ -40,6 +40,13 @@ ends. The flattened batch is a list of segments, padding runs included as segmen
   tokens, ending at ``R * seq_len``), ``meta["max_seqlen"]`` (int), and
   ``meta["sample_ids"]`` / ``meta["sample_offsets"]`` int64 ``S``: per segment the sample id and
   the token offset inside that sequence (-1 / -1 for padding segments).
+
+Integer types: ``input_ids``, ``position_ids`` and ``attention_mask`` are int32 by default
+(``ids_dtype="int32"``: embeddings, rotary position code and attention masks take int32, and
+it halves the bytes a batch writes per token); ``ids_dtype="int64"`` delivers int64, or let the
+prefetcher cast on the device (``DevicePrefetcher(loader, cast={torch.int32: torch.int64})``).
+``labels`` are always int64: torch's cross-entropy (and so every transformers loss) takes no
+other integer type for targets.
 
 Ranks, workers, state
 ---------------------
@@ -174,6 +181,9 @@ class ShardDataset(IterableDataset):
     and refused otherwise: how the documents packed into a row are kept apart (module
     docstring; ``"varlen"`` is exact with sdpa/eager only under ``use_cache=False``).
 
+    ``ids_dtype`` (``"int32"``, default, or ``"int64"``) is the type of ``input_ids``,
+    ``position_ids`` and ``attention_mask``; ``labels`` are always int64.
+
     Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch.
 
     ``expect`` (a :class:`~shardcache.store.key.CacheKey`, a lock file path, or a mapping of
@@ -194,6 +204,7 @@ class ShardDataset(IterableDataset):
         world_size: int | None = None,
         expect: Any = None,
         attention: str | None = None,
+        ids_dtype: str = "int32",
         **plan_options: Any,
     ) -> None:
         super().__init__()
@@ -215,6 +226,8 @@ class ShardDataset(IterableDataset):
             options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
         self.options: PlanOptions = options
         self.attention: str | None = _check_attention(attention, options.mode)
+        check_choice("ids_dtype", ids_dtype, IDS_DTYPES)
+        self.ids_dtype = np.dtype(ids_dtype)
         check_int("seed", seed, 0)
         self.seed = seed
         self.epoch = 0
@@ -524,14 +537,17 @@ class ShardDataset(IterableDataset):
         """The tokens (and, for chat caches, loss masks) of segments, concatenated."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        return self._cache.gather(sample_ids, starts, lengths, with_mask=self._cache.has_mask)
+        cache = self._cache
+        return cache.gather(sample_ids, starts, lengths, cache.has_mask, self.ids_dtype)
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         got = self._gather(sample_ids)
         width = int(self.options.padded(int(got.lengths.max())))
-        batch = pad_batch(got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask)
+        batch = pad_batch(
+            got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype
+        )
         meta = {"sample_ids": batch.pop("sample_ids")}
         return _to_batch(batch, meta)
 
@@ -547,6 +563,7 @@ class ShardDataset(IterableDataset):
             int(self.options.seq_len or 0),
             self.pad_id,
             got.mask,
+            self.ids_dtype,
         )
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         positions = np.asarray(batch["position_ids"])
@@ -616,6 +633,9 @@ def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int
         )
     return start + world_size * taken
 
+
+#: The integer types ``ShardDataset(ids_dtype=...)`` delivers ids in.
+IDS_DTYPES = ("int32", "int64")
 
 #: Bookkeeping keys, kept under ``batch["meta"]`` (never model inputs).
 META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen")

@@ -179,7 +179,8 @@ def documents_alone(model, batch):
         if sid < 0:
             continue
         ids = flat[cu[k] : cu[k + 1]][None]
-        result = model(input_ids=ids, labels=ids)
+        # input_ids arrive as int32; torch's cross-entropy takes int64 targets only
+        result = model(input_ids=ids, labels=ids.long())
         out.append((cu[k], cu[k + 1], result.logits[0], result.loss.item()))
     return out
 

@@ -28,6 +28,26 @@ def _stream(ds, num_workers):
     return [{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in loader]
 
 
+@pytest.mark.parametrize("packed", [False, True])
+def test_ids_dtype_chooses_the_type_of_ids_positions_and_masks(cache_dir, packed):
+    extra = {"mode": "pack", "seq_len": 64, "attention": "none"} if packed else {}
+    first = {}
+    for name, dtype in (("int32", torch.int32), ("int64", torch.int64)):
+        ds = ShardDataset(cache_dir, max_tokens=256, seed=1, ids_dtype=name, **extra)
+        batch = next(iter(ds))
+        other = "position_ids" if packed else "attention_mask"
+        assert batch["input_ids"].dtype == batch[other].dtype == dtype
+        assert batch["labels"].dtype == torch.int64  # what torch's cross-entropy takes
+        first[name] = batch
+    for key in ("input_ids", "labels", "position_ids" if packed else "attention_mask"):
+        assert torch.equal(first["int32"][key].long(), first["int64"][key])
+
+
+def test_an_unknown_ids_dtype_is_refused(cache_dir):
+    with pytest.raises(ConfigError, match="ids_dtype"):
+        ShardDataset(cache_dir, max_tokens=256, ids_dtype="int16")
+
+
 def test_batches_are_padded_within_budget_and_cover_every_sequence(cache_dir):
     cache = open_cache(cache_dir)
     ds = ShardDataset(cache_dir, max_tokens=256, seed=3)
@@ -35,7 +55,8 @@ def test_batches_are_padded_within_budget_and_cover_every_sequence(cache_dir):
     seen = collections.Counter()
     for b in batches:
         ids, mask, labels = b["input_ids"], b["attention_mask"], b["labels"]
-        assert ids.dtype == torch.int64 and ids.shape == mask.shape == labels.shape
+        assert ids.dtype == mask.dtype == torch.int32 and labels.dtype == torch.int64
+        assert ids.shape == mask.shape == labels.shape
         assert ids.shape[0] * ids.shape[1] <= 256
         assert torch.equal(labels[mask == 0], torch.full_like(labels[mask == 0], -100))
         assert torch.equal(labels[mask == 1], ids[mask == 1])
