@@ -552,14 +552,14 @@ class ShardDataset(IterableDataset):
         return _to_batch(batch, meta)
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
-        ids, starts, taken = plan.segments(index)
+        ids, starts, taken, row_bounds = plan.packed_segments(index)
         got = self._gather(ids, starts, taken)
         batch = pack_batch(
             got.tokens,
             got.lengths,
             ids,
             starts,
-            plan.row_bounds(index),
+            row_bounds,
             int(self.options.seq_len or 0),
             self.pad_id,
             got.mask,
@@ -681,12 +681,13 @@ def _check_attention(attention: str | None, mode: str) -> str | None:
 
 def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
     """The numpy arrays of a collated batch as tensors sharing their memory (ints stay ints)."""
-
-    def tensors(d: dict[str, Any]) -> dict[str, Any]:
-        return {k: torch.from_numpy(v) if isinstance(v, np.ndarray) else v for k, v in d.items()}
-
-    batch = Batch(tensors(arrays))
-    batch["meta"] = tensors(meta)
+    batch = Batch()
+    for key, value in arrays.items():
+        batch[key] = torch.from_numpy(value) if type(value) is np.ndarray else value
+    for key, value in meta.items():
+        if type(value) is np.ndarray:
+            meta[key] = torch.from_numpy(value)
+    batch["meta"] = meta
     return batch
 
 

@@ -191,6 +191,24 @@ class EpochPlan:
         last = int(np.searchsorted(self.row_offsets, hi))
         return self.row_offsets[first : last + 1] - lo
 
+    def packed_segments(
+        self, index: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """:meth:`segments` and :meth:`row_bounds` of batch ``index`` in one call (the
+        reader's per-batch lookup: one read of the batch's bounds)."""
+        lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
+        if self.seg_starts is None:
+            starts = np.zeros(hi - lo, dtype=np.int64)
+        else:
+            starts = self.seg_starts[lo:hi]
+        lengths = None if self.seg_lengths is None else self.seg_lengths[lo:hi]
+        if self.row_offsets is None:
+            bounds = np.arange(hi - lo + 1, dtype=np.int64)
+        else:
+            first, last = np.searchsorted(self.row_offsets, (lo, hi)).tolist()
+            bounds = self.row_offsets[first : last + 1] - lo
+        return self.sample_ids[lo:hi], starts, lengths, bounds
+
     def token_count(self, lengths: np.ndarray, index: int) -> int:
         """Real (non-padding) tokens of batch ``index``."""
         ids, _, taken = self.segments(index)

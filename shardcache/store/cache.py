@@ -304,11 +304,11 @@ class Cache:
         tokens = np.empty(int(offsets[-1]), dtype=self.dtype if dtype is None else dtype)
         mask = np.empty(len(tokens), dtype=bool) if with_mask else None
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
-        rows = ids - self.shard_starts[shard]
         if not with_mask and len(tokens) >= LONG_SEGMENT_TOKENS * n:
             done = self._copy_slices(shard, ids, first, take, full, offsets, tokens)
             if done:
                 return Gathered(tokens, offsets, mask)
+        rows = ids - self.shard_starts[shard]
         # segments grouped by shard (stable: in order inside a shard); group g is
         # order[bounds[g]:bounds[g + 1]]
         order = np.argsort(shard, kind="stable")

@@ -101,6 +101,11 @@ def test_pack_rows_fit_and_cover_exactly(lengths, max_tokens, window, shuffle, s
     covered = {}
     for i, ids, starts, taken in _segments(plan):
         rows = plan.row_bounds(i)
+        # the reader's one-call lookup agrees with segments() + row_bounds()
+        got = plan.packed_segments(i)
+        assert np.array_equal(got[0], ids) and np.array_equal(got[1], starts)
+        assert (got[2] is None) == (taken is None) and np.array_equal(got[3], rows)
+        assert taken is None or np.array_equal(got[2], taken)
         assert 1 <= len(rows) - 1 <= options.rows_per_batch  # rows x seq_len <= max_tokens
         seg = lengths[ids] if taken is None else taken
         for a, b in itertools.pairwise(rows.tolist()):
