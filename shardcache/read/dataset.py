@@ -232,7 +232,9 @@ class ShardDataset(IterableDataset):
         self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        cache = Cache(self.path)
+        # kept for in-process reads (a 10,000-shard manifest costs ~0.2 s to parse and check);
+        # worker processes open their own (__getstate__)
+        cache = Cache(self.path, open_shards=OPEN_SHARDS)
         if expect is not None:
             # refuse a cache built under another key (CacheKeyMismatch names the fields)
             verify_manifest_key(cache.manifest, expect, self.path)
@@ -246,7 +248,7 @@ class ShardDataset(IterableDataset):
         self._data_identity = (
             hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
         )
-        self._cache: Cache | None = None
+        self._cache: Cache | None = cache
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
         self._consumed = 0  # live global cursor (this process's iteration)

@@ -25,6 +25,8 @@ from shardcache.store.layout import (
     PARTITION_ID,
     PARTS_DIR,
     QUARANTINE,
+    SHA256_HEX,
+    SHARD_NAME,
     check_digest,
     check_shard_name,
 )
@@ -156,6 +158,8 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
             c.int(pair[1], f"{field}[1]", low=pair[0])
     shards = c.list(manifest, "shards", "shards")
     for i, shard in enumerate(shards):
+        if _plain_shard_entry(shard, len(ranges)):
+            continue  # every check below would pass (the common case: one test per shard)
         field = f"shards[{i}]"
         if not isinstance(shard, dict):
             raise c.fail(field, shard, "an object")
@@ -201,6 +205,34 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
         c.obj(key, "components", "key.components")
         c.name(check_digest, c.get(key, "digest", "key.digest"), "key.digest")
     return manifest
+
+
+def _is_count(value: Any) -> bool:
+    return type(value) is int and 0 <= value <= MAX_COUNT
+
+
+def _plain_shard_entry(shard: Any, buckets: int) -> bool:
+    """True when a shard entry passes every check of :func:`validate_manifest` (tested with
+    exact types, so anything unusual takes the field-by-field path that names the bad field):
+    ~1 us per shard instead of ~40, which a 10,000-shard cache pays at every open."""
+    if type(shard) is not dict:
+        return False
+    name, digest, partition = shard.get("name"), shard.get("sha256"), shard.get("partition")
+    bucket, source = shard.get("bucket"), shard.get("source")
+    return (
+        type(name) is str
+        and SHARD_NAME.fullmatch(name) is not None
+        and type(digest) is str
+        and SHA256_HEX.fullmatch(digest) is not None
+        and type(bucket) is int
+        and 0 <= bucket < buckets
+        and _is_count(shard.get("rows"))
+        and _is_count(shard.get("tokens"))
+        and _is_count(shard.get("bytes"))
+        and type(partition) is str
+        and PARTITION_ID.fullmatch(partition) is not None
+        and type(source) is str
+    )
 
 
 def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -> None:

@@ -223,3 +223,38 @@ def test_a_valid_remote_cache_still_reads(memory_cache, cache_dir):
     assert remote.num_sequences == local.num_sequences
     assert np.array_equal(remote.read(0), local.read(0))
     assert verify_cache(f"memory://{root}").ok
+
+
+_ODD_VALUES = [None, True, False, -1, 2**63, 1.0, "1", "", "x" * 64, "A" * 64, "0" * 64, [], {},
+               "p00000-b00-00000.arrow", "p00001", 0, 1, 3]  # fmt: skip
+
+
+@pytest.mark.parametrize("key", ["name", "sha256", "bucket", "rows", "tokens", "bytes",
+                                 "partition", "source"])  # fmt: skip
+def test_the_one_test_per_shard_fast_path_accepts_only_what_the_field_checks_accept(
+    cache_dir, monkeypatch, key
+):
+    """validate_manifest checks a plain shard entry with one combined test; any entry it lets
+    through must pass the field-by-field checks, and every refusal still names the field."""
+    from shardcache.store import manifest as manifest_module
+
+    with open(os.path.join(cache_dir, "manifest.json"), encoding="utf-8") as f:
+        good = json.load(f)
+    for value in [*_ODD_VALUES, "drop"]:
+        edited = json.loads(json.dumps(good))
+        if value == "drop":
+            del edited["shards"][0][key]
+        else:
+            edited["shards"][0][key] = value
+        outcomes = []
+        for fast in (True, False):
+            if not fast:
+                monkeypatch.setattr(manifest_module, "_plain_shard_entry", lambda *_: False)
+            try:
+                manifest_module.validate_manifest(json.loads(json.dumps(edited)), "m.json")
+                outcomes.append("ok")
+            except CacheError as err:
+                assert f"shards[0].{key}" in str(err)
+                outcomes.append(str(err))
+        monkeypatch.undo()
+        assert outcomes[0] == outcomes[1], (key, value)
