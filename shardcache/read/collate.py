@@ -41,27 +41,36 @@ def pad_batch(
     width: int | None = None,
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
+    laid_out: bool = False,
 ) -> dict[str, np.ndarray]:
     """Pad whole sequences into one ``len(lengths) x width`` batch.
 
-    ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``). ``width``
-    defaults to the longest row (``ShardDataset`` passes it rounded up to
-    ``pad_to_multiple_of``); ``loss_mask`` (bool per token, aligned with ``tokens``; chat
-    caches) keeps the labels of trainable tokens only. ``input_ids`` and ``attention_mask``
-    are of ``ids_dtype``, ``labels`` int64.
+    ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``); with
+    ``laid_out`` it is already the padded ``len(lengths) x width`` batch (flattened, padding
+    ``pad_id``, of ``ids_dtype``: ``Cache.gather(row_width=...)``), and ``loss_mask`` too.
+    ``width`` defaults to the longest row (``ShardDataset`` passes it rounded up to
+    ``pad_to_multiple_of``); ``loss_mask`` (bool per token; chat caches) keeps the labels of
+    trainable tokens only. ``input_ids`` and ``attention_mask`` are of ``ids_dtype``,
+    ``labels`` int64.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
         width = int(lengths.max())
-    mask = np.arange(width)[None, :] < lengths[:, None]
-    # one boolean scatter each (row-major, so in row order) instead of a copy per row
-    input_ids = np.full((len(lengths), width), pad_id, dtype=ids_dtype)
-    input_ids[mask] = tokens
-    labels = np.full((len(lengths), width), IGNORE_INDEX, dtype=np.int64)
-    if loss_mask is None:
-        labels[mask] = tokens
-    else:  # (int64 first: -100 does not fit the unsigned cache dtype)
-        labels[mask] = np.where(loss_mask, tokens.astype(np.int64), IGNORE_INDEX)
+    shape = (len(lengths), width)
+    mask = _ramp(width, np.dtype(np.int64))[None, :width] < lengths[:, None]
+    if laid_out:
+        input_ids = tokens.astype(ids_dtype, copy=False).reshape(shape)
+        keep = mask if loss_mask is None else loss_mask.reshape(shape)
+        labels = np.where(keep, input_ids, IGNORE_INDEX).astype(np.int64, copy=False)
+    else:
+        # one boolean scatter each (row-major, so in row order) instead of a copy per row
+        input_ids = np.full(shape, pad_id, dtype=ids_dtype)
+        input_ids[mask] = tokens
+        labels = np.full(shape, IGNORE_INDEX, dtype=np.int64)
+        if loss_mask is None:
+            labels[mask] = tokens
+        else:  # (int64 first: -100 does not fit the unsigned cache dtype)
+            labels[mask] = np.where(loss_mask, tokens.astype(np.int64), IGNORE_INDEX)
     return {
         "input_ids": input_ids,
         "attention_mask": mask.astype(ids_dtype),

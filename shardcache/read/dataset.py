@@ -534,22 +534,30 @@ class ShardDataset(IterableDataset):
         return self._collate_packed(plan, index)
 
     def _gather(
-        self, sample_ids: np.ndarray, starts: np.ndarray | None = None, lengths: Any = None
+        self,
+        sample_ids: np.ndarray,
+        starts: np.ndarray | None = None,
+        lengths: Any = None,
+        row_width: int | None = None,
     ) -> Gathered:
-        """The tokens (and, for chat caches, loss masks) of segments, concatenated."""
+        """The tokens (and, for chat caches, loss masks) of segments, concatenated, or with
+        ``row_width`` laid out in padded rows (:meth:`Cache.gather`)."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         cache = self._cache
-        return cache.gather(sample_ids, starts, lengths, cache.has_mask, self.ids_dtype)
+        return cache.gather(
+            sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, row_width, self.pad_id
+        )
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
-        got = self._gather(sample_ids)
-        width = int(self.options.padded(int(got.lengths.max())))
+        width = int(self.options.padded(int(self._lengths[sample_ids].max())))
+        got = self._gather(sample_ids, row_width=width)  # straight into the padded rows
         batch = pad_batch(
-            got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype
-        )
+            got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
+            laid_out=True,
+        )  # fmt: skip
         meta = {"sample_ids": batch.pop("sample_ids")}
         return _to_batch(batch, meta)
 

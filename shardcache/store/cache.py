@@ -278,6 +278,8 @@ class Cache:
         lengths: np.ndarray | None = None,
         with_mask: bool = False,
         dtype: np.dtype | type | None = None,
+        row_width: int | None = None,
+        fill: int = 0,
     ) -> Gathered:
         """The tokens of several segments, concatenated in the order given.
 
@@ -288,8 +290,11 @@ class Cache:
         the cost is per shard touched plus per token, not per sequence. ``with_mask`` also
         gathers the loss masks (all True for plain-text caches). ``dtype`` (default the stored
         token type) is the type of the returned tokens: the copy casts, so a reader that
-        delivers int32 or int64 ids pays no second pass. Every sequence read is checked
-        against the length index (``CorruptShardError`` when they disagree).
+        delivers int32 or int64 ids pays no second pass. ``row_width`` lays the segments out
+        as the rows of a ``len(sample_ids) x row_width`` array instead (flattened; segment
+        ``k`` at ``k * row_width``, the rest ``fill``, masks False): a padded batch without a
+        second copy. Every sequence read is checked against the length index
+        (``CorruptShardError`` when they disagree).
         """
         ids = np.asarray(sample_ids, dtype=np.int64)
         n = len(ids)
@@ -301,11 +306,23 @@ class Cache:
         take = full - first if lengths is None else np.asarray(lengths, dtype=np.int64)
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(take, out=offsets[1:])
-        tokens = np.empty(int(offsets[-1]), dtype=self.dtype if dtype is None else dtype)
-        mask = np.empty(len(tokens), dtype=bool) if with_mask else None
+        out_dtype = self.dtype if dtype is None else dtype
+        if row_width is None:
+            tokens = np.empty(int(offsets[-1]), dtype=out_dtype)
+            mask = np.empty(len(tokens), dtype=bool) if with_mask else None
+            dst_starts = offsets
+        else:
+            if n and int(take.max()) > row_width:
+                raise IndexError(
+                    f"{self.path}: a segment of {int(take.max())} tokens does not fit rows of "
+                    f"{row_width}"
+                )
+            tokens = np.full(n * row_width, fill, dtype=out_dtype)
+            mask = np.zeros(len(tokens), dtype=bool) if with_mask else None
+            dst_starts = np.arange(0, (n + 1) * row_width, row_width, dtype=np.int64)
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
-        if not with_mask and len(tokens) >= LONG_SEGMENT_TOKENS * n:
-            done = self._copy_slices(shard, ids, first, take, full, offsets, tokens)
+        if not with_mask and int(offsets[-1]) >= LONG_SEGMENT_TOKENS * n:
+            done = self._copy_slices(shard, ids, first, take, full, dst_starts, tokens)
             if done:
                 return Gathered(tokens, offsets, mask)
         rows = ids - self.shard_starts[shard]
@@ -328,7 +345,7 @@ class Cache:
             sel = order[lo:hi]
             if flat is None:  # compressed (or masks asked): per record batch
                 reader.gather_into(
-                    rows[sel], first[sel], take[sel], offsets[sel], tokens, mask, full[sel]
+                    rows[sel], first[sel], take[sel], dst_starts[sel], tokens, mask, full[sel]
                 )
                 continue
             r = rows[sel]
@@ -349,7 +366,7 @@ class Cache:
             raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
         ends = np.cumsum(take_s)
         seg_src = starts_in_file + first_s
-        seg_dst = offsets[:-1][order]
+        seg_dst = dst_starts[:-1][order]
         # a shard's segments that follow each other in the file (runs of one document,
         # unshuffled reads) or in the output (one shard per batch) need no index there
         step = take_s[:-1]
@@ -418,7 +435,7 @@ class Cache:
         first: np.ndarray,
         take: np.ndarray,
         full: np.ndarray,
-        offsets: np.ndarray,
+        dst: np.ndarray,
         tokens: np.ndarray,
     ) -> bool:
         """Long segments of memory-mapped shards: one slice copy per segment (~0.5 us each;
@@ -430,16 +447,16 @@ class Cache:
             return False
         assert self._file_starts is not None
         source = self._file_starts[ids] + first
-        # segments that follow each other in one shard's file (an unshuffled read, pieces of
-        # one document) are copied as one run: the output is contiguous by construction
+        # segments that follow each other in one shard's file and in the output (an unshuffled
+        # read, pieces of one document) are copied as one run
         run_shard, run_src, run_dst, run_len = -1, 0, 0, 0
         for index, a, f, m, n, d in zip(
             shard_list, source.tolist(), first.tolist(), take.tolist(), full.tolist(),
-            offsets.tolist(),
+            dst.tolist(),
         ):  # fmt: skip
             if f < 0 or m < 0 or f + m > n:
                 raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
-            if index == run_shard and a == run_src + run_len:
+            if index == run_shard and a == run_src + run_len and d == run_dst + run_len:
                 run_len += m
                 continue
             if run_len:

@@ -302,3 +302,21 @@ def test_chat_labels_follow_the_masks(attention, packing, chat_cache):
 def test_positions_must_be_two_dimensional():
     with pytest.raises(ConfigError, match=r"position_ids: got shape \(4,\), expected a 2-D"):
         block_causal_mask(np.arange(4))
+
+
+def test_chat_labels_follow_the_masks_in_pad_mode(chat_cache):
+    """Pad batches are gathered straight into padded rows, masks included."""
+    cache = open_cache(chat_cache)
+    seen = 0
+    for batch in ShardDataset(chat_cache, 1024, seed=2):
+        ids, labels, attn = batch["input_ids"], batch["labels"], batch["attention_mask"]
+        for row, sid in enumerate(batch["meta"]["sample_ids"].tolist()):
+            stored = cache.read(sid)
+            n = len(stored)
+            assert ids[row, :n].tolist() == stored.tolist()
+            assert attn[row].tolist() == [1] * n + [0] * (ids.shape[1] - n)
+            mask = cache.read_masks(np.array([sid]))[0]
+            want = np.where(mask, stored.astype(np.int64), -100).tolist()
+            assert labels[row].tolist() == want + [-100] * (ids.shape[1] - n)
+            seen += 1
+    assert seen == cache.num_sequences

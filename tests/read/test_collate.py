@@ -304,6 +304,18 @@ def test_vectorised_collation_equals_the_reference_for_random_plans(case):
             width = int(options.padded(int(taken_arr.max())))
             got = pad_batch(flat, taken_arr, ids, 7, width, flat_mask)
             want = _reference_pad(whole, ids, 7, width, whole_masks)
+            # the same batch from tokens (and masks) already laid out in padded rows
+            rows = np.full((len(ids), width), 7, dtype=np.int64)
+            row_masks = np.zeros((len(ids), width), dtype=bool)
+            for r, (w, n) in enumerate(zip(whole, taken_arr.tolist())):
+                rows[r, :n] = w[:n]
+                if whole_masks is not None:
+                    row_masks[r, :n] = whole_masks[r][:n]
+            laid = pad_batch(
+                rows.reshape(-1), taken_arr, ids, 7, width,
+                None if whole_masks is None else row_masks.reshape(-1), laid_out=True,
+            )  # fmt: skip
+            _assert_same(laid, want)
         else:
             seq_len = int(options.seq_len or 0)
             bounds = plan.row_bounds(index)
