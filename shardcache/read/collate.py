@@ -89,6 +89,7 @@ def pack_batch(
     pad_id: int,
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
+    laid_out: bool = False,
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
@@ -99,11 +100,13 @@ def pack_batch(
     ``input_ids`` and ``position_ids`` are of ``ids_dtype``; ``labels`` are int64 (the type
     torch's cross-entropy takes). When every row is full (concat packing, all but an epoch's
     last batch) and ``tokens`` is already of ``ids_dtype``, ``input_ids`` is ``tokens``
-    itself, reshaped: no copy.
+    itself, reshaped: no copy. With ``laid_out``, ``tokens`` (and ``loss_mask``) are already
+    the ``rows x seq_len`` slots, padding ``pad_id`` (:func:`packed_layout`,
+    ``Cache.gather(layout=...)``).
     """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     num_rows = len(row_bounds) - 1
-    if loss_mask is None and len(tokens) == num_rows * seq_len:
+    if loss_mask is None and not laid_out and len(tokens) == num_rows * seq_len:
         # every row full: the segments are the slots, in order; no padding, no scatter
         lengths_out = seg_lengths
         sample = np.array(sample_ids, dtype=np.int64)  # copies: plans may be read-only
@@ -114,14 +117,18 @@ def pack_batch(
         lengths_out, sample, offsets, used = _with_padding_runs(
             seg_lengths, sample_ids, starts, row_bounds, seq_len
         )
-        real = np.arange(seq_len)[None, :] < used[:, None]
-        flat = np.full((num_rows, seq_len), pad_id, dtype=ids_dtype)
-        flat[real] = tokens
-        if loss_mask is not None:  # chat: only the trainable turns carry a loss
-            keep = np.zeros_like(real)
-            keep[real] = loss_mask
+        real = _ramp(seq_len, np.dtype(np.int64))[None, :seq_len] < used[:, None]
+        if laid_out:
+            flat = tokens.astype(ids_dtype, copy=False).reshape(num_rows, seq_len)
+            keep = real if loss_mask is None else loss_mask.reshape(num_rows, seq_len)
         else:
-            keep = real
+            flat = np.full((num_rows, seq_len), pad_id, dtype=ids_dtype)
+            flat[real] = tokens
+            if loss_mask is not None:  # chat: only the trainable turns carry a loss
+                keep = np.zeros_like(real)
+                keep[real] = loss_mask
+            else:
+                keep = real
         labels = np.where(keep, flat, IGNORE_INDEX).astype(np.int64).reshape(-1)
     cu_seqlens = np.zeros(len(lengths_out) + 1, dtype=np.int64)
     np.cumsum(lengths_out, out=cu_seqlens[1:])
@@ -136,6 +143,18 @@ def pack_batch(
         "sample_ids": sample,
         "sample_offsets": offsets,
     }
+
+
+def packed_layout(seg_lengths: np.ndarray, row_bounds: np.ndarray, seq_len: int) -> np.ndarray:
+    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch
+    (a row's segments one after the other from its first slot): the ``layout`` to gather a
+    batch straight into its rows."""
+    seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
+    bounds = np.asarray(row_bounds, dtype=np.int64)
+    begin = np.cumsum(seg_lengths) - seg_lengths  # compact start of every segment
+    row_of_seg = np.repeat(np.arange(len(bounds) - 1), bounds[1:] - bounds[:-1])
+    row_begin = begin[bounds[:-1]] if len(begin) else begin
+    return row_of_seg * seq_len + begin - row_begin[row_of_seg]
 
 
 def _with_padding_runs(

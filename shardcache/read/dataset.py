@@ -110,7 +110,7 @@ from torch.utils.data import IterableDataset, get_worker_info
 from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
-from shardcache.read.collate import pack_batch, pad_batch
+from shardcache.read.collate import pack_batch, packed_layout, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.store.cache import Cache, Gathered
@@ -538,22 +538,23 @@ class ShardDataset(IterableDataset):
         sample_ids: np.ndarray,
         starts: np.ndarray | None = None,
         lengths: Any = None,
-        row_width: int | None = None,
+        layout: tuple[np.ndarray, int] | None = None,
     ) -> Gathered:
         """The tokens (and, for chat caches, loss masks) of segments, concatenated, or with
-        ``row_width`` laid out in padded rows (:meth:`Cache.gather`)."""
+        ``layout`` placed in padded rows (:meth:`Cache.gather`)."""
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
         cache = self._cache
         return cache.gather(
-            sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, row_width, self.pad_id
+            sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._lengths[sample_ids].max())))
-        got = self._gather(sample_ids, row_width=width)  # straight into the padded rows
+        rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
+        got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
         batch = pad_batch(
             got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
             laid_out=True,
@@ -563,17 +564,23 @@ class ShardDataset(IterableDataset):
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
         ids, starts, taken, row_bounds = plan.packed_segments(index)
-        got = self._gather(ids, starts, taken)
+        seq_len = int(self.options.seq_len or 0)
+        slots = (len(row_bounds) - 1) * seq_len
+        lengths = self._lengths[ids] - starts if taken is None else taken
+        laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
+        layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
+        got = self._gather(ids, starts, taken, layout)
         batch = pack_batch(
             got.tokens,
             got.lengths,
             ids,
             starts,
             row_bounds,
-            int(self.options.seq_len or 0),
+            seq_len,
             self.pad_id,
             got.mask,
             self.ids_dtype,
+            laid_out,
         )
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         positions = np.asarray(batch["position_ids"])

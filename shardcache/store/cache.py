@@ -278,7 +278,7 @@ class Cache:
         lengths: np.ndarray | None = None,
         with_mask: bool = False,
         dtype: np.dtype | type | None = None,
-        row_width: int | None = None,
+        layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
     ) -> Gathered:
         """The tokens of several segments, concatenated in the order given.
@@ -288,12 +288,12 @@ class Cache:
         from the length index). Vectorised: one ``searchsorted`` locates every segment, and
         each shard (and record batch) touched costs one index computation and one copy, so
         the cost is per shard touched plus per token, not per sequence. ``with_mask`` also
-        gathers the loss masks (all True for plain-text caches). ``dtype`` (default the stored
-        token type) is the type of the returned tokens: the copy casts, so a reader that
-        delivers int32 or int64 ids pays no second pass. ``row_width`` lays the segments out
-        as the rows of a ``len(sample_ids) x row_width`` array instead (flattened; segment
-        ``k`` at ``k * row_width``, the rest ``fill``, masks False): a padded batch without a
-        second copy. Every sequence read is checked against the length index
+        gathers the loss masks (all True for plain-text caches). ``dtype`` (default the
+        stored token type) is the type of the returned tokens: the copy casts, so a reader
+        that delivers int32 or int64 ids pays no second pass. ``layout = (dst, size)`` places
+        segment ``k`` at ``dst[k]`` of a ``size``-token array instead, the rest ``fill``
+        (masks False): the padded rows of a batch without a second copy (the caller keeps
+        segments apart). Every sequence read is checked against the length index
         (``CorruptShardError`` when they disagree).
         """
         ids = np.asarray(sample_ids, dtype=np.int64)
@@ -307,19 +307,18 @@ class Cache:
         offsets = np.zeros(n + 1, dtype=np.int64)
         np.cumsum(take, out=offsets[1:])
         out_dtype = self.dtype if dtype is None else dtype
-        if row_width is None:
+        if layout is None:
             tokens = np.empty(int(offsets[-1]), dtype=out_dtype)
             mask = np.empty(len(tokens), dtype=bool) if with_mask else None
             dst_starts = offsets
         else:
-            if n and int(take.max()) > row_width:
-                raise IndexError(
-                    f"{self.path}: a segment of {int(take.max())} tokens does not fit rows of "
-                    f"{row_width}"
-                )
-            tokens = np.full(n * row_width, fill, dtype=out_dtype)
-            mask = np.zeros(len(tokens), dtype=bool) if with_mask else None
-            dst_starts = np.arange(0, (n + 1) * row_width, row_width, dtype=np.int64)
+            dst_starts, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
+            if len(dst_starts) != n or (
+                n and (dst_starts.min() < 0 or (dst_starts + take).max() > size)
+            ):
+                raise IndexError(f"{self.path}: layout: segments fall outside the {size} slots")
+            tokens = np.full(size, fill, dtype=out_dtype)
+            mask = np.zeros(size, dtype=bool) if with_mask else None
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
         if not with_mask and int(offsets[-1]) >= LONG_SEGMENT_TOKENS * n:
             done = self._copy_slices(shard, ids, first, take, full, dst_starts, tokens)
@@ -366,7 +365,7 @@ class Cache:
             raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
         ends = np.cumsum(take_s)
         seg_src = starts_in_file + first_s
-        seg_dst = dst_starts[:-1][order]
+        seg_dst = dst_starts[:n][order]
         # a shard's segments that follow each other in the file (runs of one document,
         # unshuffled reads) or in the output (one shard per batch) need no index there
         step = take_s[:-1]

@@ -12,7 +12,7 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcache.read.collate import IGNORE_INDEX, pack_batch, pad_batch
+from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
 from shardcache.read.plan import PlanOptions, plan_epoch
 
 PAD = 0
@@ -321,4 +321,19 @@ def test_vectorised_collation_equals_the_reference_for_random_plans(case):
             bounds = plan.row_bounds(index)
             got = pack_batch(flat, taken_arr, ids, starts, bounds, seq_len, 7, flat_mask)
             want = _reference_pack(whole, ids, starts, taken, bounds, seq_len, 7, whole_masks)
+            # the same batch gathered straight into its rows (packed_layout)
+            dst = packed_layout(taken_arr, bounds, seq_len)
+            slots = np.full((len(bounds) - 1) * seq_len, 7, dtype=np.int64)
+            slot_mask = np.zeros(len(slots), dtype=bool)
+            for d, piece, n in zip(dst.tolist(), np.split(flat, np.cumsum(taken_arr)[:-1]),
+                                   taken_arr.tolist()):  # fmt: skip
+                slots[d : d + n] = piece
+            if flat_mask is not None:
+                for d, piece, n in zip(dst.tolist(),
+                                       np.split(flat_mask, np.cumsum(taken_arr)[:-1]),
+                                       taken_arr.tolist()):  # fmt: skip
+                    slot_mask[d : d + n] = piece
+            laid = pack_batch(slots, taken_arr, ids, starts, bounds, seq_len, 7,
+                              None if flat_mask is None else slot_mask, laid_out=True)  # fmt: skip
+            _assert_same(laid, want)
         _assert_same(got, want)

@@ -73,8 +73,9 @@ def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, r
     assert np.array_equal(whole.tokens, np.concatenate([seqs[i] for i in ids]))
     # laid out in padded rows, cast on the way (a pad batch's input_ids)
     width = max(lengths) + 3
+    layout = (np.arange(len(ids)) * width, len(ids) * width)
     rows = cache.gather(ids, np.array(starts), np.array(lengths), dtype=np.int32,
-                        row_width=width, fill=-1).tokens.reshape(len(ids), width)  # fmt: skip
+                        layout=layout, fill=-1).tokens.reshape(len(ids), width)  # fmt: skip
     assert rows.dtype == np.int32
     for row, i, s, m in zip(rows, ids, starts, lengths):
         assert np.array_equal(row[:m], seqs[i][s : s + m]) and np.all(row[m:] == -1)
