@@ -19,7 +19,7 @@ import contextlib
 import itertools
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -387,7 +387,7 @@ class Cache:
                 tokens[dst[a:b]] = source
         return Gathered(tokens, offsets, mask)
 
-    def _flat_tokens(self, shards: list[int]) -> dict[int, np.ndarray] | None:
+    def _flat_tokens(self, shards: Iterable[int]) -> dict[int, np.ndarray] | None:
         """The token arrays of memory-mapped shards (``None`` when one is compressed).
 
         The first time this cache sees a shard, its rows' stored lengths are compared with the
@@ -446,7 +446,7 @@ class Cache:
         total = int(take.sum())
         if not n or total < LONG_SEGMENT_TOKENS:
             return False
-        arrays = self._flat_tokens(np.unique(shard).tolist())
+        arrays = self._flat_tokens(set(shard.tolist()))  # (np.unique costs ~15 us a call)
         if arrays is None:
             return False
         if np.any((first < 0) | (take < 0) | (first + take > full)):
