@@ -565,30 +565,66 @@ class _Failure:
     error: BaseException
 
 
+def _read_ahead(batches: Iterable[Any], stop: threading.Event) -> Iterator[Any]:
+    """``batches``, iterated one item ahead in a thread of its own (until ``stop`` is set):
+    reading (decompression, JSON parsing: GIL-bound) overlaps the encode of the previous
+    batch (GIL released). Upstream errors re-raise here."""
+    items: queue.Queue[Any] = queue.Queue(maxsize=1)
+
+    def read() -> None:
+        try:
+            for batch in batches:
+                if not _put(items, batch, stop):
+                    return
+            _put(items, _DONE, stop)
+        except BaseException as err:  # re-raised in the consumer
+            _put(items, _Failure(err), stop)
+
+    threading.Thread(target=read, name="shardcache-read", daemon=True).start()
+    while not stop.is_set():
+        try:
+            item = items.get(timeout=0.1)
+        except queue.Empty:
+            continue
+        if item is _DONE:
+            return
+        if isinstance(item, _Failure):
+            raise item.error
+        yield item
+
+
+def _put(items: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
+    """``items.put(item)`` unless ``stop`` is set first (never blocks on a consumer that has
+    gone); False when stopped."""
+    while not stop.is_set():
+        try:
+            items.put(item, timeout=0.1)
+            return True
+        except queue.Full:
+            continue
+    return False
+
+
 def encode_ahead(
     encoder: TextEncoder, batches: Iterable[Any], depth: int = 2
 ) -> Iterator[tuple[Any, Any]]:
     """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
 
-    A background thread reads the upstream and runs ``encode_batch`` (GIL released) while the
-    caller processes the previous result, so id extraction and writing overlap tokenization.
+    A background thread runs ``encode_batch`` (GIL released) while the caller processes the
+    previous result, so id extraction and writing overlap tokenization; another reads the
+    upstream one batch ahead of it (:func:`_read_ahead`: on 20k documents of jsonl.zst,
+    reading is 0.85 s and the fast encode 0.35 s, which ran one after the other before).
     At most ``depth`` encoded batches wait in the queue. Upstream errors re-raise here.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
 
     def put(item: Any) -> bool:
-        while not stop.is_set():  # never block forever on a consumer that has gone
-            try:
-                out.put(item, timeout=0.1)
-                return True
-            except queue.Full:
-                continue
-        return False
+        return _put(out, item, stop)
 
     def produce() -> None:
         try:
-            for batch in batches:
+            for batch in _read_ahead(batches, stop):
                 if stop.is_set() or not put((batch, encode_isolating(encoder, batch.texts))):
                     return
             put(_DONE)

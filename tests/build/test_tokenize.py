@@ -176,3 +176,30 @@ def test_own_tokenizer_backend_is_used_a_callers_is_not_mutated(wordpiece_dir):
     assert hf.backend_tokenizer.truncation["max_length"] == 16
     assert encoder.backend.truncation is None and encoder.backend.padding is None
     assert owned.encode_texts(["data " * 40])[0].tolist() == hf("data " * 40)["input_ids"]
+
+
+def test_encode_ahead_reads_ahead_in_order_and_reraises_upstream_errors(tokenizer_dir):
+    import threading
+
+    from shardcache.build.tokenize import encode_ahead
+
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    readers: set[str] = set()
+
+    def batches(n: int, fail: bool = False):
+        for i in range(n):
+            readers.add(threading.current_thread().name)
+            yield types.SimpleNamespace(texts=[f"data {i}", "w7 café"])
+        if fail:
+            raise OSError("disk gone")
+
+    got = [(batch.texts[0], ids[0].tolist()) for batch, ids in encode_ahead(encoder, batches(5))]
+    assert [text for text, _ in got] == [f"data {i}" for i in range(5)]
+    assert [ids for _, ids in got] == [encoder.encode_texts([f"data {i}"])[0].tolist()
+                                       for i in range(5)]  # fmt: skip
+    assert readers == {"shardcache-read"}  # upstream read in its own thread
+    with pytest.raises(OSError, match="disk gone"):
+        list(encode_ahead(encoder, batches(3, fail=True)))
+    stream = encode_ahead(encoder, batches(10_000))  # an early close stops the threads
+    next(stream)
+    stream.close()
