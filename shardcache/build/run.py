@@ -19,7 +19,6 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from shardcache.build.backends import Ahead
 from shardcache.build.commit import commit, commit_into_store
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
@@ -114,9 +113,10 @@ def build_cache(
     )
     encoder = encoder_for(options, encoder_factory)
     loading = start_loading(encoder, options)
-    # the key's tokenizer component (0.7 CPU-s of json for a 151k vocabulary) is needed only
-    # by the commit: computed in a thread, in the time the build waits on encodes
-    component = Ahead(precompute_tokenizer_component, encoder)
+    # the key's tokenizer component: 0.7 CPU-s of json.dumps for a 151k vocabulary, one C
+    # call holding the GIL, so a thread gains nothing (measured: it blocked this thread for
+    # the same 0.7 s); computed here, while the fast backend may still be loading
+    precompute_tokenizer_component(encoder)
     workers = options.num_workers
     if os.path.exists(options.output) and not os.path.isdir(options.output):
         raise CacheError(
@@ -140,7 +140,6 @@ def build_cache(
             results = dict(done)
             if pending:
                 results.update((engine or run_local)(plan, pending, encoder, progress, workers))
-            component.result()
             manifest = commit(plan, [results[p.id] for p in plan.partitions], encoder)
         finally:
             progress.close()
