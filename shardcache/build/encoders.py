@@ -15,7 +15,7 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Union
 
-from shardcache.build.backends import EncoderSelection
+from shardcache.build.backends import Ahead, EarlyLoad, EncoderSelection, load_fast_early
 from shardcache.build.chat import ChatEncoder
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
@@ -25,11 +25,16 @@ EncoderFactory = Callable[[BuildOptions], Encoder]
 
 
 def make_encoder(
-    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
+    tokenize: TokenizeOptions,
+    chat: ChatOptions | None,
+    preload_fast: bool = False,
+    early: Ahead[EarlyLoad] | None = None,
 ) -> Encoder:
     """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
-    (``preload_fast``: start loading the fast backend for the gate, text only)."""
-    text = TextEncoder(tokenize, preload_fast=preload_fast and chat is None)
+    (``preload_fast``: start loading the fast backend for the gate, text only; ``early``:
+    the load :func:`~shardcache.build.backends.load_fast_early` started)."""
+    preload = preload_fast and chat is None
+    text = TextEncoder(tokenize, preload_fast=preload, early=early if preload else None)
     return text if chat is None else ChatEncoder(text, chat)
 
 
@@ -75,4 +80,7 @@ def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) ->
     """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
     if factory is not None:
         return factory(options)
-    return make_encoder(options.tokenize, options.chat, options.encoding.encoder != "hf")
+    preload = options.encoding.encoder != "hf" and options.chat is None
+    # the fast backend starts loading from tokenizer.json before transformers is imported
+    early = load_fast_early(options.tokenize.tokenizer) if preload else None
+    return make_encoder(options.tokenize, options.chat, preload, early)

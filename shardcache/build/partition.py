@@ -16,7 +16,7 @@ sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
 is created first): a retried task (Ray) then runs through.
 
 Memory is bounded by the options, not the corpus: per process one encode batch being
-converted plus two encoded ahead (each at most ``batch_docs`` documents or
+converted, two encoded ahead and one read ahead (each at most ``batch_docs`` documents or
 :data:`~shardcache.build.sources.MAX_BATCH_CHARS` characters), one record batch (4 MiB of
 tokens) buffered per bucket, and 4 bytes per sequence of the partition for its length index.
 """
@@ -241,8 +241,8 @@ def map_partition(
     out = options.output
     stats = TruncationStats()
     quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
-    # Bad records come from two threads: the reader (in encode_ahead's thread: bad lines, a
-    # corrupt end) and this one (conversations the template refused). Each thread owns its
+    # Bad records come from two threads: the reader (encode_ahead's read-ahead thread: bad
+    # lines, a corrupt end) and this one (conversations the template refused). Each thread owns its
     # counter and its file, each written in record order; the two are merged by record at the
     # end, so the quarantine (and so the manifest) does not depend on the threads' timing.
     reader_bad = _BadLog(quarantine_path + ".reader.tmp")

@@ -13,7 +13,17 @@ import numpy as np
 import pytest
 
 from conftest import make_conversations, make_texts, write_records
-from shardcache.build.backends import FastBackend, flatten_ids, sample_positions, select_backend
+from shardcache.build.backends import (
+    Ahead,
+    EarlyLoad,
+    FastBackend,
+    adopt_early,
+    flatten_ids,
+    ids_content,
+    load_fast_early,
+    sample_positions,
+    select_backend,
+)
 from shardcache.build.run import build_cache as run_build
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import TokenizeOptions, build_options_from_mapping
@@ -443,3 +453,85 @@ def test_default_workers_shrink_for_the_fast_backend(tokenizer_dir):
     assert fast_workers(encoder, small, 4) == 1
     assert fast_workers(encoder, big, 2) == 2
     assert fast_workers(encoder, big, 8) == 3
+
+
+def test_ids_content_ignores_only_what_cannot_change_ids():
+    base = {
+        "model": {"type": "BPE", "vocab": {"a": 0}},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "x"}, "trim_offsets": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False},
+        ]},
+        "post_processor": {"type": "ByteLevel", "trim_offsets": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False},
+        "truncation": None,
+        "padding": None,
+    }  # fmt: skip
+    same = json.loads(json.dumps(base))
+    same["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True}
+    same["pre_tokenizer"]["pretokenizers"][1]["trim_offsets"] = True
+    same["post_processor"]["trim_offsets"] = True
+    same["truncation"] = {"max_length": 16}
+    assert ids_content(same) == ids_content(base)
+    for change in (
+        lambda t: t["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+        lambda t: t["pre_tokenizer"]["pretokenizers"][0].update(trim_offsets=False),
+        lambda t: t["model"]["vocab"].update(b=1),
+        lambda t: t.update(normalizer={"type": "NFC"}),
+    ):
+        other = json.loads(json.dumps(base))
+        change(other)
+        assert ids_content(other) != ids_content(base)
+
+
+def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp_path):
+    """The fast backend loaded from tokenizer.json before transformers ran stands in for the
+    one of transformers' JSON when they differ only where ids cannot; else it is reloaded."""
+    pytest.importorskip("fastokens")
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    serialized = encoder.serialized
+    early = load_fast_early(tokenizer_dir)
+    assert early is not None and load_fast_early(str(tmp_path)) is None
+    loaded = early.result()
+    adopted = adopt_early(early, encoder.backend_json, serialized).result()
+    assert adopted is loaded.backend and loaded.content is None  # the parsed file is freed
+    changed = json.loads(serialized)
+    vocab = changed["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # what transformers' JSON would change
+    early = load_fast_early(tokenizer_dir)
+    reloaded = adopt_early(early, changed, json.dumps(changed)).result()
+    assert reloaded is not early.result().backend
+    assert reloaded.encode_flat(["a"], False)[0].tolist() == [vocab["a"]]
+    # a refusal of the same content is the refusal; an unreadable file is not
+    refusal = Ahead(lambda: EarlyLoad(ids_content(encoder.backend_json), None,
+                                      EncoderError("refused")))  # fmt: skip
+    with pytest.raises(EncoderError, match="refused"):
+        adopt_early(refusal, encoder.backend_json, serialized).result()
+
+    def unreadable():
+        raise OSError("gone")
+
+    fallback = adopt_early(Ahead(unreadable), encoder.backend_json, serialized).result()
+    assert isinstance(fallback, FastBackend)
+
+
+def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, monkeypatch):
+    """A default build loads the fast backend once, from tokenizer.json, and its cache equals
+    the HF build's."""
+    pytest.importorskip("fastokens")
+    loads = []
+    real = FastBackend.__init__
+
+    def counting(self, serialized):
+        loads.append(serialized)
+        real(self, serialized)
+
+    monkeypatch.setattr(FastBackend, "__init__", counting)
+    hf_out, out = str(tmp_path / "hf"), str(tmp_path / "auto")
+    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")
+    assert loads == []
+    manifest = _build(hard_corpus, tokenizer_dir, out)
+    assert manifest["encoder"]["partitions_by_backend"] == {"fastokens": 2}
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+        assert loads == [f.read()]
+    assert _data_files(out) == _data_files(hf_out)

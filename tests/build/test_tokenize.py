@@ -13,6 +13,7 @@ from shardcache.build.tokenize import (
     TruncationStats,
     append_end_token,
     apply_truncation,
+    max_token_id,
     token_dtype,
 )
 from shardcache.config import TokenizeOptions
@@ -138,3 +139,67 @@ def test_named_class_loader_matches_autotokenizer(
         assert ours(text)["input_ids"] == auto(text)["input_ids"]
         assert ours.backend_tokenizer.to_str() == auto.backend_tokenizer.to_str()
         assert ours.special_tokens_map == auto.special_tokens_map
+
+
+def test_max_token_id_reads_the_json_as_get_vocab_does(
+    tokenizer_dir, bos_tokenizer_dir, wordpiece_dir, big_vocab_dir, chatml_tokenizer_dir
+):
+    import json
+
+    from tokenizers import Tokenizer, models
+
+    for folder in (tokenizer_dir, bos_tokenizer_dir, wordpiece_dir, big_vocab_dir,
+                   chatml_tokenizer_dir):  # fmt: skip
+        encoder = TextEncoder(TokenizeOptions(folder))
+        vocab = encoder.backend.get_vocab(with_added_tokens=True)
+        assert encoder.max_token_id == max(vocab.values()), folder
+    unigram = Tokenizer(models.Unigram([("<unk>", 0.0), ("a", -1.0), ("b", -2.0)], 0))
+    unigram.add_special_tokens(["<eos>"])
+    wordlevel = Tokenizer(models.WordLevel({"a": 0, "b": 7, "[UNK]": 3}, unk_token="[UNK]"))
+    for backend in (unigram, wordlevel):
+        expected = max(backend.get_vocab(with_added_tokens=True).values())
+        assert max_token_id(json.loads(backend.to_str()), backend) == expected
+    # an unknown model layout falls back to get_vocab
+    assert max_token_id({"model": {"type": "Other"}}, wordlevel) == 7
+
+
+def test_own_tokenizer_backend_is_used_a_callers_is_not_mutated(wordpiece_dir):
+    """A tokenizer the encoder loads is its own (no 0.6 s clone); a caller's keeps its
+    saved truncation and padding."""
+    from shardcache.build.tokenize import load_hf_tokenizer
+
+    owned = TextEncoder(TokenizeOptions(wordpiece_dir))
+    assert owned.backend is owned.hf.backend_tokenizer
+    hf = load_hf_tokenizer(wordpiece_dir)
+    encoder = TextEncoder(TokenizeOptions(wordpiece_dir), hf_tokenizer=hf)
+    assert encoder.backend is not hf.backend_tokenizer
+    assert hf.backend_tokenizer.truncation["max_length"] == 16
+    assert encoder.backend.truncation is None and encoder.backend.padding is None
+    assert owned.encode_texts(["data " * 40])[0].tolist() == hf("data " * 40)["input_ids"]
+
+
+def test_encode_ahead_reads_ahead_in_order_and_reraises_upstream_errors(tokenizer_dir):
+    import threading
+
+    from shardcache.build.tokenize import encode_ahead
+
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    readers: set[str] = set()
+
+    def batches(n: int, fail: bool = False):
+        for i in range(n):
+            readers.add(threading.current_thread().name)
+            yield types.SimpleNamespace(texts=[f"data {i}", "w7 café"])
+        if fail:
+            raise OSError("disk gone")
+
+    got = [(batch.texts[0], ids[0].tolist()) for batch, ids in encode_ahead(encoder, batches(5))]
+    assert [text for text, _ in got] == [f"data {i}" for i in range(5)]
+    assert [ids for _, ids in got] == [encoder.encode_texts([f"data {i}"])[0].tolist()
+                                       for i in range(5)]  # fmt: skip
+    assert readers == {"shardcache-read"}  # upstream read in its own thread
+    with pytest.raises(OSError, match="disk gone"):
+        list(encode_ahead(encoder, batches(3, fail=True)))
+    stream = encode_ahead(encoder, batches(10_000))  # an early close stops the threads
+    next(stream)
+    stream.close()
