@@ -9,6 +9,8 @@ on its encoder and the data component it hashed while reading.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -18,7 +20,13 @@ from shardcache.build.encoders import make_encoder
 from shardcache.build.sources import list_inputs
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
 from shardcache.store.check import cache_key, compare_keys
-from shardcache.store.files import sha256_file, sha256_text
+from shardcache.store.files import (
+    cache_root,
+    read_json_or_none,
+    sha256_file,
+    sha256_text,
+    write_json_atomic,
+)
 from shardcache.store.key import (
     CacheKey,
     KeyComparison,
@@ -141,14 +149,54 @@ def versions_component(tokenizer_class: str) -> dict:
     }
 
 
-def precompute_tokenizer_component(encoder: Any) -> None:
-    """Compute the key's tokenizer component now (the canonical JSON of a 151k-vocabulary
-    model: 0.3-0.6 CPU-s, holding the GIL) and keep it on the encoder for
-    :func:`compute_key`: a build calls this while fastokens loads in the background."""
-    text = getattr(encoder, "text", encoder)
-    text.tokenizer_component = tokenizer_component(
-        text.backend_json, text.backend_truncation, text.backend_padding
+#: Folder under ``$SHARDCACHE_CACHE_DIR`` of memoised tokenizer components.
+COMPONENTS_DIR = "components"
+
+#: Bump when :func:`tokenizer_component` changes what it returns for the same input.
+COMPONENT_MEMO_VERSION = 1
+
+
+def memoised_tokenizer_component(
+    serialized: str, backend_json: Mapping[str, Any], truncation: Any, padding: Any
+) -> dict:
+    """:func:`tokenizer_component`, remembered on disk by the sha256 of its whole input.
+
+    The component is a pure function of the backend's JSON (``serialized``, which
+    ``backend_json`` parses) and the saved truncation/padding, but it costs ~0.9 s for a
+    151k vocabulary (sorting and serialising the model canonically, holding the GIL), on
+    every build and every ``shardcache check``. Hashing the input costs ~15 ms; the result is
+    kept in ``$SHARDCACHE_CACHE_DIR/components/<digest>.json``. Any problem with the folder
+    (read-only, missing, a damaged file) only means computing it again."""
+    head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
+    digest = sha256_text(head + "\n" + serialized)
+    path = None
+    try:
+        path = os.path.join(cache_root(), COMPONENTS_DIR, digest + ".json")
+        saved = read_json_or_none(path)
+    except OSError:
+        saved = None
+    if saved is not None and saved.get("input") == digest and isinstance(saved.get("value"), dict):
+        return saved["value"]
+    value = tokenizer_component(backend_json, truncation, padding)
+    if path is not None:
+        with contextlib.suppress(OSError):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            write_json_atomic(path, {"input": digest, "value": value})
+    return value
+
+
+def text_component(text: Any) -> dict:
+    """The tokenizer component of a text encoder (memoised)."""
+    return memoised_tokenizer_component(
+        text.serialized, text.backend_json, text.backend_truncation, text.backend_padding
     )
+
+
+def precompute_tokenizer_component(encoder: Any) -> None:
+    """Compute the key's tokenizer component now (:func:`memoised_tokenizer_component`) and
+    keep it on the encoder for :func:`compute_key`."""
+    text = getattr(encoder, "text", encoder)
+    text.tokenizer_component = text_component(text)
 
 
 def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
@@ -164,11 +212,7 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     component = getattr(text, "tokenizer_component", None)
     return CacheKey(
         {
-            "tokenizer": component
-            if component is not None
-            else tokenizer_component(
-                text.backend_json, text.backend_truncation, text.backend_padding
-            ),
+            "tokenizer": component if component is not None else text_component(text),
             "special_tokens": special_tokens_component(hf, text.eos_id, text.pad_id),
             # the reference (HF) encodes the probe: the key never depends on the backend
             "behaviour": behaviour_component(text.encode_reference, specials, chat),

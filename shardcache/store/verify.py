@@ -40,6 +40,7 @@ from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
 from shardcache.store.manifest import read_manifest
 from shardcache.store.remote import RemoteCache, cache_root, is_url, unreachable
+from shardcache.store.shards import arrow_numpy
 
 
 @dataclass
@@ -144,8 +145,8 @@ def _check_shard(
                         f"{column.type.value_type}, the manifest says {dtype.name}",
                     )
                     return rows, tokens
-                offsets = column.offsets.to_numpy()
-                values = column.values.to_numpy(zero_copy_only=False)
+                offsets = arrow_numpy(column.offsets)
+                values = arrow_numpy(column.values)
                 lengths = np.diff(offsets)
                 if len(offsets) and (offsets[0] != 0 or offsets[-1] != len(values)):
                     report.add(rel, "structure", f"{where}: offsets do not span the values")
@@ -171,10 +172,10 @@ def _check_shard(
                         f"{where}: token id {int(values.max())} above "
                         f"the tokenizer's max id {max_id}",
                     )
-                if len(batch) and batch.column(1).to_numpy().min() < 0:
+                if len(batch) and arrow_numpy(batch.column(1)).min() < 0:
                     report.add(rel, "structure", f"{where}: negative record index")
                 if len(expected) == 4 and not np.array_equal(
-                    batch.column(3).offsets.to_numpy(), offsets
+                    arrow_numpy(batch.column(3).offsets), offsets
                 ):
                     report.add(rel, "structure", f"{where}: the loss mask does not line up")
                 if index is not None:

@@ -4,6 +4,7 @@ import json
 import os
 
 import numpy as np
+import pyarrow as pa
 import pytest
 
 from shardcache import CorruptShardError, open_cache
@@ -131,3 +132,17 @@ def test_reading_zstd_shards_keeps_memory_within_the_decode_budget(tmp_path, mon
         first += reader.rows
     growth = _vm_rss_bytes() - rss_before
     assert growth < 32 << 20, f"RSS grew {growth / 2**20:.1f} MiB reading 64 MiB of tokens"
+
+
+@pytest.mark.parametrize("arrow_type", [pa.uint16(), pa.uint32(), pa.int32(), pa.int64()])
+def test_arrow_numpy_is_a_zero_copy_view_equal_to_to_numpy(arrow_type):
+    from shardcache.store.shards import arrow_numpy
+
+    whole = pa.array(list(range(50)), type=arrow_type)
+    for array in (whole, whole.slice(7, 20), whole.slice(49), whole.slice(3, 0)):
+        got = arrow_numpy(array)
+        assert got.dtype == array.to_numpy().dtype and got.tolist() == array.to_pylist()
+    lists = pa.array([[1, 2], [3], [4, 5, 6]], type=pa.list_(arrow_type)).slice(1)
+    assert arrow_numpy(lists.offsets).tolist() == lists.offsets.to_pylist()
+    with_nulls = pa.array([1, None, 3], type=arrow_type)  # not a plain view: to_numpy's answer
+    assert np.isnan(arrow_numpy(with_nulls)[1])
