@@ -62,7 +62,7 @@ import numpy as np
 
 from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
-from shardcache.read.packing import best_fit_bins, stable_order
+from shardcache.read.packing import best_fit_bins, cut_batches, stable_order
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
 #: padding in pad mode, tighter rows in best_fit) but mix the order less. On the 20k-document
@@ -272,7 +272,7 @@ def _plan_pad(
     window_ends = np.cumsum(window_sizes)
     first_rows = lengths[sample_ids] if options.pad_to_multiple_of == 1 else None
     padded = first_rows if first_rows is not None else options.padded(lengths[sample_ids])
-    starts = _cut_batches(np.asarray(padded), window_ends, options.max_tokens)
+    starts = cut_batches(np.asarray(padded), window_ends, options.max_tokens)
     return EpochPlan(np.append(starts, n).astype(np.int64), sample_ids)
 
 
@@ -294,21 +294,6 @@ def _sort_windows(
         key.sort()
         return key % n
     return ids[np.lexsort((ids, -lengths, window))].astype(np.int64)
-
-
-def _cut_batches(padded: np.ndarray, window_ends: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Batch start positions: within each window (sorted longest first), the first row of a
-    batch sets its padded length L and the batch takes ``max_tokens // L`` rows. The loop
-    runs once per batch and reads ``padded`` only there."""
-    starts: list[int] = []
-    begin = 0
-    for end in window_ends.tolist():
-        i = begin
-        while i < end:
-            starts.append(i)
-            i = min(i + max_tokens // int(padded[i]), end)
-        begin = end
-    return np.asarray(starts, dtype=np.int64)
 
 
 def _pack_order(n: int, rng: np.random.Generator | None) -> np.ndarray:

@@ -100,3 +100,17 @@ def test_best_fit_plans_equal_the_previous_implementation(lengths, window, seed,
     assert np.array_equal(plan.batch_offsets, batch_offsets)
     assert np.array_equal(plan.sample_ids, sample_ids)
     assert np.array_equal(plan.row_offsets, row_offsets)
+
+
+def test_compiled_batch_cuts_equal_the_loop():
+    pytest.importorskip("numba")
+
+    rng = np.random.default_rng(5)
+    for _ in range(20):
+        n = int(rng.integers(1, 3000))
+        padded = np.sort(rng.integers(1, 600, n))[::-1].copy()
+        ends = np.unique(np.r_[rng.integers(1, n + 1, int(rng.integers(1, 20))), n])
+        want = packing._cut_loop(padded, ends, 2048)
+        out = np.empty(n, dtype=np.int64)
+        count = packing._jit(packing._cut_kernel)(padded, ends, 2048, out)
+        assert np.array_equal(out[:count], want)
