@@ -421,8 +421,13 @@ class Cache:
                 "and rebuild"
             )
         if self._file_starts is None:
-            # zero-filled pages cost no memory until a shard's rows are written into them
-            self._file_starts = np.zeros(self.num_sequences, dtype=np.int64)
+            # zero-filled pages cost no memory until a shard's rows are written into them;
+            # 4 bytes a sequence when every shard file is under 4 G tokens (always, at the
+            # default 64 MiB shards), else 8
+            largest = max((int(info.get("bytes", 0)) for info in self.shards), default=0)
+            small = largest // self.dtype.itemsize < 2**32
+            kind = np.uint32 if small else np.int64
+            self._file_starts = np.zeros(self.num_sequences, dtype=kind)
         self._file_starts[lo:hi] = flat.starts
         self._flat_seen[index] = True
 
@@ -452,7 +457,7 @@ class Cache:
         if np.any((first < 0) | (take < 0) | (first + take > full)):
             raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
         assert self._file_starts is not None
-        source = self._file_starts[ids] + first
+        source = self._file_starts[ids].astype(np.int64) + first
         dst = dst[:n]
         if n > 1:
             breaks = shard[1:] != shard[:-1]
