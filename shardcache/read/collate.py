@@ -47,7 +47,7 @@ def pad_batch(
 
     ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``); with
     ``laid_out`` it is already the padded ``len(lengths) x width`` batch (flattened, padding
-    ``pad_id``, of ``ids_dtype``: ``Cache.gather(row_width=...)``), and ``loss_mask`` too.
+    ``pad_id``, of ``ids_dtype``: ``Cache.gather(layout=...)``), and ``loss_mask`` too.
     ``width`` defaults to the longest row (``ShardDataset`` passes it rounded up to
     ``pad_to_multiple_of``); ``loss_mask`` (bool per token; chat caches) keeps the labels of
     trainable tokens only. ``input_ids`` and ``attention_mask`` are of ``ids_dtype``,

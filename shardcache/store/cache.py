@@ -103,6 +103,11 @@ class ShardCache:
             old_release()
         return reader
 
+    def touch(self, index: int) -> None:
+        """Mark an open shard as the most recently used."""
+        if index in self._open:
+            self._open.move_to_end(index)
+
     def _closed(self, index: int) -> None:
         if self.on_close is not None:
             self.on_close(index)
@@ -294,8 +299,9 @@ class Cache:
         that delivers int32 or int64 ids pays no second pass. ``layout = (dst, size)`` places
         segment ``k`` at ``dst[k]`` of a ``size``-token array instead, the rest ``fill``
         (masks False): the padded rows of a batch without a second copy (the caller keeps
-        segments apart). Every sequence read is checked against the length index
-        (``CorruptShardError`` when they disagree).
+        segments apart; ``Gathered.offsets`` still cut the segments' lengths compactly).
+        Every sequence read is checked against the length index (``CorruptShardError`` when
+        they disagree).
         """
         ids = np.asarray(sample_ids, dtype=np.int64)
         n = len(ids)
@@ -395,16 +401,21 @@ class Cache:
         its rows' starts in the shard's token array are recorded in :attr:`_file_starts`, so a
         later read locates any segment with one fancy index and checks nothing per segment.
         """
-        arrays = self._flat_open
+        # a dict of this call's own: opening one shard may evict another of the same batch
+        # from the LRU (its entry leaves _flat_open), yet its array stays valid while held
+        arrays: dict[int, np.ndarray] = {}
         for index in shards:
-            if index in arrays:  # open and checked: no LRU bookkeeping per segment
+            tokens = self._flat_open.get(index)
+            if tokens is not None:  # open and checked: only marked as recently used
+                self._shards.touch(index)
+                arrays[index] = tokens
                 continue
             flat = self._shards.get(index).flat_rows()
             if flat is None:
                 return None
             if not self._flat_seen[index]:
                 self._record_flat(index, flat)
-            arrays[index] = flat.tokens
+            arrays[index] = self._flat_open[index] = flat.tokens
         return arrays
 
     def _record_flat(self, index: int, flat: FlatRows) -> None:

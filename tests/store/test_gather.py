@@ -97,3 +97,35 @@ def test_gather_refuses_ids_and_segments_out_of_range(caches, threshold):
     size = int(cache.lengths[0])
     with pytest.raises(IndexError, match="past the end"):
         cache.gather(np.array([0]), np.array([size - 1]), np.array([2]))
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer_dir):
+    root = tmp_path_factory.mktemp("gather-many")
+    folder = root / "in"
+    folder.mkdir()
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(80, seed=5)], "jsonl")
+    values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": str(root / "c"),
+              "workers": 1, "shard_size": 4096,
+              "buckets": "6,8,10,12,14,16,20,24,32,64"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return str(root / "c")
+
+
+@pytest.mark.parametrize("open_shards", [1, 2, 3])
+def test_gathers_over_more_shards_than_the_lru_holds(many_shards, open_shards):
+    """Opening a shard may evict another shard of the same batch from the LRU: its tokens are
+    still copied (a batch of shuffled reads touches more shards than the LRU holds)."""
+    cache_module.LONG_SEGMENT_TOKENS = 0  # slice copies of memory-mapped shards
+    reference = open_cache(many_shards)
+    seqs = [s.ids for s in reference.iter_sequences()]
+    cache = cache_module.Cache(many_shards, open_shards=open_shards)
+    starts = cache.shard_starts
+    assert len(cache.shards) > 4
+    rng = np.random.default_rng(open_shards)
+    firsts = [int(starts[k]) for k in range(len(cache.shards))]
+    batches = [[firsts[1]], [firsts[2]], [firsts[1], firsts[3]], firsts]
+    batches += [rng.choice(len(seqs), 12).tolist() for _ in range(20)]
+    for ids in batches:
+        got = cache.gather(np.array(ids))
+        assert np.array_equal(got.tokens, np.concatenate([seqs[i] for i in ids]))
