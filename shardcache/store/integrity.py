@@ -41,7 +41,6 @@ from shardcache.store.files import (
     exclusive_lock,
     sha256_file,
     sha256_text,
-    write_bytes_atomic,
 )
 
 CHECKSUMS_ENV = "SHARDCACHE_SHARD_CHECKSUMS"
@@ -92,8 +91,11 @@ def record_verified(path: str, sha256: str, st: os.stat_result | None = None) ->
     _SEEN.add(identity)
     marker = _marker(identity)
     if marker is not None and not os.path.exists(marker):
-        with contextlib.suppress(OSError):
-            write_bytes_atomic(marker, b"", private=True)
+        # an empty file whose existence is the record: creating it is atomic, and one lost to
+        # a power cut only means hashing again, so no temporary file and no fsync (two fsyncs
+        # a shard were ~0.4 ms of every first open)
+        with contextlib.suppress(OSError), open(marker, "ab"):
+            pass
 
 
 def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> None:
