@@ -115,6 +115,7 @@ from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch,
 from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
+from shardcache.store.remote import is_url
 
 STATE_VERSION = 1
 #: Open shards kept per reader process. Memory maps are cheap; reopening a shard costs a
@@ -232,8 +233,6 @@ class ShardDataset(IterableDataset):
         self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
-        # kept for in-process reads (a 10,000-shard manifest costs ~0.2 s to parse and check);
-        # worker processes open their own (__getstate__)
         cache = Cache(self.path, open_shards=OPEN_SHARDS)
         if expect is not None:
             # refuse a cache built under another key (CacheKeyMismatch names the fields)
@@ -248,7 +247,10 @@ class ShardDataset(IterableDataset):
         self._data_identity = (
             hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
         )
-        self._cache: Cache | None = cache
+        # a local cache is kept for in-process reads (a 10,000-shard manifest costs ~0.2 s to
+        # parse and check); spawned workers open their own (__getstate__). A remote one is not:
+        # its filesystem client is not fork-safe, and forked DataLoader workers would inherit it
+        self._cache: Cache | None = None if is_url(self.path) else cache
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
         self._consumed = 0  # live global cursor (this process's iteration)
