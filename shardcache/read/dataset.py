@@ -109,11 +109,12 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
+from shardcache.read import kernels
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, packed_layout, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
-from shardcache.store.cache import Cache, Gathered
+from shardcache.store.cache import Cache, Gathered, MappedSources
 from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
 
@@ -257,6 +258,10 @@ class ShardDataset(IterableDataset):
         self._worker: dict[str, int] | None = None  # worker-level position while iterating
         self._worker_resume: dict[str, int] | None = None
         self._loaded = False  # the cursor came from load_state_dict: honour it as it is
+        #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
+        #: takes the numpy path (the reference: same batches, slower).
+        self.kernels = True
+        self._kernels: bool | None = None  # resolved on the first batch
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -551,28 +556,68 @@ class ShardDataset(IterableDataset):
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
 
+    def _mapped(self, sample_ids: np.ndarray) -> MappedSources | None:
+        """The memory-mapped sources of a batch for the compiled kernels (kernels.py), or None
+        when the numpy path reads it (no numba, a chat cache, compressed shards, ...)."""
+        if self._cache is None:
+            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
+        if self._kernels is None:
+            cache = self._cache
+            self._kernels = self.kernels and not cache.has_mask and kernels.available(cache.dtype)
+        return self._cache.mapped_sources(sample_ids) if self._kernels else None
+
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._lengths[sample_ids].max())))
-        rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
-        got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
-        batch = pad_batch(
-            got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
-            laid_out=True,
-        )  # fmt: skip
+        sources = self._mapped(sample_ids)
+        batch = None
+        if sources is not None:  # compiled: one pass, straight from the mapped shards
+            batch = kernels.pad_into(sources, sample_ids, width, self.pad_id, self.ids_dtype)
+        if batch is None:
+            rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
+            got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))
+            batch = pad_batch(
+                got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask,
+                self.ids_dtype, laid_out=True,
+            )  # fmt: skip
         meta = {"sample_ids": batch.pop("sample_ids")}
         return _to_batch(batch, meta)
 
     def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
         ids, starts, taken, row_bounds = plan.packed_segments(index)
         seq_len = int(self.options.seq_len or 0)
+        sources = self._mapped(ids)
+        batch = None
+        if sources is not None:  # compiled: one pass, straight from the mapped shards
+            batch = kernels.pack_into(
+                sources, ids, starts, taken, row_bounds, seq_len, self.pad_id, self.ids_dtype
+            )
+        if batch is None:
+            batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len)
+        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        positions = np.asarray(batch["position_ids"])
+        if self.attention == "mask":
+            batch["attention_mask"] = block_causal_mask(positions)
+        elif self.attention == "varlen":
+            batch.update(varlen_keys(positions))
+        return _to_batch(batch, meta)
+
+    def _pack_numpy(
+        self,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        taken: np.ndarray | None,
+        row_bounds: np.ndarray,
+        seq_len: int,
+    ) -> dict[str, Any]:
+        """A packed batch on the numpy path: gathered, then laid out by collate.py."""
         slots = (len(row_bounds) - 1) * seq_len
         lengths = self._lengths[ids] - starts if taken is None else taken
         laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
         layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
         got = self._gather(ids, starts, taken, layout)
-        batch = pack_batch(
+        return pack_batch(
             got.tokens,
             got.lengths,
             ids,
@@ -584,13 +629,6 @@ class ShardDataset(IterableDataset):
             self.ids_dtype,
             laid_out,
         )
-        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
-        positions = np.asarray(batch["position_ids"])
-        if self.attention == "mask":
-            batch["attention_mask"] = block_causal_mask(positions)
-        elif self.attention == "varlen":
-            batch.update(varlen_keys(positions))
-        return _to_batch(batch, meta)
 
 
 def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | None:
@@ -733,3 +771,4 @@ def _register_collate_guard() -> None:
 
 
 _register_collate_guard()
+kernels.warm_up()

@@ -47,12 +47,13 @@ def _no_release() -> None:
     return None
 
 
-def _forget_in(arrays: dict[int, np.ndarray]) -> Callable[[int], None]:
-    """``on_close`` of a :class:`ShardCache`: drop a closed shard's entry from ``arrays``
-    (a closure over the dict, not the cache: no reference cycle)."""
+def _forget_in(arrays: dict[int, np.ndarray], addresses: np.ndarray) -> Callable[[int], None]:
+    """``on_close`` of a :class:`ShardCache`: drop a closed shard's entry from ``arrays`` and
+    its address from ``addresses`` (a closure over them, not the cache: no reference cycle)."""
 
     def forget(index: int) -> None:
         arrays.pop(index, None)
+        addresses[index] = 0
 
     return forget
 
@@ -151,6 +152,28 @@ class Gathered:
 
 
 @dataclass(frozen=True)
+class MappedSources:
+    """Where the segments of one read lie in memory-mapped shard files, for a compiled reader
+    (:meth:`Cache.mapped_sources`; ``shardcache.read.kernels`` copies straight from them).
+
+    ``shard[k]`` is segment ``k``'s shard; that shard's tokens (``dtype``) are the
+    ``sizes[shard]`` values at address ``addresses[shard]`` (0: not open); its sequence
+    ``sample`` starts at value ``file_starts[sample]`` of them and holds ``lengths[sample]``
+    tokens (the length index, checked against the shard when it was first opened). The
+    addresses stay valid while ``keep`` (the shards' arrays) is alive: hold this object for the
+    whole copy.
+    """
+
+    shard: np.ndarray  # int64, one per segment
+    addresses: np.ndarray  # int64, one per shard of the cache
+    sizes: np.ndarray  # int64, one per shard of the cache
+    file_starts: np.ndarray  # uint32 or int64, one per sample
+    lengths: np.ndarray  # the length index, one per sample
+    dtype: np.dtype
+    keep: dict[int, np.ndarray]
+
+
+@dataclass(frozen=True)
 class Provenance:
     """Where a sequence came from: input file (relative path), record index, piece index."""
 
@@ -236,8 +259,16 @@ class Cache:
         self._flat_seen = np.zeros(len(self.shards), dtype=bool)
         self._file_starts: np.ndarray | None = None
         self._flat_open: dict[int, np.ndarray] = {}
+        # the open ones' token arrays by address and size (MappedSources; 0 = not open)
+        self._flat_addresses = np.zeros(len(self.shards), dtype=np.int64)
+        self._flat_sizes = np.zeros(len(self.shards), dtype=np.int64)
         self._shards = ShardCache(
-            self.shards, self.dtype, open_shards, fetch, options, _forget_in(self._flat_open)
+            self.shards,
+            self.dtype,
+            open_shards,
+            fetch,
+            options,
+            _forget_in(self._flat_open, self._flat_addresses),
         )
         if remote is not None:
             remote.shed = self._shards.shed
@@ -416,7 +447,35 @@ class Cache:
             if not self._flat_seen[index]:
                 self._record_flat(index, flat)
             arrays[index] = self._flat_open[index] = flat.tokens
+            self._flat_addresses[index] = flat.tokens.__array_interface__["data"][0]
+            self._flat_sizes[index] = len(flat.tokens)
         return arrays
+
+    def mapped_sources(self, sample_ids: np.ndarray) -> MappedSources | None:
+        """The memory-mapped sources of the sequences ``sample_ids`` (their shards opened and
+        checked, as by :meth:`gather`), or ``None`` when :meth:`gather` must read them: a
+        compressed shard, or more shards than the LRU keeps open at once. ``IndexError`` for an
+        id out of range."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):
+            bad = int(ids[(ids < 0) | (ids >= self.num_sequences)][0])
+            raise IndexError(f"sample id {bad} out of range: the cache holds {self.num_sequences}")
+        shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
+        touched = set(shard.tolist())
+        if len(touched) > self._shards.size:  # opening one would close another of this read
+            return None
+        arrays = self._flat_tokens(touched)
+        if arrays is None or self._file_starts is None:
+            return None
+        return MappedSources(
+            shard,
+            self._flat_addresses,
+            self._flat_sizes,
+            self._file_starts,
+            self._lengths_plain,
+            self.dtype,
+            arrays,
+        )
 
     def _record_flat(self, index: int, flat: FlatRows) -> None:
         lo, hi = int(self.shard_starts[index]), int(self.shard_starts[index + 1])

@@ -40,6 +40,7 @@ from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import check_file
+from shardcache.store.ipc_layout import MappedLayout, field, mapped_layout
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
@@ -346,6 +347,9 @@ class _DecodedBatches:
 
 DECODED = _DecodedBatches()
 _READER_IDS = itertools.count()
+#: Schema messages (bytes) that pyarrow's reader checked in this process, with the token type
+#: and mask they describe: a shard whose schema message is one of them is located without it.
+_CHECKED_SCHEMAS: dict[bytes, tuple[str, bool]] = {}
 
 
 def _batch_layout(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
@@ -368,26 +372,17 @@ def _batch_layout(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
             continue
         meta = memoryview(message.metadata)
 
-        def field(table: int, index: int, meta: memoryview = meta) -> int:
-            vtable = table - struct.unpack_from("<i", meta, table)[0]
-            size = struct.unpack_from("<H", meta, vtable)[0]
-            return (
-                struct.unpack_from("<H", meta, vtable + 4 + 2 * index)[0]
-                if 4 + 2 * index < size
-                else 0
-            )
-
         root = struct.unpack_from("<I", meta, 0)[0]
-        at = root + field(root, 2)
+        at = root + field(meta, root, 2)
         header = at + struct.unpack_from("<I", meta, at)[0]
-        length = field(header, 0)
+        length = field(meta, header, 0)
         rows.append(struct.unpack_from("<q", meta, header + length)[0] if length else 0)
-        at = header + field(header, 1)
+        at = header + field(meta, header, 1)
         nodes = at + struct.unpack_from("<I", meta, at)[0]
         if struct.unpack_from("<I", meta, nodes)[0] < 2:
             raise ValueError("a record batch without a tokens list column")
         tokens.append(struct.unpack_from("<q", meta, nodes + 4 + 16)[0])
-        compressed = compressed or bool(field(header, 3))
+        compressed = compressed or bool(field(meta, header, 3))
     return rows, tokens, compressed
 
 
@@ -424,23 +419,44 @@ class ShardReader:
         self.max_token_id = max_token_id
         self._id = next(_READER_IDS)
         check_shard_file(path, info, checksum)
+        self._open_file: pa.ipc.RecordBatchFileReader | None = None
+        self._layout: MappedLayout | None = None
         try:
             self._source = pa.memory_map(path, "r")
-            self._reader = pa.ipc.open_file(self._source)
-            schema = self._reader.schema
-            rows, tokens, self.compressed = _batch_layout(self._source.read_buffer())
+            whole = self._source.read_buffer()  # zero-copy: the whole mapped file
             self._source.seek(0)
+            layout = mapped_layout(memoryview(whole))
+            known = None if layout is None else _CHECKED_SCHEMAS.get(layout.schema)
+            if (
+                layout is not None
+                and known is not None
+                and known[0] == self.dtype.name
+                and with_mask in (None, known[1])
+            ):
+                # the schema pyarrow already checked, uncompressed, no nulls: located from
+                # the flatbuffers alone (ipc_layout.py), no reader object
+                self._layout = layout
+                self.has_mask = known[1]
+                self.compressed = False
+                rows = [b.rows for b in layout.batches]
+                tokens = [b.tokens for b in layout.batches]
+            else:
+                schema = self._reader.schema
+                rows, tokens, self.compressed = _batch_layout(whole)
         except (OSError, ValueError, IndexError, struct.error, pa.ArrowException) as err:
             raise CorruptShardError(
                 f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
             ) from err
-        self.has_mask = "mask" in schema.names
-        self._check_schema(schema, with_mask)
-        if len(rows) != self._reader.num_record_batches:
-            raise CorruptShardError(
-                f"{path}: {len(rows)} record batches in the stream but "
-                f"{self._reader.num_record_batches} in the footer; rebuild"
-            )
+        if self._layout is None:
+            self.has_mask = "mask" in schema.names
+            self._check_schema(schema, with_mask)
+            if len(rows) != self._reader.num_record_batches:
+                raise CorruptShardError(
+                    f"{path}: {len(rows)} record batches in the stream but "
+                    f"{self._reader.num_record_batches} in the footer; rebuild"
+                )
+            if layout is not None and not self.compressed:
+                _CHECKED_SCHEMAS[layout.schema] = (self.dtype.name, self.has_mask)
         self._batch_rows = np.asarray(rows, dtype=np.int64)
         self._batch_tokens = np.asarray(tokens, dtype=np.int64)
         self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
@@ -454,6 +470,14 @@ class ShardReader:
             )
         self._resident: list[_Batch | None] = [None] * len(rows)
         self._flat: FlatRows | None = None
+
+    @property
+    def _reader(self) -> pa.ipc.RecordBatchFileReader:
+        """pyarrow's reader of the file, opened when first needed (a shard located by
+        :func:`mapped_layout` and read only through :meth:`flat_rows` never needs it)."""
+        if self._open_file is None:
+            self._open_file = pa.ipc.open_file(self._source)
+        return self._open_file
 
     def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
         expected = shard_schema(self.dtype, self.has_mask if with_mask is None else with_mask)
@@ -519,15 +543,7 @@ class ShardReader:
                 f"{path}: record batch {b} holds {batch.num_rows} rows / {len(values)} tokens "
                 f"but its header says {self._batch_rows[b]} / {self._batch_tokens[b]}; rebuild"
             )
-        if self.max_token_id is not None and len(values):
-            top = int(values.max())
-            if top > self.max_token_id:
-                raise CorruptShardError(
-                    f"{path}: record batch {b} holds token id {top} but the tokenizer's "
-                    f"largest id is {self.max_token_id} (manifest tokenizer.max_token_id); the "
-                    "shard does not belong to this cache or is damaged: run `shardcache "
-                    "verify` and rebuild"
-                )
+        self._check_ids(b, values)
         bits, shift = _mask_bits(path, batch.column(3), offsets) if self.has_mask else (None, 0)
         return _Batch(
             values=values,
@@ -546,6 +562,8 @@ class ShardReader:
         one fancy index, whatever record batches they are in."""
         if self.compressed:
             return None
+        if self._flat is None and self._layout is not None:
+            self._flat = self._flat_from_layout(self._layout)
         if self._flat is None:
             itemsize = self.dtype.itemsize
             buffer = self._source.read_buffer()  # zero-copy: the whole mapped file
@@ -568,6 +586,52 @@ class ShardReader:
                 lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
             )
         return self._flat
+
+    def _flat_from_layout(self, layout: MappedLayout) -> FlatRows:
+        """:meth:`flat_rows` from the located buffers: the same checks as decoding every
+        record batch (offsets consistent with the counts, ids within the tokenizer's range),
+        no pyarrow objects."""
+        itemsize = self.dtype.itemsize
+        buffer = self._source.read_buffer()
+        self._source.seek(0)
+        raw = np.frombuffer(buffer, dtype=np.uint8)
+        starts, lengths = [], []
+        for b, batch in enumerate(layout.batches):
+            if batch.values_at % itemsize or batch.offsets_at % 4:
+                raise CorruptShardError(
+                    f"{self.path}: record batch {b} token values are misaligned; rebuild"
+                )
+            if batch.values_bytes < batch.tokens * itemsize:
+                raise CorruptShardError(f"{self.path}: token offsets are inconsistent; rebuild")
+            offsets = raw[batch.offsets_at : batch.offsets_at + 4 * (batch.rows + 1)]
+            offsets = offsets.view(np.int32).astype(np.int64)
+            rows = offsets[1:] - offsets[:-1]
+            if len(offsets) and (
+                offsets[0] != 0 or offsets[-1] != batch.tokens or (len(rows) and rows.min() < 0)
+            ):
+                raise CorruptShardError(f"{self.path}: token offsets are inconsistent; rebuild")
+            values = raw[batch.values_at : batch.values_at + batch.tokens * itemsize]
+            self._check_ids(b, values.view(self.dtype))
+            starts.append(batch.values_at // itemsize + offsets[:-1])
+            lengths.append(rows)
+        usable = (len(raw) // itemsize) * itemsize
+        return FlatRows(
+            tokens=raw[:usable].view(self.dtype),
+            starts=np.concatenate(starts) if starts else np.zeros(0, np.int64),
+            lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+        )
+
+    def _check_ids(self, b: int, values: np.ndarray) -> None:
+        """Every id of record batch ``b`` at most the tokenizer's largest (when known)."""
+        if self.max_token_id is not None and len(values):
+            top = int(values.max())
+            if top > self.max_token_id:
+                raise CorruptShardError(
+                    f"{self.path}: record batch {b} holds token id {top} but the tokenizer's "
+                    f"largest id is {self.max_token_id} (manifest tokenizer.max_token_id); the "
+                    "shard does not belong to this cache or is damaged: run `shardcache "
+                    "verify` and rebuild"
+                )
 
     # ---- access ----------------------------------------------------------------------------
 
