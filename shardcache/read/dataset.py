@@ -114,7 +114,7 @@ from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen
 from shardcache.read.collate import pack_batch, packed_layout, pad_batch
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
-from shardcache.store.cache import Cache, Gathered, MappedSources
+from shardcache.store.cache import Cache, Gathered
 from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
 
@@ -261,12 +261,13 @@ class ShardDataset(IterableDataset):
         #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
         #: takes the numpy path (the reference: same batches, slower).
         self.kernels = True
-        self._kernels: bool | None = None  # resolved on the first batch
+        self._batch_kernels: kernels.BatchKernels | None = None  # of the current plan
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         state["_cache"] = None  # memory maps do not travel to worker processes
         state["_plan"] = None  # recomputed (spawned workers); forked ones share the original
+        state["_batch_kernels"] = None
         return state
 
     # ---- epochs and sizes ------------------------------------------------------------------
@@ -536,9 +537,16 @@ class ShardDataset(IterableDataset):
 
     def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors."""
+        compiled = self._compiled(plan)
         if self.options.mode == "pad":
-            return self.collate(plan.batch(index))
-        return self._collate_packed(plan, index)
+            made = None
+            if compiled is not None:  # one pass, straight from the mapped shards
+                multiple = self.options.pad_to_multiple_of
+                made = compiled.pad(index, multiple, self.pad_id, self.ids_dtype)
+            if made is None:
+                return self.collate(plan.batch(index))
+            return _to_batch(*made)
+        return self._collate_packed(plan, index, compiled)
 
     def _gather(
         self,
@@ -556,51 +564,54 @@ class ShardDataset(IterableDataset):
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
 
-    def _mapped(self, sample_ids: np.ndarray) -> MappedSources | None:
-        """The memory-mapped sources of a batch for the compiled kernels (kernels.py), or None
-        when the numpy path reads it (no numba, a chat cache, compressed shards, ...)."""
+    def _compiled(self, plan: EpochPlan) -> kernels.BatchKernels | None:
+        """The compiled reader of ``plan`` (kernels.py), or None when the numpy path reads
+        its batches (no numba, a chat cache, ``self.kernels`` off)."""
+        if not self.kernels:
+            return None
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        if self._kernels is None:
-            cache = self._cache
-            self._kernels = self.kernels and not cache.has_mask and kernels.available(cache.dtype)
-        return self._cache.mapped_sources(sample_ids) if self._kernels else None
+        cached = self._batch_kernels
+        if cached is not None and cached.plan is plan and cached.cache is self._cache:
+            return cached
+        table = self._cache.mapped_table()
+        if table is None or not kernels.available(self._cache.dtype):
+            return None
+        self._batch_kernels = kernels.BatchKernels(
+            self._cache, table, plan, self.options.max_tokens
+        )
+        return self._batch_kernels
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._lengths[sample_ids].max())))
-        sources = self._mapped(sample_ids)
-        batch = None
-        if sources is not None:  # compiled: one pass, straight from the mapped shards
-            batch = kernels.pad_into(sources, sample_ids, width, self.pad_id, self.ids_dtype)
-        if batch is None:
-            rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
-            got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))
-            batch = pad_batch(
-                got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask,
-                self.ids_dtype, laid_out=True,
-            )  # fmt: skip
+        rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
+        got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
+        batch = pad_batch(
+            got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
+            laid_out=True,
+        )  # fmt: skip
         meta = {"sample_ids": batch.pop("sample_ids")}
         return _to_batch(batch, meta)
 
-    def _collate_packed(self, plan: EpochPlan, index: int) -> Batch:
-        ids, starts, taken, row_bounds = plan.packed_segments(index)
+    def _collate_packed(
+        self, plan: EpochPlan, index: int, compiled: kernels.BatchKernels | None
+    ) -> Batch:
         seq_len = int(self.options.seq_len or 0)
-        sources = self._mapped(ids)
-        batch = None
-        if sources is not None:  # compiled: one pass, straight from the mapped shards
-            batch = kernels.pack_into(
-                sources, ids, starts, taken, row_bounds, seq_len, self.pad_id, self.ids_dtype
-            )
-        if batch is None:
+        made = None
+        if compiled is not None:  # one pass, straight from the mapped shards
+            made = compiled.pack(index, seq_len, self.pad_id, self.ids_dtype)
+        if made is not None:
+            batch, meta = made
+        else:
+            ids, starts, taken, row_bounds = plan.packed_segments(index)
             batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len)
-        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
-        positions = np.asarray(batch["position_ids"])
+            meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         if self.attention == "mask":
-            batch["attention_mask"] = block_causal_mask(positions)
+            batch["attention_mask"] = block_causal_mask(np.asarray(batch["position_ids"]))
         elif self.attention == "varlen":
-            batch.update(varlen_keys(positions))
+            batch.update(varlen_keys(np.asarray(batch["position_ids"])))
         return _to_batch(batch, meta)
 
     def _pack_numpy(

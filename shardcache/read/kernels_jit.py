@@ -4,7 +4,8 @@ installed: ``pip install 'shardcache[fast]'``).
 :func:`pack` and :func:`pad` write one batch from memory-mapped shards: see
 :mod:`shardcache.read.kernels` for what they produce, how they are checked and why they read
 shards through raw addresses. Compiled once per machine (``cache=True``: ~1-2 s the first
-time, then loaded from numba's cache). Results below zero are error codes.
+time, then loaded from numba's cache). Results below zero are error codes; NEED_SHARD asks
+the caller to open a shard (``Cache.open_mapped``) and call again.
 """
 
 from __future__ import annotations
@@ -21,8 +22,11 @@ from shardcache.read.collate import IGNORE_INDEX
 BAD_SEGMENT = -1  # a segment outside its sequence
 BAD_SOURCE = -2  # a shard not open, or a read past its end
 BAD_ROW = -3  # a row holding more values than its width
+BAD_ID = -4  # a token id above the tokenizer's largest (a damaged or foreign shard)
+NEED_SHARD = 1  # a shard to open first (its index in info[3]); then call again
 
-_jit = numba.njit(nogil=True, cache=True)
+# the GIL stays held: a kernel reads shards by address, and no other thread may close one
+_jit = numba.njit(cache=True)
 #: helpers are inlined into the kernels: one cached object per kernel to load (a cached
 #: function with compiled callees took ~0.15 s to load in a fresh process)
 _inline = numba.njit(inline="always")
@@ -59,13 +63,17 @@ def _copy_segment(
     ids_out: np.ndarray,
     labels_out: np.ndarray,
     positions_out: np.ndarray,
-) -> None:  # pragma: no cover - compiled
+) -> int:  # pragma: no cover - compiled
+    """Copy one segment; returns its largest id (0 when empty)."""
     if take <= 0:
-        return
+        return 0
     source = values[src : src + take]
     ids = ids_out[dst : dst + take]
     labels = labels_out[dst : dst + take]
     positions = positions_out[dst : dst + take]
+    top = source[0]
+    for j in range(take):
+        top = max(top, source[j])
     for j in range(take):
         ids[j] = source[j]
     for j in range(take):
@@ -73,6 +81,7 @@ def _copy_segment(
     for j in range(take):
         positions[j] = j
     labels[0] = IGNORE_INDEX  # a segment's first token is never a target
+    return top
 
 
 @_inline
@@ -98,11 +107,15 @@ def _copy_row(
     ids_out: np.ndarray,
     mask_out: np.ndarray,
     labels_out: np.ndarray,
-) -> None:  # pragma: no cover - compiled
+) -> int:  # pragma: no cover - compiled
+    """Copy one sequence into its padded row; returns its largest id (0 when empty)."""
     source = values[src : src + take]
     ids = ids_out[row : row + take]
     labels = labels_out[row : row + take]
     mask = mask_out[row : row + width]
+    top = 0
+    for j in range(take):
+        top = max(top, source[j])
     for j in range(take):
         ids[j] = source[j]
     for j in range(take):
@@ -112,6 +125,26 @@ def _copy_row(
     for j in range(take, width):
         mask[j] = 0
     _fill_padding(row + take, width - take, pad_id, ids_out, labels_out)
+    return top
+
+
+@_inline
+def _locate(
+    sample: int,
+    shard_starts: np.ndarray,
+    addresses: np.ndarray,
+    last_used: np.ndarray,
+    stamp: int,
+    info: np.ndarray,
+) -> int:  # pragma: no cover - compiled
+    """The shard of ``sample`` when it is open (stamped as used), else -1 with the shard
+    in ``info[3]`` (the caller opens it and calls again)."""
+    s = np.searchsorted(shard_starts, sample, side="right") - 1
+    if addresses[s] == 0:
+        info[3] = s
+        return -1
+    last_used[s] = stamp
+    return s
 
 
 @_jit
@@ -119,53 +152,83 @@ def pack(
     wide: bool,
     addresses: np.ndarray,
     sizes: np.ndarray,
+    last_used: np.ndarray,
+    stamp: int,
+    shard_starts: np.ndarray,
     file_starts: np.ndarray,
     lengths: np.ndarray,
-    shard: np.ndarray,
+    batch_offsets: np.ndarray,
     sample_ids: np.ndarray,
-    starts: np.ndarray,
-    taken: np.ndarray,
-    has_taken: bool,
-    bounds: np.ndarray,
+    seg_starts: np.ndarray,
+    seg_lengths: np.ndarray,
+    row_offsets: np.ndarray,
+    index: int,
     seq_len: int,
     pad_id: int,
+    max_id: int,
     ids_out: np.ndarray,
     labels_out: np.ndarray,
     positions_out: np.ndarray,
     cu_out: np.ndarray,
     sample_out: np.ndarray,
     offset_out: np.ndarray,
-) -> tuple[int, int]:  # pragma: no cover - compiled
-    """Rows of ``seq_len`` slots from segments (``wide``: uint32 shards, else uint16);
-    returns (segments including padding runs, the longest segment) or (error code, 0)."""
-    num_rows = len(bounds) - 1
+    info: np.ndarray,
+) -> int:  # pragma: no cover - compiled
+    """Packed batch ``index`` of the plan (``batch_offsets``, ``sample_ids``, ``seg_starts`` /
+    ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
+    ``seq_len`` slots (``wide``: uint32 shards, else uint16). Returns 0 with ``info`` = (rows,
+    segments including padding runs, longest segment), NEED_SHARD, or an error code."""
+    lo = batch_offsets[index]
+    hi = batch_offsets[index + 1]
+    if len(row_offsets):
+        r_lo = np.searchsorted(row_offsets, lo)
+        r_hi = np.searchsorted(row_offsets, hi)
+        num_rows = r_hi - r_lo
+    else:
+        r_lo = 0
+        num_rows = hi - lo
+    num_samples = len(lengths)
+    if num_rows * seq_len > len(ids_out) or (hi - lo) + num_rows + 1 > len(cu_out):
+        return BAD_ROW
     dst = 0
     out = 0
     longest = 0
     cu_out[0] = 0
     for r in range(num_rows):
+        if len(row_offsets):
+            k_lo = row_offsets[r_lo + r]
+            k_hi = row_offsets[r_lo + r + 1]
+        else:
+            k_lo = lo + r
+            k_hi = lo + r + 1
         row_end = dst + seq_len
-        for k in range(bounds[r], bounds[r + 1]):
+        for k in range(k_lo, k_hi):
             sample = sample_ids[k]
-            first = starts[k]
+            if sample < 0 or sample >= num_samples:
+                return BAD_SEGMENT
+            first = seg_starts[k] if len(seg_starts) else 0
             full = np.int64(lengths[sample])
-            take = taken[k] if has_taken else full - first
+            take = seg_lengths[k] if len(seg_lengths) else full - first
             if first < 0 or take < 0 or first + take > full:
-                return BAD_SEGMENT, 0
+                return BAD_SEGMENT
             if dst + take > row_end:
-                return BAD_ROW, 0
-            s = shard[k]
+                return BAD_ROW
+            s = _locate(sample, shard_starts, addresses, last_used, stamp, info)
+            if s < 0:
+                return NEED_SHARD
             address = addresses[s]
             size = sizes[s]
             src = np.int64(file_starts[sample]) + first
-            if address == 0 or src + take > size:
-                return BAD_SOURCE, 0
+            if src + take > size:
+                return BAD_SOURCE
             if wide:
                 values32 = numba.carray(as_uint32_pointer(address), size)
-                _copy_segment(values32, src, take, dst, ids_out, labels_out, positions_out)
+                top = _copy_segment(values32, src, take, dst, ids_out, labels_out, positions_out)
             else:
                 values16 = numba.carray(as_uint16_pointer(address), size)
-                _copy_segment(values16, src, take, dst, ids_out, labels_out, positions_out)
+                top = _copy_segment(values16, src, take, dst, ids_out, labels_out, positions_out)
+            if top > max_id:
+                return BAD_ID
             dst += take
             sample_out[out] = sample
             offset_out[out] = first
@@ -184,7 +247,10 @@ def pack(
             cu_out[out + 1] = dst
             longest = max(longest, pad)
             out += 1
-    return out, longest
+    info[0] = num_rows
+    info[1] = out
+    info[2] = longest
+    return 0
 
 
 @_jit
@@ -192,34 +258,57 @@ def pad(
     wide: bool,
     addresses: np.ndarray,
     sizes: np.ndarray,
+    last_used: np.ndarray,
+    stamp: int,
+    shard_starts: np.ndarray,
     file_starts: np.ndarray,
     lengths: np.ndarray,
-    shard: np.ndarray,
+    batch_offsets: np.ndarray,
     sample_ids: np.ndarray,
-    width: int,
+    index: int,
+    multiple: int,
     pad_id: int,
+    max_id: int,
     ids_out: np.ndarray,
     mask_out: np.ndarray,
     labels_out: np.ndarray,
+    info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """One whole sequence per row of ``width`` slots, then padding (``wide``: uint32 shards);
-    returns 0 or an error code."""
-    for r in range(len(sample_ids)):
-        sample = sample_ids[r]
+    """Pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
+    longest rounded up to ``multiple`` (``wide``: uint32 shards). Returns 0 with ``info`` =
+    (rows, width), NEED_SHARD, or an error code."""
+    lo = batch_offsets[index]
+    hi = batch_offsets[index + 1]
+    num_samples = len(lengths)
+    width = 0
+    for k in range(lo, hi):
+        sample = sample_ids[k]
+        if sample < 0 or sample >= num_samples:
+            return BAD_SEGMENT
+        width = max(width, np.int64(lengths[sample]))
+    width = -(-width // multiple) * multiple
+    if (hi - lo) * width > len(ids_out):
+        return BAD_ROW
+    for k in range(lo, hi):
+        sample = sample_ids[k]
         take = np.int64(lengths[sample])
-        if take > width:
-            return BAD_ROW
-        s = shard[r]
+        s = _locate(sample, shard_starts, addresses, last_used, stamp, info)
+        if s < 0:
+            return NEED_SHARD
         address = addresses[s]
         size = sizes[s]
         src = np.int64(file_starts[sample])
-        if address == 0 or src + take > size:
+        if src + take > size:
             return BAD_SOURCE
-        row = r * width
+        row = (k - lo) * width
         if wide:
             values32 = numba.carray(as_uint32_pointer(address), size)
-            _copy_row(values32, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
+            top = _copy_row(values32, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
         else:
             values16 = numba.carray(as_uint16_pointer(address), size)
-            _copy_row(values16, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
+            top = _copy_row(values16, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
+        if top > max_id:
+            return BAD_ID
+    info[0] = hi - lo
+    info[1] = width
     return 0

@@ -152,25 +152,31 @@ class Gathered:
 
 
 @dataclass(frozen=True)
-class MappedSources:
-    """Where the segments of one read lie in memory-mapped shard files, for a compiled reader
-    (:meth:`Cache.mapped_sources`; ``shardcache.read.kernels`` copies straight from them).
+class MappedTable:
+    """Every memory-mapped shard of a cache by address, for a compiled reader
+    (:meth:`Cache.mapped_table`; ``shardcache.read.kernels`` copies straight from the files).
 
-    ``shard[k]`` is segment ``k``'s shard; that shard's tokens (``dtype``) are the
-    ``sizes[shard]`` values at address ``addresses[shard]`` (0: not open); its sequence
-    ``sample`` starts at value ``file_starts[sample]`` of them and holds ``lengths[sample]``
-    tokens (the length index, checked against the shard when it was first opened). The
-    addresses stay valid while ``keep`` (the shards' arrays) is alive: hold this object for the
-    whole copy.
+    Shard ``s`` holds sample ids ``shard_starts[s] : shard_starts[s + 1]``; while it is open its
+    tokens (``dtype``) are the ``sizes[s]`` values at address ``addresses[s]`` (0: not open,
+    :meth:`Cache.open_mapped` opens it). Sample ``i`` starts at value ``file_starts[i]`` of its
+    shard (filled when the shard is first opened) and holds ``lengths[i]`` tokens (the length
+    index, checked against the shard then). A reader advances ``clock[0]`` once per batch and
+    records ``last_used[s] = clock[0]`` for every shard it reads (when the LRU must close a
+    shard for a new one, it closes the least recently stamped), and it refuses any id
+    above ``max_id``: the store has not checked the ids of these files, the reader checks those
+    it copies. An address is valid until the next :meth:`Cache.open_mapped` or close, so a
+    reader must not let Python code run between reading an address and copying from it.
     """
 
-    shard: np.ndarray  # int64, one per segment
-    addresses: np.ndarray  # int64, one per shard of the cache
-    sizes: np.ndarray  # int64, one per shard of the cache
+    addresses: np.ndarray  # int64, one per shard
+    sizes: np.ndarray  # int64, one per shard
+    last_used: np.ndarray  # int64, one per shard
+    clock: np.ndarray  # int64, one: the current stamp
+    shard_starts: np.ndarray  # int64, one per shard + 1
     file_starts: np.ndarray  # uint32 or int64, one per sample
     lengths: np.ndarray  # the length index, one per sample
     dtype: np.dtype
-    keep: dict[int, np.ndarray]
+    max_id: int
 
 
 @dataclass(frozen=True)
@@ -249,6 +255,8 @@ class Cache:
             else lambda info: (shard_path(self.path, info["name"]), _no_release)
         )
         max_id = self.manifest.get("tokenizer", {}).get("max_token_id")
+        #: the largest id a shard may hold (the tokenizer's; unknown: any)
+        self._max_id = np.iinfo(np.int64).max if max_id is None else int(max_id)
         options = {
             "max_token_id": None if max_id is None else int(max_id),
             "with_mask": self.has_mask,
@@ -257,11 +265,15 @@ class Cache:
         # their token arrays (filled as shards are first read: _flat_tokens); the token
         # arrays of the open ones, dropped when the LRU closes them
         self._flat_seen = np.zeros(len(self.shards), dtype=bool)
+        # ... and those whose every id was checked against max_token_id (MappedTable readers
+        # check the ids they copy instead)
+        self._ids_checked = np.zeros(len(self.shards), dtype=bool)
         self._file_starts: np.ndarray | None = None
         self._flat_open: dict[int, np.ndarray] = {}
-        # the open ones' token arrays by address and size (MappedSources; 0 = not open)
+        # the open ones' token arrays by address and size (MappedTable; 0 = not open)
         self._flat_addresses = np.zeros(len(self.shards), dtype=np.int64)
         self._flat_sizes = np.zeros(len(self.shards), dtype=np.int64)
+        self._table: MappedTable | None = None
         self._shards = ShardCache(
             self.shards,
             self.dtype,
@@ -424,7 +436,9 @@ class Cache:
                 tokens[dst[a:b]] = source
         return Gathered(tokens, offsets, mask)
 
-    def _flat_tokens(self, shards: Iterable[int]) -> dict[int, np.ndarray] | None:
+    def _flat_tokens(
+        self, shards: Iterable[int], check_ids: bool = True
+    ) -> dict[int, np.ndarray] | None:
         """The token arrays of memory-mapped shards (``None`` when one is compressed).
 
         The first time this cache sees a shard, its rows' stored lengths are compared with the
@@ -437,13 +451,14 @@ class Cache:
         arrays: dict[int, np.ndarray] = {}
         for index in shards:
             tokens = self._flat_open.get(index)
-            if tokens is not None:  # open and checked: only marked as recently used
-                self._shards.touch(index)
+            if tokens is not None and (self._ids_checked[index] or not check_ids):
+                self._shards.touch(index)  # open and checked: only marked as recently used
                 arrays[index] = tokens
                 continue
-            flat = self._shards.get(index).flat_rows()
+            flat = self._shards.get(index).flat_rows(check_ids)
             if flat is None:
                 return None
+            self._ids_checked[index] |= check_ids
             if not self._flat_seen[index]:
                 self._record_flat(index, flat)
             arrays[index] = self._flat_open[index] = flat.tokens
@@ -451,31 +466,41 @@ class Cache:
             self._flat_sizes[index] = len(flat.tokens)
         return arrays
 
-    def mapped_sources(self, sample_ids: np.ndarray) -> MappedSources | None:
-        """The memory-mapped sources of the sequences ``sample_ids`` (their shards opened and
-        checked, as by :meth:`gather`), or ``None`` when :meth:`gather` must read them: a
-        compressed shard, or more shards than the LRU keeps open at once. ``IndexError`` for an
-        id out of range."""
-        ids = np.asarray(sample_ids, dtype=np.int64)
-        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):
-            bad = int(ids[(ids < 0) | (ids >= self.num_sequences)][0])
-            raise IndexError(f"sample id {bad} out of range: the cache holds {self.num_sequences}")
-        shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
-        touched = set(shard.tolist())
-        if len(touched) > self._shards.size:  # opening one would close another of this read
+    def mapped_table(self) -> MappedTable | None:
+        """The table of memory-mapped shards for compiled readers (None for a chat cache, whose
+        masks are read through :meth:`gather`). The same object for the cache's life; its
+        arrays change as shards open and close."""
+        if self.has_mask:
             return None
-        arrays = self._flat_tokens(touched)
-        if arrays is None or self._file_starts is None:
-            return None
-        return MappedSources(
-            shard,
-            self._flat_addresses,
-            self._flat_sizes,
-            self._file_starts,
-            self._lengths_plain,
-            self.dtype,
-            arrays,
-        )
+        if self._table is None:
+            self._table = MappedTable(
+                self._flat_addresses,
+                self._flat_sizes,
+                np.zeros(len(self.shards), dtype=np.int64),
+                np.ones(1, dtype=np.int64),
+                self.shard_starts,
+                self._starts_table(),
+                self._lengths_plain,
+                self.dtype,
+                self._max_id,
+            )
+        return self._table
+
+    def open_mapped(self, index: int) -> bool:
+        """Open shard ``index`` for :meth:`mapped_table` readers (checked like any open, its
+        ids left to the reader); False when it is compressed (read it through
+        :meth:`gather`). The shard the LRU closes for it is the least recently stamped one."""
+        table = self.mapped_table()
+        if table is not None and len(self._flat_open) >= self._shards.size:
+            stamps = table.last_used
+            for shard in sorted(self._flat_open, key=stamps.__getitem__):
+                self._shards.touch(shard)  # the LRU's order becomes the readers' order
+        arrays = self._flat_tokens([int(index)], check_ids=False)
+        if arrays is None:
+            return False
+        if table is not None:
+            table.last_used[index] = table.clock[0]  # used by the read that asked for it
+        return True
 
     def _record_flat(self, index: int, flat: FlatRows) -> None:
         lo, hi = int(self.shard_starts[index]), int(self.shard_starts[index + 1])
@@ -490,6 +515,11 @@ class Cache:
                 f"says {expected}; the index and the shards disagree: run `shardcache verify` "
                 "and rebuild"
             )
+        self._starts_table()[lo:hi] = flat.starts
+        self._flat_seen[index] = True
+
+    def _starts_table(self) -> np.ndarray:
+        """Every sample's start in its shard's token array (see :meth:`_record_flat`)."""
         if self._file_starts is None:
             # zero-filled pages cost no memory until a shard's rows are written into them;
             # 4 bytes a sequence when every shard file is under 4 G tokens (always, at the
@@ -498,8 +528,7 @@ class Cache:
             small = largest // self.dtype.itemsize < 2**32
             kind = np.uint32 if small else np.int64
             self._file_starts = np.zeros(self.num_sequences, dtype=kind)
-        self._file_starts[lo:hi] = flat.starts
-        self._flat_seen[index] = True
+        return self._file_starts
 
     def _copy_runs(
         self,

@@ -32,8 +32,13 @@ def cache_root() -> str:
     root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "shardcache"
     )
-    os.makedirs(root, exist_ok=True)
+    if root not in _ROOTS or not os.path.isdir(root):
+        os.makedirs(root, exist_ok=True)
+        _ROOTS.add(root)
     return root
+
+
+_ROOTS: set[str] = set()  # roots made (a stat then, not a mkdir: readers ask once a shard)
 
 
 def sha256_text(text: str) -> str:

@@ -10,7 +10,6 @@ import pytest
 
 from conftest import assert_batches_equal
 from shardcache import ShardDataset
-from shardcache.read import kernels
 from shardcache.store.cache import Cache
 
 pytest.importorskip("numba")
@@ -99,25 +98,61 @@ def test_a_segment_outside_its_sequence_is_the_numpy_paths_error(caches):
     ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
                       attention="none")  # fmt: skip
     plan = ds.plan()
-    ids, starts, taken, bounds = plan.packed_segments(0)
-    sources = ds._cache.mapped_sources(ids)
-    assert kernels.pack_into(sources, ids, starts, taken, bounds, 48, 0, np.int32) is not None
-    take = np.asarray(taken if taken is not None else ds._lengths[ids] - starts)
-    late = np.asarray(starts).copy()
+    compiled = ds._compiled(plan)
+    assert compiled.pack(0, 48, 0, np.dtype(np.int32)) is not None
+    late = plan.seg_starts.copy()
     late[0] += 1000  # the same lengths, from past the sequence's end
-    assert kernels.pack_into(sources, ids, late, take, bounds, 48, 0, np.int32) is None
+    bad = type(plan)(plan.batch_offsets, plan.sample_ids, plan.row_offsets, late, plan.seg_lengths)
+    assert ds._compiled(bad).pack(0, 48, 0, np.dtype(np.int32)) is None
     with pytest.raises(IndexError, match="past the end"):
-        ds._pack_numpy(ids, late, take, bounds, 48)
+        ds.collate_batch(bad, 0)
 
 
-def test_a_closed_shard_is_never_read(caches):
-    """Addresses of shards the LRU closed are zero: the kernel refuses them."""
-    cache = Cache(caches["u16"], open_shards=2)
-    ids = np.arange(cache.num_sequences, dtype=np.int64)
-    first = cache.mapped_sources(ids[:1])
-    assert first is not None and first.addresses[first.shard[0]] != 0
-    assert cache.mapped_sources(ids) is None  # more shards than the LRU keeps open
-    for sample in range(0, cache.num_sequences, 7):
-        cache.mapped_sources(ids[sample : sample + 1])
-    open_now = np.flatnonzero(cache._flat_addresses)
-    assert 1 <= len(open_now) <= 2
+def test_shards_open_on_demand_and_closed_ones_are_never_read(caches):
+    """A batch whose shards are not open opens them; the LRU closes the least recently
+    used, whose address becomes zero, so a kernel can never read a closed shard. A batch over
+    more shards than stay open is read on the numpy path."""
+    path = caches["u16"]
+    options = {"max_tokens": 256, "shuffle": True, "mode": "pack", "packing": "concat",
+               "seq_len": 48, "attention": "none"}  # fmt: skip
+    ds = ShardDataset(path, **options)
+    reference = ShardDataset(path, **options)
+    reference.kernels = False
+    plan = ds.plan()
+    starts = ds._cache.shard_starts
+    touched = [
+        len(set(np.searchsorted(starts, plan.segments(i)[0], side="right").tolist()))
+        for i in range(len(plan))
+    ]
+    most = max(touched)
+    assert len(ds._cache.shards) > 2 * most
+    ds._cache = Cache(path, open_shards=most)
+    table = ds._cache.mapped_table()
+    gathered = []
+    real = ds._cache.gather
+    ds._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
+    for index in range(len(plan)):
+        assert_batches_equal(ds.collate_batch(plan, index), reference.collate_batch(plan, index))
+        assert touched[index] <= np.count_nonzero(table.addresses) <= most
+    assert not gathered
+    ds._cache = Cache(path, open_shards=most - 1)
+    real = ds._cache.gather
+    ds._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
+    for index in range(len(plan)):
+        assert_batches_equal(ds.collate_batch(plan, index), reference.collate_batch(plan, index))
+    assert 0 < len(gathered) < len(plan)
+
+
+def test_token_ids_above_the_tokenizer_are_refused(caches, monkeypatch):
+    """The kernels check every id they copy (the store leaves that to them)."""
+    from shardcache.errors import CorruptShardError
+
+    ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
+                      attention="none")  # fmt: skip
+    ds._cache = Cache(caches["u16"])
+    monkeypatch.setattr(ds._cache, "_max_id", 3)
+    monkeypatch.setattr(
+        ds._cache._shards, "reader_options", {"max_token_id": 3, "with_mask": False}
+    )
+    with pytest.raises(CorruptShardError, match="holds token id"):
+        next(iter(ds))
