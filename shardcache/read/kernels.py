@@ -36,16 +36,26 @@ call; every read is bounds-checked against the shard's size first.
 from __future__ import annotations
 
 import functools
+import logging
 from typing import Any
 
 import numpy as np
 
 from shardcache.store.cache import Cache, MappedTable
 
+logger = logging.getLogger("shardcache")
+
+
+#: Why the kernels are off although numba is installed (they failed to compile or load), or
+#: None: an optional speed-up never stops a reader, it only makes it take the numpy path.
+disabled: str | None = None
+
 
 @functools.cache
 def _compiled() -> Any | None:
     """The compiled kernels (:mod:`shardcache.read.kernels_jit`), or None without numba."""
+    if disabled is not None:
+        return None
     try:
         from shardcache.read import kernels_jit
     except ImportError:
@@ -199,6 +209,20 @@ def warm_up() -> None:
     loading the kernel from numba's cache (~6 ms); ``shardcache.read.dataset`` calls this when
     it is imported, so that cost is paid with the other imports, not in the first batch. Other
     types (int64 ids, uint16 shards, int64 file starts) load on first use."""
+    global disabled
+    try:
+        _warm()
+    except Exception as err:  # a broken numba install must not break reading
+        disabled = f"{type(err).__name__}: {err}"
+        _compiled.cache_clear()
+        logger.warning(
+            "shardcache: the compiled batch reader is off (%s); batches are read through numpy "
+            "(same batches, slower). Reinstall numba (pip install 'shardcache[fast]') to fix",
+            disabled,
+        )
+
+
+def _warm() -> None:
     kernels = _compiled()
     if kernels is None:
         return

@@ -37,6 +37,7 @@ from typing import Any
 
 from shardcache.errors import CorruptShardError
 from shardcache.store.files import (
+    CACHE_DIR_ENV,
     cache_root,
     exclusive_lock,
     sha256_file,
@@ -67,9 +68,18 @@ def _identity(path: str, st: os.stat_result, sha256: str) -> str:
 _FOLDERS: set[str] = set()
 
 
+#: the markers' root folder by the value of ``$SHARDCACHE_CACHE_DIR`` (cache_root() costs a
+#: stat and a home-folder lookup)
+_ROOTS: dict[str | None, str] = {}
+
+
 def _marker(identity: str) -> str | None:
     try:
-        folder = os.path.join(cache_root(), VERIFIED_DIR, identity[:2])
+        env = os.environ.get(CACHE_DIR_ENV)
+        root = _ROOTS.get(env)
+        if root is None:
+            root = _ROOTS[env] = os.path.join(cache_root(), VERIFIED_DIR)
+        folder = os.path.join(root, identity[:2])
         if folder not in _FOLDERS:
             os.makedirs(folder, exist_ok=True)
             _FOLDERS.add(folder)

@@ -10,6 +10,7 @@ import pytest
 
 from conftest import assert_batches_equal
 from shardcache import ShardDataset
+from shardcache.read import kernels
 from shardcache.store.cache import Cache
 
 pytest.importorskip("numba")
@@ -156,3 +157,25 @@ def test_token_ids_above_the_tokenizer_are_refused(caches, monkeypatch):
     )
     with pytest.raises(CorruptShardError, match="holds token id"):
         next(iter(ds))
+
+
+def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, caplog):
+    """A numba that cannot compile or load the kernels turns them off with a warning; reading
+    goes on through numpy."""
+    from shardcache.read import kernels_jit
+
+    monkeypatch.setattr(kernels, "disabled", None)
+    kernels._compiled.cache_clear()
+
+    def broken(*args):
+        raise RuntimeError("LLVM exploded")
+
+    monkeypatch.setattr(kernels_jit, "pack", broken)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        kernels.warm_up()
+    assert "LLVM exploded" in caplog.text and not kernels.available(np.dtype(np.uint16))
+    ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
+                      attention="none")  # fmt: skip
+    assert ds._compiled(ds.plan()) is None and len(list(ds)) > 1
+    monkeypatch.setattr(kernels, "disabled", None)
+    kernels._compiled.cache_clear()
