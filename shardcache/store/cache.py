@@ -468,10 +468,11 @@ class Cache:
 
     def mapped_table(self) -> MappedTable | None:
         """The table of memory-mapped shards for compiled readers (None for a chat cache, whose
-        masks are read through :meth:`gather`). The same object for the cache's life; its
-        arrays change as shards open and close."""
-        if self.has_mask:
-            return None
+        masks are read through :meth:`gather`, and for a compressed one). The same object for
+        the cache's life; its arrays change as shards open and close."""
+        layout = (self.manifest.get("options") or {}).get("layout") or {}
+        if self.has_mask or layout.get("compression", "none") != "none":
+            return None  # (a cache resumed under another compression: open_mapped says so)
         if self._table is None:
             self._table = MappedTable(
                 self._flat_addresses,
