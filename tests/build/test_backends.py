@@ -24,6 +24,7 @@ from shardcache.build.backends import (
     sample_positions,
     select_backend,
 )
+from shardcache.build.resolved import read_resolved
 from shardcache.build.run import build_cache as run_build
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import TokenizeOptions, build_options_from_mapping
@@ -516,8 +517,9 @@ def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp
 
 
 def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, monkeypatch):
-    """A default build loads the fast backend once, from tokenizer.json, and its cache equals
-    the HF build's."""
+    """A default build loads the fast backend once: from tokenizer.json when transformers
+    resolves the tokenizer (no memo), from the memo's backend JSON otherwise; its cache equals
+    the HF build's either way."""
     pytest.importorskip("fastokens")
     loads = []
     real = FastBackend.__init__
@@ -528,10 +530,17 @@ def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, 
 
     monkeypatch.setattr(FastBackend, "__init__", counting)
     hf_out, out = str(tmp_path / "hf"), str(tmp_path / "auto")
-    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")
+    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")  # writes the memo
     assert loads == []
+    monkeypatch.setenv("SHARDCACHE_NO_MEMO", "1")
     manifest = _build(hard_corpus, tokenizer_dir, out)
     assert manifest["encoder"]["partitions_by_backend"] == {"fastokens": 2}
     with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
         assert loads == [f.read()]
     assert _data_files(out) == _data_files(hf_out)
+    monkeypatch.delenv("SHARDCACHE_NO_MEMO")
+    loads.clear()
+    _build(hard_corpus, tokenizer_dir, str(tmp_path / "warm"))
+    resolved = read_resolved(tokenizer_dir)
+    assert resolved is not None and loads == [resolved.backend]
+    assert _data_files(str(tmp_path / "warm")) == _data_files(hf_out)
