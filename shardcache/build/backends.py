@@ -20,10 +20,12 @@ What this module owns:
   :func:`verify_sample` re-encodes a deterministic sample of every encode batch with HF
   (partition.py re-encodes a partition with HF on a mismatch).
 
-Start-up: a build starts the fast load from the folder's tokenizer.json first thing
-(:func:`load_fast_early`), before transformers is imported, and adopts it once transformers'
-backend JSON is known if the two have the same :func:`ids_content` (else it loads that JSON).
-Measured on a 151k BPE, 2 cores: the gate no longer waits for the load.
+Start-up: with a warm memo of the tokenizer folder (:mod:`shardcache.build.resolved`) the
+fast load starts from the memo's backend JSON (the JSON transformers produced) while the
+reference backend parses the same JSON. Without one, a build starts the fast load from the
+folder's tokenizer.json first thing (:func:`load_fast_early`), before transformers is
+imported, and adopts it once transformers' backend JSON is known if the two have the same
+:func:`ids_content` (else it loads that JSON).
 
 Exactness is by proof, not by trust: ids equal the reference on everything the gate and the
 in-build sample saw, and ``shardcache verify --tokens`` audits any cache afterwards. The cache

@@ -23,10 +23,13 @@ the MiniLM WordPiece tokenizer on 2 cores, 1.9 CPU-s per wall-s). Extracting the
 lists costs ~10% of that, so :func:`encode_ahead` runs the next ``encode_batch`` in a
 background thread while the caller converts and writes the previous one.
 
-Worker processes of a parallel build do not load the tokenizer through transformers (~2 s
-and ~260 MB per process for the import alone): the parent resolves everything transformers
-decides (special-token ids, the backend JSON) once, and :meth:`TextEncoder.spec` /
-:meth:`TextEncoder.from_spec` hand that plain-JSON state to the workers.
+Everything the encoder takes from transformers (special-token ids, the backend JSON) is one
+plain-JSON record, :class:`~shardcache.build.resolved.ResolvedTokenizer`, and
+:meth:`TextEncoder.from_resolved` builds an encoder from it without transformers (~2 s and
+~260 MB for the import alone). Two sources use that: worker processes of a parallel build
+(:meth:`TextEncoder.spec` / :meth:`TextEncoder.from_spec` carry the parent's record), and the
+on-disk memo of a folder resolved before (:mod:`shardcache.build.resolved`), so a warm text
+build or ``shardcache check`` never imports transformers.
 """
 
 from __future__ import annotations
