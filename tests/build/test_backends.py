@@ -412,6 +412,49 @@ def test_in_build_mismatch_reencodes_the_partition_with_hf(hard_corpus, tokenize
         _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
 
 
+def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir, monkeypatch):
+    """The sample is verified in threads, yet the counts are those of an in-line check that
+    stopped at the first differing batch, whatever the timing; an HF failure on a sampled
+    text is a difference too."""
+    pytest.importorskip("fastokens")
+    from shardcache.build.backends import sample_positions
+    from shardcache.build.tokenize import EncodingMismatch
+
+    batches = [make_texts(40, seed=s) for s in range(5)]
+    encoder = _fast_encoder(tokenizer_dir)
+    assert encoder is not None
+    encoder.verify_fraction = 1 / 8
+    for batch in batches:
+        encoder.encode_texts(batch)
+    encoder.check_verified()
+    clean = encoder.take_verify()
+    expected = [
+        len(sample_positions(b, encoder.fast.encode_flat(b, True)[1], 1 / 8, k))
+        for k, b in enumerate(batches)
+    ]
+    assert clean.mismatches == 0 and clean.documents == sum(expected)
+
+    wrong_batch = batches[2]
+    _inject_wrong_id(monkeypatch, lambda text, call: text in wrong_batch)
+    for batch in batches:
+        encoder.encode_texts(batch)
+    with pytest.raises(EncodingMismatch, match="HF gives"):
+        encoder.check_verified()
+    counts = encoder.take_verify()
+    assert counts.documents == sum(expected[:3])  # batches 0..2, none after the difference
+    assert counts.mismatches >= 1 and counts.mismatches == len(counts.detail)
+    monkeypatch.undo()
+
+    def failing(texts, add_special_tokens):
+        raise RuntimeError("HF broke")
+
+    monkeypatch.setattr(encoder.reference, "encode_lists", failing)
+    encoder.encode_texts(batches[0])
+    with pytest.raises(EncodingMismatch, match="HF failed on the verification sample"):
+        encoder.check_verified()
+    assert encoder.take_verify().mismatches == 1
+
+
 def test_chat_builds_use_hf_and_say_why(tmp_path, chatml_tokenizer_dir):
     convs = make_conversations(30, seed=4)
     convs[0][-1]["content"] += " 東京 🙂 e\u0301  <|im_end|>"
