@@ -16,7 +16,7 @@ whose folder was seen before takes the record from
 ``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json`` (~30 ms) and never imports transformers.
 
 The memo's digest (:func:`folder_digest`) covers :data:`RESOLVED_MEMO_VERSION`, the installed
-transformers and tokenizers versions (package metadata: no import) and the name and sha256
+versions of :data:`RESOLVER_PACKAGES` (package metadata: no import) and the name and sha256
 of every regular file directly in the folder (~10 ms for a 10 MB tokenizer.json), so editing
 any tokenizer file, or upgrading either library, misses the memo. Model weights that share a
 folder with the tokenizer (:data:`NOT_TOKENIZER_FILES`) are not hashed: ``from_pretrained``
@@ -52,11 +52,17 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
                  "mask_token")  # fmt: skip
 
 
-def library_versions() -> dict[str, str]:
-    """The installed transformers and tokenizers versions, from package metadata (importing
-    transformers to read ``__version__`` costs 1.7-2.5 s)."""
+#: Packages whose versions can change what transformers resolves from the same files:
+#: the two libraries, and what its converters use when a folder has no tokenizer.json
+#: (a sentencepiece or tiktoken model is converted to a fast tokenizer as it loads).
+RESOLVER_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "protobuf", "tiktoken")
+
+
+def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) -> dict[str, str]:
+    """Installed versions by package name ("unknown" when missing), from package metadata
+    (importing transformers to read ``__version__`` costs 1.7-2.5 s; this ~5 ms)."""
     out = {}
-    for name in ("transformers", "tokenizers"):
+    for name in names:
         try:
             out[name] = metadata.version(name)
         except metadata.PackageNotFoundError:
@@ -166,8 +172,7 @@ def folder_digest(folder: str) -> str | None:
         files = [[name, sha256_file(path)] for name, path in entries]
     except OSError:
         return None
-    versions = library_versions()
-    head = [RESOLVED_MEMO_VERSION, versions["transformers"], versions["tokenizers"], files]
+    head = [RESOLVED_MEMO_VERSION, library_versions(RESOLVER_PACKAGES), files]
     return sha256_text(canonical_json(head))
 
 

@@ -171,9 +171,16 @@ def test_the_digest_covers_tokenizer_files_and_library_versions(tokenizer_dir, t
     assert folder_digest(folder) not in (digest, None)
     os.remove(tmp_path / "tok" / "special_tokens_map.json")
     assert folder_digest(folder) == digest
-    monkeypatch.setattr(resolved, "library_versions",
-                        lambda: {"transformers": "99.0", "tokenizers": "0.23.3"})  # fmt: skip
-    assert folder_digest(folder) != digest
+    real = resolved.library_versions
+    for package in resolved.RESOLVER_PACKAGES:
+
+        def upgraded(names, package=package):
+            return {**real(names), package: "99.0"}
+
+        monkeypatch.setattr(resolved, "library_versions", upgraded)
+        assert folder_digest(folder) != digest, package
+    monkeypatch.setattr(resolved, "library_versions", real)
+    assert folder_digest(folder) == digest
     assert folder_digest(str(tmp_path / "missing")) is None
 
 
