@@ -448,7 +448,7 @@ def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir
     def failing(texts, add_special_tokens):
         raise RuntimeError("HF broke")
 
-    monkeypatch.setattr(encoder.reference, "encode_lists", failing)
+    monkeypatch.setattr(encoder.reference, "encode_flat", failing)
     encoder.encode_texts(batches[0])
     with pytest.raises(EncodingMismatch, match="HF failed on the verification sample"):
         encoder.check_verified()
