@@ -5,6 +5,12 @@ The key's data structure, comparison and lock files are the store's
 probe encodes fixed texts with it), so it lives with the builder. ``shardcache check`` and
 ``lock`` call :func:`current_key` on the recipe's values; a build calls :func:`compute_key`
 on its encoder and the data component it hashed while reading.
+
+Everything the key takes from transformers (special tokens, the class name) is read off the
+encoder's :class:`~shardcache.build.resolved.ResolvedTokenizer`, never off the transformers
+object, so the key is byte-identical whether transformers loaded the folder or its memo
+stood in (a test compares the two for every tokenizer family the tests build); the library
+versions come from package metadata, so a warm ``check`` never imports transformers.
 """
 
 from __future__ import annotations
