@@ -34,6 +34,7 @@ key does not depend on the backend (it is computed with HF).
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import itertools
 import json
@@ -187,9 +188,24 @@ def load_fast_backend(serialized: str) -> FastBackend:
 
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
     """Load a :class:`FastBackend` in the background: fastokens releases the GIL while it
-    parses (1.3 CPU-s for a 151k-vocabulary BPE, 3.4x HF's own load), so the load overlaps
-    planning and the HF side of the gate (or, in a worker, the HF load)."""
-    return Ahead(load_fast_backend, serialized)
+    parses (1.0-1.3 CPU-s for a 151k-vocabulary BPE, 3.4x HF's own load), so the load
+    overlaps planning and the HF side of the gate (or, in a worker, the HF load).
+
+    Returns once the thread is about to call fastokens (the package imported here first):
+    callers next run ``Tokenizer.from_str``, which holds the GIL for 0.3-0.45 s, and a
+    thread still importing fastokens then waited for all of it (measured: the fast load, the
+    critical path of a warm build, started 0.36 s late)."""
+    with contextlib.suppress(MissingDependencyError):  # the thread reports it
+        import_fast_module()
+    entered = threading.Event()
+    ahead = Ahead(_load_entering, serialized, entered)
+    entered.wait(timeout=1.0)
+    return ahead
+
+
+def _load_entering(serialized: str, entered: threading.Event) -> FastBackend:
+    entered.set()
+    return load_fast_backend(serialized)
 
 
 #: Keys of a tokenizer.json that never change the ids an encode returns: the decoder (ids ->
