@@ -33,7 +33,7 @@ from dataclasses import dataclass, fields
 from importlib import metadata
 from typing import Any
 
-from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
+from shardcache.store.files import memo_disabled, read_memo, sha256_file, sha256_text, write_memo
 from shardcache.store.key import canonical_json
 
 #: Folder under ``$SHARDCACHE_CACHE_DIR`` of resolved tokenizers.
@@ -179,6 +179,8 @@ def folder_digest(folder: str) -> str | None:
 def read_resolved(folder: str) -> ResolvedTokenizer | None:
     """The memoised record of ``folder``; None on any miss (no memo, another digest, a
     damaged or unreadable file, memos disabled): then transformers resolves it again."""
+    if memo_disabled():  # not even the digest
+        return None
     digest = folder_digest(folder)
     if digest is None:
         return None
