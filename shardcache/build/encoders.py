@@ -15,8 +15,9 @@ import importlib
 from collections.abc import Callable
 from typing import Any, Union
 
-from shardcache.build.backends import Ahead, EarlyLoad, EncoderSelection, load_fast_early
+from shardcache.build.backends import EncoderSelection, load_fast_early
 from shardcache.build.chat import ChatEncoder
+from shardcache.build.resolved import read_resolved
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
 
@@ -25,17 +26,24 @@ EncoderFactory = Callable[[BuildOptions], Encoder]
 
 
 def make_encoder(
-    tokenize: TokenizeOptions,
-    chat: ChatOptions | None,
-    preload_fast: bool = False,
-    early: Ahead[EarlyLoad] | None = None,
+    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
 ) -> Encoder:
     """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
-    (``preload_fast``: start loading the fast backend for the gate, text only; ``early``:
-    the load :func:`~shardcache.build.backends.load_fast_early` started)."""
-    preload = preload_fast and chat is None
-    text = TextEncoder(tokenize, preload_fast=preload, early=early if preload else None)
-    return text if chat is None else ChatEncoder(text, chat)
+    (``preload_fast``: start loading the fast backend for the gate, text only).
+
+    Plain text whose tokenizer folder was resolved before is built from the memo
+    (:func:`~shardcache.build.resolved.read_resolved`, ~30 ms) without importing
+    transformers; else through transformers, which writes the memo. On a miss the fast
+    backend starts loading from the folder's tokenizer.json before transformers is imported
+    (:func:`~shardcache.build.backends.load_fast_early`). Chat always loads transformers
+    (rendering needs it)."""
+    if chat is not None:
+        return ChatEncoder(TextEncoder(tokenize), chat)
+    resolved = read_resolved(tokenize.tokenizer)
+    if resolved is not None:
+        return TextEncoder.from_resolved(tokenize, resolved, preload_fast)
+    early = load_fast_early(tokenize.tokenizer) if preload_fast else None
+    return TextEncoder(tokenize, preload_fast=preload_fast, early=early)
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
@@ -81,6 +89,4 @@ def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) ->
     if factory is not None:
         return factory(options)
     preload = options.encoding.encoder != "hf" and options.chat is None
-    # the fast backend starts loading from tokenizer.json before transformers is imported
-    early = load_fast_early(options.tokenize.tokenizer) if preload else None
-    return make_encoder(options.tokenize, options.chat, preload, early)
+    return make_encoder(options.tokenize, options.chat, preload)

@@ -106,7 +106,7 @@ def gate_encoder(
         text.serialized,
         text.reference,
         text.add_special_tokens,
-        [] if chat else probe_texts(text.hf, encoder),
+        [] if chat else probe_texts(encoder),
         chat=chat,
         sample=sample,
         loading=loading,

@@ -5,28 +5,27 @@ The key's data structure, comparison and lock files are the store's
 probe encodes fixed texts with it), so it lives with the builder. ``shardcache check`` and
 ``lock`` call :func:`current_key` on the recipe's values; a build calls :func:`compute_key`
 on its encoder and the data component it hashed while reading.
+
+Everything the key takes from transformers (special tokens, the class name) is read off the
+encoder's :class:`~shardcache.build.resolved.ResolvedTokenizer`, never off the transformers
+object, so the key is byte-identical whether transformers loaded the folder or its memo
+stood in (a test compares the two for every tokenizer family the tests build); the library
+versions come from package metadata, so a warm ``check`` never imports transformers.
 """
 
 from __future__ import annotations
 
-import contextlib
-import os
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from shardcache.build.encoders import make_encoder
+from shardcache.build.resolved import ResolvedTokenizer, library_versions
 from shardcache.build.sources import list_inputs
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
 from shardcache.store.check import cache_key, compare_keys
-from shardcache.store.files import (
-    cache_root,
-    read_json_or_none,
-    sha256_file,
-    sha256_text,
-    write_json_atomic,
-)
+from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
 from shardcache.store.key import (
     CacheKey,
     KeyComparison,
@@ -79,18 +78,14 @@ def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, paddin
     }
 
 
-SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token",
-                 "mask_token")  # fmt: skip
-
-
-def special_tokens_component(hf: Any, end_id: int | None, pad_id: int) -> dict:
-    named = {}
-    for name in SPECIAL_NAMES:
-        token = getattr(hf, name, None)
-        if token is not None:
-            named[name] = [str(token), hf.convert_tokens_to_ids(str(token))]
-    extra = sorted(str(t) for t in (getattr(hf, "additional_special_tokens", None) or []))
-    return {"named": named, "additional": inline_value(extra), "end_id": end_id, "pad_id": pad_id}
+def special_tokens_component(resolved: ResolvedTokenizer, end_id: int | None, pad_id: int) -> dict:
+    """The named special tokens with their ids, the additional ones, the end and pad ids."""
+    return {
+        "named": {name: list(pair) for name, pair in resolved.named_special.items()},
+        "additional": inline_value(list(resolved.additional_special)),
+        "end_id": end_id,
+        "pad_id": pad_id,
+    }
 
 
 def probe_set(special_strings: list[str], chat: str | None = None) -> dict[str, str]:
@@ -104,9 +99,9 @@ def probe_set(special_strings: list[str], chat: str | None = None) -> dict[str, 
     return probes
 
 
-def probe_texts(hf: Any, encoder: Any) -> list[str]:
+def probe_texts(encoder: Any) -> list[str]:
     """The behaviour probe texts of ``encoder``'s key (the encoder gate encodes them too)."""
-    specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
+    specials = getattr(encoder, "text", encoder).resolved.all_special
     chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
     probes = probe_set(specials, chat)
     return [probes[n] for n in sorted(probes)]
@@ -138,12 +133,10 @@ def data_component_from_version(version: str) -> dict:
 
 
 def versions_component(tokenizer_class: str) -> dict:
-    import tokenizers
-    import transformers
-
+    versions = library_versions()  # package metadata: transformers is not imported
     return {
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
+        "transformers": versions["transformers"],
+        "tokenizers": versions["tokenizers"],
         "format_version": FORMAT_VERSION,
         "tokenizer_class": tokenizer_class,
     }
@@ -157,38 +150,35 @@ COMPONENT_MEMO_VERSION = 1
 
 
 def memoised_tokenizer_component(
-    serialized: str, backend_json: Mapping[str, Any], truncation: Any, padding: Any
+    serialized: str,
+    backend_json: Callable[[], Mapping[str, Any]],
+    truncation: Any,
+    padding: Any,
 ) -> dict:
     """:func:`tokenizer_component`, remembered on disk by the sha256 of its whole input.
 
     The component is a pure function of the backend's JSON (``serialized``, which
-    ``backend_json`` parses) and the saved truncation/padding, but it costs ~0.9 s for a
-    151k vocabulary (sorting and serialising the model canonically, holding the GIL), on
-    every build and every ``shardcache check``. Hashing the input costs ~15 ms; the result is
-    kept in ``$SHARDCACHE_CACHE_DIR/components/<digest>.json``. Any problem with the folder
-    (read-only, missing, a damaged file) only means computing it again."""
+    ``backend_json()`` parses: called on a miss only, parsing costs 0.17 s) and the saved
+    truncation/padding, but it costs ~0.9 s for a 151k vocabulary (sorting and serialising
+    the model canonically, holding the GIL), on every build and every ``shardcache check``.
+    Hashing the input costs ~15 ms; the result is kept in
+    ``$SHARDCACHE_CACHE_DIR/components/<digest>.json`` (:func:`~shardcache.store.files.read_memo`).
+    Any problem with the folder (read-only, missing, a damaged file) only means computing it
+    again."""
     head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
     digest = sha256_text(head + "\n" + serialized)
-    path = None
-    try:
-        path = os.path.join(cache_root(), COMPONENTS_DIR, digest + ".json")
-        saved = read_json_or_none(path)
-    except OSError:
-        saved = None
-    if saved is not None and saved.get("input") == digest and isinstance(saved.get("value"), dict):
-        return saved["value"]
-    value = tokenizer_component(backend_json, truncation, padding)
-    if path is not None:
-        with contextlib.suppress(OSError):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            write_json_atomic(path, {"input": digest, "value": value})
+    saved = read_memo(COMPONENTS_DIR, digest)
+    if isinstance(saved, dict):
+        return saved
+    value = tokenizer_component(backend_json(), truncation, padding)
+    write_memo(COMPONENTS_DIR, digest, value)
     return value
 
 
 def text_component(text: Any) -> dict:
     """The tokenizer component of a text encoder (memoised)."""
     return memoised_tokenizer_component(
-        text.serialized, text.backend_json, text.backend_truncation, text.backend_padding
+        text.serialized, lambda: text.backend_json, text.backend_truncation, text.backend_padding
     )
 
 
@@ -204,22 +194,22 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     (duck-typed here to keep this module free of tokenizer imports); ``data`` a data component
     or None when the data side is not known (then it is left out and not compared)."""
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
-    hf = text.hf
+    resolved = text.resolved  # what transformers resolved (or its memo): never ``text.hf``
     options = text.options
-    specials = [str(t) for t in getattr(hf, "all_special_tokens", []) or []]
+    specials = resolved.all_special
     chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
     side = encoder.options.truncation_side if chat is not None else "right"
     component = getattr(text, "tokenizer_component", None)
     return CacheKey(
         {
             "tokenizer": component if component is not None else text_component(text),
-            "special_tokens": special_tokens_component(hf, text.eos_id, text.pad_id),
+            "special_tokens": special_tokens_component(resolved, text.eos_id, text.pad_id),
             # the reference (HF) encodes the probe: the key never depends on the backend
             "behaviour": behaviour_component(text.encode_reference, specials, chat),
             "template": encoder.template_component(),
             "truncation": truncation_component(options.max_length, options.truncation, side),
             "data": dict(data) if data is not None else None,
-            "versions": versions_component(type(hf).__name__),
+            "versions": versions_component(resolved.class_name),
         }
     )
 

@@ -189,6 +189,7 @@ def build_partition(
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     try:
         result = map_partition(plan, partition, encoder, progress)
+        text.check_verified()  # the sample is verified in the background: a difference raises
         counts = text.take_verify()
         reencoded = False
     except EncodingMismatch as err:

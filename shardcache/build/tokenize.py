@@ -23,16 +23,20 @@ the MiniLM WordPiece tokenizer on 2 cores, 1.9 CPU-s per wall-s). Extracting the
 lists costs ~10% of that, so :func:`encode_ahead` runs the next ``encode_batch`` in a
 background thread while the caller converts and writes the previous one.
 
-Worker processes of a parallel build do not load the tokenizer through transformers (~2 s
-and ~260 MB per process for the import alone): the parent resolves everything transformers
-decides (special-token ids, the backend JSON) once, and :meth:`TextEncoder.spec` /
-:meth:`TextEncoder.from_spec` hand that plain-JSON state to the workers.
+Everything the encoder takes from transformers (special-token ids, the backend JSON) is one
+plain-JSON record, :class:`~shardcache.build.resolved.ResolvedTokenizer`, and
+:meth:`TextEncoder.from_resolved` builds an encoder from it without transformers (~2 s and
+~260 MB for the import alone). Two sources use that: worker processes of a parallel build
+(:meth:`TextEncoder.spec` / :meth:`TextEncoder.from_spec` carry the parent's record), and the
+on-disk memo of a folder resolved before (:mod:`shardcache.build.resolved`), so a warm text
+build or ``shardcache check`` never imports transformers.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import queue
@@ -57,8 +61,10 @@ from shardcache.build.backends import (
     verify_sample,
 )
 from shardcache.build.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
+from shardcache.build.resolved import ResolvedTokenizer, folder_digest, write_resolved
 from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
 from shardcache.errors import ConfigError, EncoderError, TokenizerError
+from shardcache.store.files import memo_disabled
 
 
 @dataclass
@@ -213,7 +219,12 @@ def ensure_fast(tok: Any, path: str) -> None:
 
 
 class TextEncoder:
-    """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`."""
+    """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`.
+
+    Everything it takes from transformers is :attr:`resolved` (a
+    :class:`~shardcache.build.resolved.ResolvedTokenizer`); :attr:`hf` is the transformers
+    tokenizer when one was loaded (chat rendering needs it), or None when the encoder was
+    built from a resolved record (:meth:`from_resolved`: the memo, a worker's spec)."""
 
     def __init__(
         self,
@@ -222,60 +233,100 @@ class TextEncoder:
         preload_fast: bool = False,
         early: Ahead[EarlyLoad] | None = None,
     ):
-        """``preload_fast``: start loading the fast backend (in a thread) as soon as the
-        backend JSON is known, or adopt ``early`` (:func:`load_fast_early`, started before
-        transformers was imported) when it loaded the same content; the build's gate takes
-        it from ``fast_loading``."""
+        """Load the tokenizer through transformers (or take the caller's ``hf_tokenizer``,
+        never mutated) and, for a tokenizer loaded here, memoise what it resolved
+        (:func:`~shardcache.build.resolved.write_resolved`). ``preload_fast``: start loading
+        the fast backend (in a thread) as soon as the backend JSON is known, or adopt
+        ``early`` (:func:`load_fast_early`, started before transformers was imported) when it
+        loaded the same content; the build's gate takes it from ``fast_loading``."""
         from tokenizers import Tokenizer
 
-        self.options = options
         owned = hf_tokenizer is None
-        self.hf = hf_tokenizer if hf_tokenizer is not None else load_hf_tokenizer(options.tokenizer)
-        ensure_fast(self.hf, options.tokenizer)
-        self.hf_class = type(self.hf).__name__
-        source = self.hf.backend_tokenizer
-        #: The backend's own settings as saved (recorded in the cache key, then disabled).
-        self.backend_truncation = _plain(source.truncation)
-        self.backend_padding = _plain(source.padding)
+        digest = folder_digest(options.tokenizer) if owned and not memo_disabled() else None
+        hf = hf_tokenizer if hf_tokenizer is not None else load_hf_tokenizer(options.tokenizer)
+        ensure_fast(hf, options.tokenizer)
+        source = hf.backend_tokenizer
+        truncation, padding = _plain(source.truncation), _plain(source.padding)
         serialized = source.to_str()
-        #: The fast backend loading in the background (the gate decides whether it is used).
-        self.fast_loading = load_fast_ahead(serialized) if preload_fast and early is None else None
-        #: The backend as loaded, parsed (canonical content for the cache key).
-        self.backend_json = json.loads(serialized)
+        fast_loading = load_fast_ahead(serialized) if preload_fast and early is None else None
+        backend_json = json.loads(serialized)
         if preload_fast and early is not None:
-            self.fast_loading = adopt_early(early, self.backend_json, serialized)
+            fast_loading = adopt_early(early, backend_json, serialized)
         # A tokenizer loaded here is this encoder's alone, so its backend is used as is (its
         # truncation and padding switched off below); a caller's is cloned, never mutated.
         # transformers sets both on the backend for each call anyway. The clone costs 0.6 s
         # for a 151k vocabulary.
-        self.backend = source if owned else Tokenizer.from_str(serialized)
+        backend = source if owned else Tokenizer.from_str(serialized)
+        resolved = ResolvedTokenizer.from_hf(
+            hf, serialized, truncation, padding, max_token_id(backend_json, backend)
+        )
+        self._adopt(options, resolved, backend, fast_loading)
+        self.hf = hf
+        self.backend_json = backend_json
+        # the folder's files unchanged while transformers read them: the record is theirs
+        if digest is not None and folder_digest(options.tokenizer) == digest:
+            write_resolved(digest, resolved)
+
+    @classmethod
+    def from_resolved(
+        cls, options: TokenizeOptions, resolved: ResolvedTokenizer, preload_fast: bool = False
+    ) -> TextEncoder:
+        """The encoder of ``resolved`` without transformers (``hf`` is None): the reference
+        backend is ``Tokenizer.from_str(resolved.backend)``, the same Rust object
+        transformers holds (its ids are HF's with truncation/padding off). ``preload_fast``:
+        the fast backend starts loading from the same JSON first, in a thread (fastokens
+        releases the GIL; ``from_str`` holds it, 0.45 s for a 151k vocabulary, measured)."""
+        from tokenizers import Tokenizer
+
+        self = cls.__new__(cls)
+        fast_loading = load_fast_ahead(resolved.backend) if preload_fast else None
+        self._adopt(options, resolved, Tokenizer.from_str(resolved.backend), fast_loading)
+        self.hf = None
+        return self
+
+    def _adopt(
+        self,
+        options: TokenizeOptions,
+        resolved: ResolvedTokenizer,
+        backend: Any,
+        fast_loading: Ahead[FastBackend] | None,
+    ) -> None:
+        """Set every attribute from ``resolved`` and the reference ``backend`` built from it."""
+        self.options = options
+        self.resolved = resolved
+        self.hf_class = resolved.class_name
+        #: The backend's own settings as saved (recorded in the cache key, then disabled).
+        self.backend_truncation = resolved.truncation
+        self.backend_padding = resolved.padding
+        #: The fast backend loading in the background (the gate decides whether it is used).
+        self.fast_loading = fast_loading
+        self.backend = backend
         #: The backend as JSON (the fast backend loads it; to_str costs 0.2 s for 151k vocab)
-        self.serialized = serialized
+        self.serialized = resolved.backend
         self.backend.no_truncation()
         self.backend.no_padding()
         self._init_backends()
         self.add_special_tokens = (
             True if options.add_special_tokens is None else options.add_special_tokens
         )
-        self.max_token_id = max_token_id(self.backend_json, self.backend)
+        self.max_token_id = resolved.max_token_id
         self.dtype = token_dtype(self.max_token_id)
         self.eos_id = self._end_token_id()
-        pad = getattr(self.hf, "pad_token_id", None)
+        pad = resolved.pad_token_id
         self.pad_id = int(pad) if pad is not None else 0
+
+    @functools.cached_property
+    def backend_json(self) -> dict[str, Any]:
+        """The backend as loaded, parsed (0.17 s for a 151k vocabulary: only when needed)."""
+        return json.loads(self.serialized)
 
     def spec(self) -> dict[str, Any]:
         """Plain-JSON state from which :meth:`from_spec` rebuilds an equivalent encoder
         without transformers (for worker processes)."""
         return {
             "options": dataclasses.asdict(self.options),
-            "backend": self.backend.to_str(),
-            "hf_class": self.hf_class,
-            "backend_truncation": self.backend_truncation,
-            "backend_padding": self.backend_padding,
+            "resolved": self.resolved.to_json(),
             "add_special_tokens": self.add_special_tokens,
-            "max_token_id": self.max_token_id,
-            "eos_id": self.eos_id,
-            "pad_id": self.pad_id,
             "selection": self.selection.to_json(),
             "fast": self.fast is not None,
             "verify_fraction": self.verify_fraction,
@@ -284,30 +335,19 @@ class TextEncoder:
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> TextEncoder:
         """The encoder described by :meth:`spec` (``hf`` is None: only encoding works)."""
-        from tokenizers import Tokenizer
-
-        self = cls.__new__(cls)
         # the parent's gate passed: load the same fast backend (in a thread, overlapping the
-        # HF load below), or fail loudly
-        loading = load_fast_ahead(spec["backend"]) if spec["fast"] else None
-        self.options = TokenizeOptions(**spec["options"])
-        self.hf = None
-        self.hf_class = spec["hf_class"]
-        self.backend_truncation = spec["backend_truncation"]
-        self.backend_padding = spec["backend_padding"]
-        self.backend = Tokenizer.from_str(spec["backend"])
-        self.serialized = spec["backend"]
-        self.fast_loading = None
-        self._init_backends()
+        # reference's load), or fail loudly
+        self = cls.from_resolved(
+            TokenizeOptions(**spec["options"]),
+            ResolvedTokenizer.from_json(spec["resolved"]),
+            preload_fast=spec["fast"],
+        )
+        loading, self.fast_loading = self.fast_loading, None
         self.selection = EncoderSelection(**spec["selection"])
         self.verify_fraction = float(spec["verify_fraction"])
         if loading is not None:
             self.fast = loading.result()
         self.add_special_tokens = bool(spec["add_special_tokens"])
-        self.max_token_id = int(spec["max_token_id"])
-        self.dtype = token_dtype(self.max_token_id)
-        self.eos_id = spec["eos_id"]
-        self.pad_id = int(spec["pad_id"])
         return self
 
     def _init_backends(self) -> None:
@@ -319,6 +359,7 @@ class TextEncoder:
         self.verify_fraction = DEFAULT_VERIFY_FRACTION
         self.verify = VerifyCounts()
         self._batches = 0
+        self._verifying: list[Ahead[VerifyCounts]] = []  # per batch, in order (background)
 
     def use_fast(
         self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
@@ -329,7 +370,9 @@ class TextEncoder:
         self.verify_fraction = verify_fraction
 
     def take_verify(self) -> VerifyCounts:
-        """The in-build verification counts since the last call (per partition), then reset."""
+        """The in-build verification counts since the last call (per partition), then reset
+        (waits for the verifications still running)."""
+        self._settle_verify()
         counts, self.verify, self._batches = self.verify, VerifyCounts(), 0
         return counts
 
@@ -338,8 +381,7 @@ class TextEncoder:
         return self.reference.encode_lists(texts, self.add_special_tokens)
 
     def _end_token_id(self) -> int | None:
-        for name in ("eos_token_id", "sep_token_id"):
-            value = getattr(self.hf, name, None)
+        for value in (self.resolved.eos_token_id, self.resolved.sep_token_id):
             if value is not None:
                 return int(value)
         if self.options.append_eos:
@@ -375,9 +417,11 @@ class TextEncoder:
 
     def encode_texts(self, texts: list[str]) -> FlatIds:
         """Raw ids of a batch (the backend releases the GIL and uses all cores). With the fast
-        backend a deterministic sample is re-encoded with HF (:func:`verify_sample`); a
-        difference raises :class:`EncodingMismatch`. A huge document is encoded in pieces
-        by HF (chunking.py), exact by construction."""
+        backend a deterministic sample is re-encoded with HF (:func:`verify_sample`) in the
+        background, overlapping the next batches (at most :data:`VERIFY_AHEAD` behind); a
+        difference raises :class:`EncodingMismatch` from :meth:`check_verified`, which a
+        partition calls before it is recorded. A huge document is encoded in pieces by HF
+        (chunking.py), exact by construction."""
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
             return self._encode_flat(texts)
@@ -395,19 +439,38 @@ class TextEncoder:
         if self.fast is None:
             return FlatIds(*self.reference.encode_flat(texts, self.add_special_tokens))
         tokens, lengths = self.fast.encode_flat(texts, self.add_special_tokens)
+        tokens.flags.writeable = False  # the verification below reads them in a thread
         positions = sample_positions(texts, lengths, self.verify_fraction, self._batches)
         self._batches += 1
-        before = self.verify.mismatches
-        verify_sample(
-            texts, tokens, lengths, positions, self.reference, self.add_special_tokens,
-            self.verify,
-        )  # fmt: skip
-        if self.verify.mismatches > before:
+        if len(self._verifying) >= VERIFY_AHEAD:  # backpressure: at most this many behind
+            self._verifying[-VERIFY_AHEAD].result()
+        job = (texts, tokens, lengths, positions, self.reference, self.add_special_tokens)
+        self._verifying.append(Ahead(_verify_batch, *job))
+        return FlatIds(tokens, lengths)
+
+    def check_verified(self) -> None:
+        """Wait for the in-build verification of every batch encoded since the last
+        :meth:`take_verify`; raise :class:`EncodingMismatch` if the fast backend's ids
+        differed from HF's on any of them (the partition is then re-encoded with HF)."""
+        self._settle_verify()
+        if self.verify.mismatches:
             raise EncodingMismatch(
                 f"the fast encoder ({self.selection.backend} {self.selection.version}) and HF "
-                f"disagree: {self.verify.detail[-1]}"
+                f"disagree: {self.verify.detail[0]}"
             )
-        return FlatIds(tokens, lengths)
+
+    def _settle_verify(self) -> None:
+        """Add the counts of the background verifications to :attr:`verify`, in batch order,
+        up to and including the first batch with a difference (what a synchronous check
+        counted before it raised), so the counts never depend on thread timing."""
+        pending, self._verifying = self._verifying, []
+        for job in pending:
+            counts = job.result()
+            if self.verify.mismatches:
+                continue
+            self.verify.documents += counts.documents
+            self.verify.mismatches += counts.mismatches
+            self.verify.detail += counts.detail
 
     def _encode_huge(self, text: str) -> np.ndarray | None:
         if not hasattr(self, "_wrapping"):
@@ -427,6 +490,34 @@ class TextEncoder:
         stats.sequences += len(encoded.lengths)
         stats.tokens += int(encoded.lengths.sum())
         return encoded
+
+
+#: Encode batches whose HF verification may still run while the next ones are encoded. The
+#: sample's HF encode (every 64th document plus each batch's longest and most non-ASCII one)
+#: cost 0.67 s of a 20k-document fast build's ~2 s map when it ran in line (151k BPE, 2
+#: cores): 3x the fast encode itself, mostly one long document on one core.
+VERIFY_AHEAD = 2
+
+
+def _verify_batch(
+    texts: list[str],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    positions: np.ndarray,
+    reference: HFBackend,
+    add_special_tokens: bool,
+) -> VerifyCounts:
+    """:func:`verify_sample` of one batch, for a background thread. HF failing on a sampled
+    text counts as a difference: the partition is then re-encoded with HF, which quarantines
+    that record (as encoding it alone did when the check ran in line)."""
+    counts = VerifyCounts()
+    try:
+        verify_sample(texts, tokens, lengths, positions, reference, add_special_tokens, counts)
+    except Exception as err:  # any HF failure is the partition's
+        counts.mismatches += 1
+        counts.detail.append(f"HF failed on the verification sample ({type(err).__name__}: "
+                             f"{err})"[:300])  # fmt: skip
+    return counts
 
 
 def _plain(value: Any) -> Any:

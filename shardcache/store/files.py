@@ -24,6 +24,8 @@ from shardcache.errors import CacheError, CorruptShardError
 
 READ_CHUNK = 1 << 20
 CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
+#: Set to 1 to neither read nor write memos (:func:`read_memo`): everything is computed again.
+NO_MEMO_ENV = "SHARDCACHE_NO_MEMO"
 
 
 def cache_root() -> str:
@@ -163,6 +165,42 @@ def read_json_or_none(path: str) -> dict[str, Any] | None:
     except (OSError, ValueError, RecursionError):
         return None
     return data if isinstance(data, dict) else None
+
+
+def memo_disabled() -> bool:
+    """True when ``$SHARDCACHE_NO_MEMO`` is set to something other than empty or 0."""
+    return os.environ.get(NO_MEMO_ENV, "") not in ("", "0")
+
+
+def read_memo(kind: str, digest: str) -> Any | None:
+    """The value remembered by :func:`write_memo` under ``kind`` (a folder name under
+    :func:`cache_root`) for ``digest`` (the sha256 of everything the value depends on); None
+    when memos are disabled (:data:`NO_MEMO_ENV`) or the file is missing, unreadable, not
+    JSON, or names another digest (a renamed or forged file). A memo only saves work: a
+    caller treats None as "compute it again" and validates the value's shape itself."""
+    if memo_disabled():
+        return None
+    try:
+        saved = read_json_or_none(os.path.join(cache_root(), kind, digest + ".json"))
+    except OSError:  # the cache folder cannot be created
+        return None
+    if saved is None or saved.get("input") != digest or "value" not in saved:
+        return None
+    return saved["value"]
+
+
+def write_memo(kind: str, digest: str, value: Any) -> None:
+    """Remember ``value`` as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically, under
+    a name of this process's own, so concurrent builds never see half a file); any
+    ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time."""
+    if memo_disabled():
+        return
+    # UTF-8, not \u escapes: a 151k byte-level vocabulary's memo is half the size (4.7 MB)
+    data = json.dumps({"input": digest, "value": value}, ensure_ascii=False).encode()
+    with contextlib.suppress(OSError):
+        folder = os.path.join(cache_root(), kind)
+        os.makedirs(folder, exist_ok=True)
+        write_bytes_atomic(os.path.join(folder, digest + ".json"), data, private=True)
 
 
 def write_npy_atomic(path: str, array: np.ndarray) -> None:

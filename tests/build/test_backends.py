@@ -24,6 +24,7 @@ from shardcache.build.backends import (
     sample_positions,
     select_backend,
 )
+from shardcache.build.resolved import read_resolved
 from shardcache.build.run import build_cache as run_build
 from shardcache.build.tokenize import TextEncoder
 from shardcache.config import TokenizeOptions, build_options_from_mapping
@@ -411,6 +412,49 @@ def test_in_build_mismatch_reencodes_the_partition_with_hf(hard_corpus, tokenize
         _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
 
 
+def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir, monkeypatch):
+    """The sample is verified in threads, yet the counts are those of an in-line check that
+    stopped at the first differing batch, whatever the timing; an HF failure on a sampled
+    text is a difference too."""
+    pytest.importorskip("fastokens")
+    from shardcache.build.backends import sample_positions
+    from shardcache.build.tokenize import EncodingMismatch
+
+    batches = [make_texts(40, seed=s) for s in range(5)]
+    encoder = _fast_encoder(tokenizer_dir)
+    assert encoder is not None
+    encoder.verify_fraction = 1 / 8
+    for batch in batches:
+        encoder.encode_texts(batch)
+    encoder.check_verified()
+    clean = encoder.take_verify()
+    expected = [
+        len(sample_positions(b, encoder.fast.encode_flat(b, True)[1], 1 / 8, k))
+        for k, b in enumerate(batches)
+    ]
+    assert clean.mismatches == 0 and clean.documents == sum(expected)
+
+    wrong_batch = batches[2]
+    _inject_wrong_id(monkeypatch, lambda text, call: text in wrong_batch)
+    for batch in batches:
+        encoder.encode_texts(batch)
+    with pytest.raises(EncodingMismatch, match="HF gives"):
+        encoder.check_verified()
+    counts = encoder.take_verify()
+    assert counts.documents == sum(expected[:3])  # batches 0..2, none after the difference
+    assert counts.mismatches >= 1 and counts.mismatches == len(counts.detail)
+    monkeypatch.undo()
+
+    def failing(texts, add_special_tokens):
+        raise RuntimeError("HF broke")
+
+    monkeypatch.setattr(encoder.reference, "encode_flat", failing)
+    encoder.encode_texts(batches[0])
+    with pytest.raises(EncodingMismatch, match="HF failed on the verification sample"):
+        encoder.check_verified()
+    assert encoder.take_verify().mismatches == 1
+
+
 def test_chat_builds_use_hf_and_say_why(tmp_path, chatml_tokenizer_dir):
     convs = make_conversations(30, seed=4)
     convs[0][-1]["content"] += " 東京 🙂 e\u0301  <|im_end|>"
@@ -516,8 +560,9 @@ def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp
 
 
 def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, monkeypatch):
-    """A default build loads the fast backend once, from tokenizer.json, and its cache equals
-    the HF build's."""
+    """A default build loads the fast backend once: from tokenizer.json when transformers
+    resolves the tokenizer (no memo), from the memo's backend JSON otherwise; its cache equals
+    the HF build's either way."""
     pytest.importorskip("fastokens")
     loads = []
     real = FastBackend.__init__
@@ -528,10 +573,17 @@ def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, 
 
     monkeypatch.setattr(FastBackend, "__init__", counting)
     hf_out, out = str(tmp_path / "hf"), str(tmp_path / "auto")
-    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")
+    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")  # writes the memo
     assert loads == []
+    monkeypatch.setenv("SHARDCACHE_NO_MEMO", "1")
     manifest = _build(hard_corpus, tokenizer_dir, out)
     assert manifest["encoder"]["partitions_by_backend"] == {"fastokens": 2}
     with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
         assert loads == [f.read()]
     assert _data_files(out) == _data_files(hf_out)
+    monkeypatch.delenv("SHARDCACHE_NO_MEMO")
+    loads.clear()
+    _build(hard_corpus, tokenizer_dir, str(tmp_path / "warm"))
+    resolved = read_resolved(tokenizer_dir)
+    assert resolved is not None and loads == [resolved.backend]
+    assert _data_files(str(tmp_path / "warm")) == _data_files(hf_out)

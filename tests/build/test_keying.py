@@ -44,7 +44,7 @@ def test_the_memo_equals_the_component_and_is_read_back(text, monkeypatch):
 def test_another_input_is_another_entry(text):
     plain = keying.text_component(text)
     other = keying.memoised_tokenizer_component(
-        text.serialized, text.backend_json, {"max_length": 7}, text.backend_padding
+        text.serialized, lambda: text.backend_json, {"max_length": 7}, text.backend_padding
     )
     assert other == _direct(text, {"max_length": 7}) and other != plain
     assert len(_memo_files()) == 2
