@@ -66,6 +66,21 @@ _NUMPY_OF_ARROW = {
 }  # fmt: skip
 
 
+_ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
+
+
+def numpy_arrow(array: np.ndarray) -> pa.Array:
+    """A zero-copy Arrow array over a 1-d numpy integer or bool array (no nulls): what
+    ``pa.array(array)`` gives, without importing pandas (which ``pa.array`` of an ndarray does
+    where pandas is installed: 0.25-0.4 s of every build's first shard write, measured)."""
+    array = np.ascontiguousarray(array)
+    if array.dtype == np.bool_:
+        bits = np.packbits(array, bitorder="little")
+        return pa.Array.from_buffers(pa.bool_(), len(array), [None, pa.py_buffer(bits)])
+    arrow_type = _ARROW_OF_NUMPY[array.dtype]
+    return pa.Array.from_buffers(arrow_type, len(array), [None, pa.py_buffer(array)])
+
+
 def arrow_numpy(array: pa.Array) -> np.ndarray:
     """A read-only, zero-copy numpy view of a primitive Arrow integer array without nulls.
 
@@ -183,14 +198,14 @@ class BucketWriter:
         pieces = np.concatenate([p[3] for p in self._pending])
         mask = np.concatenate([p[4] for p in self._pending]) if self.with_mask else None
         self._pending, self._pending_bytes = [], 0
-        offsets = pa.array(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
+        offsets = numpy_arrow(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         columns = [
-            pa.ListArray.from_arrays(offsets, pa.array(tokens)),
-            pa.array(records, pa.int64()),
-            pa.array(pieces.astype(np.int32)),
+            pa.ListArray.from_arrays(offsets, numpy_arrow(tokens)),
+            numpy_arrow(records.astype(np.int64, copy=False)),
+            numpy_arrow(pieces.astype(np.int32)),
         ]
         if mask is not None:
-            columns.append(pa.ListArray.from_arrays(offsets, pa.array(mask, pa.bool_())))
+            columns.append(pa.ListArray.from_arrays(offsets, numpy_arrow(mask.astype(bool))))
         batch = pa.record_batch(columns, schema=self.schema)
         path = shard_path(self.cache_dir, self._shard_name()) + ".tmp"
         try:
