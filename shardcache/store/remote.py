@@ -224,10 +224,10 @@ class ObjectStore:
         size = int(info["bytes"])
         path = self.path(sha)
         with _HELD_LOCK.lock:
-            held = _HELD.get(sha)
+            held = _HELD.get(path)
             if held is not None and os.path.isfile(path):  # (the folder may have been wiped)
                 held[1] += 1
-                return path, functools.partial(_release, sha)
+                return path, functools.partial(_release, path)
         fd = _open_lock(os.path.join(self.folder, f"{sha}.lock"))
         try:
             # waits only for an evictor's instant exclusive lock; from here on the object
@@ -241,14 +241,14 @@ class ObjectStore:
             os.close(fd)
             raise
         with _HELD_LOCK.lock:
-            held = _HELD.get(sha)
+            held = _HELD.get(path)
             if held is not None:  # another thread opened it meanwhile, or it was re-fetched
                 held[1] += 1
                 fd, held[0] = held[0], fd  # keep the lock on the file that is there now
                 os.close(fd)
             else:
-                _HELD[sha] = [fd, 1]
-        return path, functools.partial(_release, sha)
+                _HELD[path] = [fd, 1]
+        return path, functools.partial(_release, path)
 
     def _download(
         self, fs: Any, rpath: str, sha: str, size: int, shed: Callable[[], bool] | None
@@ -319,7 +319,7 @@ class ObjectStore:
         for _, size, sha in sorted(entries):
             if freed >= need:
                 break
-            if sha == keep or sha in _HELD:
+            if sha == keep or self.path(sha) in _HELD:
                 continue  # open in this process
             lock = os.path.join(self.folder, f"{sha}.lock")
             if _try_exclusive(lock, self.path(sha)):
@@ -383,8 +383,10 @@ class _ProcessLock:
         self.lock = threading.Lock()
 
 
-#: sha256 -> [lock fd, users] for the objects this process holds open. A forked child inherits
-#: the descriptors (and so the shared locks, until both sides close them): still correct.
+#: object path -> [lock fd, users] for the objects this process holds open (by path, not by
+#: sha256: two local folders may hold the same shard, and holding one must neither pin nor
+#: unlock the other). A forked child inherits the descriptors (and so the shared locks, until
+#: both sides close them): still correct.
 _HELD: dict[str, list[int]] = {}
 _HELD_LOCK = _ProcessLock()
 os.register_at_fork(after_in_child=_HELD_LOCK.reset)
@@ -392,15 +394,15 @@ os.register_at_fork(after_in_child=_HELD_LOCK.reset)
 _REPORTED: set[str] = set()
 
 
-def _release(sha: str) -> None:
+def _release(path: str) -> None:
     with _HELD_LOCK.lock:
-        held = _HELD.get(sha)
+        held = _HELD.get(path)
         if held is None:
             return
         held[1] -= 1
         if held[1] > 0:
             return
-        del _HELD[sha]
+        del _HELD[path]
     with contextlib.suppress(OSError):
         os.close(held[0])
 

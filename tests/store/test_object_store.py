@@ -181,3 +181,20 @@ def test_open_objects_over_the_bound_are_reported_once(tmp_path, caplog):
     info = infos[5]
     store.acquire(fs, os.path.join(remote, info["name"]), info)[1]()
     assert _folder_bytes(folder) <= 2500
+
+
+def test_an_object_held_in_one_folder_does_not_pin_it_in_another(tmp_path):
+    """Two local object folders (two SHARDCACHE_CACHE_DIRs, or two tests) in one process may
+    hold the same shard (same sha256): holding it open in one must not keep the other's
+    closed copy from eviction (the slow-tier S3 test kept every object of a bounded folder
+    while an earlier, not yet collected cache held the same shards elsewhere)."""
+    remote, infos = _objects(tmp_path, 4)
+    fs = LocalFileSystem()
+    first = ObjectStore(str(tmp_path / "a"), 1 << 30)
+    held = first.acquire(fs, os.path.join(remote, infos[0]["name"]), infos[0])[1]
+    second = ObjectStore(str(tmp_path / "b"), 2500)  # room for two objects
+    for info in infos:
+        second.acquire(fs, os.path.join(remote, info["name"]), info)[1]()
+    kept = sorted(n for n in os.listdir(tmp_path / "b") if n.endswith(".arrow"))
+    assert len(kept) <= 2 and infos[0]["sha256"] + ".arrow" not in kept
+    held()
