@@ -290,6 +290,17 @@ def assert_resumable(
     return full
 
 
+def cache_data_files(folder: str) -> dict[str, bytes]:
+    """A cache's shards and length index by relative path: the bytes that must not depend on
+    how it was built (backend, memo, workers)."""
+    out = {}
+    for sub in ("shards", "index"):
+        for name in sorted(os.listdir(os.path.join(folder, sub))):
+            with open(os.path.join(folder, sub, name), "rb") as f:
+                out[f"{sub}/{name}"] = f.read()
+    return out
+
+
 def assert_batches_equal(a: dict, b: dict) -> None:
     """Two batches hold the same keys in the same order and equal values (``meta`` too)."""
     import torch

@@ -12,7 +12,7 @@ import sys
 import numpy as np
 import pytest
 
-from conftest import make_conversations, make_texts, write_records
+from conftest import cache_data_files, make_conversations, make_texts, write_records
 from shardcache.build.backends import (
     Ahead,
     EarlyLoad,
@@ -302,23 +302,13 @@ def _build(corpus: str, tokenizer: str, out: str, **options) -> dict:
         return json.load(f)
 
 
-def _data_files(folder: str) -> dict[str, bytes]:
-    """Shards and the length index: the bytes that must not depend on the backend."""
-    out = {}
-    for sub in ("shards", "index"):
-        for name in sorted(os.listdir(os.path.join(folder, sub))):
-            with open(os.path.join(folder, sub, name), "rb") as f:
-                out[f"{sub}/{name}"] = f.read()
-    return out
-
-
 def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_dir, tmp_path):
     pytest.importorskip("fastokens")
     from transformers import AutoTokenizer
 
     fast = _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
     hf = _build(hard_corpus, tokenizer_dir, str(tmp_path / "hf"), encoder="hf")
-    assert _data_files(str(tmp_path / "fast")) == _data_files(str(tmp_path / "hf"))
+    assert cache_data_files(str(tmp_path / "fast")) == cache_data_files(str(tmp_path / "hf"))
     assert fast["key"] == hf["key"]  # the key does not depend on the backend
     enc = fast["encoder"]
     assert enc["partitions_by_backend"] == {"fastokens": 2}
@@ -405,7 +395,7 @@ def test_in_build_mismatch_reencodes_the_partition_with_hf(hard_corpus, tokenize
     assert enc["partitions_by_backend"] == {"fastokens": 1, "hf": 1}
     assert enc["mismatches"] == 1 and len(enc["partitions_reencoded"]) == 1
     assert "HF gives" in enc["mismatch_detail"][0]
-    assert _data_files(out) == _data_files(hf_out)
+    assert cache_data_files(out) == cache_data_files(hf_out)
     monkeypatch.undo()
     _inject_wrong_id(monkeypatch, lambda text, call: call > 0 and text == "x" * 3000)
     with pytest.raises(EncoderError, match="forbids falling back"):
@@ -463,7 +453,7 @@ def test_chat_builds_use_hf_and_say_why(tmp_path, chatml_tokenizer_dir):
                   chat=True)  # fmt: skip
     _build(str(tmp_path / "c.jsonl"), chatml_tokenizer_dir, str(tmp_path / "hf"),
            chat=True, encoder="hf")  # fmt: skip
-    assert _data_files(str(tmp_path / "auto")) == _data_files(str(tmp_path / "hf"))
+    assert cache_data_files(str(tmp_path / "auto")) == cache_data_files(str(tmp_path / "hf"))
     assert auto["encoder"]["partitions_by_backend"] == {"hf": 1}
     assert "character offsets" in auto["encoder"]["gate"][0]
     with pytest.raises(EncoderError, match="character offsets"):
@@ -477,7 +467,7 @@ def test_fast_build_identical_for_1_and_2_workers(hard_corpus, tokenizer_dir, tm
     two = str(tmp_path / "two")
     a = _build(hard_corpus, tokenizer_dir, one, encoder="fast", partition_size="2KiB")
     b = _build(hard_corpus, tokenizer_dir, two, encoder="fast", partition_size="2KiB", workers=2)
-    assert a == b and _data_files(one) == _data_files(two)
+    assert a == b and cache_data_files(one) == cache_data_files(two)
     assert set(a["encoder"]["partitions_by_backend"]) == {"fastokens"}
 
 
@@ -580,10 +570,10 @@ def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, 
     assert manifest["encoder"]["partitions_by_backend"] == {"fastokens": 2}
     with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
         assert loads == [f.read()]
-    assert _data_files(out) == _data_files(hf_out)
+    assert cache_data_files(out) == cache_data_files(hf_out)
     monkeypatch.delenv("SHARDCACHE_NO_MEMO")
     loads.clear()
     _build(hard_corpus, tokenizer_dir, str(tmp_path / "warm"))
     resolved = read_resolved(tokenizer_dir)
     assert resolved is not None and loads == [resolved.backend]
-    assert _data_files(str(tmp_path / "warm")) == _data_files(hf_out)
+    assert cache_data_files(str(tmp_path / "warm")) == cache_data_files(hf_out)

@@ -16,6 +16,7 @@ import pytest
 from click.testing import CliRunner
 from test_backends import FAMILIES
 
+from conftest import cache_data_files
 from shardcache.build import keying, resolved, tokenize
 from shardcache.build.encoders import make_encoder
 from shardcache.build.resolved import RESOLVED_DIR, folder_digest, read_resolved
@@ -31,16 +32,6 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def _memo_files() -> list[str]:
     folder = os.path.join(cache_root(), RESOLVED_DIR)
     return sorted(os.listdir(folder)) if os.path.isdir(folder) else []
-
-
-def _data_files(folder: str) -> dict[str, bytes]:
-    """Shards and the length index of a cache, by relative path."""
-    out = {}
-    for sub in ("shards", "index"):
-        for name in sorted(os.listdir(os.path.join(folder, sub))):
-            with open(os.path.join(folder, sub, name), "rb") as f:
-                out[f"{sub}/{name}"] = f.read()
-    return out
 
 
 def _build(corpus: str, tokenizer: str, out: str) -> dict:
@@ -76,7 +67,9 @@ def test_warm_memo_build_is_byte_identical_to_cold_and_disabled(family, corpus, 
     monkeypatch.setenv(NO_MEMO_ENV, "1")
     off = _build(hard_corpus, family, str(tmp_path / "off"))
     for name, manifest in (("warm", warm), ("off", off)):
-        assert _data_files(str(tmp_path / name)) == _data_files(str(tmp_path / "cold")), name
+        assert cache_data_files(str(tmp_path / name)) == cache_data_files(str(tmp_path / "cold")), (
+            name
+        )
         for field in ("key", "tokenizer", "encoder"):
             assert manifest[field] == cold[field], (name, field)
 
@@ -129,7 +122,7 @@ def test_a_warm_memo_build_does_not_import_transformers(corpus, tokenizer_dir, t
     warm = _run_python(BUILD_AND_REPORT.format(args=[folder, tokenizer_dir,
                                                      str(tmp_path / "b")]), env)  # fmt: skip
     assert warm == {"transformers": False, "torch": False}
-    assert _data_files(str(tmp_path / "a")) == _data_files(str(tmp_path / "b"))
+    assert cache_data_files(str(tmp_path / "a")) == cache_data_files(str(tmp_path / "b"))
 
 
 def test_a_changed_tokenizer_file_misses_the_memo_and_gives_the_new_key(tokenizer_dir, tmp_path,
