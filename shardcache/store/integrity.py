@@ -73,14 +73,16 @@ _FOLDERS: set[str] = set()
 _ROOTS: dict[str | None, str] = {}
 
 
-def _marker(identity: str) -> str | None:
+def _marker(identity: str, create: bool = True) -> str | None:
+    """The marker's path (None when its folder cannot be made); ``create=False`` only names
+    it (a lookup: a missing folder means a missing marker, and makes no folders)."""
     try:
         env = os.environ.get(CACHE_DIR_ENV)
         root = _ROOTS.get(env)
         if root is None:
             root = _ROOTS[env] = os.path.join(cache_root(), VERIFIED_DIR)
         folder = os.path.join(root, identity[:2])
-        if folder not in _FOLDERS:
+        if create and folder not in _FOLDERS:
             os.makedirs(folder, exist_ok=True)
             _FOLDERS.add(folder)
     except OSError:
@@ -94,7 +96,7 @@ def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> boo
     identity = _identity(path, st, sha256)
     if identity in _SEEN:
         return True
-    marker = _marker(identity)
+    marker = _marker(identity, create=False)
     if marker is not None and os.path.exists(marker):
         _SEEN.add(identity)
         return True

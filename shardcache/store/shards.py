@@ -402,6 +402,13 @@ def _batch_layout(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
     return rows, tokens, compressed
 
 
+def _joined(parts: list[np.ndarray]) -> np.ndarray:
+    """``np.concatenate(parts)`` (int64), without a copy when there is one part."""
+    if len(parts) == 1:
+        return parts[0]
+    return np.concatenate(parts) if parts else np.zeros(0, np.int64)
+
+
 class ShardReader:
     """Random access to the sequences of one shard.
 
@@ -446,7 +453,6 @@ class ShardReader:
             finally:
                 os.close(fd)
             whole = self._whole = pa.py_buffer(mapped)
-            self._source = pa.BufferReader(whole)
             layout = mapped_layout(memoryview(whole))
             known = None if layout is None else _CHECKED_SCHEMAS.get(layout.schema)
             if (
@@ -479,14 +485,15 @@ class ShardReader:
                 )
             if layout is not None and not self.compressed:
                 _CHECKED_SCHEMAS[layout.schema] = (self.dtype.name, self.has_mask)
-        self._batch_rows = np.asarray(rows, dtype=np.int64)
-        self._batch_tokens = np.asarray(tokens, dtype=np.int64)
-        self._starts = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(self._batch_rows, out=self._starts[1:])
-        total_tokens = int(self._batch_tokens.sum())
-        if int(self._starts[-1]) != self.rows or total_tokens != int(info["tokens"]):
+        # plain ints: a shard holds a few record batches, and numpy calls on lists this short
+        # were a third of an open's time
+        self._batch_rows = rows
+        self._batch_tokens = tokens
+        self._starts = np.array([0, *itertools.accumulate(rows)], dtype=np.int64)
+        total_rows, total_tokens = sum(rows), sum(tokens)
+        if total_rows != self.rows or total_tokens != int(info["tokens"]):
             raise CorruptShardError(
-                f"{path}: holds {int(self._starts[-1])} rows / {total_tokens} tokens but the "
+                f"{path}: holds {total_rows} rows / {total_tokens} tokens but the "
                 f"manifest says {self.rows} / {info['tokens']}; the shard is damaged or stale, "
                 "rebuild"
             )
@@ -499,7 +506,7 @@ class ShardReader:
         """pyarrow's reader of the file, opened when first needed (a shard located by
         :func:`mapped_layout` and read only through :meth:`flat_rows` never needs it)."""
         if self._open_file is None:
-            self._open_file = pa.ipc.open_file(self._source)
+            self._open_file = pa.ipc.open_file(pa.BufferReader(self._whole))
         return self._open_file
 
     def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
@@ -639,17 +646,21 @@ class ShardReader:
             offsets = raw[batch.offsets_at : batch.offsets_at + 4 * (batch.rows + 1)]
             offsets = offsets.view(np.int32).astype(np.int64)
             rows = offsets[1:] - offsets[:-1]
-            if len(offsets) and (
-                offsets[0] != 0 or offsets[-1] != batch.tokens or (len(rows) and rows.min() < 0)
+            if (
+                len(offsets) != batch.rows + 1
+                or offsets[0] != 0
+                or offsets[-1] != batch.tokens
+                or (batch.rows and rows.min() < 0)
             ):
                 raise CorruptShardError(f"{self.path}: token offsets are inconsistent; rebuild")
-            starts.append(batch.values_at // itemsize + offsets[:-1])
+            offsets += batch.values_at // itemsize  # the rows' starts in the whole file
+            starts.append(offsets[:-1])
             lengths.append(rows)
         usable = (len(raw) // itemsize) * itemsize
         return FlatRows(
             tokens=raw[:usable].view(self.dtype),
-            starts=np.concatenate(starts) if starts else np.zeros(0, np.int64),
-            lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
+            starts=_joined(starts),
+            lengths=_joined(lengths),
         )
 
     def _check_ids(self, b: int, values: np.ndarray) -> None:

@@ -162,3 +162,23 @@ def test_token_ids_above_the_vocabulary_are_a_corrupt_shard(cache_dir):
     _replace_shard(cache_dir, 0, table)
     with pytest.raises(CorruptShardError, match="token id 65000"):
         ShardDataset(cache_dir, max_tokens=4096).collate(np.arange(int(info["rows"])))
+
+
+def test_looking_for_a_record_makes_no_folders(tmp_path, monkeypatch):
+    # a reader looks a record up for every shard it opens: one stat, no mkdir (a folder is
+    # made only when a record is written)
+    from shardcache.store import integrity
+
+    monkeypatch.setenv(files.CACHE_DIR_ENV, str(tmp_path / "user"))
+    monkeypatch.setattr(integrity, "_SEEN", set())
+    shard = tmp_path / "shard.arrow"
+    shard.write_bytes(b"tokens")
+    digest = "ab" * 32
+    verified = tmp_path / "user" / integrity.VERIFIED_DIR
+    assert not integrity.is_verified(str(shard), digest)
+    assert not verified.exists() or not any(verified.iterdir())
+    integrity.record_verified(str(shard), digest)
+    monkeypatch.setattr(integrity, "_SEEN", set())  # as a fresh process sees it
+    assert integrity.is_verified(str(shard), digest)
+    shard.write_bytes(b"changed")
+    assert not integrity.is_verified(str(shard), digest)
