@@ -117,10 +117,12 @@ def record_verified(path: str, sha256: str, st: os.stat_result | None = None) ->
             pass
 
 
-def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> None:
+def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> bool:
     """Raise :class:`CorruptShardError` unless ``path`` has the size and sha256 of its
     manifest ``entry`` (``bytes``, ``sha256``); ``what`` names the file in messages ("shard",
     "length index"). The sha256 is computed at most once per file version (module docstring).
+    True when the sha256 was confirmed (now or by an earlier record), False when it was not
+    checked (checksums off, or an entry without one).
     """
     try:
         st = os.stat(path)
@@ -137,16 +139,16 @@ def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | Non
         )
     expected = entry.get("sha256")
     if not expected or not checksums_enabled(checksum):
-        return
+        return False
     expected = str(expected)
     if is_verified(path, expected, st):
-        return
+        return True
     marker = _marker(_identity(path, st, expected))
     with contextlib.ExitStack() as stack:
         # one process hashes, the others wait on the lock and then find the marker
         locked = marker is not None and stack.enter_context(exclusive_lock(marker + ".lock"))
         if locked and is_verified(path, expected, st):
-            return
+            return True
         actual = sha256_file(path)
         if actual != expected:
             raise CorruptShardError(
@@ -155,3 +157,4 @@ def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | Non
                 "run `shardcache verify CACHE` to list every damaged file, then rebuild"
             )
         record_verified(path, expected, st)
+    return True

@@ -41,7 +41,14 @@ from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import check_file
-from shardcache.store.ipc_layout import MappedLayout, field, mapped_layout
+from shardcache.store.ipc_layout import (
+    MappedLayout,
+    field,
+    layout_record,
+    mapped_layout,
+    recorded_layout,
+    schema_message,
+)
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
@@ -108,9 +115,12 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
+    #: where the token buffers lie (``ipc_layout.layout_record``), for uncompressed shards;
+    #: None for compressed ones and shards written before it was recorded
+    layout: dict[str, Any] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return dict(self.__dict__)
+        return {k: v for k, v in self.__dict__.items() if v is not None}
 
 
 class BucketWriter:
@@ -236,7 +246,15 @@ class BucketWriter:
         tmp = final + ".tmp"
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
+            layout = None
+            if self.compression is None:
+                with (
+                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
+                    memoryview(mapped) as view,
+                ):
+                    layout = mapped_layout(view)
         os.replace(tmp, final)
+        sha256 = sha256_file(final)
         self.shards.append(
             ShardInfo(
                 name=name,
@@ -246,7 +264,8 @@ class BucketWriter:
                 rows=self._shard_rows,
                 tokens=self._shard_tokens,
                 bytes=os.path.getsize(final),
-                sha256=sha256_file(final),
+                sha256=sha256,
+                layout=None if layout is None else layout_record(layout, sha256),
             )
         )
         self.lengths.append(np.concatenate(self._shard_lengths).astype(np.uint32))
@@ -274,13 +293,14 @@ def decode_budget_bytes() -> int:
     return parse_size(value, DECODE_BUDGET_ENV) if value else DEFAULT_DECODE_BUDGET_BYTES
 
 
-def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> None:
+def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> bool:
     """Raise :class:`CorruptShardError` unless ``path`` has the manifest's size and sha256
-    (hashed once per file version for all processes: :mod:`shardcache.store.integrity`).
+    (hashed once per file version for all processes: :mod:`shardcache.store.integrity`);
+    True when the sha256 was confirmed, False when it was skipped.
 
     ``checksum=None`` reads the environment: ``SHARDCACHE_SHARD_CHECKSUMS=0`` skips the sha256
     (size and structure are still checked)."""
-    check_file(path, info, "shard", checksum)
+    return check_file(path, info, "shard", checksum)
 
 
 def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
@@ -441,7 +461,7 @@ class ShardReader:
         self.dtype = np.dtype(dtype)
         self.max_token_id = max_token_id
         self._id = next(_READER_IDS)
-        check_shard_file(path, info, checksum)
+        confirmed = check_shard_file(path, info, checksum)
         self._open_file: pa.ipc.RecordBatchFileReader | None = None
         self._layout: MappedLayout | None = None
         try:
@@ -453,21 +473,13 @@ class ShardReader:
             finally:
                 os.close(fd)
             whole = self._whole = pa.py_buffer(mapped)
-            layout = mapped_layout(memoryview(whole))
-            known = None if layout is None else _CHECKED_SCHEMAS.get(layout.schema)
-            if (
-                layout is not None
-                and known is not None
-                and known[0] == self.dtype.name
-                and with_mask in (None, known[1])
-            ):
-                # the schema pyarrow already checked, uncompressed, no nulls: located from
-                # the flatbuffers alone (ipc_layout.py), no reader object
-                self._layout = layout
-                self.has_mask = known[1]
+            located = self._located(info, confirmed, whole, with_mask)
+            if located is not None:
+                # uncompressed, no nulls, the schema known: no pyarrow reader object
+                self._layout, self.has_mask = located
                 self.compressed = False
-                rows = [b.rows for b in layout.batches]
-                tokens = [b.tokens for b in layout.batches]
+                rows = [b.rows for b in self._layout.batches]
+                tokens = [b.tokens for b in self._layout.batches]
             else:
                 schema = self._reader.schema
                 rows, tokens, self.compressed = _batch_layout(whole)
@@ -483,8 +495,9 @@ class ShardReader:
                     f"{path}: {len(rows)} record batches in the stream but "
                     f"{self._reader.num_record_batches} in the footer; rebuild"
                 )
-            if layout is not None and not self.compressed:
-                _CHECKED_SCHEMAS[layout.schema] = (self.dtype.name, self.has_mask)
+            checked = schema_message(memoryview(whole))
+            if checked is not None and not self.compressed:
+                _CHECKED_SCHEMAS[checked] = (self.dtype.name, self.has_mask)
         # plain ints: a shard holds a few record batches, and numpy calls on lists this short
         # were a third of an open's time
         self._batch_rows = rows
@@ -500,6 +513,26 @@ class ShardReader:
         self._resident: list[_Batch | None] = [None] * len(rows)
         self._flat: FlatRows | None = None
         self._ids_checked = False  # located shards: ids checked by flat_rows(check_ids=True)
+
+    def _located(
+        self, info: dict[str, Any], confirmed: bool, whole: pa.Buffer, with_mask: bool | None
+    ) -> tuple[MappedLayout, bool] | None:
+        """The file's layout and whether it has a mask column, located without pyarrow
+        (ipc_layout.py): recorded in its manifest entry when the sha256 confirmed the file is
+        the one the entry describes (and the caller says whether it has a mask), else parsed
+        when its schema message is one pyarrow already checked in this process. None:
+        pyarrow's reader opens the file."""
+        if confirmed and with_mask is not None:
+            recorded = recorded_layout(info.get("layout"), str(info["sha256"]), whole.size)
+            if recorded is not None:
+                return recorded, with_mask
+        layout = mapped_layout(memoryview(whole))
+        known = None if layout is None else _CHECKED_SCHEMAS.get(layout.schema)
+        if layout is None or known is None or known[0] != self.dtype.name:
+            return None
+        if with_mask not in (None, known[1]):
+            return None
+        return layout, known[1]
 
     @property
     def _reader(self) -> pa.ipc.RecordBatchFileReader:

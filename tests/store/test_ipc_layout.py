@@ -12,7 +12,7 @@ import pytest
 
 from shardcache import CorruptShardError
 from shardcache.store import shards
-from shardcache.store.ipc_layout import mapped_layout
+from shardcache.store.ipc_layout import mapped_layout, recorded_layout
 from shardcache.store.shards import BucketWriter, ShardReader
 
 
@@ -111,3 +111,70 @@ def test_located_reader_still_checks_ids_and_offsets(tmp_path, monkeypatch):
         f.write(np.int32(1).tobytes())
     with pytest.raises(CorruptShardError, match="offsets are inconsistent"):
         ShardReader(path, info, np.dtype(np.uint16)).flat_rows()
+
+
+def _parses(monkeypatch) -> list[str]:
+    """The files the shard reader parses with mapped_layout from now on."""
+    parsed: list[str] = []
+    parse = shards.mapped_layout
+
+    def counting(data):
+        parsed.append("file")
+        return parse(data)
+
+    monkeypatch.setattr(shards, "mapped_layout", counting)
+    return parsed
+
+
+def test_the_writer_records_each_shard_layout(tmp_path):
+    found = _shard(tmp_path / "p", _sequences(300, seed=7), np.uint32, shard_size=16 << 10)
+    assert len(found) > 2
+    for path, info in found:
+        assert info["layout"]["sha256"] == info["sha256"]
+        recorded = recorded_layout(info["layout"], info["sha256"], os.path.getsize(path))
+        parsed = mapped_layout(memoryview(pa.memory_map(path).read_buffer()))
+        assert recorded is not None and parsed is not None
+        assert recorded.batches == parsed.batches
+    [(_, zstd)] = _shard(tmp_path / "z", _sequences(50), compression="zstd")
+    assert "layout" not in zstd  # compressed: nothing to locate
+
+
+def test_a_confirmed_file_is_located_from_its_recorded_layout(tmp_path, monkeypatch):
+    found = _shard(tmp_path, _sequences(300, seed=8), np.uint16, shard_size=16 << 10)
+    monkeypatch.setattr(shards, "_CHECKED_SCHEMAS", {})  # as in a fresh process
+    parsed = _parses(monkeypatch)
+    for path, info in found:
+        reader = ShardReader(path, info, np.dtype(np.uint16), max_token_id=65535, with_mask=False)
+        assert reader._layout is not None and reader._open_file is None
+        decoded = ShardReader(path, info, np.dtype(np.uint16), max_token_id=65535)
+        decoded._layout = None
+        a, b = reader.flat_rows(), decoded.flat_rows()
+        assert np.array_equal(a.starts, b.starts) and np.array_equal(a.lengths, b.lengths)
+    assert parsed.count("file") == len(found)  # only the readers that were not told the mask
+    # without checksums nothing vouches for the record: the file is parsed (or pyarrow reads it)
+    monkeypatch.setenv("SHARDCACHE_SHARD_CHECKSUMS", "0")
+    parsed.clear()
+    path, info = found[0]
+    ShardReader(path, info, np.dtype(np.uint16), with_mask=False)
+    assert parsed == ["file"]
+
+
+def test_a_record_that_does_not_describe_the_file_is_ignored(tmp_path, monkeypatch):
+    [(path, info), *_] = _shard(tmp_path, _sequences(200, seed=9), np.uint16, shard_size=16 << 10)
+    size = os.path.getsize(path)
+    record = info["layout"]
+    assert recorded_layout(record, info["sha256"], size) is not None
+    assert recorded_layout(record, "0" * 64, size) is None  # another version of the file
+    assert recorded_layout(record, info["sha256"], record["batches"][0][3]) is None  # too short
+    assert (
+        recorded_layout({"sha256": info["sha256"], "batches": [[1, 2]]}, info["sha256"], size)
+        is None
+    )
+    assert recorded_layout(None, info["sha256"], size) is None  # written before it was recorded
+    expected = ShardReader(path, info, np.dtype(np.uint16)).flat_rows()
+    parsed = _parses(monkeypatch)
+    for bad in ({**record, "sha256": "0" * 64}, None):
+        entry = {**info, "layout": bad}
+        reader = ShardReader(path, entry, np.dtype(np.uint16), with_mask=False)
+        assert np.array_equal(reader.flat_rows().starts, expected.starts)
+    assert parsed == ["file", "file"]
