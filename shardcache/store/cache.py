@@ -109,6 +109,11 @@ class ShardCache:
         if index in self._open:
             self._open.move_to_end(index)
 
+    def close_next(self, index: int) -> None:
+        """Mark an open shard as the least recently used: the next one closed for room."""
+        if index in self._open:
+            self._open.move_to_end(index, last=False)
+
     def _closed(self, index: int) -> None:
         if self.on_close is not None:
             self.on_close(index)
@@ -493,9 +498,9 @@ class Cache:
         :meth:`gather`). The shard the LRU closes for it is the least recently stamped one."""
         table = self.mapped_table()
         if table is not None and len(self._flat_open) >= self._shards.size:
-            stamps = table.last_used
-            for shard in sorted(self._flat_open, key=stamps.__getitem__):
-                self._shards.touch(shard)  # the LRU's order becomes the readers' order
+            # the LRU closes the least recently stamped mapped shard (one argmin, not a sort)
+            mapped = np.fromiter(self._flat_open, dtype=np.int64, count=len(self._flat_open))
+            self._shards.close_next(int(mapped[np.argmin(table.last_used[mapped])]))
         arrays = self._flat_tokens([int(index)], check_ids=False)
         if arrays is None:
             return False

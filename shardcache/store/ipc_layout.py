@@ -182,13 +182,19 @@ def _record_batch(
     return BatchLayout(rows, tokens, body + off_at, body + val_at, val_len)
 
 
+#: hex digits of a file's sha256 kept in its layout record
+BINDING_DIGITS = 16
+
+
 def layout_record(layout: MappedLayout, sha256: str) -> dict[str, Any]:
-    """``layout`` as a manifest entry stores it: the sha256 of the file it describes and per
-    record batch ``[rows, tokens, offsets_at, values_at, values_bytes]``."""
+    """``layout`` as a manifest entry stores it: the start of the sha256 of the file it
+    describes (:data:`BINDING_DIGITS` hex digits: it binds the record to one version of the
+    file, the entry's full sha256 checks the file) and per record batch ``[rows, tokens,
+    offsets_at, values_at, values_bytes]``."""
     batches = [
         [b.rows, b.tokens, b.offsets_at, b.values_at, b.values_bytes] for b in layout.batches
     ]
-    return {"sha256": sha256, "batches": batches}
+    return {"sha256": sha256[:BINDING_DIGITS], "batches": batches}
 
 
 def recorded_layout(record: object, sha256: str, size: int) -> MappedLayout | None:
@@ -196,7 +202,7 @@ def recorded_layout(record: object, sha256: str, size: int) -> MappedLayout | No
     ``sha256`` and ``size`` bytes, or None when there is none, it describes another file
     version or it does not fit the file (the caller parses the file instead). Its schema is
     empty: the file's sha256 vouches for the writer's schema."""
-    if not isinstance(record, dict) or record.get("sha256") != sha256:
+    if not isinstance(record, dict) or record.get("sha256") != sha256[:BINDING_DIGITS]:
         return None
     entries = record.get("batches")
     if not isinstance(entries, list) or not entries:

@@ -5,6 +5,8 @@ path, which raises the descriptive error."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 
@@ -179,3 +181,50 @@ def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, cap
     assert ds._compiled(ds.plan()) is None and len(list(ds)) > 1
     monkeypatch.setattr(kernels, "disabled", None)
     kernels._compiled.cache_clear()
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer_dir):
+    """A cache of more than 64 small shards."""
+    from conftest import make_texts, write_records
+    from shardcache.build.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("many-corpus")
+    for f in range(24):
+        texts = make_texts(60, seed=70 + f)
+        write_records(str(folder / f"p{f}.jsonl"), [{"text": t} for t in texts], "jsonl")
+    target = str(tmp_path_factory.mktemp("many") / "cache")
+    values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": target, "workers": 1,
+              "max_length": 64, "truncation": "split", "buckets": "8,16,32",
+              "shard_size": "4KiB"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return target
+
+
+def test_a_second_pass_reopens_no_shard(many_shards, monkeypatch):
+    """Every shard of a cache that fits in the open-shard LRU is opened once per reader, not
+    once per pass: with an LRU smaller than the cache (64 against 75 shards, once), a
+    sequential pass evicted each shard before the next pass came back to it, and every pass
+    paid every open again."""
+    from shardcache.store import shards as shards_module
+
+    path = many_shards
+    opened = []
+    init = shards_module.ShardReader.__init__
+
+    def counting(self, file, *args, **kwargs):
+        opened.append(os.path.basename(file))
+        init(self, file, *args, **kwargs)
+
+    monkeypatch.setattr(shards_module.ShardReader, "__init__", counting)
+    ds = ShardDataset(path, max_tokens=256, shuffle=False, mode="pack", packing="concat",
+                      seq_len=48, attention="none")  # fmt: skip
+    names = [s["name"] for s in ds._cache.shards]
+    assert len(names) > 64  # more than the old LRU held
+    first = list(ds)
+    opened.clear()
+    second = list(ds)
+    assert opened == []
+    for a, b in zip(first, second, strict=True):
+        assert_batches_equal(a, b)
