@@ -388,33 +388,26 @@ class Cache:
             return Gathered(tokens, offsets, mask)
         # memory-mapped shards: every segment's source position in its shard's token array,
         # then one gather + one scatter per shard over precomputed index runs
+        # (the shards' row starts are in the cache's table, their lengths checked against the
+        # length index when each was first opened: _record_flat)
         starts_in_file = np.zeros(n, dtype=np.int64)
-        stored = full[order]  # replaced by the shards' own row lengths below
         flats: list[tuple[int, int, Any]] = []
         for lo, hi in itertools.pairwise(bounds):
-            reader = self._shards.get(int(sorted_shards[lo]))
-            flat = None if with_mask else reader.flat_rows()
+            index = int(sorted_shards[lo])
+            arrays = None if with_mask else self._flat_tokens([index])
             sel = order[lo:hi]
-            if flat is None:  # compressed (or masks asked): per record batch
+            if arrays is None:  # compressed (or masks asked): per record batch
+                reader = self._shards.get(index)
                 reader.gather_into(
                     rows[sel], first[sel], take[sel], dst_starts[sel], tokens, mask, full[sel]
                 )
                 continue
-            r = rows[sel]
-            starts_in_file[lo:hi] = flat.starts[r]
-            stored[lo:hi] = flat.lengths[r]
-            flats.append((lo, hi, flat.tokens))
+            starts_in_file[lo:hi] = self._starts_table()[ids[sel]]
+            flats.append((lo, hi, arrays[index]))
         if not flats:
             return Gathered(tokens, offsets, mask)
-        if not np.array_equal(stored, full[order]):
-            j = int(np.flatnonzero(stored != full[order])[0])
-            raise CorruptShardError(
-                f"{self.path}: sample {int(ids[order[j]])} holds {int(stored[j])} tokens but "
-                f"the length index says {int(full[order[j]])}; the index and the shards "
-                "disagree: run `shardcache verify` and rebuild"
-            )
         first_s, take_s = first[order], take[order]
-        if np.any(first_s < 0) or np.any(first_s + take_s > stored):
+        if np.any(first_s < 0) or np.any(first_s + take_s > full[order]):
             raise IndexError(f"{self.path}: a segment reaches past the end of its sequence")
         ends = np.cumsum(take_s)
         seg_src = starts_in_file + first_s

@@ -511,7 +511,6 @@ class ShardReader:
                 "rebuild"
             )
         self._resident: list[_Batch | None] = [None] * len(rows)
-        self._flat: FlatRows | None = None
         self._ids_checked = False  # located shards: ids checked by flat_rows(check_ids=True)
 
     def _located(
@@ -564,7 +563,6 @@ class ShardReader:
         """Drop the decoded record batches (the budget they took is freed)."""
         DECODED.drop(self._id)
         self._resident = [None] * len(self._resident)
-        self._flat = None
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
@@ -620,9 +618,12 @@ class ShardReader:
 
     def flat_rows(self, check_ids: bool = True) -> FlatRows | None:
         """An uncompressed shard as one token array over the whole mapped file, with every
-        row's start in it (``None`` for a compressed shard). Built once (every record batch
-        decoded and checked, zero-copy), it lets a reader gather any rows of the shard with
-        one fancy index, whatever record batches they are in.
+        row's start in it (``None`` for a compressed shard): it lets a reader gather any rows
+        of the shard with one fancy index, whatever record batches they are in. Built on
+        each call (zero-copy tokens; the row arrays are O(rows)) and not kept: a reader opens
+        shards by the hundred, and rows of a short-sequence bucket take 16 bytes each (8 MB
+        for a 64 MiB shard of 32-token rows), so the caller keeps what it needs
+        (:class:`~shardcache.store.cache.Cache` records the starts in its one table).
 
         ``check_ids=False``: a shard located from its flatbuffers (:func:`mapped_layout`)
         skips checking that every id is at most ``max_token_id`` (a pass over the whole file:
@@ -630,37 +631,38 @@ class ShardReader:
         it reads (the compiled kernels do, in the same pass as their copy)."""
         if self.compressed:
             return None
-        if self._flat is None and self._layout is not None:
-            self._flat = self._flat_from_layout(self._layout)
-        if self._layout is not None and check_ids and not self._ids_checked:
-            raw = self._flat.tokens if self._flat is not None else None
-            assert raw is not None
+        if self._layout is None:
+            return self._flat_from_batches()
+        flat = self._flat_from_layout(self._layout)
+        if check_ids and not self._ids_checked:
             itemsize = self.dtype.itemsize
             for b, batch in enumerate(self._layout.batches):
                 at = batch.values_at // itemsize
-                self._check_ids(b, raw[at : at + batch.tokens])
+                self._check_ids(b, flat.tokens[at : at + batch.tokens])
             self._ids_checked = True
-        if self._flat is None:
-            itemsize = self.dtype.itemsize
-            buffer = self._whole  # zero-copy: the whole mapped file
-            tokens = np.frombuffer(buffer, dtype=np.uint8)
-            starts, lengths = [], []
-            for b in range(len(self._resident)):
-                batch = self._batch(b)
-                base = batch.values.__array_interface__["data"][0] - buffer.address
-                if base % itemsize or not 0 <= base <= buffer.size:
-                    raise CorruptShardError(
-                        f"{self.path}: record batch {b} token values are misaligned; rebuild"
-                    )
-                starts.append(base // itemsize + batch.offsets[:-1])
-                lengths.append(np.diff(batch.offsets))
-            usable = (len(tokens) // itemsize) * itemsize
-            self._flat = FlatRows(
-                tokens=tokens[:usable].view(self.dtype),
-                starts=np.concatenate(starts) if starts else np.zeros(0, np.int64),
-                lengths=np.concatenate(lengths) if lengths else np.zeros(0, np.int64),
-            )
-        return self._flat
+        return flat
+
+    def _flat_from_batches(self) -> FlatRows:
+        """:meth:`flat_rows` from the decoded record batches (pyarrow's reader)."""
+        itemsize = self.dtype.itemsize
+        buffer = self._whole  # zero-copy: the whole mapped file
+        tokens = np.frombuffer(buffer, dtype=np.uint8)
+        starts, lengths = [], []
+        for b in range(len(self._resident)):
+            batch = self._batch(b)
+            base = batch.values.__array_interface__["data"][0] - buffer.address
+            if base % itemsize or not 0 <= base <= buffer.size:
+                raise CorruptShardError(
+                    f"{self.path}: record batch {b} token values are misaligned; rebuild"
+                )
+            starts.append(base // itemsize + batch.offsets[:-1])
+            lengths.append(np.diff(batch.offsets))
+        usable = (len(tokens) // itemsize) * itemsize
+        return FlatRows(
+            tokens=tokens[:usable].view(self.dtype),
+            starts=_joined(starts),
+            lengths=_joined(lengths),
+        )
 
     def _flat_from_layout(self, layout: MappedLayout) -> FlatRows:
         """:meth:`flat_rows` from the located buffers: the checks of decoding every record

@@ -129,3 +129,48 @@ def test_gathers_over_more_shards_than_the_lru_holds(many_shards, open_shards):
     for ids in batches:
         got = cache.gather(np.array(ids))
         assert np.array_equal(got.tokens, np.concatenate([seqs[i] for i in ids]))
+
+
+@pytest.fixture(scope="module")
+def short_rows(tmp_path_factory, tokenizer_dir):
+    """A cache of a few large shards of many short rows (documents split to 4 tokens)."""
+    root = tmp_path_factory.mktemp("gather-short")
+    folder = root / "in"
+    folder.mkdir()
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(1500, seed=6)], "jsonl")
+    values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": str(root / "c"),
+              "workers": 1, "max_length": 4, "truncation": "split", "buckets": "4"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return str(root / "c")
+
+
+@pytest.mark.parametrize("kernels", [False, True])
+def test_an_open_shard_keeps_no_arrays_per_row(short_rows, kernels):
+    """The row starts of an open shard live in the cache's one table (4 bytes a row); a
+    reader keeps hundreds of shards open, so none keeps its own starts and lengths (16 bytes
+    a row: 8 MB for a 64 MiB shard of 32-token rows)."""
+    import gc
+    import tracemalloc
+
+    from shardcache import ShardDataset
+    from shardcache.read import collate
+
+    rows = open_cache(short_rows).num_sequences
+    assert rows > 5000
+    ds = ShardDataset(short_rows, max_tokens=64, shuffle=False)
+    ds.kernels = kernels
+    ds.plan()  # the plan and the cache's table are O(rows) by design: made before measuring
+    ds._cache._starts_table()
+    collate._ramp(1, np.dtype(np.int64))  # a process-wide 64k ramp the numpy path keeps
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for batch in ds:
+            del batch
+        gc.collect()
+        kept = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+    assert ds._cache._shards._open  # the shards are still open
+    assert kept < 4 * rows, f"{kept} bytes kept for {rows} rows"
