@@ -99,17 +99,23 @@ def test_gather_refuses_ids_and_segments_out_of_range(caches, threshold):
         cache.gather(np.array([0]), np.array([size - 1]), np.array([2]))
 
 
-@pytest.fixture(scope="module")
-def many_shards(tmp_path_factory, tokenizer_dir):
-    root = tmp_path_factory.mktemp("gather-many")
+def _one_file_cache(factory, tokenizer_dir, name, docs, seed, **options) -> str:
+    """A cache built from one jsonl file of ``docs`` texts, with ``options``."""
+    root = factory.mktemp(name)
     folder = root / "in"
     folder.mkdir()
-    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(80, seed=5)], "jsonl")
+    texts = make_texts(docs, seed=seed)
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in texts], "jsonl")
     values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": str(root / "c"),
-              "workers": 1, "shard_size": 4096,
-              "buckets": "6,8,10,12,14,16,20,24,32,64"}  # fmt: skip
+              "workers": 1, **options}  # fmt: skip
     build_cache(build_options_from_mapping(values))
     return str(root / "c")
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer_dir):
+    return _one_file_cache(tmp_path_factory, tokenizer_dir, "gather-many", 80, 5,
+                           shard_size=4096, buckets="6,8,10,12,14,16,20,24,32,64")  # fmt: skip
 
 
 @pytest.mark.parametrize("open_shards", [1, 2, 3])
@@ -134,14 +140,8 @@ def test_gathers_over_more_shards_than_the_lru_holds(many_shards, open_shards):
 @pytest.fixture(scope="module")
 def short_rows(tmp_path_factory, tokenizer_dir):
     """A cache of a few large shards of many short rows (documents split to 4 tokens)."""
-    root = tmp_path_factory.mktemp("gather-short")
-    folder = root / "in"
-    folder.mkdir()
-    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(1500, seed=6)], "jsonl")
-    values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": str(root / "c"),
-              "workers": 1, "max_length": 4, "truncation": "split", "buckets": "4"}  # fmt: skip
-    build_cache(build_options_from_mapping(values))
-    return str(root / "c")
+    return _one_file_cache(tmp_path_factory, tokenizer_dir, "gather-short", 1500, 6,
+                           max_length=4, truncation="split", buckets="4")  # fmt: skip
 
 
 @pytest.mark.parametrize("kernels", [False, True])
