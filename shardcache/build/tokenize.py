@@ -671,7 +671,8 @@ def _read_ahead(batches: Iterable[Any], stop: threading.Event) -> Iterator[Any]:
         except BaseException as err:  # re-raised in the consumer
             _put(items, _Failure(err), stop)
 
-    threading.Thread(target=read, name="shardcache-read", daemon=True).start()
+    # not a daemon (see encode_ahead): interpreter shutdown waits for it to see ``stop``
+    threading.Thread(target=read, name="shardcache-read", daemon=False).start()
     while not stop.is_set():
         try:
             item = items.get(timeout=0.1)
@@ -722,7 +723,12 @@ def encode_ahead(
         except BaseException as err:  # re-raised in the consumer
             put(_Failure(err))
 
-    thread = threading.Thread(target=produce, name="shardcache-encode", daemon=True)
+    # not a daemon: a daemon thread still inside the Rust encoder when the interpreter
+    # finalizes (a Ctrl-C or error exit that does not wait for it) is killed by a forced
+    # unwind as it takes the GIL back, which aborted the process ("FATAL: exception not
+    # rethrown", exit -6 instead of 130, once in a CI run); shutdown now waits for the
+    # encode in flight, which then sees ``stop`` and ends
+    thread = threading.Thread(target=produce, name="shardcache-encode", daemon=False)
     thread.start()
     try:
         while True:
@@ -737,7 +743,8 @@ def encode_ahead(
         with contextlib.suppress(queue.Empty):
             while True:
                 out.get_nowait()
-        # On an error, Ctrl-C or an early close, do not wait for the encode in flight (a huge
-        # batch takes seconds): the thread sees ``stop`` and ends by itself; it writes no file.
+        # On an error, Ctrl-C or an early close, do not wait here for the encode in flight (a
+        # huge batch takes seconds): the thread sees ``stop`` and ends by itself (it writes no
+        # file), and interpreter shutdown waits for it.
         if sys.exc_info()[0] is None:
             thread.join()

@@ -203,3 +203,43 @@ def test_encode_ahead_reads_ahead_in_order_and_reraises_upstream_errors(tokenize
     stream = encode_ahead(encoder, batches(10_000))  # an early close stops the threads
     next(stream)
     stream.close()
+
+
+def test_a_build_interrupted_mid_encode_waits_for_it_at_exit(tokenizer_dir, tmp_path):
+    """An error or Ctrl-C leaves encode_ahead without waiting for the encode in flight; its
+    threads are not daemons, so interpreter shutdown waits for them to see the stop. A daemon
+    thread still inside the Rust encoder at finalization was killed by a forced unwind as it
+    took the GIL back, and the process aborted ("FATAL: exception not rethrown", exit -6)."""
+    import subprocess
+    import sys
+
+    script = f"""
+import threading, time, types
+from shardcache.build.tokenize import TextEncoder, encode_ahead
+from shardcache.config import TokenizeOptions
+encoder = TextEncoder(TokenizeOptions({tokenizer_dir!r}))
+encode = encoder.encode_texts
+started = threading.Event()
+def slow(texts):
+    started.set()
+    time.sleep(0.5)  # an encode still running when the consumer gives up
+    return encode(texts)
+encoder.encode_texts = slow
+def batches():
+    for i in range(100):
+        yield types.SimpleNamespace(texts=[f"data {{i}}"])
+stream = encode_ahead(encoder, batches())
+try:
+    next(stream)
+    started.clear()
+    started.wait(5)
+    raise KeyboardInterrupt
+except KeyboardInterrupt:
+    stream.close()
+    ours = [t for t in threading.enumerate() if t.name.startswith("shardcache-")]
+    print("daemons:", [t.name for t in ours if t.daemon])
+"""
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            timeout=120)  # fmt: skip
+    assert result.returncode == 0, result.stderr
+    assert "daemons: []" in result.stdout
