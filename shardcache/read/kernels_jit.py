@@ -14,6 +14,7 @@ from typing import Any
 
 import numba
 import numpy as np
+from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
@@ -49,6 +50,40 @@ as_uint16_pointer = _pointer_intrinsic(types.uint16)
 as_uint32_pointer = _pointer_intrinsic(types.uint32)
 
 
+@intrinsic
+def _prefetch(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compiled
+    """``llvm.prefetch`` of the cache line at ``address`` (read, keep in all cache levels): a
+    hint that never faults, whatever the address."""
+
+    def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
+        byte_pointer = ir.IntType(8).as_pointer()
+        i32 = ir.IntType(32)
+        kind = ir.FunctionType(ir.VoidType(), [byte_pointer, i32, i32, i32])
+        function = builder.module.declare_intrinsic("llvm.prefetch", [byte_pointer], kind)
+        read, keep, data = (ir.Constant(i32, v) for v in (0, 3, 1))
+        builder.call(function, [builder.inttoptr(args[0], byte_pointer), read, keep, data])
+        return context.get_dummy_value()
+
+    return types.void(types.int64), codegen
+
+
+# Prefetching: a batch's rows (pad) or segments (pack) lie anywhere in the mapped shards (a
+# shuffled plan; and pad batches are sorted by length, so even an unshuffled one jumps), and
+# a copy loop that waits for each one's first cache lines from memory is latency-bound: a
+# 32k-token batch of ~100-token rows took 88 us, 30 us with the next rows' first lines
+# prefetched while this one is copied (measured, shuffled; 23 -> 20 us on ~800-token rows).
+#: how many rows / segments ahead of the copy their first bytes are prefetched
+PREFETCH_AHEAD = 8
+#: how many 64-byte lines of each (4 KiB; the hardware prefetcher follows a longer run)
+PREFETCH_LINES = 64
+
+
+@_inline
+def _prefetch_source(address: int, nbytes: int) -> None:  # pragma: no cover - compiled
+    for line in range(min(PREFETCH_LINES, (nbytes + 63) // 64)):
+        _prefetch(address + 64 * line)
+
+
 # The copies below run one simple loop per output over views: LLVM vectorises those (5.7 us
 # for 32k tokens into int32 ids, int64 labels and int32 positions), not one loop writing all
 # three through offset indices (53 us, measured).
@@ -57,27 +92,25 @@ as_uint32_pointer = _pointer_intrinsic(types.uint32)
 @_inline
 def _copy_segment(
     values: np.ndarray,
-    src: int,
     take: int,
     dst: int,
     ids_out: np.ndarray,
     labels_out: np.ndarray,
     positions_out: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Copy one segment; returns its largest id (0 when empty)."""
+    """Copy one segment (``values``: its tokens); returns its largest id (0 when empty)."""
     if take <= 0:
         return 0
-    source = values[src : src + take]
     ids = ids_out[dst : dst + take]
     labels = labels_out[dst : dst + take]
     positions = positions_out[dst : dst + take]
-    top = source[0]
+    top = 0
     for j in range(take):
-        top = max(top, source[j])
+        value = values[j]
+        ids[j] = value
+        top = max(top, value)
     for j in range(take):
-        ids[j] = source[j]
-    for j in range(take):
-        labels[j] = source[j]
+        labels[j] = values[j]
     for j in range(take):
         positions[j] = j
     labels[0] = IGNORE_INDEX  # a segment's first token is never a target
@@ -99,32 +132,27 @@ def _fill_padding(
 @_inline
 def _copy_row(
     values: np.ndarray,
-    src: int,
     take: int,
     row: int,
     width: int,
     pad_id: int,
     ids_out: np.ndarray,
     mask_out: np.ndarray,
-    labels_out: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Copy one sequence into its padded row; returns its largest id (0 when empty)."""
-    source = values[src : src + take]
+    """Copy one sequence (``values``: its tokens) into its padded row of ids and mask (the
+    labels are made from both for the whole batch); returns its largest id (0 when empty)."""
     ids = ids_out[row : row + take]
-    labels = labels_out[row : row + take]
-    mask = mask_out[row : row + width]
     top = 0
     for j in range(take):
-        top = max(top, source[j])
-    for j in range(take):
-        ids[j] = source[j]
-    for j in range(take):
-        labels[j] = source[j]
-    for j in range(take):
-        mask[j] = 1
-    for j in range(take, width):
-        mask[j] = 0
-    _fill_padding(row + take, width - take, pad_id, ids_out, labels_out)
+        value = values[j]
+        ids[j] = value
+        top = max(top, value)
+    padding = ids_out[row + take : row + width]
+    for j in range(width - take):
+        padding[j] = pad_id
+    mask = mask_out[row : row + width]
+    for j in range(width):
+        mask[j] = 1 if j < take else 0
     return top
 
 
@@ -190,6 +218,30 @@ def pack(
     num_samples = len(lengths)
     if num_rows * seq_len > len(ids_out) or (hi - lo) + num_rows + 1 > len(cu_out):
         return BAD_ROW
+    itemsize = 4 if wide else 2
+    # first every segment located and checked (no token read), then copied with the
+    # segments ahead prefetched
+    where = np.empty(hi - lo, dtype=np.int64)
+    takes = np.empty(hi - lo, dtype=np.int64)
+    for k in range(lo, hi):
+        sample = sample_ids[k]
+        if sample < 0 or sample >= num_samples:
+            return BAD_SEGMENT
+        first = seg_starts[k] if len(seg_starts) else 0
+        full = np.int64(lengths[sample])
+        take = seg_lengths[k] if len(seg_lengths) else full - first
+        if first < 0 or take < 0 or first + take > full:
+            return BAD_SEGMENT
+        s = _locate(sample, shard_starts, addresses, last_used, stamp, info)
+        if s < 0:
+            return NEED_SHARD
+        src = np.int64(file_starts[sample]) + first
+        if src + take > sizes[s]:
+            return BAD_SOURCE
+        where[k - lo] = addresses[s] + src * itemsize
+        takes[k - lo] = take
+    for k in range(min(PREFETCH_AHEAD, hi - lo)):
+        _prefetch_source(where[k], takes[k] * itemsize)
     dst = 0
     out = 0
     longest = 0
@@ -202,36 +254,24 @@ def pack(
             k_lo = lo + r
             k_hi = lo + r + 1
         row_end = dst + seq_len
-        for k in range(k_lo, k_hi):
-            sample = sample_ids[k]
-            if sample < 0 or sample >= num_samples:
-                return BAD_SEGMENT
-            first = seg_starts[k] if len(seg_starts) else 0
-            full = np.int64(lengths[sample])
-            take = seg_lengths[k] if len(seg_lengths) else full - first
-            if first < 0 or take < 0 or first + take > full:
-                return BAD_SEGMENT
+        for k in range(k_lo - lo, k_hi - lo):
+            ahead = k + PREFETCH_AHEAD
+            if ahead < hi - lo:
+                _prefetch_source(where[ahead], takes[ahead] * itemsize)
+            take = takes[k]
             if dst + take > row_end:
                 return BAD_ROW
-            s = _locate(sample, shard_starts, addresses, last_used, stamp, info)
-            if s < 0:
-                return NEED_SHARD
-            address = addresses[s]
-            size = sizes[s]
-            src = np.int64(file_starts[sample]) + first
-            if src + take > size:
-                return BAD_SOURCE
             if wide:
-                values32 = numba.carray(as_uint32_pointer(address), size)
-                top = _copy_segment(values32, src, take, dst, ids_out, labels_out, positions_out)
+                values32 = numba.carray(as_uint32_pointer(where[k]), take)
+                top = _copy_segment(values32, take, dst, ids_out, labels_out, positions_out)
             else:
-                values16 = numba.carray(as_uint16_pointer(address), size)
-                top = _copy_segment(values16, src, take, dst, ids_out, labels_out, positions_out)
+                values16 = numba.carray(as_uint16_pointer(where[k]), take)
+                top = _copy_segment(values16, take, dst, ids_out, labels_out, positions_out)
             if top > max_id:
                 return BAD_ID
             dst += take
-            sample_out[out] = sample
-            offset_out[out] = first
+            sample_out[out] = sample_ids[lo + k]
+            offset_out[out] = seg_starts[lo + k] if len(seg_starts) else 0
             cu_out[out + 1] = dst
             longest = max(longest, take)
             out += 1
@@ -279,36 +319,52 @@ def pad(
     (rows, width), NEED_SHARD, or an error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
+    num_rows = hi - lo
     num_samples = len(lengths)
+    itemsize = 4 if wide else 2
+    # first every row located and checked (no token read), then copied with the rows ahead
+    # prefetched
+    where = np.empty(num_rows, dtype=np.int64)
+    takes = np.empty(num_rows, dtype=np.int64)
     width = 0
-    for k in range(lo, hi):
-        sample = sample_ids[k]
+    for r in range(num_rows):
+        sample = sample_ids[lo + r]
         if sample < 0 or sample >= num_samples:
             return BAD_SEGMENT
-        width = max(width, np.int64(lengths[sample]))
-    width = -(-width // multiple) * multiple
-    if (hi - lo) * width > len(ids_out):
-        return BAD_ROW
-    for k in range(lo, hi):
-        sample = sample_ids[k]
         take = np.int64(lengths[sample])
         s = _locate(sample, shard_starts, addresses, last_used, stamp, info)
         if s < 0:
             return NEED_SHARD
-        address = addresses[s]
-        size = sizes[s]
         src = np.int64(file_starts[sample])
-        if src + take > size:
+        if src + take > sizes[s]:
             return BAD_SOURCE
-        row = (k - lo) * width
+        where[r] = addresses[s] + src * itemsize
+        takes[r] = take
+        width = max(width, take)
+    width = -(-width // multiple) * multiple
+    if num_rows * width > len(ids_out):
+        return BAD_ROW
+    for r in range(min(PREFETCH_AHEAD, num_rows)):
+        _prefetch_source(where[r], takes[r] * itemsize)
+    for r in range(num_rows):
+        ahead = r + PREFETCH_AHEAD
+        if ahead < num_rows:
+            _prefetch_source(where[ahead], takes[ahead] * itemsize)
+        take = takes[r]
         if wide:
-            values32 = numba.carray(as_uint32_pointer(address), size)
-            top = _copy_row(values32, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
+            values32 = numba.carray(as_uint32_pointer(where[r]), take)
+            top = _copy_row(values32, take, r * width, width, pad_id, ids_out, mask_out)
         else:
-            values16 = numba.carray(as_uint16_pointer(address), size)
-            top = _copy_row(values16, src, take, row, width, pad_id, ids_out, mask_out, labels_out)
+            values16 = numba.carray(as_uint16_pointer(where[r]), take)
+            top = _copy_row(values16, take, r * width, width, pad_id, ids_out, mask_out)
         if top > max_id:
             return BAD_ID
-    info[0] = hi - lo
+    used = num_rows * width
+    ids = ids_out[:used]
+    mask = mask_out[:used]
+    labels = labels_out[:used]
+    for j in range(used):  # one loop over the batch, not two short ones per row
+        labels[j] = ids[j] if mask[j] != 0 else IGNORE_INDEX
+    info[0] = num_rows
     info[1] = width
     return 0
