@@ -569,7 +569,7 @@ class ShardDataset(IterableDataset):
 
     def _compiled(self, plan: EpochPlan) -> kernels.BatchKernels | None:
         """The compiled reader of ``plan`` (kernels.py), or None when the numpy path reads
-        its batches (no numba, a chat cache, ``self.kernels`` off)."""
+        its batches (no numba, a compressed cache, ``self.kernels`` off)."""
         if not self.kernels:
             return None
         if self._cache is None:

@@ -10,15 +10,18 @@ once and written once into ``input_ids``, ``labels`` and ``position_ids`` (or
 every segment is checked on the way (inside its sequence, inside its shard file, rows not
 over-full, every id at most the tokenizer's largest: the store leaves that check of a whole
 shard file, a pass over all of its bytes when it is opened, to the reader of these tokens).
-There is no numpy call per segment, run or output array.
+There is no numpy call per segment, run or output array. Chat caches too: a sequence's loss
+mask is a run of bits in its shard's file (``MappedTable.mask_starts``), and the labels of
+tokens whose bit is 0 are -100, as on the numpy path. Each batch is located and checked first,
+then copied with the rows or segments ahead prefetched (kernels_jit.py says why).
 
 Why: the numpy path costs ~40 numpy calls a batch (1-2 us each on this machine), a fancy index
 or slice copy per run, and a second pass per output array; at 16 x 2048 tokens that was
 ~165 us a batch against ~23 us for summing the same tokens from one flat memory map.
 
 The kernels are compiled with numba (``pip install 'shardcache[fast]'``; ``cache=True``, so
-once per machine). Without numba, or for what they do not handle (chat caches with loss
-masks, compressed shards, a batch over more shards than the reader keeps open), the reader
+once per machine). Without numba, or for what they do not handle (compressed shards, a
+batch over more shards than the reader keeps open), the reader
 takes the numpy path; tests/read/test_kernels.py checks that both give identical batches.
 A kernel takes the batch's index and reads the epoch plan's arrays itself, so a batch costs one
 kernel call (no per-batch plan lookup, shard lookup or output sizing in Python). When a shard
@@ -141,8 +144,8 @@ class BatchKernels:
         while True:
             code = self._kernels.pack(
                 self._wide, t.addresses, t.sizes, t.last_used, stamp, t.shard_starts,
-                t.file_starts, t.lengths, offsets, samples, starts, lengths, rows, index,
-                seq_len, pad_id, t.max_id, ids, labels, positions, cu, sample, offset, info,
+                t.file_starts, t.lengths, t.mask_starts, offsets, samples, starts, lengths, rows,
+                index, seq_len, pad_id, t.max_id, ids, labels, positions, cu, sample, offset, info,
             )  # fmt: skip
             if code == 0:
                 break
@@ -183,8 +186,8 @@ class BatchKernels:
         while True:
             code = self._kernels.pad(
                 self._wide, t.addresses, t.sizes, t.last_used, stamp, t.shard_starts,
-                t.file_starts, t.lengths, offsets, samples, index, multiple, pad_id, t.max_id,
-                ids, mask, labels, info,
+                t.file_starts, t.lengths, t.mask_starts, offsets, samples, index, multiple, pad_id,
+                t.max_id, ids, mask, labels, info,
             )  # fmt: skip
             if code == 0:
                 break
@@ -239,6 +242,7 @@ def _warm() -> None:
         lengths=lengths,
         dtype=tokens.dtype,
         max_id=100,
+        mask_starts=np.zeros(0, dtype=np.int64),
     )
     for shared in (False, True):  # plans computed here, or memory-mapped from the plan store
         pairs = (("batch_offsets", [0, 1]), ("sample_ids", [0]), ("row_offsets", [0, 1]))

@@ -46,6 +46,7 @@ def _pointer_intrinsic(item: Any) -> Any:
     return as_pointer
 
 
+as_uint8_pointer = _pointer_intrinsic(types.uint8)
 as_uint16_pointer = _pointer_intrinsic(types.uint16)
 as_uint32_pointer = _pointer_intrinsic(types.uint32)
 
@@ -118,6 +119,20 @@ def _copy_segment(
 
 
 @_inline
+def _mask_labels(
+    address: int, bit: int, take: int, labels: np.ndarray
+) -> None:  # pragma: no cover - compiled
+    """-100 on the labels of the ``take`` tokens whose loss-mask bit is 0 (the bits from bit
+    ``bit`` of the file at ``address``, least significant first)."""
+    bits = numba.carray(as_uint8_pointer(address + (bit >> 3)), ((bit & 7) + take + 7) >> 3)
+    first = bit & 7
+    for j in range(take):
+        at = first + j
+        if not (bits[at >> 3] >> (at & 7)) & 1:
+            labels[j] = IGNORE_INDEX
+
+
+@_inline
 def _fill_padding(
     start: int, count: int, pad_id: int, ids_out: np.ndarray, labels_out: np.ndarray
 ) -> None:  # pragma: no cover - compiled
@@ -185,6 +200,7 @@ def pack(
     shard_starts: np.ndarray,
     file_starts: np.ndarray,
     lengths: np.ndarray,
+    mask_starts: np.ndarray,
     batch_offsets: np.ndarray,
     sample_ids: np.ndarray,
     seg_starts: np.ndarray,
@@ -204,7 +220,8 @@ def pack(
 ) -> int:  # pragma: no cover - compiled
     """Packed batch ``index`` of the plan (``batch_offsets``, ``sample_ids``, ``seg_starts`` /
     ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
-    ``seq_len`` slots (``wide``: uint32 shards, else uint16). Returns 0 with ``info`` = (rows,
+    ``seq_len`` slots (``wide``: uint32 shards, else uint16; ``mask_starts`` empty, or a chat
+    cache's loss masks: labels -100 where the bit is 0). Returns 0 with ``info`` = (rows,
     segments including padding runs, longest segment), NEED_SHARD, or an error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
@@ -219,10 +236,13 @@ def pack(
     if num_rows * seq_len > len(ids_out) or (hi - lo) + num_rows + 1 > len(cu_out):
         return BAD_ROW
     itemsize = 4 if wide else 2
+    masked = len(mask_starts) > 0
     # first every segment located and checked (no token read), then copied with the
     # segments ahead prefetched
     where = np.empty(hi - lo, dtype=np.int64)
     takes = np.empty(hi - lo, dtype=np.int64)
+    mask_bits = np.empty(hi - lo if masked else 0, dtype=np.int64)
+    bases = np.empty(hi - lo if masked else 0, dtype=np.int64)
     for k in range(lo, hi):
         sample = sample_ids[k]
         if sample < 0 or sample >= num_samples:
@@ -240,6 +260,12 @@ def pack(
             return BAD_SOURCE
         where[k - lo] = addresses[s] + src * itemsize
         takes[k - lo] = take
+        if masked:
+            bit = mask_starts[sample] + first
+            if bit < 0 or (bit + take + 7) >> 3 > sizes[s] * itemsize:
+                return BAD_SOURCE
+            mask_bits[k - lo] = bit
+            bases[k - lo] = addresses[s]
     for k in range(min(PREFETCH_AHEAD, hi - lo)):
         _prefetch_source(where[k], takes[k] * itemsize)
     dst = 0
@@ -269,6 +295,8 @@ def pack(
                 top = _copy_segment(values16, take, dst, ids_out, labels_out, positions_out)
             if top > max_id:
                 return BAD_ID
+            if masked:
+                _mask_labels(bases[k], mask_bits[k], take, labels_out[dst : dst + take])
             dst += take
             sample_out[out] = sample_ids[lo + k]
             offset_out[out] = seg_starts[lo + k] if len(seg_starts) else 0
@@ -303,6 +331,7 @@ def pad(
     shard_starts: np.ndarray,
     file_starts: np.ndarray,
     lengths: np.ndarray,
+    mask_starts: np.ndarray,
     batch_offsets: np.ndarray,
     sample_ids: np.ndarray,
     index: int,
@@ -315,17 +344,20 @@ def pad(
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
     """Pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
-    longest rounded up to ``multiple`` (``wide``: uint32 shards). Returns 0 with ``info`` =
-    (rows, width), NEED_SHARD, or an error code."""
+    longest rounded up to ``multiple`` (``wide``: uint32 shards; ``mask_starts``: as for
+    :func:`pack`). Returns 0 with ``info`` = (rows, width), NEED_SHARD, or an error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     num_rows = hi - lo
     num_samples = len(lengths)
     itemsize = 4 if wide else 2
+    masked = len(mask_starts) > 0
     # first every row located and checked (no token read), then copied with the rows ahead
     # prefetched
     where = np.empty(num_rows, dtype=np.int64)
     takes = np.empty(num_rows, dtype=np.int64)
+    mask_bits = np.empty(num_rows if masked else 0, dtype=np.int64)
+    bases = np.empty(num_rows if masked else 0, dtype=np.int64)
     width = 0
     for r in range(num_rows):
         sample = sample_ids[lo + r]
@@ -341,6 +373,12 @@ def pad(
         where[r] = addresses[s] + src * itemsize
         takes[r] = take
         width = max(width, take)
+        if masked:
+            bit = mask_starts[sample]
+            if bit < 0 or (bit + take + 7) >> 3 > sizes[s] * itemsize:
+                return BAD_SOURCE
+            mask_bits[r] = bit
+            bases[r] = addresses[s]
     width = -(-width // multiple) * multiple
     if num_rows * width > len(ids_out):
         return BAD_ROW
@@ -365,6 +403,10 @@ def pad(
     labels = labels_out[:used]
     for j in range(used):  # one loop over the batch, not two short ones per row
         labels[j] = ids[j] if mask[j] != 0 else IGNORE_INDEX
+    if masked:
+        for r in range(num_rows):
+            row = r * width
+            _mask_labels(bases[r], mask_bits[r], takes[r], labels_out[row : row + takes[r]])
     info[0] = num_rows
     info[1] = width
     return 0

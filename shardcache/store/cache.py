@@ -165,12 +165,14 @@ class MappedTable:
     tokens (``dtype``) are the ``sizes[s]`` values at address ``addresses[s]`` (0: not open,
     :meth:`Cache.open_mapped` opens it). Sample ``i`` starts at value ``file_starts[i]`` of its
     shard (filled when the shard is first opened) and holds ``lengths[i]`` tokens (the length
-    index, checked against the shard then). A reader advances ``clock[0]`` once per batch and
-    records ``last_used[s] = clock[0]`` for every shard it reads (when the LRU must close a
-    shard for a new one, it closes the least recently stamped), and it refuses any id
-    above ``max_id``: the store has not checked the ids of these files, the reader checks those
-    it copies. An address is valid until the next :meth:`Cache.open_mapped` or close, so a
-    reader must not let Python code run between reading an address and copying from it.
+    index, checked against the shard then); in a chat cache its loss mask is ``lengths[i]``
+    bits from bit ``mask_starts[i]`` of the same file. A reader advances ``clock[0]`` once
+    per batch and records ``last_used[s] = clock[0]`` for every shard it reads (when the LRU
+    must close a shard for a new one, it closes the least recently stamped), and it refuses
+    any id above ``max_id``: the store has not checked the ids of these files, the reader
+    checks those it copies. An address is valid until the next :meth:`Cache.open_mapped` or
+    close, so a reader must not let Python code run between reading an address and copying
+    from it.
     """
 
     addresses: np.ndarray  # int64, one per shard
@@ -182,6 +184,9 @@ class MappedTable:
     lengths: np.ndarray  # the length index, one per sample
     dtype: np.dtype
     max_id: int
+    #: chat caches: per sample the bit position of its first loss-mask bit in its shard's
+    #: file (filled with file_starts; the bits are at the same address); empty otherwise
+    mask_starts: np.ndarray  # int64
 
 
 @dataclass(frozen=True)
@@ -274,6 +279,7 @@ class Cache:
         # check the ids they copy instead)
         self._ids_checked = np.zeros(len(self.shards), dtype=bool)
         self._file_starts: np.ndarray | None = None
+        self._mask_starts = np.zeros(self.num_sequences if self.has_mask else 0, dtype=np.int64)
         self._flat_open: dict[int, np.ndarray] = {}
         # the open ones' token arrays by address and size (MappedTable; 0 = not open)
         self._flat_addresses = np.zeros(len(self.shards), dtype=np.int64)
@@ -453,23 +459,24 @@ class Cache:
                 self._shards.touch(index)  # open and checked: only marked as recently used
                 arrays[index] = tokens
                 continue
-            flat = self._shards.get(index).flat_rows(check_ids)
+            reader = self._shards.get(index)
+            flat = reader.flat_rows(check_ids)
             if flat is None:
                 return None
             self._ids_checked[index] |= check_ids
             if not self._flat_seen[index]:
-                self._record_flat(index, flat)
+                self._record_flat(index, flat, reader)
             arrays[index] = self._flat_open[index] = flat.tokens
             self._flat_addresses[index] = flat.tokens.__array_interface__["data"][0]
             self._flat_sizes[index] = len(flat.tokens)
         return arrays
 
     def mapped_table(self) -> MappedTable | None:
-        """The table of memory-mapped shards for compiled readers (None for a chat cache, whose
-        masks are read through :meth:`gather`, and for a compressed one). The same object for
-        the cache's life; its arrays change as shards open and close."""
+        """The table of memory-mapped shards for compiled readers (None for a compressed
+        cache). The same object for the cache's life; its arrays change as shards open and
+        close."""
         layout = (self.manifest.get("options") or {}).get("layout") or {}
-        if self.has_mask or layout.get("compression", "none") != "none":
+        if layout.get("compression", "none") != "none":
             return None  # (a cache resumed under another compression: open_mapped says so)
         if self._table is None:
             self._table = MappedTable(
@@ -482,6 +489,7 @@ class Cache:
                 self._lengths_plain,
                 self.dtype,
                 self._max_id,
+                self._mask_starts,
             )
         return self._table
 
@@ -501,7 +509,7 @@ class Cache:
             table.last_used[index] = table.clock[0]  # used by the read that asked for it
         return True
 
-    def _record_flat(self, index: int, flat: FlatRows) -> None:
+    def _record_flat(self, index: int, flat: FlatRows, reader: ShardReader) -> None:
         lo, hi = int(self.shard_starts[index]), int(self.shard_starts[index + 1])
         want = self.lengths[lo:hi]
         if len(flat.lengths) != hi - lo or not (flat.lengths == want).all():
@@ -515,6 +523,10 @@ class Cache:
                 "and rebuild"
             )
         self._starts_table()[lo:hi] = flat.starts
+        if self.has_mask:
+            bits = reader.mask_bit_starts()
+            assert bits is not None and len(bits) == hi - lo  # (uncompressed: flat is not None)
+            self._mask_starts[lo:hi] = bits
         self._flat_seen[index] = True
 
     def _starts_table(self) -> np.ndarray:

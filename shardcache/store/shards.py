@@ -698,6 +698,46 @@ class ShardReader:
             lengths=_joined(lengths),
         )
 
+    def mask_bit_starts(self) -> np.ndarray | None:
+        """Per row, where its loss mask starts in the mapped file, as a bit position (int64:
+        byte ``p >> 3``, bit ``p & 7``, least significant first, one bit per token); None for
+        a compressed shard or one without masks. A compiled reader reads a row's mask bits
+        straight from the file, as it reads its tokens (see :meth:`flat_rows`). Built on each
+        call, not kept. Raises :class:`CorruptShardError` when a record batch's mask does not
+        line up with its tokens (other row offsets) or lies outside the file."""
+        if self.compressed or not self.has_mask:
+            return None
+        whole = self._whole
+        parts = []
+        try:
+            for b in range(self._reader.num_record_batches):
+                batch = self._reader.get_batch(b)
+                tokens, mask = batch.column(0), batch.column(3)
+                offsets = arrow_numpy(mask.offsets).astype(np.int64)
+                bits = mask.values
+                data = bits.buffers()[1]
+                at = -1 if data is None else data.address - whole.address
+                end = (bits.offset + len(bits) + 7) // 8
+                if (
+                    bits.null_count
+                    or not np.array_equal(offsets, arrow_numpy(tokens.offsets))
+                    or at < 0
+                    or data is None
+                    or end > data.size
+                    or at + data.size > whole.size
+                ):
+                    raise CorruptShardError(
+                        f"{self.path}: the loss mask of record batch {b} does not line up with "
+                        "its tokens; rebuild"
+                    )
+                parts.append(8 * at + bits.offset + offsets[:-1])
+        except (OSError, pa.ArrowException) as err:
+            raise CorruptShardError(
+                f"{self.path}: the loss masks cannot be read ({err}); run `shardcache verify` "
+                "and rebuild"
+            ) from err
+        return _joined(parts)
+
     def _check_ids(self, b: int, values: np.ndarray) -> None:
         """Every id of record batch ``b`` at most the tokenizer's largest (when known)."""
         if self.max_token_id is not None and len(values):

@@ -27,9 +27,10 @@ MODES = [
 
 
 @pytest.fixture(scope="module")
-def caches(tmp_path_factory, tokenizer_dir, big_vocab_dir):
-    """A uint16 cache (short documents split to 64 tokens, small shards) and a uint32 one."""
-    from conftest import make_texts, write_records
+def caches(tmp_path_factory, tokenizer_dir, big_vocab_dir, chatml_tokenizer_dir):
+    """A uint16 cache (short documents split to 64 tokens, small shards), a uint32 one, and a
+    chat cache (loss masks; small shards, several record batches each)."""
+    from conftest import make_conversations, make_texts, write_records
     from shardcache.build.run import build_cache
     from shardcache.config import build_options_from_mapping
 
@@ -54,6 +55,16 @@ def caches(tmp_path_factory, tokenizer_dir, big_vocab_dir):
                   "shard_size": "4KiB"}  # fmt: skip
         build_cache(build_options_from_mapping(values))
         out[name] = target
+    chats = folder / "chats"
+    chats.mkdir()
+    records = [{"messages": m} for m in make_conversations(120, seed=3)]
+    write_records(str(chats / "c.jsonl"), records, "jsonl")
+    target = str(tmp_path_factory.mktemp("kernel-chat") / "cache")
+    values = {"input": str(chats), "tokenizer": chatml_tokenizer_dir, "output": target,
+              "workers": 1, "chat": True, "max_length": 64, "truncation": "truncate",
+              "buckets": "16,32", "shard_size": "4KiB"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    out["chat"] = target
     return out
 
 
@@ -63,13 +74,14 @@ def _epoch(path: str, compiled: bool, **options) -> list[dict]:
     return list(ds)
 
 
-@pytest.mark.parametrize("name", ["u16", "u32"])
+@pytest.mark.parametrize("name", ["u16", "u32", "chat"])
 @pytest.mark.parametrize("options", MODES, ids=lambda o: "-".join(map(str, o.values())))
 @pytest.mark.parametrize("shuffle", [False, True])
 @pytest.mark.parametrize("ids_dtype", ["int32", "int64"])
 def test_kernels_give_the_numpy_batches(caches, name, options, shuffle, ids_dtype):
     path = caches[name]
-    assert Cache(path).dtype == np.dtype(np.uint16 if name == "u16" else np.uint32)
+    assert Cache(path).dtype == np.dtype(np.uint32 if name == "u32" else np.uint16)
+    assert Cache(path).has_mask == (name == "chat")
     fast = _epoch(path, True, shuffle=shuffle, ids_dtype=ids_dtype, **options)
     reference = _epoch(path, False, shuffle=shuffle, ids_dtype=ids_dtype, **options)
     assert len(fast) == len(reference) > 1
@@ -82,7 +94,7 @@ def test_kernels_give_the_numpy_batches(caches, name, options, shuffle, ids_dtyp
 
 def test_the_kernels_take_the_batches(caches, monkeypatch):
     """The comparison above is not numpy against numpy: with kernels on, no batch of a
-    plain-text memory-mapped cache goes through Cache.gather."""
+    memory-mapped cache, plain text or chat, goes through Cache.gather."""
     calls = []
     real = Cache.gather
     monkeypatch.setattr(
@@ -90,6 +102,7 @@ def test_the_kernels_take_the_batches(caches, monkeypatch):
     )
     for options in MODES:
         assert _epoch(caches["u16"], True, shuffle=True, **options)
+        assert _epoch(caches["chat"], True, shuffle=True, **options)
     assert calls == []
     assert _epoch(caches["u16"], False, shuffle=True, **MODES[0])
     assert calls

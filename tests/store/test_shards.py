@@ -146,3 +146,61 @@ def test_arrow_numpy_is_a_zero_copy_view_equal_to_to_numpy(arrow_type):
     assert arrow_numpy(lists.offsets).tolist() == lists.offsets.to_pylist()
     with_nulls = pa.array([1, None, 3], type=arrow_type)  # not a plain view: to_numpy's answer
     assert np.isnan(arrow_numpy(with_nulls)[1])
+
+
+def test_mask_bit_starts_locate_every_rows_loss_mask_in_the_file(tmp_path):
+    """A compiled reader reads a chat row's loss mask straight from the mapped file: the bits
+    from mask_bit_starts()[row] (least significant first) are the row's mask, in every
+    record batch, at bit offsets that are not byte-aligned."""
+    rng = np.random.default_rng(4)
+    seqs = [rng.integers(0, 500, size=int(n)) for n in rng.integers(1, 40, size=60)]
+    masks = [rng.random(len(s)) < 0.6 for s in seqs]
+    os.makedirs(tmp_path / "shards")
+    writer = BucketWriter(
+        str(tmp_path), "p00000", "src.jsonl", 0, np.dtype(np.uint16), 1 << 20, "none", True
+    )
+    writer.batch_bytes = 200  # several record batches in the shard
+    writer.add(
+        np.concatenate(seqs).astype(np.uint16),
+        np.array([len(s) for s in seqs]),
+        np.arange(len(seqs)),
+        np.zeros(len(seqs), dtype=np.int32),
+        np.concatenate(masks),
+    )
+    writer.close()
+    [info] = writer.shards
+    path = str(tmp_path / "shards" / info.name)
+    reader = ShardReader(path, info.to_json(), np.dtype(np.uint16), with_mask=True)
+    assert reader._reader.num_record_batches > 3
+    starts = reader.mask_bit_starts()
+    assert starts is not None and len(starts) == len(seqs)
+    bits = np.unpackbits(np.fromfile(path, dtype=np.uint8), bitorder="little").astype(bool)
+    for row, mask in enumerate(masks):
+        assert bits[starts[row] : starts[row] + len(mask)].tolist() == mask.tolist()
+    assert reader.masks_many(list(range(len(seqs))))[7].tolist() == masks[7].tolist()
+    plain = _write(tmp_path / "plain", [[1, 2], [3]])
+    [info] = plain.shards
+    path = str(tmp_path / "plain" / "shards" / info.name)
+    assert ShardReader(path, info.to_json(), np.dtype(np.uint16)).mask_bit_starts() is None
+
+
+def test_a_loss_mask_out_of_line_with_its_tokens_is_refused(tmp_path):
+    from shardcache.store.shards import shard_schema
+
+    schema = shard_schema(np.dtype(np.uint16), with_mask=True)
+    batch = pa.record_batch(
+        [
+            pa.array([[1, 2], [3]], type=pa.list_(pa.uint16())),
+            pa.array([0, 1], type=pa.int64()),
+            pa.array([0, 0], type=pa.int32()),
+            pa.array([[True], [False, True]], type=pa.list_(pa.bool_())),  # rows of 1 and 2
+        ],
+        schema=schema,
+    )
+    path = str(tmp_path / "p00000-b00-00000.arrow")
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, schema) as out:
+        out.write_batch(batch)
+    info = {"name": os.path.basename(path), "rows": 2, "tokens": 3}
+    reader = ShardReader(path, info, np.dtype(np.uint16), checksum=False, with_mask=True)
+    with pytest.raises(CorruptShardError, match="loss mask of record batch 0 does not line up"):
+        reader.mask_bit_starts()
