@@ -82,9 +82,11 @@ Epochs: ``set_epoch(e)`` with a new ``e`` starts ``e`` at cursor 0; with the cur
 keeps the cursor (so a resumed job may call ``set_epoch(resumed_epoch)``). A pass that starts
 on an epoch this process exhausted replays it from 0 (like a sampler without ``set_epoch``);
 a state *loaded* at the end of an epoch yields nothing until ``set_epoch(next)`` (resuming at
-an epoch boundary neither repeats nor skips an epoch). With
-``persistent_workers=True`` the workers keep their copy of the dataset, so ``set_epoch`` does
-not reach them: use the default ``persistent_workers=False``.
+an epoch boundary neither repeats nor skips an epoch). DataLoader workers start each pass
+where the main process's dataset stands: fresh workers get a copy of it; workers kept with
+``persistent_workers=True`` read the position ``set_epoch`` / ``load_state_dict`` last
+published in a small shared-memory tensor (and replay their epoch from 0 when nothing was
+published since their last pass), so they deliver the same batches as fresh ones.
 
 Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
 sequence), computed once per machine and epoch and memory-mapped by every worker and rank
@@ -261,6 +263,12 @@ class ShardDataset(IterableDataset):
         self._worker: dict[str, int] | None = None  # worker-level position while iterating
         self._worker_resume: dict[str, int] | None = None
         self._loaded = False  # the cursor came from load_state_dict: honour it as it is
+        # the position persistent DataLoader workers start their next pass from:
+        # [generation, epoch, cursor, loaded], written by set_epoch / load_state_dict in the
+        # main process (shared memory, so the workers' copies see it); _generation is the one
+        # this copy's position came from
+        self._published = _shared_position()
+        self._generation = 0
         #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
         #: takes the numpy path (the reference: same batches, slower).
         self.kernels = True
@@ -285,6 +293,33 @@ class ShardDataset(IterableDataset):
             self.epoch = epoch
             self._start = self._consumed = 0
             self._loaded = False
+        self._publish()
+
+    def _publish(self) -> None:
+        """Make this position the one persistent workers start their next pass from (in the
+        main process; a worker's own ``load_state_dict`` keeps its copy's state instead)."""
+        generation = int(self._published[0])
+        if get_worker_info() is None:
+            generation += 1
+            self._published[1:] = torch.tensor(
+                [self.epoch, self._consumed, int(self._loaded)], dtype=torch.int64
+            )
+            self._published[0] = generation  # last: a worker reads a complete position
+        self._generation = generation
+
+    def _adopt_published(self) -> None:
+        """In a persistent worker: take the position the main process published since this
+        copy's last pass, if any (a fresh worker's copy already holds it)."""
+        generation = int(self._published[0])
+        if generation == self._generation:
+            return
+        epoch, consumed, loaded = (int(v) for v in self._published[1:].tolist())
+        if epoch != self.epoch:
+            self._plan = None
+        self.epoch = epoch
+        self._start = self._consumed = consumed
+        self._loaded = bool(loaded)
+        self._generation = generation
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
         """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
@@ -451,16 +486,19 @@ class ShardDataset(IterableDataset):
         self._worker_resume = (
             {"world_size": state.get("world_size"), **worker} if isinstance(worker, dict) else None
         )
+        self._publish()
 
     # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
         if self._cache is None:
             self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
-        plan = self.plan()
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         resume, self._worker_resume = self._worker_resume, None
+        if info is not None and resume is None:
+            self._adopt_published()
+        plan = self.plan()
         if resume is not None:
             self._check_worker_resume(resume, worker_id, num_workers)
             start, skip = int(resume["start"]), int(resume["yielded"])
@@ -520,6 +558,9 @@ class ShardDataset(IterableDataset):
             yield batch
         if self._worker is None:  # in-process pass finished: the next one replays from 0
             self._start = 0
+            self._loaded = False
+        else:  # a worker's share done: its next pass (persistent workers) replays from 0
+            self._consumed = start + self.world_size * len(mine)
             self._loaded = False
 
     def _log_tail(self, split: EpochSplit) -> None:
@@ -728,6 +769,18 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     model that rejects unknown keywords takes ``model(**model_inputs(batch))``.
     """
     return {k: v for k, v in batch.items() if k != "meta"}
+
+
+def _shared_position() -> torch.Tensor:
+    """The [generation, epoch, cursor, loaded] tensor of ``ShardDataset._published``, in
+    shared memory (a plain tensor where none can be had: then persistent workers do not see
+    a new ``set_epoch``, as without this)."""
+    position = torch.zeros(4, dtype=torch.int64)
+    try:
+        return position.share_memory_()
+    except RuntimeError as err:  # e.g. no /dev/shm
+        logger.debug("shardcache: no shared memory for the reader position (%s)", err)
+        return position
 
 
 def _check_attention(attention: str | None, mode: str) -> str | None:

@@ -11,12 +11,15 @@ What goes wrong when the pieces are wired by hand (each seen in practice):
   a rank at exit ("terminate called without an active exception") about once in ten CI runs
   until its workers came from ``forkserver``: a clean server process forks them, so they
   inherit no threads, no CUDA context and no process group. The price: each worker imports
-  torch and shardcache itself, so the first batch of every epoch (workers are not persistent,
-  so that ``set_epoch`` reaches them) comes 1.2-1.9 s after ``iter()`` instead of 0.05 s with
-  ``fork`` (2 workers, measured on a loaded 2-core machine); and, as with ``spawn``, the
-  training script needs the ``if __name__ == "__main__":`` guard (the workers import it).
-* ``persistent_workers=True`` keeps the workers' copy of the dataset, so ``set_epoch`` never
-  reaches them; ``pin_memory=True`` next to a ``DevicePrefetcher`` pins twice. Both are off.
+  torch and shardcache itself, so the first batch of every epoch comes 1.2-1.9 s after
+  ``iter()`` instead of 0.05 s with ``fork`` (2 workers, measured on a loaded 2-core machine),
+  unless ``persistent_workers=True`` keeps the workers for the next epochs; and, as with
+  ``spawn``, the training script needs the ``if __name__ == "__main__":`` guard (the workers
+  import it).
+* ``persistent_workers=True`` keeps the workers' copy of the dataset; ``ShardDataset``
+  publishes its position to them (``set_epoch``, ``load_state_dict``), so they deliver the
+  same batches as fresh workers. ``pin_memory=True`` next to a ``DevicePrefetcher`` pins
+  twice: it is off.
 * With workers or a prefetcher, the readers run ahead of training, so the dataset's live state
   counts batches not yet trained on. :class:`ShardLoader` counts the batches it handed out and
   its ``state_dict()`` is the position after exactly those.
@@ -130,6 +133,7 @@ def loader(
     attention: str | None = None,
     stateful: bool = False,
     start_method: str | None = None,
+    persistent_workers: bool = False,
     **options: Any,
 ) -> ShardLoader:
     """A :class:`ShardLoader` over ``ShardDataset(path, max_tokens, attention=..., **options)``.
@@ -141,8 +145,9 @@ def loader(
 
     The DataLoader gets ``batch_size=None`` (the dataset yields whole batches),
     ``num_workers`` workers started with ``start_method`` (default ``"forkserver"`` where the
-    platform has it: safe under DDP, see the module docstring), ``persistent_workers=False``
-    and ``pin_memory=False``. ``stateful=True`` makes it a torchdata ``StatefulDataLoader``
+    platform has it: safe under DDP, see the module docstring), ``persistent_workers`` (False:
+    new workers every epoch; True keeps them, saving their start at every epoch) and
+    ``pin_memory=False``. ``stateful=True`` makes it a torchdata ``StatefulDataLoader``
     (``pip install torchdata``), for frameworks that checkpoint the DataLoader itself.
     ``device`` (e.g. ``"cuda"``) adds a :class:`DevicePrefetcher` that hands out batches on
     that device (a pass-through on CPU).
@@ -150,6 +155,13 @@ def loader(
     check_int("num_workers", num_workers, 0)
     if not isinstance(stateful, bool):
         raise ConfigError(f"stateful: got {stateful!r}, expected True or False")
+    if not isinstance(persistent_workers, bool):
+        raise ConfigError(f"persistent_workers: got {persistent_workers!r}, expected True or False")
+    if persistent_workers and num_workers == 0:
+        raise ConfigError(
+            "persistent_workers=True with num_workers=0: there are no worker processes to "
+            "keep. Set num_workers > 0 or drop persistent_workers"
+        )
     dataset = ShardDataset(path, max_tokens, attention=attention, **options)
     context = None
     if num_workers > 0:
@@ -169,7 +181,7 @@ def loader(
         "batch_size": None,
         "num_workers": num_workers,
         "multiprocessing_context": context,
-        "persistent_workers": False,
+        "persistent_workers": persistent_workers,
         "pin_memory": False,
     }
     dataloader: DataLoader[Batch]

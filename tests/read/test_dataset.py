@@ -437,3 +437,39 @@ def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
         assert len(got) == len(want)
         for a, b in zip(got, want):
             assert_batches_equal(a, b)
+
+
+@pytest.mark.parametrize("context", ["fork", "forkserver"])
+def test_persistent_workers_deliver_every_epoch_whole_and_follow_set_epoch(cache_dir, context):
+    """With persistent_workers=True the workers keep their copy of the dataset across passes.
+    Every pass must still deliver the whole epoch the main process selected: the same
+    batches as an in-process pass (before the fix a second pass lost about half of them,
+    and set_epoch in the main process never reached the workers, so a new epoch replayed the
+    old order), after set_epoch and after load_state_dict too."""
+    ds = ShardDataset(cache_dir, max_tokens=128, seed=3)
+    reference = {}
+    for epoch in (0, 1, 2):
+        other = ShardDataset(cache_dir, max_tokens=128, seed=3)
+        other.set_epoch(epoch)
+        reference[epoch] = [_ids(b) for b in other]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                        multiprocessing_context=context)  # fmt: skip
+
+    def one_pass():
+        return sorted(tuple(_ids(b)) for b in loader)
+
+    def whole(epoch):
+        return sorted(tuple(ids) for ids in reference[epoch])
+
+    assert one_pass() == whole(0)
+    assert one_pass() == whole(0)  # the same epoch again: replayed whole
+    ds.set_epoch(1)
+    assert one_pass() == whole(1)  # the new epoch's order, not epoch 0's
+    state = ds.state_dict()
+    ds.set_epoch(2)
+    assert one_pass() == whole(2)
+    resumed = copy.deepcopy(state)
+    resumed["consumed"] = 4
+    ds.load_state_dict(resumed)  # epoch 1 from global batch 4: the rest of it
+    assert one_pass() == sorted(tuple(ids) for ids in reference[1][4:])
+    assert one_pass() == whole(1)  # and then the whole epoch again

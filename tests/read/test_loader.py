@@ -116,3 +116,27 @@ def test_prefetcher_hands_out_batches_on_the_device(cache_dir):
         batch = next(iter(dl))
     assert batch["input_ids"].device == torch.device("cpu")
     assert set(batch["meta"]) == {"sample_ids"}
+
+
+def test_persistent_workers_follow_set_epoch_and_a_pass_left_early(cache_dir):
+    """loader(persistent_workers=True) keeps its workers; every pass still delivers what
+    fresh workers would: the epoch set, a whole replay, and after a pass left early the
+    batches after the last one handed out."""
+    expected = {}
+    for epoch in (0, 1):
+        ds = ShardDataset(cache_dir, 128, seed=1)
+        ds.set_epoch(epoch)
+        expected[epoch] = ids(ds)
+    with pytest.raises(ConfigError, match="persistent_workers=True with num_workers=0"):
+        shardcache.loader(cache_dir, 128, num_workers=0, persistent_workers=True)
+    dl = shardcache.loader(cache_dir, 128, num_workers=2, persistent_workers=True, seed=1)
+    assert dl.dataloader.persistent_workers
+    assert ids(dl) == expected[0]
+    assert ids(dl) == expected[0]
+    dl.set_epoch(1)
+    head = []
+    for batch in dl:
+        head.append(batch["meta"]["sample_ids"].tolist())
+        if len(head) == 3:
+            break
+    assert head + ids(dl) == expected[1]
