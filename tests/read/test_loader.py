@@ -140,3 +140,20 @@ def test_persistent_workers_follow_set_epoch_and_a_pass_left_early(cache_dir):
         if len(head) == 3:
             break
     assert head + ids(dl) == expected[1]
+
+
+def test_by_default_a_cache_the_kernels_read_is_read_in_process(cache_dir, corpus, build_cache,
+                                                                tokenizer_dir):  # fmt: skip
+    """Receiving a batch from a worker costs the main process more than building it with the
+    compiled kernels, so those caches get no workers; a zstd cache (numpy path) gets 2, and
+    so does a loader whose options ask for workers."""
+    pytest.importorskip("numba")
+    dl = shardcache.loader(cache_dir, 128, seed=1)
+    assert dl.dataset.reads_compiled and dl.dataloader.num_workers == 0
+    assert ids(dl) == ids(ShardDataset(cache_dir, 128, seed=1))
+    assert shardcache.loader(cache_dir, 128, start_method="fork").dataloader.num_workers == 2
+    assert shardcache.loader(cache_dir, 128, persistent_workers=True).dataloader.num_workers == 2
+    folder, _ = corpus("jsonl", n_files=1, docs=20, seed=1)
+    packed = build_cache(folder, tokenizer_dir, compression="zstd")
+    zstd = shardcache.loader(packed, 128)
+    assert not zstd.dataset.reads_compiled and zstd.dataloader.num_workers == 2
