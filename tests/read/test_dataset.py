@@ -2,19 +2,23 @@ from __future__ import annotations
 
 import collections
 import copy
+import io
 import itertools
 import json
+import pickle
 import types
+from multiprocessing.reduction import ForkingPickler
 
 import pytest
 import torch
+import torch.multiprocessing  # registers torch's reductions with ForkingPickler
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from torch.utils.data import DataLoader
 
 from conftest import assert_batches_equal, assert_resumable
 from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
-from shardcache.read.dataset import cache_digest
+from shardcache.read.dataset import Batch, cache_digest
 
 
 @pytest.fixture()
@@ -473,3 +477,72 @@ def test_persistent_workers_deliver_every_epoch_whole_and_follow_set_epoch(cache
     ds.load_state_dict(resumed)  # epoch 1 from global batch 4: the rest of it
     assert one_pass() == sorted(tuple(ids) for ids in reference[1][4:])
     assert one_pass() == whole(1)  # and then the whole epoch again
+
+
+# ---- a Batch pickles as one storage (DataLoader workers hand over one segment a batch) -------
+
+
+def _batch() -> Batch:
+    return Batch(
+        input_ids=torch.arange(30, dtype=torch.int32).reshape(3, 10),
+        labels=torch.arange(30, dtype=torch.int64).reshape(3, 10) - 7,
+        attention_mask=torch.ones(3, 10, dtype=torch.bool),
+        meta={
+            "sample_ids": torch.tensor([4, 9, 1]),
+            "cu_seqlens": torch.tensor([0, 10, 20, 30], dtype=torch.int32),
+            "empty": torch.zeros(0, 5, dtype=torch.int16),
+            "max_seqlen": 10,
+        },
+    )
+
+
+def _storages(batch: dict) -> set[int]:
+    tensors = [v for v in batch.values() if torch.is_tensor(v)]
+    tensors += [v for v in batch.get("meta", {}).values() if torch.is_tensor(v)]
+    return {t.untyped_storage().data_ptr() for t in tensors if t.numel()}
+
+
+@pytest.mark.parametrize("pickler", ["pickle", "forking"])
+def test_a_batch_pickles_as_one_storage(pickler):
+    batch = _batch()
+    if pickler == "pickle":
+        back = pickle.loads(pickle.dumps(batch))
+    else:
+        buffer = io.BytesIO()
+        ForkingPickler(buffer).dump(batch)
+        back = pickle.loads(buffer.getvalue())
+    assert type(back) is Batch and list(back) == list(batch)
+    assert_batches_equal(back, batch)
+    assert back["meta"]["max_seqlen"] == 10 and list(back["meta"]) == list(batch["meta"])
+    assert len(_storages(back)) == 1 < len(_storages(batch))
+
+
+def test_what_cannot_travel_as_one_storage_pickles_as_before():
+    batch = _batch()
+    batch["labels"] = batch["labels"].float().requires_grad_()
+    back = pickle.loads(pickle.dumps(batch))
+    assert torch.equal(back["labels"], batch["labels"]) and back["labels"].requires_grad
+    assert torch.equal(back["meta"]["sample_ids"], batch["meta"]["sample_ids"])
+    plain = Batch(x=1, meta={"y": 2})
+    assert pickle.loads(pickle.dumps(plain)) == plain
+
+
+def test_copy_is_shallow_and_deepcopy_copies_the_data():
+    batch = _batch()
+    shallow = copy.copy(batch)
+    assert type(shallow) is Batch and shallow["input_ids"] is batch["input_ids"]
+    deep = copy.deepcopy(batch)
+    assert_batches_equal(deep, batch)
+    deep["input_ids"][0, 0] = 99
+    assert batch["input_ids"][0, 0] == 0
+
+
+def test_batches_from_a_worker_arrive_whole_in_one_storage(cache_dir):
+    path = cache_dir
+    options = {"max_tokens": 256, "seed": 1, "mode": "pack", "seq_len": 64, "attention": "none"}
+    expected = list(ShardDataset(path, **options))
+    got = list(DataLoader(ShardDataset(path, **options), batch_size=None, num_workers=1))
+    assert len(got) == len(expected) > 1
+    for a, b in zip(got, expected):
+        assert_batches_equal(a, b)
+        assert len(_storages(a)) == 1

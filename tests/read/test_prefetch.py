@@ -37,6 +37,7 @@ from shardcache.read.prefetch import (
     PrefetchOptions,
     PrefetchStats,
 )
+from shardcache.read.prefetch.tree import PACK_ALIGN, packed_offsets, packed_view
 
 POISON = 0xAB
 THREAD_NAME = "shardcache-prefetch"
@@ -978,3 +979,21 @@ def test_gpu_cast_and_delivered_batches_stay_valid() -> None:
     torch.cuda.synchronize()
     for i, batch in enumerate(kept):
         assert torch.equal(batch["ids"].cpu(), torch.arange(i, i + 4096))
+
+
+def test_packed_tensors_come_back_as_aligned_views_of_one_buffer():
+    tensors = [
+        torch.arange(7, dtype=torch.int8),
+        torch.arange(12, dtype=torch.float64).reshape(3, 4).t(),  # not contiguous
+        torch.zeros(0, dtype=torch.int32),
+        torch.tensor([True, False, True]),
+    ]
+    offsets, used = packed_offsets(tensors)
+    assert all(at % PACK_ALIGN == 0 for at in offsets) and used % PACK_ALIGN == 0
+    buffer = torch.zeros(used, dtype=torch.uint8)
+    for t, at in zip(tensors, offsets):
+        packed_view(buffer, at, t.dtype, t.shape).copy_(t)
+    for t, at in zip(tensors, offsets):
+        back = packed_view(buffer, at, t.dtype, t.shape)
+        assert back.dtype == t.dtype and back.shape == t.shape and torch.equal(back, t)
+        assert back.untyped_storage().data_ptr() == buffer.untyped_storage().data_ptr()

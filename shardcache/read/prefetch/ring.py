@@ -65,11 +65,13 @@ import torch
 from shardcache.errors import ConfigError
 from shardcache.read.prefetch.backend import DeviceBackend
 from shardcache.read.prefetch.options import PrefetchOptions, PrefetchStats
-from shardcache.read.prefetch.tree import cast_tree, flatten, unflatten
-
-# Offsets of packed tensors are multiples of this: every dtype view is legal and device kernels
-# get aligned loads. The padding costs < 256 bytes per tensor (a token batch has ~4 tensors).
-_ALIGN = 256
+from shardcache.read.prefetch.tree import (
+    cast_tree,
+    flatten,
+    packed_offsets,
+    packed_view,
+    unflatten,
+)
 
 
 def _next_pow2(n: int) -> int:
@@ -319,14 +321,13 @@ class Ring:
         assert backend is not None
         leaves: list[Any] = []
         spec = flatten(batch, leaves)
-        layout: list[tuple[int, int, int, torch.dtype, torch.Size]] = []
-        used = 0
-        for i, t in enumerate(leaves):
-            if t.device.type != "cpu":
-                continue  # already on a device: passed through unchanged
-            nbytes = t.numel() * t.element_size()
-            layout.append((i, used, nbytes, t.dtype, t.shape))
-            used += -(-nbytes // _ALIGN) * _ALIGN
+        # tensors already on a device are passed through unchanged
+        cpu = [i for i, t in enumerate(leaves) if t.device.type == "cpu"]
+        offsets, used = packed_offsets([leaves[i] for i in cpu])
+        layout: list[tuple[int, int, int, torch.dtype, torch.Size]] = [
+            (i, at, leaves[i].numel() * leaves[i].element_size(), leaves[i].dtype, leaves[i].shape)
+            for i, at in zip(cpu, offsets)
+        ]
         if used > self.slot_limit:
             raise ConfigError(
                 f"DevicePrefetcher: a batch needs {used} bytes of pinned staging but "
@@ -350,7 +351,7 @@ class Ring:
         host = slot.host
         for i, offset, nbytes, dtype, shape in layout:
             if nbytes:
-                host[offset : offset + nbytes].view(dtype).view(shape).copy_(leaves[i])  # type: ignore[index]
+                packed_view(host, offset, dtype, shape).copy_(leaves[i])  # type: ignore[arg-type]
             leaves[i] = None  # do not keep the CPU tensor alive past packing
         return _Staged(slot=slot, used=used, spec=spec, leaves=leaves, layout=layout)
 
@@ -451,8 +452,8 @@ class Ring:
         staged, dev = issued.staged, issued.device_buf
         leaves = staged.leaves
         cast = self.cast
-        for i, offset, nbytes, dtype, shape in staged.layout:
-            t = dev[offset : offset + nbytes].view(dtype).view(shape)
+        for i, offset, _, dtype, shape in staged.layout:
+            t = packed_view(dev, offset, dtype, shape)
             leaves[i] = t.to(cast[dtype]) if dtype in cast else t
         out = unflatten(staged.spec, leaves)
         c = self.counters

@@ -1,20 +1,51 @@
-"""Batch structure: flatten a nested batch to its tensor leaves, rebuild it around new leaves.
+"""Batch structure: flatten a nested batch to its tensor leaves, rebuild it around new leaves;
+pack tensors into one buffer.
 
 A batch is any nesting of containers around tensors. :func:`flatten` returns a *spec* tree and
 appends the tensors to a list; :func:`unflatten` rebuilds the batch from a spec and a list of
 (new) leaves. Containers are rebuilt with their own type: dicts (and dict subclasses), other
 Mappings, lists, tuples, namedtuples and dataclasses. Non-tensor values are kept in the spec and
 come back unchanged (the same object).
+
+:func:`packed_offsets` lays tensors out one after another in one byte buffer, at aligned
+offsets, and :func:`packed_view` is one of them seen in such a buffer: the prefetcher's pinned
+slots (ring.py) and a ``Batch`` pickled for a DataLoader worker's queue (one storage a batch,
+``shardcache.read.dataset``) both pack this way.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
-from collections.abc import Mapping
+import math
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
+
+#: Offsets of packed tensors are multiples of this: every dtype view is legal and device kernels
+#: get aligned loads. The padding costs < 256 bytes per tensor (a token batch has ~4-7).
+PACK_ALIGN = 256
+
+
+def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
+    """Where each tensor's bytes start when ``tensors`` are packed one after another into one
+    byte buffer (multiples of :data:`PACK_ALIGN`), and the bytes the buffer needs."""
+    offsets = []
+    used = 0
+    for t in tensors:
+        offsets.append(used)
+        used += -(-(t.numel() * t.element_size()) // PACK_ALIGN) * PACK_ALIGN
+    return offsets, used
+
+
+def packed_view(
+    buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
+) -> torch.Tensor:
+    """The tensor of ``dtype`` and ``shape`` packed at byte ``offset`` of the uint8 ``buffer``
+    (a view: writing it writes the buffer)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return buffer[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
