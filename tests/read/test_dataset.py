@@ -443,8 +443,12 @@ def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
             assert_batches_equal(a, b)
 
 
-@pytest.mark.parametrize("context", ["fork", "forkserver"])
-def test_persistent_workers_deliver_every_epoch_whole_and_follow_set_epoch(cache_dir, context):
+@pytest.mark.parametrize(
+    ("context", "stateful"), [("fork", False), ("forkserver", False), ("fork", True)]
+)
+def test_persistent_workers_deliver_every_epoch_whole_and_follow_set_epoch(
+    cache_dir, context, stateful
+):
     """With persistent_workers=True the workers keep their copy of the dataset across passes.
     Every pass must still deliver the whole epoch the main process selected: the same
     batches as an in-process pass (before the fix a second pass lost about half of them,
@@ -456,8 +460,11 @@ def test_persistent_workers_deliver_every_epoch_whole_and_follow_set_epoch(cache
         other = ShardDataset(cache_dir, max_tokens=128, seed=3)
         other.set_epoch(epoch)
         reference[epoch] = [_ids(b) for b in other]
-    loader = DataLoader(ds, batch_size=None, num_workers=2, persistent_workers=True,
-                        multiprocessing_context=context)  # fmt: skip
+    kind = DataLoader
+    if stateful:  # torchdata's StatefulDataLoader keeps persistent workers the same way
+        from torchdata.stateful_dataloader import StatefulDataLoader as kind
+    loader = kind(ds, batch_size=None, num_workers=2, persistent_workers=True,
+                  multiprocessing_context=context)  # fmt: skip
 
     def one_pass():
         return sorted(tuple(_ids(b)) for b in loader)
