@@ -443,6 +443,7 @@ def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
             assert_batches_equal(a, b)
 
 
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated")  # torchdata 0.11 on torch 2.13
 @pytest.mark.parametrize(
     ("context", "stateful"), [("fork", False), ("forkserver", False), ("fork", True)]
 )

@@ -229,3 +229,39 @@ def test_split_validates():
         split_epoch(3, 2).for_rank(2)
     with pytest.raises(ConfigError, match="tail"):
         split_epoch(3, 2, tail="pad")
+
+
+def _reference_concat(lengths: np.ndarray, seq_len: int, order: np.ndarray) -> tuple:
+    """The concat plan's segments the obvious way: all cuts (document ends, row ends) merged
+    by a sort, each segment's document found by a search."""
+    doc_len = lengths[order].astype(np.int64)
+    doc_end = np.cumsum(doc_len)
+    total = int(doc_end[-1])
+    num_rows = -(-total // seq_len)
+    cuts = np.unique(np.concatenate([doc_end[:-1], np.arange(1, num_rows) * seq_len]))
+    begin = np.r_[0, cuts].astype(np.int64)
+    end = np.r_[cuts, total].astype(np.int64)
+    doc = np.searchsorted(doc_end, begin, side="right")
+    rows = np.searchsorted(begin // seq_len, np.arange(num_rows + 1), side="left")
+    return order[doc], begin - (doc_end[doc] - doc_len[doc]), end - begin, rows
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.integers(1, 4), min_size=1, max_size=80), st.integers(1, 40),
+       st.booleans(), st.booleans(), st.integers(0, 5))  # fmt: skip
+def test_concat_segments_equal_the_sorted_merge_of_all_cuts(units, seq_len, on_rows, shuffle,
+                                                            seed):  # fmt: skip
+    """The concat planner places every cut arithmetically; it must equal merging the document
+    ends and row ends by a sort, including documents that end exactly on a row's end (a cut
+    of both kinds, counted once)."""
+    rng = np.random.default_rng(seed)
+    lengths = np.asarray(units) * (seq_len if on_rows else rng.integers(1, 30))
+    options = PlanOptions(max_tokens=seq_len * 2, shuffle=shuffle, mode="pack", seq_len=seq_len,
+                          packing="concat")  # fmt: skip
+    plan = plan_epoch(lengths, np.zeros(len(lengths), dtype=int), options, seed=seed)
+    order = np.unique(plan.sample_ids, return_index=True)
+    first_seen = plan.sample_ids[np.sort(order[1])]  # the documents in packing order
+    sample_ids, starts, taken, rows = _reference_concat(lengths, seq_len, first_seen)
+    assert np.array_equal(plan.sample_ids, sample_ids)
+    assert np.array_equal(plan.seg_starts, starts) and np.array_equal(plan.seg_lengths, taken)
+    assert np.array_equal(plan.row_offsets, rows)
