@@ -100,6 +100,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import mmap
 import os
 import warnings
 from collections.abc import Iterator
@@ -264,11 +265,10 @@ class ShardDataset(IterableDataset):
         self._worker: dict[str, int] | None = None  # worker-level position while iterating
         self._worker_resume: dict[str, int] | None = None
         self._loaded = False  # the cursor came from load_state_dict: honour it as it is
-        # the position persistent DataLoader workers start their next pass from:
-        # [generation, epoch, cursor, loaded], written by set_epoch / load_state_dict in the
-        # main process (shared memory, so the workers' copies see it); _generation is the one
-        # this copy's position came from
-        self._published = _shared_position()
+        # the position persistent DataLoader workers start their next pass from, written by
+        # set_epoch / load_state_dict in the main process; _generation is the one this copy's
+        # position came from
+        self._published = _SharedPosition()
         self._generation = 0
         #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
         #: takes the numpy path (the reference: same batches, slower).
@@ -299,22 +299,17 @@ class ShardDataset(IterableDataset):
     def _publish(self) -> None:
         """Make this position the one persistent workers start their next pass from (in the
         main process; a worker's own ``load_state_dict`` keeps its copy's state instead)."""
-        generation = int(self._published[0])
         if get_worker_info() is None:
-            generation += 1
-            self._published[1:] = torch.tensor(
-                [self.epoch, self._consumed, int(self._loaded)], dtype=torch.int64
-            )
-            self._published[0] = generation  # last: a worker reads a complete position
-        self._generation = generation
+            self._generation = self._published.write(self.epoch, self._consumed, self._loaded)
+        else:
+            self._generation = self._published.read()[0]
 
     def _adopt_published(self) -> None:
         """In a persistent worker: take the position the main process published since this
         copy's last pass, if any (a fresh worker's copy already holds it)."""
-        generation = int(self._published[0])
+        generation, epoch, consumed, loaded = self._published.read()
         if generation == self._generation:
             return
-        epoch, consumed, loaded = (int(v) for v in self._published[1:].tolist())
         if epoch != self.epoch:
             self._plan = None
         self.epoch = epoch
@@ -832,16 +827,50 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "meta"}
 
 
-def _shared_position() -> torch.Tensor:
-    """The [generation, epoch, cursor, loaded] tensor of ``ShardDataset._published``, in
-    shared memory (a plain tensor where none can be had: then persistent workers do not see
-    a new ``set_epoch``, as without this)."""
-    position = torch.zeros(4, dtype=torch.int64)
-    try:
-        return position.share_memory_()
-    except RuntimeError as err:  # e.g. no /dev/shm
-        logger.debug("shardcache: no shared memory for the reader position (%s)", err)
-        return position
+class _SharedPosition:
+    """``[generation, epoch, cursor, loaded]`` shared between a ``ShardDataset`` and the copies
+    its DataLoader workers keep (``ShardDataset._published``).
+
+    It lives in an anonymous shared mapping (~10 us to make), which forked workers inherit;
+    when the dataset is pickled for spawned / forkserver workers, a torch shared-memory tensor
+    (~0.7 ms to make, so only then) joins it and travels with the pickle. The main process
+    writes both; a copy reads the one it has. Where shared memory cannot be had, the copies
+    keep the position they were made with (set_epoch does not reach persistent workers)."""
+
+    def __init__(self) -> None:
+        self._mapped: np.ndarray | None = np.frombuffer(mmap.mmap(-1, 32), dtype=np.int64)
+        self._tensor: torch.Tensor | None = None
+
+    def read(self) -> tuple[int, int, int, int]:
+        source = self._tensor if self._tensor is not None else self._mapped
+        assert source is not None  # (one of the two always exists)
+        generation, epoch, cursor, loaded = (int(v) for v in source.tolist())
+        return generation, epoch, cursor, loaded
+
+    def write(self, epoch: int, cursor: int, loaded: bool) -> int:
+        """Publish a position; returns its generation."""
+        generation = self.read()[0] + 1
+        values = [generation, epoch, cursor, int(loaded)]
+        for target in (self._mapped, self._tensor):
+            if target is not None:
+                target[1:] = (
+                    torch.tensor(values[1:]) if isinstance(target, torch.Tensor) else values[1:]
+                )
+                target[0] = generation  # last: a reader sees a complete position
+        return generation
+
+    def __getstate__(self) -> dict[str, Any]:
+        if self._tensor is None:
+            try:
+                self._tensor = torch.tensor(self.read(), dtype=torch.int64).share_memory_()
+            except RuntimeError as err:  # e.g. no /dev/shm: the copy keeps its position
+                logger.debug("shardcache: no shared memory for the reader position (%s)", err)
+                return {"tensor": torch.tensor(self.read(), dtype=torch.int64)}
+        return {"tensor": self._tensor}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self._mapped = None
+        self._tensor = state["tensor"]
 
 
 def _check_attention(attention: str | None, mode: str) -> str | None:
