@@ -85,7 +85,7 @@ a state *loaded* at the end of an epoch yields nothing until ``set_epoch(next)``
 an epoch boundary neither repeats nor skips an epoch). DataLoader workers start each pass
 where the main process's dataset stands: fresh workers get a copy of it; workers kept with
 ``persistent_workers=True`` read the position ``set_epoch`` / ``load_state_dict`` last
-published in a small shared-memory tensor (and replay their epoch from 0 when nothing was
+published in shared memory (and replay their epoch from 0 when nothing was
 published since their last pass), so they deliver the same batches as fresh ones.
 
 Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
