@@ -9,6 +9,7 @@ checks that every partition is present (naming the shares that still have to run
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import shutil
@@ -19,6 +20,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardcache.build.bucket import bucket_ranges
+from shardcache.build.compact import Compacted, Group, compact, plan_compaction
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.keying import (
     compute_key,
@@ -72,10 +74,18 @@ from shardcache.store.remote import is_url
 from shardcache.version import __version__
 
 
-def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder) -> dict:
-    """Write the length index, the quarantine file and, last, the manifest.
+def commit(
+    plan: BuildPlan,
+    results: list[PartitionResult],
+    encoder: TextEncoder,
+    compacted: Compacted | None = None,
+) -> dict:
+    """Join partial shards (:mod:`.compact`), write the length index, the quarantine file
+    and, last, the manifest; then remove the shards the merged ones replace.
 
     ``results`` must be in partition-id order; everything is read from ``parts/``.
+    ``compacted``: the shards already joined (a URL output committed from a scratch folder,
+    :func:`commit_into_store`), else they are joined here.
     """
     options = plan.options
     out = options.output
@@ -90,11 +100,6 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
             "--strict-lint to commit anyway (see `shardcache info` for the counts)"
         )
     parts = os.path.join(out, PARTS_DIR)
-    lengths_path = os.path.join(out, LENGTHS_FILE)
-    write_npy_concat_atomic(
-        lengths_path, [os.path.join(parts, f"{r.partition}.lengths.npy") for r in results]
-    )
-    kill_point("commit")
     q_bytes, q_sha, q_lines = concat_files_atomic(
         os.path.join(out, QUARANTINE),
         [os.path.join(parts, f"{r.partition}.quarantine.jsonl") for r in results],
@@ -112,7 +117,12 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
         entry["documents"] += r.stats.documents
         entry["bad_records"] += sum(r.bad_records.values())
     check_bad_records(plan, stats, bad)
-    shards = [s.to_json() for r in results for s in r.shards]
+    if compacted is None:
+        compacted = compact(out, plan_groups_of(plan, results, encoder), options.layout.compression)
+    lengths_path = os.path.join(out, LENGTHS_FILE)
+    write_npy_concat_atomic(lengths_path, compacted.lengths)
+    kill_point("commit")
+    shards = [s.to_json() for s in compacted.shards]
     inputs = [
         {
             "relpath": f.relpath,
@@ -170,7 +180,19 @@ def commit(plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
         },
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    for name in compacted.joined:  # after the commit point: until it, partitions stay whole
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(out, SHARD_DIR, name))
     return manifest
+
+
+def plan_groups_of(
+    plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
+) -> list[Group]:
+    """How :func:`commit` joins the partitions' shards (:func:`.compact.plan_compaction`)."""
+    itemsize = encoder.dtype.itemsize
+    return plan_compaction(plan.options.output, results, plan.options.layout.shard_size_bytes,
+                           itemsize)  # fmt: skip
 
 
 #: Reasons that are not records (a blank line) do not count towards ``max_bad_fraction``.
@@ -324,30 +346,38 @@ def commit_into_store(
 ) -> dict:
     """:func:`commit` for a URL output, from the store alone; ``manifest.json`` last.
 
-    The records' small files (length arrays, quarantine lines) are fetched into a temporary
-    folder of this process, committed there exactly as a local build would, and the length
-    index and the quarantine file uploaded; objects no record lists (a killed task's
-    leftovers) and the shares' notes are deleted; then the manifest is uploaded, the commit
-    point. Every step before it is a pure function of the records: a commit that died is
-    redone by running it again.
+    The records' small files (length arrays, quarantine lines) and the partial shards that
+    are joined (:mod:`.compact`) are fetched into a temporary folder of this process,
+    committed there exactly as a local build would, and the merged shards, the length index
+    and the quarantine file uploaded; objects no record lists (a killed task's leftovers) and
+    the shares' notes are deleted; then the manifest is uploaded, the commit point, and last
+    the shards the merged ones replace are deleted. Every step before the manifest is a pure
+    function of the records: a commit that died is redone by running it again.
     """
     with tempfile.TemporaryDirectory(prefix="shardcache-commit-") as scratch:
-        for sub in (PARTS_DIR, INDEX_DIR):
+        for sub in (PARTS_DIR, INDEX_DIR, SHARD_DIR):
             os.makedirs(os.path.join(scratch, sub))
         names = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
                  for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
         store.get([(n, os.path.join(scratch, n)) for n in names])
         local = dataclasses.replace(plan, options=dataclasses.replace(plan.options, output=scratch))
-        manifest = commit(local, results, encoder)
+        groups = plan_groups_of(local, results, encoder)
+        joining = [g for g in groups if g.name is not None]
+        members = [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members]
+        store.get([(n, os.path.join(scratch, n)) for n in members])
+        compacted = compact(scratch, groups, plan.options.layout.compression)
+        manifest = commit(local, results, encoder, compacted)
         listed = {s.name for r in results for s in r.shards}
         store.remove([f"{SHARD_DIR}/{n}" for n in store.sizes(SHARD_DIR) if n not in listed])
         keep = {f"{r.partition}.{ext}" for r in results
                 for ext in ("json", "lengths.npy", "quarantine.jsonl")} | {BUILD_STATE}  # fmt: skip
         store.remove([f"{PARTS_DIR}/{n}" for n in store.sizes(PARTS_DIR) if n not in keep])
         store.remove_folders([SHARES_DIR])
-        store.put([(os.path.join(scratch, n), n) for n in (LENGTHS_FILE, QUARANTINE)])
+        merged = [f"{SHARD_DIR}/{g.name}" for g in joining]
+        store.put([(os.path.join(scratch, n), n) for n in (*merged, LENGTHS_FILE, QUARANTINE)])
         kill_point("commit")
         store.put([(os.path.join(scratch, MANIFEST), MANIFEST)])  # last: the commit point
+        store.remove([f"{SHARD_DIR}/{n}" for n in compacted.joined])
     return manifest
 
 

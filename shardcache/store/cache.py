@@ -605,17 +605,40 @@ class Cache:
         """The input file, record index and piece index a sample id came from."""
         shard, row = self._locate(sample_id)
         record, piece = self._shards.get(shard).provenance(row)
-        return Provenance(self.shards[shard]["source"], record, piece)
+        return Provenance(source_of_row(self.shards[shard], row), record, piece)
 
     def iter_sequences(self) -> Iterator[Sequence]:
         """Every sequence in sample-id order, with provenance (one shard open at a time)."""
         sample_id = 0
         for index, info in enumerate(self.shards):
             reader = self._shards.get(index)
+            runs = iter(shard_runs(info))
+            source, left = "", 0
             for row, (ids, record, piece) in enumerate(reader.iter_rows()):
+                while not left:
+                    source, left = next(runs)
+                left -= 1
                 mask = reader.masks_many([row])[0] if reader.has_mask else None
-                yield Sequence(sample_id, ids, Provenance(info["source"], record, piece), mask)
+                yield Sequence(sample_id, ids, Provenance(source, record, piece), mask)
                 sample_id += 1
+
+
+def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
+    """``(input file, rows)`` in row order for the shard whose manifest entry is ``info``:
+    its own ``source``, or a merged shard's ``sources``."""
+    runs = info.get("sources")
+    if runs is None:
+        return [(str(info["source"]), int(info["rows"]))]
+    return [(str(run["source"]), int(run["rows"])) for run in runs]
+
+
+def source_of_row(info: dict[str, Any], row: int) -> str:
+    """The input file of row ``row`` of the shard whose manifest entry is ``info``."""
+    for source, rows in shard_runs(info):
+        if row < rows:
+            return source
+        row -= rows
+    raise IndexError(f"row beyond the {info['rows']} rows of shard {info['name']}")
 
 
 def open_cache(path: str | os.PathLike[str]) -> Cache:

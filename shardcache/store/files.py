@@ -15,7 +15,7 @@ import hashlib
 import io
 import json
 import os
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -212,26 +212,28 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
     _finish(tmp, path)
 
 
-def write_npy_concat_atomic(path: str, sources: list[str]) -> None:
-    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming:
-    memory is one source array, not the total. The bytes equal ``np.save`` of the
-    concatenated array (same header writer)."""
-    arrays_meta = []
+def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
+    """Write the concatenation of 1-d ``.npy`` files (one dtype), or of slices of them
+    (``(file, start, stop)``), as one ``.npy``, streaming: memory is one source array, not the
+    total. The bytes equal ``np.save`` of the concatenated array (same header writer)."""
+    pieces = []
     for source in sources:
-        arr = np.load(source, mmap_mode="r", allow_pickle=False)
-        arrays_meta.append((source, arr.dtype, arr.shape[0]))
-    dtype = arrays_meta[0][1] if arrays_meta else np.dtype(np.uint32)
-    if any(d != dtype for _, d, _ in arrays_meta):
+        name, start, stop = (source, 0, None) if isinstance(source, str) else source
+        arr = np.load(name, mmap_mode="r", allow_pickle=False)
+        pieces.append((name, arr.dtype, start, arr.shape[0] if stop is None else stop))
+    dtype = pieces[0][1] if pieces else np.dtype(np.uint32)
+    if any(d != dtype for _, d, _, _ in pieces):
         raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
-    total = sum(n for _, _, n in arrays_meta)
+    total = sum(stop - start for _, _, start, stop in pieces)
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                   "fortran_order": False, "shape": (total,)}  # fmt: skip
         np.lib.format.write_array_header_1_0(f, header)
-        for source, _, n in arrays_meta:
-            if n:
-                f.write(np.ascontiguousarray(np.load(source, allow_pickle=False)).tobytes())
+        for name, _, start, stop in pieces:
+            if stop > start:
+                arr = np.load(name, mmap_mode="r", allow_pickle=False)
+                f.write(np.ascontiguousarray(arr[start:stop]).tobytes())
         f.flush()
         os.fsync(f.fileno())
     _finish(tmp, path)

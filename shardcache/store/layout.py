@@ -5,7 +5,8 @@ A cache directory::
     manifest.json            written last, atomically: its presence means "committed"
     index/lengths.npy        uint32 length of every sequence, in sample-id order
     quarantine.jsonl         one line per skipped bad record (sha256 in the manifest)
-    shards/<part>-b<bucket>-<n>.arrow
+    shards/<part>-b<bucket>-<n>.arrow     a partition's shards of one bucket
+    shards/merged-b<bucket>-<n>.arrow     partial shards of several partitions, joined at commit
     parts/build.json         the plan and the options fingerprint (build bookkeeping)
     parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
     .shares/                 job-array share markers and locks (only while shares run)
@@ -13,12 +14,13 @@ A cache directory::
 
 Names read from a manifest are joined to the cache folder only through :func:`cache_path`,
 so the rule about which names are acceptable lives here: a shard name is exactly what the
-writer makes (``p00042-b03-00007.arrow``), the index and quarantine names are the fixed ones
-above, every digest is 64 lowercase hex characters, and any other relative name (a remote
-listing under ``parts/``) is made of plain components (no ``..``, no leading ``/``, no
-backslash or NUL). Anything else is a :class:`~shardcache.errors.CacheError` naming the field
-and the value, raised before any file is opened or written: a crafted manifest cannot make a
-reader open, or a download write, a file outside the folder it belongs to.
+writer makes (``p00042-b03-00007.arrow``, ``merged-b03-00000.arrow``), the index and
+quarantine names are the fixed ones above, every digest is 64 lowercase hex characters, and
+any other relative name (a remote listing under ``parts/``) is made of plain components (no
+``..``, no leading ``/``, no backslash or NUL). Anything else is a
+:class:`~shardcache.errors.CacheError` naming the field and the value, raised before any file
+is opened or written: a crafted manifest cannot make a reader open, or a download write, a
+file outside the folder it belongs to.
 """
 
 from __future__ import annotations
@@ -40,8 +42,11 @@ BUILD_STATE = "build.json"  # in parts/: the plan + the options fingerprint
 #: Token bytes per Arrow record batch. Small enough that a reader of a compressed shard
 #: decompresses little more than it needs, large enough that per-batch overhead vanishes.
 RECORD_BATCH_BYTES = 4 * 1024 * 1024
-#: What :class:`~shardcache.store.shards.BucketWriter` names a shard: partition, bucket, number.
-SHARD_NAME = re.compile(r"p[0-9]{5,}-b[0-9]{2,}-[0-9]{5,}\.arrow")
+#: What :class:`~shardcache.store.shards.BucketWriter` names a shard (partition, bucket,
+#: number), or :func:`~shardcache.store.shards.merge_shards` a commit's merged one.
+SHARD_NAME = re.compile(r"(p[0-9]{5,}|merged)-b[0-9]{2,}-[0-9]{5,}\.arrow")
+#: The owner part of a merged shard's name: no partition owns it.
+MERGED_OWNER = "merged"
 #: A partition id of the build plan (``p00042``).
 PARTITION_ID = re.compile(r"p[0-9]{5,}")
 SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -91,3 +96,8 @@ def shard_path(root: str, name: str) -> str:
     """The path of shard ``name`` (as listed in the manifest) in the cache folder ``root``;
     a name the writer does not make is a :class:`CacheError`."""
     return cache_path(root, SHARD_DIR, check_shard_name(name))
+
+
+def merged_shard_name(bucket: int, number: int) -> str:
+    """The name of the ``number``-th merged shard of ``bucket`` (see :data:`SHARD_NAME`)."""
+    return f"{MERGED_OWNER}-b{bucket:02d}-{number:05d}.arrow"

@@ -125,7 +125,8 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
     ``vocab_size`` / ``max_token_id``, the strings ``path`` / ``class``); ``buckets.ranges``
     (``[low, high|null]`` pairs); every shard (``name`` the writer's form, ``bucket`` an
     index into the ranges,
-    ``partition`` a partition id, ``source`` a string, ``rows`` / ``tokens`` / ``bytes``
+    ``partition`` a partition id, ``source`` a string, or for a merged shard ``sources``: such
+    pairs with ``rows`` adding up to the shard's; ``rows`` / ``tokens`` / ``bytes``
     int64-sized counts, ``sha256`` 64 hex); ``index.lengths`` and ``quarantine`` (the fixed
     names, sizes, digests); ``totals``; ``options.tokenize``, ``stats`` and ``inputs`` (the
     shapes ``info`` and the build report read); ``key`` (when present: ``components`` and a digest).
@@ -169,10 +170,19 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
         c.int(bucket, f"{field}.bucket", 0, len(ranges) - 1)
         for key in ("rows", "tokens", "bytes"):
             c.int(c.get(shard, key, f"{field}.{key}"), f"{field}.{key}")
-        partition = c.str(c.get(shard, "partition", f"{field}.partition"), f"{field}.partition")
-        if not PARTITION_ID.fullmatch(partition):
-            raise c.fail(f"{field}.partition", partition, "a partition id like 'p00000'")
-        c.str(c.get(shard, "source", f"{field}.source"), f"{field}.source")
+        if "sources" not in shard:
+            _check_run(c, shard, field)
+            continue
+        runs = c.list(shard, "sources", f"{field}.sources")  # a merged shard
+        if not runs:
+            raise c.fail(f"{field}.sources", runs, "at least one {partition, source, rows}")
+        for k, run in enumerate(runs):
+            if not isinstance(run, dict):
+                raise c.fail(f"{field}.sources[{k}]", run, "an object")
+            _check_run(c, run, f"{field}.sources[{k}]")
+            c.int(c.get(run, "rows", f"{field}.sources[{k}].rows"), f"{field}.sources[{k}].rows")
+        if sum(run["rows"] for run in runs) != shard["rows"]:
+            raise c.fail(f"{field}.sources", runs, f"runs adding up to its {shard['rows']} rows")
     lengths = c.obj(c.obj(manifest, "index", "index"), "lengths", "index.lengths")
     _check_file_entry(c, lengths, "index.lengths", LENGTHS_FILE)
     if "quarantine" in manifest:  # caches built before the quarantine was checksummed: none
@@ -207,6 +217,14 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
     return manifest
 
 
+def _check_run(c: _Check, entry: dict[str, Any], field: str) -> None:
+    """``entry``'s ``partition`` (a partition id) and ``source`` (a string)."""
+    partition = c.str(c.get(entry, "partition", f"{field}.partition"), f"{field}.partition")
+    if not PARTITION_ID.fullmatch(partition):
+        raise c.fail(f"{field}.partition", partition, "a partition id like 'p00000'")
+    c.str(c.get(entry, "source", f"{field}.source"), f"{field}.source")
+
+
 def _is_count(value: Any) -> bool:
     return type(value) is int and 0 <= value <= MAX_COUNT
 
@@ -232,6 +250,7 @@ def _plain_shard_entry(shard: Any, buckets: int) -> bool:
         and type(partition) is str
         and PARTITION_ID.fullmatch(partition) is not None
         and type(source) is str
+        and "sources" not in shard
     )
 
 

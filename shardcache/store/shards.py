@@ -105,12 +105,16 @@ def arrow_numpy(array: pa.Array) -> np.ndarray:
 
 @dataclass
 class ShardInfo:
-    """One shard's manifest entry."""
+    """One shard's manifest entry.
+
+    A partition's shard has its ``partition`` and ``source`` (input file); a merged shard
+    (:func:`merge_shards`) has neither but ``sources``: per joined shard, in row order,
+    ``{"partition", "source", "rows"}``."""
 
     name: str
     bucket: int
-    partition: str
-    source: str
+    partition: str | None
+    source: str | None
     rows: int
     tokens: int
     bytes: int
@@ -118,9 +122,16 @@ class ShardInfo:
     #: where the token buffers lie (``ipc_layout.layout_record``), for uncompressed shards;
     #: None for compressed ones and shards written before it was recorded
     layout: dict[str, Any] | None = None
+    sources: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if v is not None}
+
+    def runs(self) -> list[dict[str, Any]]:
+        """Where the rows came from: ``sources``, or one run of the shard's own partition."""
+        if self.sources is not None:
+            return self.sources
+        return [{"partition": self.partition, "source": self.source, "rows": self.rows}]
 
 
 class BucketWriter:
@@ -242,19 +253,7 @@ class BucketWriter:
         self._writer.close()
         self._sink.close()
         name = self._shard_name()
-        final = shard_path(self.cache_dir, name)
-        tmp = final + ".tmp"
-        with open(tmp, "rb+") as f:
-            os.fsync(f.fileno())
-            layout = None
-            if self.compression is None:
-                with (
-                    mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapped,
-                    memoryview(mapped) as view,
-                ):
-                    layout = mapped_layout(view)
-        os.replace(tmp, final)
-        sha256 = sha256_file(final)
+        size, sha256, layout = _finish_shard(self.cache_dir, name, self.compression is None)
         self.shards.append(
             ShardInfo(
                 name=name,
@@ -263,9 +262,9 @@ class BucketWriter:
                 source=self.source,
                 rows=self._shard_rows,
                 tokens=self._shard_tokens,
-                bytes=os.path.getsize(final),
+                bytes=size,
                 sha256=sha256,
-                layout=None if layout is None else layout_record(layout, sha256),
+                layout=layout,
             )
         )
         self.lengths.append(np.concatenate(self._shard_lengths).astype(np.uint32))
@@ -277,6 +276,85 @@ class BucketWriter:
         """Flush what is buffered and close the open shard."""
         self._write_batch()
         self._close_shard()
+
+
+def _finish_shard(
+    cache_dir: str, name: str, mapped: bool
+) -> tuple[int, str, dict[str, Any] | None]:
+    """Make the written ``<name>.tmp`` the shard ``name``: fsync, locate its token buffers
+    (``mapped``: uncompressed), rename, hash. Returns its size, sha256 and layout record."""
+    final = shard_path(cache_dir, name)
+    tmp = final + ".tmp"
+    with open(tmp, "rb+") as f:
+        os.fsync(f.fileno())
+        layout = None
+        if mapped:
+            with (
+                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as whole,
+                memoryview(whole) as view,
+            ):
+                layout = mapped_layout(view)
+    os.replace(tmp, final)
+    sha256 = sha256_file(final)
+    record = None if layout is None else layout_record(layout, sha256)
+    return os.path.getsize(final), sha256, record
+
+
+def merge_shards(
+    cache_dir: str, members: list[ShardInfo], name: str, compression: str
+) -> ShardInfo:
+    """Join the shards ``members`` (one bucket, any partitions) into the new shard ``name``:
+    their record batches, in order, rewritten with ``compression``. Each member is checked
+    against its sha256 first, so a damaged file is refused here, not hidden under a new
+    digest. The members are left in place (the commit removes them once the manifest that
+    lists the merged shard is written)."""
+    if len({m.bucket for m in members}) != 1:
+        raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
+    path = shard_path(cache_dir, name) + ".tmp"
+    writer: pa.ipc.RecordBatchFileWriter | None = None
+    schema: pa.Schema | None = None
+    options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
+    try:
+        with pa.OSFile(path, "wb") as sink:
+            for member in members:
+                source = shard_path(cache_dir, member.name)
+                if sha256_file(source) != member.sha256:
+                    raise CorruptShardError(
+                        f"{source}: its sha256 is not the one its partition recorded, so it "
+                        "was not merged; delete that partition's files under parts/ and "
+                        "rerun the build to rebuild it"
+                    )
+                with pa.memory_map(source) as mapped:
+                    reader = pa.ipc.open_file(mapped)
+                    if writer is None:
+                        schema = reader.schema
+                        writer = pa.ipc.new_file(sink, schema, options=options)
+                    elif not reader.schema.equals(schema):
+                        raise CorruptShardError(
+                            f"{source}: its schema differs from {members[0].name}'s; rebuild "
+                            "the cache"
+                        )
+                    for b in range(reader.num_record_batches):
+                        writer.write_batch(reader.get_batch(b))
+            if writer is not None:
+                writer.close()
+    except OSError as err:  # Arrow's write errors do not name the file: a person needs it
+        if err.filename is None:
+            err.filename = path
+        raise
+    size, sha256, layout = _finish_shard(cache_dir, name, compression == "none")
+    return ShardInfo(
+        name=name,
+        bucket=members[0].bucket,
+        partition=None,
+        source=None,
+        rows=sum(m.rows for m in members),
+        tokens=sum(m.tokens for m in members),
+        bytes=size,
+        sha256=sha256,
+        layout=layout,
+        sources=[run for m in members for run in m.runs()],
+    )
 
 
 # ------------------------------------------------------------------------------- reading

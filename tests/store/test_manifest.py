@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import uuid
 from collections.abc import Callable
@@ -163,6 +164,12 @@ def memory_cache(cache_dir, tmp_path, monkeypatch):
     """The built cache uploaded to fsspec's in-memory object store; yields (fs, url)."""
     monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path / "local" / "cache"))
     fs = fsspec.filesystem("memory")
+    root = _upload(fs, cache_dir)
+    yield fs, root
+    fs.rm(root.rsplit("/", 1)[0], recursive=True)
+
+
+def _upload(fs: Any, cache_dir: str) -> str:
     root = f"/bucket-{uuid.uuid4().hex}/cache"
     for dirpath, _, files in os.walk(cache_dir):
         for name in files:
@@ -170,8 +177,7 @@ def memory_cache(cache_dir, tmp_path, monkeypatch):
             rel = os.path.relpath(path, cache_dir).replace(os.sep, "/")
             with open(path, "rb") as f:
                 fs.pipe_file(f"{root}/{rel}", f.read())
-    yield fs, root
-    fs.rm(root.rsplit("/", 1)[0], recursive=True)
+    return root
 
 
 def _edit_remote(fs: Any, root: str, change: Callable[[dict[str, Any]], None]) -> None:
@@ -204,16 +210,23 @@ def test_verify_of_a_crafted_remote_manifest_writes_nothing_outside(memory_cache
     assert not [p for p in _files_under(str(tmp_path)) if "evil" in p]
 
 
-def test_a_remote_commit_refuses_a_listed_key_that_leaves_the_output(memory_cache, tmp_path):
+def test_a_remote_commit_refuses_a_listed_key_that_leaves_the_output(
+    corpus, build_cache, tokenizer_dir, tmp_path, monkeypatch
+):
     """The commit lists ``parts/`` in the store: a key like ``parts/../../evil.txt`` is
     refused by name (never read, deleted or written anywhere), and nothing is committed."""
-    fs, root = memory_cache
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path / "local" / "cache"))
+    # one partition, so its shards are the cache's (nothing merged away at commit)
+    folder, _ = corpus("jsonl", n_files=1, docs=30)
+    fs = fsspec.filesystem("memory")
+    root = _upload(fs, build_cache(folder, tokenizer_dir, shard_size=4096, buckets="16,64"))
     fs.rm_file(f"{root}/manifest.json")  # an uncommitted build of every partition
     fs.pipe_file(f"{root}/parts/../../../../../evil.txt", b"attacker bytes")
     with pytest.raises(CacheError, match=r"evil\.txt"):
         commit_output(f"memory://{root}")
     assert not fs.exists(f"{root}/manifest.json")
     assert not [p for p in _files_under(str(tmp_path)) if p.endswith("evil.txt")]
+    fs.rm(root.rsplit("/", 1)[0], recursive=True)
 
 
 def test_a_valid_remote_cache_still_reads(memory_cache, cache_dir):
@@ -240,12 +253,14 @@ def test_the_one_test_per_shard_fast_path_accepts_only_what_the_field_checks_acc
 
     with open(os.path.join(cache_dir, "manifest.json"), encoding="utf-8") as f:
         good = json.load(f)
+    # a partition's own shard (merged ones, with ``sources``, never take the fast path)
+    at = next(i for i, s in enumerate(good["shards"]) if "sources" not in s)
     for value in [*_ODD_VALUES, "drop"]:
         edited = json.loads(json.dumps(good))
         if value == "drop":
-            del edited["shards"][0][key]
+            del edited["shards"][at][key]
         else:
-            edited["shards"][0][key] = value
+            edited["shards"][at][key] = value
         outcomes = []
         for fast in (True, False):
             if not fast:
@@ -254,7 +269,34 @@ def test_the_one_test_per_shard_fast_path_accepts_only_what_the_field_checks_acc
                 manifest_module.validate_manifest(json.loads(json.dumps(edited)), "m.json")
                 outcomes.append("ok")
             except CacheError as err:
-                assert f"shards[0].{key}" in str(err)
+                assert f"shards[{at}].{key}" in str(err)
                 outcomes.append(str(err))
         monkeypatch.undo()
         assert outcomes[0] == outcomes[1], (key, value)
+
+
+def test_a_merged_shard_entry_is_checked_run_by_run(cache_dir):
+    """A merged shard lists where its rows came from; a damaged list is refused by field,
+    and one with a partition's fields added is not taken for a partition's shard."""
+    from shardcache.store import manifest as manifest_module
+
+    with open(os.path.join(cache_dir, "manifest.json"), encoding="utf-8") as f:
+        good = json.load(f)
+    at = next(i for i, s in enumerate(good["shards"]) if "sources" in s)
+    assert len(good["shards"][at]["sources"]) >= 2
+    manifest_module.validate_manifest(json.loads(json.dumps(good)), "m.json")
+
+    def refused(change: Callable[[dict[str, Any]], Any], field: str) -> None:
+        edited = json.loads(json.dumps(good))
+        change(edited["shards"][at])
+        with pytest.raises(CacheError, match=re.escape(f"shards[{at}].{field}")):
+            manifest_module.validate_manifest(edited, "m.json")
+
+    refused(lambda s: s["sources"][0].update(rows=s["sources"][0]["rows"] + 1), "sources")
+    refused(lambda s: s["sources"][1].update(partition="../x"), "sources[1].partition")
+    refused(lambda s: s["sources"][0].pop("source"), "sources[0].source")
+    refused(lambda s: s["sources"][0].update(rows=-1), "sources[0].rows")
+    refused(lambda s: s.update(sources=[]), "sources")
+    refused(lambda s: s.update(sources="p00000"), "sources")
+    # a partition's fields on a merged entry do not make its runs unchecked
+    refused(lambda s: (s.update(partition="p00000", source="a"), s["sources"].pop()), "sources")
