@@ -1,12 +1,14 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
 Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
-``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add ``mask``); one
-shard holds sequences of one bucket from one partition (one input file or a range of one), in
-input order, cut into record batches of about :data:`~shardcache.store.layout.RECORD_BATCH_BYTES`
-token bytes. Where shard and record batch boundaries fall is a function of the sequence lengths
-only (cumulative token bytes), never of how the build happened to batch its work, so the bytes
-are reproducible.
+``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add ``mask``); a
+partition's shard holds sequences of one bucket from one partition (one input file or a range
+of one), in input order, cut into record batches of about
+:data:`~shardcache.store.layout.RECORD_BATCH_BYTES` token bytes; a merged shard
+(:func:`merge_shards`, at commit) holds the record batches of several partitions' partial
+shards of one bucket, in partition order. Where shard and record batch boundaries fall is a
+function of the sequence lengths only (cumulative token bytes), never of how the build happened
+to batch its work, so the bytes are reproducible.
 
 Sample ids are global row numbers: shards in manifest order, rows in shard order. Every file
 is written as ``*.tmp``, fsynced and renamed; its sha256 is recorded in the manifest. No pickle

@@ -198,14 +198,14 @@ def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, cap
 
 @pytest.fixture(scope="module")
 def many_shards(tmp_path_factory, tokenizer_dir):
-    """A cache of more than 64 small shards."""
+    """A cache of more than 64 small shards (4 KiB: enough text that they are full ones)."""
     from conftest import make_texts, write_records
     from shardcache.build.run import build_cache
     from shardcache.config import build_options_from_mapping
 
     folder = tmp_path_factory.mktemp("many-corpus")
     for f in range(24):
-        texts = make_texts(60, seed=70 + f)
+        texts = make_texts(360, seed=70 + f)
         write_records(str(folder / f"p{f}.jsonl"), [{"text": t} for t in texts], "jsonl")
     target = str(tmp_path_factory.mktemp("many") / "cache")
     values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": target, "workers": 1,
