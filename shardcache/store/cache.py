@@ -29,6 +29,7 @@ from shardcache.errors import CorruptShardError
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
 from shardcache.store.manifest import read_manifest
+from shardcache.store.prefault import prefault
 from shardcache.store.remote import RemoteCache, is_url
 from shardcache.store.shards import FlatRows, ShardReader, flat_ranges
 
@@ -469,6 +470,8 @@ class Cache:
             arrays[index] = self._flat_open[index] = flat.tokens
             self._flat_addresses[index] = flat.tokens.__array_interface__["data"][0]
             self._flat_sizes[index] = len(flat.tokens)
+            if tokens is None:  # newly mapped: its pages mapped in by another thread
+                prefault(flat.tokens)
         return arrays
 
     def mapped_table(self) -> MappedTable | None:
