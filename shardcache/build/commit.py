@@ -118,7 +118,9 @@ def commit(
         entry["bad_records"] += sum(r.bad_records.values())
     check_bad_records(plan, stats, bad)
     if compacted is None:
-        compacted = compact(out, plan_groups_of(plan, results, encoder), options.layout.compression)
+        layout = options.layout
+        groups = plan_groups_of(plan, results, encoder)
+        compacted = compact(out, groups, layout.compression, layout.shard_size_bytes)
     lengths_path = os.path.join(out, LENGTHS_FILE)
     write_npy_concat_atomic(lengths_path, compacted.lengths)
     kill_point("commit")
@@ -365,7 +367,8 @@ def commit_into_store(
         joining = [g for g in groups if g.name is not None]
         members = [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members]
         store.get([(n, os.path.join(scratch, n)) for n in members])
-        compacted = compact(scratch, groups, plan.options.layout.compression)
+        layout = plan.options.layout
+        compacted = compact(scratch, groups, layout.compression, layout.shard_size_bytes)
         manifest = commit(local, results, encoder, compacted)
         listed = {s.name for r in results for s in r.shards}
         store.remove([f"{SHARD_DIR}/{n}" for n in store.sizes(SHARD_DIR) if n not in listed])

@@ -5,14 +5,15 @@ where the partition ends. So a build of N input files leaves up to N partial sha
 bucket: 8 files of 2 MB and the default 64 MiB shards gave 75 shards of 12 KB to 2 MB, where
 one writer would have made 10. Each shard costs a reader an open (a stat, a map, its offsets
 checked against the length index) and its first page faults: one cold pass over that cache
-read in ~10 ms less with 10 shards than with 75 (`benchmarks/README.md`, sixth round), and a
-cache of 1,000 files would hold ~10,000 files where ~100 do.
+took 2-7 ms (of ~30) less with 10 shards than with 75 (`benchmarks/README.md`, sixth round),
+and a cache of 1,000 files would hold ~10,000 files where ~100 do.
 
 :func:`compact` walks each bucket's shards in partition order. A full shard (its tokens reach
 the target ``--shard-size``) is kept as it is, not rewritten. Consecutive partial shards are
-joined (:func:`~shardcache.store.shards.merge_shards`) until the joined tokens reach the
-target; a partial shard left alone is kept too. The cache lists its shards bucket by bucket,
-each bucket's in the order of their first rows, so sample ids run bucket by bucket.
+joined (:func:`~shardcache.store.shards.merge_shards`: their rows rewritten in record batches
+cut as one writer cuts them) until the joined tokens reach the target; a partial shard left
+alone is kept too. The cache lists its shards bucket by bucket, each bucket's in the order of
+their first rows, so sample ids run bucket by bucket.
 
 What it writes is a pure function of the partitions' records, so a build stays byte-identical
 for any number of processes and after a kill and resume. The merged shards are written before
@@ -107,15 +108,17 @@ def plan_compaction(
     return groups
 
 
-def compact(out: str, groups: list[Group], compression: str) -> Compacted:
+def compact(out: str, groups: list[Group], compression: str, shard_size_bytes: int) -> Compacted:
     """Write the merged shards of ``groups`` into the cache folder ``out`` (whose shards
-    folder holds their members); the kept shards are not touched."""
+    folder holds their members; ``compression`` and ``shard_size_bytes`` the build's); the kept
+    shards are not touched."""
     compacted = Compacted([], [], [])
     for group in groups:
         if group.name is None:
             compacted.shards.extend(group.members)
         else:
-            compacted.shards.append(merge_shards(out, group.members, group.name, compression))
+            merged = merge_shards(out, group.members, group.name, compression, shard_size_bytes)
+            compacted.shards.append(merged)
             compacted.joined.extend(m.name for m in group.members)
         compacted.lengths.extend(group.lengths)
     return compacted

@@ -26,6 +26,7 @@ RSS +70 MiB before, bounded by the budget now).
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import itertools
 import mmap
 import os
@@ -154,9 +155,11 @@ class BucketWriter:
         shard_size_bytes: int,
         compression: str,
         with_mask: bool = False,
+        name: str | None = None,
     ):
         self.cache_dir = cache_dir
         self.with_mask = with_mask
+        self.name = name  # one shard of this name, never rotated (merge_shards)
         self.partition = partition
         self.source = source
         self.bucket = bucket
@@ -177,6 +180,8 @@ class BucketWriter:
         self._shard_lengths: list[np.ndarray] = []
 
     def _shard_name(self) -> str:
+        if self.name is not None:
+            return self.name
         return f"{self.partition}-b{self.bucket:02d}-{len(self.shards):05d}.arrow"
 
     def add(
@@ -245,7 +250,7 @@ class BucketWriter:
         self._shard_tokens += len(tokens)
         self._shard_token_bytes += len(tokens) * self.dtype.itemsize
         self._shard_lengths.append(lengths)
-        if self._shard_token_bytes >= self.shard_size_bytes:
+        if self._shard_token_bytes >= self.shard_size_bytes and self.name is None:
             self._close_shard()
 
     def _close_shard(self) -> None:
@@ -303,59 +308,57 @@ def _finish_shard(
 
 
 def merge_shards(
-    cache_dir: str, members: list[ShardInfo], name: str, compression: str
+    cache_dir: str, members: list[ShardInfo], name: str, compression: str, shard_size_bytes: int
 ) -> ShardInfo:
     """Join the shards ``members`` (one bucket, any partitions) into the new shard ``name``:
-    their record batches, in order, rewritten with ``compression``. Each member is checked
-    against its sha256 first, so a damaged file is refused here, not hidden under a new
+    their rows in order, written by a :class:`BucketWriter` as one writer would have written
+    them (record batches cut at the same token bytes as ``shard_size_bytes`` gives a
+    partition's, ``compression``), not the members' own short last batches. Each member is
+    checked against its sha256 first, so a damaged file is refused here, not hidden under a new
     digest. The members are left in place (the commit removes them once the manifest that
     lists the merged shard is written)."""
     if len({m.bucket for m in members}) != 1:
         raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
-    path = shard_path(cache_dir, name) + ".tmp"
-    writer: pa.ipc.RecordBatchFileWriter | None = None
-    schema: pa.Schema | None = None
-    options = pa.ipc.IpcWriteOptions(compression=None if compression == "none" else compression)
-    try:
-        with pa.OSFile(path, "wb") as sink:
-            for member in members:
-                source = shard_path(cache_dir, member.name)
-                if sha256_file(source) != member.sha256:
-                    raise CorruptShardError(
-                        f"{source}: its sha256 is not the one its partition recorded, so it "
-                        "was not merged; delete that partition's files under parts/ and "
-                        "rerun the build to rebuild it"
-                    )
-                with pa.memory_map(source) as mapped:
-                    reader = pa.ipc.open_file(mapped)
-                    if writer is None:
-                        schema = reader.schema
-                        writer = pa.ipc.new_file(sink, schema, options=options)
-                    elif not reader.schema.equals(schema):
-                        raise CorruptShardError(
-                            f"{source}: its schema differs from {members[0].name}'s; rebuild "
-                            "the cache"
-                        )
-                    for b in range(reader.num_record_batches):
-                        writer.write_batch(reader.get_batch(b))
-            if writer is not None:
-                writer.close()
-    except OSError as err:  # Arrow's write errors do not name the file: a person needs it
-        if err.filename is None:
-            err.filename = path
-        raise
-    size, sha256, layout = _finish_shard(cache_dir, name, compression == "none")
-    return ShardInfo(
-        name=name,
-        bucket=members[0].bucket,
-        partition=None,
-        source=None,
-        rows=sum(m.rows for m in members),
-        tokens=sum(m.tokens for m in members),
-        bytes=size,
-        sha256=sha256,
-        layout=layout,
-        sources=[run for m in members for run in m.runs()],
+    writer: BucketWriter | None = None
+    with contextlib.ExitStack() as stack:  # members stay mapped until their rows are written
+        for member in members:
+            source = shard_path(cache_dir, member.name)
+            if sha256_file(source) != member.sha256:
+                raise CorruptShardError(
+                    f"{source}: its sha256 is not the one its partition recorded, so it "
+                    "was not merged; delete that partition's files under parts/ and "
+                    "rerun the build to rebuild it"
+                )
+            reader = pa.ipc.open_file(stack.enter_context(pa.memory_map(source)))
+            field = reader.schema.field("tokens").type.value_type
+            with_mask = "mask" in reader.schema.names
+            if writer is None:
+                writer = BucketWriter(cache_dir, "merged", "", member.bucket, np.dtype(str(field)),
+                                      shard_size_bytes, compression, with_mask, name)  # fmt: skip
+            if not reader.schema.equals(writer.schema):
+                raise CorruptShardError(
+                    f"{source}: its schema {reader.schema} is not a shard's of this cache "
+                    f"({writer.schema}); rebuild the cache"
+                )
+            for b in range(reader.num_record_batches):
+                batch = reader.get_batch(b)
+                tokens = batch.column(0)
+                offsets = arrow_numpy(tokens.offsets)
+                values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]
+                mask = None
+                if with_mask:
+                    bits = batch.column(3).values.to_numpy(zero_copy_only=False)
+                    mask = bits[offsets[0] : offsets[-1]]
+                writer.add(values, np.diff(offsets), arrow_numpy(batch.column(1)),
+                           arrow_numpy(batch.column(2)), mask)  # fmt: skip
+        assert writer is not None
+        writer.close()
+    [merged] = writer.shards
+    expected = (sum(m.rows for m in members), sum(m.tokens for m in members))
+    if (merged.rows, merged.tokens) != expected:
+        raise CorruptShardError(f"{name}: the merged rows or tokens differ from its members'")
+    return dataclasses.replace(
+        merged, partition=None, source=None, sources=[run for m in members for run in m.runs()]
     )
 
 

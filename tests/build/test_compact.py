@@ -115,6 +115,12 @@ def test_a_many_file_build_keeps_one_partial_shard_per_bucket_and_every_document
     assert len(manifest["shards"]) < len(partition_shards)
     merged = [s for s in manifest["shards"] if "sources" in s]
     assert merged and all(s["name"].startswith("merged-") for s in merged)
+    # written as one writer would: every record batch but the last holds the batch bytes
+    # (here the shard size, 4 KiB), not the members' short last batches one after another
+    for shard in merged:
+        batches = shard["layout"]["batches"]
+        assert all(b[1] * 2 >= SHARD for b in batches[:-1]), batches
+    assert max(len(s["layout"]["batches"]) for s in merged) >= 2
     # per bucket at most one shard under the target, and buckets in order (sample ids)
     buckets = [s["bucket"] for s in manifest["shards"]]
     assert buckets == sorted(buckets)
