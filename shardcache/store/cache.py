@@ -26,6 +26,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import CorruptShardError
+from shardcache.store import shards as shard_files
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
 from shardcache.store.manifest import read_manifest
@@ -36,12 +37,6 @@ from shardcache.store.shards import FlatRows, ShardReader, flat_ranges
 #: ``fetch(shard entry) -> (local path, release)``: where a shard's bytes are, and what to call
 #: once the reader no longer needs them (a remote cache keeps its lock on the file until then).
 Fetch = Callable[[dict[str, Any]], tuple[str, Callable[[], None]]]
-
-
-#: Mean run length (tokens; a run = segments contiguous in one shard's file and in the output)
-#: from which memory-mapped shards are copied slice by slice rather than through index arrays:
-#: a slice copy costs ~1 us, an index ~5 ns a token.
-LONG_SEGMENT_TOKENS = 128
 
 
 def _no_release() -> None:
@@ -557,12 +552,12 @@ class Cache:
         """Memory-mapped shards, copied one slice per *run*: segments that follow each other
         in one shard's file and in the output (an unshuffled read, the pieces of one document)
         are one run, found with a few vectorised comparisons. A slice copy costs ~1 us, an
-        index ~5 ns a token, so this is taken when runs average ``LONG_SEGMENT_TOKENS`` tokens
-        or more. False (nothing copied) otherwise, or when a shard is compressed: the caller
-        takes the index or record-batch path."""
+        index ~5 ns a token, so this is taken when runs average
+        ``shards.LONG_SEGMENT_TOKENS`` tokens or more. False (nothing copied) otherwise, or
+        when a shard is compressed: the caller takes the index or record-batch path."""
         n = len(ids)
         total = int(take.sum())
-        if not n or total < LONG_SEGMENT_TOKENS:
+        if not n or total < shard_files.LONG_SEGMENT_TOKENS:
             return False
         arrays = self._flat_tokens(set(shard.tolist()))  # (np.unique costs ~15 us a call)
         if arrays is None:
@@ -579,7 +574,7 @@ class Cache:
             begin = np.flatnonzero(np.concatenate(([True], breaks)))
         else:
             begin = np.zeros(1, dtype=np.int64)
-        if len(begin) * LONG_SEGMENT_TOKENS > total:
+        if len(begin) * shard_files.LONG_SEGMENT_TOKENS > total:
             return False
         runs = np.add.reduceat(take, begin) if len(begin) < n else take
         for index, a, d, m in zip(

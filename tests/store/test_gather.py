@@ -13,6 +13,7 @@ from shardcache import open_cache
 from shardcache.build.run import build_cache
 from shardcache.config import build_options_from_mapping
 from shardcache.store import cache as cache_module
+from shardcache.store import shards as shards_module
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +52,9 @@ segments = st.lists(
 @given(segments, st.sampled_from(["none", "zstd"]), st.booleans(), st.booleans())
 def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, run, by_slices):
     cache = open_cache(caches[compression])
-    # both copy strategies of memory-mapped shards: slice per segment, or index arrays
-    cache_module.LONG_SEGMENT_TOKENS = 0 if by_slices else 10**9
+    # both copy strategies (memory-mapped shards and decoded zstd record batches): a slice per
+    # segment, or index arrays
+    shards_module.LONG_SEGMENT_TOKENS = 0 if by_slices else 10**9
     seqs = [s.ids for s in cache.iter_sequences()]
     n = len(seqs)
     first = segs[0][0] % n
@@ -83,14 +85,14 @@ def test_gather_equals_reading_sequence_by_sequence(caches, segs, compression, r
 
 @pytest.fixture(autouse=True)
 def _restore_threshold():
-    saved = cache_module.LONG_SEGMENT_TOKENS
+    saved = shards_module.LONG_SEGMENT_TOKENS
     yield
-    cache_module.LONG_SEGMENT_TOKENS = saved
+    shards_module.LONG_SEGMENT_TOKENS = saved
 
 
 @pytest.mark.parametrize("threshold", [0, 10**9])
 def test_gather_refuses_ids_and_segments_out_of_range(caches, threshold):
-    cache_module.LONG_SEGMENT_TOKENS = threshold
+    shards_module.LONG_SEGMENT_TOKENS = threshold
     cache = open_cache(caches["none"])
     with pytest.raises(IndexError, match="out of range"):
         cache.gather(np.array([cache.num_sequences]))
@@ -122,7 +124,7 @@ def many_shards(tmp_path_factory, tokenizer_dir):
 def test_gathers_over_more_shards_than_the_lru_holds(many_shards, open_shards):
     """Opening a shard may evict another shard of the same batch from the LRU: its tokens are
     still copied (a batch of shuffled reads touches more shards than the LRU holds)."""
-    cache_module.LONG_SEGMENT_TOKENS = 0  # slice copies of memory-mapped shards
+    shards_module.LONG_SEGMENT_TOKENS = 0  # slice copies of memory-mapped shards
     reference = open_cache(many_shards)
     seqs = [s.ids for s in reference.iter_sequences()]
     cache = cache_module.Cache(many_shards, open_shards=open_shards)

@@ -12,8 +12,8 @@ import pytest
 from torch.utils.data import DataLoader
 
 from shardcache import CorruptShardError, ShardDataset, open_cache, verify_cache
-from shardcache.store import cache as cache_module
 from shardcache.store import files
+from shardcache.store import shards as shards_module
 
 
 @pytest.fixture()
@@ -110,7 +110,7 @@ def test_tampered_length_index_is_refused(cache_dir):
 def test_index_disagreeing_with_the_shards_is_caught_on_read_without_checksums(
     cache_dir, monkeypatch, threshold
 ):
-    monkeypatch.setattr(cache_module, "LONG_SEGMENT_TOKENS", threshold)
+    monkeypatch.setattr(shards_module, "LONG_SEGMENT_TOKENS", threshold)
     monkeypatch.setenv("SHARDCACHE_SHARD_CHECKSUMS", "0")
     _rewrite_lengths(cache_dir, lambda a: np.r_[a[:-1], a[-1] - 1].astype(a.dtype))
     ds = ShardDataset(
