@@ -67,6 +67,7 @@ from shardcache.store.layout import (
     PARTS_DIR,
     QUARANTINE,
     SHARD_DIR,
+    SHARD_NAME,
     SHARES_DIR,
 )
 from shardcache.store.manifest import read_manifest
@@ -182,10 +183,30 @@ def commit(
         },
     }
     write_json_atomic(os.path.join(out, MANIFEST), manifest)
+    kill_point("committed")
     for name in compacted.joined:  # after the commit point: until it, partitions stay whole
         with contextlib.suppress(FileNotFoundError):
             os.remove(os.path.join(out, SHARD_DIR, name))
     return manifest
+
+
+def unlisted_shards(names: list[str], manifest: Mapping[str, Any]) -> list[str]:
+    """The shard files among ``names`` that the committed ``manifest`` does not list: the
+    partition shards a merged one replaced, left behind when a commit died between writing
+    its manifest and removing them. No reader opens them; they only take space."""
+    listed = {entry["name"] for entry in manifest["shards"]}
+    return sorted(n for n in names if SHARD_NAME.fullmatch(n) and n not in listed)
+
+
+def remove_unlisted_shards(out: str, manifest: Mapping[str, Any]) -> list[str]:
+    """Finish a committed local cache: remove :func:`unlisted_shards` (call it holding the
+    build lock); returns their names."""
+    folder = os.path.join(out, SHARD_DIR)
+    stray = unlisted_shards(os.listdir(folder) if os.path.isdir(folder) else [], manifest)
+    for name in stray:
+        with contextlib.suppress(FileNotFoundError):
+            os.remove(os.path.join(folder, name))
+    return stray
 
 
 def plan_groups_of(
@@ -289,7 +310,10 @@ def commit_output(
         return commit_store_output(output, encoder_factory, strict_lint, max_bad_fraction)
     started = time.perf_counter()
     if os.path.isfile(os.path.join(output, MANIFEST)):
-        return report_from_manifest(output, read_manifest(output), 0.0, up_to_date=True)
+        manifest = read_manifest(output)
+        with BuildLock(output):  # a commit that died after its manifest: finish it
+            remove_unlisted_shards(output, manifest)
+        return report_from_manifest(output, manifest, 0.0, up_to_date=True)
     state = read_json_or_none(os.path.join(output, PARTS_DIR, BUILD_STATE))
     if state is None:
         raise CacheError(
@@ -380,6 +404,7 @@ def commit_into_store(
         store.put([(os.path.join(scratch, n), n) for n in (*merged, LENGTHS_FILE, QUARANTINE)])
         kill_point("commit")
         store.put([(os.path.join(scratch, MANIFEST), MANIFEST)])  # last: the commit point
+        kill_point("committed")
         store.remove([f"{SHARD_DIR}/{n}" for n in compacted.joined])
     return manifest
 
@@ -394,7 +419,10 @@ def commit_store_output(
     started = time.perf_counter()
     store = OutputStore(url)
     manifest = store.read_json(MANIFEST)
-    if manifest is not None:
+    if manifest is not None:  # a commit that died after its manifest: finish it
+        store.remove(
+            [f"{SHARD_DIR}/{n}" for n in unlisted_shards(list(store.sizes(SHARD_DIR)), manifest)]
+        )
         return report_from_manifest(store.url, manifest, 0.0, up_to_date=True)
     state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
     if state is None:

@@ -8,8 +8,11 @@ partition).
 
 Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself (and, from a
 worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
-open then), ``part`` (completion record written by this process) or ``commit`` (1: after the
-length index, 2: after the quarantine file, before the manifest). Tests use it to kill a
+open then), ``part`` (completion record written by this process), ``commit`` (1: after the
+quarantine file, 2: after the merged shards and the length index; a URL output's 3: after
+its uploads, before the manifest) or ``committed`` (after the manifest, before the shards the
+merged ones replace are removed; a URL commit passes it once in its scratch folder, then a
+second time after uploading the manifest). Tests use it to kill a
 build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
 sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
 ``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it

@@ -19,7 +19,7 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from shardcache.build.commit import commit, commit_into_store
+from shardcache.build.commit import commit, commit_into_store, remove_unlisted_shards
 from shardcache.build.encoders import EncoderFactory, encoder_for
 from shardcache.build.engines import ENGINES, EngineOptions, RunPartitions
 from shardcache.build.gate import gate_encoder, start_loading
@@ -126,6 +126,7 @@ def build_cache(
         if not options.force and os.path.isfile(os.path.join(options.output, MANIFEST)):
             check_up_to_date(options, inputs)  # raises, naming what differs
             manifest = read_manifest(options.output)
+            remove_unlisted_shards(options.output, manifest)  # a commit killed after it
             return report_from_manifest(options.output, manifest, 0.0, up_to_date=True)
         plan, done = prepare_output(options, inputs)
         pending = [p for p in plan.partitions if p.id not in done]

@@ -320,6 +320,36 @@ def test_sigkill_then_rerun_gives_identical_bytes(
     assert _tree(out) == reference
 
 
+@pytest.mark.parametrize("finish", ["build", "commit"])
+def test_a_commit_killed_after_its_manifest_is_finished_by_the_next_run(
+    finish, mixed_corpus, mixed_reference, tokenizer_dir, tmp_path
+):
+    """Killed between the manifest and removing the partition shards the merged ones
+    replaced: the cache is readable, and rerunning the build (or `shardcache commit`) removes
+    the leftovers instead of keeping a second copy of their rows forever."""
+    from shardcache.build.commit import commit_output
+
+    folder, _ = mixed_corpus
+    reference = mixed_reference[1]
+    out = str(tmp_path / "killed")
+    args = ["-i", folder, "-t", tokenizer_dir, "-o", out, "--workers", "1"]
+    args += ["--partition-size", "2KiB", "--shard-size", "4096", "--buckets", "16,64"]
+    args += ["--batch-docs", "16"]
+    result = _run_killed(args, "committed:1")
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    listed = {s["name"] for s in open_cache(out).manifest["shards"]}
+    on_disk = set(os.listdir(os.path.join(out, "shards")))
+    assert on_disk - listed  # the replaced shards, still there
+    if finish == "build":
+        values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1}
+        report = build(build_options_from_mapping({**values, **MIXED}))
+    else:
+        report = commit_output(out)
+    assert report.up_to_date
+    assert set(os.listdir(os.path.join(out, "shards"))) == listed
+    assert _tree(out) == reference
+
+
 def test_resume_refuses_other_options_and_force_starts_over(
     monkeypatch, corpus, tmp_path, tokenizer_dir
 ):

@@ -103,3 +103,34 @@ def test_a_url_output_is_refused_or_rebuilt_with_force(corpus, tokenizer_dir, tm
     report = build(forced)
     assert report.resumed_partitions == 0
     assert tree(str(tmp_path / "store")) == done
+
+
+def test_a_url_commit_killed_after_its_manifest_is_finished_by_commit(
+    corpus, tokenizer_dir, tmp_path
+):
+    """As the local case (tests/build/test_build.py): the partition shards the merged ones
+    replace, left in the store by a commit killed after uploading its manifest, are removed
+    by the next `shardcache commit`."""
+    import json
+    import signal
+    import subprocess
+    import sys
+
+    from shardcache.build import partition as partition_module
+
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    local = str(tmp_path / "local")
+    build_cache(build_options_from_mapping(_values(folder, tokenizer_dir, local)))
+    store = tmp_path / "store"
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", folder, "-t", tokenizer_dir,
+           "-o", f"file://{store}", "--workers", "1", "--partition-size", "2KiB",
+           "--shard-size", "4096", "--buckets", "16,64", "--batch-docs", "16", "-q"]  # fmt: skip
+    env = {**os.environ, partition_module.KILL_ENV: "committed:2", "PYTHONPATH": repo}
+    result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert result.returncode == -signal.SIGKILL, result.stderr
+    listed = {s["name"] for s in json.loads((store / "manifest.json").read_text())["shards"]}
+    assert set(os.listdir(store / "shards")) - listed  # the replaced shards, still there
+    assert commit_output(f"file://{store}").up_to_date
+    assert set(os.listdir(store / "shards")) == listed
+    _same_cache(str(store), local)
