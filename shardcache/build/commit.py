@@ -27,7 +27,7 @@ from shardcache.build.keying import (
     data_component_from_files,
     data_component_from_version,
 )
-from shardcache.build.lock import BuildLock
+from shardcache.build.lock import BuildLock, pid_alive
 from shardcache.build.partition import kill_point
 from shardcache.build.plan import (
     BuildPlan,
@@ -367,6 +367,26 @@ def _incomplete(
     )
 
 
+#: Scratch folders of URL commits: ``<prefix><pid>-<random>`` in the temporary folder.
+COMMIT_SCRATCH_PREFIX = "shardcache-commit-"
+
+
+def sweep_commit_scratch(root: str) -> list[str]:
+    """Remove the scratch folders of URL commits that died on this host (their pid is gone:
+    a killed commit's ``TemporaryDirectory`` is never cleaned up, and it holds copies of the
+    partial shards and the merged ones); returns the paths removed."""
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(root) as entries:
+        for entry in entries:
+            pid = entry.name[len(COMMIT_SCRATCH_PREFIX) :].split("-", 1)[0]
+            if not entry.name.startswith(COMMIT_SCRATCH_PREFIX) or not pid.isdigit():
+                continue
+            if entry.is_dir(follow_symlinks=False) and not pid_alive(int(pid)):
+                shutil.rmtree(entry.path, ignore_errors=True)
+                removed.append(entry.path)
+    return removed
+
+
 def commit_into_store(
     store: OutputStore, plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
 ) -> dict:
@@ -380,7 +400,9 @@ def commit_into_store(
     the shards the merged ones replace are deleted. Every step before the manifest is a pure
     function of the records: a commit that died is redone by running it again.
     """
-    with tempfile.TemporaryDirectory(prefix="shardcache-commit-") as scratch:
+    sweep_commit_scratch(tempfile.gettempdir())
+    prefix = f"{COMMIT_SCRATCH_PREFIX}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
         for sub in (PARTS_DIR, INDEX_DIR, SHARD_DIR):
             os.makedirs(os.path.join(scratch, sub))
         names = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results

@@ -40,7 +40,8 @@ LOCK_NAME = ".lock"
 TAKEOVER_NAME = ".lock.takeover"
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -126,7 +127,7 @@ class BuildLock:
                 f"{self.output!r} is locked by {self.path}, which cannot be read (content "
                 f"{holder!r}); if no build is writing there, delete {self.path} and retry"
             )
-        if host == socket.gethostname() and not _pid_alive(pid):
+        if host == socket.gethostname() and not pid_alive(pid):
             self._take_over(holder)
             return
         where = "this host" if host == socket.gethostname() else f"host {host!r}"

@@ -134,3 +134,32 @@ def test_a_url_commit_killed_after_its_manifest_is_finished_by_commit(
     assert commit_output(f"file://{store}").up_to_date
     assert set(os.listdir(store / "shards")) == listed
     _same_cache(str(store), local)
+
+
+def test_a_url_commit_removes_the_scratch_folders_of_dead_commits(
+    corpus, tokenizer_dir, tmp_path, monkeypatch
+):
+    """A URL commit killed on this host leaves its scratch folder (copies of shards) in the
+    temporary folder; the next URL commit removes those of dead pids, not a live one's."""
+    import subprocess
+    import sys
+    import tempfile
+
+    from shardcache.build.commit import COMMIT_SCRATCH_PREFIX
+
+    scratch_root = tmp_path / "tmp"
+    scratch_root.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch_root))
+    gone = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True).stdout.strip()  # fmt: skip
+    dead = scratch_root / f"{COMMIT_SCRATCH_PREFIX}{gone}-abc"
+    live = scratch_root / f"{COMMIT_SCRATCH_PREFIX}{os.getpid()}-def"
+    unrelated = scratch_root / "shardcache-commit-notapid"
+    for folder in (dead, live, unrelated):
+        (folder / "shards").mkdir(parents=True)
+        (folder / "shards" / "p00000-b00-00000.arrow").write_bytes(b"x" * 10)
+    folder, _ = corpus("jsonl", n_files=2, docs=40)
+    build(build_options_from_mapping(_values(folder, tokenizer_dir, f"file://{tmp_path / 's'}")))
+    assert not dead.exists()
+    assert live.exists() and unrelated.exists()
+    assert sorted(p.name for p in scratch_root.iterdir()) == sorted([live.name, unrelated.name])
