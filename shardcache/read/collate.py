@@ -42,7 +42,7 @@ def pad_batch(
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
-) -> dict[str, np.ndarray]:
+) -> dict[str, np.ndarray | int]:
     """Pad whole sequences into one ``len(lengths) x width`` batch.
 
     ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``); with
@@ -76,6 +76,7 @@ def pad_batch(
         "attention_mask": mask.astype(ids_dtype),
         "labels": labels,
         "sample_ids": np.array(sample_ids, dtype=np.int64),  # a copy: plans may be read-only
+        "num_tokens": int(lengths.sum()),
     }
 
 
@@ -142,6 +143,7 @@ def pack_batch(
         "max_seqlen": int(lengths_out.max()),
         "sample_ids": sample,
         "sample_offsets": offsets,
+        "num_tokens": int(seg_lengths.sum()),
     }
 
 

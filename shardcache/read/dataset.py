@@ -19,6 +19,8 @@ holds depends on ``PlanOptions.mode``:
 * ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
   outside the trainable turns: the stored loss mask);
 * ``meta["sample_ids"]`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
+* ``meta["num_tokens"]`` (int): the batch's tokens, padding not counted (the sum of
+  ``attention_mask``, without a pass over it: for token counts, throughput and loss scaling).
 
 ``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
 *segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
@@ -39,7 +41,8 @@ ends. The flattened batch is a list of segments, padding runs included as segmen
 * ``meta["cu_seqlens"]`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len``
   tokens, ending at ``R * seq_len``), ``meta["max_seqlen"]`` (int), and
   ``meta["sample_ids"]`` / ``meta["sample_offsets"]`` int64 ``S``: per segment the sample id and
-  the token offset inside that sequence (-1 / -1 for padding segments).
+  the token offset inside that sequence (-1 / -1 for padding segments), ``meta["num_tokens"]``
+  (int): the tokens of the batch, padding runs not counted.
 
 Integer types: ``input_ids``, ``position_ids`` and ``attention_mask`` are int32 by default
 (``ids_dtype="int32"``: embeddings, rotary position code and attention masks take int32, and
@@ -642,7 +645,7 @@ class ShardDataset(IterableDataset):
             got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
             laid_out=True,
         )  # fmt: skip
-        meta = {"sample_ids": batch.pop("sample_ids")}
+        meta = {k: batch.pop(k) for k in ("sample_ids", "num_tokens")}
         return _to_batch(batch, meta)
 
     def _collate_packed(
@@ -756,7 +759,7 @@ def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int
 IDS_DTYPES = ("int32", "int64")
 
 #: Bookkeeping keys, kept under ``batch["meta"]`` (never model inputs).
-META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen")
+META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_tokens")
 
 
 class Batch(dict):  # type: ignore[type-arg]

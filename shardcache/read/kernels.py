@@ -109,7 +109,7 @@ class BatchKernels:
             _plain(plan.row_offsets, read_only),
         )
         self._wide = table.dtype.itemsize == 4
-        self._info = np.zeros(4, dtype=np.int64)
+        self._info = np.zeros(5, dtype=np.int64)  # (kernels_jit.py)
 
     def _opened(self, code: int, opened: set[int]) -> bool:
         """After a kernel returned ``code``: True when it asked for a shard and that shard is
@@ -166,6 +166,7 @@ class BatchKernels:
             "sample_offsets": offset[:count],
             "cu_seqlens": cu[: count + 1],
             "max_seqlen": int(info[2]),
+            "num_tokens": int(info[4]),
         }
         return inputs, meta
 
@@ -202,7 +203,7 @@ class BatchKernels:
             "labels": labels[:used].reshape(rows, width),
         }
         # a copy: plans may be read-only
-        return inputs, {"sample_ids": samples[lo : lo + rows].copy()}
+        return inputs, {"sample_ids": samples[lo : lo + rows].copy(), "num_tokens": int(info[2])}
 
 
 def warm_up() -> None:

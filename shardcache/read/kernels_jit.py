@@ -235,7 +235,8 @@ def pack(
     ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
     ``seq_len`` slots (``wide``: uint32 shards, else uint16; ``mask_starts`` empty, or a chat
     cache's loss masks: labels -100 where the bit is 0). Returns 0 with ``info`` = (rows,
-    segments including padding runs, longest segment), NEED_SHARD, or an error code."""
+    segments including padding runs, longest segment, -, tokens copied), NEED_SHARD, or an
+    error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     if len(row_offsets):
@@ -284,6 +285,9 @@ def pack(
     dst = 0
     out = 0
     longest = 0
+    tokens = 0
+    for k in range(hi - lo):
+        tokens += takes[k]
     cu_out[0] = 0
     for r in range(num_rows):
         if len(row_offsets):
@@ -331,6 +335,7 @@ def pack(
     info[0] = num_rows
     info[1] = out
     info[2] = longest
+    info[4] = tokens
     return 0
 
 
@@ -358,7 +363,8 @@ def pad(
 ) -> int:  # pragma: no cover - compiled
     """Pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
     longest rounded up to ``multiple`` (``wide``: uint32 shards; ``mask_starts``: as for
-    :func:`pack`). Returns 0 with ``info`` = (rows, width), NEED_SHARD, or an error code."""
+    :func:`pack`). Returns 0 with ``info`` = (rows, width, tokens copied), NEED_SHARD, or an
+    error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     num_rows = hi - lo
@@ -372,6 +378,7 @@ def pad(
     mask_bits = np.empty(num_rows if masked else 0, dtype=np.int64)
     bases = np.empty(num_rows if masked else 0, dtype=np.int64)
     width = 0
+    tokens = 0
     for r in range(num_rows):
         sample = sample_ids[lo + r]
         if sample < 0 or sample >= num_samples:
@@ -385,6 +392,7 @@ def pad(
             return BAD_SOURCE
         where[r] = addresses[s] + src * itemsize
         takes[r] = take
+        tokens += take
         width = max(width, take)
         if masked:
             bit = mask_starts[sample]
@@ -416,4 +424,5 @@ def pad(
             _mask_labels(bases[r], mask_bits[r], takes[r], labels_out[row : row + takes[r]])
     info[0] = num_rows
     info[1] = width
+    info[2] = tokens
     return 0

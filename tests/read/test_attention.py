@@ -126,7 +126,9 @@ def test_packed_batch_keys_per_attention_mode(text_cache, attention):
         assert torch.equal(batch["cu_seq_lens_q"], batch["meta"]["cu_seqlens"])
     assert set(batch) == model_keys | {"meta"}
     assert set(model_inputs(batch)) == model_keys
-    assert set(batch["meta"]) == {"sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen"}
+    assert set(batch["meta"]) == {
+        "sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_tokens"
+    }
 
 
 # ---- tiny transformers models ----------------------------------------------------------------

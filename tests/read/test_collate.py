@@ -50,8 +50,9 @@ def _arr(*values: int) -> np.ndarray:
 def test_pad_batch_masks_padding_and_keeps_tokens():
     rows = [_arr(5, 6, 7), _arr(8)]
     out = _pad(rows, _arr(10, 11), PAD)
-    assert list(out) == ["input_ids", "attention_mask", "labels", "sample_ids"]
-    assert all(v.dtype == np.int64 for v in out.values())
+    assert list(out) == ["input_ids", "attention_mask", "labels", "sample_ids", "num_tokens"]
+    assert all(v.dtype == np.int64 for v in out.values() if not isinstance(v, int))
+    assert out["num_tokens"] == 4
     assert out["input_ids"].tolist() == [[5, 6, 7], [8, PAD, PAD]]
     assert out["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
     assert out["labels"].tolist() == [[5, 6, 7], [8, -100, -100]]
@@ -87,8 +88,10 @@ def test_pack_batch_labels_positions_and_cu_seqlens():
         "max_seqlen",
         "sample_ids",
         "sample_offsets",
+        "num_tokens",
     ]
     assert out["input_ids"].tolist() == [[1, 2, 3, 4, 5], [6, 7, PAD, PAD, PAD]]
+    assert out["num_tokens"] == 7 and isinstance(out["num_tokens"], int)  # padding not counted
     # -100 on each segment's first token and on padding
     assert out["labels"].tolist() == [[-100, 2, 3, -100, 5], [-100, 7, -100, -100, -100]]
     assert out["position_ids"].tolist() == [[0, 1, 2, 0, 1], [0, 1, 0, 1, 2]]
@@ -193,6 +196,7 @@ def _reference_pad(rows, sample_ids, pad_id, width, loss_masks=None):
         "attention_mask": mask.astype(np.int64),
         "labels": labels,
         "sample_ids": np.asarray(sample_ids, dtype=np.int64),
+        "num_tokens": int(sum(len(row) for row in rows)),
     }
 
 
@@ -241,6 +245,7 @@ def _reference_pack(pieces, sample_ids, starts, lengths, row_bounds, seq_len, pa
         "max_seqlen": int(seg_lengths.max()),
         "sample_ids": sample,
         "sample_offsets": np.asarray(seg_offset, dtype=np.int64),
+        "num_tokens": int(seg_lengths[sample >= 0].sum()),
     }
 
 

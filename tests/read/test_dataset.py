@@ -47,6 +47,28 @@ def test_ids_dtype_chooses_the_type_of_ids_positions_and_masks(cache_dir, packed
         assert torch.equal(first["int32"][key].long(), first["int64"][key])
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("extra", [{}, {"mode": "pack", "seq_len": 64, "attention": "none"},
+                                   {"mode": "pack", "seq_len": 48, "packing": "concat",
+                                    "attention": "none"}])  # fmt: skip
+def test_num_tokens_counts_the_tokens_of_a_batch_without_its_padding(cache_dir, extra, compiled):
+    ds = ShardDataset(cache_dir, max_tokens=256, seed=2, **extra)
+    ds.kernels = compiled
+    cache = open_cache(cache_dir)
+    padded = 0
+    for batch in ds:
+        meta = batch["meta"]
+        if "attention_mask" in batch:
+            real = int(batch["attention_mask"].sum())
+        else:  # padding runs are the segments of sample id -1
+            lengths = meta["cu_seqlens"][1:] - meta["cu_seqlens"][:-1]
+            real = int(lengths[meta["sample_ids"] >= 0].sum())
+        assert meta["num_tokens"] == real and type(meta["num_tokens"]) is int
+        padded += batch["input_ids"].numel() - real
+    assert padded > 0  # the batches hold padding the count leaves out
+    assert cache.num_tokens == sum(b["meta"]["num_tokens"] for b in ds)
+
+
 def test_an_unknown_ids_dtype_is_refused(cache_dir):
     with pytest.raises(ConfigError, match="ids_dtype"):
         ShardDataset(cache_dir, max_tokens=256, ids_dtype="int16")

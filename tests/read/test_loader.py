@@ -115,7 +115,7 @@ def test_prefetcher_hands_out_batches_on_the_device(cache_dir):
         assert dl.prefetcher is not None
         batch = next(iter(dl))
     assert batch["input_ids"].device == torch.device("cpu")
-    assert set(batch["meta"]) == {"sample_ids"}
+    assert set(batch["meta"]) == {"sample_ids", "num_tokens"}
 
 
 def test_persistent_workers_follow_set_epoch_and_a_pass_left_early(cache_dir):
