@@ -127,7 +127,11 @@ def test_packed_batch_keys_per_attention_mode(text_cache, attention):
     assert set(batch) == model_keys | {"meta"}
     assert set(model_inputs(batch)) == model_keys
     assert set(batch["meta"]) == {
-        "sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_tokens"
+        "sample_ids",
+        "sample_offsets",
+        "cu_seqlens",
+        "max_seqlen",
+        "num_tokens",
     }
 
 
