@@ -1,6 +1,6 @@
 """The cold pass: one fresh process, one whole unshuffled pass, as the side-by-side harness
-times it (``ShardDataset`` made and iterated in-process, each batch's ids summed in numpy,
-pad batches' ``attention_mask`` summed in torch), interleaved over caches or checkouts.
+times it (``ShardDataset`` made and iterated in-process, each batch's ids summed in numpy and
+its padding slots counted from ``meta["num_tokens"]``), interleaved over caches or checkouts.
 
     python benchmarks/bench_cold.py CACHE[@TREE] [CACHE[@TREE] ...] [--mode concat|pad]
         [--runs 12] [--prefault-ab]
@@ -33,9 +33,15 @@ else:
                       seq_len=2048, attention="none")
 total = 0
 for batch in ds:
-    total += int(batch["input_ids"].numpy().sum(dtype=np.uint64))
-    if mode == "pad":
-        total += int(batch["attention_mask"].sum())
+    ids, meta = batch["input_ids"].numpy(), batch["meta"]
+    real = meta.get("num_tokens")
+    if real is None:  # a checkout from before meta["num_tokens"]
+        if mode == "pad":
+            real = int(batch["attention_mask"].sum())
+        else:
+            lengths = np.diff(meta["cu_seqlens"].numpy())
+            real = int(lengths[meta["sample_ids"].numpy() >= 0].sum())
+    total += int(ids.sum(dtype=np.uint64)) - ds.pad_id * (ids.size - real)
 print(time.perf_counter() - started, total)
 """
 
