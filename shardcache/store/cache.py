@@ -465,7 +465,7 @@ class Cache:
             arrays[index] = self._flat_open[index] = flat.tokens
             self._flat_addresses[index] = flat.tokens.__array_interface__["data"][0]
             self._flat_sizes[index] = len(flat.tokens)
-            if tokens is None:  # newly mapped: its pages mapped in by another thread
+            if tokens is None:  # newly mapped (prefault.py: a no-op unless turned on)
                 prefault(flat.tokens)
         return arrays
 

@@ -1,20 +1,29 @@
 """Prefaulting: a mapped shard's pages mapped in by a background thread, ahead of its reads.
 
+Off by default; ``SHARDCACHE_PREFAULT=1`` turns it on.
+
 The first read of a memory-mapped shard in a process takes a page fault per 64 KiB of it
-(the kernel's fault-around), on the reading thread: ~8 us each on the benchmark machine,
-~4 ms for the 62 MB harness cache, a sixth of one cold pass, paid again by every fresh
-process (each DataLoader worker of each epoch with ``persistent_workers=False``). When
-:class:`~shardcache.store.cache.Cache` maps a shard, :func:`prefault` hands its bytes to
-one daemon thread, which touches a byte per page (a strided numpy ``max``, which runs
-without the GIL), so the faults are taken on another core while the reader works on the
-rows it already has.
+(the kernel's fault-around), on the reading thread: ~4 ms for the 62 MB harness cache.
+When it is on and :class:`~shardcache.store.cache.Cache` maps a shard, :func:`prefault`
+hands its bytes to one daemon thread, which touches a byte per page (a strided numpy
+``max``), so that the faults are taken on another core while the reader works on the rows
+it already has.
+
+Why off: measured side by side on the benchmark machine (2 cores; ``bench_cold.py
+--prefault-ab``, 15 fresh processes each, interleaved), a cold pass was faster without it:
+concat 31.2 / 32.7 ms (min / median) off against 35.3-36.9 / 38.9-39.1 ms on, pad 31.7 / 32.9
+against 37.2 / 42.9 ms. The thread's numpy reduction waits on the GIL while the reader
+holds it (alone it touches the 62 MB in 3.7 ms; beside a busy Python thread it took 36 ms),
+and even a GIL-free ``madvise(MADV_POPULATE_READ)`` in a
+thread was slower (35.4 / 36.5 ms) than letting the reader take its own faults: the two
+threads' faults on one mapping contend in the kernel. Mapping the pages in on the reading
+thread first (the same ``madvise``, synchronous) gained nothing (31.8 / 32.8 ms).
 
 It is a hint: a read never waits for it and is the same without it. The thread holds a
 reference to the array while it touches it, so the mapping stays valid (a shard's mapping
 is released only when nothing refers to it). Bounded: at most :data:`PENDING` shards wait;
-one submitted beyond that is not prefaulted (its reads fault as before). Set
-``SHARDCACHE_PREFAULT=0`` to turn it off. Each process has its own thread (a forked
-DataLoader worker starts one when it maps its first shard).
+one submitted beyond that is not prefaulted (its reads fault as before). Each process has
+its own thread (a forked DataLoader worker starts one when it maps its first shard).
 """
 
 from __future__ import annotations
@@ -45,7 +54,7 @@ class Prefaulter:
 
     def submit(self, array: np.ndarray) -> bool:
         """Queue the pages of ``array`` (any dtype, contiguous); False when the queue is full
-        or prefaulting is off."""
+        or prefaulting is off (the default)."""
         if not enabled() or array.nbytes < PAGE:
             return False
         with self._ready:
@@ -93,7 +102,8 @@ class Prefaulter:
 
 
 def enabled() -> bool:
-    return os.environ.get(PREFAULT_ENV, "1").lower() not in ("0", "false", "no")
+    """Whether ``SHARDCACHE_PREFAULT`` turns prefaulting on (off by default: see above)."""
+    return os.environ.get(PREFAULT_ENV, "0").lower() in ("1", "true", "yes", "on")
 
 
 PREFAULTER = Prefaulter()

@@ -17,6 +17,12 @@ from shardcache.store.prefault import PENDING, PREFAULTER, Prefaulter, prefault
 linux_only = pytest.mark.skipif(sys.platform != "linux", reason="counts minor page faults")
 
 
+@pytest.fixture(autouse=True)
+def prefault_on(monkeypatch):
+    """Prefaulting is off unless ``SHARDCACHE_PREFAULT`` turns it on: on for these tests."""
+    monkeypatch.setenv("SHARDCACHE_PREFAULT", "1")
+
+
 @pytest.fixture()
 def data_file(tmp_path):
     path = tmp_path / "data.bin"
@@ -53,11 +59,28 @@ def test_a_prefaulted_mapping_is_read_without_page_faults(data_file):
     assert _faults_reading(array) < cold / 4
 
 
-def test_off_by_the_environment_and_small_arrays_skipped(data_file, monkeypatch):
+def test_off_by_default_on_by_the_environment_and_small_arrays_skipped(data_file, monkeypatch):
+    monkeypatch.delenv("SHARDCACHE_PREFAULT")
+    assert not prefault(_mapped(data_file))  # off by default (measured slower: prefault.py)
     monkeypatch.setenv("SHARDCACHE_PREFAULT", "0")
     assert not prefault(_mapped(data_file))
-    monkeypatch.delenv("SHARDCACHE_PREFAULT")
+    monkeypatch.setenv("SHARDCACHE_PREFAULT", "1")
+    assert prefault(_mapped(data_file))
     assert not prefault(np.zeros(16, dtype=np.uint8))
+    PREFAULTER.wait()
+
+
+def test_a_cache_maps_its_shards_without_prefaulting_by_default(
+    corpus, build_cache, tokenizer_dir, monkeypatch
+):
+    monkeypatch.delenv("SHARDCACHE_PREFAULT")
+    folder, _ = corpus("jsonl", n_files=2, docs=200)
+    path = build_cache(folder, tokenizer_dir, shard_size=4096, buckets="1000")
+    before = PREFAULTER.touched + PREFAULTER.dropped
+    for _ in ShardDataset(path, max_tokens=256, shuffle=False):
+        pass
+    PREFAULTER.wait()
+    assert PREFAULTER.touched + PREFAULTER.dropped == before
 
 
 def test_the_queue_is_bounded_and_drained(data_file):
