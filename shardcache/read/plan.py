@@ -347,7 +347,7 @@ def _plan_concat(
 ) -> EpochPlan:
     seq_len = int(options.seq_len or 0)
     order = _pack_order(len(lengths), rng)
-    doc_len = lengths[order].astype(np.int64)
+    doc_len = lengths[order]  # (int64: plan_epoch)
     doc_end = np.cumsum(doc_len)
     total = int(doc_end[-1])
     num_rows = -(-total // seq_len)
@@ -384,7 +384,7 @@ def _plan_concat(
     seg_end = np.empty(num_segs, dtype=np.int64)
     seg_end[:-1] = seg_begin[1:]
     seg_end[-1] = total
-    seg_starts = seg_begin - (doc_end[doc] - doc_len[doc])
+    seg_starts = seg_begin - (doc_end - doc_len)[doc]  # one gather of documents' begins
     # row r starts with the segment beginning at r * seq_len
     row_offsets = np.empty(num_rows + 1, dtype=np.int64)
     row_offsets[0] = 0

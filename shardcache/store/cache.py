@@ -509,7 +509,7 @@ class Cache:
 
     def _record_flat(self, index: int, flat: FlatRows, reader: ShardReader) -> None:
         lo, hi = int(self.shard_starts[index]), int(self.shard_starts[index + 1])
-        want = self.lengths[lo:hi]
+        want = self._lengths_plain[lo:hi]
         if len(flat.lengths) != hi - lo or not (flat.lengths == want).all():
             bad = np.flatnonzero(flat.lengths[: hi - lo] != want[: len(flat.lengths)])
             row = int(bad[0]) if len(bad) else min(len(flat.lengths), hi - lo)
