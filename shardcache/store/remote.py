@@ -34,7 +34,6 @@ import hashlib
 import logging
 import os
 import re
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +57,7 @@ from shardcache.store.layout import (
     check_digest,
     check_shard_name,
 )
+from shardcache.store.locking import DeferredLock
 from shardcache.store.manifest import read_manifest
 
 CACHE_SIZE_ENV = "SHARDCACHE_CACHE_SIZE"
@@ -223,7 +223,7 @@ class ObjectStore:
         sha = check_digest(info["sha256"], "shard sha256")  # it names files here
         size = int(info["bytes"])
         path = self.path(sha)
-        with _HELD_LOCK.lock:
+        with _HELD_LOCK:
             held = _HELD.get(path)
             if held is not None and os.path.isfile(path):  # (the folder may have been wiped)
                 held[1] += 1
@@ -240,7 +240,7 @@ class ObjectStore:
         except BaseException:
             os.close(fd)
             raise
-        with _HELD_LOCK.lock:
+        with _HELD_LOCK:
             held = _HELD.get(path)
             if held is not None:  # another thread opened it meanwhile, or it was re-fetched
                 held[1] += 1
@@ -372,39 +372,36 @@ def _try_exclusive(lock: str, victim: str) -> bool:
         os.close(fd)
 
 
-class _ProcessLock:
-    """A threading lock replaced in a forked child (a DataLoader worker may be forked while
-    another thread of the parent holds it)."""
-
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-
-    def reset(self) -> None:
-        self.lock = threading.Lock()
-
-
 #: object path -> [lock fd, users] for the objects this process holds open (by path, not by
 #: sha256: two local folders may hold the same shard, and holding one must neither pin nor
 #: unlock the other). A forked child inherits the descriptors (and so the shared locks, until
 #: both sides close them): still correct.
 _HELD: dict[str, list[int]] = {}
-_HELD_LOCK = _ProcessLock()
+#: guards _HELD; a DeferredLock because releases run from finalizers (ShardCache.__del__),
+#: which the garbage collector may run while this thread holds it; replaced in a forked child
+#: (a DataLoader worker may be forked while another thread of the parent holds it)
+_HELD_LOCK = DeferredLock()
 os.register_at_fork(after_in_child=_HELD_LOCK.reset)
 #: object folders whose bound was reported exceeded (once per process)
 _REPORTED: set[str] = set()
 
 
 def _release(path: str) -> None:
-    with _HELD_LOCK.lock:
-        held = _HELD.get(path)
-        if held is None:
-            return
-        held[1] -= 1
-        if held[1] > 0:
-            return
-        del _HELD[path]
+    """One user of ``path`` is done with it (at once, or when the thread holding
+    ``_HELD_LOCK`` leaves it: never waits, as it runs from finalizers)."""
+    _HELD_LOCK.run_or_defer(functools.partial(_release_now, path))
+
+
+def _release_now(path: str) -> None:  # (holding _HELD_LOCK)
+    held = _HELD.get(path)
+    if held is None:
+        return
+    held[1] -= 1
+    if held[1] > 0:
+        return
+    del _HELD[path]
     with contextlib.suppress(OSError):
-        os.close(held[0])
+        os.close(held[0])  # the last user: the shared lock on the object goes with it
 
 
 class RemoteCache:

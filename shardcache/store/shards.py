@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import mmap
 import os
 import struct
-import threading
 from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -53,6 +53,7 @@ from shardcache.store.ipc_layout import (
     schema_message,
 )
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
+from shardcache.store.locking import DeferredLock
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
@@ -440,10 +441,12 @@ class _DecodedBatches:
     def __init__(self) -> None:
         self._entries: OrderedDict[tuple[int, int], _Batch] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        # drop() runs from finalizers, which the garbage collector may run while this thread
+        # is inside get/put/drop: a DeferredLock lets it queue instead of deadlocking
+        self.lock = DeferredLock()
 
     def get(self, key: tuple[int, int]) -> _Batch | None:
-        with self._lock:
+        with self.lock:
             batch = self._entries.get(key)
             if batch is not None:
                 self._entries.move_to_end(key)
@@ -451,7 +454,7 @@ class _DecodedBatches:
 
     def put(self, key: tuple[int, int], batch: _Batch) -> None:
         budget = decode_budget_bytes()
-        with self._lock:
+        with self.lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old.nbytes
@@ -462,9 +465,13 @@ class _DecodedBatches:
                 self._bytes -= evicted.nbytes
 
     def drop(self, owner: int) -> None:
-        with self._lock:
-            for key in [k for k in self._entries if k[0] == owner]:
-                self._bytes -= self._entries.pop(key).nbytes
+        """Forget the batches of reader ``owner``: at once when no thread is inside the LRU,
+        else when that thread leaves it. Never waits (called from finalizers)."""
+        self.lock.run_or_defer(functools.partial(self._drop_now, owner))
+
+    def _drop_now(self, owner: int) -> None:  # (holding the lock)
+        for key in [k for k in self._entries if k[0] == owner]:
+            self._bytes -= self._entries.pop(key).nbytes
 
     @property
     def nbytes(self) -> int:
@@ -472,6 +479,8 @@ class _DecodedBatches:
 
 
 DECODED = _DecodedBatches()
+if hasattr(os, "register_at_fork"):  # a DataLoader worker forked while a thread held it
+    os.register_at_fork(after_in_child=DECODED.lock.reset)
 _READER_IDS = itertools.count()
 #: Schema messages (bytes) that pyarrow's reader checked in this process, with the token type
 #: and mask they describe: a shard whose schema message is one of them is located without it.
