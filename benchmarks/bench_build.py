@@ -130,8 +130,8 @@ def build(corpus: str, tokenizer: str, out: str, workers: int, env_extra: dict[s
 
 
 def ceiling(corpus: str, tokenizer: str, batch_docs: int) -> tuple[float, int, float]:
-    from shardcache.build.sources import iter_text_batches, list_inputs
-    from shardcache.build.tokenize import TextEncoder
+    from shardcache.builder.sources import iter_text_batches, list_inputs
+    from shardcache.builder.tokenize import TextEncoder
     from shardcache.config import TokenizeOptions
 
     texts: list[str] = []
@@ -148,7 +148,7 @@ def ceiling(corpus: str, tokenizer: str, batch_docs: int) -> tuple[float, int, f
 
 
 def load_texts(corpus: str) -> list[str]:
-    from shardcache.build.sources import iter_text_batches, list_inputs
+    from shardcache.builder.sources import iter_text_batches, list_inputs
 
     texts: list[str] = []
     for f in list_inputs([corpus]):
@@ -171,7 +171,7 @@ def compare_encoders(args: argparse.Namespace) -> None:
     """Ceiling and builds per encoder, interleaved, best of ``--repeat`` (see the docstring)."""
     from tokenizers import Tokenizer
 
-    from shardcache.build.tokenize import TextEncoder
+    from shardcache.builder.tokenize import TextEncoder
     from shardcache.config import TokenizeOptions
 
     texts = load_texts(args.corpus)
@@ -220,7 +220,7 @@ def profile_fast_build(args: argparse.Namespace) -> None:
     import cProfile
     import pstats
 
-    from shardcache.build.run import build_cache
+    from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
     out = tempfile.mkdtemp(prefix="bench-profile-")

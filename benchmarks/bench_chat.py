@@ -41,10 +41,10 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=2)
     args = ap.parse_args()
 
-    from shardcache.build.chat import ChatEncoder, ChatOptions
-    from shardcache.build.run import build_cache
-    from shardcache.build.sources import iter_text_batches, list_inputs
-    from shardcache.build.tokenize import TextEncoder
+    from shardcache.builder.chat import ChatEncoder, ChatOptions
+    from shardcache.builder.run import build_cache
+    from shardcache.builder.sources import iter_text_batches, list_inputs
+    from shardcache.builder.tokenize import TextEncoder
     from shardcache.config import TokenizeOptions, build_options_from_mapping
 
     work = tempfile.mkdtemp(prefix="bench-chat-")

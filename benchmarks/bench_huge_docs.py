@@ -43,7 +43,7 @@ def child_peak_mb() -> float:
 WHOLE = """
 import json, sys, numpy as np
 from tokenizers import Tokenizer
-from shardcache.build.tokenize import load_hf_tokenizer
+from shardcache.builder.tokenize import load_hf_tokenizer
 from shardcache import open_cache
 hf = load_hf_tokenizer(sys.argv[1])
 text = json.loads(open(sys.argv[2]).readline())["text"]

@@ -112,8 +112,8 @@ def main() -> None:
     import ray
 
     from shardcache import verify_cache
-    from shardcache.build.engines import EngineOptions
-    from shardcache.build.run import build
+    from shardcache.builder.engines import EngineOptions
+    from shardcache.builder.run import build
     from shardcache.config import build_options_from_mapping
 
     work = tempfile.mkdtemp(prefix="bench-remote-")

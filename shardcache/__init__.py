@@ -2,7 +2,7 @@
 
 Every public name is imported on first access (PEP 562), so ``import shardcache`` is cheap and
 a reader process (``shardcache.ShardDataset``) never imports the builder, transformers or
-tokenizers. The layers are ``shardcache.store`` (the on-disk contract), ``shardcache.build``
+tokenizers. The layers are ``shardcache.store`` (the on-disk contract), ``shardcache.builder``
 (corpus -> cache) and ``shardcache.read`` (cache -> training); this facade and the CLI are the
 only modules that see all three.
 """
@@ -19,8 +19,8 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from collections.abc import Mapping
     from typing import Any
 
-    from shardcache.build.report import BuildReport
-    from shardcache.build.run import build_cache
+    from shardcache.builder.report import BuildReport
+    from shardcache.builder.run import build_cache
     from shardcache.config import BuildOptions, LayoutOptions, SourceOptions, TokenizeOptions
     from shardcache.errors import (
         BadRecordError,
@@ -65,7 +65,7 @@ _ERRORS = (
 _LAZY: dict[str, str] = {
     **dict.fromkeys(_ERRORS, "shardcache.errors"),
     "BuildOptions": "shardcache.config",
-    "BuildReport": "shardcache.build.report",
+    "BuildReport": "shardcache.builder.report",
     "Cache": "shardcache.store.cache",
     "DevicePrefetcher": "shardcache.read.prefetch",
     "EpochPlan": "shardcache.read.plan",
@@ -80,7 +80,7 @@ _LAZY: dict[str, str] = {
     "SourceOptions": "shardcache.config",
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
-    "build_cache": "shardcache.build.run",
+    "build_cache": "shardcache.builder.run",
     "loader": "shardcache.read.loader",
     "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
@@ -145,7 +145,7 @@ def __dir__() -> list[str]:
 def _key_of_options(options: Mapping[str, Any]) -> _key.CacheKey:
     """``ShardDataset(expect={...options})``: the key those options build (loads the
     tokenizer; the builder is imported here, on demand, never by the reader modules)."""
-    from shardcache.build.keying import DataHashing, current_key
+    from shardcache.builder.keying import DataHashing, current_key
 
     return current_key(options, DataHashing())
 

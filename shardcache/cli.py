@@ -307,9 +307,9 @@ def build(
     """
     import dataclasses
 
-    from shardcache.build.engines import EngineOptions, Share
-    from shardcache.build.report import format_report, report_json
-    from shardcache.build.run import build as run_build
+    from shardcache.builder.engines import EngineOptions, Share
+    from shardcache.builder.report import format_report, report_json
+    from shardcache.builder.run import build as run_build
     from shardcache.config import build_options_from_mapping
 
     values = _values(recipe, inputs, flags)
@@ -357,8 +357,8 @@ def commit_command(
       sbatch --array=0-7 --wrap 'shardcache build recipe.toml --partition $SLURM_ARRAY_TASK_ID/8'
       shardcache commit ./cache
     """
-    from shardcache.build.commit import commit_output
-    from shardcache.build.report import format_report, report_json
+    from shardcache.builder.commit import commit_output
+    from shardcache.builder.report import format_report, report_json
 
     report = commit_output(output, strict_lint=strict_lint, max_bad_fraction=max_bad_fraction)
     if as_json:
@@ -404,7 +404,7 @@ def _compare_for_check(
     targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ...], flags: dict
 ) -> tuple[str, Any, Any]:
     """Pick the two keys to compare: (description, old = recorded, new = current)."""
-    from shardcache.build.keying import DataHashing, current_key
+    from shardcache.builder.keying import DataHashing, current_key
     from shardcache.store.check import cache_key
     from shardcache.store.key import read_lock
 
@@ -492,7 +492,7 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     The data part comes from hashing the inputs (or from --data-version). Commit the lock
     file; CI then runs `shardcache check --lock shardcache.lock RECIPE`.
     """
-    from shardcache.build.keying import DataHashing, current_key
+    from shardcache.builder.keying import DataHashing, current_key
     from shardcache.store.key import write_lock
 
     values = _values(recipe, inputs, flags)
@@ -562,7 +562,7 @@ def verify(
     report = verify_cache(cache)
     audit = None
     if tokens:
-        from shardcache.build.audit import audit_tokens, format_token_audit
+        from shardcache.builder.audit import audit_tokens, format_token_audit
 
         audit = audit_tokens(cache, share, inputs or None, tokenizer)
     if as_json:

@@ -27,7 +27,7 @@ COMPRESSIONS = ("none", "zstd")
 ON_ERROR = ("skip", "fail")
 TRAIN_ON = ("assistant", "last-assistant", "all")
 TRUNCATION_SIDES = ("right", "left")
-#: Which encoder backend tokenizes (build/backends.py): ``auto`` the accelerated one when it
+#: Which encoder backend tokenizes (builder/backends.py): ``auto`` the accelerated one when it
 #: is installed, supports the tokenizer and passes the gate, else Hugging Face; ``hf`` always
 #: the Hugging Face tokenizer; ``fast`` the accelerated one or fail, saying why.
 ENCODERS = ("auto", "hf", "fast")

@@ -200,7 +200,7 @@ def build_cache(tmp_path) -> Callable[..., str]:
 
     Builds in-process (``workers=1``) unless a test asks for workers: a process pool costs
     ~0.8 s to start, and the parallel path has its own tests in test_build.py."""
-    from shardcache.build.run import build_cache as build
+    from shardcache.builder.run import build_cache as build
     from shardcache.config import build_options_from_mapping
 
     counter = iter(range(1_000_000))

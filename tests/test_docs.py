@@ -120,8 +120,8 @@ def test_version_flag_and_completion_are_documented_and_work():
 
 
 def test_the_bad_records_section_lists_every_reason_and_flag():
-    from shardcache.build.chat import CHAT_BAD_REASONS
-    from shardcache.build.sources import BAD_REASONS
+    from shardcache.builder.chat import CHAT_BAD_REASONS
+    from shardcache.builder.sources import BAD_REASONS
 
     readme = _read("README.md")
     section = readme.split("**Bad records.**", 1)[1].split("\n**", 1)[0]

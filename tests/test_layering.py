@@ -1,7 +1,7 @@
 """The package's import graph: three layers, imports one way, no cycles, no private names.
 
-``store`` (the on-disk contract) imports neither ``build`` nor ``read``; ``read`` never imports
-``build``; no module imports another module's underscore names; no cycles, counting imports
+``store`` (the on-disk contract) imports neither ``builder`` nor ``read``; ``read`` never imports
+``builder``; no module imports another module's underscore names; no cycles, counting imports
 inside functions. Only the facade (``shardcache/__init__.py``) and the CLI may see every layer.
 """
 
@@ -65,12 +65,12 @@ def _graph() -> dict[str, set[str]]:
 
 def _layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in ("store", "build", "read") else None
+    return parts[1] if len(parts) > 2 and parts[1] in ("store", "builder", "read") else None
 
 
 def test_the_graph_sees_every_layer():
     layers = {_layer(m) for m in MODULES}
-    assert {"store", "build", "read"} <= layers
+    assert {"store", "builder", "read"} <= layers
     assert sum(len(t) for t in _graph().values()) > 50  # the walker finds imports at all
 
 
@@ -99,7 +99,7 @@ def test_no_import_cycles():
 
 
 def test_layers_import_one_way():
-    allowed = {"store": {"store"}, "build": {"store", "build"}, "read": {"store", "read"}}
+    allowed = {"store": {"store"}, "builder": {"store", "builder"}, "read": {"store", "read"}}
     bad = []
     for module, path in MODULES.items():
         layer = _layer(module)
@@ -152,12 +152,12 @@ def _loaded_after(statement: str) -> set[str]:
 def test_the_reader_does_not_import_the_builder():
     loaded = _loaded_after("import shardcache.read.dataset; from shardcache import ShardDataset")
     assert "shardcache.read.dataset" in loaded
-    builder = sorted(m for m in loaded if m.startswith("shardcache.build"))
+    builder = sorted(m for m in loaded if m.startswith("shardcache.builder"))
     assert not builder, builder
     assert not {"transformers", "tokenizers"} & loaded
 
 
 def test_info_does_not_import_the_builder_or_torch():
     loaded = _loaded_after("import shardcache.store.summary, shardcache.store.cache")
-    assert not [m for m in loaded if m.startswith(("shardcache.build", "shardcache.read"))]
+    assert not [m for m in loaded if m.startswith(("shardcache.builder", "shardcache.read"))]
     assert not {"torch", "transformers", "tokenizers"} & loaded

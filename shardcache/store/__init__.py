@@ -8,6 +8,6 @@ the manifest (:mod:`~shardcache.store.manifest`), Arrow shard files
 shard LRU, the cache key and lock files (:mod:`~shardcache.store.key`), key comparison
 (:mod:`~shardcache.store.check`), ``verify`` and ``info`` summaries.
 
-Rules: nothing here imports :mod:`shardcache.build` or :mod:`shardcache.read`, nor torch,
+Rules: nothing here imports :mod:`shardcache.builder` or :mod:`shardcache.read`, nor torch,
 tokenizers or transformers (a test walks the import graph).
 """

@@ -2,7 +2,7 @@
 
 Pure functions from a manifest (and the length index) to a JSON-able dict, and from that
 dict to aligned text. Nothing here opens a shard. The build report's text is
-:mod:`shardcache.build.report`.
+:mod:`shardcache.builder.report`.
 """
 
 from __future__ import annotations

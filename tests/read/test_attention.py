@@ -14,7 +14,7 @@ from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_p
 
 from conftest import make_conversations, make_texts, write_records
 from shardcache import ConfigError, ShardDataset, open_cache
-from shardcache.build.run import build_cache
+from shardcache.builder.run import build_cache
 from shardcache.config import build_options_from_mapping
 from shardcache.read.attention import block_causal_mask, segment_starts, varlen_keys
 from shardcache.read.dataset import model_inputs

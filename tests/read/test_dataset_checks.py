@@ -14,7 +14,7 @@ from shardcache.config import build_options_from_mapping
 @pytest.fixture(scope="module")
 def small_cache(tmp_path_factory, tokenizer_dir):
     from conftest import make_texts, write_records
-    from shardcache.build.run import build_cache
+    from shardcache.builder.run import build_cache
 
     folder = tmp_path_factory.mktemp("small")
     path = write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(30)], "jsonl")

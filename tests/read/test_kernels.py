@@ -31,7 +31,7 @@ def caches(tmp_path_factory, tokenizer_dir, big_vocab_dir, chatml_tokenizer_dir)
     """A uint16 cache (short documents split to 64 tokens, small shards), a uint32 one, and a
     chat cache (loss masks; small shards, several record batches each)."""
     from conftest import make_conversations, make_texts, write_records
-    from shardcache.build.run import build_cache
+    from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
     folder = tmp_path_factory.mktemp("kernel-corpus")
@@ -200,7 +200,7 @@ def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, cap
 def many_shards(tmp_path_factory, tokenizer_dir):
     """A cache of more than 64 small shards (4 KiB: enough text that they are full ones)."""
     from conftest import make_texts, write_records
-    from shardcache.build.run import build_cache
+    from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
     folder = tmp_path_factory.mktemp("many-corpus")

@@ -10,7 +10,7 @@ from hypothesis import strategies as st
 
 from conftest import make_texts, write_records
 from shardcache import open_cache
-from shardcache.build.run import build_cache
+from shardcache.builder.run import build_cache
 from shardcache.config import build_options_from_mapping
 from shardcache.store import cache as cache_module
 from shardcache.store import shards as shards_module

@@ -18,7 +18,7 @@ import pytest
 from click.testing import CliRunner
 
 from shardcache import CacheError, ShardDataset, open_cache
-from shardcache.build.commit import commit_output
+from shardcache.builder.commit import commit_output
 from shardcache.cli import main
 from shardcache.store import layout
 from shardcache.store.verify import verify_cache

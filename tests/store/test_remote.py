@@ -11,9 +11,9 @@ import warnings
 import pytest
 
 from shardcache import ShardDataset, build_cache, open_cache, verify_cache
-from shardcache.build.commit import commit_output
-from shardcache.build.engines import EngineOptions, Share
-from shardcache.build.run import build
+from shardcache.builder.commit import commit_output
+from shardcache.builder.engines import EngineOptions, Share
+from shardcache.builder.run import build
 from shardcache.config import build_options_from_mapping
 from shardcache.store.check import cache_key
 
@@ -278,9 +278,9 @@ def test_s3_readers_sharing_a_tiny_local_cache_never_deadlock(
 
 _BUILDER = """
 import json, sys
-from shardcache.build.commit import commit_output
-from shardcache.build.engines import EngineOptions, Share
-from shardcache.build.run import build
+from shardcache.builder.commit import commit_output
+from shardcache.builder.engines import EngineOptions, Share
+from shardcache.builder.run import build
 from shardcache.config import build_options_from_mapping
 
 values, share = json.loads(sys.argv[1]), sys.argv[2]
@@ -506,7 +506,7 @@ def test_readme_cluster_recipes_run_against_loopback_s3(
 _RSS_BUILDER = """
 import json, sys
 import fsspec, s3fs, transformers, tokenizers, pyarrow.parquet
-from shardcache.build.run import build
+from shardcache.builder.run import build
 from shardcache.config import build_options_from_mapping
 
 # imports and the S3 client (botocore's service model: ~25 MB once) come first: not the build

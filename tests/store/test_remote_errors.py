@@ -36,7 +36,7 @@ def test_an_unreachable_endpoint_is_a_clear_error(monkeypatch, tmp_path):
 
         with pytest.raises(CacheError, match=r"cannot reach"):
             verify_cache("s3://corpus/cache")  # not reported as a corrupt manifest
-        from shardcache.build.run import build
+        from shardcache.builder.run import build
         from shardcache.config import build_options_from_mapping
 
         values = {

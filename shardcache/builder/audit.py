@@ -1,0 +1,231 @@
+"""``shardcache verify --tokens``: re-tokenize stored documents with the HF tokenizer and compare.
+
+An audit any user can run on any cache, whichever backend built it: a deterministic sample of
+input records (``fraction`` of each file, chosen by a hash of the record index, so the same
+records are chosen every time) is read again from the inputs named in the manifest, encoded
+with the Hugging Face tokenizer (the reference: never the fast backend) under the cache's own
+options (special tokens, EOS, truncation, chat template and masks), and every resulting
+sequence is compared with the stored one of the same provenance (file, record, piece): ids
+and, for chat, loss masks. A sampled record with no stored sequence (or the reverse) is a
+mismatch too.
+
+Before comparing, the tokenizer's part of the current cache key (tokenizer, special tokens,
+template, truncation) must equal the cache's: otherwise the audit would compare two different
+configurations, and :class:`~shardcache.errors.CacheKeyMismatch` says which field changed.
+A changed behaviour probe (e.g. a ``tokenizers`` upgrade) is not refused: that is exactly
+what the audit is for, and it is reported.
+
+Lives in ``builder/`` because it needs the tokenizer (``store/`` must not import it); the CLI
+command is in cli.py. Cost: one read of every input file (its sha256 is checked against the
+manifest on the way), one read of every shard, and HF encoding of the sampled records; memory
+holds the sampled records' stored sequences.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import glob
+import os
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardcache.builder.encoders import make_encoder
+from shardcache.builder.keying import compute_key
+from shardcache.builder.plan import options_from_json
+from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
+from shardcache.builder.tokenize import TruncationStats
+from shardcache.errors import CacheKeyMismatch, SourceError
+from shardcache.store.cache import open_cache
+from shardcache.store.check import cache_key, compare_keys
+
+#: Key components that must be equal for the audit to mean anything.
+AUDITED_COMPONENTS = ("tokenizer", "special_tokens", "template", "truncation")
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+
+
+def sampled(records: np.ndarray, fraction: float) -> np.ndarray:
+    """Which record indices the audit checks: a fixed hash of the index below ``fraction``
+    (deterministic, spread over the file, independent of partitions and batches)."""
+    if fraction >= 1:
+        return np.ones(len(records), dtype=bool)
+    with np.errstate(over="ignore"):
+        mixed = (records.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+    return (mixed >> np.uint64(11)).astype(np.float64) < fraction * 2.0**53
+
+
+def is_sampled(record: int, fraction: float) -> bool:
+    """:func:`sampled` for one record index."""
+    return fraction >= 1 or (((record + 1) * int(_GOLDEN)) % 2**64) >> 11 < fraction * 2.0**53
+
+
+@dataclass
+class TokenAudit:
+    """What ``verify --tokens`` found."""
+
+    path: str
+    fraction: float
+    documents: int = 0  # sampled records encoded again
+    sequences: int = 0  # stored sequences compared
+    mismatches: list[dict[str, Any]] = field(default_factory=list)
+    changed_inputs: list[str] = field(default_factory=list)  # sha256 differs from the manifest
+    missing_inputs: list[str] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatches or self.changed_inputs or self.missing_inputs)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "path": self.path,
+            "ok": self.ok,
+            "fraction": self.fraction,
+            "documents": self.documents,
+            "sequences": self.sequences,
+            "mismatches": self.mismatches[:100],
+            "mismatch_count": len(self.mismatches),
+            "changed_inputs": self.changed_inputs,
+            "missing_inputs": self.missing_inputs,
+            "warnings": self.warnings,
+        }
+
+
+def format_token_audit(audit: TokenAudit) -> str:
+    lines = [
+        f"cache        {audit.path}",
+        f"tokens       {audit.documents:,} documents re-encoded with HF (fraction "
+        f"{audit.fraction:g}), {audit.sequences:,} stored sequences compared",
+        *(f"warning      {w}" for w in audit.warnings),
+        *(f"missing      {m}: input not found (pass --input)" for m in audit.missing_inputs),
+        *(f"changed      {c}: sha256 differs from the manifest" for c in audit.changed_inputs),
+        *(
+            f"mismatch     {m['source']} record {m['record']} piece {m['piece']}: {m['detail']}"
+            for m in audit.mismatches[:20]
+        ),
+    ]
+    if len(audit.mismatches) > 20:
+        lines.append(f"mismatch     ... {len(audit.mismatches):,} in all (--json lists 100)")
+    lines.append(
+        "ok           stored ids equal the HF tokenizer's"
+        if audit.ok
+        else f"FAILED       {len(audit.mismatches):,} mismatches, "
+        f"{len(audit.changed_inputs) + len(audit.missing_inputs)} unusable inputs"
+    )
+    return "\n".join(lines)
+
+
+def _describe(expected: np.ndarray, stored: np.ndarray) -> str:
+    n = min(len(expected), len(stored))
+    differ = np.flatnonzero(expected[:n].astype(np.int64) != stored[:n].astype(np.int64))
+    at = int(differ[0]) if len(differ) else n
+    return (
+        f"at token {at}: HF gives {expected[at : at + 4].tolist()} (of {len(expected)}), the "
+        f"cache holds {stored[at : at + 4].tolist()} (of {len(stored)})"
+    )
+
+
+def audit_tokens(
+    path: str,
+    fraction: float,
+    inputs: tuple[str, ...] | None = None,
+    tokenizer: str | None = None,
+) -> TokenAudit:
+    """Re-encode ``fraction`` of the records of the cache at ``path`` with HF and compare.
+
+    ``inputs`` / ``tokenizer`` replace the paths recorded in the manifest (data or tokenizer
+    moved since the build)."""
+    cache = open_cache(path)
+    manifest = cache.manifest
+    options = options_from_json(manifest["options"], path)
+    if inputs:
+        options = dataclasses.replace(
+            options, source=dataclasses.replace(options.source, inputs=tuple(inputs))
+        )
+    if tokenizer:
+        options = dataclasses.replace(
+            options, tokenize=dataclasses.replace(options.tokenize, tokenizer=tokenizer)
+        )
+    encoder = make_encoder(options.tokenize, options.chat)  # HF: the reference
+    audit = TokenAudit(path=path, fraction=fraction)
+    comparison = compare_keys(cache_key(path), compute_key(encoder, None), strict=False)
+    changed = [d for d in comparison.differences
+               if d.component in AUDITED_COMPONENTS and d.severity == "changed"]  # fmt: skip
+    if changed:
+        raise CacheKeyMismatch(
+            f"verify --tokens {path!r}: the tokenizer/template/truncation given now differ "
+            f"from the cache's ({comparison.describe()}); an audit needs the tokenizer the "
+            "cache was built with: pass --tokenizer with that folder",
+            [(d.component, d.field, d.old, d.new) for d in changed],
+        )
+    if comparison.status.get("behaviour") not in (None, "same", "skipped"):
+        audit.warnings.append(
+            "the behaviour probe differs from the cache's (tokenizers/transformers changed "
+            "since the build?): mismatches below show where the ids changed"
+        )
+
+    stored: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray | None]] = {}
+    for seq in cache.iter_sequences():
+        p = seq.provenance
+        if is_sampled(p.record, fraction):
+            stored[(p.source, p.record, p.piece)] = (seq.ids, seq.mask)
+
+    recorded = {f["relpath"]: f for f in manifest["inputs"]}
+    found = {}
+    existing = [s for s in options.source.inputs if os.path.exists(s) or glob.glob(s)]
+    with contextlib.suppress(SourceError):  # inputs that are gone are reported missing
+        found = {f.relpath: f for f in list_inputs(existing)} if existing else {}
+    audit.missing_inputs = sorted(set(recorded) - set(found))
+    kind = "text" if options.chat is None else "chat"
+    for relpath in sorted(set(recorded) & set(found)):
+        file = found[relpath]
+        digest = FileDigest()
+        for batch in iter_text_batches(file, text_field=options.source.text_field,
+                                       batch_docs=options.batch_docs, on_error="skip",
+                                       digest=digest, on_corrupt=lambda *a: None,
+                                       kind=kind):  # fmt: skip
+            pick = np.flatnonzero(sampled(batch.records, fraction))
+            if len(pick) == 0:
+                continue
+            records = batch.records[pick]
+            texts = [batch.texts[i] for i in pick]
+            encoded = encoder.finish(encoder.encode_texts(texts), TruncationStats())
+            audit.documents += len(texts)
+            ends = np.cumsum(encoded.lengths)
+            for j, (doc, piece) in enumerate(zip(encoded.doc_index, encoded.piece)):
+                key = (relpath, int(records[doc]), int(piece))
+                expected = encoded.tokens[ends[j] - encoded.lengths[j] : ends[j]]
+                start = ends[j] - encoded.lengths[j]
+                mask = None if encoded.mask is None else encoded.mask[start : ends[j]]
+                _compare(audit, key, expected, mask, stored.pop(key, None))
+        if digest.sha256 and digest.sha256 != recorded[relpath]["sha256"]:
+            audit.changed_inputs.append(relpath)
+    for key in sorted(k for k in stored if k[0] in found):
+        audit.mismatches.append({"source": key[0], "record": key[1], "piece": key[2],
+                                 "detail": "stored, but HF produces no such sequence"})  # fmt: skip
+    return audit
+
+
+def _compare(
+    audit: TokenAudit,
+    key: tuple[str, int, int],
+    expected: np.ndarray,
+    mask: np.ndarray | None,
+    stored: tuple[np.ndarray, np.ndarray | None] | None,
+) -> None:
+    source, record, piece = key
+    if stored is None:
+        detail = "HF produces this sequence, but the cache does not hold it"
+    else:
+        audit.sequences += 1
+        ids, stored_mask = stored
+        if len(ids) == len(expected) and np.array_equal(ids, expected):
+            if mask is None or stored_mask is None or np.array_equal(mask, stored_mask):
+                return
+            detail = "ids equal, loss masks differ"
+        else:
+            detail = _describe(expected, ids)
+    audit.mismatches.append({"source": source, "record": record, "piece": piece,
+                             "detail": detail})  # fmt: skip

@@ -1,0 +1,540 @@
+"""Chat / SFT data: render conversations with a chat template, tokenize once, exact loss masks.
+
+How one conversation becomes ``(ids, mask)``:
+
+1. **Render** the whole conversation to text with the template, exactly as transformers does
+   (its sandboxed Jinja environment, the tokenizer's special tokens as template variables).
+   The template is the tokenizer's ``chat_template`` or a Jinja file (``--chat-template``).
+2. **Assistant spans** (character ranges): for assistant message *i*, the text rendered for
+   ``messages[:i]`` with the generation prompt is a prefix of the full text, and so is the
+   text rendered for ``messages[:i+1]``; the span between the two is that assistant turn: its
+   content and the end-of-turn marker the template writes after it. A template for which
+   these renderings are not prefixes of the full text cannot be masked exactly: such a
+   conversation is reported as a bad record (``template_not_incremental``), never guessed.
+3. **One tokenization**: the full text is encoded once by the backend with
+   ``add_special_tokens=False`` (the template writes the special tokens). If the tokenizer's
+   post-processor adds a BOS and the rendered text does not start with one, one BOS is
+   prepended, so a BOS-writing template and a BOS-adding tokenizer give exactly one BOS.
+4. **Mask**: a token is trainable when its first character lies in a trainable span
+   (``--train-on assistant`` every assistant turn, ``last-assistant`` the last one, ``all``
+   every token). Tokens that straddle a span boundary are counted (lint), since one
+   tokenization cannot split them.
+
+Lint counts (report, ``info``; ``--strict-lint`` fails the build on any): double BOS, a
+trainable span that does not end with an end-of-turn/EOS special token, unknown tokens, span
+boundary tokens, and mismatches between ``apply_chat_template(tokenize=True)`` and our ids on
+the first ``lint_sample`` conversations of each partition.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardcache.builder.tokenize import Encoded
+from shardcache.config import ChatOptions
+from shardcache.errors import TokenizerError
+
+CHAT_BAD_REASONS = (
+    "no_messages_field",
+    "messages_not_list",
+    "bad_message",
+    "empty_messages",
+    "template_error",
+    "template_not_incremental",
+    "template_budget",  # rendering took longer than RENDER_SECONDS or wrote > RENDER_CHARS
+)
+
+#: Render budget per conversation (all its prefix renders together). A template with a huge
+#: loop or an exponential macro would otherwise hang the build (and ``lock``/``check``). Real
+#: templates render a conversation in well under a millisecond, so 5 s never cuts a sane one.
+RENDER_SECONDS = 5.0
+#: Output budget per render: 64 Mi characters, far above any real conversation's text.
+RENDER_CHARS = 64 * 1024 * 1024
+
+
+class RenderBudgetExceeded(Exception):
+    """A template exceeded the per-conversation render budget (time or output size)."""
+
+
+class _Watchdog:
+    """Stops a render that runs past its deadline, in whatever thread it runs.
+
+    Jinja compiles a template to Python; a loop such as ``range(100000)`` nested twice runs
+    in that code and never returns to us, and a thread cannot be stopped from outside except
+    by an *asynchronous exception* (``PyThreadState_SetAsyncExc``), which the interpreter
+    raises at its next check (every loop back-edge and call). One daemon thread per process
+    polls the deadlines every 20 ms; a render registers its deadline and clears it (and any
+    exception still pending for it) when done, so nothing outside a render is ever hit."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.deadlines: dict[int, float] = {}
+        self.thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            time.sleep(0.02)
+            now = time.monotonic()
+            with self.lock:
+                for ident, deadline in list(self.deadlines.items()):
+                    if now > deadline:
+                        del self.deadlines[ident]
+                        _async_raise(ident, RenderBudgetExceeded)
+
+    @contextlib.contextmanager
+    def limit(self, seconds: float) -> Iterator[None]:
+        ident = threading.get_ident()
+        with self.lock:
+            if self.thread is None:
+                self.thread = threading.Thread(target=self._run, name="shardcache-render-watchdog",
+                                               daemon=True)  # fmt: skip
+                self.thread.start()
+            self.deadlines[ident] = time.monotonic() + seconds
+        try:
+            yield
+        finally:
+            with self.lock:
+                self.deadlines.pop(ident, None)
+                _async_raise(ident, None)  # clear an exception set but not raised yet
+
+
+def _async_raise(ident: int, exc: type[BaseException] | None) -> None:
+    import ctypes
+
+    ctypes.pythonapi.PyThreadState_SetAsyncExc(
+        ctypes.c_ulong(ident), ctypes.py_object(exc) if exc is not None else None
+    )
+
+
+_WATCHDOG = _Watchdog()
+
+
+@dataclass
+class ChatLint:
+    """Counts of suspicious samples (see the module docstring)."""
+
+    double_bos: int = 0
+    missing_end_of_turn: int = 0
+    unknown_tokens: int = 0
+    boundary_tokens: int = 0
+    template_mismatch: int = 0
+    template_checked: int = 0
+
+    def add(self, other: ChatLint) -> None:
+        for name in self.__dataclass_fields__:
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+
+    def problems(self) -> dict[str, int]:
+        """The non-zero problem counts (``template_checked`` is not a problem)."""
+        return {k: v for k, v in self.to_json().items() if v and k != "template_checked"}
+
+    def to_json(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+
+
+def validate_messages(value: Any) -> str | None:
+    """None for a usable conversation, else the bad-record reason."""
+    if value is None:
+        return "no_messages_field"
+    if not isinstance(value, list):
+        return "messages_not_list"
+    if not value:
+        return "empty_messages"
+    for message in value:
+        if (
+            not isinstance(message, dict)
+            or not isinstance(message.get("role"), str)
+            or not isinstance(message.get("content"), str)
+        ):
+            return "bad_message"
+    return None
+
+
+def _render_batch(
+    conversations: list[list[dict[str, Any]]], template: str, variables: dict[str, Any],
+    add_generation_prompt: bool,
+) -> list[str]:  # fmt: skip
+    """Render with transformers' own function (sandboxed Jinja, its data conversions)."""
+    from transformers.utils.chat_template_utils import render_jinja_template
+
+    rendered, _ = render_jinja_template(
+        conversations=conversations,
+        chat_template=template,
+        add_generation_prompt=add_generation_prompt,
+        **variables,
+    )
+    return rendered
+
+
+class _FastRender:
+    """The same rendering as :func:`_render_batch`, with transformers' per-call work (deep
+    copies of every message for every prefix: 45% of the render time, measured) done once per
+    conversation: the messages are converted once, then prefixes render straight through the
+    compiled (sandboxed) template. Falls back to :func:`_render_batch` when this
+    transformers version lacks the helpers; the tests and the build's lint compare the result
+    with ``apply_chat_template``."""
+
+    def __init__(self, template: str, variables: dict[str, Any]):
+        from transformers.utils import chat_template_utils as ctu
+
+        self.compiled = ctu._compile_jinja_template(template)
+        self.plain = ctu._plain_template_data
+        self.alias = ctu._alias_reasoning_fields
+        self.variables = self.plain(variables)
+
+    def prepare(self, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return self.alias(self.plain(messages))
+
+    def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
+        """The rendered text; streamed so that an output over :data:`RENDER_CHARS` stops."""
+        parts, size = [], 0
+        for part in self.compiled.generate(
+            messages=messages, tools=None, documents=None,
+            add_generation_prompt=add_generation_prompt, **self.variables,
+        ):  # fmt: skip
+            size += len(part)
+            if size > RENDER_CHARS:
+                raise RenderBudgetExceeded(f"the output passed {RENDER_CHARS:,} characters")
+            parts.append(part)
+        return "".join(parts)
+
+
+@dataclass
+class Rendered:
+    """A rendered conversation: its text and trainable character spans (or a failure)."""
+
+    text: str = ""
+    spans: list[tuple[int, int]] = field(default_factory=list)
+    error: str | None = None
+
+
+class ChatRenderer:
+    """Renders conversations and finds the trainable character spans."""
+
+    def __init__(self, hf: Any, options: ChatOptions):
+        self.hf = hf
+        self.options = options
+        if options.template_path is not None:
+            with open(options.template_path, encoding="utf-8") as f:
+                self.template = f.read()
+            self.template_kind = "jinja"
+        else:
+            template = getattr(hf, "chat_template", None)
+            if not template:
+                raise TokenizerError(
+                    f"tokenizer {getattr(hf, 'name_or_path', '?')!r} has no chat_template; pass "
+                    "--chat-template FILE.jinja"
+                )
+            if isinstance(template, dict):  # several named templates: use "default"
+                if "default" not in template:
+                    raise TokenizerError(
+                        f"tokenizer has named chat templates {sorted(template)} but no "
+                        "'default'; pass --chat-template FILE.jinja"
+                    )
+                template = template["default"]
+            self.template = str(template)
+            self.template_kind = "tokenizer"
+        self.variables = dict(getattr(hf, "special_tokens_map", {}) or {})
+        try:
+            self._fast: _FastRender | None = _FastRender(self.template, self.variables)
+        except (ImportError, AttributeError):  # other transformers versions: the public path
+            self._fast = None
+
+    def render_texts(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
+        return _render_batch(conversations, self.template, self.variables, False)
+
+    def render(self, conversations: Sequence[list[dict[str, Any]]]) -> list[Rendered]:
+        """Full texts and trainable spans for a batch of valid conversations."""
+        out: list[Rendered] = []
+        for messages in conversations:
+            try:
+                with _WATCHDOG.limit(RENDER_SECONDS):
+                    rendered = self._render_one(messages)
+                if len(rendered.text) > RENDER_CHARS:  # the public path renders unstreamed
+                    raise RenderBudgetExceeded(f"the output passed {RENDER_CHARS:,} characters")
+                out.append(rendered)
+            except RenderBudgetExceeded as err:
+                detail = str(err) or f"rendering took more than {RENDER_SECONDS:g} s"
+                out.append(Rendered(error=f"template_budget: {detail}"))
+            except Exception as err:  # a template can raise anything (jinja, exceptions)
+                out.append(Rendered(error=f"template_error: {type(err).__name__}: {err}"))
+        return out
+
+    def _render_one(self, messages: list[dict[str, Any]]) -> Rendered:
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        train_on = self.options.train_on
+        if train_on == "last-assistant":
+            assistant = assistant[-1:]
+        if train_on == "all":
+            assistant = []
+        # the full text, then per trainable turn the prompt before it and the turn's end
+        if self._fast is not None:
+            fast = self._fast
+            chat = fast.prepare(messages)
+            full = fast.render(chat, False)
+            ends = [fast.render(chat[: i + 1], False) for i in assistant]
+            starts = [fast.render(chat[:i], True) for i in assistant]
+        else:
+            batch = [messages] + [messages[: i + 1] for i in assistant]
+            full, *ends = _render_batch(batch, self.template, self.variables, False)
+            prompts = [messages[:i] for i in assistant]
+            starts = _render_batch(prompts, self.template, self.variables, True) if prompts else []
+        if train_on == "all":
+            return Rendered(full, [(0, len(full))])
+        spans = []
+        for start_text, end_text in zip(starts, ends):
+            if not (full.startswith(end_text) and end_text.startswith(start_text)):
+                return Rendered(error="template_not_incremental")
+            if len(end_text) > len(start_text):
+                spans.append((len(start_text), len(end_text)))
+        return Rendered(full, spans)
+
+
+def encoding_mask(
+    encoding: Any, n_tokens: int, spans: list[tuple[int, int]]
+) -> tuple[np.ndarray, int]:
+    """:func:`token_mask` through the encoding's char -> token map: a few lookups per span
+    instead of converting every token's offsets (which cost 10% of a chat build, measured)."""
+    mask = np.zeros(n_tokens, dtype=bool)
+    straddle = 0
+    for lo, hi in spans:
+        first = next((t for c in range(lo, hi) if (t := encoding.char_to_token(c)) is not None),
+                     None)  # fmt: skip
+        if first is None:
+            continue  # the span holds no token (e.g. whitespace the pre-tokenizer drops)
+        last = next(t for c in range(hi - 1, lo - 1, -1)
+                    if (t := encoding.char_to_token(c)) is not None)  # fmt: skip
+        start, _ = encoding.token_to_chars(first)
+        if start < lo:  # a token straddling the span start is not trainable
+            straddle += 1
+            first += 1
+        if encoding.token_to_chars(last)[1] > hi:
+            straddle += 1
+        mask[first : last + 1] = True
+    return mask, straddle
+
+
+def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
+    """Trainable flags for tokens with character ``offsets`` (n x 2) and the number of tokens
+    that straddle a span boundary."""
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    straddle = 0
+    for lo, hi in spans:
+        inside = (starts >= lo) & (starts < hi)
+        mask |= inside
+        straddle += int(((starts < lo) & (ends > lo)).sum() + ((starts < hi) & (ends > hi)).sum())
+    return mask, straddle
+
+
+@dataclass
+class ChatSample:
+    """One conversation after rendering and tokenization (or why it failed)."""
+
+    ids: np.ndarray | None = None
+    mask: np.ndarray | None = None
+    error: str | None = None
+    straddle: int = 0
+
+
+class ChatEncoder:
+    """The chat counterpart of :class:`~shardcache.builder.tokenize.TextEncoder` (same build
+    interface: ``encode_texts`` in the encode thread, ``finish`` in the writer)."""
+
+    def __init__(self, text: Any, options: ChatOptions):
+        self.text = text  # the TextEncoder: tokenizer, backend, ids, dtype, options
+        self.options = options
+        self.renderer = ChatRenderer(text.hf, options)
+        self.hf = text.hf
+        self.dtype = text.dtype
+        self.eos_id = text.eos_id
+        self.pad_id = text.pad_id
+        self.backend = text.backend
+        self.backend_json = text.backend_json
+        self.backend_truncation = text.backend_truncation
+        self.backend_padding = text.backend_padding
+        self.bos_id = _bos_added_by_post_processor(text)
+        self.unk_id = getattr(text.hf, "unk_token_id", None)
+        specials = set(getattr(text.hf, "all_special_ids", []) or [])
+        specials |= {int(t["id"]) for t in text.backend_json.get("added_tokens") or []
+                     if t.get("special")}  # fmt: skip
+        if text.eos_id is not None:
+            specials.add(int(text.eos_id))
+        self.special_set = frozenset(int(i) for i in specials)
+        self.lint = ChatLint()
+        self._checked = 0
+
+    @property
+    def tokenize_options(self) -> Any:
+        return self.text.options
+
+    def describe(self) -> dict[str, Any]:
+        return {**self.text.describe(), "chat_template": self.renderer.template_kind}
+
+    def template_component(self) -> dict[str, Any]:
+        return {
+            "kind": "chat",
+            "source": self.renderer.template,
+            "template_from": self.renderer.template_kind,
+            "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
+            "train_on": self.options.train_on,
+            "bos_policy": "template, plus one BOS if the tokenizer adds BOS and none is written",
+            "append_eos": self.text.options.append_eos,
+        }
+
+    def probe_chat(self) -> str:
+        """A rendered conversation for the behaviour probe of the cache key."""
+        demo = [
+            {"role": "system", "content": "You are terse."},
+            {"role": "user", "content": "2+2?"},
+            {"role": "assistant", "content": "4"},
+        ]
+        rendered = self.renderer.render([demo])[0]
+        if rendered.error is not None:  # a template without system support
+            rendered = self.renderer.render([demo[1:]])[0]
+        if rendered.error is not None and rendered.error.startswith("template_budget"):
+            raise TokenizerError(
+                f"chat template ({self.renderer.template_kind}): rendering a 2-message demo "
+                f"conversation exceeded the render budget ({rendered.error}); the template "
+                "loops or recurses without bound: fix it or pass another --chat-template"
+            )
+        return rendered.text if rendered.error is None else f"<render failed: {rendered.error}>"
+
+    def encode_texts(self, conversations: list[list[dict[str, Any]]]) -> list[ChatSample]:
+        """Render + tokenize a batch (runs in the encode thread; encode_batch drops the GIL)."""
+        rendered = self.renderer.render(conversations)
+        good = [r for r in rendered if r.error is None]
+        encodings = self.backend.encode_batch([r.text for r in good], add_special_tokens=False)
+        it = iter(encodings)
+        samples = []
+        for r in rendered:
+            if r.error is not None:
+                samples.append(ChatSample(error=r.error))
+                continue
+            enc = next(it)
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            mask, straddle = encoding_mask(enc, len(ids), r.spans)
+            if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
+                ids = np.concatenate([[self.bos_id], ids])
+                mask = np.concatenate([[False], mask])
+            samples.append(ChatSample(ids=ids, mask=mask, straddle=straddle))
+        self._lint_against_transformers(conversations, samples)
+        return samples
+
+    def _lint_against_transformers(
+        self, conversations: list[list[dict[str, Any]]], samples: list[ChatSample]
+    ) -> None:
+        for messages, sample in zip(conversations, samples):
+            if self._checked >= self.options.lint_sample or sample.ids is None:
+                continue
+            self._checked += 1
+            self.lint.template_checked += 1
+            saved = getattr(self.hf, "model_max_length", None)
+            try:  # a long sample is not an error here: no "longer than the maximum" warning
+                self.hf.model_max_length = 1 << 62
+                reference = self.hf.apply_chat_template(
+                    messages, chat_template=self.renderer.template, tokenize=True,
+                    return_dict=False,
+                )  # fmt: skip
+            finally:
+                self.hf.model_max_length = saved
+            if hasattr(reference, "get"):
+                reference = reference.get("input_ids", reference)
+            if list(map(int, reference)) != sample.ids.tolist():
+                self.lint.template_mismatch += 1
+
+    def take_lint(self) -> dict[str, int]:
+        """The lint counts gathered since the last call (one partition's), then reset."""
+        counts = self.lint.to_json()
+        self.lint = ChatLint()
+        self._checked = 0
+        return counts
+
+    def finish(self, samples: list[ChatSample], stats: Any) -> Any:
+        """Truncate, drop zero-trainable samples, lint; returns an Encoded with ``mask`` and
+        ``failed`` (doc index, reason) for conversations that could not be rendered."""
+        limit = self.text.options.max_length
+        strategy = self.text.options.truncation
+        keep_ids, keep_masks, doc_index, failed = [], [], [], []
+        for i, sample in enumerate(samples):
+            if sample.ids is None or sample.mask is None:  # a bad record, not a document
+                reason = (sample.error or "template_error").split(":")[0]
+                failed.append((i, reason, sample.error or reason))
+                continue
+            stats.documents += 1
+            ids, mask = sample.ids, sample.mask
+            self.lint.boundary_tokens += sample.straddle
+            self._lint_sample(ids, mask)
+            if (
+                self.text.options.append_eos
+                and self.eos_id is not None
+                and (len(ids) == 0 or ids[-1] != self.eos_id)
+            ):
+                ids = np.append(ids, self.eos_id)
+                mask = np.append(mask, bool(mask[-1]) if len(mask) else False)
+            if limit is not None and len(ids) > limit:
+                if strategy == "drop":
+                    stats.dropped_documents += 1
+                    stats.lost_tokens += len(ids)
+                    continue
+                stats.truncated_documents += 1
+                stats.lost_tokens += len(ids) - limit
+                if self.options.truncation_side == "left":
+                    ids, mask = ids[-limit:], mask[-limit:]
+                else:
+                    ids, mask = ids[:limit], mask[:limit]
+            if not mask.any():
+                stats.dropped_no_trainable += 1
+                stats.lost_tokens += len(ids)
+                continue
+            keep_ids.append(ids)
+            keep_masks.append(mask)
+            doc_index.append(i)
+        lengths = np.fromiter(map(len, keep_ids), dtype=np.int64, count=len(keep_ids))
+        tokens = (np.concatenate(keep_ids) if keep_ids else np.zeros(0)).astype(self.dtype)
+        mask = np.concatenate(keep_masks) if keep_masks else np.zeros(0, dtype=bool)
+        stats.sequences += len(lengths)
+        stats.tokens += int(lengths.sum())
+        stats.trainable_tokens += int(mask.sum())
+        encoded = Encoded(
+            tokens, lengths, np.asarray(doc_index, dtype=np.int64),
+            np.zeros(len(lengths), dtype=np.int32), mask=mask, failed=failed,
+        )  # fmt: skip
+        return encoded
+
+    def _lint_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        bos = self.bos_id if self.bos_id is not None else getattr(self.hf, "bos_token_id", None)
+        if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
+            self.lint.double_bos += 1
+        if self.unk_id is not None:
+            self.lint.unknown_tokens += int((ids == self.unk_id).sum())
+        # the last trainable token that is not whitespace must be EOS / an end-of-turn token
+        if not mask.any():
+            return
+        pos = len(mask) - 1 - int(np.argmax(mask[::-1]))
+        while pos >= 0 and mask[pos]:
+            token = int(ids[pos])
+            if token in self.special_set:
+                break
+            if self.backend.decode([token], skip_special_tokens=False).strip():
+                self.lint.missing_end_of_turn += 1
+                break
+            pos -= 1
+
+
+def _bos_added_by_post_processor(text: Any) -> int | None:
+    """The BOS id if the backend's post-processor prepends it (with special tokens on)."""
+    if not text.add_special_tokens:
+        return None
+    with_specials = text.backend.encode("x", add_special_tokens=True).ids
+    without = text.backend.encode("x", add_special_tokens=False).ids
+    if len(with_specials) > len(without) and with_specials[: len(without)] != without:
+        return int(with_specials[0])
+    return None

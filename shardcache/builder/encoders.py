@@ -1,0 +1,92 @@
+"""Encoders: how a build turns records into ids, chosen in one place.
+
+Two encoders share one protocol (:data:`Encoder`): :class:`~shardcache.builder.tokenize.TextEncoder`
+for plain text and :class:`~shardcache.builder.chat.ChatEncoder` (which wraps a text encoder) for
+conversations. Both expose ``encode_texts`` (raw batch encode), ``finish`` (EOS, truncation,
+masks -> :class:`~shardcache.builder.tokenize.Encoded`), ``describe``, ``template_component`` and
+``dtype``. :func:`encoder_for` picks the encoder of a build; :func:`encoder_spec` /
+:func:`encoder_from_spec` carry it to worker processes as plain JSON.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from collections.abc import Callable
+from typing import Any, Union
+
+from shardcache.builder.backends import EncoderSelection, load_fast_early
+from shardcache.builder.chat import ChatEncoder
+from shardcache.builder.resolved import read_resolved
+from shardcache.builder.tokenize import TextEncoder
+from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
+
+Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
+EncoderFactory = Callable[[BuildOptions], Encoder]
+
+
+def make_encoder(
+    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
+) -> Encoder:
+    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
+    (``preload_fast``: start loading the fast backend for the gate, text only).
+
+    Plain text whose tokenizer folder was resolved before is built from the memo
+    (:func:`~shardcache.builder.resolved.read_resolved`, ~30 ms) without importing
+    transformers; else through transformers, which writes the memo. On a miss the fast
+    backend starts loading from the folder's tokenizer.json before transformers is imported
+    (:func:`~shardcache.builder.backends.load_fast_early`). Chat always loads transformers
+    (rendering needs it)."""
+    if chat is not None:
+        return ChatEncoder(TextEncoder(tokenize), chat)
+    resolved = read_resolved(tokenize.tokenizer)
+    if resolved is not None:
+        return TextEncoder.from_resolved(tokenize, resolved, preload_fast)
+    early = load_fast_early(tokenize.tokenizer) if preload_fast else None
+    return TextEncoder(tokenize, preload_fast=preload_fast, early=early)
+
+
+def encoder_spec(encoder: Encoder) -> dict[str, Any]:
+    """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
+    worker process (chat: the tokenizer is loaded again, with transformers, for rendering)."""
+    if isinstance(encoder, ChatEncoder):
+        cls = type(encoder.hf)
+        return {
+            "kind": "chat",
+            "tokenize": dataclasses.asdict(encoder.text.options),
+            "chat": dataclasses.asdict(encoder.options),
+            "hf_class": [cls.__module__, cls.__qualname__],
+            "selection": encoder.text.selection.to_json(),  # the gate's decision (always HF)
+        }
+    return {"kind": "text", "text": encoder.spec()}
+
+
+def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
+    from shardcache.config import TokenizeOptions
+
+    if spec["kind"] == "chat":
+        options = TokenizeOptions(**spec["tokenize"])
+        # the tokenizer class the parent resolved, loaded directly: AutoTokenizer would also
+        # import torch (through the model configs), 2 s and ~250 MB per worker process
+        module, name = spec["hf_class"]
+        cls = getattr(importlib.import_module(module), name)
+        hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
+        text = TextEncoder(options, hf_tokenizer=hf)
+        text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
+        return ChatEncoder(text, ChatOptions(**spec["chat"]))
+    return TextEncoder.from_spec(spec["text"])
+
+
+def take_lint(encoder: Encoder) -> dict[str, int]:
+    """The lint counts gathered since the last call (per partition), then reset."""
+    if not isinstance(encoder, ChatEncoder):
+        return {}
+    return encoder.take_lint()
+
+
+def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) -> Encoder:
+    """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
+    if factory is not None:
+        return factory(options)
+    preload = options.encoding.encoder != "hf" and options.chat is None
+    return make_encoder(options.tokenize, options.chat, preload)

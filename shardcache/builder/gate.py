@@ -1,0 +1,116 @@
+"""The start-up gate of a build: which encoder backend it uses, decided once, with a reason.
+
+Before any partition runs, :func:`gate_encoder` encodes the cache key's behaviour probe (the
+fixed unicode / whitespace / special-token texts of :mod:`shardcache.builder.keying`) plus a
+sample of the corpus (the first documents of up to :data:`GATE_PARTITIONS` partitions spread
+over the plan, :data:`~shardcache.builder.backends.GATE_SAMPLE_DOCS` in all) with the HF
+reference and the accelerated backend (:func:`~shardcache.builder.backends.select_backend`).
+Any difference, a tokenizer the fast backend refuses, a missing package, or chat data (no
+offsets) -> HF for the whole build; the reason goes to the manifest's ``encoder`` field, the
+build report and ``shardcache info``. The decision travels to worker processes in the
+encoder's spec, so every partition of a build uses the same backend.
+
+Cost: loading the fast backend (1.3 CPU-s for a 151k-vocabulary BPE; started by
+:func:`start_loading` before planning, in a thread, so it overlaps the rest of the start), and
+encoding the probe plus at most 512 documents / 256 Ki characters with both backends.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from shardcache.builder.backends import (
+    GATE_SAMPLE_CHARS,
+    GATE_SAMPLE_DOCS,
+    Ahead,
+    EncoderSelection,
+    FastBackend,
+    load_fast_ahead,
+    select_backend,
+)
+from shardcache.builder.keying import probe_texts
+from shardcache.builder.plan import BuildPlan
+from shardcache.builder.sources import iter_text_batches
+from shardcache.config import BuildOptions
+from shardcache.errors import SourceError
+
+#: Partitions the corpus sample is drawn from (evenly spaced over the plan).
+GATE_PARTITIONS = 8
+
+
+def corpus_sample(
+    plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
+) -> list[str]:
+    """Up to ``limit`` texts and about ``max_chars`` characters: the first documents of up
+    to :data:`GATE_PARTITIONS` partitions spread over the plan (bad records skipped; a
+    damaged file just contributes less)."""
+    partitions = plan.partitions
+    if not partitions or limit <= 0:
+        return []
+    step = max(1, len(partitions) // GATE_PARTITIONS)
+    chosen = partitions[::step][:GATE_PARTITIONS]
+    per_partition = max(1, limit // len(chosen))
+    options = plan.options
+    texts: list[str] = []
+    chars_per_partition = max_chars // len(chosen)
+    for partition in chosen:
+        batches = iter_text_batches(
+            partition.file,
+            text_field=options.source.text_field,
+            batch_docs=per_partition,
+            on_error="skip",
+            part=partition.span,
+            on_corrupt=lambda *args: None,
+        )
+        try:
+            for batch in batches:
+                chars = 0
+                for text in batch.texts[: limit - len(texts)]:
+                    if chars and chars + len(text) > chars_per_partition:
+                        break
+                    texts.append(text)
+                    chars += len(text)
+                break
+        except SourceError:
+            pass  # the build itself reports the unreadable input
+        finally:
+            batches.close()
+        if len(texts) >= limit:
+            break
+    return texts
+
+
+def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
+    """The fast backend's load, in the background, when the build may use it: the one the
+    encoder started (``TextEncoder(preload_fast=True)``, right after the HF load), else one
+    started now. It overlaps the rest of the start; :func:`gate_encoder` takes it."""
+    if options.encoding.encoder == "hf" or options.chat is not None:
+        return None
+    text = getattr(encoder, "text", encoder)
+    return getattr(text, "fast_loading", None) or load_fast_ahead(text.serialized)
+
+
+def gate_encoder(
+    encoder: Any, plan: BuildPlan, loading: Ahead[FastBackend] | None = None
+) -> EncoderSelection:
+    """Run the gate for ``encoder`` (a TextEncoder or a ChatEncoder wrapping one) under the
+    plan's options; the encoder then encodes with the chosen backend. Raises
+    :class:`~shardcache.errors.EncoderError` when ``--encoder fast`` cannot be honoured."""
+    options = plan.options
+    text = getattr(encoder, "text", encoder)
+    requested = options.encoding.encoder
+    chat = options.chat is not None
+    sample = [] if chat or requested == "hf" else corpus_sample(plan)
+    fast, selection = select_backend(
+        requested,
+        text.serialized,
+        text.reference,
+        text.add_special_tokens,
+        [] if chat else probe_texts(encoder),
+        chat=chat,
+        sample=sample,
+        loading=loading,
+    )
+    text.use_fast(fast, selection, options.encoding.verify_fraction)
+    text.fast_loading = None  # a refused backend is not kept alive
+    return selection

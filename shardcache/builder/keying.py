@@ -1,0 +1,256 @@
+"""The cache key of a build configuration: components computed from the tokenizer itself.
+
+The key's data structure, comparison and lock files are the store's
+(:mod:`shardcache.store.key`); computing a key needs the tokenizer loaded (the behaviour
+probe encodes fixed texts with it), so it lives with the builder. ``shardcache check`` and
+``lock`` call :func:`current_key` on the recipe's values; a build calls :func:`compute_key`
+on its encoder and the data component it hashed while reading.
+
+Everything the key takes from transformers (special tokens, the class name) is read off the
+encoder's :class:`~shardcache.builder.resolved.ResolvedTokenizer`, never off the transformers
+object, so the key is byte-identical whether transformers loaded the folder or its memo
+stood in (a test compares the two for every tokenizer family the tests build); the library
+versions come from package metadata, so a warm ``check`` never imports transformers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from shardcache.builder.encoders import make_encoder
+from shardcache.builder.resolved import ResolvedTokenizer, library_versions
+from shardcache.builder.sources import list_inputs
+from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
+from shardcache.store.check import cache_key, compare_keys
+from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
+from shardcache.store.key import (
+    CacheKey,
+    KeyComparison,
+    canonical_json,
+    inline_value,
+    read_lock,
+)
+from shardcache.store.layout import FORMAT_VERSION
+
+#: Fixed probe texts; changing them changes every key (bump KEY_VERSION if you do).
+PROBES: dict[str, str] = {
+    "ascii": "The quick brown fox jumps over the lazy dog. 0123456789 !?#$%&*()[]{}",
+    "cjk": "東京は日本の首都です。数据处理和机器学习。한국어 텍스트",
+    "emoji": "🙂👍🏽 🇫🇷 👨‍👩‍👧 ✨",
+    "combining": "e\u0301 n\u0303 A\u030a Ω\u0308 क्षि ﬁ Ⅻ",
+    "whitespace": "a  b   c\t\td\n\ne \u00a0f\u2003g   \n\t ",
+    "code": "def f(x):\n    return {'k': [x ** 2, x // 3]}  # comment\n\tif a != b: pass",
+}
+
+
+def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, padding: Any) -> dict:
+    """Canonical content of a backend tokenizer (parsed tokenizer.json) plus its saved
+    truncation/padding settings as they were when loaded."""
+    model = backend_json.get("model") or {}
+    vocab = model.get("vocab")
+    added = [
+        {
+            k: t.get(k)
+            for k in ("id", "content", "special", "single_word", "lstrip", "rstrip", "normalized")
+        }
+        for t in backend_json.get("added_tokens") or []
+    ]
+    return {
+        "normalizer": inline_value(backend_json.get("normalizer")),
+        "pre_tokenizer": inline_value(backend_json.get("pre_tokenizer")),
+        "model": {
+            "type": model.get("type"),
+            "vocab_size": len(vocab) if vocab is not None else None,
+            "merges": len(model.get("merges") or []),
+            "sha256": sha256_text(canonical_json(model)),
+            "options": inline_value(
+                {k: v for k, v in model.items() if k not in ("vocab", "merges")}
+            ),
+        },
+        "post_processor": inline_value(backend_json.get("post_processor")),
+        "decoder": inline_value(backend_json.get("decoder")),
+        "added_tokens": inline_value(added),
+        "truncation": truncation,
+        "padding": padding,
+    }
+
+
+def special_tokens_component(resolved: ResolvedTokenizer, end_id: int | None, pad_id: int) -> dict:
+    """The named special tokens with their ids, the additional ones, the end and pad ids."""
+    return {
+        "named": {name: list(pair) for name, pair in resolved.named_special.items()},
+        "additional": inline_value(list(resolved.additional_special)),
+        "end_id": end_id,
+        "pad_id": pad_id,
+    }
+
+
+def probe_set(special_strings: list[str], chat: str | None = None) -> dict[str, str]:
+    """The behaviour probe texts by name: :data:`PROBES`, the special tokens written in text,
+    and a rendered conversation for chat builds."""
+    probes = dict(PROBES)
+    if special_strings:
+        probes["special_tokens"] = " ".join(special_strings) + " x" + "".join(special_strings)
+    if chat is not None:
+        probes["chat"] = chat
+    return probes
+
+
+def probe_texts(encoder: Any) -> list[str]:
+    """The behaviour probe texts of ``encoder``'s key (the encoder gate encodes them too)."""
+    specials = getattr(encoder, "text", encoder).resolved.all_special
+    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
+    probes = probe_set(specials, chat)
+    return [probes[n] for n in sorted(probes)]
+
+
+def behaviour_component(encode: Any, special_strings: list[str], chat: str | None = None) -> dict:
+    """Ids for the probe set through ``encode(list[str]) -> list[list[int]]``."""
+    probes = probe_set(special_strings, chat)
+    names = sorted(probes)
+    ids = encode([probes[n] for n in names])
+    return {"probes_sha256": sha256_text(canonical_json(probes)),
+            "ids": {n: inline_value(list(map(int, i))) for n, i in zip(names, ids)}}  # fmt: skip
+
+
+def truncation_component(max_length: int | None, strategy: str, side: str = "right") -> dict:
+    return {"max_length": max_length, "strategy": strategy, "side": side}
+
+
+def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
+    """Files keyed by relative path, so a diff names the file that was edited/added/removed."""
+    return {
+        "mode": "files",
+        "files": {f["relpath"]: {"size": f["size"], "sha256": f["sha256"]} for f in files},
+    }
+
+
+def data_component_from_version(version: str) -> dict:
+    return {"mode": "version", "version": str(version)}
+
+
+def versions_component(tokenizer_class: str) -> dict:
+    versions = library_versions()  # package metadata: transformers is not imported
+    return {
+        "transformers": versions["transformers"],
+        "tokenizers": versions["tokenizers"],
+        "format_version": FORMAT_VERSION,
+        "tokenizer_class": tokenizer_class,
+    }
+
+
+#: Folder under ``$SHARDCACHE_CACHE_DIR`` of memoised tokenizer components.
+COMPONENTS_DIR = "components"
+
+#: Bump when :func:`tokenizer_component` changes what it returns for the same input.
+COMPONENT_MEMO_VERSION = 1
+
+
+def memoised_tokenizer_component(
+    serialized: str,
+    backend_json: Callable[[], Mapping[str, Any]],
+    truncation: Any,
+    padding: Any,
+) -> dict:
+    """:func:`tokenizer_component`, remembered on disk by the sha256 of its whole input.
+
+    The component is a pure function of the backend's JSON (``serialized``, which
+    ``backend_json()`` parses: called on a miss only, parsing costs 0.17 s) and the saved
+    truncation/padding, but it costs ~0.9 s for a 151k vocabulary (sorting and serialising
+    the model canonically, holding the GIL), on every build and every ``shardcache check``.
+    Hashing the input costs ~15 ms; the result is kept in
+    ``$SHARDCACHE_CACHE_DIR/components/<digest>.json`` (:func:`~shardcache.store.files.read_memo`).
+    Any problem with the folder (read-only, missing, a damaged file) only means computing it
+    again."""
+    head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
+    digest = sha256_text(head + "\n" + serialized)
+    saved = read_memo(COMPONENTS_DIR, digest)
+    if isinstance(saved, dict):
+        return saved
+    value = tokenizer_component(backend_json(), truncation, padding)
+    write_memo(COMPONENTS_DIR, digest, value)
+    return value
+
+
+def text_component(text: Any) -> dict:
+    """The tokenizer component of a text encoder (memoised)."""
+    return memoised_tokenizer_component(
+        text.serialized, lambda: text.backend_json, text.backend_truncation, text.backend_padding
+    )
+
+
+def precompute_tokenizer_component(encoder: Any) -> None:
+    """Compute the key's tokenizer component now (:func:`memoised_tokenizer_component`) and
+    keep it on the encoder for :func:`compute_key`."""
+    text = getattr(encoder, "text", encoder)
+    text.tokenizer_component = text_component(text)
+
+
+def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
+    """The key of a configuration: ``encoder`` is a
+    :class:`~shardcache.builder.tokenize.TextEncoder` (duck-typed here to keep this module free
+    of tokenizer imports); ``data`` a data component or None when the data side is not known
+    (then it is left out and not compared)."""
+    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
+    resolved = text.resolved  # what transformers resolved (or its memo): never ``text.hf``
+    options = text.options
+    specials = resolved.all_special
+    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
+    side = encoder.options.truncation_side if chat is not None else "right"
+    component = getattr(text, "tokenizer_component", None)
+    return CacheKey(
+        {
+            "tokenizer": component if component is not None else text_component(text),
+            "special_tokens": special_tokens_component(resolved, text.eos_id, text.pad_id),
+            # the reference (HF) encodes the probe: the key never depends on the backend
+            "behaviour": behaviour_component(text.encode_reference, specials, chat),
+            "template": encoder.template_component(),
+            "truncation": truncation_component(options.max_length, options.truncation, side),
+            "data": dict(data) if data is not None else None,
+            "versions": versions_component(resolved.class_name),
+        }
+    )
+
+
+@dataclass
+class DataHashing:
+    files: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+
+    @property
+    def mb_per_second(self) -> float:
+        return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
+
+
+def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, Any] | None:
+    """The data component of the current configuration, or None when it is not given."""
+    if values.get("data_version") is not None:
+        return data_component_from_version(values["data_version"])
+    inputs = values.get("input")
+    if not inputs:
+        return None
+    files = list_inputs([inputs] if isinstance(inputs, str) else list(inputs))
+    start = time.perf_counter()
+    entries = [{"relpath": f.relpath, "size": f.size, "sha256": sha256_file(f.path)} for f in files]
+    hashing.files += len(files)
+    hashing.bytes += sum(f.size for f in files)
+    hashing.seconds += time.perf_counter() - start
+    return data_component_from_files(entries)
+
+
+def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
+    """The key the current configuration (recipe values + flags) would build."""
+    encoder = make_encoder(tokenize_options_from_mapping(values), chat_options_from_mapping(values))
+    return compute_key(encoder, current_data(values, hashing))
+
+
+def check_cache(path: str, values: Mapping[str, Any], strict: bool = False) -> KeyComparison:
+    return compare_keys(cache_key(path), current_key(values, DataHashing()), strict)
+
+
+def check_lock(lock: str, values: Mapping[str, Any], strict: bool = False) -> KeyComparison:
+    return compare_keys(read_lock(lock), current_key(values, DataHashing()), strict)

@@ -1,0 +1,379 @@
+"""Map one partition: stream records -> encode -> EOS/truncation -> bucket -> shard files.
+
+A partition's output is a pure function of its bytes and the options: the same bytes however
+the work is scheduled. :func:`build_partition` ends by writing
+``parts/<id>.quarantine.jsonl``, ``parts/<id>.lengths.npy`` and, last, ``parts/<id>.json``
+(its completion record: shards, counts, bad records, the file's sha256 for a whole-file
+partition).
+
+Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself (and, from a
+worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
+open then), ``part`` (completion record written by this process), ``commit`` (1: after the
+quarantine file, 2: after the merged shards and the length index; a URL output's 3: after
+its uploads, before the manifest) or ``committed`` (after the manifest, before the shards the
+merged ones replace are removed; a URL commit passes it once in its scratch folder, then a
+second time after uploading the manifest). Tests use it to kill a
+build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
+sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
+``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
+is created first): a retried task (Ray) then runs through.
+
+Memory is bounded by the options, not the corpus: per process one encode batch being
+converted, two encoded ahead and one read ahead (each at most ``batch_docs`` documents or
+:data:`~shardcache.builder.sources.MAX_BATCH_CHARS` characters), one record batch (4 MiB of
+tokens) buffered per bucket, and 4 bytes per sequence of the partition for its length index.
+"""
+
+from __future__ import annotations
+
+import heapq
+import json
+import os
+import signal
+from collections import Counter
+from collections.abc import Iterator
+from typing import Any
+
+import numpy as np
+
+from shardcache.builder.bucket import assign_buckets
+from shardcache.builder.encoders import take_lint
+from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
+from shardcache.builder.remote import build_partition_into_store
+from shardcache.builder.report import Progress
+from shardcache.builder.sources import (
+    FileDigest,
+    check_unchanged,
+    input_changed,
+    iter_text_batches,
+    position_fields,
+    record_position,
+)
+from shardcache.builder.tokenize import (
+    EncodingMismatch,
+    TextEncoder,
+    TruncationStats,
+    drop_failures,
+    encode_ahead,
+)
+from shardcache.errors import (
+    BadRecordError,
+    EncoderError,
+)
+from shardcache.store.files import (
+    write_json_atomic,
+    write_npy_atomic,
+)
+from shardcache.store.layout import (
+    PARTS_DIR,
+    SHARD_DIR,
+)
+from shardcache.store.remote import is_url
+from shardcache.store.shards import BucketWriter
+
+KILL_ENV = "SHARDCACHE_TEST_KILL"
+KILL_ONCE_ENV = "SHARDCACHE_TEST_KILL_ONCE"
+_KILL_COUNTS: Counter[str] = Counter()
+_PARENT_PID: int | None = None  # set in worker processes
+
+
+def kill_point(event: str) -> None:
+    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring); ``<event>:<n>:INT``
+    sends SIGINT (Ctrl-C) to the build process instead of killing it."""
+    spec = os.environ.get(KILL_ENV)
+    if not spec:
+        return
+    _KILL_COUNTS[event] += 1
+    if spec == f"{event}:{_KILL_COUNTS[event]}:INT":
+        os.kill(_PARENT_PID if _PARENT_PID is not None else os.getpid(), signal.SIGINT)
+        return
+    if spec == f"{event}:{_KILL_COUNTS[event]}":
+        once = os.environ.get(KILL_ONCE_ENV)
+        if once:
+            try:
+                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+            except FileExistsError:
+                return  # killed once already
+        if _PARENT_PID is not None:
+            os.kill(_PARENT_PID, signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def set_parent_pid(pid: int) -> None:
+    """In a worker process: the build process to die with (see :func:`check_parent`)."""
+    global _PARENT_PID
+    _PARENT_PID = pid
+
+
+def check_parent() -> None:
+    if _PARENT_PID is not None and os.getppid() != _PARENT_PID:
+        os._exit(1)  # the build that started this worker is gone: stop writing
+
+
+class _BadLog:
+    """The bad records one thread reports, in its (record) order: a file and the counts."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
+        self.counts: Counter[str] = Counter()
+        self.corrupt: list[dict[str, Any]] = []
+
+    def add(self, entry: dict[str, Any]) -> None:
+        self.counts[entry["reason"]] += 1
+        if entry["reason"] == "corrupt_file":
+            self.corrupt.append({k: v for k, v in entry.items() if k != "reason"})
+        self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
+
+    def close(self) -> None:
+        self.file.close()
+
+
+def merge_bad_logs(path: str, logs: list[str]) -> None:
+    """Merge record-ordered quarantine logs into ``path`` by record (streaming; the logs are
+    removed). A record is in at most one log, so the order is total."""
+
+    def lines(log: str) -> Iterator[tuple[int, str]]:
+        with open(log, encoding="utf-8") as f:
+            for line in f:
+                yield json.loads(line)["record"], line
+
+    tmp = path + ".tmp"
+    with open(tmp, "w", encoding="utf-8") as out:
+        for _, line in heapq.merge(*map(lines, logs), key=lambda item: item[0]):
+            out.write(line)
+    os.replace(tmp, path)
+    for log in logs:
+        os.remove(log)
+
+
+def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> None:
+    """The bytes this partition read are the bytes the plan described: the file's size and
+    mtime are unchanged now (they were checked at open), a line-based read covered its whole
+    byte range, and the sha256 of what it read equals the plan's when the plan hashed it (the
+    byte range of a slice the plan cut; a whole file)."""
+    file, span = partition.file, partition.span
+    check_unchanged(file, "while this partition read it")
+    if file.format != "parquet":
+        expected = (file.size if span.end is None else span.end) - span.start
+        if digest.bytes_read != expected:
+            raise input_changed(
+                file, "while this partition read it",
+                f"read {digest.bytes_read} bytes of its range {span.start}..{span.end}, "
+                f"expected {expected}",
+            )  # fmt: skip
+    if span.sha256 and digest.read_sha256 and digest.read_sha256 != span.sha256:
+        raise input_changed(
+            file, "after the plan hashed it", f"sha256 {digest.read_sha256[:16]}... of bytes "
+            f"{span.start}..{span.end} read, {span.sha256[:16]}... planned"
+        )  # fmt: skip
+    planned = plan.file_sha256.get(file.relpath)
+    if span.whole and planned and digest.sha256 and digest.sha256 != planned:
+        raise input_changed(
+            file, "after the plan hashed it", f"sha256 {digest.sha256[:16]}... of the bytes "
+            f"read, {planned[:16]}... planned"
+        )  # fmt: skip
+
+
+def build_partition(
+    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+) -> PartitionResult:
+    """Map one partition to shard files and its completion record.
+
+    With the fast encoder, a difference from HF on the in-build sample re-encodes the whole
+    partition with HF (its first attempt's files are removed) and is recorded in the
+    result's ``encoding``; under ``--encoder fast`` it fails the build instead."""
+    if is_url(plan.options.output):
+        return build_partition_into_store(  # type: ignore[no-any-return]
+            plan, partition, lambda local: build_partition(local, partition, encoder, progress)
+        )
+
+    text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
+    text.take_verify()  # counts are per partition (whatever ran before in this process)
+    try:
+        result = map_partition(plan, partition, encoder, progress)
+        text.check_verified()  # the sample is verified in the background: a difference raises
+        counts = text.take_verify()
+        reencoded = False
+    except EncodingMismatch as err:
+        counts = text.take_verify()
+        if plan.options.encoding.encoder == "fast":
+            raise EncoderError(
+                f"partition {partition.id} ({partition.file.relpath}): {err}; the fast encoder "
+                "is not exact on this corpus, and --encoder fast forbids falling back: build "
+                "with --encoder auto (that partition is then re-encoded with HF) or hf"
+            ) from err
+        remove_partition_files(plan.options.output, partition.id)
+        fast, text.fast = text.fast, None
+        try:
+            result = map_partition(plan, partition, encoder, progress)
+        finally:
+            text.fast = fast
+        reencoded = True
+    backend = text.reference if text.fast is None or reencoded else text.fast
+    result.encoding = {
+        "requested": text.selection.requested,
+        "gate": f"{text.selection.backend}: {text.selection.reason}",
+        "backend": backend.name,
+        "version": backend.version,
+        "verified": counts.documents,
+        "mismatches": counts.mismatches,
+        "reencoded": reencoded,
+        "detail": counts.detail[:3],
+    }
+    write_json_atomic(os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.json"),
+                      result.to_json())  # fmt: skip
+    kill_point("part")
+    return result
+
+
+def remove_partition_files(out: str, partition_id: str) -> None:
+    """Remove what a failed attempt at ``partition_id`` wrote (shards, parts files)."""
+    for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
+        folder = os.path.join(out, sub)
+        for name in os.listdir(folder):
+            if name.startswith(prefix):
+                os.remove(os.path.join(folder, name))
+
+
+def map_partition(
+    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+) -> PartitionResult:
+    """Read, encode and write one partition's shard files (not its completion record)."""
+    check_unchanged(partition.file, "between the plan and this partition's read")
+    options = plan.options
+    out = options.output
+    stats = TruncationStats()
+    quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
+    # Bad records come from two threads: the reader (encode_ahead's read-ahead thread: bad
+    # lines, a corrupt end) and this one (conversations the template refused). Each thread owns its
+    # counter and its file, each written in record order; the two are merged by record at the
+    # end, so the quarantine (and so the manifest) does not depend on the threads' timing.
+    reader_bad = _BadLog(quarantine_path + ".reader.tmp")
+    template_bad = _BadLog(quarantine_path + ".template.tmp")
+    batch_failures: list[dict[str, Any]] = []
+    relpath = partition.file.relpath
+    positions = {"format": partition.file.format}  # "json-array": records are array items
+
+    def on_layout(layout: str) -> None:
+        positions["format"] = layout
+
+    def on_bad(record: int, reason: str, excerpt: str) -> None:  # reader thread
+        reader_bad.add({"source": relpath, "record": record,
+                        **position_fields(positions["format"], record),
+                        "reason": reason, "excerpt": excerpt})  # fmt: skip
+
+    def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
+        record = int(batch.records[doc])
+        if options.source.on_error == "fail":
+            raise BadRecordError(
+                f"{relpath}: {record_position(positions['format'], record)} cannot be used "
+                f"({reason}: {detail}); fix the input or the chat template, or build with "
+                "--on-error skip to quarantine such records"
+            )
+        batch_failures.append({"source": relpath, "record": record,
+                               **position_fields(positions["format"], record),
+                               "reason": reason, "excerpt": detail})  # fmt: skip
+
+    def write_batch_failures() -> None:  # this thread: one batch's failures, in record order
+        for entry in sorted(batch_failures, key=lambda e: e["record"]):
+            template_bad.add(entry)
+        batch_failures.clear()
+
+    def on_corrupt(record: int, offset: int, message: str) -> None:  # reader thread
+        position = position_fields(partition.file.format, record)
+        reader_bad.add({"source": relpath, "record": record, **position, "reason": "corrupt_file",
+                        "offset": offset, "excerpt": message})  # fmt: skip
+
+    writers = [
+        BucketWriter(
+            out,
+            partition.id,
+            relpath,
+            bucket,
+            encoder.dtype,
+            options.layout.shard_size_bytes,
+            options.layout.compression,
+            with_mask=options.chat is not None,
+        )
+        for bucket in range(len(plan.edges) + 1)
+    ]
+    take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
+    digest = FileDigest()
+    read_bytes = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal read_bytes
+        read_bytes += n
+        progress.advance(n)
+
+    batches = iter_text_batches(
+        partition.file,
+        text_field=options.source.text_field,
+        batch_docs=options.batch_docs,
+        on_error=options.source.on_error,
+        on_bad=on_bad,
+        on_bytes=on_bytes,
+        digest=digest,
+        part=partition.span,
+        on_corrupt=on_corrupt,
+        kind="text" if options.chat is None else "chat",
+        on_layout=on_layout,
+    )
+    try:
+        for batch, ids in encode_ahead(encoder, batches):
+            check_parent()
+            original = batch
+            batch, ids, failures = drop_failures(batch, ids)
+            for doc, detail in failures:  # records the tokenizer failed on alone
+                batch_bad(original, doc, "encode_error", detail)
+            if not len(ids):
+                write_batch_failures()
+                continue  # every record of the batch failed (quarantined above)
+            encoded = encoder.finish(ids, stats)
+            del ids
+            for doc, reason, detail in encoded.failed:  # conversations the template refused
+                batch_bad(batch, doc, reason, detail)
+            write_batch_failures()
+            records = batch.records[encoded.doc_index]
+            buckets = assign_buckets(encoded.lengths, plan.edges)
+            for b in np.unique(buckets):
+                rows = buckets == b
+                token_rows = np.repeat(rows, encoded.lengths)
+                writers[int(b)].add(
+                    encoded.tokens[token_rows],
+                    encoded.lengths[rows],
+                    records[rows],
+                    encoded.piece[rows],
+                    None if encoded.mask is None else encoded.mask[token_rows],
+                )
+            progress.update(len(batch.texts), int(encoded.lengths.sum()))
+            kill_point("batch")
+        for writer in writers:
+            writer.close()
+    finally:
+        reader_bad.close()
+        template_bad.close()
+    check_read(plan, partition, digest)  # before anything of this partition is final
+    if read_bytes < partition.nbytes:  # compressed/parquet readers report approximately
+        progress.advance(partition.nbytes - read_bytes)
+    bad = reader_bad.counts + template_bad.counts
+    corrupt = reader_bad.corrupt
+    merge_bad_logs(quarantine_path, [reader_bad.path, template_bad.path])
+    shards = [s for w in writers for s in w.shards]
+    lengths = [arr for w in writers for arr in w.lengths]
+    write_npy_atomic(
+        os.path.join(out, PARTS_DIR, f"{partition.id}.lengths.npy"),
+        np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.uint32),
+    )
+    result = PartitionResult(
+        partition=partition.id,
+        source=relpath,
+        sha256=digest.sha256,
+        shards=shards,
+        stats=stats,
+        bad_records=dict(bad),
+        corrupt=corrupt,
+        lint=take_lint(encoder),
+    )
+    return result

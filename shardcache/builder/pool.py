@@ -1,0 +1,186 @@
+"""The local engine: partitions in this process, or in a ``spawn`` process pool.
+
+``workers == 1`` (or a single pending partition) runs in this process, where the tokenizer's
+Rayon pool uses every core. Otherwise a ``spawn`` process pool (fork after Rayon started
+deadlocks or silently serializes the tokenizer) runs partitions, largest first so no big
+partition is left for the end; each worker builds its encoder once from its spec (no
+transformers import) and gets ``RAYON_NUM_THREADS = cores // workers``, so N workers use N
+cores instead of N x cores threads. Results travel back as the persisted part records. Workers
+die with the parent (``PR_SET_PDEATHSIG`` on Linux, plus a parent-pid check per batch), so a
+killed build leaves no orphan writing into the folder. Progress events go through one queue
+to one bar.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import signal
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from typing import Any
+
+from shardcache.builder.encoders import encoder_from_spec, encoder_spec
+from shardcache.builder.partition import build_partition, check_parent, set_parent_pid
+from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
+from shardcache.builder.report import Progress
+from shardcache.builder.tokenize import TextEncoder
+from shardcache.config import default_workers
+from shardcache.errors import (
+    ShardcacheError,
+)
+
+_PROGRESS_INTERVAL_S = 0.2
+_WORKER: dict[str, Any] = {}
+
+
+class _QueueProgress(Progress):
+    """Progress in a worker: sums events and sends them to the parent every 0.2 s."""
+
+    def __init__(self, queue: Any):
+        self.queue = queue
+        self.pending = [0, 0, 0]  # bytes, documents, tokens
+        self.last = time.monotonic()
+
+    def advance(self, n_bytes: int) -> None:
+        self.pending[0] += n_bytes
+        self._maybe_send()
+
+    def update(self, documents: int, tokens: int) -> None:
+        self.pending[1] += documents
+        self.pending[2] += tokens
+        self._maybe_send()
+
+    def _maybe_send(self) -> None:
+        if time.monotonic() - self.last >= _PROGRESS_INTERVAL_S:
+            self.flush()
+
+    def flush(self) -> None:
+        if any(self.pending):
+            self.queue.put(tuple(self.pending))
+            self.pending = [0, 0, 0]
+        self.last = time.monotonic()
+
+
+def _die_with_parent() -> None:
+    """Linux: the kernel SIGKILLs this process when its parent dies."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+
+
+def _worker_init(
+    spec: dict[str, Any], plan: BuildPlan, queue: Any, rayon_threads: int, parent: int
+) -> None:
+    set_parent_pid(parent)
+    # Ctrl-C reaches the whole process group: the parent stops the build and terminates the
+    # workers; a worker's own KeyboardInterrupt would only print a traceback per process
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    _die_with_parent()
+    check_parent()  # the parent may have died before prctl
+    # before the tokenizer's Rayon pool starts (on the first encode_batch)
+    os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
+    os.environ["FASTOKENS_BPE_THREADS"] = str(rayon_threads)  # the fast backend's own pool
+    queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
+    _WORKER.update(encoder=encoder_from_spec(spec), plan=plan, queue=queue)
+
+
+def _worker_run(index: int) -> dict[str, Any]:
+    plan: BuildPlan = _WORKER["plan"]
+    progress = _QueueProgress(_WORKER["queue"])
+    result = build_partition(plan, plan.partitions[index], _WORKER["encoder"], progress)
+    progress.flush()
+    return result.to_json()
+
+
+def _drain(queue: Any, progress: Progress) -> None:
+    import queue as queue_module
+
+    while True:
+        try:
+            n_bytes, documents, tokens = queue.get_nowait()
+        except queue_module.Empty:
+            return
+        if n_bytes:
+            progress.advance(n_bytes)
+        if documents or tokens:
+            progress.update(documents, tokens)
+
+
+def run_pool(
+    plan: BuildPlan,
+    pending: list[Partition],
+    encoder: TextEncoder,
+    progress: Progress,
+    workers: int,
+) -> dict[str, PartitionResult]:
+    from concurrent.futures.process import BrokenProcessPool
+
+    ctx = multiprocessing.get_context("spawn")
+    queue = ctx.Queue()
+    rayon_threads = max(1, default_workers() // workers)
+    spec = encoder_spec(encoder)
+    # this process only waits from here on: free its copy of the fast backend (~120 MB for a
+    # 151k vocabulary; the workers load their own from the spec)
+    getattr(encoder, "text", encoder).fast = None
+    executor = ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=ctx,
+        initializer=_worker_init,
+        initargs=(spec, plan, queue, rayon_threads, os.getpid()),
+    )
+    index = {p.id: i for i, p in enumerate(plan.partitions)}
+    futures: dict[Future[dict[str, Any]], Partition] = {}
+    results: dict[str, PartitionResult] = {}
+    try:
+        for p in sorted(pending, key=lambda p: (-p.nbytes, p.id)):  # largest first: no tail
+            futures[executor.submit(_worker_run, index[p.id])] = p
+        not_done = set(futures)
+        while not_done:
+            done, not_done = wait(not_done, timeout=0.1, return_when=FIRST_COMPLETED)
+            _drain(queue, progress)
+            for future in done:
+                try:
+                    data = future.result()
+                except BrokenProcessPool as err:
+                    raise ShardcacheError(
+                        f"a worker process died while building partition {futures[future].id} "
+                        f"({futures[future].file.relpath}): killed (e.g. by the OS for lack of "
+                        "memory) or failed to start (a script calling build_cache with workers "
+                        "> 1 needs an `if __name__ == '__main__':` guard); completed partitions "
+                        "are kept: rerun the same command to resume (with fewer --workers or a "
+                        "smaller --batch-docs if memory is short)"
+                    ) from err
+                results[data["partition"]] = PartitionResult.from_json(data)
+        _drain(queue, progress)
+    except BaseException:
+        for future in futures:
+            future.cancel()
+        processes = list((getattr(executor, "_processes", None) or {}).values())
+        for process in processes:  # fail fast: do not wait for running partitions
+            with contextlib.suppress(Exception):
+                process.terminate()
+        executor.shutdown(wait=False, cancel_futures=True)
+        for process in processes:
+            with contextlib.suppress(Exception):
+                process.join(5)
+        raise
+    executor.shutdown(wait=True)
+    queue.close()
+    return results
+
+
+def run_local(
+    plan: BuildPlan,
+    pending: list[Partition],
+    encoder: TextEncoder,
+    progress: Progress,
+    workers: int,
+) -> dict[str, PartitionResult]:
+    """The local engine: in this process for one worker or one partition, else the pool."""
+    if workers == 1 or len(pending) <= 1:
+        return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
+    return run_pool(plan, pending, encoder, progress, min(workers, len(pending)))

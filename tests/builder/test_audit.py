@@ -1,0 +1,121 @@
+"""``shardcache verify --tokens``: re-tokenize stored documents with HF and compare."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from click.testing import CliRunner
+
+from conftest import make_conversations, make_texts, write_records
+from shardcache.builder.audit import audit_tokens, is_sampled, sampled
+from shardcache.builder.backends import FastBackend
+from shardcache.builder.run import build_cache as run_build
+from shardcache.cli import main
+from shardcache.config import build_options_from_mapping
+from shardcache.errors import CacheKeyMismatch
+
+
+def _corpus(folder) -> str:
+    texts = [*make_texts(60, seed=3), "東京 🙂 e\u0301  \t\n code: x = [1, 2]", ""]
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in texts[:30]], "jsonl")
+    write_records(str(folder / "b.jsonl.zst"), [{"text": t} for t in texts[30:]], "jsonl.zst")
+    return str(folder)
+
+
+def _build(inputs: str, tokenizer: str, out: str, **options) -> str:
+    values = {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 1,
+              "batch_docs": 8, **options}  # fmt: skip
+    run_build(build_options_from_mapping(values))
+    return out
+
+
+def test_sample_is_deterministic_and_about_the_fraction():
+    records = np.arange(100_000, dtype=np.int64)
+    chosen = sampled(records, 1 / 64)
+    assert abs(chosen.mean() - 1 / 64) < 0.002
+    assert chosen.tolist() == sampled(records, 1 / 64).tolist()
+    assert [is_sampled(int(r), 1 / 64) for r in records[:5000]] == chosen[:5000].tolist()
+    assert sampled(records[:10], 1.0).all()
+
+
+@pytest.mark.parametrize("encoder", ["hf", "auto"])
+def test_clean_cache_passes(tmp_path, tokenizer_dir, encoder):
+    out = _build(_corpus(tmp_path), tokenizer_dir, str(tmp_path / "cache"), encoder=encoder,
+                 max_length=8, truncation="split")  # fmt: skip
+    audit = audit_tokens(out, 1.0)
+    assert audit.ok, audit.to_json()
+    assert audit.documents == 61  # the empty text is read (and stores nothing)
+    assert audit.sequences > 61  # split pieces compared one by one
+    partial = audit_tokens(out, 0.25)
+    assert partial.ok and 0 < partial.documents < audit.documents
+
+
+def test_wrong_ids_that_slipped_through_are_found(tmp_path, tokenizer_dir, monkeypatch):
+    """A fast backend bug the in-build sample missed (verification switched off here): the
+    checksums are fine, so plain verify passes, and verify --tokens names the record."""
+    pytest.importorskip("fastokens")
+    real = FastBackend.encode_flat
+    calls = [0]
+
+    def wrong(self, texts, add_special_tokens):
+        tokens, lengths = real(self, texts, add_special_tokens)
+        calls[0] += 1
+        if calls[0] > 1 and any("code: x" in t for t in texts):  # after the gate
+            tokens = tokens.copy()
+            i = next(i for i, t in enumerate(texts) if "code: x" in t)
+            tokens[int(np.cumsum(lengths)[i] - lengths[i])] += 1
+        return tokens, lengths
+
+    monkeypatch.setattr(FastBackend, "encode_flat", wrong)
+    monkeypatch.setattr("shardcache.builder.tokenize.verify_sample", lambda *args: None)
+    out = _build(_corpus(tmp_path), tokenizer_dir, str(tmp_path / "cache"), encoder="fast")
+    monkeypatch.undo()
+    audit = audit_tokens(out, 1.0)
+    assert not audit.ok
+    [mismatch] = audit.mismatches
+    assert mismatch["source"] == "b.jsonl.zst" and mismatch["record"] == 30
+    assert "HF gives" in mismatch["detail"]
+    runner = CliRunner()
+    plain = runner.invoke(main, ["verify", out])
+    assert plain.exit_code == 0, plain.output
+    result = runner.invoke(main, ["verify", out, "--tokens", "--fraction", "1"])
+    assert result.exit_code == 1
+    assert "mismatch     b.jsonl.zst record 30 piece 0: at token 0" in result.output
+    data = json.loads(runner.invoke(main, ["verify", out, "--tokens", "--json"]).output)
+    assert "tokens" in data and data["tokens"]["fraction"] == 1 / 64
+
+
+def test_other_tokenizer_is_refused_with_the_changed_fields(tmp_path, tokenizer_dir,
+                                                             bos_tokenizer_dir):  # fmt: skip
+    out = _build(_corpus(tmp_path), tokenizer_dir, str(tmp_path / "cache"))
+    with pytest.raises(CacheKeyMismatch, match="pass --tokenizer"):
+        audit_tokens(out, 1.0, tokenizer=bos_tokenizer_dir)
+    result = CliRunner().invoke(main, ["verify", out, "--tokens", "-t", bos_tokenizer_dir])
+    assert result.exit_code == 1 and "post_processor" in result.output
+    bad = CliRunner().invoke(main, ["verify", out, "--tokens", "--fraction", "0"])
+    assert bad.exit_code == 2 and "--fraction" in bad.output
+
+
+def test_moved_or_changed_inputs_are_reported(tmp_path, tokenizer_dir):
+    (tmp_path / "c").mkdir()
+    corpus = _corpus(tmp_path / "c")
+    out = _build(corpus, tokenizer_dir, str(tmp_path / "cache"))
+    moved = tmp_path / "moved"
+    (tmp_path / "c").rename(moved)
+    audit = audit_tokens(out, 1.0)
+    assert audit.missing_inputs == ["a.jsonl", "b.jsonl.zst"] and not audit.ok
+    with open(moved / "a.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"text": "appended later"}) + "\n")
+    audit = audit_tokens(out, 1.0, inputs=(str(moved),))
+    assert audit.changed_inputs == ["a.jsonl"] and audit.missing_inputs == []
+
+
+def test_chat_cache_ids_and_masks(tmp_path, chatml_tokenizer_dir):
+    convs = make_conversations(25, seed=9)
+    write_records(str(tmp_path / "c.jsonl"), [{"messages": m} for m in convs], "jsonl")
+    out = _build(str(tmp_path / "c.jsonl"), chatml_tokenizer_dir, str(tmp_path / "cache"),
+                 chat=True)  # fmt: skip
+    audit = audit_tokens(out, 1.0)
+    assert audit.ok and audit.documents == 25 and audit.sequences == 25

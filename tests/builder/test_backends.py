@@ -1,0 +1,579 @@
+"""Encoder backends and the gate: the fast backend gives exactly the HF ids, or is not used.
+
+Tokenizers of each family are trained in-process. Tests that need the optional fast backend
+``pytest.importorskip`` it (CI installs ``shardcache[fast]``)."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+
+import numpy as np
+import pytest
+
+from conftest import cache_data_files, make_conversations, make_texts, write_records
+from shardcache.builder.backends import (
+    Ahead,
+    EarlyLoad,
+    FastBackend,
+    adopt_early,
+    flatten_ids,
+    ids_content,
+    load_fast_early,
+    sample_positions,
+    select_backend,
+)
+from shardcache.builder.resolved import read_resolved
+from shardcache.builder.run import build_cache as run_build
+from shardcache.builder.tokenize import TextEncoder
+from shardcache.config import TokenizeOptions, build_options_from_mapping
+from shardcache.errors import ConfigError, EncoderError, MissingDependencyError
+from shardcache.store.cache import open_cache
+
+SPECIALS = ["<eos>", "<pad>", "<bos>", "<|im_start|>", "<|im_end|>"]
+
+#: Hard cases: special/added tokens written in text, CJK, emoji (ZWJ, flags, skin tones),
+#: combining marks, long whitespace runs, code, byte-fallback material, empty text.
+HARD_TEXTS = [
+    "plain words the quick brown fox",
+    "<|im_start|>user\nhi<|im_end|><eos>x<bos><pad> <eos> <|im_start|><|im_start|>",
+    "東京は日本の首都です。数据处理和机器学习。한국어 텍스트 データ",
+    "🙂👍🏽 🇫🇷 👨‍👩‍👧 ✨ 🙂🙂🙂",
+    "e\u0301 n\u0303 A\u030a Ω\u0308 क्षि ﬁ Ⅻ caf\u00e9 cafe\u0301",
+    "a  b   c\t\td\n\n\ne \u00a0f\u2003g" + " " * 300 + "\n" * 40 + "\t" * 17 + "end",
+    "def f(x):\n    return {'k': [x ** 2, x // 3]}  # comment\n\tif a != b:\n        pass\n",
+    "for (int i = 0; i < n; ++i) { s += a[i] >> 2; }  /* ok */ <tool_call>",
+    "\u0000\u0007 control \u200b zero-width \ufeff bom \U0001f9ea test tube ⍼",
+    "",
+    " leading space",
+    "trailing space ",
+    "x" * 3000,
+    "Мама мыла раму. Ελληνικά. עברית. العربية",
+]
+
+
+def _texts() -> list[str]:
+    return [*HARD_TEXTS, *make_texts(120, seed=7, max_words=200)]
+
+
+def _train_texts() -> list[str]:
+    return [*make_texts(400, seed=11), *HARD_TEXTS[2:9]]
+
+
+def _save(tok, folder: str, **specials: str) -> str:
+    from transformers import PreTrainedTokenizerFast
+
+    PreTrainedTokenizerFast(tokenizer_object=tok, **specials).save_pretrained(folder)
+    return folder
+
+
+QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _byte_level(folder: str, normalized: bool) -> str:
+    from tokenizers import (
+        AddedToken,
+        Regex,
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE())
+    if normalized:  # Qwen-2 style: NFC + a split regex before the byte-level step
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(QWEN_SPLIT), behavior="isolated", invert=False),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
+    else:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=900,
+        special_tokens=SPECIALS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_train_texts(), trainer)
+    tok.add_tokens([AddedToken("<tool_call>", special=False, normalized=False)])
+    return _save(tok, folder, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")
+
+
+def _metaspace_byte_fallback(folder: str, pre_tokenizer: bool = False) -> str:
+    """Llama-2 style: BPE with byte fallback, the "▁" space marker written by the normalizer
+    (Prepend + Replace), <s> added by the post-processor; ``pre_tokenizer``: Mistral / newer
+    Llama style, the marker written by a Metaspace pre-tokenizer instead."""
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>", byte_fallback=True, fuse_unk=True))
+    if pre_tokenizer:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="first", split=False)
+    else:
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")]
+        )
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+    trainer = trainers.BpeTrainer(
+        vocab_size=700,
+        special_tokens=["<unk>", "<s>", "</s>"],
+        limit_alphabet=200,
+        show_progress=False,
+    )
+    tok.train_from_iterator(_train_texts(), trainer)
+    data = json.loads(tok.to_str())
+    vocab = data["model"]["vocab"]
+    for b in range(256):  # the <0xXX> byte tokens, as Llama has them
+        vocab.setdefault(f"<0x{b:02X}>", len(vocab))
+    tok = Tokenizer.from_str(json.dumps(data))
+    tok.post_processor = processors.TemplateProcessing(
+        single="<s> $A", special_tokens=[("<s>", tok.token_to_id("<s>"))]
+    )
+    tok.add_special_tokens(["[INST]", "[/INST]"])
+    return _save(tok, folder, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+
+
+def _unigram(folder: str) -> str:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.NFKC()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    trainer = trainers.UnigramTrainer(
+        vocab_size=500, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(_train_texts(), trainer)
+    return _save(tok, folder, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
+def _wordpiece(folder: str) -> str:
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+    trainer = trainers.WordPieceTrainer(
+        vocab_size=500, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"], show_progress=False
+    )
+    tok.train_from_iterator(_train_texts(), trainer)
+    tok.post_processor = processors.BertProcessing(
+        ("[SEP]", tok.token_to_id("[SEP]")), ("[CLS]", tok.token_to_id("[CLS]"))
+    )
+    return _save(tok, folder, unk_token="[UNK]", sep_token="[SEP]", cls_token="[CLS]",
+                 pad_token="[PAD]")  # fmt: skip
+
+
+FAMILIES = {
+    "byte_level_bpe": lambda folder: _byte_level(folder, normalized=False),
+    "byte_level_bpe_nfc_split": lambda folder: _byte_level(folder, normalized=True),
+    "metaspace_bpe_byte_fallback": _metaspace_byte_fallback,
+    "metaspace_pretokenizer_bpe_byte_fallback": lambda f: _metaspace_byte_fallback(f, True),
+    "unigram": _unigram,
+    "wordpiece": _wordpiece,
+}
+#: The families fastokens 0.3.5 loads; it refuses the others at load (Metaspace
+#: pre-tokenizer, NFKC, BertNormalizer), and the gate then keeps HF.
+FAST_FAMILIES = {"byte_level_bpe", "byte_level_bpe_nfc_split", "metaspace_bpe_byte_fallback"}
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def family_dir(request, tmp_path_factory) -> tuple[str, str]:
+    folder = str(tmp_path_factory.mktemp(f"tok-{request.param}"))
+    return request.param, FAMILIES[request.param](folder)
+
+
+def _fast_encoder(folder: str) -> TextEncoder | None:
+    """A TextEncoder on the fast backend, or None when fastokens refuses the tokenizer."""
+    encoder = TextEncoder(TokenizeOptions(folder))
+    try:
+        fast = FastBackend(encoder.backend.to_str())
+    except EncoderError:
+        return None
+    encoder.use_fast(fast, encoder.selection, 1.0)  # verify every document, too
+    return encoder
+
+
+def test_fast_ids_equal_tokenizer_call_for_every_family(family_dir):
+    pytest.importorskip("fastokens")
+    from transformers import AutoTokenizer
+
+    name, folder = family_dir
+    encoder = _fast_encoder(folder)
+    if encoder is None:  # refused at load: the gate keeps HF and says why
+        reference = TextEncoder(TokenizeOptions(folder))
+        fast, selection = select_backend(
+            "auto", reference.backend.to_str(), reference.reference, True, _texts()
+        )
+        assert fast is None and "cannot load this tokenizer" in selection.reason, name
+        return
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = _texts()
+    flat = encoder.encode_texts(texts)
+    assert encoder.take_verify().mismatches == 0
+    assert len(flat) == len(texts)
+    for i, text in enumerate(texts):
+        assert flat[i].tolist() == tok(text)["input_ids"], (name, text[:40])
+
+
+def test_hf_build_ids_equal_tokenizer_call_for_every_family(family_dir):
+    """The HF path encodes with encode_batch_fast (no offsets): the same ids."""
+    from transformers import AutoTokenizer
+
+    name, folder = family_dir
+    encoder = TextEncoder(TokenizeOptions(folder))
+    tok = AutoTokenizer.from_pretrained(folder)
+    texts = _texts()
+    flat = encoder.encode_texts(texts)
+    for i, text in enumerate(texts):
+        assert flat[i].tolist() == tok(text)["input_ids"], (name, text[:40])
+
+
+def test_families_fastokens_supports_and_refuses(family_dir):
+    """Which families the fast path covers today (fastokens 0.3.5): a new release that
+    supports more shows up here, and a tokenizer it refuses is refused at load (so the gate
+    falls back to HF instead of failing mid-build)."""
+    pytest.importorskip("fastokens")
+    name, folder = family_dir
+    supported = _fast_encoder(folder) is not None
+    assert supported == (name in FAST_FAMILIES), name
+
+
+def test_flatten_ids_and_sample_positions():
+    tokens, lengths = flatten_ids([[1, 2], [], [3]])
+    assert tokens.dtype == np.uint32 and tokens.tolist() == [1, 2, 3]
+    assert lengths.tolist() == [2, 0, 1]
+    texts = ["a" * 5, "é" * 3, "b", "東京", "c", "d", "e", "f"]
+    lens = np.array([5, 3, 9, 2, 1, 1, 1, 1])
+    # every 4th from phase 1, plus the longest (2) and the most non-ASCII (3: 6 extra bytes)
+    assert sample_positions(texts, lens, 0.25, batch_number=1).tolist() == [1, 2, 3, 5]
+    assert sample_positions(texts, lens, 0.0, batch_number=0).tolist() == [2, 3]
+    assert sample_positions(["x"], np.array([1]), 1.0, 0).tolist() == [0]
+
+
+def test_encoding_options_validated():
+    base = {"input": "x", "tokenizer": "t", "output": "o"}
+    with pytest.raises(ConfigError, match=r"encoder: got 'fastest'"):
+        build_options_from_mapping({**base, "encoder": "fastest"})
+    with pytest.raises(ConfigError, match="verify_fraction"):
+        build_options_from_mapping({**base, "verify_fraction": 2})
+    with pytest.raises(ConfigError, match="verify_fraction"):
+        build_options_from_mapping({**base, "verify_fraction": "1/0"})
+    options = build_options_from_mapping({**base, "verify_fraction": "1/8", "encoder": "hf"})
+    assert options.encoding.verify_fraction == 0.125 and options.encoding.encoder == "hf"
+
+
+# -- builds ---------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def hard_corpus(tmp_path_factory) -> str:
+    folder = tmp_path_factory.mktemp("hard-corpus")
+    texts = _texts()
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in texts[:70]], "jsonl")
+    write_records(str(folder / "b.jsonl.zst"), [{"text": t} for t in texts[70:]], "jsonl.zst")
+    return str(folder)
+
+
+def _build(corpus: str, tokenizer: str, out: str, **options) -> dict:
+    values = {"input": corpus, "tokenizer": tokenizer, "output": out, "workers": 1,
+              "batch_docs": 16, **options}  # fmt: skip
+    run_build(build_options_from_mapping(values))
+    with open(os.path.join(out, "manifest.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_dir, tmp_path):
+    pytest.importorskip("fastokens")
+    from transformers import AutoTokenizer
+
+    fast = _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
+    hf = _build(hard_corpus, tokenizer_dir, str(tmp_path / "hf"), encoder="hf")
+    assert cache_data_files(str(tmp_path / "fast")) == cache_data_files(str(tmp_path / "hf"))
+    assert fast["key"] == hf["key"]  # the key does not depend on the backend
+    enc = fast["encoder"]
+    assert enc["partitions_by_backend"] == {"fastokens": 2}
+    assert enc["versions"][0].startswith("fastokens ")
+    assert enc["mismatches"] == 0 and enc["partitions_reencoded"] == []
+    # the longest and the most non-ASCII doc of each of the 9 batches, plus 1/64
+    assert enc["documents_verified"] >= 9
+    assert "ids equal to HF on the gate sample" in enc["gate"][0]
+    assert hf["encoder"]["partitions_by_backend"] == {"hf": 2}
+    assert hf["encoder"]["gate"] == ["hf: --encoder hf"]
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    texts = _texts()
+    for seq in open_cache(str(tmp_path / "fast")).iter_sequences():
+        offset = 0 if seq.provenance.source == "a.jsonl" else 70
+        text = texts[offset + seq.provenance.record]
+        assert seq.ids.tolist() == [*tok(text)["input_ids"], tok.eos_token_id]
+
+
+def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir, tmp_path,
+                                                     monkeypatch):  # fmt: skip
+    monkeypatch.setitem(sys.modules, "fastokens", None)  # `import fastokens` raises
+    manifest = _build(hard_corpus, tokenizer_dir, str(tmp_path / "auto"))
+    assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
+    [reason] = manifest["encoder"]["gate"]
+    assert "not installed" in reason and "pip install 'shardcache[fast]'" in reason
+    with pytest.raises(MissingDependencyError, match=r"--encoder fast cannot be used: .*not inst"):
+        _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
+
+
+def test_gate_falls_back_when_fastokens_refuses_the_tokenizer(hard_corpus, wordpiece_dir,
+                                                              tmp_path):  # fmt: skip
+    pytest.importorskip("fastokens")
+    manifest = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
+    assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
+    assert "cannot load this tokenizer" in manifest["encoder"]["gate"][0]
+    assert "BertNormalizer" in manifest["encoder"]["gate"][0]
+    with pytest.raises(EncoderError, match="cannot load this tokenizer"):
+        _build(hard_corpus, wordpiece_dir, str(tmp_path / "fast"), encoder="fast")
+
+
+def _inject_wrong_id(monkeypatch, when) -> None:
+    """Make the fast backend return a wrong first id for the texts ``when(text, call)``
+    selects (``call``: how many encode_flat calls came before)."""
+    real = FastBackend.encode_flat
+    calls = [0]
+
+    def wrong(self, texts, add_special_tokens):
+        tokens, lengths = real(self, texts, add_special_tokens)
+        tokens = tokens.copy()
+        starts = np.cumsum(lengths) - lengths
+        for i, text in enumerate(texts):
+            if lengths[i] and when(text, calls[0]):
+                tokens[starts[i]] = (int(tokens[starts[i]]) + 1) % 100
+        calls[0] += 1
+        return tokens, lengths
+
+    monkeypatch.setattr(FastBackend, "encode_flat", wrong)
+
+
+def test_gate_falls_back_when_the_backends_disagree(hard_corpus, tokenizer_dir, tmp_path,
+                                                    monkeypatch):  # fmt: skip
+    pytest.importorskip("fastokens")
+    _inject_wrong_id(monkeypatch, lambda text, call: "東京" in text)  # a probe text has it
+    manifest = _build(hard_corpus, tokenizer_dir, str(tmp_path / "auto"))
+    assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
+    [reason] = manifest["encoder"]["gate"]
+    assert "disagree on the gate sample" in reason and "東京" in reason
+    with pytest.raises(EncoderError, match="disagree on the gate sample"):
+        _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
+
+
+def test_in_build_mismatch_reencodes_the_partition_with_hf(hard_corpus, tokenizer_dir, tmp_path,
+                                                           monkeypatch):  # fmt: skip
+    """A wrong id the gate does not see (it appears after the gate's call) in the longest
+    document of a batch: that partition is re-encoded with HF, counted, and the cache is the
+    HF cache byte for byte; under --encoder fast the build fails."""
+    pytest.importorskip("fastokens")
+    hf_out = str(tmp_path / "hf")
+    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")
+    _inject_wrong_id(monkeypatch, lambda text, call: call > 0 and text == "x" * 3000)
+    out = str(tmp_path / "auto")
+    manifest = _build(hard_corpus, tokenizer_dir, out, verify_fraction=0)
+    enc = manifest["encoder"]
+    assert enc["partitions_by_backend"] == {"fastokens": 1, "hf": 1}
+    assert enc["mismatches"] == 1 and len(enc["partitions_reencoded"]) == 1
+    assert "HF gives" in enc["mismatch_detail"][0]
+    assert cache_data_files(out) == cache_data_files(hf_out)
+    monkeypatch.undo()
+    _inject_wrong_id(monkeypatch, lambda text, call: call > 0 and text == "x" * 3000)
+    with pytest.raises(EncoderError, match="forbids falling back"):
+        _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
+
+
+def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir, monkeypatch):
+    """The sample is verified in threads, yet the counts are those of an in-line check that
+    stopped at the first differing batch, whatever the timing; an HF failure on a sampled
+    text is a difference too."""
+    pytest.importorskip("fastokens")
+    from shardcache.builder.backends import sample_positions
+    from shardcache.builder.tokenize import EncodingMismatch
+
+    batches = [make_texts(40, seed=s) for s in range(5)]
+    encoder = _fast_encoder(tokenizer_dir)
+    assert encoder is not None
+    encoder.verify_fraction = 1 / 8
+    for batch in batches:
+        encoder.encode_texts(batch)
+    encoder.check_verified()
+    clean = encoder.take_verify()
+    expected = [
+        len(sample_positions(b, encoder.fast.encode_flat(b, True)[1], 1 / 8, k))
+        for k, b in enumerate(batches)
+    ]
+    assert clean.mismatches == 0 and clean.documents == sum(expected)
+
+    wrong_batch = batches[2]
+    _inject_wrong_id(monkeypatch, lambda text, call: text in wrong_batch)
+    for batch in batches:
+        encoder.encode_texts(batch)
+    with pytest.raises(EncodingMismatch, match="HF gives"):
+        encoder.check_verified()
+    counts = encoder.take_verify()
+    assert counts.documents == sum(expected[:3])  # batches 0..2, none after the difference
+    assert counts.mismatches >= 1 and counts.mismatches == len(counts.detail)
+    monkeypatch.undo()
+
+    def failing(texts, add_special_tokens):
+        raise RuntimeError("HF broke")
+
+    monkeypatch.setattr(encoder.reference, "encode_flat", failing)
+    encoder.encode_texts(batches[0])
+    with pytest.raises(EncodingMismatch, match="HF failed on the verification sample"):
+        encoder.check_verified()
+    assert encoder.take_verify().mismatches == 1
+
+
+def test_chat_builds_use_hf_and_say_why(tmp_path, chatml_tokenizer_dir):
+    convs = make_conversations(30, seed=4)
+    convs[0][-1]["content"] += " 東京 🙂 e\u0301  <|im_end|>"
+    write_records(str(tmp_path / "c.jsonl"), [{"messages": m} for m in convs], "jsonl")
+    auto = _build(str(tmp_path / "c.jsonl"), chatml_tokenizer_dir, str(tmp_path / "auto"),
+                  chat=True)  # fmt: skip
+    _build(str(tmp_path / "c.jsonl"), chatml_tokenizer_dir, str(tmp_path / "hf"),
+           chat=True, encoder="hf")  # fmt: skip
+    assert cache_data_files(str(tmp_path / "auto")) == cache_data_files(str(tmp_path / "hf"))
+    assert auto["encoder"]["partitions_by_backend"] == {"hf": 1}
+    assert "character offsets" in auto["encoder"]["gate"][0]
+    with pytest.raises(EncoderError, match="character offsets"):
+        _build(str(tmp_path / "c.jsonl"), chatml_tokenizer_dir, str(tmp_path / "fast"),
+               chat=True, encoder="fast")  # fmt: skip
+
+
+def test_fast_build_identical_for_1_and_2_workers(hard_corpus, tokenizer_dir, tmp_path):
+    pytest.importorskip("fastokens")
+    one = str(tmp_path / "one")
+    two = str(tmp_path / "two")
+    a = _build(hard_corpus, tokenizer_dir, one, encoder="fast", partition_size="2KiB")
+    b = _build(hard_corpus, tokenizer_dir, two, encoder="fast", partition_size="2KiB", workers=2)
+    assert a == b and cache_data_files(one) == cache_data_files(two)
+    assert set(a["encoder"]["partitions_by_backend"]) == {"fastokens"}
+
+
+def test_default_workers_shrink_for_the_fast_backend(tokenizer_dir):
+    """Unset --workers: one process per FAST_BYTES_PER_WORKER of input with the fast backend
+    (a worker's start-up outweighs small inputs); HF and explicit counts are unchanged."""
+    pytest.importorskip("fastokens")
+    from types import SimpleNamespace
+
+    from shardcache.builder.run import FAST_BYTES_PER_WORKER, fast_workers
+
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    small = [SimpleNamespace(nbytes=1000)] * 4
+    big = [SimpleNamespace(nbytes=FAST_BYTES_PER_WORKER)] * 3
+    assert fast_workers(encoder, small, 4) == 4  # HF
+    encoder.use_fast(FastBackend(encoder.serialized), encoder.selection, 1 / 64)
+    assert fast_workers(encoder, small, 4) == 1
+    assert fast_workers(encoder, big, 2) == 2
+    assert fast_workers(encoder, big, 8) == 3
+
+
+def test_ids_content_ignores_only_what_cannot_change_ids():
+    base = {
+        "model": {"type": "BPE", "vocab": {"a": 0}},
+        "pre_tokenizer": {"type": "Sequence", "pretokenizers": [
+            {"type": "Split", "pattern": {"Regex": "x"}, "trim_offsets": True},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False},
+        ]},
+        "post_processor": {"type": "ByteLevel", "trim_offsets": False},
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False},
+        "truncation": None,
+        "padding": None,
+    }  # fmt: skip
+    same = json.loads(json.dumps(base))
+    same["decoder"] = {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True}
+    same["pre_tokenizer"]["pretokenizers"][1]["trim_offsets"] = True
+    same["post_processor"]["trim_offsets"] = True
+    same["truncation"] = {"max_length": 16}
+    assert ids_content(same) == ids_content(base)
+    for change in (
+        lambda t: t["pre_tokenizer"]["pretokenizers"][1].update(add_prefix_space=True),
+        lambda t: t["pre_tokenizer"]["pretokenizers"][0].update(trim_offsets=False),
+        lambda t: t["model"]["vocab"].update(b=1),
+        lambda t: t.update(normalizer={"type": "NFC"}),
+    ):
+        other = json.loads(json.dumps(base))
+        change(other)
+        assert ids_content(other) != ids_content(base)
+
+
+def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp_path):
+    """The fast backend loaded from tokenizer.json before transformers ran stands in for the
+    one of transformers' JSON when they differ only where ids cannot; else it is reloaded."""
+    pytest.importorskip("fastokens")
+    encoder = TextEncoder(TokenizeOptions(tokenizer_dir))
+    serialized = encoder.serialized
+    early = load_fast_early(tokenizer_dir)
+    assert early is not None and load_fast_early(str(tmp_path)) is None
+    loaded = early.result()
+    adopted = adopt_early(early, encoder.backend_json, serialized).result()
+    assert adopted is loaded.backend and loaded.content is None  # the parsed file is freed
+    changed = json.loads(serialized)
+    vocab = changed["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # what transformers' JSON would change
+    early = load_fast_early(tokenizer_dir)
+    reloaded = adopt_early(early, changed, json.dumps(changed)).result()
+    assert reloaded is not early.result().backend
+    assert reloaded.encode_flat(["a"], False)[0].tolist() == [vocab["a"]]
+    # a refusal of the same content is the refusal; an unreadable file is not
+    refusal = Ahead(lambda: EarlyLoad(ids_content(encoder.backend_json), None,
+                                      EncoderError("refused")))  # fmt: skip
+    with pytest.raises(EncoderError, match="refused"):
+        adopt_early(refusal, encoder.backend_json, serialized).result()
+
+    def unreadable():
+        raise OSError("gone")
+
+    fallback = adopt_early(Ahead(unreadable), encoder.backend_json, serialized).result()
+    assert isinstance(fallback, FastBackend)
+
+
+def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, monkeypatch):
+    """A default build loads the fast backend once: from tokenizer.json when transformers
+    resolves the tokenizer (no memo), from the memo's backend JSON otherwise; its cache equals
+    the HF build's either way."""
+    pytest.importorskip("fastokens")
+    loads = []
+    real = FastBackend.__init__
+
+    def counting(self, serialized):
+        loads.append(serialized)
+        real(self, serialized)
+
+    monkeypatch.setattr(FastBackend, "__init__", counting)
+    hf_out, out = str(tmp_path / "hf"), str(tmp_path / "auto")
+    _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")  # writes the memo
+    assert loads == []
+    monkeypatch.setenv("SHARDCACHE_NO_MEMO", "1")
+    manifest = _build(hard_corpus, tokenizer_dir, out)
+    assert manifest["encoder"]["partitions_by_backend"] == {"fastokens": 2}
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+        assert loads == [f.read()]
+    assert cache_data_files(out) == cache_data_files(hf_out)
+    monkeypatch.delenv("SHARDCACHE_NO_MEMO")
+    loads.clear()
+    _build(hard_corpus, tokenizer_dir, str(tmp_path / "warm"))
+    resolved = read_resolved(tokenizer_dir)
+    assert resolved is not None and loads == [resolved.backend]
+    assert cache_data_files(str(tmp_path / "warm")) == cache_data_files(hf_out)

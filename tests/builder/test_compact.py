@@ -1,0 +1,191 @@
+"""Compaction at commit (shardcache/builder/compact.py): a bucket's partial shards from many
+partitions joined into full ones, the rest kept; the content, provenance and masks unchanged."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+
+import numpy as np
+import pytest
+
+from conftest import CHATML_TEMPLATE, make_conversations, write_records
+from shardcache import CorruptShardError, open_cache
+from shardcache.builder.commit import commit_output
+from shardcache.builder.compact import plan_groups
+from shardcache.builder.engines import EngineOptions, Share
+from shardcache.builder.run import build
+from shardcache.config import build_options_from_mapping
+from shardcache.store.shards import ShardInfo
+
+SHARD = 4096  # bytes of tokens (uint16 here: 2048 tokens)
+
+
+def _info(tokens: int, k: int) -> ShardInfo:
+    return ShardInfo(f"p{k:05d}-b00-00000.arrow", 0, f"p{k:05d}", "f", 1, tokens, 1, "0" * 64)
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_groups_join_consecutive_partial_shards_until_the_target(seed):
+    rng = random.Random(seed)
+    target = 100
+    tokens = [rng.choice([rng.randint(1, 99), rng.randint(100, 250)]) for _ in range(30)]
+    groups = plan_groups([_info(t, k) for k, t in enumerate(tokens)], target)
+    assert sorted(k for g in groups for k in g) == list(range(len(tokens)))
+    assert [g[0] for g in groups] == sorted(g[0] for g in groups)  # in order of first rows
+    open_groups = 0
+    for group in groups:
+        if len(group) == 1 and tokens[group[0]] >= target:
+            continue  # a full shard, kept alone
+        assert all(tokens[k] < target for k in group), "a full shard was joined"
+        assert group == sorted(group)
+        assert sum(tokens[k] for k in group[:-1]) < target  # closed once it reached the target
+        open_groups += sum(tokens[k] for k in group) < target
+    assert open_groups <= 1  # one partial shard at most: the last one opened
+    # every partial shard after a group closed opens the next one: nothing could have joined
+    partial = [k for k in range(len(tokens)) if tokens[k] < target]
+    assert len(groups) - sum(1 for t in tokens if t >= target) <= max(1, len(partial))
+
+
+@pytest.fixture()
+def many_files(tmp_path):
+    """Eight small input files (eight partitions), so every bucket has partial shards."""
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    texts = {}
+    for f in range(8):
+        records = [{"text": t} for t in _texts(120 + 10 * f, seed=f)]
+        write_records(str(folder / f"f{f}.jsonl"), records, "jsonl")
+        texts.update({(f"f{f}.jsonl", i): r["text"] for i, r in enumerate(records)})
+    return str(folder), texts
+
+
+def _texts(n: int, seed: int) -> list[str]:
+    from conftest import make_texts
+
+    return make_texts(n, seed=seed, max_words=60)
+
+
+def _build(inputs: str, tokenizer: str, out: str, **extra) -> str:
+    values = {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 1,
+              "shard_size": SHARD, "buckets": "16,64", **extra}  # fmt: skip
+    build(build_options_from_mapping(values))
+    return out
+
+
+def _record(cache: str, partition: str) -> dict:
+    with open(os.path.join(cache, "parts", f"{partition}.json"), encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _by_record(path: str) -> dict[tuple[str, int, int], tuple[list[int], list[bool] | None]]:
+    cache = open_cache(path)
+    out = {}
+    for seq in cache.iter_sequences():
+        key = (seq.provenance.source, seq.provenance.record, seq.provenance.piece)
+        assert key not in out, f"{key} stored twice"
+        out[key] = (seq.ids.tolist(), None if seq.mask is None else seq.mask.tolist())
+    return out
+
+
+def _separately(folder: str, tokenizer: str, tmp_path, **extra) -> dict:
+    """Every input file built on its own (one partition: nothing to join)."""
+    want = {}
+    for name in sorted(os.listdir(folder)):
+        alone = tmp_path / f"alone-{name}"
+        alone.mkdir()
+        os.link(os.path.join(folder, name), alone / name)
+        path = _build(str(alone), tokenizer, str(tmp_path / f"cache-{name}"), **extra)
+        assert all("sources" not in s for s in open_cache(path).shards)
+        want.update(_by_record(path))
+    return want
+
+
+def test_a_many_file_build_keeps_one_partial_shard_per_bucket_and_every_document(
+    many_files, tokenizer_dir, tmp_path
+):
+    folder, texts = many_files
+    path = _build(folder, tokenizer_dir, str(tmp_path / "cache"))
+    cache = open_cache(path)
+    manifest = cache.manifest
+    partition_shards = [
+        s for k in range(manifest["partitions"]) for s in _record(path, f"p{k:05d}")["shards"]
+    ]
+    assert len(manifest["shards"]) < len(partition_shards)
+    merged = [s for s in manifest["shards"] if "sources" in s]
+    assert merged and all(s["name"].startswith("merged-") for s in merged)
+    # written as one writer would: every record batch but the last holds the batch bytes
+    # (here the shard size, 4 KiB), not the members' short last batches one after another
+    for shard in merged:
+        batches = shard["layout"]["batches"]
+        assert all(b[1] * 2 >= SHARD for b in batches[:-1]), batches
+    assert max(len(s["layout"]["batches"]) for s in merged) >= 2
+    # per bucket at most one shard under the target, and buckets in order (sample ids)
+    buckets = [s["bucket"] for s in manifest["shards"]]
+    assert buckets == sorted(buckets)
+    for b in set(buckets):
+        small = [s for s in manifest["shards"] if s["bucket"] == b and s["tokens"] * 2 < SHARD]
+        assert len(small) <= 1, (b, small)
+    # full shards of a partition are kept under their name, not rewritten
+    full = {s["name"]: s["sha256"] for s in partition_shards if s["tokens"] * 2 >= SHARD}
+    kept = {s["name"]: s["sha256"] for s in manifest["shards"] if "sources" not in s}
+    assert full and set(full) <= set(kept) and all(kept[n] == full[n] for n in full)
+    # the folder holds what the manifest lists, nothing the merged shards replaced
+    assert sorted(os.listdir(os.path.join(path, "shards"))) == sorted(
+        s["name"] for s in manifest["shards"]
+    )
+    # every document once, with its own ids and provenance, whichever shard holds it
+    got = _by_record(path)
+    assert {(src, rec) for src, rec, _ in got} == set(texts)
+    assert got == _separately(folder, tokenizer_dir, tmp_path)
+    # lookup by sample id agrees with the sequence order; the length index with the shards
+    lengths = np.load(os.path.join(path, "index", "lengths.npy"))
+    for seq in cache.iter_sequences():
+        assert cache.lookup(seq.sample_id) == seq.provenance
+        assert lengths[seq.sample_id] == len(seq.ids)
+    assert len(lengths) == sum(s["rows"] for s in manifest["shards"])
+
+
+def test_compressed_and_chat_shards_merge_with_their_masks(tokenizer_dir, tmp_path):
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    for f in range(4):
+        records = [{"messages": m} for m in make_conversations(30, seed=10 + f)]
+        write_records(str(folder / f"c{f}.jsonl"), records, "jsonl")
+    template = tmp_path / "template.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    from conftest import _chat_tokenizer
+
+    chat_tok = _chat_tokenizer(str(tmp_path / "chat-tok"), CHATML_TEMPLATE, False)
+    extra = {"chat": True, "compression": "zstd"}
+    path = _build(str(folder), chat_tok, str(tmp_path / "cache"), **extra)
+    assert any("sources" in s for s in open_cache(path).shards)
+    got = _by_record(path)
+    assert got == _separately(str(folder), chat_tok, tmp_path, **extra)
+    assert all(mask is not None and not all(mask) for _, mask in got.values())
+
+
+def test_a_damaged_partial_shard_is_refused_at_commit_not_merged(
+    many_files, tokenizer_dir, tmp_path
+):
+    """A job array's shares wrote the partitions; a byte of one partial shard flipped before
+    `shardcache commit`: the merge refuses it (naming it) instead of hashing the damage into
+    a new shard, and nothing is committed."""
+    folder, _ = many_files
+    out = str(tmp_path / "array")
+    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+              "shard_size": SHARD, "buckets": "16,64"}  # fmt: skip
+    for i in range(2):
+        build(build_options_from_mapping(values), EngineOptions(share=Share(i, 2)))
+    record = _record(out, "p00003")
+    victim = next(s for s in record["shards"] if s["tokens"] * 2 < SHARD and s["rows"] > 2)
+    path = os.path.join(out, "shards", victim["name"])
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    with pytest.raises(CorruptShardError, match=victim["name"]):
+        commit_output(out)
+    assert not os.path.exists(os.path.join(out, "manifest.json"))

@@ -1,0 +1,152 @@
+"""Job arrays (``--partition i/N`` + ``shardcache commit``) and engine selection."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from shardcache import build_cache
+from shardcache.builder.commit import commit_output
+from shardcache.builder.engines import EngineOptions, Share
+from shardcache.builder.run import build
+from shardcache.cli import main
+from shardcache.config import build_options_from_mapping
+from shardcache.errors import CacheError, ConfigError, IncompleteBuildError
+
+OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
+
+
+def tree(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder`` (relative path -> bytes)."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
+def _options(folder: str, tokenizer: str, out: str, **extra):
+    values = {"input": folder, "tokenizer": tokenizer, "output": out, "workers": 1}
+    return build_options_from_mapping({**values, **OPTIONS, **extra})
+
+
+@pytest.fixture()
+def local_reference(corpus, tokenizer_dir, tmp_path):
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    out = str(tmp_path / "reference")
+    build_cache(_options(folder, tokenizer_dir, out))
+    return folder, out
+
+
+def test_share_parse_and_selection():
+    share = Share.parse("1/3")
+    assert (share.index, share.count) == (1, 3)
+    assert [k for k in range(8) if share.owns(k)] == [1, 4, 7]
+    for bad in ("3/3", "x", "1/0", "-1/2"):
+        with pytest.raises(ConfigError, match="partition"):
+            Share.parse(bad)
+    with pytest.raises(ConfigError, match="engine"):
+        EngineOptions(engine="spark")
+
+
+def test_two_shares_then_commit_equal_the_local_build(local_reference, tokenizer_dir, tmp_path):
+    folder, reference = local_reference
+    out = str(tmp_path / "array")
+    for i in (1, 0):  # any order
+        build(_options(folder, tokenizer_dir, out), EngineOptions(share=Share(i, 2)))
+        assert not os.path.exists(os.path.join(out, "manifest.json"))
+    report = commit_output(out)
+    assert report.partitions > 4
+    assert tree(out) == tree(reference)
+    assert commit_output(out).documents == report.documents  # idempotent
+
+
+def test_commit_with_a_missing_share_names_partitions_and_share(
+    local_reference, tokenizer_dir, tmp_path
+):
+    folder, _ = local_reference
+    out = str(tmp_path / "array")
+    build(_options(folder, tokenizer_dir, out), EngineOptions(share=Share(0, 2)))
+    with pytest.raises(IncompleteBuildError, match=r"p00001, p00003.*share\(s\) 1/2") as err:
+        commit_output(out)
+    assert err.value.missing[0] == "p00001"
+    assert not os.path.exists(os.path.join(out, "manifest.json"))
+    result = CliRunner().invoke(main, ["commit", out])
+    assert result.exit_code == 1
+    assert "not built: p00001" in result.output and "1/2" in result.output
+
+
+def test_cli_partition_and_commit(local_reference, tokenizer_dir, tmp_path):
+    folder, reference = local_reference
+    out = str(tmp_path / "cli")
+    args = ["build", "-i", folder, "-t", tokenizer_dir, "-o", out, "-w", "1", "-q",
+            "--partition-size", "2KiB", "--shard-size", "4096", "--buckets", "16,64",
+            "--batch-docs", "16"]  # fmt: skip
+    runner = CliRunner()
+    for i in range(3):
+        result = runner.invoke(main, [*args, "--partition", f"{i}/3"])
+        assert result.exit_code == 0, result.output
+    assert runner.invoke(main, ["commit", out]).exit_code == 0
+    assert tree(out) == tree(reference)
+    bad = runner.invoke(main, [*args, "--partition", "5/3"])
+    assert bad.exit_code == 2 and "0 <= i < N" in bad.output
+
+
+def test_share_refuses_other_options_and_force(local_reference, tokenizer_dir, tmp_path):
+    folder, _ = local_reference
+    out = str(tmp_path / "array")
+    build(_options(folder, tokenizer_dir, out), EngineOptions(share=Share(0, 2)))
+    with pytest.raises(CacheError, match="same options and inputs"):
+        build(_options(folder, tokenizer_dir, out, max_length=8), EngineOptions(share=Share(1, 2)))
+    forced = dataclasses.replace(_options(folder, tokenizer_dir, out), force=True)
+    with pytest.raises(ConfigError, match="--force cannot be combined"):
+        build(forced, EngineOptions(share=Share(1, 2)))
+
+
+def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
+    corpus, tokenizer_dir, tmp_path, monkeypatch
+):
+    """Two shares of a 13-partition build at once: share 1 is killed mid-run, then restarted
+    while share 0 is in the middle of a partition (its quarantine file, and shards, are in
+    flight). The restart must not delete share 0's files; both finish, and the commit
+    equals a local build byte for byte."""
+    import subprocess
+    import sys
+
+    import shardcache.builder.partition as partition_module
+
+    folder, _ = corpus("jsonl", n_files=3, docs=100)
+    extra = {"partition_size": "3KiB"}
+    reference = str(tmp_path / "reference")
+    build_cache(_options(folder, tokenizer_dir, reference, **extra))
+    out = str(tmp_path / "array")
+    args = [sys.executable, "-m", "shardcache.cli", "build", "-i", folder, "-t", tokenizer_dir,
+            "-o", out, "-w", "1", "-q", "--partition-size", "3KiB", "--shard-size", "4096",
+            "--buckets", "16,64", "--batch-docs", "16", "--partition", "1/2"]  # fmt: skip
+    env = {**os.environ, "PYTHONPATH": os.getcwd(), "SHARDCACHE_TEST_KILL": "batch:3"}
+    killed = subprocess.run(args, env=env, capture_output=True, timeout=300)
+    assert killed.returncode == -9, killed.stderr.decode()[-2000:]  # share 1 died mid-run
+    env.pop("SHARDCACHE_TEST_KILL")
+    real_kill_point = partition_module.kill_point
+    restarts = []
+
+    def restart_share_1_mid_partition(event: str) -> None:
+        real_kill_point(event)
+        in_flight = [n for sub in ("shards", "parts") for n in os.listdir(os.path.join(out, sub))
+                     if n.endswith(".tmp") and int(n[1:6]) % 2 == 0]  # fmt: skip
+        if event == "batch" and not restarts and in_flight:
+            restarts.append(in_flight)
+            done = subprocess.run(args, env=env, capture_output=True, timeout=300)
+            assert done.returncode == 0, done.stderr.decode()[-2000:]
+
+    monkeypatch.setattr(partition_module, "kill_point", restart_share_1_mid_partition)
+    build(_options(folder, tokenizer_dir, out, **extra), EngineOptions(share=Share(0, 2)))
+    assert restarts and any(".quarantine.jsonl" in n for n in restarts[0]), restarts
+    report = commit_output(out)
+    assert report.partitions == 13
+    assert tree(out) == tree(reference)

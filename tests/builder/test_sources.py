@@ -1,0 +1,214 @@
+from __future__ import annotations
+
+import hashlib
+import itertools
+import os
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from conftest import write_records
+from shardcache import BadRecordError, SourceError
+from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
+
+
+def _collect(file, **kw):
+    bad = []
+    texts, records = [], []
+    for batch in iter_text_batches(file, on_bad=lambda *a: bad.append(a), **kw):
+        texts += batch.texts
+        records += batch.records.tolist()
+    return texts, records, bad
+
+
+def test_inputs_sorted_relative_and_deduplicated(tmp_path):
+    (tmp_path / "b").mkdir()
+    (tmp_path / "a").mkdir()
+    for rel in ["b/2.jsonl", "a/1.jsonl.zst", "a/0.parquet", "b/x.json.gz"]:
+        write_records(str(tmp_path / rel), [{"text": "hi"}], rel.split(".", 1)[1])
+    (tmp_path / "a" / "notes.txt").write_text("ignored")
+    files = list_inputs([str(tmp_path), str(tmp_path / "a" / "*.parquet")])
+    assert [f.relpath for f in files] == [
+        "a/0.parquet",
+        "a/1.jsonl.zst",
+        "b/2.jsonl",
+        "b/x.json.gz",
+    ]
+    assert [f.format for f in files] == ["parquet", "jsonl.zst", "jsonl", "json.gz"]
+
+
+def test_missing_inputs_are_clear_errors(tmp_path):
+    with pytest.raises(SourceError, match="no such file"):
+        list_inputs([str(tmp_path / "nope.jsonl")])
+    with pytest.raises(SourceError, match="matches no file"):
+        list_inputs([str(tmp_path / "*.jsonl")])
+    (tmp_path / "x.txt").write_text("t")
+    with pytest.raises(SourceError, match="unknown format"):
+        list_inputs([str(tmp_path / "x.txt")])
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.zst", "json.gz"])
+def test_bad_records_reported_by_reason_with_line_numbers(tmp_path, fmt):
+    lines = [
+        b'{"text": "good one"}',
+        b'{"text": "unterminated',
+        b'{"body": "no text"}',
+        b'{"text": 12345}',
+        b'{"text": "broken \xff\xfe bytes"}',
+        b'{"text": ""}',
+        b"[1, 2]",
+        b"",
+        b'{"text": "good two"}',
+    ]
+    raw = b"\n".join(lines) + b"\n"
+    path = tmp_path / f"x.{fmt}"
+    if fmt == "jsonl.zst":
+        import zstandard
+
+        raw_file = zstandard.ZstdCompressor().compress(raw)
+    elif fmt == "json.gz":
+        import gzip
+
+        raw_file = gzip.compress(raw)
+    else:
+        raw_file = raw
+    path.write_bytes(raw_file)
+    [file] = list_inputs([str(path)])
+    digest = FileDigest()
+    texts, records, bad = _collect(file, digest=digest)
+    assert texts == ["good one", "good two"] and records == [0, 8]
+    assert [(i, reason) for i, reason, _ in bad] == [
+        (1, "not_json"),
+        (2, "no_text_field"),
+        (3, "text_not_string"),
+        (4, "invalid_utf8"),
+        (5, "empty_text"),
+        (6, "not_an_object"),
+        (7, "blank_line"),
+    ]
+    assert digest.sha256 == hashlib.sha256(raw_file).hexdigest()
+    with pytest.raises(BadRecordError, match=rf"x\.{fmt}: line 2 is invalid \(not_json\)"):
+        _collect(file, on_error="fail")
+
+
+def test_parquet_rows_and_missing_column(tmp_path):
+    path = write_records(
+        str(tmp_path / "p.parquet"), [{"text": "a"}, {"text": None}, {"text": "c"}], "parquet"
+    )
+    [file] = list_inputs([path])
+    texts, records, bad = _collect(file, batch_docs=1)
+    assert texts == ["a", "c"] and records == [0, 2] and bad[0][:2] == (1, "no_text_field")
+    # a missing column makes every row a bad record, as a missing field does in jsonl
+    texts, records, bad = _collect(file, text_field="body")
+    assert texts == [] and [b[:2] for b in bad] == [(i, "no_text_field") for i in range(3)]
+    with pytest.raises(SourceError, match="no_text_field"):
+        _collect(file, text_field="body", on_error="fail")
+
+
+def test_corrupt_zst_names_file_and_offset(tmp_path):
+    import zstandard
+
+    data = b"".join(b'{"text": "doc %d"}\n' % i for i in range(20000))
+    blob = zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(blob[: len(blob) // 2])
+    [file] = list_inputs([str(path)])
+    with pytest.raises(SourceError, match=r"broken\.jsonl\.zst: cannot decompress .* offset"):
+        _collect(file)
+
+
+def test_batches_respect_batch_docs(tmp_path):
+    path = write_records(str(tmp_path / "a.jsonl"), [{"text": str(i)} for i in range(10)], "jsonl")
+    [file] = list_inputs([path])
+    sizes = [len(b.texts) for b in iter_text_batches(file, batch_docs=4)]
+    assert sizes == [4, 4, 2]
+    assert os.path.getsize(path) == file.size
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    lines=st.lists(st.one_of(st.just(""), st.text(alphabet="ab\u00e9 ", max_size=40)), max_size=60),
+    trailing_newline=st.booleans(),
+    size=st.integers(min_value=1, max_value=300),
+)
+def test_split_lines_cover_the_file_at_line_boundaries(lines, trailing_newline, size):
+    import tempfile
+
+    from shardcache.builder.sources import InputFile, _split_lines
+
+    raw = "\n".join(lines).encode() + (b"\n" if trailing_newline and lines else b"")
+    with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
+        f.write(raw)
+        f.flush()
+        file = InputFile(f.name, "x.jsonl", len(raw), "jsonl")
+        spans, sha = _split_lines(file, size)
+    assert sha == hashlib.sha256(raw).hexdigest()
+    assert spans[0].start == 0 and spans[-1].end is None
+    for a, b in itertools.pairwise(spans):
+        assert a.end == b.start and a.start < a.end  # contiguous, non-empty
+        assert raw[b.start - 1 : b.start] == b"\n"  # cut just after a newline
+        assert b.first_record == raw[: b.start].count(b"\n")  # file-global line number
+
+
+def test_slices_read_the_same_records_as_the_whole_file(tmp_path):
+    from shardcache.builder.sources import split_input
+
+    records = [{"text": f"doc {i} " + "x" * (i % 37)} if i % 9 else {"body": 1} for i in range(300)]
+    path = write_records(str(tmp_path / "a.jsonl"), records, "jsonl")
+    [file] = list_inputs([path])
+    whole_texts, whole_records, whole_bad = _collect(file)
+    spans, sha = split_input(file, 1024)
+    with open(path, "rb") as f:
+        assert len(spans) > 5 and sha == hashlib.sha256(f.read()).hexdigest()
+    texts, recs, bad = [], [], []
+    for span in spans:
+        t, r, b = _collect(file, part=span)
+        texts += t
+        recs += r
+        bad += b
+    assert (texts, recs, bad) == (whole_texts, whole_records, whole_bad)
+
+
+def test_batches_are_bounded_by_characters(tmp_path, monkeypatch):
+    import shardcache.builder.sources as sources
+
+    monkeypatch.setattr(sources, "MAX_BATCH_CHARS", 100)
+    texts = ["x" * 30] * 7 + ["y" * 500] + ["z"]
+    path = write_records(str(tmp_path / "a.jsonl"), [{"text": t} for t in texts], "jsonl")
+    [file] = list_inputs([path])
+    sizes = [len(b.texts) for b in iter_text_batches(file, batch_docs=1000)]
+    assert sizes == [3, 3, 1, 1, 1]  # at most 100 chars, except a huge document alone
+
+
+def test_truncated_zst_with_skip_reports_and_keeps_the_prefix(tmp_path):
+    import zstandard
+
+    data = b"".join(b'{"text": "doc %d"}\n' % i for i in range(20000))
+    blob = zstandard.ZstdCompressor().compress(data)
+    path = tmp_path / "broken.jsonl.zst"
+    path.write_bytes(blob[: len(blob) // 2])
+    [file] = list_inputs([str(path)])
+    corrupt = []
+    texts, records, _ = _collect(file, on_corrupt=lambda *a: corrupt.append(a))
+    [(record, offset, message)] = corrupt
+    assert records == list(range(len(records))) and record == len(records) > 0
+    assert texts[-1] == f"doc {record - 1}" and offset > 0 and "broken.jsonl.zst" in message
+
+
+def test_the_plan_hashes_every_byte_range_it_cuts(corpus):
+    """Each slice of a split jsonl file carries the sha256 of its byte range, so the partition
+    that reads it can tell whether it read the planned bytes."""
+    import hashlib
+
+    from shardcache.builder.sources import list_inputs, split_input
+
+    folder, _ = corpus("jsonl", n_files=1, docs=300)
+    [file] = list_inputs([folder])
+    slices, whole = split_input(file, 4096)
+    assert len(slices) > 3
+    with open(file.path, "rb") as f:
+        data = f.read()
+    assert whole == hashlib.sha256(data).hexdigest()
+    for s in slices:
+        assert s.sha256 == hashlib.sha256(data[s.start : s.end]).hexdigest()
