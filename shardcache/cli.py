@@ -1,6 +1,6 @@
 """The ``shardcache`` command line.
 
-Translates at the boundary (STYLE.md #8): :class:`~shardcache.errors.ConfigError` becomes a
+Translates at the boundary: :class:`~shardcache.errors.ConfigError` becomes a
 usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a failure
 (exit 1) with its message; anything else is a bug and keeps its traceback.
 """

@@ -1,7 +1,7 @@
 """Build options: frozen dataclasses, validated at construction.
 
 The build is described by four small option groups instead of one long parameter list
-(STYLE.md #4): where the records come from (:class:`SourceOptions`), how text becomes ids
+(a group per concern): where the records come from (:class:`SourceOptions`), how text becomes ids
 (:class:`TokenizeOptions`), how the ids are laid out on disk (:class:`LayoutOptions`), and the
 whole (:class:`BuildOptions`). A recipe (TOML) and the CLI flags both end up here, so every
 check lives in one place and every message names the field, the value and the allowed range.

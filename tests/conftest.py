@@ -267,7 +267,7 @@ def assert_resumable(
     key: Callable[[Any], Any] = lambda item: item,
     steps: Iterable[int] | None = None,
 ) -> list[Any]:
-    """The generic resume check of every stateful stage (STYLE.md 13).
+    """The generic resume check of every stateful stage.
 
     ``make()`` builds a fresh stage with ``state_dict()`` / ``load_state_dict()``; ``stream(stage)``
     iterates it. For every ``k`` in ``steps`` (default: every step, end included) it takes ``k``

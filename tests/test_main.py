@@ -20,15 +20,3 @@ def test_python_m_shardcache_runs_the_cli():
     assert out.returncode == 0 and "Usage: shardcache" in out.stdout and "build" in out.stdout
     bad = run("no-such-command")
     assert bad.returncode == 2 and "No such command" in bad.stderr
-
-
-def test_the_package_is_typed_and_ships_the_marker():
-    try:
-        import tomllib
-    except ImportError:  # Python 3.10
-        import tomli as tomllib
-
-    assert os.path.exists(os.path.join(ROOT, "shardcache", "py.typed"))
-    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
-        project = tomllib.load(f)
-    assert "py.typed" in project["tool"]["setuptools"]["package-data"]["shardcache"]

@@ -131,7 +131,12 @@ def test_set_epoch_reshuffles(cache_dir):
 
 def test_pad_to_multiple_of(cache_dir):
     ds = ShardDataset(cache_dir, max_tokens=512, pad_to_multiple_of=8)
-    assert all(b["input_ids"].shape[1] % 8 == 0 for b in _stream(ds, 0))
+    batches = list(_stream(ds, 0))
+    assert batches, "the epoch yielded no batch"
+    widths = [b["input_ids"].shape[1] for b in batches]
+    longest = [int(b["attention_mask"].sum(dim=1).max()) for b in batches]
+    assert all(w % 8 == 0 and w - 8 < n <= w for w, n in zip(widths, longest)), (widths, longest)
+    assert any(w > n for w, n in zip(widths, longest)), "no batch needed rounding up"
 
 
 # ---- helpers ---------------------------------------------------------------------------------
