@@ -44,6 +44,14 @@ ends. The flattened batch is a list of segments, padding runs included as segmen
   the token offset inside that sequence (-1 / -1 for padding segments), ``meta["num_tokens"]``
   (int): the tokens of the batch, padding runs not counted.
 
+Mixtures: ``ShardDataset([Source("web/", weight=0.7), Source("code/", weight=0.3)], ...)``
+reads several caches as one token-weighted stream (read/mixture.py: which documents an epoch
+uses; read/mixed_cache.py: reading them). Every guarantee below holds for it; ``meta`` also
+carries ``source_ids`` int64 (per row in pad mode, per segment in pack mode, -1 for padding),
+and ``sample_ids`` are then ids inside that source; :attr:`ShardDataset.mixture` gives the
+per-source numbers, and the state carries ``"mixture"`` (every source's name, key digest,
+weight and cap), checked at load like the cache digest.
+
 Integer types: ``input_ids``, ``position_ids`` and ``attention_mask`` are int32 by default
 (``ids_dtype="int32"``: embeddings, rotary position code and attention masks take int32, and
 it halves the bytes a batch writes per token); ``ids_dtype="int64"`` delivers int64, or let the
@@ -118,6 +126,8 @@ from shardcache.errors import ConfigError, StateError
 from shardcache.read import kernels
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, packed_layout, pad_batch
+from shardcache.read.mixed_cache import MixedCache
+from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, mixture_changes
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.read.prefetch.tree import packed_offsets, packed_view
@@ -202,11 +212,18 @@ class ShardDataset(IterableDataset):
     tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
     constructor raise :class:`~shardcache.errors.CacheKeyMismatch`, naming the changed fields,
     when the cache was built under another key.
+
+    ``path`` may be a list of :class:`~shardcache.read.mixture.Source` (a mixture; ``expect``
+    then applies to the sources that give none): ``tokens_per_epoch`` fixes its epoch size
+    (default: the largest every source's share fits in), and ``remix=True`` lets
+    :meth:`load_state_dict` take a state of another mixture (other weights or source caches),
+    continuing from the same epoch and global batch with a warning; without it that is a
+    :class:`~shardcache.errors.StateError` listing the changes.
     """
 
     def __init__(
         self,
-        path: str | os.PathLike[str],
+        path: str | os.PathLike[str] | list[Source],
         max_tokens: int | None = None,
         shuffle: bool | None = None,
         seed: int = 0,
@@ -217,10 +234,11 @@ class ShardDataset(IterableDataset):
         expect: Any = None,
         attention: str | None = None,
         ids_dtype: str = "int32",
+        tokens_per_epoch: int | None = None,
+        remix: bool = False,
         **plan_options: Any,
     ) -> None:
         super().__init__()
-        self.path = os.fspath(path)
         if options is not None:
             if max_tokens is not None or shuffle is not None or plan_options:
                 raise ConfigError(
@@ -244,6 +262,38 @@ class ShardDataset(IterableDataset):
         self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
+        self.remix = remix
+        if isinstance(path, (str, os.PathLike)):
+            self._init_cache(path, expect, tokens_per_epoch)
+        else:
+            self._init_mixture(as_sources(path), expect, tokens_per_epoch)
+        self._plan: tuple[int, EpochPlan] | None = None
+        self._start = 0  # global cursor where the current pass started (set/load/restart)
+        self._consumed = 0  # live global cursor (this process's iteration)
+        self._worker: dict[str, int] | None = None  # worker-level position while iterating
+        self._worker_resume: dict[str, int] | None = None
+        self._loaded = False  # the cursor came from load_state_dict: honour it as it is
+        # the position persistent DataLoader workers start their next pass from, written by
+        # set_epoch / load_state_dict in the main process; _generation is the one this copy's
+        # position came from
+        self._published = _SharedPosition()
+        self._generation = 0
+        #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
+        #: takes the numpy path (the reference: same batches, slower).
+        self.kernels = True
+        self._batch_kernels: kernels.BatchKernels | None = None  # of the current plan
+
+    def _init_cache(
+        self, path: str | os.PathLike[str], expect: Any, tokens_per_epoch: int | None
+    ) -> None:
+        """Open one cache."""
+        if tokens_per_epoch is not None:
+            raise ConfigError(
+                "tokens_per_epoch: applies to a mixture (a list of Source); one cache's epoch "
+                "is all of it. Drop tokens_per_epoch or pass [Source(path)]"
+            )
+        self.path = os.fspath(path)
         cache = Cache(self.path, open_shards=OPEN_SHARDS)
         if expect is not None:
             # refuse a cache built under another key (CacheKeyMismatch names the fields)
@@ -262,21 +312,43 @@ class ShardDataset(IterableDataset):
         # parse and check); spawned workers open their own (__getstate__). A remote one is not:
         # its filesystem client is not fork-safe, and forked DataLoader workers would inherit it
         self._cache: Cache | None = None if is_url(self.path) else cache
-        self._plan: tuple[int, EpochPlan] | None = None
-        self._start = 0  # global cursor where the current pass started (set/load/restart)
-        self._consumed = 0  # live global cursor (this process's iteration)
-        self._worker: dict[str, int] | None = None  # worker-level position while iterating
-        self._worker_resume: dict[str, int] | None = None
-        self._loaded = False  # the cursor came from load_state_dict: honour it as it is
-        # the position persistent DataLoader workers start their next pass from, written by
-        # set_epoch / load_state_dict in the main process; _generation is the one this copy's
-        # position came from
-        self._published = _SharedPosition()
-        self._generation = 0
-        #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
-        #: takes the numpy path (the reference: same batches, slower).
-        self.kernels = True
-        self._batch_kernels: kernels.BatchKernels | None = None  # of the current plan
+
+    def _init_mixture(
+        self, sources: tuple[Source, ...], expect: Any, tokens_per_epoch: int | None
+    ) -> None:
+        """Open a mixture's caches (mixed_cache.py) and fix its per-source targets."""
+        mixed = MixedCache(sources, expect, open_shards=OPEN_SHARDS)
+        digests = tuple(cache_digest(c.manifest) for c in mixed.caches)
+        table = mixed.table(tokens_per_epoch)
+        self._mixture = Mixture(sources, table, mixed.index, digests, tokens_per_epoch)
+        self.path = f"mixture({', '.join(s.label for s in sources)})"
+        self.pad_id = mixed.pad_id
+        mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
+        self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
+        self._lengths = mixed.lengths
+        self._buckets = mixed.buckets()
+        identities = []
+        for cache in mixed.caches:
+            index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
+            table_rows = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
+            identities.append([index_sha, table_rows])
+        known = all(sha for sha, _ in identities)
+        identity = json.dumps([identities, mixture_json, table.tokens_per_epoch])
+        self._data_identity = hashlib.sha256(identity.encode()).hexdigest() if known else ""
+        self._cache = None if mixed.remote else mixed
+
+    @property
+    def mixture(self) -> MixtureTable | None:
+        """A mixture's per-source numbers (documents and tokens available, share, tokens per
+        epoch, repetitions; :class:`~shardcache.read.mixture.SourceShare`), or None for one
+        cache. ``shardcache mix RECIPE`` prints the same table."""
+        return None if self._mixture is None else self._mixture.table
+
+    def _open_cache(self) -> Cache | MixedCache:
+        """This process's reader of the cache (or of a mixture's caches)."""
+        if self._mixture is not None:
+            return MixedCache(self._mixture.sources, open_shards=OPEN_SHARDS)
+        return Cache(self.path, open_shards=OPEN_SHARDS)
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -330,10 +402,14 @@ class ShardDataset(IterableDataset):
             plan = shared_plan(
                 digest,
                 len(self._lengths) if self._data_identity else 0,
-                lambda: plan_epoch(self._lengths, self._buckets, self.options, self.seed, epoch),
+                lambda: self._plan_epoch(epoch),
             )
             self._plan = (epoch, plan)
         return self._plan[1]
+
+    def _plan_epoch(self, epoch: int) -> EpochPlan:
+        args = (self._lengths, self._buckets, self.options, self.seed, epoch)
+        return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
         """How the global batches of an epoch, from global cursor ``start``, go to ranks."""
@@ -423,6 +499,8 @@ class ShardDataset(IterableDataset):
             "consumed": consumed,
             "world_size": self.world_size,
         }
+        if self._mixture is not None:
+            state["mixture"] = self._mixture.state()
         if steps is None and self._worker is not None:
             state["worker"] = dict(self._worker)
         return state
@@ -447,7 +525,8 @@ class ShardDataset(IterableDataset):
                 f"{state.get('version') if isinstance(state, dict) else None!r}; pass what "
                 "ShardDataset.state_dict() returned"
             )
-        if state.get("cache_digest") != self.cache_digest:
+        remixed = self._check_mixture_state(state)
+        if not remixed and state.get("cache_digest") != self.cache_digest:
             raise StateError(
                 f"reader state: it was taken on a cache with digest {state.get('cache_digest')!r}"
                 f" but {self.path!r} has digest {self.cache_digest!r}; the data differ, so the "
@@ -470,6 +549,8 @@ class ShardDataset(IterableDataset):
                 raise StateError(f"reader state: {name}={value!r}, expected an integer >= 0")
         assert isinstance(epoch, int) and isinstance(consumed, int)
         total = len(self.plan(epoch))
+        if remixed:  # another mixture's plan: continue at the same place, within this plan
+            consumed = min(consumed, total)
         their_world = state.get("world_size")
         slack = max(self.world_size, their_world if isinstance(their_world, int) else 1)
         if consumed > total + slack:  # tail="wrap" may run up to world_size - 1 past the end
@@ -487,11 +568,35 @@ class ShardDataset(IterableDataset):
         )
         self._publish()
 
+    def _check_mixture_state(self, state: dict[str, Any]) -> bool:
+        """Whether ``state`` is loaded under another mixture (``remix=True``: warned); a
+        StateError naming the changes when the mixture changed without ``remix=True``."""
+        if self._mixture is None:
+            return False
+        changes = mixture_changes(state.get("mixture"), self._mixture.state())
+        if not changes:
+            return False
+        listed = "; ".join(changes)
+        if not self.remix:
+            raise StateError(
+                f"reader state: the mixture changed ({listed}); its plan uses other documents, "
+                "so the position means another place in the data. Construct the ShardDataset "
+                "with the sources, weights and caches of the state, or pass remix=True to "
+                "continue from the same epoch and batch with the new mixture"
+            )
+        warnings.warn(
+            f"ShardDataset({self.path!r}): remix=True: continuing epoch {state.get('epoch')} at "
+            f"global batch {state.get('consumed')} with the new mixture ({listed}); documents "
+            "before and after that point may repeat or be skipped this epoch",
+            stacklevel=3,
+        )
+        return True
+
     # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
         if self._cache is None:
-            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
+            self._cache = self._open_cache()
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         resume, self._worker_resume = self._worker_resume, None
@@ -580,6 +685,15 @@ class ShardDataset(IterableDataset):
 
     def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors."""
+        batch = self._collate_batch(plan, index)
+        if self._mixture is not None:  # mixture ids -> (source, sample id in the source)
+            meta = batch["meta"]
+            source, local = self._mixture.index.locate(meta["sample_ids"].numpy())
+            meta["sample_ids"] = torch.from_numpy(local)
+            meta["source_ids"] = torch.from_numpy(source)
+        return batch
+
+    def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
         compiled = self._compiled(plan)
         if self.options.mode == "pad":
             made = None
@@ -601,7 +715,7 @@ class ShardDataset(IterableDataset):
         """The tokens (and, for chat caches, loss masks) of segments, concatenated, or with
         ``layout`` placed in padded rows (:meth:`Cache.gather`)."""
         if self._cache is None:
-            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
+            self._cache = self._open_cache()
         cache = self._cache
         return cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
@@ -623,7 +737,7 @@ class ShardDataset(IterableDataset):
         if not self.kernels:
             return None
         if self._cache is None:
-            self._cache = Cache(self.path, open_shards=OPEN_SHARDS)
+            self._cache = self._open_cache()
         cached = self._batch_kernels
         if cached is not None and cached.plan is plan and cached.cache is self._cache:
             return cached

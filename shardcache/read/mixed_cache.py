@@ -1,0 +1,198 @@
+"""The caches of a mixture read as one: checks at open, one id space, gathers across sources.
+
+What this module owns
+---------------------
+:class:`MixedCache` opens every :class:`~shardcache.read.mixture.Source` of a mixture
+(manifests and length indexes only: no shard is read until a batch needs it) and
+
+* refuses sources whose tokenizers differ (the ``tokenizer``, ``special_tokens`` and
+  ``behaviour`` components of the cache key: ids mean the same in every source; templates,
+  truncation and data may differ), with the field-by-field diff, and checks every source's
+  ``expect=``;
+* numbers the sources' sequences in one mixture id space (:class:`~shardcache.read.mixture.
+  MixtureIndex`): the concatenated length index and bucket ids a plan is made from;
+* reads segments given by mixture ids (:meth:`MixedCache.gather`, the :meth:`Cache.gather`
+  contract): each source's segments in one gather from its cache, laid out where asked.
+
+It has no compiled-reader table (:meth:`mapped_table` is None), so a mixture's batches are
+built on the numpy path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from shardcache.errors import CacheKeyMismatch
+from shardcache.read.mixture import MixtureIndex, MixtureTable, Source, solve_mixture
+from shardcache.store.cache import Cache, Gathered
+from shardcache.store.key import CacheKey, compare, verify_manifest_key
+from shardcache.store.remote import is_url
+from shardcache.store.shards import flat_ranges
+
+#: The cache-key components that say what ids mean: they must be equal in every source.
+TOKENIZER_COMPONENTS = ("tokenizer", "special_tokens", "behaviour")
+
+
+def _tokenizer_key(cache: Cache) -> CacheKey:
+    key = cache.manifest.get("key") or {}
+    components = dict(key.get("components") or {})
+    if not components:  # a cache without a key: what its manifest records of the tokenizer
+        components = {"tokenizer": cache.manifest.get("tokenizer")}
+    return CacheKey({name: components.get(name) for name in TOKENIZER_COMPONENTS})
+
+
+def check_same_tokenizer(sources: tuple[Source, ...], caches: list[Cache]) -> None:
+    """Raise :class:`CacheKeyMismatch` unless every source was built with the first source's
+    tokenizer (and pad id), naming the fields that differ.
+
+    Args:
+        sources: the mixture's sources.
+        caches: their opened caches, in the same order.
+
+    Raises:
+        CacheKeyMismatch: a source's tokenizer components differ from the first's.
+    """
+    first = _tokenizer_key(caches[0])
+    skip = tuple(n for n in ("template", "truncation", "data", "versions"))
+    for source, cache in zip(sources[1:], caches[1:]):
+        comparison = compare(first, _tokenizer_key(cache), skip=skip)
+        changed = [d for d in comparison.differences if d.severity == "changed"]
+        if cache.pad_id != caches[0].pad_id and not changed:
+            changed = []
+            message = f"  changed  pad_id: {caches[0].pad_id} -> {cache.pad_id}"
+        elif changed:
+            message = comparison.describe()
+        else:
+            continue
+        raise CacheKeyMismatch(
+            f"mixture: source {source.label!r} ({source.path}) was built with another tokenizer "
+            f"than source {sources[0].label!r} ({sources[0].path}); ids would mean different "
+            f"tokens in one batch:\n{message}\nrebuild it with the same tokenizer (templates, "
+            "truncation and data may differ), or train on the sources separately",
+            [(d.component, d.field, d.old, d.new) for d in changed],
+        )
+
+
+class MixedCache:
+    """The caches of a mixture, read through one mixture id space (see the module docstring).
+
+    Args:
+        sources: the mixture's sources.
+        expect: the ``expect=`` of sources that give none (see ``ShardDataset``).
+        open_shards: open shards kept per source cache.
+
+    Raises:
+        CacheNotFoundError: a source path holds no cache.
+        CacheKeyMismatch: a source fails its ``expect=`` or has another tokenizer.
+    """
+
+    def __init__(
+        self, sources: tuple[Source, ...], expect: Any = None, open_shards: int = 8
+    ) -> None:
+        self.sources = sources
+        self.caches = [Cache(s.path, open_shards=open_shards) for s in sources]
+        for source, cache in zip(sources, self.caches):
+            wanted = source.expect if source.expect is not None else expect
+            if wanted is not None:
+                verify_manifest_key(cache.manifest, wanted, source.path)
+        check_same_tokenizer(sources, self.caches)
+        self.index = MixtureIndex.of([c.num_sequences for c in self.caches])
+        self.dtype = np.result_type(*(c.dtype for c in self.caches))
+        self._lengths: np.ndarray | None = None
+
+    @property
+    def remote(self) -> bool:
+        """Whether any source is a URL (object storage)."""
+        return any(is_url(s.path) for s in self.sources)
+
+    @property
+    def pad_id(self) -> int:
+        return self.caches[0].pad_id
+
+    @property
+    def has_mask(self) -> bool:
+        """True when any source is a chat cache (the others' tokens all have a loss)."""
+        return any(c.has_mask for c in self.caches)
+
+    @property
+    def num_sequences(self) -> int:
+        return int(self.index.offsets[-1])
+
+    @property
+    def lengths(self) -> np.ndarray:
+        """Every mixture id's length: the sources' length indexes, concatenated."""
+        if self._lengths is None:
+            kind = np.result_type(*(c.lengths.dtype for c in self.caches))
+            self._lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in self.caches])
+        return self._lengths
+
+    def buckets(self) -> np.ndarray:
+        """Every mixture id's bucket. Sources with the same bucket edges keep their ids (the
+        pad planner then sorts documents of all sources into one bucket's windows); with other
+        edges, every length is bucketed again by the union of the sources' edges."""
+        ranges = [c.manifest.get("buckets", {}).get("ranges") for c in self.caches]
+        if all(r == ranges[0] for r in ranges):
+            return np.concatenate([c.buckets() for c in self.caches])
+        edges = sorted({int(high) for r in ranges for _, high in (r or []) if high is not None})
+        return np.searchsorted(np.asarray(edges, dtype=np.int64), self.lengths).astype(np.int32)
+
+    def table(self, tokens_per_epoch: int | None = None) -> MixtureTable:
+        """The per-source targets (:func:`~shardcache.read.mixture.solve_mixture`)."""
+        documents = [c.num_sequences for c in self.caches]
+        tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
+        return solve_mixture(self.sources, documents, tokens, tokens_per_epoch)
+
+    def mapped_table(self) -> None:
+        """No compiled-reader table: a mixture is read on the numpy path."""
+        return None
+
+    def gather(
+        self,
+        sample_ids: np.ndarray,
+        starts: np.ndarray | None = None,
+        lengths: np.ndarray | None = None,
+        with_mask: bool = False,
+        dtype: np.dtype | type | None = None,
+        layout: tuple[np.ndarray, int] | None = None,
+        fill: int = 0,
+    ) -> Gathered:
+        """:meth:`Cache.gather` over mixture ids: each source's segments are gathered from
+        its cache in one call and placed where the combined result puts them."""
+        ids = np.asarray(sample_ids, dtype=np.int64)
+        source, local = self.index.locate(ids)
+        if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):
+            bad = int(ids[(ids < 0) | (ids >= self.num_sequences)][0])
+            raise IndexError(
+                f"mixture id {bad} out of range: the mixture holds {self.num_sequences}"
+            )
+        first = np.zeros(len(ids), np.int64) if starts is None else np.asarray(starts, np.int64)
+        take = (
+            self.lengths[ids].astype(np.int64) - first
+            if lengths is None
+            else np.asarray(lengths, dtype=np.int64)
+        )
+        offsets = np.zeros(len(ids) + 1, dtype=np.int64)
+        np.cumsum(take, out=offsets[1:])
+        touched = np.unique(source)
+        if len(touched) == 1:  # one source: its own gather does the whole layout
+            s = int(touched[0])
+            got = self.caches[s].gather(local, first, take, with_mask, dtype, layout, fill)
+            return Gathered(got.tokens, offsets, got.mask)
+        out_dtype = self.dtype if dtype is None else dtype
+        if layout is None:
+            dst, size = offsets[:-1], int(offsets[-1])
+            tokens = np.empty(size, dtype=out_dtype)
+        else:
+            dst, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
+            tokens = np.full(size, fill, dtype=out_dtype)
+        mask = np.zeros(size, dtype=bool) if with_mask else None
+        for s in touched.tolist():
+            sel = np.flatnonzero(source == s)
+            got = self.caches[s].gather(local[sel], first[sel], take[sel], with_mask, dtype)
+            where = flat_ranges(dst[sel], take[sel])
+            tokens[where] = got.tokens
+            if mask is not None and got.mask is not None:
+                mask[where] = got.mask
+        return Gathered(tokens, offsets, mask)

@@ -1,0 +1,519 @@
+"""Weighted mixtures of caches: which documents of each source an epoch uses (pure numpy).
+
+What this module owns
+---------------------
+A mixture is a list of :class:`Source` (a cache path, a ``weight``, a ``max_repetitions``
+cap) and an optional ``tokens_per_epoch``. :func:`solve_mixture` turns the sources' sizes into
+per-source token targets (:class:`MixtureTable`, what ``ShardDataset.mixture`` and
+``shardcache mix`` show); :func:`epoch_documents` picks, for one epoch, the whole documents
+that meet a source's target; :func:`mixture_epoch_plan` runs the single-cache planner
+(:func:`~shardcache.read.plan.plan_epoch`) over the documents every source contributes, so
+pad/pack, equal batches per rank, worker invariance and resume come from the same machinery.
+Nothing here reads a file.
+
+What the numbers mean
+---------------------
+* ``weight`` is a share of **tokens** delivered per epoch; weights are normalised to sum 1
+  (``share``).
+* ``max_repetitions`` caps how many times a source's tokens are used in one epoch: 1 (the
+  default) uses each document at most once, 3 lets a small source be upsampled up to three
+  whole passes, 0.5 uses at most half of it.
+* ``tokens_per_epoch`` (optional) fixes the epoch size ``E``; without it ``E`` is the largest
+  epoch in which every source's share fits: ``E = min(tokens_s * max_repetitions_s /
+  share_s)``. Source ``s`` then contributes ``target_s = round(share_s * E)`` tokens, that is
+  ``repetitions_s = target_s / tokens_s`` passes over it; a target above ``tokens_s *
+  max_repetitions_s`` is a :class:`ConfigError` naming the source and the options that fix it.
+
+Which documents
+---------------
+A source with ``repetitions = k + f`` (``k`` whole, ``0 <= f < 1``) contributes every document
+``k`` times plus a *window* of about ``f * tokens`` tokens of whole documents. The window is a
+stretch of a fixed permutation of the source (seeded by the mixture seed and the source's
+key digest), read cyclically: epoch ``e`` takes the documents whose boundaries lie nearest to
+token positions ``e * r`` and ``(e + 1) * r`` of the endless cyclic stream (``r = target - k *
+tokens``). So consecutive epochs use different documents, every document is used within
+``ceil(tokens / r) + 1`` epochs, no document is used more than ``k + 1`` times in an epoch,
+and an epoch's tokens of a source are within one longest document of its target.
+
+Sample ids
+----------
+The sources' documents are numbered in one *mixture id space*: source ``s``'s local sample
+``i`` is ``offsets[s] + i`` (:class:`MixtureIndex`). An epoch's chosen documents (a document
+used twice appears twice) are planned like a cache whose sequences they are; the plan's
+``sample_ids`` are mixture ids, which :meth:`MixtureIndex.locate` maps back to
+``(source, local id)``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.errors import ConfigError
+from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
+
+
+@dataclass(frozen=True)
+class Source:
+    """One cache of a mixture (validated at construction).
+
+    Args:
+        path: the cache folder or URL (``s3://...``), as for a single-cache ``ShardDataset``.
+        weight: the source's share of the tokens of an epoch, before normalisation (> 0).
+        max_repetitions: how many times the source's tokens may be used in one epoch (> 0;
+            above 1 upsamples).
+        name: a label for tables, states and errors (default: the path's last part).
+        expect: as ``ShardDataset(expect=...)``, for this source only: a ``CacheKey``, a lock
+            file path or a mapping of tokenizer options the cache must have been built with.
+
+    Raises:
+        ConfigError: a value out of range.
+    """
+
+    path: str
+    weight: float = 1.0
+    max_repetitions: float = 1.0
+    name: str | None = None
+    expect: Any = None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
+            raise ConfigError(f"Source.path: got {self.path!r}, expected a cache path or URL")
+        object.__setattr__(self, "path", os.fspath(self.path))
+        for field in ("weight", "max_repetitions"):
+            value = getattr(self, field)
+            if (
+                isinstance(value, bool)
+                or not isinstance(value, (int, float))
+                or not math.isfinite(value)
+                or value <= 0
+            ):
+                raise ConfigError(
+                    f"Source({self.path!r}).{field}: got {value!r}, expected a number > 0"
+                )
+        if self.name is not None and (not isinstance(self.name, str) or not self.name):
+            raise ConfigError(f"Source({self.path!r}).name: got {self.name!r}, expected a text")
+
+    @property
+    def label(self) -> str:
+        """The name, or the last part of the path."""
+        if self.name:
+            return self.name
+        tail = self.path.rstrip("/").rsplit("/", 1)[-1]
+        return tail or self.path
+
+
+def as_sources(value: Any) -> tuple[Source, ...]:
+    """``value`` (a list of :class:`Source`, paths, or ``{"path": ..., ...}`` mappings) as
+    sources with unique labels.
+
+    Raises:
+        ConfigError: an empty list, an entry of another type, or two sources with one label.
+    """
+    if isinstance(value, (str, os.PathLike)) or not hasattr(value, "__iter__"):
+        raise ConfigError(f"sources: got {type(value).__name__}, expected a list of Source")
+    sources = []
+    for item in value:
+        if isinstance(item, Source):
+            sources.append(item)
+        elif isinstance(item, (str, os.PathLike)):
+            sources.append(Source(os.fspath(item)))
+        elif isinstance(item, dict):
+            try:
+                sources.append(Source(**item))
+            except TypeError as err:
+                raise ConfigError(
+                    f"source {item!r}: {err}; the fields are path, weight, max_repetitions, "
+                    "name, expect"
+                ) from None
+        else:
+            raise ConfigError(
+                f"sources: got an entry {item!r}; give Source(...) objects, paths or mappings"
+            )
+    if not sources:
+        raise ConfigError("sources: the mixture is empty; give at least one Source")
+    labels = [s.label for s in sources]
+    twice = sorted({x for x in labels if labels.count(x) > 1})
+    if twice:
+        raise ConfigError(
+            f"sources: the label(s) {twice} name several sources; give each a unique "
+            "Source(name=...)"
+        )
+    return tuple(sources)
+
+
+# --------------------------------------------------------------------------------------------
+# Targets
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class SourceShare:
+    """One source's row of a :class:`MixtureTable` (see the module docstring).
+
+    ``documents`` / ``tokens``: what the cache holds; ``share``: the normalised weight;
+    ``tokens_per_epoch``: the target tokens of an epoch; ``repetitions``:
+    ``tokens_per_epoch / tokens`` (below 1: a subsample that changes every epoch; above 1:
+    upsampled).
+    """
+
+    name: str
+    path: str
+    documents: int
+    tokens: int
+    weight: float
+    share: float
+    max_repetitions: float
+    tokens_per_epoch: int
+    repetitions: float
+
+    def to_json(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+@dataclass(frozen=True)
+class MixtureTable:
+    """Per-source targets of a mixture and the epoch size they add up to."""
+
+    sources: tuple[SourceShare, ...]
+    tokens_per_epoch: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "tokens_per_epoch": self.tokens_per_epoch,
+            "sources": [s.to_json() for s in self.sources],
+        }
+
+    def format(self) -> str:
+        """The table as aligned text (what ``shardcache mix`` prints)."""
+        head = ("source", "documents", "tokens", "share", "tokens/epoch", "repetitions", "max")
+        rows = [
+            (
+                s.name,
+                f"{s.documents:,}",
+                f"{s.tokens:,}",
+                f"{s.share:.4f}",
+                f"{s.tokens_per_epoch:,}",
+                f"{s.repetitions:.4f}",
+                f"{s.max_repetitions:g}",
+            )
+            for s in self.sources
+        ]
+        widths = [max(len(r[i]) for r in (head, *rows)) for i in range(len(head))]
+        lines = [
+            "  ".join(
+                c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(r, widths))
+            )
+            for r in (head, *rows)
+        ]
+        lines.append(f"tokens per epoch: {self.tokens_per_epoch:,}")
+        return "\n".join(lines)
+
+
+def solve_mixture(
+    sources: tuple[Source, ...],
+    documents: list[int],
+    tokens: list[int],
+    tokens_per_epoch: int | None = None,
+) -> MixtureTable:
+    """Per-source token targets of an epoch (see the module docstring).
+
+    Args:
+        sources: the mixture's sources.
+        documents: per source, the sequences its cache holds.
+        tokens: per source, the tokens its cache holds.
+        tokens_per_epoch: the epoch size; None: the largest in which every share fits.
+
+    Returns:
+        The table of targets.
+
+    Raises:
+        ConfigError: an empty source, or a share that needs more than ``tokens x
+            max_repetitions`` of its source (naming the source, its tokens, the tokens
+            needed and the options that fix it).
+    """
+    if tokens_per_epoch is not None and (
+        isinstance(tokens_per_epoch, bool)
+        or not isinstance(tokens_per_epoch, int)
+        or tokens_per_epoch < 1
+    ):
+        raise ConfigError(
+            f"tokens_per_epoch: got {tokens_per_epoch!r}, expected an integer >= 1 (or None: "
+            "the largest epoch every source's share fits in)"
+        )
+    total_weight = float(sum(s.weight for s in sources))
+    shares = [s.weight / total_weight for s in sources]
+    for s, n in zip(sources, tokens):
+        if n <= 0:
+            raise ConfigError(
+                f"source {s.label!r} ({s.path}): the cache holds no tokens, so it cannot give "
+                "its share; remove it from the mixture or rebuild it"
+            )
+    caps = [s.max_repetitions * n for s, n in zip(sources, tokens)]
+    if tokens_per_epoch is None:
+        epoch = min(math.floor(cap / share) for cap, share in zip(caps, shares))
+    else:
+        epoch = tokens_per_epoch
+        for s, n, cap, share in zip(sources, tokens, caps, shares):
+            needed = share * epoch
+            if needed > cap + 0.5:
+                most = math.floor(min(c / sh for c, sh in zip(caps, shares)))
+                raise ConfigError(
+                    f"source {s.label!r} ({s.path}): its share {share:.4f} of tokens_per_epoch="
+                    f"{epoch:,} needs {round(needed):,} tokens but it holds {n:,} and "
+                    f"max_repetitions={s.max_repetitions:g} allows {math.floor(cap):,}; raise "
+                    f"its max_repetitions to >= {needed / n:.4g}, lower its weight, or lower "
+                    f"tokens_per_epoch to <= {most:,} (or leave it unset: the largest epoch "
+                    "that fits)"
+                )
+    rows = []
+    for s, docs, n, cap, share in zip(sources, documents, tokens, caps, shares):
+        target = min(round(share * epoch), math.floor(cap))
+        rows.append(
+            SourceShare(
+                name=s.label,
+                path=s.path,
+                documents=int(docs),
+                tokens=int(n),
+                weight=float(s.weight),
+                share=share,
+                max_repetitions=float(s.max_repetitions),
+                tokens_per_epoch=int(target),
+                repetitions=target / n,
+            )
+        )
+    return MixtureTable(tuple(rows), int(epoch))
+
+
+# --------------------------------------------------------------------------------------------
+# Documents of an epoch
+# --------------------------------------------------------------------------------------------
+
+
+def source_seed(digest: str) -> int:
+    """A 64-bit integer from a source's key digest: its permutation does not depend on its
+    place in the list, so adding or reordering sources leaves the others' windows alone."""
+    return int.from_bytes(hashlib.sha256(digest.encode()).digest()[:8], "little")
+
+
+def _nearest_boundary(bounds: np.ndarray, position: int) -> int:
+    """The index of the entry of sorted ``bounds`` (cumulative tokens, from 0) nearest to
+    ``position``; ties go to the lower one."""
+    i = int(np.searchsorted(bounds, position, side="left"))
+    if i == 0:
+        return 0
+    if i >= len(bounds):
+        return len(bounds) - 1
+    return i if int(bounds[i]) - position < position - int(bounds[i - 1]) else i - 1
+
+
+def epoch_documents(
+    lengths: np.ndarray, target: int, seed: int, key: int, epoch: int
+) -> np.ndarray:
+    """The local sample ids a source contributes to ``epoch`` (whole passes + a window).
+
+    Args:
+        lengths: the source's sequence lengths (its length index).
+        target: the tokens the source gives an epoch (``SourceShare.tokens_per_epoch``).
+        seed: the mixture's seed.
+        key: the source's permutation key (:func:`source_seed`).
+        epoch: the epoch.
+
+    Returns:
+        int64 local ids, whole passes first (in id order), then the window (in permutation
+        order); a document used ``j`` times appears ``j`` times.
+    """
+    n = len(lengths)
+    total = int(np.sum(lengths, dtype=np.int64))
+    if n == 0 or target <= 0:
+        return np.zeros(0, dtype=np.int64)
+    passes, rest = divmod(int(target), total)
+    parts = [np.tile(np.arange(n, dtype=np.int64), passes)] if passes else []
+    if rest:
+        order = np.random.default_rng([seed, key]).permutation(n).astype(np.int64)
+        bounds = np.zeros(n + 1, dtype=np.int64)
+        np.cumsum(lengths[order], out=bounds[1:])
+
+        def boundary(position: int) -> int:  # a document index in the endless cyclic stream
+            cycle, inside = divmod(position, total)
+            return cycle * n + _nearest_boundary(bounds, inside)
+
+        first = boundary(epoch * rest)
+        last = min(boundary((epoch + 1) * rest), first + n)  # never a document twice
+        taken = np.arange(first, last, dtype=np.int64) % n
+        parts.append(order[taken])
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+@dataclass(frozen=True)
+class MixtureIndex:
+    """The mixture id space: source ``s`` holds mixture ids ``offsets[s] : offsets[s + 1]``."""
+
+    offsets: np.ndarray  # int64, one per source + 1
+
+    @classmethod
+    def of(cls, documents: list[int]) -> MixtureIndex:
+        offsets = np.zeros(len(documents) + 1, dtype=np.int64)
+        np.cumsum(np.asarray(documents, dtype=np.int64), out=offsets[1:])
+        return cls(offsets)
+
+    def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(source, local id)`` of mixture ids (int64 each); a negative id (padding) gives
+        ``(-1, -1)``."""
+        ids = np.asarray(ids, dtype=np.int64)
+        source = np.searchsorted(self.offsets, ids, side="right") - 1
+        pad = ids < 0
+        local = ids - self.offsets[np.where(pad, 0, source)]
+        return np.where(pad, -1, source), np.where(pad, -1, local)
+
+
+def mixture_documents(
+    lengths: np.ndarray,
+    index: MixtureIndex,
+    table: MixtureTable,
+    keys: tuple[int, ...],
+    seed: int,
+    epoch: int,
+) -> np.ndarray:
+    """The mixture ids an epoch plans over: every source's :func:`epoch_documents`, shifted
+    into the mixture id space (int64).
+
+    Args:
+        lengths: every mixture id's length.
+        index: the mixture id space.
+        table: the per-source targets.
+        keys: per source, its permutation key (:func:`source_seed`).
+        seed: the mixture's seed.
+        epoch: the epoch.
+
+    Returns:
+        The chosen mixture ids, source by source.
+    """
+    parts = []
+    for s, (row, key) in enumerate(zip(table.sources, keys)):
+        lo, hi = int(index.offsets[s]), int(index.offsets[s + 1])
+        parts.append(epoch_documents(lengths[lo:hi], row.tokens_per_epoch, seed, key, epoch) + lo)
+    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+
+
+def mixture_epoch_plan(
+    lengths: np.ndarray,
+    buckets: np.ndarray,
+    chosen: np.ndarray,
+    options: PlanOptions,
+    seed: int,
+    epoch: int,
+) -> EpochPlan:
+    """The global batches of a mixture's epoch: :func:`plan_epoch` over the ``chosen``
+    documents (mixture ids, repeats included), its sample ids mapped back to mixture ids.
+
+    Args:
+        lengths: every mixture id's length (the sources' length indexes, concatenated).
+        buckets: every mixture id's bucket.
+        chosen: the epoch's documents (:func:`mixture_documents`).
+        options: the batch options.
+        seed: the seed.
+        epoch: the epoch.
+
+    Returns:
+        The plan; its ``sample_ids`` are mixture ids.
+    """
+    plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
+    return EpochPlan(
+        plan.batch_offsets,
+        chosen[plan.sample_ids],
+        plan.row_offsets,
+        plan.seg_starts,
+        plan.seg_lengths,
+    )
+
+
+@dataclass(frozen=True)
+class Mixture:
+    """A mixture as a reader plans it: its sources, their targets, their id space and their
+    cache-key digests (picklable; what every DataLoader worker needs to plan an epoch).
+
+    Args:
+        sources: the sources.
+        table: their targets (:func:`solve_mixture`).
+        index: the mixture id space.
+        digests: per source, the cache-key digest (keys the source's permutation).
+        tokens_per_epoch: the epoch size asked for (None: the largest that fits).
+    """
+
+    sources: tuple[Source, ...]
+    table: MixtureTable
+    index: MixtureIndex
+    digests: tuple[str, ...]
+    tokens_per_epoch: int | None = None
+
+    def documents(self, lengths: np.ndarray, seed: int, epoch: int) -> np.ndarray:
+        """The mixture ids ``epoch`` plans over (:func:`mixture_documents`)."""
+        keys = tuple(source_seed(d) for d in self.digests)
+        return mixture_documents(lengths, self.index, self.table, keys, seed, epoch)
+
+    def plan(
+        self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
+    ) -> EpochPlan:
+        """The global batches of ``epoch`` (:func:`mixture_epoch_plan`); sample ids are
+        mixture ids."""
+        chosen = self.documents(lengths, seed, epoch)
+        return mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+
+    def state(self) -> dict[str, Any]:
+        """What a reader state records of the mixture (JSON-able)."""
+        return {
+            "tokens_per_epoch": self.tokens_per_epoch,
+            "sources": [
+                {
+                    "name": s.label,
+                    "digest": d,
+                    "weight": float(s.weight),
+                    "max_repetitions": float(s.max_repetitions),
+                }
+                for s, d in zip(self.sources, self.digests)
+            ],
+        }
+
+
+def mixture_changes(theirs: Any, ours: dict[str, Any]) -> list[str]:
+    """The differences between a recorded :meth:`Mixture.state` and the current one, one line
+    each (``source 'code': weight 0.3 -> 0.4``); empty when they are the same.
+
+    Args:
+        theirs: the state's ``"mixture"`` entry (anything: a damaged or missing one differs).
+        ours: the current :meth:`Mixture.state`.
+
+    Returns:
+        The changed fields, as text.
+    """
+    if not isinstance(theirs, dict):
+        return [f"mixture: {theirs!r} -> {len(ours['sources'])} sources"]
+    lines = []
+    if theirs.get("tokens_per_epoch") != ours["tokens_per_epoch"]:
+        lines.append(
+            f"tokens_per_epoch: {theirs.get('tokens_per_epoch')!r} -> {ours['tokens_per_epoch']!r}"
+        )
+    before = {s.get("name"): s for s in theirs.get("sources") or [] if isinstance(s, dict)}
+    after = {s["name"]: s for s in ours["sources"]}
+    for name in [*after, *(n for n in before if n not in after)]:
+        old, new = before.get(name), after.get(name)
+        if old is None:
+            lines.append(f"source {name!r}: added")
+        elif new is None:
+            lines.append(f"source {name!r}: removed")
+        else:
+            for field in ("digest", "weight", "max_repetitions"):
+                if old.get(field) != new[field]:
+                    what = "cache (key digest)" if field == "digest" else field
+                    lines.append(f"source {name!r}: {what} {old.get(field)!r} -> {new[field]!r}")
+    if not lines and [s.get("name") for s in theirs.get("sources") or []] != list(after):
+        lines.append(
+            f"source order: {[s.get('name') for s in theirs.get('sources') or []]} -> {list(after)}"
+        )
+    return lines

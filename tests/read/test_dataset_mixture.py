@@ -1,0 +1,312 @@
+"""ShardDataset over a mixture of caches: token shares, repetition caps, rotation of a
+subsample, ranks x workers, elastic resume, tokenizer and state checks."""
+
+from __future__ import annotations
+
+import collections
+import gc
+import itertools
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from conftest import make_texts, write_records
+from shardcache import CacheKeyMismatch, ConfigError, ShardDataset, StateError, open_cache
+from shardcache.read.mixture import MixtureIndex, Source
+from shardcache.store.key import CacheKey
+
+BUILD = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "workers": 1}
+
+
+def _build(root, name: str, tokenizer: str, docs: int, seed: int) -> str:
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = root / f"corpus-{name}"
+    folder.mkdir()
+    texts = make_texts(docs, seed=seed)
+    write_records(str(folder / "part.jsonl"), [{"text": t} for t in texts], "jsonl")
+    out = str(root / name)
+    values = {"input": str(folder), "tokenizer": tokenizer, "output": out, **BUILD}
+    build_cache(build_options_from_mapping(values))
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    """Three caches of different data, one tokenizer: web (large), code, math (small)."""
+    root = tmp_path_factory.mktemp("mixture")
+    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
+    return {name: _build(root, name, tokenizer_dir, d, s) for name, (d, s) in sizes.items()}
+
+
+def _sources(caches, web=0.5, code=0.3, math_=0.2) -> list[Source]:
+    return [
+        Source(caches["web"], weight=web),
+        Source(caches["code"], weight=code, max_repetitions=2),
+        Source(caches["math"], weight=math_, max_repetitions=3),
+    ]
+
+
+PACKED = {"mode": "pack", "seq_len": 64, "attention": "none"}
+CONCAT = {"mode": "pack", "seq_len": 48, "packing": "concat", "attention": "none"}
+
+
+def _segments(batch) -> list[tuple[int, int, int]]:
+    """(source, sample id, tokens) of every row (pad) or segment (pack), padding left out."""
+    meta = batch["meta"]
+    if "cu_seqlens" in meta:
+        lengths = (meta["cu_seqlens"][1:] - meta["cu_seqlens"][:-1]).tolist()
+    else:
+        lengths = batch["attention_mask"].sum(dim=1).tolist()
+    pairs = zip(meta["source_ids"].tolist(), meta["sample_ids"].tolist(), lengths)
+    return [(s, i, n) for s, i, n in pairs if s >= 0]
+
+
+def _key(batch) -> tuple[tuple[int, int], ...]:
+    return tuple((s, i) for s, i, _ in _segments(batch))
+
+
+def _plan_keys(ds: ShardDataset, batches) -> list[tuple[tuple[int, int], ...]]:
+    index = MixtureIndex.of([s.documents for s in ds.mixture.sources])
+    plan = ds.plan()
+    keys = []
+    for b in batches:
+        source, local = index.locate(plan.batch(int(b)))
+        keys.append(tuple(zip(source.tolist(), local.tolist())))
+    return keys
+
+
+@pytest.mark.parametrize("extra", [{}, PACKED, CONCAT], ids=["pad", "best_fit", "concat"])
+def test_token_shares_over_an_epoch_equal_the_plan_and_the_weights(caches, extra):
+    ds = ShardDataset(_sources(caches), max_tokens=256, seed=3, **extra)
+    table = ds.mixture
+    delivered = collections.Counter()
+    opened = [open_cache(s.path) for s in table.sources]
+    for batch in ds:
+        meta = batch["meta"]
+        assert meta["source_ids"].shape == meta["sample_ids"].shape
+        assert meta["source_ids"].dtype == torch.int64
+        for s, _, n in _segments(batch):
+            delivered[s] += n
+        if not extra:  # pad rows are whole sequences of their source
+            for row, (s, i) in enumerate(_key(batch)):
+                want = np.asarray(opened[s].read(i), dtype=np.int64)
+                assert batch["input_ids"][row, : len(want)].tolist() == want.tolist()
+    lengths = [np.asarray(c.lengths, dtype=np.int64) for c in opened]
+    index = MixtureIndex.of([len(x) for x in lengths])
+    source, local = index.locate(ds.plan().sample_ids)
+    planned = collections.Counter()
+    plan = ds.plan()
+    pieces = (
+        plan.seg_lengths
+        if plan.seg_lengths is not None
+        else np.array([lengths[s][i] for s, i in zip(source, local)])
+    )
+    for s, n in zip(source.tolist(), pieces.tolist()):
+        planned[s] += n
+    assert delivered == planned  # one rank, tail "drop" drops nothing: the whole plan
+    for s, row in enumerate(table.sources):
+        assert abs(delivered[s] - row.share * table.tokens_per_epoch) <= lengths[s].max() + 1
+    assert len(delivered) == 3
+
+
+def test_pack_segments_read_the_right_tokens_of_their_source(caches):
+    ds = ShardDataset(_sources(caches), max_tokens=256, seed=1, **CONCAT)
+    opened = [open_cache(s.path) for s in ds.mixture.sources]
+    for batch in ds:
+        meta = batch["meta"]
+        flat = batch["input_ids"].reshape(-1).tolist()
+        bounds = meta["cu_seqlens"].tolist()
+        for k, (s, i, at) in enumerate(
+            zip(meta["source_ids"].tolist(), meta["sample_ids"].tolist(),
+                meta["sample_offsets"].tolist())
+        ):  # fmt: skip
+            if s < 0:
+                continue
+            piece = flat[bounds[k] : bounds[k + 1]]
+            assert piece == np.asarray(opened[s].read(i))[at : at + len(piece)].tolist()
+
+
+def test_max_repetitions_is_never_exceeded_and_upsampling_repeats_whole_passes(caches):
+    sources = [
+        Source(caches["web"], weight=0.2),
+        Source(caches["math"], weight=0.8, max_repetitions=3),
+    ]
+    ds = ShardDataset(sources, max_tokens=256, seed=0)
+    web, math_ = ds.mixture.sources
+    assert math_.repetitions == 3.0 and web.repetitions < 1
+    for epoch in range(3):
+        ds.set_epoch(epoch)
+        uses = collections.Counter(k for batch in ds for k in _key(batch))
+        assert max(n for (s, _), n in uses.items() if s == 0) == 1
+        assert {n for (s, _), n in uses.items() if s == 1} == {3}
+        assert sum(1 for s, _ in uses if s == 1) == math_.documents
+
+
+def test_a_subsampled_source_shows_other_documents_each_epoch_and_all_in_time(caches):
+    ds = ShardDataset(_sources(caches), max_tokens=256, seed=0, tokens_per_epoch=1500)
+    web = ds.mixture.sources[0]
+    assert web.repetitions < 0.5
+    seen, epochs = set(), []
+    for epoch in range(math.ceil(1 / web.repetitions) + 1):
+        ds.set_epoch(epoch)
+        docs = {i for batch in ds for s, i in _key(batch) if s == 0}
+        epochs.append(docs)
+        seen |= docs
+    assert all(a != b for a, b in itertools.pairwise(epochs))
+    assert seen == set(range(web.documents))
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_ranks_and_workers_get_equal_batches_whose_union_is_the_plan(caches, world, num_workers):
+    streams = []
+    for rank in range(world):
+        ds = ShardDataset(_sources(caches), 256, seed=4, rank=rank, world_size=world)
+        loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
+        streams.append([_key(b) for b in loader])
+        assert streams[-1] == _plan_keys(ds, ds.split().for_rank(rank))
+    assert len({len(s) for s in streams}) == 1
+    whole = ShardDataset(_sources(caches), 256, seed=4)
+    kept = len(whole.plan()) - len(whole.plan()) % world
+    assert sorted(k for s in streams for k in s) == sorted(_plan_keys(whole, range(kept)))
+    uses = collections.Counter(k for s in streams for b in s for k in b)
+    caps = [math.ceil(r.repetitions) for r in whole.mixture.sources]
+    assert all(n <= caps[s] for (s, _), n in uses.items())
+
+
+def _resume_stream(make, world, new_world, num_workers, new_workers, steps, how):
+    """Every rank of ``world`` takes ``steps`` batches, rank 0's state resumes ``new_world``
+    ranks; returns (delivered before, delivered after)."""
+    head, state = [], None
+    for rank in range(world):
+        ds = make(rank, world)
+        if how == "stateful":
+            from torchdata.stateful_dataloader import StatefulDataLoader
+
+            loader = StatefulDataLoader(ds, batch_size=None, num_workers=num_workers)
+            it = iter(loader)
+            head += [_key(next(it)) for _ in range(steps)]
+            taken = json.loads(json.dumps(loader.state_dict()))
+            del it, loader
+            gc.collect()
+        elif how == "dataloader":
+            loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
+            it = iter(loader)
+            head += [_key(next(it)) for _ in range(steps)]
+            taken = json.loads(json.dumps(ds.state_dict(steps=steps)))
+            del it, loader
+            gc.collect()
+        else:  # a plain loop in-process
+            it = iter(ds)
+            head += [_key(next(it)) for _ in range(steps)]
+            taken = json.loads(json.dumps(ds.state_dict()))
+        state = state or taken
+    rest = []
+    for rank in range(new_world):
+        ds = make(rank, new_world)
+        ds.load_state_dict(state)
+        rest += [_key(b) for b in DataLoader(ds, batch_size=None, num_workers=new_workers)]
+    return head, rest
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("how", ["loop", "dataloader", "stateful"])
+@pytest.mark.parametrize("extra", [{}, PACKED], ids=["pad", "pack"])
+def test_resume_at_another_world_size_and_workers_gives_the_remainder(caches, how, extra):
+    def make(rank, world):
+        return ShardDataset(_sources(caches), 256, seed=6, rank=rank, world_size=world, **extra)
+
+    plan = make(0, 1).plan()
+    rng = np.random.default_rng(len(how) + len(extra))
+    workers = 0 if how == "loop" else 2
+    for steps in sorted({1, int(rng.integers(2, make(0, 2).batches_per_rank()))}):
+        head, rest = _resume_stream(make, 2, 3, workers, 0, steps, how)
+        tail = (len(plan) - 2 * steps) % 3
+        expected = _plan_keys(make(0, 1), range(len(plan) - tail))
+        assert sorted(head + rest) == sorted(expected), f"after {steps} steps"
+        assert len(head) == 2 * steps
+
+
+def test_sources_with_another_tokenizer_are_refused_with_the_diff(
+    caches, tmp_path, bos_tokenizer_dir
+):
+    other = _build(tmp_path, "bos", bos_tokenizer_dir, 10, 9)
+    with pytest.raises(CacheKeyMismatch, match=r"'bos'.*another tokenizer") as err:
+        ShardDataset([Source(caches["web"]), Source(other)], max_tokens=256)
+    assert "tokenizer." in str(err.value)  # the changed fields are listed
+    assert err.value.differences
+
+
+def test_expect_is_checked_per_source(caches, tmp_path, bos_tokenizer_dir):
+    other = _build(tmp_path, "bos", bos_tokenizer_dir, 10, 9)
+    wrong = CacheKey.from_json(open_cache(other).manifest["key"])
+    right = CacheKey.from_json(open_cache(caches["code"]).manifest["key"])
+    ShardDataset([Source(caches["web"]), Source(caches["code"], expect=right)], 256)
+    with pytest.raises(CacheKeyMismatch, match="code"):
+        ShardDataset([Source(caches["web"]), Source(caches["code"], expect=wrong)], 256)
+
+
+def test_a_changed_weight_is_refused_unless_remix(caches):
+    ds = ShardDataset(_sources(caches), 256, seed=2)
+    it = iter(ds)
+    for _ in range(3):
+        next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert [s["name"] for s in state["mixture"]["sources"]] == ["web", "code", "math"]
+    changed = ShardDataset(_sources(caches, code=0.4), 256, seed=2)
+    with pytest.raises(StateError, match=r"source 'code': weight 0.3 -> 0.4.*remix=True"):
+        changed.load_state_dict(state)
+    remixed = ShardDataset(_sources(caches, code=0.4), 256, seed=2, remix=True)
+    with pytest.warns(UserWarning, match="remix=True: continuing epoch 0 at global batch 3"):
+        remixed.load_state_dict(state)
+    rest = [_key(b) for b in remixed]
+    assert rest == _plan_keys(remixed, range(3, len(remixed.plan())))
+    same = ShardDataset(_sources(caches), 256, seed=2)
+    same.load_state_dict(state)  # the same mixture: no question asked
+
+
+def test_a_changed_source_cache_is_refused(caches, tmp_path, tokenizer_dir):
+    ds = ShardDataset(_sources(caches), 256, seed=2)
+    state = ds.state_dict()
+    rebuilt = _build(tmp_path, "code", tokenizer_dir, 61, 2)  # same name, other data
+    sources = _sources(caches)
+    sources[1] = Source(rebuilt, weight=0.3, max_repetitions=2)
+    with pytest.raises(StateError, match=r"source 'code': cache \(key digest\)"):
+        ShardDataset(sources, 256, seed=2).load_state_dict(state)
+    single = ShardDataset(caches["web"], 256, seed=2)
+    with pytest.raises(StateError, match="digest"):
+        single.load_state_dict(state)
+
+
+def test_the_mixture_table_says_what_each_source_gives(caches):
+    ds = ShardDataset(_sources(caches), 256)
+    table = ds.mixture
+    assert [s.name for s in table.sources] == ["web", "code", "math"]
+    for row, name in zip(table.sources, ("web", "code", "math")):
+        cache = open_cache(caches[name])
+        assert row.documents == cache.num_sequences
+        assert row.tokens == int(np.asarray(cache.lengths, dtype=np.int64).sum())
+        assert row.repetitions == pytest.approx(row.tokens_per_epoch / row.tokens)
+        assert row.repetitions <= row.max_repetitions
+    assert sum(s.share for s in table.sources) == pytest.approx(1)
+    assert ShardDataset(caches["web"], 256).mixture is None
+    fixed = ShardDataset(_sources(caches), 256, tokens_per_epoch=1000)
+    assert fixed.mixture.tokens_per_epoch == 1000
+    assert [s.tokens_per_epoch for s in fixed.mixture.sources] == [500, 300, 200]
+    with pytest.raises(ConfigError, match="tokens_per_epoch"):
+        ShardDataset(caches["web"], 256, tokens_per_epoch=1000)
+    with pytest.raises(ConfigError, match=r"source 'web'.*holds [0-9,]+ and max_repetitions"):
+        ShardDataset(_sources(caches), 256, tokens_per_epoch=10**7)
+
+
+def test_spawned_workers_read_the_same_stream(caches):
+    ds = ShardDataset(_sources(caches), 256, seed=8)
+    inline = [_key(b) for b in ds]
+    loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
+    assert [_key(b) for b in loader] == inline
