@@ -383,6 +383,32 @@ def info(cache: str, as_json: bool) -> None:
         click.echo(format_summary(summary))
 
 
+# ``shardcache mix`` joins the group (``main.add_command(mix)``) once the README documents it
+# (tests/test_docs.py: every command has a README row)
+@click.command("mix")
+@click.argument("recipe", type=click.Path(dir_okay=False))
+@click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+@translate_errors
+def mix(recipe: str, as_json: bool) -> None:
+    """Show what each source of a mixture RECIPE gives an epoch: documents and tokens
+    available, share, tokens per epoch, repetitions (what ShardDataset(...).mixture says).
+
+    Reads the manifests and length indexes only, never a shard. A mixture recipe is a TOML
+    file with one [[source]] table (path, weight, max_repetitions, name) per cache plus the
+    batch options:
+
+    \b
+      shardcache mix recipes/mixture.toml
+      shardcache mix recipes/mixture.toml --json
+    """
+    from shardcache.read.mixed_cache import MixedCache
+    from shardcache.read.mixture_recipe import load_mixture_recipe
+
+    loaded = load_mixture_recipe(recipe)
+    table = MixedCache(loaded.sources).table(loaded.tokens_per_epoch)
+    click.echo(json.dumps(table.to_json(), indent=1) if as_json else table.format())
+
+
 def _split_targets(targets: tuple[str, ...]) -> tuple[str | None, str | None]:
     """``check`` takes a CACHE folder and/or a RECIPE file, in either order."""
     cache = recipe = None

@@ -1,0 +1,116 @@
+"""Mixture recipes: a TOML file with one ``[[source]]`` table per cache plus the batch options.
+
+::
+
+    seed = 0
+    max_tokens = 16384
+    mode = "pack"
+    seq_len = 2048
+    attention = "varlen"
+    # tokens_per_epoch = 1_000_000_000   # optional: else the largest epoch that fits
+
+    [[source]]
+    path = "web-cache"        # relative to this file, or a URL (s3://...)
+    weight = 0.7
+    [[source]]
+    path = "code-cache"
+    weight = 0.3
+    max_repetitions = 2
+    name = "code"             # optional label (default: the path's last part)
+
+:func:`load_mixture_recipe` reads and checks it (unknown keys, values, the batch options as
+:class:`~shardcache.read.plan.PlanOptions`) and returns a :class:`MixtureRecipe`, whose
+:meth:`~MixtureRecipe.dataset_options` are the keywords of ``ShardDataset(recipe.sources,
+...)`` (and of ``shardcache.loader``). ``shardcache mix RECIPE`` shows its table.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+from shardcache.config import check_known
+from shardcache.errors import ConfigError
+from shardcache.read.mixture import Source, as_sources
+from shardcache.read.plan import PlanOptions
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+#: Keys of a ``[[source]]`` table.
+SOURCE_KEYS = ("path", "weight", "max_repetitions", "name")
+#: Top-level keys besides the batch options (``PlanOptions`` fields) and ``source``.
+DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch")
+
+
+@dataclass(frozen=True)
+class MixtureRecipe:
+    """A loaded mixture recipe: its sources, ``tokens_per_epoch`` and the other
+    ``ShardDataset`` keywords (batch options, ``seed``, ``attention``, ``ids_dtype``)."""
+
+    sources: tuple[Source, ...]
+    tokens_per_epoch: int | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+    def dataset_options(self) -> dict[str, Any]:
+        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``."""
+        return {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
+
+
+def _resolve(path: Any, base: str, where: str) -> str:
+    if not isinstance(path, str) or not path:
+        raise ConfigError(f"{where}.path: got {path!r}, expected a cache path or URL")
+    if "://" in path or os.path.isabs(path):
+        return path
+    return os.path.normpath(os.path.join(base, path))
+
+
+def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
+    """Read and check a mixture recipe (see the module docstring).
+
+    Args:
+        path: the TOML file; relative source paths are relative to its folder.
+
+    Returns:
+        The recipe.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, a key is unknown, a value is out of
+            range, or there is no ``[[source]]``.
+    """
+    path = os.fspath(path)
+    try:
+        with open(path, "rb") as f:
+            data = tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"mixture recipe {path!r}: cannot read it ({err})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"mixture recipe {path!r}: not valid TOML ({err})") from err
+    plan_fields = set(PlanOptions.__dataclass_fields__)
+    check_known(
+        f"mixture recipe {path!r}", data, {*plan_fields, *DATASET_KEYS, "source"}, noun="key"
+    )
+    tables = data.pop("source", None)
+    if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
+        raise ConfigError(
+            f"mixture recipe {path!r}: needs one [[source]] table per cache (path, weight, "
+            "max_repetitions, name); found none"
+        )
+    base = os.path.dirname(os.path.abspath(path))
+    entries = []
+    for i, table in enumerate(tables):
+        where = f"mixture recipe {path!r}: [[source]] #{i + 1}"
+        check_known(where, table, SOURCE_KEYS, noun="key")
+        entries.append({**table, "path": _resolve(table.get("path"), base, where)})
+    sources = as_sources(entries)
+    tokens_per_epoch = data.pop("tokens_per_epoch", None)
+    if "max_tokens" not in data:
+        raise ConfigError(
+            f"mixture recipe {path!r}: max_tokens is required (the token budget of a batch)"
+        )
+    PlanOptions(**{k: v for k, v in data.items() if k in plan_fields})  # checks the values
+    return MixtureRecipe(sources, tokens_per_epoch, data)

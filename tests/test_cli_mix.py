@@ -1,0 +1,140 @@
+"""``shardcache mix RECIPE``: the mixture table from manifests and length indexes, the same
+as ``ShardDataset(...).mixture``; the mixture recipe and its training loop."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+
+import pytest
+from click.testing import CliRunner
+
+from conftest import make_texts, write_records
+from shardcache import ShardDataset
+from shardcache.cli import mix
+from shardcache.read.mixture_recipe import load_mixture_recipe
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _build(root, name: str, tokenizer: str, docs: int, seed: int) -> str:
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = root / f"corpus-{name}"
+    folder.mkdir()
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in make_texts(docs, seed)], "jsonl")
+    out = str(root / name)
+    values = {"input": str(folder), "tokenizer": tokenizer, "output": out, "workers": 1,
+              "max_length": 64, "truncation": "split", "buckets": "16,32"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return out
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, tokenizer_dir) -> str:
+    root = tmp_path_factory.mktemp("mix")
+    _build(root, "web", tokenizer_dir, 80, 1)
+    _build(root, "code", tokenizer_dir, 20, 2)
+    return str(root)
+
+
+RECIPE = """\
+seed = 3
+max_tokens = 256
+mode = "pack"
+seq_len = 64
+attention = "mask"
+{extra}
+[[source]]
+path = "web"
+weight = 0.7
+
+[[source]]
+path = "code"
+name = "the-code"
+weight = 0.3
+max_repetitions = 3
+"""
+
+
+def _recipe(caches: str, extra: str = "") -> str:
+    path = os.path.join(caches, f"mix-{abs(hash(extra))}.toml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(RECIPE.format(extra=extra))
+    return path
+
+
+@pytest.mark.parametrize("extra", ["", "tokens_per_epoch = 1500"])
+def test_mix_prints_the_table_the_dataset_reports(caches, extra):
+    path = _recipe(caches, extra)
+    recipe = load_mixture_recipe(path)
+    ds = ShardDataset(recipe.sources, **recipe.dataset_options())
+    result = CliRunner().invoke(mix, [path, "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.output) == ds.mixture.to_json()
+    text = CliRunner().invoke(mix, [path])
+    assert text.exit_code == 0, text.output
+    assert text.output.strip() == ds.mixture.format()
+    assert "the-code" in text.output and "tokens per epoch" in text.output
+
+
+def test_mix_reads_no_shard(caches, monkeypatch):
+    from shardcache.store import cache as store_cache
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a shard was opened")
+
+    monkeypatch.setattr(store_cache.ShardCache, "get", refuse)
+    result = CliRunner().invoke(mix, [_recipe(caches), "--json"])
+    assert result.exit_code == 0, result.output
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [(RECIPE.format(extra="tokens_per_epoch = 100000000"), "max_repetitions"),
+     (RECIPE.replace('"pack"', '"pak"').format(extra=""), "mode"),
+     (RECIPE.format(extra="sources = 1"), "unknown key 'sources'"),
+     (RECIPE.format(extra="").replace("max_repetitions = 3", "max_repetitions = 0"),
+      "max_repetitions")],
+    ids=["too-many-tokens", "bad-mode", "unknown-key", "bad-cap"],
+)  # fmt: skip
+def test_mix_usage_errors_exit_2_and_say_why(caches, text, match):
+    path = os.path.join(caches, "bad.toml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(text)
+    result = CliRunner().invoke(mix, [path])
+    assert result.exit_code == 2, result.output
+    assert match in result.output
+
+
+def test_a_recipe_without_sources_is_refused(tmp_path):
+    path = tmp_path / "empty.toml"
+    path.write_text("max_tokens = 256\n")
+    result = CliRunner().invoke(mix, [str(path)])
+    assert result.exit_code == 2 and "[[source]]" in result.output
+
+
+def test_the_bundled_mixture_recipe_parses():
+    recipe = load_mixture_recipe(os.path.join(ROOT, "recipes", "mixture.toml"))
+    assert [s.label for s in recipe.sources] == ["docs", "chat"]
+    assert recipe.dataset_options()["attention"] == "mask"
+
+
+def test_the_mixture_training_loop_runs_resumes_and_delivers_the_shares(caches, tmp_path):
+    spec = importlib.util.spec_from_file_location(
+        "train_mixture", os.path.join(ROOT, "recipes", "train_mixture.py")
+    )
+    train = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(train)
+    path = _recipe(caches)
+    common = [path, "--num-workers", "0", "--log-every", "100"]
+    full = train.main([*common, "--steps", "6"])
+    assert len(full["losses"]) == 6 and all(x == x for x in full["losses"])
+    assert set(full["tokens"]) == {"web", "the-code"} and all(full["tokens"].values())
+    state = str(tmp_path / "state.json")
+    head = train.main([*common, "--steps", "2", "--save-state", state])
+    tail = train.main([*common, "--steps", "4", "--resume", state])
+    assert tail["state"] == full["state"]
+    assert {k: head["tokens"][k] + tail["tokens"][k] for k in head["tokens"]} == full["tokens"]
