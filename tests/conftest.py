@@ -290,6 +290,17 @@ def assert_resumable(
     return full
 
 
+def folder_files(folder: str) -> dict[str, bytes]:
+    """Every file under ``folder``: relative path -> bytes."""
+    out = {}
+    for root, _, files in os.walk(folder):
+        for name in files:
+            path = os.path.join(root, name)
+            with open(path, "rb") as f:
+                out[os.path.relpath(path, folder)] = f.read()
+    return out
+
+
 def cache_data_files(folder: str) -> dict[str, bytes]:
     """A cache's shards and length index by relative path: the bytes that must not depend on
     how it was built (backend, memo, workers)."""
@@ -313,3 +324,18 @@ def assert_batches_equal(a: dict, b: dict) -> None:
             assert torch.equal(a[k], b[k]), k
         else:
             assert a[k] == b[k], k
+
+
+#: A folder whose ``sitecustomize`` installs the kill hook of the crash tests in a process.
+FAULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "faults")
+
+
+def kill_env(spec: str, once: str | None = None) -> dict[str, str]:
+    """Environment variables that make a build process started with them (and its pool and
+    Ray workers) kill itself at the fault point ``spec`` (tests/faults/sitecustomize.py)."""
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    paths = [FAULTS_DIR, repo, *filter(None, [os.environ.get("PYTHONPATH")])]
+    env = {"SHARDCACHE_TEST_KILL": spec, "PYTHONPATH": os.pathsep.join(paths)}
+    if once is not None:
+        env["SHARDCACHE_TEST_KILL_ONCE"] = once
+    return env

@@ -1,10 +1,12 @@
 """Commit: gather the completion records into the length index, quarantine and manifest.
 
-:func:`commit` reads only ``parts/`` (never worker memory), which is what makes resume work,
-and writes ``manifest.json`` last and atomically: a reader sees a whole cache or none. Commit
-streams the length index and the quarantine file part by part. :func:`commit_output` is
-``shardcache commit OUTPUT`` for job arrays: it rebuilds the plan from ``parts/build.json``,
-checks that every partition is present (naming the shares that still have to run) and commits.
+:func:`commit` reads only the records of ``parts/`` (never worker memory), which is what makes
+resume work, works in the output's staging folder (the folder itself, or a scratch folder for
+a URL, :class:`~shardcache.store.storage.Storage`), and publishes ``manifest.json`` last: a
+reader sees a whole cache or none. :func:`commit_output` is ``shardcache commit OUTPUT`` for job
+arrays: it rebuilds the plan from ``parts/build.json``, checks that every partition is present
+(naming the shares that still have to run) and commits. A commit that dies is redone by
+running it again: everything it writes before the manifest is a pure function of the records.
 """
 
 from __future__ import annotations
@@ -20,40 +22,34 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardcache.builder.bucket import bucket_ranges
-from shardcache.builder.compact import Compacted, Group, compact, plan_compaction
-from shardcache.builder.encoders import EncoderFactory, encoder_for
+from shardcache.builder.compact import Compacted, compact, plan_compaction
+from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
+from shardcache.builder.fault_points import fault_point
 from shardcache.builder.keying import (
     compute_key,
     data_component_from_files,
     data_component_from_version,
 )
-from shardcache.builder.lock import BuildLock, pid_alive
-from shardcache.builder.partition import kill_point
 from shardcache.builder.plan import (
     BuildPlan,
     PartitionResult,
-    completed_in_store,
-    completed_result,
+    completed,
     options_from_json,
     options_json,
     plan_from_json,
 )
-from shardcache.builder.remote import OutputStore
 from shardcache.builder.report import BuildReport, report_from_manifest
-from shardcache.builder.sources import (
-    InputFile,
-    field_hint,
-)
-from shardcache.builder.tokenize import TextEncoder, TruncationStats
+from shardcache.builder.sources import InputFile, field_hint
+from shardcache.builder.tokenize import TruncationStats
 from shardcache.errors import (
     CacheError,
     IncompleteBuildError,
     ShardcacheError,
     SourceError,
 )
+from shardcache.store.build_lock import pid_alive
 from shardcache.store.files import (
     concat_files_atomic,
-    read_json_or_none,
     sha256_file,
     write_json_atomic,
     write_npy_concat_atomic,
@@ -61,7 +57,6 @@ from shardcache.store.files import (
 from shardcache.store.layout import (
     BUILD_STATE,
     FORMAT_VERSION,
-    INDEX_DIR,
     LENGTHS_FILE,
     MANIFEST,
     PARTS_DIR,
@@ -70,26 +65,37 @@ from shardcache.store.layout import (
     SHARD_NAME,
     SHARES_DIR,
 )
-from shardcache.store.manifest import read_manifest
-from shardcache.store.remote import is_url
+from shardcache.store.manifest import parse_manifest_text
+from shardcache.store.storage import Storage, open_storage
 from shardcache.version import __version__
+
+#: Scratch folders of URL commits: ``<prefix><pid>-<random>`` in the temporary folder.
+COMMIT_SCRATCH_PREFIX = "shardcache-commit-"
 
 
 def commit(
-    plan: BuildPlan,
-    results: list[PartitionResult],
-    encoder: TextEncoder,
-    compacted: Compacted | None = None,
-) -> dict:
+    storage: Storage, plan: BuildPlan, results: list[PartitionResult], encoder: Encoder
+) -> dict[str, Any]:
     """Join partial shards (:mod:`.compact`), write the length index, the quarantine file
     and, last, the manifest; then remove the shards the merged ones replace.
 
-    ``results`` must be in partition-id order; everything is read from ``parts/``.
-    ``compacted``: the shards already joined (a URL output committed from a scratch folder,
-    :func:`commit_into_store`), else they are joined here.
+    Files no record lists (a killed task's leftovers) and the shares' notes are deleted
+    before the manifest is published.
+
+    Args:
+        storage: the build output.
+        plan: the build plan.
+        results: every partition's result, in partition-id order.
+        encoder: the build's encoder (the manifest's tokenizer fields and the cache key).
+
+    Returns:
+        The manifest written.
+
+    Raises:
+        ShardcacheError: ``--strict-lint`` and the chat lint found problems.
+        SourceError: no document was kept, or more bad records than ``max_bad_fraction``.
     """
     options = plan.options
-    out = options.output
     lint: Counter[str] = Counter()
     for r in results:
         lint.update(r.lint)
@@ -100,31 +106,66 @@ def commit(
             "committed (the partitions are kept). Fix the template/data, or rerun without "
             "--strict-lint to commit anyway (see `shardcache info` for the counts)"
         )
-    parts = os.path.join(out, PARTS_DIR)
-    q_bytes, q_sha, q_lines = concat_files_atomic(
-        os.path.join(out, QUARANTINE),
-        [os.path.join(parts, f"{r.partition}.quarantine.jsonl") for r in results],
-    )
-    kill_point("commit")
-
-    stats = TruncationStats()
-    bad: Counter[str] = Counter()
-    per_file: dict[str, dict[str, Any]] = {}
-    for r in results:
-        stats.add(r.stats)
-        bad.update(r.bad_records)
-        entry = per_file.setdefault(r.source, {"sha256": "", "documents": 0, "bad_records": 0})
-        entry["sha256"] = entry["sha256"] or r.sha256
-        entry["documents"] += r.stats.documents
-        entry["bad_records"] += sum(r.bad_records.values())
-    check_bad_records(plan, stats, bad)
-    if compacted is None:
+    sweep_commit_scratch(tempfile.gettempdir())
+    with storage.staging(f"commit-{os.getpid()}") as out:  # see COMMIT_SCRATCH_PREFIX
+        staged = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
+                  for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
+        storage.fetch(out, staged)
+        q_bytes, q_sha, q_lines = concat_files_atomic(
+            os.path.join(out, QUARANTINE),
+            [os.path.join(out, PARTS_DIR, f"{r.partition}.quarantine.jsonl") for r in results],
+        )
+        fault_point("commit")
+        stats = TruncationStats()
+        bad: Counter[str] = Counter()
+        per_file: dict[str, dict[str, Any]] = {}
+        for r in results:
+            stats.add(r.stats)
+            bad.update(r.bad_records)
+            entry = per_file.setdefault(r.source, {"sha256": "", "documents": 0,
+                                                   "bad_records": 0})  # fmt: skip
+            entry["sha256"] = entry["sha256"] or r.sha256
+            entry["documents"] += r.stats.documents
+            entry["bad_records"] += sum(r.bad_records.values())
+        check_bad_records(plan, stats, bad)
         layout = options.layout
-        groups = plan_groups_of(plan, results, encoder)
+        groups = plan_compaction(out, results, layout.shard_size_bytes, encoder.dtype.itemsize)
+        joining = [g for g in groups if g.name is not None]
+        storage.fetch(out, [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members])
         compacted = compact(out, groups, layout.compression, layout.shard_size_bytes)
-    lengths_path = os.path.join(out, LENGTHS_FILE)
-    write_npy_concat_atomic(lengths_path, compacted.lengths)
-    kill_point("commit")
+        lengths_path = os.path.join(out, LENGTHS_FILE)
+        write_npy_concat_atomic(lengths_path, compacted.lengths)
+        fault_point("commit")
+        manifest = _manifest(plan, results, encoder, compacted, per_file, stats, bad, lint)
+        manifest["index"] = {"lengths": {"name": LENGTHS_FILE,
+                                         "bytes": os.path.getsize(lengths_path),
+                                         "sha256": sha256_file(lengths_path)}}  # fmt: skip
+        manifest["quarantine"] = {"name": QUARANTINE, "bytes": q_bytes, "sha256": q_sha,
+                                  "records": q_lines}  # fmt: skip
+        merged = [f"{SHARD_DIR}/{g.name}" for g in joining]
+        _remove_unlisted(storage, results, {n.split("/", 1)[1] for n in merged})
+        storage.publish(out, [*merged, LENGTHS_FILE, QUARANTINE])
+        fault_point("commit")
+        write_json_atomic(os.path.join(out, MANIFEST), manifest)
+        storage.publish(out, [MANIFEST])  # the commit point
+        fault_point("committed")
+        # after the commit point: until it, partitions stay whole
+        storage.remove([f"{SHARD_DIR}/{n}" for n in compacted.joined])
+    return manifest
+
+
+def _manifest(
+    plan: BuildPlan,
+    results: list[PartitionResult],
+    encoder: Encoder,
+    compacted: Compacted,
+    per_file: Mapping[str, Mapping[str, Any]],
+    stats: TruncationStats,
+    bad: Mapping[str, int],
+    lint: Mapping[str, int],
+) -> dict[str, Any]:
+    """The manifest's fields (``index`` and ``quarantine`` are added by :func:`commit`)."""
+    options = plan.options
     shards = [s.to_json() for s in compacted.shards]
     inputs = [
         {
@@ -142,7 +183,7 @@ def commit(
         if options.data_version is not None
         else data_component_from_files(inputs)
     )
-    manifest = {
+    return {
         "format_version": FORMAT_VERSION,
         "shardcache_version": __version__,
         "kind": "text" if options.chat is None else "chat",
@@ -159,14 +200,6 @@ def commit(
         "inputs": inputs,
         "partitions": len(results),
         "shards": shards,
-        "index": {
-            "lengths": {
-                "name": LENGTHS_FILE,
-                "bytes": os.path.getsize(lengths_path),
-                "sha256": sha256_file(lengths_path),
-            }
-        },
-        "quarantine": {"name": QUARANTINE, "bytes": q_bytes, "sha256": q_sha, "records": q_lines},
         "stats": {
             **stats.to_json(),
             "bad_records": dict(sorted(bad.items())),
@@ -182,12 +215,29 @@ def commit(
             "input_bytes": sum(f.size for f in plan.inputs),
         },
     }
-    write_json_atomic(os.path.join(out, MANIFEST), manifest)
-    kill_point("committed")
-    for name in compacted.joined:  # after the commit point: until it, partitions stay whole
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(out, SHARD_DIR, name))
-    return manifest
+
+
+def _remove_unlisted(storage: Storage, results: list[PartitionResult], merged: set[str]) -> None:
+    """Delete what no record lists (half-written leftovers of killed tasks and shares) and
+    the shares' notes; ``merged``: the merged shards this commit writes."""
+    listed = {s.name for r in results for s in r.shards} | merged
+    storage.remove([f"{SHARD_DIR}/{n}" for n in storage.sizes(SHARD_DIR) if n not in listed])
+    keep = {f"{r.partition}.{ext}" for r in results
+            for ext in ("json", "lengths.npy", "quarantine.jsonl")} | {BUILD_STATE}  # fmt: skip
+    storage.remove([f"{PARTS_DIR}/{n}" for n in storage.sizes(PARTS_DIR) if n not in keep])
+    storage.remove_folders([SHARES_DIR])
+
+
+def committed_manifest(storage: Storage) -> dict[str, Any] | None:
+    """The output's committed manifest, or None when it has none.
+
+    Raises:
+        CorruptShardError: the manifest is not a JSON object.
+    """
+    data = storage.read_many([MANIFEST])[MANIFEST]
+    if data is None:
+        return None
+    return parse_manifest_text(data.decode("utf-8", "replace"), f"{storage.location}/{MANIFEST}")
 
 
 def unlisted_shards(names: list[str], manifest: Mapping[str, Any]) -> list[str]:
@@ -198,24 +248,12 @@ def unlisted_shards(names: list[str], manifest: Mapping[str, Any]) -> list[str]:
     return sorted(n for n in names if SHARD_NAME.fullmatch(n) and n not in listed)
 
 
-def remove_unlisted_shards(out: str, manifest: Mapping[str, Any]) -> list[str]:
-    """Finish a committed local cache: remove :func:`unlisted_shards` (call it holding the
-    build lock); returns their names."""
-    folder = os.path.join(out, SHARD_DIR)
-    stray = unlisted_shards(os.listdir(folder) if os.path.isdir(folder) else [], manifest)
-    for name in stray:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(os.path.join(folder, name))
+def finish_committed(storage: Storage, manifest: Mapping[str, Any]) -> list[str]:
+    """Finish a committed cache: remove :func:`unlisted_shards` (call it holding the build
+    lock); returns their names."""
+    stray = unlisted_shards(list(storage.sizes(SHARD_DIR)), manifest)
+    storage.remove([f"{SHARD_DIR}/{n}" for n in stray])
     return stray
-
-
-def plan_groups_of(
-    plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
-) -> list[Group]:
-    """How :func:`commit` joins the partitions' shards (:func:`.compact.plan_compaction`)."""
-    itemsize = encoder.dtype.itemsize
-    return plan_compaction(plan.options.output, results, plan.options.layout.shard_size_bytes,
-                           itemsize)  # fmt: skip
 
 
 #: Reasons that are not records (a blank line) do not count towards ``max_bad_fraction``.
@@ -271,17 +309,6 @@ def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
     }
 
 
-def owner_hint(out: str, positions: list[int]) -> str:
-    counts = set()
-    folder = os.path.join(out, SHARES_DIR)
-    if os.path.isdir(folder):
-        for name in os.listdir(folder):
-            data = read_json_or_none(os.path.join(folder, name)) if name.endswith(".json") else None
-            if data and isinstance(data.get("shares"), int):
-                counts.add(data["shares"])
-    return owners_of(counts, positions)
-
-
 def owners_of(counts: set[int], positions: list[int]) -> str:
     """Which shares own the partitions at ``positions``, when the shares agree on N."""
     if len(counts) == 1:
@@ -294,81 +321,76 @@ def owners_of(counts: set[int], positions: list[int]) -> str:
 def commit_output(
     output: str,
     encoder_factory: EncoderFactory | None = None,
-    shard_sizes: Mapping[str, int] | None = None,
     strict_lint: bool = False,
     max_bad_fraction: float | None = None,
 ) -> BuildReport:
-    """``shardcache commit OUTPUT``: write the manifest once every partition is present
-    (``strict_lint``: refuse, as ``build --strict-lint`` does, when the chat lint found any
-    problem in the shares' partitions; ``max_bad_fraction``: as ``build --max-bad-fraction``).
+    """``shardcache commit OUTPUT``: write the manifest once every partition is present.
 
-    ``OUTPUT`` is a folder or a URL. Raises :class:`IncompleteBuildError` listing the
-    missing partitions (and their shares) when some are not built yet. Idempotent: a
-    committed output is reported as it is.
+    Idempotent: a committed output is finished (:func:`finish_committed`) and reported as
+    it is.
+
+    Args:
+        output: the folder or URL every share wrote to.
+        encoder_factory: builds the encoder from the recorded options (tests).
+        strict_lint: refuse, as ``build --strict-lint`` does, when the chat lint found any
+            problem in the shares' partitions.
+        max_bad_fraction: as ``build --max-bad-fraction`` (default: the recorded one).
+
+    Returns:
+        The build report of the committed cache.
+
+    Raises:
+        CacheError: the output holds no build (``parts/build.json`` is missing).
+        IncompleteBuildError: some partitions are not built yet (their ids and shares).
     """
-    if is_url(output):
-        return commit_store_output(output, encoder_factory, strict_lint, max_bad_fraction)
     started = time.perf_counter()
-    if os.path.isfile(os.path.join(output, MANIFEST)):
-        manifest = read_manifest(output)
-        with BuildLock(output):  # a commit that died after its manifest: finish it
-            remove_unlisted_shards(output, manifest)
-        return report_from_manifest(output, manifest, 0.0, up_to_date=True)
-    state = read_json_or_none(os.path.join(output, PARTS_DIR, BUILD_STATE))
+    storage = open_storage(output)
+    if committed_manifest(storage) is not None:  # a commit that died after its manifest
+        with storage.lock():
+            manifest = committed_manifest(storage) or {}
+            finish_committed(storage, manifest)
+        return report_from_manifest(storage.location, manifest, 0.0, up_to_date=True)
+    state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
     if state is None:
         raise CacheError(
-            f"{output!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is missing); run "
-            "`shardcache build ... --partition i/N` for every share first"
+            f"{storage.location!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is "
+            "missing); run `shardcache build ... --partition i/N` for every share first"
         )
     options = dataclasses.replace(
-        options_from_json(state["options"], output), strict_lint=strict_lint
+        options_from_json(state["options"], storage.location), strict_lint=strict_lint
     )
     if max_bad_fraction is not None:
         options = dataclasses.replace(options, max_bad_fraction=max_bad_fraction)
-    inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"]) for f in state["inputs"]]
+    inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"], f.get("mtime_ns"))
+              for f in state["inputs"]]  # fmt: skip
     plan = plan_from_json(state, options, inputs)
-    with BuildLock(output):
-        if shard_sizes is None:
-            folder = os.path.join(output, SHARD_DIR)
-            names = os.listdir(folder) if os.path.isdir(folder) else []
-            shard_sizes = {n: os.path.getsize(os.path.join(folder, n)) for n in names}
-        results: list[PartitionResult] = []
-        missing: list[tuple[int, str]] = []
-        for k, p in enumerate(plan.partitions):
-            result = completed_result(output, p, shard_sizes)
-            if result is None:
-                missing.append((k, p.id))
-            else:
-                results.append(result)
+    with storage.lock():
+        done = completed(storage, plan.partitions)
+        missing = [(k, p.id) for k, p in enumerate(plan.partitions) if p.id not in done]
         if missing:
-            raise _incomplete(output, plan, missing, owner_hint(output, [m[0] for m in missing]))
+            raise _incomplete(storage, plan, missing)
         encoder = encoder_for(options, encoder_factory)
-        listed = {s.name for r in results for s in r.shards}
-        folder = os.path.join(output, SHARD_DIR)
-        if os.path.isdir(folder):
-            for name in os.listdir(folder):  # half-written leftovers of killed shares
-                if name not in listed:
-                    os.remove(os.path.join(folder, name))
-        shutil.rmtree(os.path.join(output, SHARES_DIR), ignore_errors=True)
-        os.makedirs(os.path.join(output, "index"), exist_ok=True)
-        manifest = commit(plan, results, encoder)
-    return report_from_manifest(output, manifest, time.perf_counter() - started)
+        manifest = commit(storage, plan, [done[p.id] for p in plan.partitions], encoder)
+    return report_from_manifest(storage.location, manifest, time.perf_counter() - started)
 
 
 def _incomplete(
-    output: str, plan: BuildPlan, missing: list[tuple[int, str]], hint: str
+    storage: Storage, plan: BuildPlan, missing: list[tuple[int, str]]
 ) -> IncompleteBuildError:
+    counts = set()
+    notes = [f"{SHARES_DIR}/{n}" for n in storage.sizes(SHARES_DIR) if n.endswith(".json")]
+    for name in notes:
+        data = storage.read_json(name)
+        if data and isinstance(data.get("shares"), int):
+            counts.add(data["shares"])
+    hint = owners_of(counts, [m[0] for m in missing])
     ids = [m[1] for m in missing]
     shown = ", ".join(ids[:20]) + (f" ... ({len(ids)} in all)" if len(ids) > 20 else "")
     return IncompleteBuildError(
-        f"{output!r}: cannot commit, {len(ids)} of {len(plan.partitions)} partitions are not "
-        f"built: {shown}{hint}, then rerun `shardcache commit`",
+        f"{storage.location!r}: cannot commit, {len(ids)} of {len(plan.partitions)} partitions "
+        f"are not built: {shown}{hint}, then rerun `shardcache commit`",
         ids,
     )
-
-
-#: Scratch folders of URL commits: ``<prefix><pid>-<random>`` in the temporary folder.
-COMMIT_SCRATCH_PREFIX = "shardcache-commit-"
 
 
 def sweep_commit_scratch(root: str) -> list[str]:
@@ -385,90 +407,3 @@ def sweep_commit_scratch(root: str) -> list[str]:
                 shutil.rmtree(entry.path, ignore_errors=True)
                 removed.append(entry.path)
     return removed
-
-
-def commit_into_store(
-    store: OutputStore, plan: BuildPlan, results: list[PartitionResult], encoder: TextEncoder
-) -> dict:
-    """:func:`commit` for a URL output, from the store alone; ``manifest.json`` last.
-
-    The records' small files (length arrays, quarantine lines) and the partial shards that
-    are joined (:mod:`.compact`) are fetched into a temporary folder of this process,
-    committed there exactly as a local build would, and the merged shards, the length index
-    and the quarantine file uploaded; objects no record lists (a killed task's leftovers) and
-    the shares' notes are deleted; then the manifest is uploaded, the commit point, and last
-    the shards the merged ones replace are deleted. Every step before the manifest is a pure
-    function of the records: a commit that died is redone by running it again.
-    """
-    sweep_commit_scratch(tempfile.gettempdir())
-    prefix = f"{COMMIT_SCRATCH_PREFIX}{os.getpid()}-"
-    with tempfile.TemporaryDirectory(prefix=prefix) as scratch:
-        for sub in (PARTS_DIR, INDEX_DIR, SHARD_DIR):
-            os.makedirs(os.path.join(scratch, sub))
-        names = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
-                 for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
-        store.get([(n, os.path.join(scratch, n)) for n in names])
-        local = dataclasses.replace(plan, options=dataclasses.replace(plan.options, output=scratch))
-        groups = plan_groups_of(local, results, encoder)
-        joining = [g for g in groups if g.name is not None]
-        members = [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members]
-        store.get([(n, os.path.join(scratch, n)) for n in members])
-        layout = plan.options.layout
-        compacted = compact(scratch, groups, layout.compression, layout.shard_size_bytes)
-        manifest = commit(local, results, encoder, compacted)
-        listed = {s.name for r in results for s in r.shards}
-        store.remove([f"{SHARD_DIR}/{n}" for n in store.sizes(SHARD_DIR) if n not in listed])
-        keep = {f"{r.partition}.{ext}" for r in results
-                for ext in ("json", "lengths.npy", "quarantine.jsonl")} | {BUILD_STATE}  # fmt: skip
-        store.remove([f"{PARTS_DIR}/{n}" for n in store.sizes(PARTS_DIR) if n not in keep])
-        store.remove_folders([SHARES_DIR])
-        merged = [f"{SHARD_DIR}/{g.name}" for g in joining]
-        store.put([(os.path.join(scratch, n), n) for n in (*merged, LENGTHS_FILE, QUARANTINE)])
-        kill_point("commit")
-        store.put([(os.path.join(scratch, MANIFEST), MANIFEST)])  # last: the commit point
-        kill_point("committed")
-        store.remove([f"{SHARD_DIR}/{n}" for n in compacted.joined])
-    return manifest
-
-
-def commit_store_output(
-    url: str,
-    encoder_factory: EncoderFactory | None = None,
-    strict_lint: bool = False,
-    max_bad_fraction: float | None = None,
-) -> BuildReport:
-    """``shardcache commit URL``: commit the records found in the store (any machine)."""
-    started = time.perf_counter()
-    store = OutputStore(url)
-    manifest = store.read_json(MANIFEST)
-    if manifest is not None:  # a commit that died after its manifest: finish it
-        store.remove(
-            [f"{SHARD_DIR}/{n}" for n in unlisted_shards(list(store.sizes(SHARD_DIR)), manifest)]
-        )
-        return report_from_manifest(store.url, manifest, 0.0, up_to_date=True)
-    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
-    if state is None:
-        raise CacheError(
-            f"{store.url!r} holds no build to commit ({PARTS_DIR}/{BUILD_STATE} is missing); "
-            "run `shardcache build ... --partition i/N` for every share first"
-        )
-    options = dataclasses.replace(
-        options_from_json(state["options"], store.url), strict_lint=strict_lint
-    )
-    if max_bad_fraction is not None:
-        options = dataclasses.replace(options, max_bad_fraction=max_bad_fraction)
-    inputs = [InputFile("", f["relpath"], int(f["size"]), f["format"], f.get("mtime_ns"))
-              for f in state["inputs"]]  # fmt: skip
-    plan = plan_from_json(state, options, inputs)
-    done = completed_in_store(store, plan.partitions)
-    missing = [(k, p.id) for k, p in enumerate(plan.partitions) if p.id not in done]
-    if missing:
-        counts = set()
-        for name in store.sizes(SHARES_DIR):
-            data = store.read_json(f"{SHARES_DIR}/{name}") if name.endswith(".json") else None
-            if data and isinstance(data.get("shares"), int):
-                counts.add(data["shares"])
-        raise _incomplete(store.url, plan, missing, owners_of(counts, [m[0] for m in missing]))
-    encoder = encoder_for(options, encoder_factory)
-    manifest = commit_into_store(store, plan, [done[p.id] for p in plan.partitions], encoder)
-    return report_from_manifest(store.url, manifest, time.perf_counter() - started)

@@ -10,8 +10,10 @@ masks -> :class:`~shardcache.builder.tokenize.Encoded`), ``describe``, ``templat
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import importlib
+import json
 from collections.abc import Callable
 from typing import Any, Union
 
@@ -75,6 +77,45 @@ def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
         text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
         return ChatEncoder(text, ChatOptions(**spec["chat"]))
     return TextEncoder.from_spec(spec["text"])
+
+
+_WORKER_ENCODERS: dict[str, Encoder] = {}
+
+
+def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
+    """The encoder of ``spec`` in a worker process (pool or Ray), built once per process.
+
+    Args:
+        spec: what :func:`encoder_spec` gave in the build process.
+
+    Returns:
+        The encoder, with the backend the build's gate chose.
+    """
+    key = json.dumps(spec, sort_keys=True, default=str)
+    encoder = _WORKER_ENCODERS.get(key)
+    if encoder is None:
+        encoder = _WORKER_ENCODERS[key] = encoder_from_spec(spec)
+    return encoder
+
+
+def reference_only(encoder: Encoder) -> Encoder:
+    """``encoder`` encoding with the HF reference alone: the fallback of a partition whose
+    fast ids differed from HF's. A new encoder; ``encoder`` itself is left as it is.
+
+    Args:
+        encoder: a build's encoder.
+
+    Returns:
+        ``encoder`` itself when it already uses HF, else a copy that does.
+    """
+    text = encoder.text if isinstance(encoder, ChatEncoder) else encoder
+    if text.fast is None:
+        return encoder
+    if not isinstance(encoder, ChatEncoder):
+        return text.reference_only()
+    chat = copy.copy(encoder)
+    chat.text = text.reference_only()
+    return chat
 
 
 def take_lint(encoder: Encoder) -> dict[str, int]:

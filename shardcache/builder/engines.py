@@ -1,99 +1,58 @@
-"""Where partitions run: the local process pool, Ray, or one share of a job array.
+"""Where partitions run: an engine maps a build's pending partitions, anywhere, in any order.
 
-The map step is engine-agnostic (build.py): a partition's output is a pure function of its
-bytes and the options, written as ``*.tmp`` + rename with its completion record
-``parts/<id>.json`` last. So any scheduler that runs :func:`~shardcache.builder.build_partition`
-once per partition, in any order, on any machine seeing the output folder, produces the
-same bytes; commit reads only ``parts/``. This module adds two schedulers on top of the
-local pool and the front door that picks one:
+The map step is engine-agnostic: a partition's output is a pure function of its bytes and
+the options, staged and published with its completion record ``parts/<id>.json`` last
+(:func:`~shardcache.builder.partition.build_partition`), and the commit reads only the
+records. So any scheduler that runs ``build_partition`` once per partition, on any machine
+that reaches the output, produces the same bytes. Which partitions a process runs (all, or a
+job-array :class:`~shardcache.builder.plan.Share`) is decided before, by the pipeline.
 
+* **local** (default, :mod:`shardcache.builder.pool`): in this process, or a process pool.
 * **ray** (``--engine ray``, extra ``shardcache[ray]``): one ``ray.remote`` task per pending
-  partition, largest first, ``max_retries=3`` (a task whose worker dies is rerun; since it
-  rewrites every file of its partition from scratch and writes the record last, a retry
-  leaves nothing partial behind), results gathered with ``ray.wait``, the driver commits.
-  ``--ray-address`` joins an existing cluster (``ray.init(address=...)``; the output must
-  then be a folder every node sees, or a URL: each task then uploads its own partition to
-  the store and no node's disk is shared, see remote.py), else a local Ray with
-  ``num_cpus = --workers``. A Ray worker builds its encoder once (per process) from the
-  encoder spec and runs its tokenizer on one Rayon thread per task CPU. A killed driver
-  resumes like a local build: rerun the command.
-* **shares** (``--partition i/N``): share ``i`` builds the partitions whose *index* ``k``
-  (``p{k:05d}``) has ``k % N == i`` (round-robin: every share gets large and small files
-  alike when sizes correlate with names), with whatever engine, and does not commit.
-  Shares run concurrently into one output, so a share does not take ``<output>/.lock`` or
-  wipe the folder: it takes ``.shares/share-i-of-N/.lock`` (two runs of the *same* share are
-  refused), reuses ``parts/build.json`` when its fingerprint matches (the first share writes
-  it; all shares compute the same plan), cleans only its own partitions' leftovers, and
-  records ``.shares/share-i-of-N.json``. ``shardcache commit OUTPUT`` takes the output lock,
-  rebuilds the plan and options from ``parts/build.json`` (inputs are not read again; the
-  tokenizer folder recorded there must exist for the cache key), and commits when every
-  partition has its record and shards, else raises :class:`IncompleteBuildError` listing the
-  missing ids and the share that owns each. It then removes ``.shares/`` and stray files, so
-  the folder equals a local build's.
+  partition, largest first, ``max_retries=3`` (a task whose worker dies is rerun; it
+  rewrites every file of its partition and publishes the record last, so a retry leaves
+  nothing partial behind), results gathered with ``ray.wait``. ``--ray-address`` joins an
+  existing cluster (the output must then be a folder every node sees, or a URL), else a
+  local Ray with ``num_cpus = --workers``. A Ray worker builds its encoder once per process
+  from the encoder spec and runs its tokenizer on one Rayon thread per task CPU.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from shardcache.builder.encoders import encoder_from_spec, encoder_spec
+from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
 from shardcache.builder.partition import build_partition
-from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
+from shardcache.builder.plan import BuildPlan, Partition, PartitionResult, Share
 from shardcache.builder.pool import run_local
 from shardcache.builder.report import Progress
-from shardcache.builder.tokenize import TextEncoder
 from shardcache.errors import (
     CacheError,
     ConfigError,
     MissingDependencyError,
 )
 
+__all__ = ["ENGINES", "EngineOptions", "RunPartitions", "Share", "run_ray"]
+
 RAY_MAX_RETRIES = 3
 
 
 @dataclass(frozen=True)
-class Share:
-    """Share ``index`` of ``count`` in a job array: partitions ``k`` with ``k % count == index``."""
-
-    index: int
-    count: int
-
-    def __post_init__(self) -> None:
-        if not (isinstance(self.count, int) and self.count >= 1 and 0 <= self.index < self.count):
-            raise ConfigError(
-                f"partition: got {self.index}/{self.count}, expected i/N with N >= 1 and "
-                "0 <= i < N (e.g. --partition $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)"
-            )
-
-    @classmethod
-    def parse(cls, text: str) -> Share:
-        try:
-            i, n = (int(v) for v in str(text).split("/"))
-        except ValueError:
-            raise ConfigError(
-                f"partition: cannot read {text!r}; expected i/N, e.g. 0/4 (share 0 of 4)"
-            ) from None
-        return cls(i, n)
-
-    @property
-    def name(self) -> str:
-        return f"share-{self.index}-of-{self.count}"
-
-    def owns(self, position: int) -> bool:
-        return position % self.count == self.index
-
-    def select(self, partitions: list[Partition]) -> list[Partition]:
-        return [p for k, p in enumerate(partitions) if self.owns(k)]
-
-
-@dataclass(frozen=True)
 class EngineOptions:
-    """How partitions are scheduled (never changes the output bytes)."""
+    """Where partitions run and which of them (never changes the output bytes).
+
+    Attributes:
+        engine: a name of :data:`ENGINES`.
+        ray_address: an existing Ray cluster to join (``--engine ray`` only).
+        share: the job-array share this process runs; None runs every partition.
+
+    Raises:
+        ConfigError: an unknown engine, or ``ray_address`` without ``--engine ray``.
+    """
 
     engine: str = "local"
     ray_address: str | None = None
@@ -107,7 +66,7 @@ class EngineOptions:
 
 
 RunPartitions = Callable[
-    [BuildPlan, list[Partition], TextEncoder, Progress, int], dict[str, PartitionResult]
+    [BuildPlan, list[Partition], Encoder, Progress, int], dict[str, PartitionResult]
 ]
 
 
@@ -123,29 +82,39 @@ def _import_ray() -> Any:
     return ray
 
 
-_RAY_ENCODERS: dict[str, TextEncoder] = {}
-
-
 def _ray_partition(spec: dict[str, Any], plan: BuildPlan, index: int) -> dict[str, Any]:
     """A Ray task: build one partition (an importable, picklable module function)."""
-    key = json.dumps(spec, sort_keys=True, default=str)
-    encoder = _RAY_ENCODERS.get(key)
-    if encoder is None:
-        # one Rayon thread per task CPU, set before this process's tokenizer pool starts
-        os.environ.setdefault("RAYON_NUM_THREADS", "1")
-        encoder = _RAY_ENCODERS[key] = encoder_from_spec(spec)
+    # one Rayon thread per task CPU, set before this process's tokenizer pool starts
+    os.environ.setdefault("RAYON_NUM_THREADS", "1")
+    encoder = encoder_in_worker(spec)
     return build_partition(plan, plan.partitions[index], encoder, Progress()).to_json()
 
 
 def run_ray(
     plan: BuildPlan,
     pending: list[Partition],
-    encoder: TextEncoder,
+    encoder: Encoder,
     progress: Progress,
     workers: int,
     address: str | None = None,
 ) -> dict[str, PartitionResult]:
-    """Run ``pending`` as Ray tasks; progress advances per finished partition."""
+    """Run ``pending`` as Ray tasks; progress advances per finished partition.
+
+    Args:
+        plan: the build plan.
+        pending: the partitions to run.
+        encoder: the build's encoder, after the gate (sent to the tasks as its spec).
+        progress: advanced per finished partition.
+        workers: CPUs of the local Ray started when none is running and no address given.
+        address: an existing cluster to join.
+
+    Returns:
+        Partition id -> result, for every partition of ``pending``.
+
+    Raises:
+        MissingDependencyError: Ray is not installed.
+        CacheError: a task failed after its retries (completed partitions are kept).
+    """
     ray = _import_ray()
     started = False
     if not ray.is_initialized():
@@ -195,7 +164,7 @@ def _ray_engine(address: str | None) -> RunPartitions:
     return run
 
 
-#: name -> factory of the partition runner given to build_cache / build_share
+#: Engine name -> factory of the function that runs a build's pending partitions.
 ENGINES: dict[str, Callable[[EngineOptions], RunPartitions]] = {
     "local": lambda _: run_local,
     "ray": lambda o: _ray_engine(o.ray_address),

@@ -1,22 +1,10 @@
 """Map one partition: stream records -> encode -> EOS/truncation -> bucket -> shard files.
 
 A partition's output is a pure function of its bytes and the options: the same bytes however
-the work is scheduled. :func:`build_partition` ends by writing
-``parts/<id>.quarantine.jsonl``, ``parts/<id>.lengths.npy`` and, last, ``parts/<id>.json``
-(its completion record: shards, counts, bad records, the file's sha256 for a whole-file
-partition).
-
-Test hook: ``SHARDCACHE_TEST_KILL="<event>:<n>"`` makes the build SIGKILL itself (and, from a
-worker, its parent) at the n-th ``batch`` (encode batch written by this process; shards are
-open then), ``part`` (completion record written by this process), ``commit`` (1: after the
-quarantine file, 2: after the merged shards and the length index; a URL output's 3: after
-its uploads, before the manifest) or ``committed`` (after the manifest, before the shards the
-merged ones replace are removed; a URL commit passes it once in its scratch folder, then a
-second time after uploading the manifest). Tests use it to kill a
-build at deterministic points; it costs one environment lookup per batch. ``<event>:<n>:INT``
-sends SIGINT (Ctrl-C) to the build process instead, to test a clean stop. With
-``SHARDCACHE_TEST_KILL_ONCE=<path>`` the kill happens only if ``path`` does not exist yet (it
-is created first): a retried task (Ray) then runs through.
+and wherever the work is scheduled. :func:`build_partition` writes the shards,
+``parts/<id>.quarantine.jsonl``, ``parts/<id>.lengths.npy`` and ``parts/<id>.json`` (its
+completion record: shards, counts, bad records, the file's sha256 for a whole-file partition)
+into the output's staging folder and publishes them, the record last.
 
 Memory is bounded by the options, not the corpus: per process one encode batch being
 converted, two encoded ahead and one read ahead (each at most ``batch_docs`` documents or
@@ -26,10 +14,10 @@ tokens) buffered per bucket, and 4 bytes per sequence of the partition for its l
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import json
 import os
-import signal
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -37,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder.bucket import assign_buckets
-from shardcache.builder.encoders import take_lint
+from shardcache.builder.encoders import Encoder, reference_only, take_lint
+from shardcache.builder.fault_points import fault_point
 from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
-from shardcache.builder.remote import build_partition_into_store
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import (
     FileDigest,
@@ -51,7 +39,6 @@ from shardcache.builder.sources import (
 )
 from shardcache.builder.tokenize import (
     EncodingMismatch,
-    TextEncoder,
     TruncationStats,
     drop_failures,
     encode_ahead,
@@ -68,35 +55,10 @@ from shardcache.store.layout import (
     PARTS_DIR,
     SHARD_DIR,
 )
-from shardcache.store.remote import is_url
 from shardcache.store.shards import BucketWriter
+from shardcache.store.storage import open_storage
 
-KILL_ENV = "SHARDCACHE_TEST_KILL"
-KILL_ONCE_ENV = "SHARDCACHE_TEST_KILL_ONCE"
-_KILL_COUNTS: Counter[str] = Counter()
 _PARENT_PID: int | None = None  # set in worker processes
-
-
-def kill_point(event: str) -> None:
-    """The ``SHARDCACHE_TEST_KILL`` hook (see the module docstring); ``<event>:<n>:INT``
-    sends SIGINT (Ctrl-C) to the build process instead of killing it."""
-    spec = os.environ.get(KILL_ENV)
-    if not spec:
-        return
-    _KILL_COUNTS[event] += 1
-    if spec == f"{event}:{_KILL_COUNTS[event]}:INT":
-        os.kill(_PARENT_PID if _PARENT_PID is not None else os.getpid(), signal.SIGINT)
-        return
-    if spec == f"{event}:{_KILL_COUNTS[event]}":
-        once = os.environ.get(KILL_ONCE_ENV)
-        if once:
-            try:
-                os.close(os.open(once, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
-            except FileExistsError:
-                return  # killed once already
-        if _PARENT_PID is not None:
-            os.kill(_PARENT_PID, signal.SIGKILL)
-        os.kill(os.getpid(), signal.SIGKILL)
 
 
 def set_parent_pid(pid: int) -> None:
@@ -105,7 +67,13 @@ def set_parent_pid(pid: int) -> None:
     _PARENT_PID = pid
 
 
+def build_pid() -> int:
+    """The pid of the build process: this one, or the parent of this pool worker."""
+    return _PARENT_PID if _PARENT_PID is not None else os.getpid()
+
+
 def check_parent() -> None:
+    """In a pool worker: exit at once when the build process that started it is gone."""
     if _PARENT_PID is not None and os.getppid() != _PARENT_PID:
         os._exit(1)  # the build that started this worker is gone: stop writing
 
@@ -176,25 +144,59 @@ def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> Non
 
 
 def build_partition(
-    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+    plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
 ) -> PartitionResult:
-    """Map one partition to shard files and its completion record.
+    """Map one partition to shard files and its completion record, published to the output.
 
-    With the fast encoder, a difference from HF on the in-build sample re-encodes the whole
-    partition with HF (its first attempt's files are removed) and is recorded in the
-    result's ``encoding``; under ``--encoder fast`` it fails the build instead."""
-    if is_url(plan.options.output):
-        return build_partition_into_store(  # type: ignore[no-any-return]
-            plan, partition, lambda local: build_partition(local, partition, encoder, progress)
-        )
+    The files are written into the output's staging folder (the output folder itself, or a
+    scratch folder of this task for a URL, :meth:`~shardcache.store.storage.Storage.staging`)
+    and published with the completion record ``parts/<id>.json`` last. With the fast
+    encoder, a difference from HF on the in-build sample re-encodes the whole partition with
+    HF (its first attempt's files are removed) and is recorded in the result's ``encoding``.
 
+    Args:
+        plan: the build plan (its options name the output).
+        partition: the partition to build.
+        encoder: the build's encoder, after the gate.
+        progress: receives bytes read, documents and tokens.
+
+    Returns:
+        The partition's result (as recorded).
+
+    Raises:
+        EncoderError: under ``--encoder fast``, the fast encoder differed from HF.
+        SourceError: the input changed since it was planned, or a bad record under
+            ``--on-error fail``.
+    """
+    storage = open_storage(plan.options.output)
+    with storage.staging(partition.id) as staged:
+        if staged != plan.options.output:
+            options = dataclasses.replace(plan.options, output=staged)
+            plan = dataclasses.replace(plan, options=options)
+        result = _map_verified(plan, partition, encoder, progress)
+        record = f"{PARTS_DIR}/{partition.id}.json"
+        write_json_atomic(os.path.join(staged, record), result.to_json())
+        fault_point("part")
+        files = [f"{SHARD_DIR}/{s.name}" for s in result.shards]
+        files += [f"{PARTS_DIR}/{partition.id}.lengths.npy"]
+        files += [f"{PARTS_DIR}/{partition.id}.quarantine.jsonl", record]  # the record last
+        storage.publish(staged, files)
+    return result
+
+
+def _map_verified(
+    plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
+) -> PartitionResult:
+    """:func:`map_partition` with the fast encoder's in-build verification: on a difference,
+    the partition again with the HF reference alone (a value passed down, the encoder itself
+    is left as it is), or an :class:`EncoderError` under ``--encoder fast``."""
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     text.take_verify()  # counts are per partition (whatever ran before in this process)
+    used = encoder
     try:
         result = map_partition(plan, partition, encoder, progress)
         text.check_verified()  # the sample is verified in the background: a difference raises
         counts = text.take_verify()
-        reencoded = False
     except EncodingMismatch as err:
         counts = text.take_verify()
         if plan.options.encoding.encoder == "fast":
@@ -204,13 +206,10 @@ def build_partition(
                 "with --encoder auto (that partition is then re-encoded with HF) or hf"
             ) from err
         remove_partition_files(plan.options.output, partition.id)
-        fast, text.fast = text.fast, None
-        try:
-            result = map_partition(plan, partition, encoder, progress)
-        finally:
-            text.fast = fast
-        reencoded = True
-    backend = text.reference if text.fast is None or reencoded else text.fast
+        used = reference_only(encoder)
+        result = map_partition(plan, partition, used, progress)
+    used_text = getattr(used, "text", used)
+    backend = used_text.fast or used_text.reference
     result.encoding = {
         "requested": text.selection.requested,
         "gate": f"{text.selection.backend}: {text.selection.reason}",
@@ -218,17 +217,15 @@ def build_partition(
         "version": backend.version,
         "verified": counts.documents,
         "mismatches": counts.mismatches,
-        "reencoded": reencoded,
+        "reencoded": used is not encoder,
         "detail": counts.detail[:3],
     }
-    write_json_atomic(os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.json"),
-                      result.to_json())  # fmt: skip
-    kill_point("part")
     return result
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
-    """Remove what a failed attempt at ``partition_id`` wrote (shards, parts files)."""
+    """Remove what a failed attempt at ``partition_id`` wrote into the folder ``out``
+    (shards, parts files)."""
     for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
         folder = os.path.join(out, sub)
         for name in os.listdir(folder):
@@ -237,7 +234,7 @@ def remove_partition_files(out: str, partition_id: str) -> None:
 
 
 def map_partition(
-    plan: BuildPlan, partition: Partition, encoder: TextEncoder, progress: Progress
+    plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
 ) -> PartitionResult:
     """Read, encode and write one partition's shard files (not its completion record)."""
     check_unchanged(partition.file, "between the plan and this partition's read")
@@ -348,7 +345,7 @@ def map_partition(
                     None if encoded.mask is None else encoded.mask[token_rows],
                 )
             progress.update(len(batch.texts), int(encoded.lengths.sum()))
-            kill_point("batch")
+            fault_point("batch")
         for writer in writers:
             writer.close()
     finally:

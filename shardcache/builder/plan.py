@@ -1,67 +1,49 @@
-"""Partition planning and resume records: what a build will do, and what it already did.
+"""The build plan: what a build will do, which part of it a process runs, what it did.
 
-* **plan** lists the inputs in a deterministic order and cuts them into partitions with
-  stable ids ``p00000``, ``p00001`` ... in (file, position) order: one per input file, or
-  several for an uncompressed jsonl / parquet file larger than ``partition_size_bytes``
-  (byte ranges cut at line boundaries / runs of row groups, see
+* **plan** (:func:`plan_build`) lists the inputs in a deterministic order and cuts them into
+  partitions with stable ids ``p00000``, ``p00001`` ... in (file, position) order: one per
+  input file, or several for an uncompressed jsonl / parquet file larger than
+  ``partition_size_bytes`` (byte ranges cut at line boundaries / runs of row groups, see
   :func:`~shardcache.builder.sources.split_input`; compressed files stay whole). The plan, the
-  sha256 of every split file and an options fingerprint are written to ``parts/build.json``.
-* **resume**: when the output has ``parts/build.json`` with the same fingerprint (options
-  except output/force/workers, and every input's path, size and mtime) and no manifest,
-  :func:`prepare_output` keeps every partition whose completion record exists and whose
-  shards have the recorded sizes (:func:`completed_result`), deletes everything else, and
-  the build runs the rest. A different fingerprint is refused, naming what changed, unless
-  ``--force`` starts over. Job-array shares use :func:`share_plan` and
-  :func:`clean_partitions`, which touch only the share's own partitions.
-* **URL outputs** keep the same files in the store and resume from them on any machine:
-  :func:`prepare_store_output` / :func:`share_plan_in_store` read or write the plan there,
-  :func:`completed_in_store` checks the records found in one listing of ``parts/`` and one of
-  ``shards/`` with the same rule as local outputs (:func:`check_record`). Nothing is deleted
-  on resume: a partition rebuilt rewrites its own object names, and the commit deletes
-  objects no record lists.
+  sha256 of every split file and an options fingerprint are recorded as ``parts/build.json``
+  in the output (:func:`plan_output`), before any partition runs.
+* **filter**: a process runs every partition, or a job-array :class:`Share` of them.
+* **resume**: a recorded plan with the same fingerprint (options except
+  output/force/workers, and every input's path, size and mtime) is reused, and
+  :func:`completed` keeps every partition whose completion record exists and whose shards
+  have the recorded sizes; the build runs the rest. A different fingerprint is refused,
+  naming what changed, unless ``--force`` starts over. Nothing else is deleted on resume: a
+  partition rebuilt rewrites its own names with the same bytes, and the commit deletes files
+  no record lists.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import hashlib
 import json
 import os
-import shutil
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardcache.builder.bucket import effective_edges
-from shardcache.builder.remote import OutputStore
-from shardcache.builder.sources import (
-    InputFile,
-    InputSlice,
-    list_inputs,
-    split_input,
-)
+from shardcache.builder.sources import InputFile, InputSlice, list_inputs, split_input
 from shardcache.builder.tokenize import TruncationStats
 from shardcache.config import BuildOptions
-from shardcache.errors import (
-    CacheError,
-)
-from shardcache.store.files import (
-    read_json_or_none,
-    write_json_atomic,
-)
+from shardcache.errors import CacheError, ConfigError
 from shardcache.store.layout import (
     BUILD_STATE,
     INDEX_DIR,
     LENGTHS_FILE,
-    MANIFEST,
     PARTS_DIR,
     QUARANTINE,
     SHARD_DIR,
     SHARES_DIR,
 )
 from shardcache.store.shards import ShardInfo
+from shardcache.store.storage import Storage
 
 
 @dataclass(frozen=True)
@@ -87,6 +69,55 @@ class BuildPlan:
     #: sha256 of the input files that were split (hashed by the plan pass)
     file_sha256: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""
+
+
+@dataclass(frozen=True)
+class Share:
+    """Share ``index`` of ``count`` in a job array: partitions ``k`` with ``k % count == index``.
+
+    Round-robin, so every share gets large and small files alike when sizes follow names.
+
+    Raises:
+        ConfigError: ``count < 1`` or ``index`` outside ``0 .. count - 1``.
+    """
+
+    index: int
+    count: int
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.count, int) and self.count >= 1 and 0 <= self.index < self.count):
+            raise ConfigError(
+                f"partition: got {self.index}/{self.count}, expected i/N with N >= 1 and "
+                "0 <= i < N (e.g. --partition $SLURM_ARRAY_TASK_ID/$SLURM_ARRAY_TASK_COUNT)"
+            )
+
+    @classmethod
+    def parse(cls, text: str) -> Share:
+        """The share written ``i/N``.
+
+        Raises:
+            ConfigError: ``text`` is not ``i/N``.
+        """
+        try:
+            i, n = (int(v) for v in str(text).split("/"))
+        except ValueError:
+            raise ConfigError(
+                f"partition: cannot read {text!r}; expected i/N, e.g. 0/4 (share 0 of 4)"
+            ) from None
+        return cls(i, n)
+
+    @property
+    def name(self) -> str:
+        """``share-i-of-N``: its lock folder and note under ``.shares/``."""
+        return f"share-{self.index}-of-{self.count}"
+
+    def owns(self, position: int) -> bool:
+        """Whether the partition at ``position`` of the plan is this share's."""
+        return position % self.count == self.index
+
+    def select(self, partitions: list[Partition]) -> list[Partition]:
+        """This share's partitions, in plan order."""
+        return [p for k, p in enumerate(partitions) if self.owns(k)]
 
 
 @dataclass
@@ -221,33 +252,6 @@ def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> l
     return out
 
 
-def wipe_output(out: str) -> None:
-    for sub in (SHARD_DIR, PARTS_DIR, INDEX_DIR):
-        shutil.rmtree(os.path.join(out, sub), ignore_errors=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out, QUARANTINE))
-    for sub in (SHARD_DIR, PARTS_DIR, INDEX_DIR):
-        os.makedirs(os.path.join(out, sub), exist_ok=True)
-
-
-def completed_result(
-    out: str, partition: Partition, shard_sizes: Mapping[str, int] | None = None
-) -> PartitionResult | None:
-    """The partition's completion record, if it and every file it lists are intact
-    (``shard_sizes``: the shard folder listed once, for callers checking many partitions)."""
-    data = read_json_or_none(os.path.join(out, PARTS_DIR, f"{partition.id}.json"))
-
-    def shard_size(name: str) -> int | None:
-        if shard_sizes is not None:
-            return shard_sizes.get(name)
-        path = os.path.join(out, SHARD_DIR, name)
-        return os.path.getsize(path) if os.path.isfile(path) else None
-
-    return check_record(
-        data, partition, lambda name: os.path.isfile(os.path.join(out, PARTS_DIR, name)), shard_size
-    )
-
-
 def check_record(
     data: dict[str, Any] | None,
     partition: Partition,
@@ -273,15 +277,21 @@ def check_record(
     return result
 
 
-def completed_in_store(
-    store: OutputStore, partitions: list[Partition]
-) -> dict[str, PartitionResult]:
-    """The partitions of a URL output whose completion records check out (one listing of
-    ``parts/`` and one of ``shards/``, the records read concurrently)."""
-    parts = store.sizes(PARTS_DIR)
-    shards = store.sizes(SHARD_DIR)
+def completed(storage: Storage, partitions: list[Partition]) -> dict[str, PartitionResult]:
+    """The partitions whose completion records check out (:func:`check_record`).
+
+    Args:
+        storage: the build output.
+        partitions: the partitions to look for.
+
+    Returns:
+        Partition id -> its result, for each completed one (one listing of ``parts/`` and
+        one of ``shards/``, the records read at once).
+    """
+    parts = storage.sizes(PARTS_DIR)
+    shards = storage.sizes(SHARD_DIR)
     names = [f"{PARTS_DIR}/{p.id}.json" for p in partitions if f"{p.id}.json" in parts]
-    records = store.read_many(names)
+    records = storage.read_many(names)
     done: dict[str, PartitionResult] = {}
     for p in partitions:
         raw = records.get(f"{PARTS_DIR}/{p.id}.json")
@@ -296,147 +306,60 @@ def completed_in_store(
     return done
 
 
-def _fingerprint_refused(out: str, state: dict[str, Any], options: BuildOptions,
-                         inputs: list[InputFile]) -> CacheError:  # fmt: skip
+def _refused(location: str, state: dict[str, Any], options: BuildOptions,
+             inputs: list[InputFile], share: Share | None) -> CacheError:  # fmt: skip
     changes = differences(state.get("options"), options_json(options))
     changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
+    what = "; ".join(changes[:8]) or "fingerprint differs"
+    if share is not None:
+        return CacheError(
+            f"{location!r} holds a build with other options or inputs ({what}); every share of "
+            "a job array must use the same options and inputs: fix the command, or delete the "
+            "output to start over"
+        )
     return CacheError(
-        f"{out!r} holds an interrupted build with other options or inputs "
-        f"({'; '.join(changes[:8]) or 'fingerprint differs'}); its partitions cannot be "
-        "reused: rerun with the original options to resume it, pass --force to discard it "
-        "and start over, or choose another --output"
+        f"{location!r} holds an interrupted build with other options or inputs ({what}); its "
+        "partitions cannot be reused: rerun with the original options to resume it, pass "
+        "--force to discard it and start over, or choose another --output"
     )
 
 
-def prepare_store_output(
-    options: BuildOptions, inputs: list[InputFile], store: OutputStore
-) -> tuple[BuildPlan, dict[str, PartitionResult]]:
-    """:func:`prepare_output` for a URL output, from what the store holds (any machine).
-
-    The manifest must be gone already (the caller removes it first for ``--force``). A
-    matching plan in the store is resumed with the partitions whose records check out; none
-    (or ``--force``) deletes the build's objects and writes a new plan first.
-    """
-    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
-    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
-    if state is not None and state.get("fingerprint") != fingerprint and not options.force:
-        raise _fingerprint_refused(options.output, state, options, inputs)
-    if state is None or options.force:
-        store.remove([QUARANTINE, LENGTHS_FILE])
-        store.remove_folders([SHARD_DIR, PARTS_DIR, INDEX_DIR, SHARES_DIR])
-        plan = plan_build(options, inputs)
-        store.write_json(f"{PARTS_DIR}/{BUILD_STATE}", plan_to_json(plan))
-        return plan, {}
-    plan = plan_from_json(state, options, inputs)
-    return plan, completed_in_store(store, plan.partitions)
-
-
-def share_plan_in_store(
-    options: BuildOptions, inputs: list[InputFile], store: OutputStore
+def plan_output(
+    storage: Storage, options: BuildOptions, inputs: list[InputFile], share: Share | None = None
 ) -> BuildPlan:
-    """:func:`share_plan` for a URL output: the plan in the store, or a new one written."""
-    state = store.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
-    if state is None:
-        plan = plan_build(options, inputs)
-        store.write_json(f"{PARTS_DIR}/{BUILD_STATE}", plan_to_json(plan))  # all shares: same
-        return plan
-    _check_share_fingerprint(options, inputs, state)
-    return plan_from_json(state, options, inputs)
+    """The plan of a build into ``storage``: the one recorded there, or a new one written.
 
+    A recorded plan with the same fingerprint is resumed. With another fingerprint the build
+    is refused, unless ``--force`` (never with a share): then, as when there is no plan, the
+    build's files are deleted (a share deletes nothing: other shares write the same output)
+    and a new plan is written before any partition runs. Call it with the committed
+    manifest gone (the caller removes it first for ``--force``) and, for a local folder, the
+    build lock held.
 
-def prepare_output(
-    options: BuildOptions, inputs: list[InputFile]
-) -> tuple[BuildPlan, dict[str, PartitionResult]]:
-    """Start a new build or resume an interrupted one; returns the plan and completed parts.
+    Args:
+        storage: the build output.
+        options: the build's options.
+        inputs: the listed inputs.
+        share: the job-array share this process runs, if any.
 
-    Called with the build lock held.
+    Returns:
+        The plan; every share of a job array computes the same one.
+
+    Raises:
+        CacheError: the output holds a build with other options or inputs.
     """
-    out = options.output
-    if os.path.exists(os.path.join(out, MANIFEST)):
-        if not options.force:
-            raise CacheError(
-                f"{out!r} already holds a committed cache; pass --force to rebuild it, or "
-                "choose another --output"
-            )
-        os.remove(os.path.join(out, MANIFEST))  # first: readers stop seeing the old cache
-    if os.path.exists(out) and not os.path.isdir(out):
-        raise CacheError(f"--output {out!r} exists and is not a folder; choose another path")
-    state = read_json_or_none(os.path.join(out, PARTS_DIR, BUILD_STATE))
-    options_now, inputs_now = options_json(options), inputs_json(inputs)
-    fingerprint = fingerprint_of(options_now, inputs_now)
-    if state is not None and state.get("fingerprint") != fingerprint and not options.force:
-        raise _fingerprint_refused(out, state, options, inputs)
-    if state is None or options.force:
-        wipe_output(out)
-        plan = plan_build(options, inputs)
-        write_json_atomic(os.path.join(out, PARTS_DIR, BUILD_STATE), plan_to_json(plan))
-        return plan, {}
-    plan = plan_from_json(state, options, inputs)
-    done: dict[str, PartitionResult] = {}
-    for partition in plan.partitions:
-        result = completed_result(out, partition)
-        if result is not None:
-            done[partition.id] = result
-    # delete everything that is not a completed partition's: half-written shards, *.tmp
-    keep = {s.name for r in done.values() for s in r.shards}
-    for name in os.listdir(os.path.join(out, SHARD_DIR)):
-        if name not in keep:
-            os.remove(os.path.join(out, SHARD_DIR, name))
-    for name in os.listdir(os.path.join(out, PARTS_DIR)):
-        stray = name != BUILD_STATE and name.split(".", 1)[0] not in done
-        if stray or name.endswith(".tmp"):
-            os.remove(os.path.join(out, PARTS_DIR, name))
-    shutil.rmtree(os.path.join(out, INDEX_DIR), ignore_errors=True)
-    os.makedirs(os.path.join(out, INDEX_DIR), exist_ok=True)
-    with contextlib.suppress(FileNotFoundError):
-        os.remove(os.path.join(out, QUARANTINE))
-    return plan, done
-
-
-def share_plan(options: BuildOptions, inputs: list[InputFile]) -> BuildPlan:
-    path = os.path.join(options.output, PARTS_DIR, BUILD_STATE)
-    state = read_json_or_none(path)
-    if state is None:
-        plan = plan_build(options, inputs)
-        write_json_atomic(
-            path, plan_to_json(plan), private=True
-        )  # every share computes the same plan
-        return plan
-    _check_share_fingerprint(options, inputs, state)
-    return plan_from_json(state, options, inputs)
-
-
-def _check_share_fingerprint(
-    options: BuildOptions, inputs: list[InputFile], state: dict[str, Any]
-) -> None:
+    state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
     fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
-    if state.get("fingerprint") != fingerprint:
-        raise CacheError(
-            f"{options.output!r} holds a build with other options or inputs (fingerprint "
-            f"{str(state.get('fingerprint'))[:12]} vs. {fingerprint[:12]}); every share of a "
-            "job array must use the same options and inputs: fix the command, or delete the "
-            "output to start over"
-        )
-
-
-def clean_partitions(out: str, ids: list[str]) -> None:
-    """Remove the leftovers of the partitions ``ids`` (this share's, about to be (re)built),
-    and nothing else.
-
-    Shares of a job array run at once in one folder: another share's in-flight files
-    (``*.arrow.tmp``, ``*.quarantine.jsonl.tmp``, ``*.lengths.npy.tmp``, a private
-    ``build.json.<pid>.<random>.tmp``) belong to partitions it owns, or to no partition, and
-    are never touched here. Leftovers of a killed share are removed when that share reruns
-    (they are its pending partitions'); stray shards at commit (:mod:`.commit`).
-    """
-    pending = set(ids)
-    for sub in (SHARD_DIR, PARTS_DIR):
-        folder = os.path.join(out, sub)
-        for name in os.listdir(folder):
-            owner = name.split("-", 1)[0] if sub == SHARD_DIR else name.split(".", 1)[0]
-            if owner in pending:
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(os.path.join(folder, name))
+    if state is not None and state.get("fingerprint") != fingerprint and not options.force:
+        raise _refused(storage.location, state, options, inputs, share)
+    if state is not None and not options.force:
+        return plan_from_json(state, options, inputs)
+    if share is None:
+        storage.remove([QUARANTINE, LENGTHS_FILE])
+        storage.remove_folders([SHARD_DIR, PARTS_DIR, INDEX_DIR, SHARES_DIR])
+    plan = plan_build(options, inputs)
+    storage.write_json(f"{PARTS_DIR}/{BUILD_STATE}", plan_to_json(plan), private=True)
+    return plan
 
 
 def options_from_json(data: Mapping[str, Any], output: str) -> BuildOptions:

@@ -21,11 +21,10 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
-from shardcache.builder.encoders import encoder_from_spec, encoder_spec
+from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
 from shardcache.builder.partition import build_partition, check_parent, set_parent_pid
 from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.report import Progress
-from shardcache.builder.tokenize import TextEncoder
 from shardcache.config import default_workers
 from shardcache.errors import (
     ShardcacheError,
@@ -85,7 +84,7 @@ def _worker_init(
     os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ["FASTOKENS_BPE_THREADS"] = str(rayon_threads)  # the fast backend's own pool
     queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
-    _WORKER.update(encoder=encoder_from_spec(spec), plan=plan, queue=queue)
+    _WORKER.update(encoder=encoder_in_worker(spec), plan=plan, queue=queue)
 
 
 def _worker_run(index: int) -> dict[str, Any]:
@@ -113,7 +112,7 @@ def _drain(queue: Any, progress: Progress) -> None:
 def run_pool(
     plan: BuildPlan,
     pending: list[Partition],
-    encoder: TextEncoder,
+    encoder: Encoder,
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
@@ -176,7 +175,7 @@ def run_pool(
 def run_local(
     plan: BuildPlan,
     pending: list[Partition],
-    encoder: TextEncoder,
+    encoder: Encoder,
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:

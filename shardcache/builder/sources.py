@@ -59,7 +59,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any, BinaryIO
 
@@ -67,7 +67,7 @@ import numpy as np
 import zstandard
 
 from shardcache.builder.chat import validate_messages
-from shardcache.errors import BadRecordError, SourceError
+from shardcache.errors import BadRecordError, ConfigError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
 from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
 from shardcache.store.remote import filesystem, is_url
@@ -274,7 +274,8 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
 def list_inputs(
     specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
 ) -> list[InputFile]:
-    """Resolve files / folders / globs into input files, sorted by relative path.
+    """Resolve files / folders / globs (or URLs: :func:`list_url_inputs`) into input files,
+    sorted by relative path.
 
     A file given explicitly must have a known format; files inside folders without one are
     ignored. The format and the relative path come from the name as listed, so a symbolic
@@ -283,6 +284,8 @@ def list_inputs(
     is listed once. Folders in ``exclude`` (the build's output) and folders holding a cache
     or a build state are skipped; anything that is not a regular file is refused.
     """
+    if any(is_url(spec) for spec in specs):
+        return list_url_inputs(specs)
     excluded = frozenset(os.path.realpath(os.fspath(e)) for e in exclude)
     by_target: dict[str, str] = {}
     for spec in specs:
@@ -305,6 +308,70 @@ def list_inputs(
         relpath = os.path.relpath(p, root).replace(os.sep, "/")
         fmt = detect_format(p) or ""
         files.append(InputFile(p, relpath, st.st_size, fmt, st.st_mtime_ns))
+    files.sort(key=lambda f: f.relpath)
+    return files
+
+
+def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
+    with contextlib.suppress(Exception):
+        return int(fs.modified(path).timestamp() * 1e9)
+    for key in ("mtime", "LastModified", "last_modified"):
+        if key in info:
+            value = info[key]
+            return int((value.timestamp() if hasattr(value, "timestamp") else float(value)) * 1e9)
+    return 0
+
+
+def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
+    """List URL inputs (files, folders/prefixes or globs) without reading them.
+
+    Returns input files whose ``path`` is the object's URL, ``relpath`` relative to the URLs'
+    common prefix (as a local listing would make it), ``size`` the object's and ``mtime_ns``
+    its modification time (the resume fingerprint).
+    """
+    specs = list(specs)
+    found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
+    for spec in specs:
+        if not is_url(spec):
+            raise ConfigError(
+                f"inputs: {spec!r} is a local path among URL inputs; give all inputs as URLs "
+                "or all as local paths"
+            )
+        fs, path = filesystem(spec)
+        try:
+            if any(ch in path for ch in "*?["):
+                listed = fs.glob(path, detail=True)
+                if not listed:
+                    raise SourceError(f"input {spec!r}: the pattern matches no object")
+            elif fs.isdir(path):
+                listed = {p: i for p, i in fs.find(path, detail=True).items()
+                          if detect_format(p)}  # fmt: skip
+                if not listed:
+                    raise SourceError(f"input {spec!r}: the prefix holds no input file")
+            else:
+                listed = {path: fs.info(path)}
+        except FileNotFoundError as err:
+            raise SourceError(f"input {spec!r}: no such object or prefix ({err})") from err
+        for p, info in listed.items():
+            if info.get("type") == "directory":
+                continue
+            if detect_format(p) is None:
+                raise SourceError(f"input {fs.unstrip_protocol(p)!r}: unknown format")
+            found[fs.unstrip_protocol(p)] = (fs, p, info)
+    if not found:
+        raise SourceError(f"inputs {specs}: no input file found")
+    root = os.path.commonpath([u.split("://", 1)[1].rsplit("/", 1)[0] for u in found])
+    files = []
+    for url, (fs, p, info) in sorted(found.items()):
+        files.append(
+            InputFile(
+                path=url,
+                relpath=os.path.relpath(url.split("://", 1)[1], root).replace(os.sep, "/"),
+                size=int(info.get("size") or 0),
+                format=detect_format(p) or "",
+                mtime_ns=_mtime_ns(fs, p, info),
+            )
+        )
     files.sort(key=lambda f: f.relpath)
     return files
 

@@ -35,6 +35,7 @@ build or ``shardcache check`` never imports transformers.
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
 import json
@@ -368,6 +369,14 @@ class TextEncoder:
         self.fast = fast
         self.selection = selection
         self.verify_fraction = verify_fraction
+
+    def reference_only(self) -> TextEncoder:
+        """A copy of this encoder that encodes with the HF reference alone (nothing to
+        verify); this one is left as it is."""
+        clone = copy.copy(self)
+        clone.use_fast(None, self.selection, self.verify_fraction)
+        clone.verify, clone._batches, clone._verifying = VerifyCounts(), 0, []
+        return clone
 
     def take_verify(self) -> VerifyCounts:
         """The in-build verification counts since the last call (per partition), then reset

@@ -10,7 +10,7 @@ A cache directory::
     parts/build.json         the plan and the options fingerprint (build bookkeeping)
     parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
     .shares/                 job-array share markers and locks (only while shares run)
-    .lock                    only while a build runs (shardcache.builder.lock)
+    .lock                    only while a build runs (shardcache.store.build_lock)
 
 Names read from a manifest are joined to the cache folder only through :func:`cache_path`,
 so the rule about which names are acceptable lives here: a shard name is exactly what the

@@ -7,7 +7,7 @@ settings (for S3: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROF
 ``s3fs`` is the optional extra ``shardcache[s3]``.
 
 The write side (partition tasks uploading their files, commit from the records in the store)
-is :mod:`shardcache.builder.remote`; this module gives it :func:`filesystem`.
+is :mod:`shardcache.store.storage`; this module gives it :func:`filesystem`.
 
 Read side: **a content-addressed local shard cache.** ``open_cache(URL)`` (and so
 ``ShardDataset``, ``info``, ``check``) downloads the manifest (each open) and the length index

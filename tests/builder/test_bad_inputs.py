@@ -9,7 +9,7 @@ import os
 import pytest
 from click.testing import CliRunner
 
-from conftest import make_texts, write_records
+from conftest import kill_env, make_texts, write_records
 from shardcache import SourceError, open_cache
 from shardcache.cli import main
 
@@ -422,7 +422,7 @@ def test_ctrl_c_stops_the_build_and_a_rerun_resumes_to_the_same_bytes(
     assert _cli([*args, "-o", reference]).returncode == 0
     out = str(tmp_path / "out")
     # the test hook sends SIGINT (to the build process) at the 3rd encode batch
-    result = _cli([*args, "-o", out], env={"SHARDCACHE_TEST_KILL": "batch:3:INT"})
+    result = _cli([*args, "-o", out], env=kill_env("batch:3:INT"))
     assert result.returncode == 130, result.stderr
     assert "interrupted" in result.stderr and "rerun" in result.stderr
     assert "Traceback" not in result.stderr

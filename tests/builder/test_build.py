@@ -12,9 +12,10 @@ import numpy as np
 import pytest
 from transformers import AutoTokenizer
 
-import shardcache.builder.partition as partition_module
 import shardcache.builder.pool as pool_module
 import shardcache.builder.run as build_module
+from conftest import folder_files as _tree
+from conftest import kill_env
 from shardcache import BuildLockedError, CacheError, CacheNotFoundError, SourceError, open_cache
 from shardcache.builder.run import build_cache as build
 from shardcache.config import build_options_from_mapping
@@ -207,17 +208,6 @@ def test_no_tmp_files_or_pickles_left(corpus, build_cache, tokenizer_dir):
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
-def _tree(folder: str) -> dict[str, bytes]:
-    """Every file under ``folder`` (relative path -> bytes)."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
-
-
 @pytest.fixture(scope="module")
 def mixed_corpus(tmp_path_factory):
     """A big jsonl (split into byte ranges), a jsonl.zst (one partition), a parquet file with
@@ -288,7 +278,7 @@ def test_identical_bytes_for_1_2_4_workers(
 
 
 def _run_killed(args: list[str], kill: str) -> subprocess.CompletedProcess:
-    env = {**os.environ, partition_module.KILL_ENV: kill, "PYTHONPATH": REPO}
+    env = {**os.environ, **kill_env(kill)}
     cmd = [sys.executable, "-m", "shardcache.cli", "build", *args, "-q"]
     return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
 

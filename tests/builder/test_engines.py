@@ -8,6 +8,8 @@ import os
 import pytest
 from click.testing import CliRunner
 
+from conftest import folder_files as tree
+from conftest import kill_env
 from shardcache import build_cache
 from shardcache.builder.commit import commit_output
 from shardcache.builder.engines import EngineOptions, Share
@@ -17,17 +19,6 @@ from shardcache.config import build_options_from_mapping
 from shardcache.errors import CacheError, ConfigError, IncompleteBuildError
 
 OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
-
-
-def tree(folder: str) -> dict[str, bytes]:
-    """Every file under ``folder`` (relative path -> bytes)."""
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
 
 
 def _options(folder: str, tokenizer: str, out: str, **extra):
@@ -118,7 +109,7 @@ def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
     import subprocess
     import sys
 
-    import shardcache.builder.partition as partition_module
+    from shardcache.builder import fault_points
 
     folder, _ = corpus("jsonl", n_files=3, docs=100)
     extra = {"partition_size": "3KiB"}
@@ -128,15 +119,13 @@ def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
     args = [sys.executable, "-m", "shardcache.cli", "build", "-i", folder, "-t", tokenizer_dir,
             "-o", out, "-w", "1", "-q", "--partition-size", "3KiB", "--shard-size", "4096",
             "--buckets", "16,64", "--batch-docs", "16", "--partition", "1/2"]  # fmt: skip
-    env = {**os.environ, "PYTHONPATH": os.getcwd(), "SHARDCACHE_TEST_KILL": "batch:3"}
+    env = {**os.environ, **kill_env("batch:3")}
     killed = subprocess.run(args, env=env, capture_output=True, timeout=300)
     assert killed.returncode == -9, killed.stderr.decode()[-2000:]  # share 1 died mid-run
     env.pop("SHARDCACHE_TEST_KILL")
-    real_kill_point = partition_module.kill_point
     restarts = []
 
     def restart_share_1_mid_partition(event: str) -> None:
-        real_kill_point(event)
         in_flight = [n for sub in ("shards", "parts") for n in os.listdir(os.path.join(out, sub))
                      if n.endswith(".tmp") and int(n[1:6]) % 2 == 0]  # fmt: skip
         if event == "batch" and not restarts and in_flight:
@@ -144,7 +133,7 @@ def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
             done = subprocess.run(args, env=env, capture_output=True, timeout=300)
             assert done.returncode == 0, done.stderr.decode()[-2000:]
 
-    monkeypatch.setattr(partition_module, "kill_point", restart_share_1_mid_partition)
+    monkeypatch.setattr(fault_points, "hook", restart_share_1_mid_partition)
     build(_options(folder, tokenizer_dir, out, **extra), EngineOptions(share=Share(0, 2)))
     assert restarts and any(".quarantine.jsonl" in n for n in restarts[0]), restarts
     report = commit_output(out)

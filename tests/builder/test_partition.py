@@ -150,22 +150,20 @@ def _rewrite(path: str, how: str) -> None:
 def test_an_input_changed_during_the_build_fails_naming_the_file(
     corpus, tokenizer_dir, tmp_path, monkeypatch, how, partition_size
 ):
-    import shardcache.builder.partition as partition_module
     from shardcache import SourceError
+    from shardcache.builder import fault_points
 
     folder, _ = corpus("jsonl", n_files=1, docs=200)
     path = os.path.join(folder, "part-00.jsonl")
     out = str(tmp_path / "out")
-    real_kill_point = partition_module.kill_point
     changed = []
 
     def change_after_the_first_batch(event: str) -> None:
-        real_kill_point(event)
         if event == "batch" and not changed:
             changed.append(event)
             _rewrite(path, how)
 
-    monkeypatch.setattr(partition_module, "kill_point", change_after_the_first_batch)
+    monkeypatch.setattr(fault_points, "hook", change_after_the_first_batch)
     values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
               "batch_docs": 16, "partition_size": partition_size}  # fmt: skip
     with pytest.raises(SourceError, match=r"part-00\.jsonl.*changed") as err:

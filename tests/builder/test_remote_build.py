@@ -1,4 +1,4 @@
-"""Builds with URL inputs and a URL output (``builder/remote.py``), fast tier: fsspec's real
+"""Builds with URL inputs and a URL output (``store/storage.py``), fast tier: fsspec's real
 ``file://`` filesystem stands in for an object store (the slow tier runs the same paths
 against a loopback S3 server, tests/store/test_remote.py)."""
 
@@ -9,6 +9,8 @@ import os
 
 import pytest
 
+from conftest import folder_files as tree
+from conftest import kill_env
 from shardcache.builder.commit import commit_output
 from shardcache.builder.engines import EngineOptions, Share
 from shardcache.builder.run import build, build_cache
@@ -16,15 +18,6 @@ from shardcache.config import build_options_from_mapping
 from shardcache.errors import IncompleteBuildError
 
 OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
-
-
-def tree(folder: str) -> dict[str, bytes]:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            with open(os.path.join(root, name), "rb") as f:
-                out[os.path.relpath(os.path.join(root, name), folder)] = f.read()
-    return out
 
 
 def _values(inputs: str, tokenizer: str, out: str, **extra) -> dict:
@@ -97,8 +90,10 @@ def test_a_url_output_is_refused_or_rebuilt_with_force(corpus, tokenizer_dir, tm
         build(other)  # other options: its partitions cannot be reused
     build(options)
     done = tree(str(tmp_path / "store"))
-    with pytest.raises(CacheError, match="already holds a committed cache"):
-        build(options)
+    # as a local output: the same build again is a no-op, other options are refused
+    assert build(options).up_to_date
+    with pytest.raises(CacheError, match=r"already holds a committed cache.*batch_docs"):
+        build(other)
     forced = dataclasses.replace(options, force=True)
     report = build(forced)
     assert report.resumed_partitions == 0
@@ -116,17 +111,14 @@ def test_a_url_commit_killed_after_its_manifest_is_finished_by_commit(
     import subprocess
     import sys
 
-    from shardcache.builder import partition as partition_module
-
     folder, _ = corpus("jsonl", n_files=3, docs=60)
     local = str(tmp_path / "local")
     build_cache(build_options_from_mapping(_values(folder, tokenizer_dir, local)))
     store = tmp_path / "store"
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", folder, "-t", tokenizer_dir,
            "-o", f"file://{store}", "--workers", "1", "--partition-size", "2KiB",
            "--shard-size", "4096", "--buckets", "16,64", "--batch-docs", "16", "-q"]  # fmt: skip
-    env = {**os.environ, partition_module.KILL_ENV: "committed:2", "PYTHONPATH": repo}
+    env = {**os.environ, **kill_env("committed:1")}
     result = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert result.returncode == -signal.SIGKILL, result.stderr
     listed = {s["name"] for s in json.loads((store / "manifest.json").read_text())["shards"]}

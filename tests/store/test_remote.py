@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 
+from conftest import folder_files as tree
+from conftest import kill_env
 from shardcache import ShardDataset, build_cache, open_cache, verify_cache
 from shardcache.builder.commit import commit_output
 from shardcache.builder.engines import EngineOptions, Share
@@ -26,16 +28,6 @@ pytestmark = [
 ]
 
 OPTIONS = {"partition_size": "2KiB", "shard_size": 4096, "buckets": "16,64", "batch_docs": 16}
-
-
-def tree(folder: str) -> dict[str, bytes]:
-    out = {}
-    for root, _, files in os.walk(folder):
-        for name in files:
-            path = os.path.join(root, name)
-            with open(path, "rb") as f:
-                out[os.path.relpath(path, folder)] = f.read()
-    return out
 
 
 def _options(inputs, tokenizer: str, out: str, **extra):
@@ -79,8 +71,8 @@ def test_ray_retries_a_killed_task_without_partial_output(
     folder, ref = reference
     marker = tmp_path / "killed-once"
     # the worker running the 2nd encode batch it sees SIGKILLs itself, once; Ray retries
-    monkeypatch.setenv("SHARDCACHE_TEST_KILL", "batch:2")
-    monkeypatch.setenv("SHARDCACHE_TEST_KILL_ONCE", str(marker))
+    for name, value in kill_env("batch:2", once=str(marker)).items():
+        monkeypatch.setenv(name, value)  # Ray's workers inherit them
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
@@ -309,7 +301,7 @@ def _run_on(env: dict[str, str], values: dict, share: str = "", kill: str = "") 
     import subprocess
     import sys
 
-    env = {**env, "SHARDCACHE_TEST_KILL": kill} if kill else env
+    env = {**env, **kill_env(kill)} if kill else env
     proc = subprocess.run(
         [sys.executable, "-c", _BUILDER, json.dumps(values), share],
         env=env,

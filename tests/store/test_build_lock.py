@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from shardcache import BuildLockedError
-from shardcache.builder.lock import LOCK_NAME, BuildLock, read_owner
+from shardcache.store.build_lock import LOCK_NAME, BuildLock, read_owner
 
 
 def _dead_pid() -> int:
@@ -55,7 +55,7 @@ def test_a_stale_lock_taken_over_in_between_is_never_broken(tmp_path, monkeypatc
     guard, as an older shardcache would) takes it over. B must leave A's lock in place and
     refuse, not move it aside (two holders). ``after_read``: A acts after B's first read of
     the lock (judging it stale) or after the second (the re-read before the rename)."""
-    import shardcache.builder.lock as lock_module
+    import shardcache.store.build_lock as lock_module
 
     stale = {"pid": _dead_pid(), "host": socket.gethostname(), "started": 0}
     path = tmp_path / LOCK_NAME
@@ -92,7 +92,7 @@ def test_the_stale_lock_take_over_is_serialized(tmp_path, monkeypatch):
     (the guard is held); the winner ends up as the only holder."""
     import fcntl
 
-    import shardcache.builder.lock as lock_module
+    import shardcache.store.build_lock as lock_module
 
     stale = {"pid": _dead_pid(), "host": socket.gethostname(), "started": 0}
     (tmp_path / LOCK_NAME).write_text(json.dumps(stale))

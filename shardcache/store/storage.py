@@ -1,0 +1,272 @@
+"""Where a build's output lives: one interface over a local folder and an fsspec URL.
+
+:func:`open_storage` gives a :class:`Storage` for ``--output``: :class:`LocalStorage` for a
+folder, :class:`FsspecStorage` for ``scheme://...`` (``file://``, ``s3://`` ...). Names are
+relative to the output (``parts/p00001.json``). The build writes every file into a local
+*staging* folder (:meth:`Storage.staging`) and then :meth:`Storage.publish` es them, so one
+pipeline serves both:
+
+* a local folder stages in place: its files are written there as ``*.tmp`` + fsync + rename
+  (:mod:`shardcache.store.files`), and publishing is a no-op;
+* a URL stages in a private temporary folder and publishes by uploading, in the order given
+  (a completion record or the manifest last): an object appears whole or not at all.
+
+Only a local folder has an exclusive lock (:meth:`Storage.lock`, ``<output>/.lock``, see
+:mod:`shardcache.store.build_lock`); object stores have none, so the URL lock holds nothing.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from typing import Any
+
+from shardcache.errors import CacheError
+from shardcache.store.build_lock import BuildLock
+from shardcache.store.files import read_json_or_none, write_json_atomic
+from shardcache.store.layout import INDEX_DIR, PARTS_DIR, SHARD_DIR, check_relative_name
+from shardcache.store.remote import filesystem, is_url
+
+#: The folders a staging area holds (a partition's files, a commit's).
+STAGED_FOLDERS = (SHARD_DIR, PARTS_DIR, INDEX_DIR)
+
+
+class Storage:
+    """The operations a build needs on its output (see the module docstring).
+
+    Attributes:
+        location: the output as given (a folder path or a URL, without a trailing ``/``).
+    """
+
+    location: str
+
+    def exists(self, name: str) -> bool:
+        """Whether ``name`` exists (listings are fresh: another machine may have written)."""
+        raise NotImplementedError
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        """The JSON object ``name``; None when it is missing or not a whole JSON object."""
+        raise NotImplementedError
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """Several small files at once; None for a missing one."""
+        raise NotImplementedError
+
+    def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
+        """Write ``obj`` as ``name``, whole or not at all (the format of
+        :func:`~shardcache.store.files.write_json_atomic`; ``private``: a temporary name of
+        this process's own, for a file several processes may write at once)."""
+        raise NotImplementedError
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        """Every file under ``folder`` (one listing): name relative to it -> size in bytes."""
+        raise NotImplementedError
+
+    def remove(self, names: list[str]) -> None:
+        """Delete files (missing ones are fine)."""
+        raise NotImplementedError
+
+    def remove_folders(self, folders: list[str]) -> None:
+        """Delete folders and everything in them (missing ones are fine)."""
+        raise NotImplementedError
+
+    def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
+        """Hold the exclusive build lock of ``name`` (the output itself by default).
+
+        Raises:
+            BuildLockedError: another live build holds it (local folders only).
+        """
+        raise NotImplementedError
+
+    def staging(self, label: str) -> contextlib.AbstractContextManager[str]:
+        """A local folder (with :data:`STAGED_FOLDERS`) where files are written before they
+        are published; ``label`` names a temporary one (``shardcache-<label>-...``)."""
+        raise NotImplementedError
+
+    def publish(self, staged: str, names: list[str]) -> None:
+        """Make the files ``names`` written under ``staged`` part of the output, in order."""
+        raise NotImplementedError
+
+    def fetch(self, staged: str, names: list[str]) -> None:
+        """Copy the files ``names`` of the output into ``staged`` (a no-op in place)."""
+        raise NotImplementedError
+
+
+class LocalStorage(Storage):
+    """A local folder: staged in place, locked with ``<folder>/.lock``."""
+
+    def __init__(self, folder: str):
+        """Raises:
+        CacheError: ``folder`` exists and is not a folder.
+        """
+        if os.path.exists(folder) and not os.path.isdir(folder):
+            raise CacheError(f"--output {folder!r} exists and is not a folder; choose another path")
+        self.location = folder
+        self.root = folder
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.root, name)
+
+    def exists(self, name: str) -> bool:
+        return os.path.exists(self._path(name))
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        return read_json_or_none(self._path(name))
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        out: dict[str, bytes | None] = {}
+        for name in names:
+            try:
+                with open(self._path(name), "rb") as f:
+                    out[name] = f.read()
+            except OSError:
+                out[name] = None
+        return out
+
+    def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
+        path = self._path(name)
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        write_json_atomic(path, obj, private=private)
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        top = self._path(folder)
+        out: dict[str, int] = {}
+        for root, _, files in os.walk(top):
+            for name in files:
+                path = os.path.join(root, name)
+                with contextlib.suppress(FileNotFoundError):  # a tmp file renamed meanwhile
+                    out[os.path.relpath(path, top).replace(os.sep, "/")] = os.path.getsize(path)
+        return out
+
+    def remove(self, names: list[str]) -> None:
+        for name in names:
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(self._path(name))
+
+    def remove_folders(self, folders: list[str]) -> None:
+        for folder in folders:
+            shutil.rmtree(self._path(folder), ignore_errors=True)
+
+    def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
+        return BuildLock(self._path(name) if name else self.root)
+
+    @contextlib.contextmanager
+    def staging(self, label: str) -> Iterator[str]:
+        for sub in STAGED_FOLDERS:
+            os.makedirs(self._path(sub), exist_ok=True)
+        yield self.root
+
+    def publish(self, staged: str, names: list[str]) -> None:
+        """Nothing to do: files staged in place were written atomically where they belong."""
+
+    def fetch(self, staged: str, names: list[str]) -> None:
+        """Nothing to do: the staging folder is the output."""
+
+
+class FsspecStorage(Storage):
+    """An output at a URL, through fsspec; every listing is fresh (the filesystem's listing
+    cache is dropped first) and every name is checked to stay under the output."""
+
+    def __init__(self, url: str):
+        self.location = url.rstrip("/")
+        self.fs, self.root = filesystem(self.location)
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        #: a filesystem with real folders (``file://``) needs them made before a write
+        self.has_folders = "file" in protocols or "local" in protocols
+
+    def _path(self, name: str) -> str:
+        # every name (ours, or listed from the store) is a plain relative name: a listed key
+        # such as parts/../../x is refused, never read, deleted or written
+        return f"{self.root}/{check_relative_name(name, f'object name under {self.location!r}')}"
+
+    def _writing(self, name: str) -> str:
+        path = self._path(name)
+        if self.has_folders:
+            self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
+        return path
+
+    def exists(self, name: str) -> bool:
+        self.fs.invalidate_cache()
+        return bool(self.fs.exists(self._path(name)))
+
+    def read_json(self, name: str) -> dict[str, Any] | None:
+        try:
+            data = json.loads(self.fs.cat_file(self._path(name)))
+        except (FileNotFoundError, ValueError, RecursionError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        if not names:
+            return {}
+        got = self.fs.cat([self._path(n) for n in names], on_error="return")
+        out: dict[str, bytes | None] = {}
+        for n in names:
+            value = got.get(self._path(n))
+            out[n] = value if isinstance(value, bytes) else None
+        return out
+
+    def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
+        data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
+        self.fs.pipe_file(self._writing(name), data)
+
+    def sizes(self, folder: str) -> dict[str, int]:
+        self.fs.invalidate_cache()
+        prefix = self._path(folder).rstrip("/") + "/"
+        try:
+            found = self.fs.find(prefix, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {
+            p[len(prefix) :]: int(i.get("size") or 0)
+            for p, i in found.items()
+            if p.startswith(prefix) and i.get("type") != "directory"
+        }
+
+    def remove(self, names: list[str]) -> None:
+        if names:
+            with contextlib.suppress(FileNotFoundError):
+                self.fs.rm([self._path(n) for n in names])
+            self.fs.invalidate_cache()
+
+    def remove_folders(self, folders: list[str]) -> None:
+        for folder in folders:
+            self.remove([f"{folder}/{n}" for n in self.sizes(folder)])
+
+    def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
+        return contextlib.nullcontext()  # object stores have no lock: one driver per output
+
+    @contextlib.contextmanager
+    def staging(self, label: str) -> Iterator[str]:
+        with tempfile.TemporaryDirectory(prefix=f"shardcache-{label}-") as scratch:
+            for sub in STAGED_FOLDERS:
+                os.makedirs(os.path.join(scratch, sub))
+            yield scratch
+
+    def publish(self, staged: str, names: list[str]) -> None:
+        for name in names:  # in order, one request each: the last one is the commit point
+            self.fs.put_file(os.path.join(staged, name), self._writing(name))
+
+    def fetch(self, staged: str, names: list[str]) -> None:
+        if names:
+            self.fs.get([self._path(n) for n in names], [os.path.join(staged, n) for n in names])
+
+
+def open_storage(location: str) -> Storage:
+    """The :class:`Storage` of a build output: a URL through fsspec, else a local folder.
+
+    Args:
+        location: ``--output``, a folder path or ``scheme://...``.
+
+    Returns:
+        A :class:`FsspecStorage` for a URL, else a :class:`LocalStorage`.
+
+    Raises:
+        MissingDependencyError: the URL's fsspec backend is not installed.
+        ConfigError: fsspec cannot open the URL.
+    """
+    return FsspecStorage(location) if is_url(location) else LocalStorage(location)
