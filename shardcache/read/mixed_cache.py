@@ -14,8 +14,15 @@ What this module owns
 * reads segments given by mixture ids (:meth:`MixedCache.gather`, the :meth:`Cache.gather`
   contract): each source's segments in one gather from its cache, laid out where asked.
 
-It has no compiled-reader table (:meth:`mapped_table` is None), so a mixture's batches are
-built on the numpy path.
+For the compiled reader (``shardcache.read.kernels``) it offers one :class:`MappedTable` over
+every source's shards (:meth:`MixedCache.mapped_table`: shard and sample numbers shifted into
+the mixture's), kept in step with the sources' own tables: :meth:`MixedCache.open_mapped`
+opens a shard through its source and copies that source's addresses (and the row starts of
+shards it sees for the first time) into the combined table, and every :meth:`gather`, which
+may open and close shards of any source, does the same for all sources afterwards. So between
+calls the combined table never holds the address of a closed shard. Sources whose shards are
+compressed, of another token type, or a mix of chat and plain-text caches, have no table
+(None): their batches are built on the numpy path.
 """
 
 from __future__ import annotations
@@ -26,7 +33,7 @@ import numpy as np
 
 from shardcache.errors import CacheKeyMismatch
 from shardcache.read.mixture import MixtureIndex, MixtureTable, Source, solve_mixture
-from shardcache.store.cache import Cache, Gathered
+from shardcache.store.cache import Cache, Gathered, MappedTable
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url
 from shardcache.store.shards import flat_ranges
@@ -101,6 +108,10 @@ class MixedCache:
         self.index = MixtureIndex.of([c.num_sequences for c in self.caches])
         self.dtype = np.result_type(*(c.dtype for c in self.caches))
         self._lengths: np.ndarray | None = None
+        self._table: MappedTable | None = None  # the combined table (mapped_table)
+        self._tables: list[MappedTable] = []  # the sources' own
+        self._shard_offsets = np.zeros(1, dtype=np.int64)  # source s: shards [o[s], o[s + 1])
+        self._copied = np.zeros(0, dtype=bool)  # shards whose row starts are in the table
 
     @property
     def remote(self) -> bool:
@@ -144,9 +155,82 @@ class MixedCache:
         tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
         return solve_mixture(self.sources, documents, tokens, tokens_per_epoch)
 
-    def mapped_table(self) -> None:
-        """No compiled-reader table: a mixture is read on the numpy path."""
-        return None
+    def mapped_table(self) -> MappedTable | None:
+        """One table over every source's memory-mapped shards (see the module docstring), or
+        None when the numpy path must read (a compressed source, sources of other token types,
+        chat and plain-text sources together). The same object for the cache's life."""
+        if self._table is not None:
+            return self._table
+        tables = [c.mapped_table() for c in self.caches]
+        if any(t is None for t in tables):
+            return None
+        full = [t for t in tables if t is not None]
+        if len({t.dtype for t in full}) != 1 or len({c.has_mask for c in self.caches}) != 1:
+            return None
+        counts = np.array([len(t.addresses) for t in full], dtype=np.int64)
+        self._shard_offsets = np.zeros(len(full) + 1, dtype=np.int64)
+        np.cumsum(counts, out=self._shard_offsets[1:])
+        shards = int(self._shard_offsets[-1])
+        starts = [t.shard_starts[:-1] + self.index.offsets[s] for s, t in enumerate(full)]
+        shard_starts = np.concatenate([*starts, self.index.offsets[-1:]]).astype(np.int64)
+        narrow = all(t.file_starts.dtype == np.uint32 for t in full)
+        samples = self.num_sequences
+        self._tables = full
+        self._copied = np.zeros(shards, dtype=bool)
+        self._table = MappedTable(
+            np.zeros(shards, dtype=np.int64),
+            np.zeros(shards, dtype=np.int64),
+            np.zeros(shards, dtype=np.int64),
+            np.ones(1, dtype=np.int64),
+            shard_starts,
+            np.zeros(samples, dtype=np.uint32 if narrow else np.int64),
+            self.lengths,
+            full[0].dtype,
+            min(t.max_id for t in full),
+            np.zeros(samples if self.has_mask else 0, dtype=np.int64),
+        )
+        for s in range(len(full)):
+            self._sync(s)
+        return self._table
+
+    def _sync(self, source: int) -> None:
+        """Copy source ``source``'s open shards (addresses, sizes) into the combined table,
+        and the row starts of those it has not copied yet (fixed once a shard was opened)."""
+        table, own = self._table, self._tables[source]
+        assert table is not None
+        lo, hi = int(self._shard_offsets[source]), int(self._shard_offsets[source + 1])
+        table.addresses[lo:hi] = own.addresses
+        table.sizes[lo:hi] = own.sizes
+        new = np.flatnonzero((own.addresses != 0) & ~self._copied[lo:hi])
+        base = int(self.index.offsets[source])
+        for shard in new.tolist():
+            a, b = int(own.shard_starts[shard]), int(own.shard_starts[shard + 1])
+            table.file_starts[base + a : base + b] = own.file_starts[a:b]
+            if len(table.mask_starts):
+                table.mask_starts[base + a : base + b] = own.mask_starts[a:b]
+            self._copied[lo + shard] = True
+
+    def open_mapped(self, index: int) -> bool:
+        """Open shard ``index`` of the combined table (:meth:`Cache.open_mapped` of its
+        source, whose least recently stamped shard may close for it); False when it cannot be
+        mapped (read it through :meth:`gather`)."""
+        table = self.mapped_table()
+        if table is None:
+            return False
+        source = int(np.searchsorted(self._shard_offsets, index, side="right")) - 1
+        lo, hi = int(self._shard_offsets[source]), int(self._shard_offsets[source + 1])
+        own = self._tables[source]
+        own.last_used[:] = table.last_used[lo:hi]  # the compiled reader stamps the combined one
+        own.clock[0] = table.clock[0]
+        opened = self.caches[source].open_mapped(int(index) - lo)
+        self._sync(source)
+        table.last_used[index] = table.clock[0]
+        return opened
+
+    def _sync_all(self) -> None:
+        if self._table is not None:
+            for source in range(len(self._tables)):
+                self._sync(source)
 
     def gather(
         self,
@@ -179,6 +263,7 @@ class MixedCache:
         if len(touched) == 1:  # one source: its own gather does the whole layout
             s = int(touched[0])
             got = self.caches[s].gather(local, first, take, with_mask, dtype, layout, fill)
+            self._sync_all()
             return Gathered(got.tokens, offsets, got.mask)
         out_dtype = self.dtype if dtype is None else dtype
         if layout is None:
@@ -195,4 +280,5 @@ class MixedCache:
             tokens[where] = got.tokens
             if mask is not None and got.mask is not None:
                 mask[where] = got.mask
+        self._sync_all()  # the sources may have opened and closed shards
         return Gathered(tokens, offsets, mask)

@@ -47,8 +47,10 @@ used twice appears twice) are planned like a cache whose sequences they are; the
 from __future__ import annotations
 
 import hashlib
+import logging
 import math
 import os
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +58,11 @@ import numpy as np
 
 from shardcache.errors import ConfigError
 from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
+
+logger = logging.getLogger("shardcache")
+#: A mixture's epoch of at least this many documents logs its planning (INFO: it takes
+#: seconds, and every rank does it before its first batch).
+LOG_MIN_DOCUMENTS = 1_000_000
 
 
 @dataclass(frozen=True)
@@ -462,8 +469,21 @@ class Mixture:
     ) -> EpochPlan:
         """The global batches of ``epoch`` (:func:`mixture_epoch_plan`); sample ids are
         mixture ids."""
+        started = time.perf_counter()
         chosen = self.documents(lengths, seed, epoch)
-        return mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+        loud = len(chosen) >= LOG_MIN_DOCUMENTS
+        if loud:
+            logger.info(
+                "shardcache: planning epoch %d of a mixture of %d sources: %d documents",
+                epoch, len(self.sources), len(chosen),
+            )  # fmt: skip
+        plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+        if loud:
+            logger.info(
+                "shardcache: planned epoch %d in %.1f s: %d global batches",
+                epoch, time.perf_counter() - started, len(plan),
+            )  # fmt: skip
+        return plan
 
     def state(self) -> dict[str, Any]:
         """What a reader state records of the mixture (JSON-able)."""

@@ -310,3 +310,32 @@ def test_spawned_workers_read_the_same_stream(caches):
     inline = [_key(b) for b in ds]
     loader = DataLoader(ds, batch_size=None, num_workers=2, multiprocessing_context="spawn")
     assert [_key(b) for b in loader] == inline
+
+
+def _batches(ds) -> list:
+    return [{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in ds]
+
+
+@pytest.mark.parametrize("open_shards", [256, 3, 2, 1])
+@pytest.mark.parametrize("extra", [{}, PACKED, CONCAT], ids=["pad", "best_fit", "concat"])
+def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
+    caches, extra, open_shards, monkeypatch
+):
+    """One table over every source's shards: the same batches as the numpy path, also when
+    each source keeps one shard open (shards close and reopen between and inside batches)."""
+    from conftest import assert_batches_equal
+    from shardcache.read import dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
+    compiled = ShardDataset(_sources(caches), 256, seed=5, **extra)
+    assert compiled.reads_compiled
+    numpy_path = ShardDataset(_sources(caches), 256, seed=5, **extra)
+    numpy_path.kernels = False
+    assert not numpy_path.reads_compiled
+    for epoch in range(2):
+        compiled.set_epoch(epoch)
+        numpy_path.set_epoch(epoch)
+        got, want = _batches(compiled), _batches(numpy_path)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert_batches_equal(a, b)

@@ -175,3 +175,18 @@ def test_changes_of_a_mixture_are_listed_field_by_field():
     assert mixture_changes(theirs, ours) == ["source 'b': cache (key digest) 'old' -> 'd2'"]
     assert mixture_changes({**ours, "sources": ours["sources"][:1]}, ours) == ["source 'b': added"]
     assert mixture_changes(None, ours)
+
+
+def test_a_large_mixture_epoch_logs_its_planning(caplog, monkeypatch):
+    from shardcache.read import mixture as mixture_module
+
+    monkeypatch.setattr(mixture_module, "LOG_MIN_DOCUMENTS", 10)
+    parts = [_lengths(20, 1), _lengths(20, 2)]
+    sources = (Source("a"), Source("b"))
+    table = solve_mixture(sources, [20, 20], [int(p.sum()) for p in parts])
+    mixture = Mixture(sources, table, MixtureIndex.of([20, 20]), ("x", "y"))
+    lengths = np.concatenate(parts).astype(np.int64)
+    with caplog.at_level("INFO", logger="shardcache"):
+        mixture.plan(lengths, np.zeros(40, np.int32), PlanOptions(max_tokens=128), 0, 3)
+    assert "planning epoch 3 of a mixture of 2 sources" in caplog.text
+    assert "global batches" in caplog.text
