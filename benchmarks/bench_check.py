@@ -42,7 +42,7 @@ def main() -> None:
     ap.add_argument("--repeat", type=int, default=3)
     args = ap.parse_args()
 
-    from shardcache.builder.keying import DataHashing, current_data, current_key
+    from shardcache.builder.key_computation import DataHashing, current_data, current_key
     from shardcache.store.check import cache_key, compare_keys
     from shardcache.store.key import read_lock
 

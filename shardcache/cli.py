@@ -430,7 +430,7 @@ def _compare_for_check(
     targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ...], flags: dict
 ) -> tuple[str, Any, Any]:
     """Pick the two keys to compare: (description, old = recorded, new = current)."""
-    from shardcache.builder.keying import DataHashing, current_key
+    from shardcache.builder.key_computation import DataHashing, current_key
     from shardcache.store.check import cache_key
     from shardcache.store.key import read_lock
 
@@ -518,7 +518,7 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     The data part comes from hashing the inputs (or from --data-version). Commit the lock
     file; CI then runs `shardcache check --lock shardcache.lock RECIPE`.
     """
-    from shardcache.builder.keying import DataHashing, current_key
+    from shardcache.builder.key_computation import DataHashing, current_key
     from shardcache.store.key import write_lock
 
     values = _values(recipe, inputs, flags)
@@ -588,7 +588,7 @@ def verify(
     report = verify_cache(cache)
     audit = None
     if tokens:
-        from shardcache.builder.audit import audit_tokens, format_token_audit
+        from shardcache.builder.token_audit import audit_tokens, format_token_audit
 
         audit = audit_tokens(cache, share, inputs or None, tokenizer)
     if as_json:

@@ -1,10 +1,14 @@
-"""The build layer: corpus -> cache. Imports the store, never the readers.
+"""The builder layer: corpus -> cache, one pipeline. Imports the store, never the readers.
 
-Data flows ``sources`` (records) -> ``encoders`` (``tokenize`` for text, ``chat`` for
-conversations; ``chunking`` for huge documents) -> ``partition`` (one partition's shard files,
-bucketed by ``bucket``) -> ``commit`` (the manifest, last). ``plan`` cuts the inputs into
-partitions and keeps the resume records; ``pool`` and ``engines`` schedule partitions (local
-processes, Ray, job-array shares); ``run`` is the front door (``build_cache``, ``build``);
-``remote`` stages builds from and into object storage; ``lock`` keeps one build per folder;
-``keying`` computes the cache key of a configuration; ``report`` is what a build prints.
+``run`` is the pipeline (plan -> map -> commit, :func:`~shardcache.builder.run.build`):
+``build_plan`` cuts the inputs into partitions, records the plan in the output and finds the
+completed partitions (resume), a job-array ``Share`` filters them; ``engines`` / ``pool`` map
+them (in-process, a process pool, Ray) with ``partition`` (records from ``sources`` ->
+``encoders``: ``tokenize`` for text, ``chat`` for conversations, ``chunking`` for huge
+documents -> shard files bucketed by ``bucket``); ``commit`` joins them (``compact``) and
+writes the manifest last. The output is a :mod:`shardcache.store.storage` (a folder or a URL).
+``backends`` and ``backend_gate`` choose the encoder backend; ``tokenizer_memo`` remembers what
+transformers resolved from a tokenizer folder; ``key_computation`` computes the cache key of a
+configuration; ``token_audit`` re-tokenizes a cache's documents (``verify --tokens``);
+``fault_points`` is the seam of the crash tests; ``report`` is what a build prints.
 """

@@ -9,8 +9,7 @@ What this module owns:
 * :class:`HFBackend` — ``tokenizers.Tokenizer.encode_batch``: the reference, always there.
 * :class:`FastBackend` — `fastokens <https://pypi.org/project/fastokens/>`_
   (``pip install 'shardcache[fast]'``), which loads the same ``tokenizer.json`` and returns a
-  batch as one flat buffer (``encode_batch_flat``). Measured on a 151k-vocabulary byte-level
-  BPE (2 cores): ~20x the ids/s of HF ``encode_batch``. It refuses what it does not implement
+  batch as one flat buffer (``encode_batch_flat``). It refuses what it does not implement
   (at load: e.g. BertNormalizer, NFKC, the Metaspace pre-tokenizer) and tracks no character
   offsets, so chat builds (loss masks from char -> token lookups) always use HF.
 * The gate (:func:`select_backend`): a fast backend is used only when it loads the tokenizer
@@ -20,7 +19,7 @@ What this module owns:
   :func:`verify_sample` re-encodes a deterministic sample of every encode batch with HF
   (partition.py re-encodes a partition with HF on a mismatch).
 
-Start-up: with a warm memo of the tokenizer folder (:mod:`shardcache.builder.resolved`) the
+Start-up: with a warm memo of the tokenizer folder (:mod:`shardcache.builder.tokenizer_memo`) the
 fast load starts from the memo's backend JSON (the JSON transformers produced) while the
 reference backend parses the same JSON. Without one, a build starts the fast load from the
 folder's tokenizer.json first thing (:func:`load_fast_early`), before transformers is
@@ -54,10 +53,8 @@ FAST_MODULE = "fastokens"
 FAST_PIP = "pip install 'shardcache[fast]'"
 
 #: Corpus documents the gate encodes with both backends before the build starts: at most
-#: this many documents and :data:`GATE_SAMPLE_CHARS` characters. The HF side of the gate is
-#: paid once per build (512 documents of a 3 KB-per-document corpus cost 0.75 CPU-s with a
-#: 151k BPE, more than the fast backend's whole encode of 5,000 documents), and every
-#: partition is verified during the build anyway, so the gate's sample stays small.
+#: this many documents and :data:`GATE_SAMPLE_CHARS` characters. Every partition is verified
+#: during the build anyway, so the gate's sample stays small (its HF side is slow).
 GATE_SAMPLE_DOCS = 512
 GATE_SAMPLE_CHARS = 256 * 1024
 
@@ -102,8 +99,8 @@ class HFBackend:
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
         """The build's ids: ``encode_batch_fast`` (tokenizers >= 0.20), the same pipeline
-        without character offsets: 7-9% less CPU than ``encode_batch`` (151k BPE, measured)
-        and the same ids (the build tests compare with ``tokenizer(text)``)."""
+        without character offsets (less work than ``encode_batch``) and the same ids (the
+        build tests compare with ``tokenizer(text)``)."""
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         encodings = encode(texts, add_special_tokens=add_special_tokens)
         return flatten_ids([e.ids for e in encodings])
@@ -188,13 +185,10 @@ def load_fast_backend(serialized: str) -> FastBackend:
 
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
     """Load a :class:`FastBackend` in the background: fastokens releases the GIL while it
-    parses (1.0-1.3 CPU-s for a 151k-vocabulary BPE, 3.4x HF's own load), so the load
-    overlaps planning and the HF side of the gate (or, in a worker, the HF load).
-
-    Returns once the thread is about to call fastokens (the package imported here first):
-    callers next run ``Tokenizer.from_str``, which holds the GIL for 0.3-0.45 s, and a
-    thread still importing fastokens then waited for all of it (measured: the fast load, the
-    critical path of a warm build, started 0.36 s late)."""
+    parses, so the load overlaps planning and the HF side of the gate (or, in a worker, the
+    HF load). Returns once the thread is about to call fastokens (the package is imported
+    here first): callers next run ``Tokenizer.from_str``, which holds the GIL, and a thread
+    still importing fastokens would wait for all of it."""
     with contextlib.suppress(MissingDependencyError):  # the thread reports it
         import_fast_module()
     entered = threading.Event()
@@ -269,8 +263,7 @@ def _load_early(path: str) -> EarlyLoad:
 def load_fast_early(folder: str) -> Ahead[EarlyLoad] | None:
     """Start loading the fast backend from ``folder/tokenizer.json`` now, in a thread, or
     None when the folder has no tokenizer.json. A build calls this first thing: the load
-    (1.3 CPU-s for a 151k-vocabulary BPE, the GIL released) then overlaps the transformers
-    import and the HF load (2-2.5 s, holding the GIL) instead of starting after them.
+    (the GIL released) then overlaps the transformers import and the HF load.
     :func:`adopt_early` decides whether it can be used."""
     path = os.path.join(folder, "tokenizer.json")
     return Ahead(_load_early, path) if os.path.isfile(path) else None
@@ -282,7 +275,7 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
     except (OSError, ValueError):  # file unreadable or not JSON: load transformers' JSON
         return load_fast_backend(serialized)
     same = loaded.content == ids_content(backend_json)
-    loaded.content = None  # the parsed file (tens of MB for a 151k vocabulary) goes now
+    loaded.content = None  # the parsed file (large for a big vocabulary) goes now
     if not same:
         loaded.backend = None
         return load_fast_backend(serialized)
@@ -472,9 +465,8 @@ def verify_sample(
 ) -> None:
     """Re-encode ``texts[positions]`` with HF and compare with the fast ids; updates
     ``counts`` (each differing document adds one mismatch and its description). HF encodes
-    as an HF build does (:meth:`HFBackend.encode_flat`, no offsets: 16-25% less CPU than
-    ``encode_batch`` on the sample of a 151k-BPE build, measured), so a fast build is
-    compared with the ids an HF build stores."""
+    as an HF build does (:meth:`HFBackend.encode_flat`), so a fast build is compared with the
+    ids an HF build stores."""
     if len(positions) == 0:
         return
     ends = np.cumsum(lengths)

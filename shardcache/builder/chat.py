@@ -52,8 +52,8 @@ CHAT_BAD_REASONS = (
 )
 
 #: Render budget per conversation (all its prefix renders together). A template with a huge
-#: loop or an exponential macro would otherwise hang the build (and ``lock``/``check``). Real
-#: templates render a conversation in well under a millisecond, so 5 s never cuts a sane one.
+#: loop or an exponential macro would otherwise hang the build (and ``lock``/``check``); real
+#: templates render a conversation far faster than this, so it never cuts a sane one.
 RENDER_SECONDS = 5.0
 #: Output budget per render: 64 Mi characters, far above any real conversation's text.
 RENDER_CHARS = 64 * 1024 * 1024
@@ -175,7 +175,7 @@ def _render_batch(
 
 class _FastRender:
     """The same rendering as :func:`_render_batch`, with transformers' per-call work (deep
-    copies of every message for every prefix: 45% of the render time, measured) done once per
+    copies of every message for every prefix) done once per
     conversation: the messages are converted once, then prefixes render straight through the
     compiled (sandboxed) template. Falls back to :func:`_render_batch` when this
     transformers version lacks the helpers; the tests and the build's lint compare the result
@@ -301,7 +301,7 @@ def encoding_mask(
     encoding: Any, n_tokens: int, spans: list[tuple[int, int]]
 ) -> tuple[np.ndarray, int]:
     """:func:`token_mask` through the encoding's char -> token map: a few lookups per span
-    instead of converting every token's offsets (which cost 10% of a chat build, measured)."""
+    instead of converting every token's offsets."""
     mask = np.zeros(n_tokens, dtype=bool)
     straddle = 0
     for lo, hi in spans:

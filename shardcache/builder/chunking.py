@@ -1,8 +1,8 @@
 """Encoding huge documents in pieces, exactly, with bounded memory.
 
 A tokenizers ``Encoding`` keeps, per token, its string, offsets, type id, masks and word id,
-and the normalizer keeps an alignment per character: encoding one 50 MB document at once
-peaked at 8.3 GB RSS (measured, MiniLM WordPiece, 14 M tokens). A document longer than
+and the normalizer keeps an alignment per character, so one huge document encoded at once
+takes many times its size in memory. A document longer than
 :data:`HUGE_CHARS` is therefore cut into pieces of about :data:`PIECE_CHARS` characters,
 each encoded without special tokens, and the special tokens the post-processor adds
 (e.g. ``[CLS] ... [SEP]``, a BOS) are put around the concatenated ids.
@@ -13,14 +13,14 @@ cut before a single space between two non-space characters (``"a b"`` -> ``"a"``
 a new word anyway; and :func:`chunking_is_exact` checks, once per tokenizer, that this holds
 on probe texts and that the post-processor only wraps the ids.
 
-Text without ASCII spaces (CJK, minified code, base64: a 10 M-character CJK document peaked
-at 6.7 GB RSS encoded whole) is cut where the tokenizer's own pre-tokenizer splits a window
-of :data:`WINDOW_CHARS` around the target (:func:`pretokenizer_cut`): a cut is taken only if
-the pre-tokenizer splits there and encoding :data:`CHECK_CHARS` characters on each side
-whole gives the ids of the two sides encoded apart (the model never sees across a
-pre-token, so the cut is invisible to it); the start-up check covers such cuts too. A
-tokenizer that fails the check (e.g. one whose normalizer prepends a marker to every input),
-or a stretch with no such boundary, is encoded whole as before: exact first, memory second.
+Text without ASCII spaces (CJK, minified code, base64) is cut where the tokenizer's own
+pre-tokenizer splits a window of :data:`WINDOW_CHARS` around the target
+(:func:`pretokenizer_cut`): a cut is taken only if the pre-tokenizer splits there and
+encoding :data:`CHECK_CHARS` characters on each side whole gives the ids of the two sides
+encoded apart (the model never sees across a pre-token, so the cut is invisible to it); the
+start-up check covers such cuts too. A tokenizer that fails the check (e.g. one whose
+normalizer prepends a marker to every input), or a stretch with no such boundary, is encoded
+whole: exact first, memory second.
 """
 
 from __future__ import annotations
@@ -146,8 +146,7 @@ def encode_in_pieces(
     prefix, suffix = wrapping
     parts = [np.asarray(prefix, dtype=np.int64)]
     # Pieces per encode_batch call: parallel, yet at most BATCH_BYTES of UTF-8 at once, since
-    # an Encoding costs ~200 bytes per token and tokens follow bytes, not characters (CJK: 3
-    # bytes and ~2 byte-level tokens per character; 8 pieces of CJK peaked at 865 MB, measured).
+    # an Encoding's memory follows tokens, and tokens follow bytes, not characters (CJK).
     pending: list[str] = []
     pending_bytes = 0
     for a, b in itertools.pairwise(bounds):

@@ -22,21 +22,21 @@ from collections.abc import Mapping
 from typing import Any
 
 from shardcache.builder.bucket import bucket_ranges
-from shardcache.builder.compact import Compacted, compact, plan_compaction
-from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
-from shardcache.builder.fault_points import fault_point
-from shardcache.builder.keying import (
-    compute_key,
-    data_component_from_files,
-    data_component_from_version,
-)
-from shardcache.builder.plan import (
+from shardcache.builder.build_plan import (
     BuildPlan,
     PartitionResult,
     completed,
     options_from_json,
     options_json,
     plan_from_json,
+)
+from shardcache.builder.compact import Compacted, compact, plan_compaction
+from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
+from shardcache.builder.fault_points import fault_point
+from shardcache.builder.key_computation import (
+    compute_key,
+    data_component_from_files,
+    data_component_from_version,
 )
 from shardcache.builder.report import BuildReport, report_from_manifest
 from shardcache.builder.sources import InputFile, field_hint

@@ -2,11 +2,8 @@
 
 Every partition writes its own shards, bucket by bucket, and closes each bucket's last shard
 where the partition ends. So a build of N input files leaves up to N partial shards in every
-bucket: 8 files of 2 MB and the default 64 MiB shards gave 75 shards of 12 KB to 2 MB, where
-one writer would have made 10. Each shard costs a reader an open (a stat, a map, its offsets
-checked against the length index) and its first page faults: one cold pass over that cache
-took 2-7 ms (of ~30) less with 10 shards than with 75 (`benchmarks/README.md`, sixth round),
-and a cache of 1,000 files would hold ~10,000 files where ~100 do.
+bucket, where one writer would have made a few full ones; each shard costs a reader an open
+(a stat, a map, its offsets checked against the length index) and its first page faults.
 
 :func:`compact` walks each bucket's shards in partition order. A full shard (its tokens reach
 the target ``--shard-size``) is kept as it is, not rewritten. Consecutive partial shards are
@@ -28,7 +25,7 @@ import os
 from collections import defaultdict
 from dataclasses import dataclass
 
-from shardcache.builder.plan import PartitionResult
+from shardcache.builder.build_plan import PartitionResult
 from shardcache.store.layout import PARTS_DIR, merged_shard_name
 from shardcache.store.shards import ShardInfo, merge_shards
 

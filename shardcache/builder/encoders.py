@@ -19,8 +19,8 @@ from typing import Any, Union
 
 from shardcache.builder.backends import EncoderSelection, load_fast_early
 from shardcache.builder.chat import ChatEncoder
-from shardcache.builder.resolved import read_resolved
 from shardcache.builder.tokenize import TextEncoder
+from shardcache.builder.tokenizer_memo import read_resolved
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
 
 Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
@@ -34,7 +34,7 @@ def make_encoder(
     (``preload_fast``: start loading the fast backend for the gate, text only).
 
     Plain text whose tokenizer folder was resolved before is built from the memo
-    (:func:`~shardcache.builder.resolved.read_resolved`, ~30 ms) without importing
+    (:func:`~shardcache.builder.tokenizer_memo.read_resolved`) without importing
     transformers; else through transformers, which writes the memo. On a miss the fast
     backend starts loading from the folder's tokenizer.json before transformers is imported
     (:func:`~shardcache.builder.backends.load_fast_early`). Chat always loads transformers
@@ -69,7 +69,7 @@ def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
     if spec["kind"] == "chat":
         options = TokenizeOptions(**spec["tokenize"])
         # the tokenizer class the parent resolved, loaded directly: AutoTokenizer would also
-        # import torch (through the model configs), 2 s and ~250 MB per worker process
+        # import torch (through the model configs) in every worker process
         module, name = spec["hf_class"]
         cls = getattr(importlib.import_module(module), name)
         hf = cls.from_pretrained(options.tokenizer, local_files_only=True)

@@ -5,7 +5,7 @@ the options, staged and published with its completion record ``parts/<id>.json``
 (:func:`~shardcache.builder.partition.build_partition`), and the commit reads only the
 records. So any scheduler that runs ``build_partition`` once per partition, on any machine
 that reaches the output, produces the same bytes. Which partitions a process runs (all, or a
-job-array :class:`~shardcache.builder.plan.Share`) is decided before, by the pipeline.
+job-array :class:`~shardcache.builder.build_plan.Share`) is decided before, by the pipeline.
 
 * **local** (default, :mod:`shardcache.builder.pool`): in this process, or a process pool.
 * **ray** (``--engine ray``, extra ``shardcache[ray]``): one ``ray.remote`` task per pending
@@ -25,9 +25,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult, Share
 from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
 from shardcache.builder.partition import build_partition
-from shardcache.builder.plan import BuildPlan, Partition, PartitionResult, Share
 from shardcache.builder.pool import run_local
 from shardcache.builder.report import Progress
 from shardcache.errors import (

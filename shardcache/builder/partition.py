@@ -25,9 +25,9 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder.bucket import assign_buckets
+from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
 from shardcache.builder.fault_points import fault_point
-from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import (
     FileDigest,
@@ -236,7 +236,16 @@ def remove_partition_files(out: str, partition_id: str) -> None:
 def map_partition(
     plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
 ) -> PartitionResult:
-    """Read, encode and write one partition's shard files (not its completion record)."""
+    """Read, encode and write one partition's files into ``plan.options.output`` (not its
+    completion record).
+
+    Returns:
+        The partition's result (its ``encoding`` left empty).
+
+    Raises:
+        SourceError: the input changed since it was planned.
+        BadRecordError: a bad record under ``--on-error fail``.
+    """
     check_unchanged(partition.file, "between the plan and this partition's read")
     options = plan.options
     out = options.output

@@ -21,9 +21,9 @@ import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
 
+from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
 from shardcache.builder.partition import build_partition, check_parent, set_parent_pid
-from shardcache.builder.plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.report import Progress
 from shardcache.config import default_workers
 from shardcache.errors import (
@@ -122,8 +122,8 @@ def run_pool(
     queue = ctx.Queue()
     rayon_threads = max(1, default_workers() // workers)
     spec = encoder_spec(encoder)
-    # this process only waits from here on: free its copy of the fast backend (~120 MB for a
-    # 151k vocabulary; the workers load their own from the spec)
+    # this process only waits from here on: free its copy of the fast backend (large for a
+    # big vocabulary; the workers load their own from the spec)
     getattr(encoder, "text", encoder).fast = None
     executor = ProcessPoolExecutor(
         max_workers=workers,
@@ -179,7 +179,21 @@ def run_local(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    """The local engine: in this process for one worker or one partition, else the pool."""
+    """The local engine: in this process for one worker or one partition, else the pool.
+
+    Args:
+        plan: the build plan.
+        pending: the partitions to run.
+        encoder: the build's encoder, after the gate.
+        progress: receives the workers' progress events.
+        workers: processes at most.
+
+    Returns:
+        Partition id -> result, for every partition of ``pending``.
+
+    Raises:
+        ShardcacheError: a worker process died (completed partitions are kept).
+    """
     if workers == 1 or len(pending) <= 1:
         return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
     return run_pool(plan, pending, encoder, progress, min(workers, len(pending)))

@@ -6,10 +6,10 @@
    and hold its lock (a local folder's ``.lock``; a share's own lock under ``.shares/``);
 2. the one "already committed" check: an up-to-date cache is reported as it is, ``--force``
    removes its manifest first (readers stop seeing it), anything else is refused;
-3. plan, or resume the recorded plan (:func:`~shardcache.builder.plan.plan_output`), and
+3. plan, or resume the recorded plan (:func:`~shardcache.builder.build_plan.plan_output`), and
    filter: every partition, or this process's job-array share; the completed ones are kept
-   (:func:`~shardcache.builder.plan.completed`);
-4. choose the encoder backend once (:func:`~shardcache.builder.gate.gate_encoder`);
+   (:func:`~shardcache.builder.build_plan.completed`);
+4. choose the encoder backend once (:func:`~shardcache.builder.backend_gate.gate_encoder`);
 5. map the pending partitions with an engine (:data:`~shardcache.builder.engines.ENGINES`:
    in-process or a process pool, or Ray);
 6. commit (:func:`~shardcache.builder.commit.commit`), unless this process runs one share
@@ -27,12 +27,8 @@ import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
-from shardcache.builder.commit import commit, committed_manifest, finish_committed
-from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
-from shardcache.builder.engines import ENGINES, EngineOptions
-from shardcache.builder.gate import gate_encoder, start_loading
-from shardcache.builder.keying import precompute_tokenizer_component
-from shardcache.builder.plan import (
+from shardcache.builder.backend_gate import gate_encoder, start_loading
+from shardcache.builder.build_plan import (
     Partition,
     PartitionResult,
     Share,
@@ -44,6 +40,10 @@ from shardcache.builder.plan import (
     options_json,
     plan_output,
 )
+from shardcache.builder.commit import commit, committed_manifest, finish_committed
+from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
+from shardcache.builder.engines import ENGINES, EngineOptions
+from shardcache.builder.key_computation import precompute_tokenizer_component
 from shardcache.builder.report import BuildReport, Progress, report_from_manifest
 from shardcache.builder.sources import InputFile, list_inputs
 from shardcache.config import BuildOptions

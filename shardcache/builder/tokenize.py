@@ -1,35 +1,20 @@
 """Tokenizer adapter: text -> ids, with explicit special tokens, EOS and truncation.
 
-What this module owns:
+* A *fast* Hugging Face tokenizer is loaded from a local folder (never the network); the ids
+  are exactly ``tokenizer(text)["input_ids"]`` (transformers semantics), and a caller's
+  tokenizer is never mutated (a private clone of its backend is used).
+* The backend's *own* truncation/padding settings (a saved tokenizer.json can carry them) are
+  recorded in the cache key and switched off: truncation is shardcache's, explicit
+  (``--max-length`` / ``--truncation``) and counted.
+* EOS is appended by default, never doubled; tokenizers without an EOS token use SEP.
+* Truncation (``truncate``, ``drop``, ``split``) is vectorized over flat (ids, lengths) arrays.
+* :func:`encode_ahead` encodes the next batch in a thread (the backend releases the GIL) while
+  the caller converts and writes the previous one.
 
-* Loading a *fast* Hugging Face tokenizer from a local folder (never the network). The
-  ids come from the Rust backend's ``encode_batch`` on a private clone of the backend, so
-  the build is exactly ``tokenizer(text)["input_ids"]`` (transformers semantics) and never
-  mutates the caller's tokenizer.
-* The backend's *own* truncation/padding settings (a saved tokenizer.json can carry them,
-  e.g. ``max_length=128``) are captured for the cache key and then switched off: like
-  ``tokenizer(text)`` in transformers, a build never truncates or pads behind the user's back.
-  Truncation is shardcache's, explicit (``--max-length`` / ``--truncation``) and counted.
-* EOS: appended by default, never doubled when the post-processor already ends sequences
-  with it. Tokenizers without an EOS token (BERT) use their SEP token as the end marker.
-* Truncation strategies over the flat (ids, lengths) arrays, vectorized with numpy:
-  ``truncate`` keeps the first ``max_length`` tokens (the end marker stays last, as the
-  backend's own truncation would place it), ``drop`` removes over-long documents, ``split``
-  cuts a document into consecutive pieces of at most ``max_length`` tokens whose
-  concatenation is the full sequence.
-
-Throughput: ``encode_batch`` releases the GIL and runs on all cores (measured 1.6 Mtok/s with
-the MiniLM WordPiece tokenizer on 2 cores, 1.9 CPU-s per wall-s). Extracting the Python id
-lists costs ~10% of that, so :func:`encode_ahead` runs the next ``encode_batch`` in a
-background thread while the caller converts and writes the previous one.
-
-Everything the encoder takes from transformers (special-token ids, the backend JSON) is one
-plain-JSON record, :class:`~shardcache.builder.resolved.ResolvedTokenizer`, and
-:meth:`TextEncoder.from_resolved` builds an encoder from it without transformers (~2 s and
-~260 MB for the import alone). Two sources use that: worker processes of a parallel build
-(:meth:`TextEncoder.spec` / :meth:`TextEncoder.from_spec` carry the parent's record), and the
-on-disk memo of a folder resolved before (:mod:`shardcache.builder.resolved`), so a warm text
-build or ``shardcache check`` never imports transformers.
+Everything the encoder takes from transformers is one plain-JSON record,
+:class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`; :meth:`TextEncoder.from_resolved`
+builds an encoder from it without importing transformers (worker processes, and the memo of
+a folder resolved before).
 """
 
 from __future__ import annotations
@@ -62,7 +47,7 @@ from shardcache.builder.backends import (
     verify_sample,
 )
 from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
-from shardcache.builder.resolved import ResolvedTokenizer, folder_digest, write_resolved
+from shardcache.builder.tokenizer_memo import ResolvedTokenizer, folder_digest, write_resolved
 from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
 from shardcache.errors import ConfigError, EncoderError, TokenizerError
 from shardcache.store.files import memo_disabled
@@ -135,8 +120,7 @@ def token_dtype(max_token_id: int) -> np.dtype:
 
 def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
     """The largest id ``backend`` can emit (model vocabulary and added tokens), read from its
-    parsed JSON: ``max(get_vocab(with_added_tokens=True).values())`` builds a 151k-entry
-    dict through Python (0.2-0.5 s); this reads the same ids. Model types whose JSON
+    parsed JSON rather than a Python dict of the whole vocabulary. Model types whose JSON
     vocabulary is not ``{token: id}`` (or Unigram's ``[[piece, score], ...]``, ids by
     position) fall back to ``get_vocab``."""
     model = backend_json.get("model") or {}
@@ -187,10 +171,8 @@ def named_tokenizer_class(path: str) -> Any | None:
     """The class named by ``tokenizer_class`` in the folder's tokenizer_config.json, when
     transformers exports it; else None (then AutoTokenizer resolves it).
 
-    AutoTokenizer does the same lookup, but importing it imports the model configurations and
-    with them torch: ~2 s and ~250 MB before the first id (measured), which made a CI
-    ``shardcache check`` take 3 s. The named class is exactly what AutoTokenizer would pick
-    for such a folder (a test compares the two on every tokenizer it builds)."""
+    AutoTokenizer does the same lookup but imports the model configurations, and with them
+    torch; the named class is exactly what it would pick (a test compares the two)."""
     config = os.path.join(path, "tokenizer_config.json")
     try:
         with open(config, encoding="utf-8") as f:
@@ -223,7 +205,7 @@ class TextEncoder:
     """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`.
 
     Everything it takes from transformers is :attr:`resolved` (a
-    :class:`~shardcache.builder.resolved.ResolvedTokenizer`); :attr:`hf` is the transformers
+    :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`); :attr:`hf` is the transformers
     tokenizer when one was loaded (chat rendering needs it), or None when the encoder was
     built from a resolved record (:meth:`from_resolved`: the memo, a worker's spec)."""
 
@@ -236,7 +218,7 @@ class TextEncoder:
     ):
         """Load the tokenizer through transformers (or take the caller's ``hf_tokenizer``,
         never mutated) and, for a tokenizer loaded here, memoise what it resolved
-        (:func:`~shardcache.builder.resolved.write_resolved`). ``preload_fast``: start loading
+        (:func:`~shardcache.builder.tokenizer_memo.write_resolved`). ``preload_fast``: start loading
         the fast backend (in a thread) as soon as the backend JSON is known, or adopt
         ``early`` (:func:`load_fast_early`, started before transformers was imported) when it
         loaded the same content; the build's gate takes it from ``fast_loading``."""
@@ -255,8 +237,6 @@ class TextEncoder:
             fast_loading = adopt_early(early, backend_json, serialized)
         # A tokenizer loaded here is this encoder's alone, so its backend is used as is (its
         # truncation and padding switched off below); a caller's is cloned, never mutated.
-        # transformers sets both on the backend for each call anyway. The clone costs 0.6 s
-        # for a 151k vocabulary.
         backend = source if owned else Tokenizer.from_str(serialized)
         resolved = ResolvedTokenizer.from_hf(
             hf, serialized, truncation, padding, max_token_id(backend_json, backend)
@@ -276,7 +256,7 @@ class TextEncoder:
         backend is ``Tokenizer.from_str(resolved.backend)``, the same Rust object
         transformers holds (its ids are HF's with truncation/padding off). ``preload_fast``:
         the fast backend starts loading from the same JSON first, in a thread (fastokens
-        releases the GIL; ``from_str`` holds it, 0.45 s for a 151k vocabulary, measured)."""
+        releases the GIL; ``from_str`` holds it)."""
         from tokenizers import Tokenizer
 
         self = cls.__new__(cls)
@@ -302,7 +282,7 @@ class TextEncoder:
         #: The fast backend loading in the background (the gate decides whether it is used).
         self.fast_loading = fast_loading
         self.backend = backend
-        #: The backend as JSON (the fast backend loads it; to_str costs 0.2 s for 151k vocab)
+        #: The backend as JSON (the fast backend loads it)
         self.serialized = resolved.backend
         self.backend.no_truncation()
         self.backend.no_padding()
@@ -318,7 +298,7 @@ class TextEncoder:
 
     @functools.cached_property
     def backend_json(self) -> dict[str, Any]:
-        """The backend as loaded, parsed (0.17 s for a 151k vocabulary: only when needed)."""
+        """The backend as loaded, parsed (only when needed: it is large for a big vocabulary)."""
         return json.loads(self.serialized)
 
     def spec(self) -> dict[str, Any]:
@@ -501,10 +481,8 @@ class TextEncoder:
         return encoded
 
 
-#: Encode batches whose HF verification may still run while the next ones are encoded. The
-#: sample's HF encode (every 64th document plus each batch's longest and most non-ASCII one)
-#: cost 0.67 s of a 20k-document fast build's ~2 s map when it ran in line (151k BPE, 2
-#: cores): 3x the fast encode itself, mostly one long document on one core.
+#: Encode batches whose HF verification may still run while the next ones are encoded: the
+#: sample's HF encode costs more than the fast encode itself, so it runs in the background.
 VERIFY_AHEAD = 2
 
 
@@ -713,8 +691,7 @@ def encode_ahead(
 
     A background thread runs ``encode_batch`` (GIL released) while the caller processes the
     previous result, so id extraction and writing overlap tokenization; another reads the
-    upstream one batch ahead of it (:func:`_read_ahead`: on 20k documents of jsonl.zst,
-    reading is 0.85 s and the fast encode 0.35 s, which ran one after the other before).
+    upstream one batch ahead of it (:func:`_read_ahead`), so reading overlaps encoding.
     At most ``depth`` encoded batches wait in the queue. Upstream errors re-raise here.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)

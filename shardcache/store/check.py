@@ -1,7 +1,7 @@
 """``shardcache check``, store side: the key a cache or lock records, and how two compare.
 
 The key of the *current* configuration needs the tokenizer
-(:func:`shardcache.builder.keying.current_key`); the CLI puts the two together.
+(:func:`shardcache.builder.key_computation.current_key`); the CLI puts the two together.
 """
 
 from __future__ import annotations

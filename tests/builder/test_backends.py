@@ -24,9 +24,9 @@ from shardcache.builder.backends import (
     sample_positions,
     select_backend,
 )
-from shardcache.builder.resolved import read_resolved
 from shardcache.builder.run import build_cache as run_build
 from shardcache.builder.tokenize import TextEncoder
+from shardcache.builder.tokenizer_memo import read_resolved
 from shardcache.config import TokenizeOptions, build_options_from_mapping
 from shardcache.errors import ConfigError, EncoderError, MissingDependencyError
 from shardcache.store.cache import open_cache

@@ -178,9 +178,9 @@ def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp
     """A later partition of a split file opens a file that is no longer the planned one (with
     the same size and mtime: only the range's sha256, computed by the plan, tells)."""
     from shardcache import SourceError
+    from shardcache.builder.build_plan import plan_build
     from shardcache.builder.encoders import encoder_for
     from shardcache.builder.partition import build_partition
-    from shardcache.builder.plan import plan_build
     from shardcache.builder.report import Progress
 
     folder, _ = corpus("jsonl", n_files=1, docs=200)

@@ -9,15 +9,14 @@ tokens and ``all_special_tokens`` (the behaviour probe writes them). :class:`Res
 holds exactly that; the cache key and the probe read it, never the transformers object, so a
 key is the same whether the record came from transformers or from the memo.
 
-Why it exists (151k-vocabulary Qwen2 BPE, 2 cores): resolving it costs ``import
-transformers`` (1.7-2.5 s), the ``Qwen2Tokenizer`` lookup (imports ``transformers.models``,
-~1 s) and ``from_pretrained`` (0.5-0.85 s): most of a 20k-document fast build. A text build
-whose folder was seen before takes the record from
-``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json`` (~30 ms) and never imports transformers.
+Why it exists: resolving it costs ``import transformers``, the tokenizer class lookup and
+``from_pretrained``, most of a small build's time. A text build whose folder was seen before
+takes the record from ``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json`` and never imports
+transformers.
 
 The memo's digest (:func:`folder_digest`) covers :data:`RESOLVED_MEMO_VERSION`, the installed
 versions of :data:`RESOLVER_PACKAGES` (package metadata: no import) and the name and sha256
-of every regular file directly in the folder (~10 ms for a 10 MB tokenizer.json), so editing
+of every regular file directly in the folder, so editing
 any tokenizer file, or upgrading either library, misses the memo. Model weights that share a
 folder with the tokenizer (:data:`NOT_TOKENIZER_FILES`) are not hashed: ``from_pretrained``
 of a tokenizer never opens them, and hashing gigabytes would cost more than transformers.
@@ -60,7 +59,7 @@ RESOLVER_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "protobuf", 
 
 def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) -> dict[str, str]:
     """Installed versions by package name ("unknown" when missing), from package metadata
-    (importing transformers to read ``__version__`` costs 1.7-2.5 s; this ~5 ms)."""
+    (no import of transformers to read ``__version__``)."""
     out = {}
     for name in names:
         try:

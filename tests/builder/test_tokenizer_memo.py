@@ -1,4 +1,4 @@
-"""The memo of what transformers resolves from a tokenizer folder (builder/resolved.py).
+"""The memo of what transformers resolves from a tokenizer folder (builder/tokenizer_memo.py).
 
 A warm memo gives byte-identical builds and keys without importing transformers; any change
 to a tokenizer file misses it; a missing, damaged, forged or unreadable memo only means
@@ -17,11 +17,13 @@ from click.testing import CliRunner
 from test_backends import FAMILIES
 
 from conftest import cache_data_files
-from shardcache.builder import keying, resolved, tokenize
+from shardcache.builder import key_computation as keying
+from shardcache.builder import tokenize
+from shardcache.builder import tokenizer_memo as resolved
 from shardcache.builder.encoders import make_encoder
-from shardcache.builder.resolved import RESOLVED_DIR, folder_digest, read_resolved
 from shardcache.builder.run import build_cache
 from shardcache.builder.tokenize import TextEncoder
+from shardcache.builder.tokenizer_memo import RESOLVED_DIR, folder_digest, read_resolved
 from shardcache.cli import main
 from shardcache.config import TokenizeOptions, build_options_from_mapping
 from shardcache.store.files import NO_MEMO_ENV, cache_root

@@ -8,7 +8,7 @@ import os
 
 import pytest
 
-from shardcache.builder import keying
+from shardcache.builder import key_computation as keying
 from shardcache.builder.encoders import make_encoder
 from shardcache.config import TokenizeOptions
 from shardcache.store.files import cache_root

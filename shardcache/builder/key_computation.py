@@ -7,7 +7,7 @@ probe encodes fixed texts with it), so it lives with the builder. ``shardcache c
 on its encoder and the data component it hashed while reading.
 
 Everything the key takes from transformers (special tokens, the class name) is read off the
-encoder's :class:`~shardcache.builder.resolved.ResolvedTokenizer`, never off the transformers
+encoder's :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`, never off the transformers
 object, so the key is byte-identical whether transformers loaded the folder or its memo
 stood in (a test compares the two for every tokenizer family the tests build); the library
 versions come from package metadata, so a warm ``check`` never imports transformers.
@@ -21,8 +21,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from shardcache.builder.encoders import make_encoder
-from shardcache.builder.resolved import ResolvedTokenizer, library_versions
 from shardcache.builder.sources import list_inputs
+from shardcache.builder.tokenizer_memo import ResolvedTokenizer, library_versions
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
 from shardcache.store.check import cache_key, compare_keys
 from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
@@ -158,10 +158,9 @@ def memoised_tokenizer_component(
     """:func:`tokenizer_component`, remembered on disk by the sha256 of its whole input.
 
     The component is a pure function of the backend's JSON (``serialized``, which
-    ``backend_json()`` parses: called on a miss only, parsing costs 0.17 s) and the saved
-    truncation/padding, but it costs ~0.9 s for a 151k vocabulary (sorting and serialising
-    the model canonically, holding the GIL), on every build and every ``shardcache check``.
-    Hashing the input costs ~15 ms; the result is kept in
+    ``backend_json()`` parses, on a miss only) and the saved truncation/padding, but
+    computing it (sorting and serialising the model canonically, holding the GIL) costs far
+    more than hashing its input, on every build and every ``shardcache check``; it is kept in
     ``$SHARDCACHE_CACHE_DIR/components/<digest>.json`` (:func:`~shardcache.store.files.read_memo`).
     Any problem with the folder (read-only, missing, a damaged file) only means computing it
     again."""

@@ -62,6 +62,9 @@ class Partition:
 
 @dataclass
 class BuildPlan:
+    """What a build does: its options, inputs, partitions (in id order) and bucket edges;
+    ``fingerprint`` identifies the options and inputs (resume refuses another one)."""
+
     options: BuildOptions
     inputs: list[InputFile]
     partitions: list[Partition]
@@ -175,6 +178,7 @@ def options_json(options: BuildOptions) -> dict[str, Any]:
 
 
 def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
+    """The inputs as recorded in the plan: path, size, format and mtime of each."""
     return [
         {"relpath": f.relpath, "size": f.size, "format": f.format,
          "mtime_ns": f.mtime_ns if f.mtime_ns is not None else os.stat(f.path).st_mtime_ns}
@@ -183,12 +187,24 @@ def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
 
 
 def fingerprint_of(options: dict[str, Any], inputs: list[dict[str, Any]]) -> str:
+    """The sha256 of recorded options and inputs (:func:`options_json`, :func:`inputs_json`)."""
     blob = json.dumps({"options": options, "inputs": inputs}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
-    """List and split the inputs (reads every file that is split once, to hash and cut it)."""
+    """The plan of a build: its inputs listed and split into partitions.
+
+    Args:
+        options: the build's options.
+        inputs: the listed inputs (default: listed from ``options``).
+
+    Returns:
+        The plan (every file that is split is read once, to hash and cut it).
+
+    Raises:
+        SourceError: an input cannot be listed or read.
+    """
     inputs = (
         inputs
         if inputs is not None
@@ -212,6 +228,7 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
 
 
 def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
+    """The plan as recorded in ``parts/build.json``."""
     return {
         "fingerprint": plan.fingerprint,
         "options": options_json(plan.options),
@@ -224,6 +241,11 @@ def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
 def plan_from_json(
     state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]
 ) -> BuildPlan:
+    """The plan recorded as ``state`` (:func:`plan_to_json`), over ``inputs``.
+
+    Raises:
+        KeyError: a recorded partition's source is not among ``inputs``.
+    """
     by_path = {f.relpath: f for f in inputs}
     partitions = [
         Partition(p["id"], by_path[p["source"]], InputSlice.from_json(p), int(p["nbytes"]))
@@ -235,6 +257,7 @@ def plan_from_json(
 
 
 def differences(old: Any, new: Any, path: str = "") -> list[str]:
+    """``"field.path: old -> new"`` for every leaf that differs between two JSON values."""
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
         for key in sorted(set(old) | set(new)):
@@ -244,6 +267,7 @@ def differences(old: Any, new: Any, path: str = "") -> list[str]:
 
 
 def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
+    """The inputs removed, added or changed (size/mtime) between two :func:`inputs_json`."""
     a = {f["relpath"]: f for f in old}
     b = {f["relpath"]: f for f in new}
     out = [f"input {p}: removed" for p in sorted(set(a) - set(b))]

@@ -9,9 +9,9 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import make_conversations, make_texts, write_records
-from shardcache.builder.audit import audit_tokens, is_sampled, sampled
 from shardcache.builder.backends import FastBackend
 from shardcache.builder.run import build_cache as run_build
+from shardcache.builder.token_audit import audit_tokens, is_sampled, sampled
 from shardcache.cli import main
 from shardcache.config import build_options_from_mapping
 from shardcache.errors import CacheKeyMismatch

@@ -32,9 +32,9 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.builder.build_plan import options_from_json
 from shardcache.builder.encoders import make_encoder
-from shardcache.builder.keying import compute_key
-from shardcache.builder.plan import options_from_json
+from shardcache.builder.key_computation import compute_key
 from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
 from shardcache.builder.tokenize import TruncationStats
 from shardcache.errors import CacheKeyMismatch, SourceError

@@ -1,18 +1,18 @@
 """The start-up gate of a build: which encoder backend it uses, decided once, with a reason.
 
 Before any partition runs, :func:`gate_encoder` encodes the cache key's behaviour probe (the
-fixed unicode / whitespace / special-token texts of :mod:`shardcache.builder.keying`) plus a
-sample of the corpus (the first documents of up to :data:`GATE_PARTITIONS` partitions spread
-over the plan, :data:`~shardcache.builder.backends.GATE_SAMPLE_DOCS` in all) with the HF
+fixed unicode / whitespace / special-token texts of :mod:`~.key_computation`) plus a sample
+of the corpus (the first documents of up to :data:`GATE_PARTITIONS` partitions spread over
+the plan, :data:`~shardcache.builder.backends.GATE_SAMPLE_DOCS` in all) with the HF
 reference and the accelerated backend (:func:`~shardcache.builder.backends.select_backend`).
 Any difference, a tokenizer the fast backend refuses, a missing package, or chat data (no
 offsets) -> HF for the whole build; the reason goes to the manifest's ``encoder`` field, the
 build report and ``shardcache info``. The decision travels to worker processes in the
 encoder's spec, so every partition of a build uses the same backend.
 
-Cost: loading the fast backend (1.3 CPU-s for a 151k-vocabulary BPE; started by
-:func:`start_loading` before planning, in a thread, so it overlaps the rest of the start), and
-encoding the probe plus at most 512 documents / 256 Ki characters with both backends.
+Cost: loading the fast backend (started by :func:`start_loading` before planning, in a
+thread, so it overlaps the rest of the start), and encoding the probe plus a small corpus
+sample with both backends.
 """
 
 from __future__ import annotations
@@ -28,8 +28,8 @@ from shardcache.builder.backends import (
     load_fast_ahead,
     select_backend,
 )
-from shardcache.builder.keying import probe_texts
-from shardcache.builder.plan import BuildPlan
+from shardcache.builder.build_plan import BuildPlan
+from shardcache.builder.key_computation import probe_texts
 from shardcache.builder.sources import iter_text_batches
 from shardcache.config import BuildOptions
 from shardcache.errors import SourceError
