@@ -6,9 +6,9 @@ What this module owns
 (manifests and length indexes only: no shard is read until a batch needs it) and
 
 * refuses sources whose tokenizers differ (the ``tokenizer``, ``special_tokens`` and
-  ``behaviour`` components of the cache key: ids mean the same in every source; templates,
-  truncation and data may differ), with the field-by-field diff, and checks every source's
-  ``expect=``;
+  ``behaviour`` components of the cache key, less the probe rendered through the chat
+  template: ids mean the same in every source; templates, truncation and data may differ),
+  with the field-by-field diff, and checks every source's ``expect=``;
 * numbers the sources' sequences in one mixture id space (:class:`~shardcache.read.mixture.
   MixtureIndex`): the concatenated length index and bucket ids a plan is made from;
 * reads segments given by mixture ids (:meth:`MixedCache.gather`, the :meth:`Cache.gather`
@@ -40,13 +40,24 @@ from shardcache.store.shards import flat_ranges
 
 #: The cache-key components that say what ids mean: they must be equal in every source.
 TOKENIZER_COMPONENTS = ("tokenizer", "special_tokens", "behaviour")
+#: Behaviour probes rendered through the chat template (a chat build has one, a plain-text
+#: build none): the template may differ between sources, so they are not compared.
+TEMPLATE_PROBES = ("chat",)
 
 
 def _tokenizer_key(cache: Cache) -> CacheKey:
+    """The parts of ``cache``'s key that every source of a mixture must share: the tokenizer
+    components, the behaviour probes' ids without those of the template."""
     key = cache.manifest.get("key") or {}
     components = dict(key.get("components") or {})
     if not components:  # a cache without a key: what its manifest records of the tokenizer
         components = {"tokenizer": cache.manifest.get("tokenizer")}
+    behaviour = components.get("behaviour")
+    if isinstance(behaviour, dict) and isinstance(behaviour.get("ids"), dict):
+        ids = behaviour["ids"]
+        components["behaviour"] = {
+            "ids": {k: v for k, v in ids.items() if k not in TEMPLATE_PROBES}
+        }
     return CacheKey({name: components.get(name) for name in TOKENIZER_COMPONENTS})
 
 

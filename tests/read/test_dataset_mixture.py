@@ -339,3 +339,33 @@ def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
         assert len(got) == len(want) > 0
         for a, b in zip(got, want):
             assert_batches_equal(a, b)
+
+
+def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(tmp_path, chatml_tokenizer_dir):
+    """A chat cache (loss on assistant turns) and a plain-text cache of one tokenizer: each
+    row's labels follow its own source (the chat mask; every token of plain text)."""
+    from conftest import make_conversations
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    text = _build(tmp_path, "text", chatml_tokenizer_dir, 40, 5)
+    chats = tmp_path / "chats"
+    chats.mkdir()
+    records = [{"messages": m} for m in make_conversations(30, seed=4)]
+    write_records(str(chats / "c.jsonl"), records, "jsonl")
+    chat = str(tmp_path / "chat")
+    values = {"input": str(chats), "tokenizer": chatml_tokenizer_dir, "output": chat,
+              "workers": 1, "chat": True, "max_length": 64, "truncation": "truncate"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    ds = ShardDataset([Source(text, weight=0.5), Source(chat, weight=0.5)], 256, seed=1)
+    assert not ds.reads_compiled  # chat and plain text together: the numpy path
+    opened = [open_cache(text), open_cache(chat)]
+    seen = set()
+    for batch in ds:
+        for row, (s, i) in enumerate(_key(batch)):
+            ids = np.asarray(opened[s].read(i), dtype=np.int64)
+            labels = batch["labels"][row, : len(ids)].numpy()
+            mask = opened[s].read_masks(np.array([i]))[0] if s == 1 else np.ones(len(ids), bool)
+            assert np.array_equal(labels, np.where(mask, ids, -100))
+            seen.add(s)
+    assert seen == {0, 1}
