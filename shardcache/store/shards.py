@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import functools
 import itertools
 import mmap
 import os
@@ -44,16 +43,7 @@ from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import check_file
-from shardcache.store.ipc_layout import (
-    MappedLayout,
-    field,
-    layout_record,
-    mapped_layout,
-    recorded_layout,
-    schema_message,
-)
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
-from shardcache.store.locking import DeferredLock
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
@@ -123,8 +113,7 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
-    #: where the token buffers lie (``ipc_layout.layout_record``), for uncompressed shards;
-    #: None for compressed ones and shards written before it was recorded
+    #: written by older versions (where the token buffers lie); ignored, never written
     layout: dict[str, Any] | None = None
     sources: list[dict[str, Any]] | None = None
 
@@ -261,7 +250,7 @@ class BucketWriter:
         self._writer.close()
         self._sink.close()
         name = self._shard_name()
-        size, sha256, layout = _finish_shard(self.cache_dir, name, self.compression is None)
+        size, sha256 = _finish_shard(self.cache_dir, name)
         self.shards.append(
             ShardInfo(
                 name=name,
@@ -272,7 +261,6 @@ class BucketWriter:
                 tokens=self._shard_tokens,
                 bytes=size,
                 sha256=sha256,
-                layout=layout,
             )
         )
         self.lengths.append(np.concatenate(self._shard_lengths).astype(np.uint32))
@@ -286,26 +274,14 @@ class BucketWriter:
         self._close_shard()
 
 
-def _finish_shard(
-    cache_dir: str, name: str, mapped: bool
-) -> tuple[int, str, dict[str, Any] | None]:
-    """Make the written ``<name>.tmp`` the shard ``name``: fsync, locate its token buffers
-    (``mapped``: uncompressed), rename, hash. Returns its size, sha256 and layout record."""
+def _finish_shard(cache_dir: str, name: str) -> tuple[int, str]:
+    """Make the written ``<name>.tmp`` the shard ``name`` (fsync, rename); its size and sha256."""
     final = shard_path(cache_dir, name)
     tmp = final + ".tmp"
     with open(tmp, "rb+") as f:
         os.fsync(f.fileno())
-        layout = None
-        if mapped:
-            with (
-                mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as whole,
-                memoryview(whole) as view,
-            ):
-                layout = mapped_layout(view)
     os.replace(tmp, final)
-    sha256 = sha256_file(final)
-    record = None if layout is None else layout_record(layout, sha256)
-    return os.path.getsize(final), sha256, record
+    return os.path.getsize(final), sha256_file(final)
 
 
 def merge_shards(
@@ -365,38 +341,58 @@ def merge_shards(
 
 # ------------------------------------------------------------------------------- reading
 
-#: Bytes of decoded (decompressed) record batches one process keeps, over all compressed
-#: shards it has open (``SHARDCACHE_DECODE_BUDGET``, e.g. ``256MiB``). Uncompressed shards are
-#: memory-mapped and decoded zero-copy, so they cost no budget.
+#: Bytes of decoded (decompressed) record batches one open cache keeps
+#: (``SHARDCACHE_DECODE_BUDGET``, e.g. ``256MiB``). Uncompressed shards are decoded zero-copy
+#: from their memory maps and cost no budget.
 DECODE_BUDGET_ENV = "SHARDCACHE_DECODE_BUDGET"
 DEFAULT_DECODE_BUDGET_BYTES = 64 << 20
 
 
 def decode_budget_bytes() -> int:
+    """The decode budget in bytes.
+
+    Returns:
+        ``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB.
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
     value = os.environ.get(DECODE_BUDGET_ENV)
     return parse_size(value, DECODE_BUDGET_ENV) if value else DEFAULT_DECODE_BUDGET_BYTES
 
 
 def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> bool:
-    """Raise :class:`CorruptShardError` unless ``path`` has the manifest's size and sha256
-    (hashed once per file version for all processes: :mod:`shardcache.store.integrity`);
-    True when the sha256 was confirmed, False when it was skipped.
+    """Check a shard file against its manifest entry (size, and sha256 once per file version).
 
-    ``checksum=None`` reads the environment: ``SHARDCACHE_SHARD_CHECKSUMS=0`` skips the sha256
-    (size and structure are still checked)."""
+    Args:
+        path: the shard file.
+        info: its manifest entry (``bytes``, ``sha256``).
+        checksum: hash it; None reads ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips the hash).
+
+    Returns:
+        True when the sha256 was confirmed, False when it was skipped.
+
+    Raises:
+        CorruptShardError: the size or the sha256 differs.
+    """
     return check_file(path, info, "shard", checksum)
 
 
-#: Mean run length (tokens; a run = segments contiguous in the source and in the output) from
-#: which segments are copied slice by slice rather than through index arrays: a slice copy
-#: costs ~1 us, an index ~5 ns a token. Memory-mapped shards (``Cache.gather``) and decoded
-#: record batches of compressed ones (:meth:`ShardReader.gather_into`) both use it.
+#: Mean segment length (tokens) from which :meth:`ShardReader.gather_into` copies slice by
+#: slice rather than through index arrays (a slice has a fixed cost, an index a cost a token).
 LONG_SEGMENT_TOKENS = 128
 
 
 def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)``: one ``repeat`` and one
-    ``arange``, no Python loop (int64)."""
+    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)``, without a Python loop.
+
+    Args:
+        starts: first value of each range.
+        lengths: length of each range (>= 0).
+
+    Returns:
+        The int64 positions, ``lengths.sum()`` of them.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
@@ -406,7 +402,8 @@ def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Batch:
-    """One decoded record batch: token values and offsets, provenance, packed loss mask."""
+    """One decoded record batch: token values and int32 offsets, provenance, packed loss
+    mask (views of the mapped file for uncompressed shards: no heap per row)."""
 
     values: np.ndarray
     offsets: np.ndarray
@@ -434,64 +431,65 @@ class FlatRows:
     lengths: np.ndarray
 
 
-class _DecodedBatches:
-    """The process-wide LRU of decoded record batches of compressed shards, bounded in bytes
-    (:func:`decode_budget_bytes`); the batch just decoded is always kept."""
+class DecodedBatches:
+    """An LRU of decoded record batches of compressed shards, bounded in bytes.
 
-    def __init__(self) -> None:
+    One belongs to each open :class:`~shardcache.store.cache.Cache` and is shared by its shard
+    readers; the batch just decoded is always kept. Not thread-safe: a cache is read by one
+    thread at a time.
+
+    Args:
+        budget_bytes: the bound; None reads :func:`decode_budget_bytes` at each insertion.
+    """
+
+    def __init__(self, budget_bytes: int | None = None) -> None:
+        self.budget_bytes = budget_bytes
         self._entries: OrderedDict[tuple[int, int], _Batch] = OrderedDict()
-        self._bytes = 0
-        # drop() runs from finalizers, which the garbage collector may run while this thread
-        # is inside get/put/drop: a DeferredLock lets it queue instead of deadlocking
-        self.lock = DeferredLock()
+        self._owners = itertools.count()
+        self.nbytes = 0
+
+    def new_owner(self) -> int:
+        """A key for one reader's batches."""
+        return next(self._owners)
 
     def get(self, key: tuple[int, int]) -> _Batch | None:
-        with self.lock:
-            batch = self._entries.get(key)
-            if batch is not None:
-                self._entries.move_to_end(key)
-            return batch
+        """The batch ``(owner, index)`` if kept (then the most recently used), else None."""
+        batch = self._entries.get(key)
+        if batch is not None:
+            self._entries.move_to_end(key)
+        return batch
 
     def put(self, key: tuple[int, int], batch: _Batch) -> None:
-        budget = decode_budget_bytes()
-        with self.lock:
-            old = self._entries.pop(key, None)
-            if old is not None:
-                self._bytes -= old.nbytes
-            self._entries[key] = batch
-            self._bytes += batch.nbytes
-            while self._bytes > budget and len(self._entries) > 1:
-                _, evicted = self._entries.popitem(last=False)
-                self._bytes -= evicted.nbytes
+        """Keep ``batch`` under ``key``, dropping the least recently used over the budget."""
+        budget = decode_budget_bytes() if self.budget_bytes is None else self.budget_bytes
+        old = self._entries.pop(key, None)
+        if old is not None:
+            self.nbytes -= old.nbytes
+        self._entries[key] = batch
+        self.nbytes += batch.nbytes
+        while self.nbytes > budget and len(self._entries) > 1:
+            _, evicted = self._entries.popitem(last=False)
+            self.nbytes -= evicted.nbytes
 
     def drop(self, owner: int) -> None:
-        """Forget the batches of reader ``owner``: at once when no thread is inside the LRU,
-        else when that thread leaves it. Never waits (called from finalizers)."""
-        self.lock.run_or_defer(functools.partial(self._drop_now, owner))
-
-    def _drop_now(self, owner: int) -> None:  # (holding the lock)
+        """Forget the batches of reader ``owner``."""
         for key in [k for k in self._entries if k[0] == owner]:
-            self._bytes -= self._entries.pop(key).nbytes
-
-    @property
-    def nbytes(self) -> int:
-        return self._bytes
+            self.nbytes -= self._entries.pop(key).nbytes
 
 
-DECODED = _DecodedBatches()
-if hasattr(os, "register_at_fork"):  # a DataLoader worker forked while a thread held it
-    os.register_at_fork(after_in_child=DECODED.lock.reset)
-_READER_IDS = itertools.count()
-#: Schema messages (bytes) that pyarrow's reader checked in this process, with the token type
-#: and mask they describe: a shard whose schema message is one of them is located without it.
-_CHECKED_SCHEMAS: dict[bytes, tuple[str, bool]] = {}
+def _field(meta: memoryview, table: int, index: int) -> int:
+    """The offset of field ``index`` of the flatbuffer table at ``table`` (0: absent)."""
+    vtable = table - struct.unpack_from("<i", meta, table)[0]
+    size = struct.unpack_from("<H", meta, vtable)[0]
+    if 4 + 2 * index >= size:
+        return 0
+    return struct.unpack_from("<H", meta, vtable + 4 + 2 * index)[0]
 
 
-def _batch_layout(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
+def _batch_counts(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
     """Rows and token values of every record batch of an Arrow IPC file, and whether its
-    buffers are compressed, read from the messages' flatbuffer headers only: nothing is
-    decompressed, so opening a zstd shard costs no memory (the Arrow file reader exposes
-    neither per-batch row counts nor the compression without decoding the batch).
+    buffers are compressed, from the message headers alone: pyarrow exposes neither without
+    decoding (decompressing) the batch. The counts are checked again when a batch is decoded.
 
     Header fields (Arrow ``Message.fbs``): ``Message.header`` (field 2) is a ``RecordBatch``
     whose ``length`` (field 0) is the row count, ``nodes`` (field 1) the field nodes in
@@ -506,18 +504,17 @@ def _batch_layout(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
         if message.type != "record batch":
             continue
         meta = memoryview(message.metadata)
-
         root = struct.unpack_from("<I", meta, 0)[0]
-        at = root + field(meta, root, 2)
+        at = root + _field(meta, root, 2)
         header = at + struct.unpack_from("<I", meta, at)[0]
-        length = field(meta, header, 0)
+        length = _field(meta, header, 0)
         rows.append(struct.unpack_from("<q", meta, header + length)[0] if length else 0)
-        at = header + field(meta, header, 1)
+        at = header + _field(meta, header, 1)
         nodes = at + struct.unpack_from("<I", meta, at)[0]
         if struct.unpack_from("<I", meta, nodes)[0] < 2:
             raise ValueError("a record batch without a tokens list column")
         tokens.append(struct.unpack_from("<q", meta, nodes + 4 + 16)[0])
-        compressed = compressed or bool(field(meta, header, 3))
+        compressed = compressed or bool(_field(meta, header, 3))
     return rows, tokens, compressed
 
 
@@ -529,20 +526,29 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class ShardReader:
-    """Random access to the sequences of one shard.
+    """Random access to the sequences of one shard, through pyarrow's view of the file.
 
-    On open it checks the file against the manifest entry: size and sha256 (once per file
-    version, see :func:`check_shard_file`; ``checksum=False`` skips it), the schema (columns
-    and types, the manifest's token type, the loss mask when ``with_mask``), and the row and
-    token counts, read from the record batch headers without decoding anything; it raises
-    :class:`CorruptShardError` naming the file instead of returning garbage (or failing later
-    with an ``AttributeError``).
+    Opening checks the file against its manifest entry (size and sha256: see
+    :func:`check_shard_file`), its schema (columns, token type, loss mask) and its row and
+    token counts, without decoding anything. Record batches are decoded when first read: an
+    uncompressed shard zero-copy from its memory map, a compressed one into ``decoded``. A
+    decoded batch is checked when first read: offsets consistent, counts as in the header,
+    every id at most ``max_token_id`` (when given).
 
-    Record batches are decoded when first read: an uncompressed shard zero-copy from its
-    memory map (kept for the reader's life: file pages, not heap); a compressed one into the
-    process-wide byte-bounded LRU :data:`DECODED`, so memory does not grow with the shards
-    open. A decoded batch is checked once: offsets consistent, counts as in the header, every
-    token id ``<= max_token_id`` (when given: the tokenizer's largest id in the manifest).
+    The reader owns the mapping of its file: :meth:`close` (or leaving a ``with`` block)
+    releases it, and views it handed out keep the pages mapped until they are dropped.
+
+    Args:
+        path: the shard file.
+        info: its manifest entry (``rows``, ``tokens``, ``bytes``, ``sha256``).
+        dtype: the cache's token type.
+        checksum: as for :func:`check_shard_file`.
+        max_token_id: the tokenizer's largest id, or None (not checked).
+        with_mask: whether the shard must have a loss mask column; None accepts either.
+        decoded: the LRU for decoded batches of a compressed shard (a new one by default).
+
+    Raises:
+        CorruptShardError: the file is not the shard its entry describes.
     """
 
     def __init__(
@@ -554,51 +560,38 @@ class ShardReader:
         *,
         max_token_id: int | None = None,
         with_mask: bool | None = None,
+        decoded: DecodedBatches | None = None,
     ):
         self.path = path
         self.rows = int(info["rows"])
         self.dtype = np.dtype(dtype)
         self.max_token_id = max_token_id
-        self._id = next(_READER_IDS)
-        confirmed = check_shard_file(path, info, checksum)
-        self._open_file: pa.ipc.RecordBatchFileReader | None = None
-        self._layout: MappedLayout | None = None
+        self._decoded = DecodedBatches() if decoded is None else decoded
+        self._id = self._decoded.new_owner()
+        check_shard_file(path, info, checksum)
         try:
-            # the whole file, mapped (mmap + py_buffer: ~6 us; pa.memory_map + read_buffer
-            # ~33 us a shard, measured)
             fd = os.open(path, os.O_RDONLY)
             try:
                 mapped = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)
             finally:
                 os.close(fd)
-            whole = self._whole = pa.py_buffer(mapped)
-            located = self._located(info, confirmed, whole, with_mask)
-            if located is not None:
-                # uncompressed, no nulls, the schema known: no pyarrow reader object
-                self._layout, self.has_mask = located
-                self.compressed = False
-                rows = [b.rows for b in self._layout.batches]
-                tokens = [b.tokens for b in self._layout.batches]
-            else:
-                schema = self._reader.schema
-                rows, tokens, self.compressed = _batch_layout(whole)
+            self._whole: pa.Buffer | None = pa.py_buffer(mapped)
+            self._reader: pa.ipc.RecordBatchFileReader | None = pa.ipc.open_file(
+                pa.BufferReader(self._whole)
+            )
+            schema = self._reader.schema
+            rows, tokens, self.compressed = _batch_counts(self._whole)
         except (OSError, ValueError, IndexError, struct.error, pa.ArrowException) as err:
             raise CorruptShardError(
                 f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
             ) from err
-        if self._layout is None:
-            self.has_mask = "mask" in schema.names
-            self._check_schema(schema, with_mask)
-            if len(rows) != self._reader.num_record_batches:
-                raise CorruptShardError(
-                    f"{path}: {len(rows)} record batches in the stream but "
-                    f"{self._reader.num_record_batches} in the footer; rebuild"
-                )
-            checked = schema_message(memoryview(whole))
-            if checked is not None and not self.compressed:
-                _CHECKED_SCHEMAS[checked] = (self.dtype.name, self.has_mask)
-        # plain ints: a shard holds a few record batches, and numpy calls on lists this short
-        # were a third of an open's time
+        self.has_mask = "mask" in schema.names
+        self._check_schema(schema, with_mask)
+        if len(rows) != self._reader.num_record_batches:
+            raise CorruptShardError(
+                f"{path}: {len(rows)} record batches in the stream but "
+                f"{self._reader.num_record_batches} in the footer; rebuild"
+            )
         self._batch_rows = rows
         self._batch_tokens = tokens
         self._starts = np.array([0, *itertools.accumulate(rows)], dtype=np.int64)
@@ -610,35 +603,7 @@ class ShardReader:
                 "rebuild"
             )
         self._resident: list[_Batch | None] = [None] * len(rows)
-        self._ids_checked = False  # located shards: ids checked by flat_rows(check_ids=True)
-
-    def _located(
-        self, info: dict[str, Any], confirmed: bool, whole: pa.Buffer, with_mask: bool | None
-    ) -> tuple[MappedLayout, bool] | None:
-        """The file's layout and whether it has a mask column, located without pyarrow
-        (ipc_layout.py): recorded in its manifest entry when the sha256 confirmed the file is
-        the one the entry describes (and the caller says whether it has a mask), else parsed
-        when its schema message is one pyarrow already checked in this process. None:
-        pyarrow's reader opens the file."""
-        if confirmed and with_mask is not None:
-            recorded = recorded_layout(info.get("layout"), str(info["sha256"]), whole.size)
-            if recorded is not None:
-                return recorded, with_mask
-        layout = mapped_layout(memoryview(whole))
-        known = None if layout is None else _CHECKED_SCHEMAS.get(layout.schema)
-        if layout is None or known is None or known[0] != self.dtype.name:
-            return None
-        if with_mask not in (None, known[1]):
-            return None
-        return layout, known[1]
-
-    @property
-    def _reader(self) -> pa.ipc.RecordBatchFileReader:
-        """pyarrow's reader of the file, opened when first needed (a shard located by
-        :func:`mapped_layout` and read only through :meth:`flat_rows` never needs it)."""
-        if self._open_file is None:
-            self._open_file = pa.ipc.open_file(pa.BufferReader(self._whole))
-        return self._open_file
+        self._ids_checked = [False] * len(rows)
 
     def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
         expected = shard_schema(self.dtype, self.has_mask if with_mask is None else with_mask)
@@ -659,33 +624,47 @@ class ShardReader:
             )
 
     def close(self) -> None:
-        """Drop the decoded record batches (the budget they took is freed)."""
-        DECODED.drop(self._id)
+        """Release the file's mapping and the decoded record batches (idempotent)."""
+        self._decoded.drop(self._id)
         self._resident = [None] * len(self._resident)
+        self._reader = None
+        self._whole = None
 
-    def __del__(self) -> None:
-        with contextlib.suppress(Exception):
-            DECODED.drop(self._id)
+    def __enter__(self) -> ShardReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _file(self) -> tuple[pa.ipc.RecordBatchFileReader, pa.Buffer]:
+        if self._reader is None or self._whole is None:
+            raise ValueError(f"{self.path}: the shard reader is closed")
+        return self._reader, self._whole
 
     # ---- decoding --------------------------------------------------------------------------
 
-    def _batch(self, b: int) -> _Batch:
-        if not self.compressed:
-            batch = self._resident[b]
+    def _batch(self, b: int, check_ids: bool = True) -> _Batch:
+        if self.compressed:
+            key = (self._id, b)
+            batch = self._decoded.get(key)
             if batch is None:
-                batch = self._resident[b] = self._decode(b)
+                batch = self._decode(b)
+                self._check_ids(b, batch.values)
+                self._decoded.put(key, batch)
             return batch
-        key = (self._id, b)
-        batch = DECODED.get(key)
+        batch = self._resident[b]
         if batch is None:
-            batch = self._decode(b)
-            DECODED.put(key, batch)
+            batch = self._resident[b] = self._decode(b)
+        if check_ids and not self._ids_checked[b]:
+            self._check_ids(b, batch.values)
+            self._ids_checked[b] = True
         return batch
 
     def _decode(self, b: int) -> _Batch:
         path = self.path
+        reader, _ = self._file()
         try:
-            batch = self._reader.get_batch(b)
+            batch = reader.get_batch(b)
             column = batch.column(0)
             offsets = arrow_numpy(column.offsets)
             values = arrow_numpy(column.values)
@@ -703,11 +682,10 @@ class ShardReader:
                 f"{path}: record batch {b} holds {batch.num_rows} rows / {len(values)} tokens "
                 f"but its header says {self._batch_rows[b]} / {self._batch_tokens[b]}; rebuild"
             )
-        self._check_ids(b, values)
         bits, shift = _mask_bits(path, batch.column(3), offsets) if self.has_mask else (None, 0)
         return _Batch(
             values=values,
-            offsets=offsets.astype(np.int64),
+            offsets=offsets,
             records=arrow_numpy(batch.column(1)),
             pieces=arrow_numpy(batch.column(2)),
             mask_bits=bits,
@@ -715,47 +693,44 @@ class ShardReader:
             nbytes=batch.nbytes if self.compressed else 0,
         )
 
-    def flat_rows(self, check_ids: bool = True) -> FlatRows | None:
-        """An uncompressed shard as one token array over the whole mapped file, with every
-        row's start in it (``None`` for a compressed shard): it lets a reader gather any rows
-        of the shard with one fancy index, whatever record batches they are in. Built on
-        each call (zero-copy tokens; the row arrays are O(rows)) and not kept: a reader opens
-        shards by the hundred, and rows of a short-sequence bucket take 16 bytes each (8 MB
-        for a 64 MiB shard of 32-token rows), so the caller keeps what it needs
-        (:class:`~shardcache.store.cache.Cache` records the starts in its one table).
+    def check_ids(self) -> None:
+        """Check every id of the shard against ``max_token_id``.
 
-        ``check_ids=False``: a shard located from its flatbuffers (:func:`mapped_layout`)
-        skips checking that every id is at most ``max_token_id`` (a pass over the whole file:
-        ~8 ms for 62 MB, most of an epoch's reading time) because the caller checks the ids
-        it reads (the compiled kernels do, in the same pass as their copy)."""
+        Raises:
+            CorruptShardError: an id is larger (the message names the record batch).
+        """
+        for b in range(len(self._resident)):
+            self._batch(b)
+
+    def flat_rows(self) -> FlatRows | None:
+        """An uncompressed shard as one token array over its whole mapped file.
+
+        Lets a reader gather any rows with one index, whatever record batch they are in. Built
+        on each call (zero-copy tokens, O(rows) starts and lengths): the caller keeps what it
+        needs. The ids are not checked here: the caller checks those it reads.
+
+        Returns:
+            The rows, or None for a compressed shard.
+
+        Raises:
+            CorruptShardError: a record batch's buffers lie outside the file or misaligned.
+        """
         if self.compressed:
             return None
-        if self._layout is None:
-            return self._flat_from_batches()
-        flat = self._flat_from_layout(self._layout)
-        if check_ids and not self._ids_checked:
-            itemsize = self.dtype.itemsize
-            for b, batch in enumerate(self._layout.batches):
-                at = batch.values_at // itemsize
-                self._check_ids(b, flat.tokens[at : at + batch.tokens])
-            self._ids_checked = True
-        return flat
-
-    def _flat_from_batches(self) -> FlatRows:
-        """:meth:`flat_rows` from the decoded record batches (pyarrow's reader)."""
+        _, whole = self._file()
         itemsize = self.dtype.itemsize
-        buffer = self._whole  # zero-copy: the whole mapped file
-        tokens = np.frombuffer(buffer, dtype=np.uint8)
+        tokens = np.frombuffer(whole, dtype=np.uint8)
         starts, lengths = [], []
         for b in range(len(self._resident)):
-            batch = self._batch(b)
-            base = batch.values.__array_interface__["data"][0] - buffer.address
-            if base % itemsize or not 0 <= base <= buffer.size:
+            batch = self._batch(b, check_ids=False)
+            base = batch.values.__array_interface__["data"][0] - whole.address
+            if base % itemsize or not 0 <= base <= whole.size:
                 raise CorruptShardError(
                     f"{self.path}: record batch {b} token values are misaligned; rebuild"
                 )
-            starts.append(base // itemsize + batch.offsets[:-1])
-            lengths.append(np.diff(batch.offsets))
+            offsets = batch.offsets.astype(np.int64)
+            starts.append(base // itemsize + offsets[:-1])
+            lengths.append(offsets[1:] - offsets[:-1])
         usable = (len(tokens) // itemsize) * itemsize
         return FlatRows(
             tokens=tokens[:usable].view(self.dtype),
@@ -763,78 +738,33 @@ class ShardReader:
             lengths=_joined(lengths),
         )
 
-    def _flat_from_layout(self, layout: MappedLayout) -> FlatRows:
-        """:meth:`flat_rows` from the located buffers: the checks of decoding every record
-        batch (offsets consistent with the counts; the ids are :meth:`flat_rows`'s), no
-        pyarrow objects."""
-        itemsize = self.dtype.itemsize
-        raw = np.frombuffer(self._whole, dtype=np.uint8)
-        starts, lengths = [], []
-        for b, batch in enumerate(layout.batches):
-            if batch.values_at % itemsize or batch.offsets_at % 4:
-                raise CorruptShardError(
-                    f"{self.path}: record batch {b} token values are misaligned; rebuild"
-                )
-            if batch.values_bytes < batch.tokens * itemsize:
-                raise CorruptShardError(f"{self.path}: token offsets are inconsistent; rebuild")
-            offsets = raw[batch.offsets_at : batch.offsets_at + 4 * (batch.rows + 1)]
-            offsets = offsets.view(np.int32).astype(np.int64)
-            rows = offsets[1:] - offsets[:-1]
-            if (
-                len(offsets) != batch.rows + 1
-                or offsets[0] != 0
-                or offsets[-1] != batch.tokens
-                or (batch.rows and rows.min() < 0)
-            ):
-                raise CorruptShardError(f"{self.path}: token offsets are inconsistent; rebuild")
-            offsets += batch.values_at // itemsize  # the rows' starts in the whole file
-            starts.append(offsets[:-1])
-            lengths.append(rows)
-        usable = (len(raw) // itemsize) * itemsize
-        return FlatRows(
-            tokens=raw[:usable].view(self.dtype),
-            starts=_joined(starts),
-            lengths=_joined(lengths),
-        )
-
     def mask_bit_starts(self) -> np.ndarray | None:
-        """Per row, where its loss mask starts in the mapped file, as a bit position (int64:
-        byte ``p >> 3``, bit ``p & 7``, least significant first, one bit per token); None for
-        a compressed shard or one without masks. A compiled reader reads a row's mask bits
-        straight from the file, as it reads its tokens (see :meth:`flat_rows`). Built on each
-        call, not kept. Raises :class:`CorruptShardError` when a record batch's mask does not
-        line up with its tokens (other row offsets) or lies outside the file."""
+        """Per row, where its loss mask starts in the mapped file, as a bit position.
+
+        Bit ``p`` is bit ``p & 7`` (least significant first) of byte ``p >> 3``, one bit per
+        token: a compiled reader reads a row's mask bits straight from the file.
+
+        Returns:
+            int64 bit positions, or None for a compressed shard or one without masks.
+
+        Raises:
+            CorruptShardError: a record batch's mask does not line up with its tokens.
+        """
         if self.compressed or not self.has_mask:
             return None
-        whole = self._whole
+        _, whole = self._file()
         parts = []
-        try:
-            for b in range(self._reader.num_record_batches):
-                batch = self._reader.get_batch(b)
-                tokens, mask = batch.column(0), batch.column(3)
-                offsets = arrow_numpy(mask.offsets).astype(np.int64)
-                bits = mask.values
-                data = bits.buffers()[1]
-                at = -1 if data is None else data.address - whole.address
-                end = (bits.offset + len(bits) + 7) // 8
-                if (
-                    bits.null_count
-                    or not np.array_equal(offsets, arrow_numpy(tokens.offsets))
-                    or at < 0
-                    or data is None
-                    or end > data.size
-                    or at + data.size > whole.size
-                ):
-                    raise CorruptShardError(
-                        f"{self.path}: the loss mask of record batch {b} does not line up with "
-                        "its tokens; rebuild"
-                    )
-                parts.append(8 * at + bits.offset + offsets[:-1])
-        except (OSError, pa.ArrowException) as err:
-            raise CorruptShardError(
-                f"{self.path}: the loss masks cannot be read ({err}); run `shardcache verify` "
-                "and rebuild"
-            ) from err
+        for b in range(len(self._resident)):
+            batch = self._batch(b, check_ids=False)
+            bits = batch.mask_bits
+            at = -1 if bits is None else bits.__array_interface__["data"][0] - whole.address
+            short = bits is not None and (batch.mask_shift + len(batch.values) + 7) >> 3 > len(bits)
+            if bits is None or short or at < 0 or at + len(bits) > whole.size:
+                raise CorruptShardError(
+                    f"{self.path}: the loss mask of record batch {b} does not line up with "
+                    "its tokens; rebuild"
+                )
+            parts.append(8 * at + batch.mask_shift + batch.offsets[:-1].astype(np.int64))
         return _joined(parts)
 
     def _check_ids(self, b: int, values: np.ndarray) -> None:
@@ -867,12 +797,25 @@ class ShardReader:
         mask_out: np.ndarray | None = None,
         full_lengths: np.ndarray | None = None,
     ) -> None:
-        """Copy segment ``k`` = tokens ``starts[k] : starts[k] + lengths[k]`` of row
-        ``rows[k]`` to ``tokens_out[out_offsets[k]:]`` (and its loss mask to ``mask_out``):
-        one index computation per record batch touched, no Python per segment.
+        """Copy segments of rows into output arrays, one index computation per record batch.
 
-        ``full_lengths`` (the length index's entries of these rows) must equal the stored row
-        lengths, else :class:`CorruptShardError` (the index and the shard disagree)."""
+        Segment ``k`` is tokens ``starts[k] : starts[k] + lengths[k]`` of row ``rows[k]``; it
+        goes to ``tokens_out[out_offsets[k]:]`` (its loss mask to ``mask_out``).
+
+        Args:
+            rows: row of each segment in this shard.
+            starts: first token of each segment in its row.
+            lengths: tokens of each segment.
+            out_offsets: where each segment goes in the outputs.
+            tokens_out: the tokens' destination (any integer type: the copy casts).
+            mask_out: the loss masks' destination (bool), or None.
+            full_lengths: the length index's entries of these rows, checked when given.
+
+        Raises:
+            IndexError: a row or a segment out of range.
+            CorruptShardError: a stored row length differs from ``full_lengths``, or the
+                shard is damaged.
+        """
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
             return
@@ -889,7 +832,7 @@ class ShardReader:
         for b, sel in groups:
             batch = self._batch(b)
             r = rows[sel] - self._starts[b]
-            lo = batch.offsets[r]
+            lo = batch.offsets[r].astype(np.int64)
             stored = batch.offsets[r + 1] - lo
             take = lengths[sel]
             if full_lengths is not None and not np.array_equal(stored, full_lengths[sel]):
@@ -903,8 +846,6 @@ class ShardReader:
             if np.any(first < 0) or np.any(first + take > stored):
                 raise IndexError(f"{self.path}: a segment reaches past the end of its row")
             if mask_out is None and int(take.sum()) >= LONG_SEGMENT_TOKENS * len(take):
-                # long segments: a slice copy each, no index arrays (a zstd cache's pad pass
-                # took 0.23 s through index arrays)
                 values = batch.values
                 pairs = zip((lo + first).tolist(), out_offsets[sel].tolist(), take.tolist())
                 for source, target, count in pairs:
@@ -917,18 +858,27 @@ class ShardReader:
                 mask_out[dst] = batch.mask_at(src)
 
     def tokens(self, row: int) -> np.ndarray:
-        """The ids of one row (a read-only view into the decoded record batch)."""
+        """The ids of one row.
+
+        Args:
+            row: the row in this shard.
+
+        Returns:
+            A read-only view into the decoded record batch.
+
+        Raises:
+            IndexError: ``row`` out of range.
+        """
         b, r = self._locate(row)
         batch = self._batch(b)
         return batch.values[batch.offsets[r] : batch.offsets[r + 1]]
 
     def tokens_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The ids of several rows (views, like :meth:`tokens`)."""
+        """The ids of several rows (views, as :meth:`tokens`)."""
         return [self.tokens(row) for row in rows]
 
     def masks_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The loss masks (bool per token) of several rows; all True when the shard has none
-        (plain text: every token has a loss)."""
+        """The loss masks (bool per token) of several rows; all True without stored masks."""
         out = []
         for row in rows:
             b, r = self._locate(row)
@@ -944,7 +894,7 @@ class ShardReader:
         return int(batch.records[r]), int(batch.pieces[r])
 
     def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
-        """Every row in order as ``(ids, record, piece)`` (one record batch decoded at a time)."""
+        """Every row in order as ``(ids, record, piece)``, one record batch decoded at a time."""
         for b in range(len(self._batch_rows)):
             batch = self._batch(b)
             values, offsets = batch.values, batch.offsets
