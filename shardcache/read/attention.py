@@ -1,42 +1,18 @@
 """Per-document attention for packed rows: the keys a transformers model needs, from positions.
 
-Pure numpy; no Python loop over tokens. Everything here is derived from ``position_ids``
-alone, as collate.py lays them out: a packed row is a run of segments whose positions restart
-at 0, the padding run at a row's end being one more segment.
-Token ``i`` of a row therefore belongs to the segment that starts at ``i - position_ids[i]``.
+Pure numpy, derived from ``position_ids`` alone: token ``i`` of a row belongs to the segment
+that starts at ``i - position_ids[i]`` (padding is one more segment). ``position_ids`` alone
+do not isolate documents in transformers when a cache object exists (``use_cache=True``, also
+in training), hence ``ShardDataset(mode="pack", attention=...)``:
 
-Why this module exists (measured with tiny random Qwen2 / Llama models, transformers 5.24,
-``model.train()``): ``position_ids`` alone do *not* isolate the documents of a row.
-transformers derives per-document masks from them only when no cache object exists, and with
-the default ``use_cache=True`` one is created even in training, so every document attended to
-the documents packed before it (logits ~0.8 off). Three modes, chosen with
-``ShardDataset(mode="pack", attention=...)``:
-
-``"mask"`` (:func:`block_causal_mask`): ``attention_mask`` is a 4-D *additive float* mask
-``R x 1 x L x L``: 0 where query ``i`` may see key ``j`` (same segment, ``j <= i``), the most
-negative float32 elsewhere. transformers passes a 4-D mask through as it is, so this is exact
-with ``sdpa``, ``eager`` and any implementation that honours 4-D masks, whatever ``use_cache``.
-It must be additive: ``eager`` adds the mask to the scores, so a boolean mask (right for sdpa)
-is 0.85 off there. Padding attends causally to itself only, so no query row is fully masked
-(no NaN, also when the mask is cast to bf16 and its minimum becomes ``-inf``). Memory:
-``R * L * L * 4`` bytes per batch, 128 MiB for ``max_tokens=8192, seq_len=4096`` (R = 2),
-against 64 KiB for the token ids (int64); it takes ~40-70 ms to build on one core
-(benchmarks/bench_attention.py): it is built in the loader process, travels to the device
-with the batch and costs host->device bandwidth (and pinned memory: ``DevicePrefetcher``'s
-default ``PrefetchOptions.max_pinned_bytes`` of 1 GiB over 3 slots refuses a batch above
-~341 MiB, e.g. ``seq_len=8192`` with two rows). Use ``"varlen"`` with flash attention for long
-rows.
-
-``"varlen"`` (:func:`varlen_keys`): ``cu_seq_lens_q`` / ``cu_seq_lens_k`` (int32, the segment
-boundaries in the flattened ``R * L`` tokens, ending at ``R * L``) and ``max_length_q`` /
-``max_length_k`` (Python ints), equal to what transformers'
-``prepare_fa_kwargs_from_position_ids`` computes for the batch. ``flash_attention_2/3`` read
-them (they need ``attention_mask`` absent, which it is). ``sdpa`` and ``eager`` ignore them and
-are exact only when the caller passes ``use_cache=False`` (transformers then detects the packed
-documents from ``position_ids``).
-
-``"none"``: position ids only; documents attend to each other (packed pretraining that
-accepts it). Exact only with ``use_cache=False`` on sdpa / eager, as above.
+* ``"mask"`` (:func:`block_causal_mask`): a 4-D additive float32 mask ``R x 1 x L x L`` (0
+  where query ``i`` sees key ``j``: same segment, ``j <= i``; the most negative float32
+  elsewhere), exact with sdpa and eager whatever ``use_cache``; ``R * L * L * 4`` bytes.
+  Padding attends causally to itself, so no row is fully masked (no NaN).
+* ``"varlen"`` (:func:`varlen_keys`): ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` as
+  transformers' ``prepare_fa_kwargs_from_position_ids`` computes them, for flash attention;
+  sdpa and eager are exact only with ``use_cache=False``.
+* ``"none"``: nothing added (documents attend to each other).
 """
 
 from __future__ import annotations

@@ -1,28 +1,9 @@
-"""Batch collation: planned sequences + their token arrays -> the arrays of one batch.
+"""Batch collation on the numpy path: gathered tokens of planned segments -> batch arrays.
 
-Pure numpy, no torch and no file access: the caller (``ShardDataset``) gathers the tokens of
-the segments the plan chose into one flat array (``Cache.gather``: one copy per shard touched;
-for chat caches also the stored loss masks), passes it here with the segment lengths, and turns
-the returned arrays into tensors.
-
-A batch costs a fixed number of numpy calls whatever its number of rows and segments. Tokens
-land in their slots with one boolean scatter (slots are row-major and every row's tokens
-precede its padding), or none at all when every row is full (the common concat batch: the
-gathered tokens are the input ids). There is no Python loop per sequence. Ids are delivered as
-``ids_dtype`` (``ShardDataset`` default int32: embeddings take int32, it halves the bytes
-written per token); labels are int64 because torch's cross-entropy takes only int64 targets.
-What a batch holds is documented in ``shardcache.read.dataset``; in short:
-
-:func:`pad_batch` (``mode="pad"``): whole sequences, one per row, padded to a common width.
-``input_ids`` and ``attention_mask`` (1 on tokens) of ``ids_dtype``, int64 ``labels`` (-100 on
-padding and, with loss masks, outside the trainable turns) and int64 ``sample_ids``.
-
-:func:`pack_batch` (``mode="pack"``): rows of exactly ``seq_len`` slots made of segments, the
-padding run at a row's end a segment of its own. ``input_ids`` and ``position_ids`` (restart
-at every segment) of ``ids_dtype``, int64 ``labels`` (-100 on padding, on the first token of
-every segment, and outside trainable turns), int32 ``cu_seqlens`` (segment boundaries in the
-flattened batch), ``max_seqlen`` (a Python int), and per segment int64 ``sample_ids`` /
-``sample_offsets`` (-1 for padding).
+Pure numpy, no file access, a fixed number of numpy calls a batch whatever its rows and
+segments. :func:`pad_batch` lays whole sequences one per row; :func:`pack_batch` lays segments
+in rows of ``seq_len`` slots. What a batch holds is documented in
+:mod:`shardcache.read.dataset`; :mod:`shardcache.read.kernels` builds the same arrays.
 """
 
 from __future__ import annotations

@@ -300,18 +300,22 @@ class ShardDataset(IterableDataset):
             verify_manifest_key(cache.manifest, expect, self.path)
         self.pad_id = cache.pad_id
         self.cache_digest = cache_digest(cache.manifest)
-        self._lengths = np.asarray(cache.lengths)
-        self._buckets = cache.buckets()
+        self._lengths: np.ndarray | None = np.asarray(cache.lengths)
+        self._buckets: np.ndarray | None = cache.buckets()
         # what a plan is a function of, besides options/seed/epoch (plan_store.py)
         index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
         table = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
         self._data_identity = (
             hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
         )
-        # a local cache is kept for in-process reads (a 10,000-shard manifest costs ~0.2 s to
-        # parse and check); spawned workers open their own (__getstate__). A remote one is not:
-        # its filesystem client is not fork-safe, and forked DataLoader workers would inherit it
-        self._cache: Cache | None = None if is_url(self.path) else cache
+        # the dataset owns its cache (close()); spawned workers open their own (__getstate__).
+        # A remote one is not kept here: its filesystem client is not fork-safe, and forked
+        # DataLoader workers would inherit it
+        self._cache: Cache | MixedCache | None = None
+        if is_url(self.path):
+            cache.close()
+        else:
+            self._cache = cache
 
     def _init_mixture(
         self, sources: tuple[Source, ...], expect: Any, tokens_per_epoch: int | None
@@ -335,7 +339,11 @@ class ShardDataset(IterableDataset):
         known = all(sha for sha, _ in identities)
         identity = json.dumps([identities, mixture_json, table.tokens_per_epoch])
         self._data_identity = hashlib.sha256(identity.encode()).hexdigest() if known else ""
-        self._cache = None if mixed.remote else mixed
+        self._cache = None
+        if mixed.remote:
+            mixed.close()
+        else:
+            self._cache = mixed
 
     @property
     def mixture(self) -> MixtureTable | None:
@@ -352,10 +360,39 @@ class ShardDataset(IterableDataset):
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
-        state["_cache"] = None  # memory maps do not travel to worker processes
-        state["_plan"] = None  # recomputed (spawned workers); forked ones share the original
-        state["_batch_kernels"] = None
+        # memory maps do not travel to worker processes: a spawned one opens its own
+        for name in ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets"):
+            state[name] = None
         return state
+
+    def close(self) -> None:
+        """Release the cache, its open shards and the plan (idempotent).
+
+        The dataset stays usable: it opens them again when next needed.
+        """
+        if self._cache is not None:
+            self._cache.close()
+        self._cache = self._plan = self._batch_kernels = None
+        self._lengths = self._buckets = None
+
+    def __enter__(self) -> ShardDataset:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _open(self) -> Cache | MixedCache:
+        """The cache this dataset owns, opened on first use (again after :meth:`close`)."""
+        if self._cache is None:
+            self._cache = self._open_cache()
+        return self._cache
+
+    def _index(self) -> tuple[np.ndarray, np.ndarray]:
+        """The length and bucket of every sample id."""
+        if self._lengths is None or self._buckets is None:
+            cache = self._open()
+            self._lengths, self._buckets = np.asarray(cache.lengths), cache.buckets()
+        return self._lengths, self._buckets
 
     # ---- epochs and sizes ------------------------------------------------------------------
 
@@ -401,14 +438,14 @@ class ShardDataset(IterableDataset):
             digest = plan_digest(self._data_identity, options, self.seed, epoch)
             plan = shared_plan(
                 digest,
-                len(self._lengths) if self._data_identity else 0,
+                len(self._index()[0]) if self._data_identity else 0,
                 lambda: self._plan_epoch(epoch),
             )
             self._plan = (epoch, plan)
         return self._plan[1]
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
-        args = (self._lengths, self._buckets, self.options, self.seed, epoch)
+        args = (*self._index(), self.options, self.seed, epoch)
         return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
@@ -453,7 +490,7 @@ class ShardDataset(IterableDataset):
 
         def count(batches: np.ndarray) -> tuple[int, int]:
             segs = sum(len(plan.batch(int(b))) for b in batches)
-            tokens = sum(plan.token_count(self._lengths, int(b)) for b in batches)
+            tokens = sum(plan.token_count(self._index()[0], int(b)) for b in batches)
             return segs, tokens
 
         dropped, repeated = count(split.dropped), count(split.repeated)
@@ -595,8 +632,7 @@ class ShardDataset(IterableDataset):
     # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
-        if self._cache is None:
-            self._cache = self._open_cache()
+        self._open()
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
         resume, self._worker_resume = self._worker_resume, None
@@ -714,9 +750,7 @@ class ShardDataset(IterableDataset):
     ) -> Gathered:
         """The tokens (and, for chat caches, loss masks) of segments, concatenated, or with
         ``layout`` placed in padded rows (:meth:`Cache.gather`)."""
-        if self._cache is None:
-            self._cache = self._open_cache()
-        cache = self._cache
+        cache = self._open()
         return cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
@@ -736,8 +770,8 @@ class ShardDataset(IterableDataset):
         its batches (no numba, a compressed cache, ``self.kernels`` off)."""
         if not self.kernels:
             return None
-        if self._cache is None:
-            self._cache = self._open_cache()
+        self._open()
+        assert self._cache is not None
         cached = self._batch_kernels
         if cached is not None and cached.plan is plan and cached.cache is self._cache:
             return cached
@@ -752,7 +786,7 @@ class ShardDataset(IterableDataset):
     def collate(self, sample_ids: np.ndarray) -> Batch:
         """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
         sample_ids = np.asarray(sample_ids)
-        width = int(self.options.padded(int(self._lengths[sample_ids].max())))
+        width = int(self.options.padded(int(self._index()[0][sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
         got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
         batch = pad_batch(
@@ -791,7 +825,7 @@ class ShardDataset(IterableDataset):
     ) -> dict[str, Any]:
         """A packed batch on the numpy path: gathered, then laid out by collate.py."""
         slots = (len(row_bounds) - 1) * seq_len
-        lengths = self._lengths[ids] - starts if taken is None else taken
+        lengths = self._index()[0][ids] - starts if taken is None else taken
         laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
         layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
         got = self._gather(ids, starts, taken, layout)

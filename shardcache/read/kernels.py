@@ -1,39 +1,18 @@
 """Compiled batch kernels: gather and collate a batch in one pass over its tokens.
 
-What this module owns
----------------------
-:func:`pack_into` and :func:`pad_into` build the arrays of one batch (the same arrays as
-``collate.pack_batch`` / ``collate.pad_batch``, which stay the reference) straight from the
-memory-mapped shard files (:class:`~shardcache.store.cache.MappedTable`): each token is read
-once and written once into ``input_ids``, ``labels`` and ``position_ids`` (or
-``attention_mask``), padding runs and segment boundaries are laid out in the same loop, and
-every segment is checked on the way (inside its sequence, inside its shard file, rows not
-over-full, every id at most the tokenizer's largest: the store leaves that check of a whole
-shard file, a pass over all of its bytes when it is opened, to the reader of these tokens).
-There is no numpy call per segment, run or output array. Chat caches too: a sequence's loss
-mask is a run of bits in its shard's file (``MappedTable.mask_starts``), and the labels of
-tokens whose bit is 0 are -100, as on the numpy path. Each batch is located and checked first,
-then copied with the rows or segments ahead prefetched (kernels_jit.py says why).
+:class:`BatchKernels` builds the arrays of ``collate.pack_batch`` / ``collate.pad_batch``
+straight from the memory-mapped shards (:class:`~shardcache.store.cache.MappedTable`): each
+token is read once and written once into every output, and every segment is checked on the
+way (inside its sequence and its shard, rows not over-full, ids at most the tokenizer's
+largest). A kernel that needs a shard not open says which; :class:`BatchKernels` opens it and
+calls again. A kernel that refuses a batch returns a code that :class:`BatchKernels` turns
+into the numpy path's descriptive error, so no batch is built twice. Compressed caches, or a
+batch over more shards than stay open, are read on the numpy path (``Cache.gather`` +
+collate.py); tests check that both give identical batches.
 
-Why: the numpy path costs ~40 numpy calls a batch (1-2 us each on this machine), a fancy index
-or slice copy per run, and a second pass per output array; at 16 x 2048 tokens that was
-~165 us a batch against ~23 us for summing the same tokens from one flat memory map.
-
-The kernels are compiled with numba (``pip install 'shardcache[fast]'``; ``cache=True``, so
-once per machine). Without numba, or for what they do not handle (compressed shards, a
-batch over more shards than the reader keeps open), the reader
-takes the numpy path; tests/read/test_kernels.py checks that both give identical batches.
-A kernel takes the batch's index and reads the epoch plan's arrays itself, so a batch costs one
-kernel call (no per-batch plan lookup, shard lookup or output sizing in Python). When a shard
-the batch needs is not open, the kernel says which; :class:`BatchKernels` opens it
-(``Cache.open_mapped``) and calls again. A kernel that finds something wrong returns an error
-code and the caller re-reads the batch on the numpy path, which raises the descriptive error.
-
-Memory safety: the kernels read shards through raw addresses (numba cannot take a list of
-arrays cheaply: a typed list costs ~25 us to build and ~140 us per item set from Python).
-An address is that of an open shard's array in the table; shards open and close only in
-Python, between kernel calls, and the kernels keep the GIL, so no address changes during a
-call; every read is bounds-checked against the shard's size first.
+The kernels need numba (``pip install 'shardcache[fast]'``). They read shards through raw
+addresses (kernels_jit.py): shards open and close only in Python between kernel calls, the
+kernels hold the GIL, and every read is bounds-checked against the shard's size first.
 """
 
 from __future__ import annotations
@@ -44,6 +23,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.errors import CorruptShardError
 from shardcache.store.cache import Cache, MappedTable
 
 logger = logging.getLogger("shardcache")
@@ -111,16 +91,49 @@ class BatchKernels:
         self._wide = table.dtype.itemsize == 4
         self._info = np.zeros(5, dtype=np.int64)  # (kernels_jit.py)
 
-    def _opened(self, code: int, opened: set[int]) -> bool:
-        """After a kernel returned ``code``: True when it asked for a shard and that shard is
-        now open (call it again); False when the numpy path must read the batch (refused: the
-        numpy path names why; a compressed shard; a shard closed again for another of the
-        same batch, which needs more shards than stay open)."""
+    def _opened(self, code: int, opened: set[int], index: int) -> bool:
+        """After a kernel returned ``code`` for batch ``index``: True when it asked for a shard
+        and that shard is now open (call it again); False when the kernel cannot take the
+        batch (a compressed shard, or more shards than stay open): the numpy path reads it.
+
+        Raises:
+            IndexError, CorruptShardError, ValueError: the kernel refused the batch (why).
+        """
+        if code != self._kernels.NEED_SHARD:
+            self._refuse(code, index)
         shard = int(self._info[3])
-        if code != self._kernels.NEED_SHARD or shard in opened:
+        if shard in opened:
             return False
         opened.add(shard)
         return self.cache.open_mapped(shard)
+
+    def _refuse(self, code: int, index: int) -> None:
+        """Raise the error a kernel's refusal ``code`` of batch ``index`` stands for."""
+        plan, cache = self.plan, self.cache
+        lo, hi = int(plan.batch_offsets[index]), int(plan.batch_offsets[index + 1])
+        ids = np.asarray(plan.sample_ids[lo:hi], dtype=np.int64)
+        shards = np.unique(np.searchsorted(cache.shard_starts, ids, side="right") - 1)
+        if code == self._kernels.BAD_ID:
+            for shard in shards.tolist():
+                cache.check_ids(shard)  # raises, naming the file and the record batch
+        if code == self._kernels.BAD_SEGMENT:
+            bad = ids[(ids < 0) | (ids >= cache.num_sequences)]
+            if len(bad):
+                raise IndexError(
+                    f"sample id {int(bad[0])} out of range: the cache holds {cache.num_sequences}"
+                )
+            raise IndexError(f"{cache.path}: a segment reaches past the end of its sequence")
+        if code == self._kernels.BAD_SOURCE:
+            raise CorruptShardError(
+                f"{cache.path}: batch {index} reads past the end of one of shards "
+                f"{shards.tolist()}; the index and the shards disagree: run `shardcache verify` "
+                "and rebuild"
+            )
+        raise ValueError(
+            f"batch {index} of the plan does not fit its rows or its budget of {self.capacity} "
+            f"tokens (kernel code {code}); the plan does not match this cache: a bug, please "
+            "report it"
+        )
 
     def pack(
         self, index: int, seq_len: int, pad_id: int, ids_dtype: np.dtype
@@ -149,7 +162,7 @@ class BatchKernels:
             )  # fmt: skip
             if code == 0:
                 break
-            if not self._opened(code, opened):
+            if not self._opened(code, opened, index):
                 return None
         num_rows, count = int(info[0]), int(info[1])
         shape = (num_rows, seq_len)
@@ -192,7 +205,7 @@ class BatchKernels:
             )  # fmt: skip
             if code == 0:
                 break
-            if not self._opened(code, opened):
+            if not self._opened(code, opened, index):
                 return None
         rows, width = int(info[0]), int(info[1])
         used = rows * width

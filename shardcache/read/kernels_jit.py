@@ -1,11 +1,8 @@
-"""The numba kernels behind :mod:`shardcache.read.kernels` (imported only when numba is
-installed: ``pip install 'shardcache[fast]'``).
+"""The numba kernels behind :mod:`shardcache.read.kernels` (imported only with numba).
 
-:func:`pack` and :func:`pad` write one batch from memory-mapped shards: see
-:mod:`shardcache.read.kernels` for what they produce, how they are checked and why they read
-shards through raw addresses. Compiled once per machine (``cache=True``: ~1-2 s the first
-time, then loaded from numba's cache). Results below zero are error codes; NEED_SHARD asks
-the caller to open a shard (``Cache.open_mapped``) and call again.
+:func:`pack` and :func:`pad` write one batch from memory-mapped shards (``cache=True``:
+compiled once per machine). They return 0, :data:`NEED_SHARD` (open the shard in ``info[3]``
+and call again) or an error code below zero.
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ NEED_SHARD = 1  # a shard to open first (its index in info[3]); then call again
 
 # the GIL stays held: a kernel reads shards by address, and no other thread may close one
 _jit = numba.njit(cache=True)
-#: helpers are inlined into the kernels: one cached object per kernel to load (a cached
-#: function with compiled callees took ~0.15 s to load in a fresh process)
+#: helpers are inlined into the kernels: one cached object per kernel to load (cached
+#: functions with compiled callees load slowly in a fresh process)
 _inline = numba.njit(inline="always")
 
 
@@ -68,11 +65,9 @@ def _prefetch(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compil
     return types.void(types.int64), codegen
 
 
-# Prefetching: a batch's rows (pad) or segments (pack) lie anywhere in the mapped shards (a
-# shuffled plan; and pad batches are sorted by length, so even an unshuffled one jumps), and
-# a copy loop that waits for each one's first cache lines from memory is latency-bound: a
-# 32k-token batch of ~100-token rows took 88 us, 30 us with the next rows' first lines
-# prefetched while this one is copied (measured, shuffled; 23 -> 20 us on ~800-token rows).
+# Prefetching: a batch's rows or segments lie anywhere in the mapped shards, and a copy loop
+# that waits for each one's first cache lines is latency-bound: the next rows' first lines
+# are prefetched while this one is copied.
 #: how many rows / segments ahead of the copy their first bytes are prefetched
 PREFETCH_AHEAD = 8
 #: how many 64-byte lines of each (4 KiB; the hardware prefetcher follows a longer run)
@@ -85,9 +80,8 @@ def _prefetch_source(address: int, nbytes: int) -> None:  # pragma: no cover - c
         _prefetch(address + 64 * line)
 
 
-# The copies below run one simple loop per output over views: LLVM vectorises those (5.7 us
-# for 32k tokens into int32 ids, int64 labels and int32 positions), not one loop writing all
-# three through offset indices (53 us, measured).
+# The copies below run one simple loop per output over views: LLVM vectorises those, not one
+# loop writing all three outputs through offset indices.
 
 
 @_inline

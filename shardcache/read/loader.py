@@ -1,35 +1,14 @@
 """``shardcache.loader``: a ShardDataset, its DataLoader and an optional DevicePrefetcher, set up
-the one way that is right, in one call.
+in one call.
 
-Workers or not: the compiled kernels build a 16 x 2048 batch in ~0.05 ms, while receiving one
-from a DataLoader worker costs the main process ~0.6 ms (unpickling, a shared-memory segment
-and a file descriptor; 1.2-1.4 ms a batch end to end, measured with 1-2 fork workers on a
-2-core machine). So by default a cache the kernels read (uncompressed, numba installed) is
-read in-process (``num_workers=0``; with ``device=`` the prefetcher's thread reads ahead), and
-others (zstd shards, remote caches, no numba: the numpy path, ~1 ms a batch) get 2 workers.
-
-What goes wrong when the pieces are wired by hand (each seen in practice):
-
-* ``DataLoader(ds)`` keeps its default ``batch_size=1`` and stacks every (already whole) batch
-  into a leading dimension. ``ShardDataset`` refuses that collation with a ``ConfigError``;
-  here the DataLoader is built with ``batch_size=None``.
-* Workers started with ``fork`` from a training process copy the threads' locks of whatever
-  already runs there: the process group (gloo/nccl), CUDA, OpenMP pools. The DDP recipe aborted
-  a rank at exit ("terminate called without an active exception") about once in ten CI runs
-  until its workers came from ``forkserver``: a clean server process forks them, so they
-  inherit no threads, no CUDA context and no process group. The price: each worker imports
-  torch and shardcache itself, so the first batch of every epoch comes 1.2-1.9 s after
-  ``iter()`` instead of 0.05 s with ``fork`` (2 workers, measured on a loaded 2-core machine),
-  unless ``persistent_workers=True`` keeps the workers for the next epochs; and, as with
-  ``spawn``, the training script needs the ``if __name__ == "__main__":`` guard (the workers
-  import it).
-* ``persistent_workers=True`` keeps the workers' copy of the dataset; ``ShardDataset``
-  publishes its position to them (``set_epoch``, ``load_state_dict``), so they deliver the
-  same batches as fresh workers. ``pin_memory=True`` next to a ``DevicePrefetcher`` pins
-  twice: it is off.
-* With workers or a prefetcher, the readers run ahead of training, so the dataset's live state
-  counts batches not yet trained on. :class:`ShardLoader` counts the batches it handed out and
-  its ``state_dict()`` is the position after exactly those.
+Defaults: a cache the compiled kernels read (uncompressed, numba installed) is read
+in-process, since receiving a batch from a worker costs the main process more than building
+it; other caches get 2 workers. Workers come from ``forkserver`` (a fork of a training
+process copies the locks of its threads: process group, CUDA, OpenMP; the training script
+then needs the ``if __name__ == "__main__":`` guard), the DataLoader has ``batch_size=None``
+(each item is a whole batch) and no ``pin_memory`` beside a prefetcher (it pins).
+:class:`ShardLoader` counts the batches it handed out, so its ``state_dict()`` is exact even
+when readers run ahead.
 """
 
 from __future__ import annotations

@@ -124,6 +124,12 @@ class MixedCache:
         self._shard_offsets = np.zeros(1, dtype=np.int64)  # source s: shards [o[s], o[s + 1])
         self._copied = np.zeros(0, dtype=bool)  # shards whose row starts are in the table
 
+    def close(self) -> None:
+        """Close every source's cache (idempotent)."""
+        for cache in self.caches:
+            cache.close()
+        self._lengths = None
+
     @property
     def remote(self) -> bool:
         """Whether any source is a URL (object storage)."""

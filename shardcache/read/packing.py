@@ -1,31 +1,12 @@
-"""Best-fit-decreasing bin packing of the windows of an epoch plan (``packing="best_fit"``),
-and the other per-item planning loops (pad-mode batch cuts), compiled when numba is installed.
+"""Best-fit-decreasing bin packing of an epoch's windows (``packing="best_fit"``) and the other
+per-item planning loops, compiled when numba is installed.
 
-What this module owns
----------------------
-:func:`best_fit_bins` packs every window of sequences (sorted longest first) into rows of
-``capacity`` tokens: each sequence goes to the open row whose free space is the smallest that
-still fits it, among equals the row that reached that free space last, else to a new row. The
-tie rule is part of the plan (plans are bit-identical across versions and implementations).
-
-Two implementations give the same bins (tests/read/test_packing.py compares them):
-
-* ``"jit"``: a numba kernel (the optional dependency ``pip install 'shardcache[fast]'``): per
-  window a two-level bitset of the free spaces (the smallest free space that fits is the next
-  set bit, a few word operations) and a LIFO stack of rows per free space as linked arrays.
-  ~0.05-0.1 us a sequence, so 10 M sequences plan in well under the 2 s goal; compiled once per
-  machine (``cache=True``), ~1 s the first time.
-* ``"loop"``: the reference, a Python loop per sequence shorter than ``capacity / 2`` over a
-  sorted list of free spaces (``bisect``), ~1 us a sequence (10.7 s for 10 M).
-
-:func:`stable_order` (a counting sort, compiled too) then groups each window's items by
-shuffled row in one pass instead of a sort per window. With both, planning 10 M sequences
-measured 2.3 s on a loaded 2-core machine (load 4-6), of which the kernel 0.12-0.26 s and the
-epoch permutation 0.5-0.9 s; the loop version took 10.7 s.
-
-A per-item loop is inherent to best-fit; vectorising it across windows in numpy (all windows
-advance one item per step) was measured at ~0.9 us a sequence on 2,442 windows: no faster
-than the loop, because every step is ~70 gathers and scatters over all windows.
+:func:`best_fit_bins` puts each sequence of a window (longest first) into the open row whose
+free space is the smallest that still fits it (among equals, the row that reached that free
+space last), else a new row; the tie rule is part of the plan. Two implementations give the
+same bins: ``"jit"`` (numba: a two-level bitset of free spaces and a LIFO stack of rows per
+free space) and ``"loop"`` (the Python reference, ``bisect`` over free spaces).
+:func:`stable_order` groups each window's items by row with one counting sort.
 """
 
 from __future__ import annotations

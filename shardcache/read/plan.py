@@ -1,55 +1,17 @@
 """The epoch plan and its split over ranks and workers: pure numpy over the length index.
 
-What this module owns
----------------------
-Given every sequence's length and bucket, a seed, an epoch and the batch options
-(:class:`PlanOptions`), :func:`plan_epoch` returns the ordered list of *global* batches of that
-epoch. It never reads a file and never looks at the world size or the number of workers, so
-every rank computes the same plan, and a resumed job with another world size computes it too.
-:func:`split_epoch` then deals the global batches to ranks and reports what it had to drop or
-repeat so that every rank gets the same count.
+:func:`plan_epoch` turns every sequence's length and bucket, a seed, an epoch and
+:class:`PlanOptions` into the ordered global batches of the epoch; it reads no file and never
+sees the world size or worker count, so every rank (and a job resumed at another world size)
+computes the same plan. Modes and packings are name -> function registries (:data:`MODES`,
+:data:`PACKINGS`). A plan is CSR arrays (:class:`EpochPlan`), no Python object per sample.
 
-Batch modes (a name -> function registry, :data:`MODES` / :data:`PACKINGS`)
---------------------------------------------------------------------------
-``pad``
-    1. within each bucket, sample ids are shuffled (seeded by ``(seed, epoch)``) and cut into
-       windows of ``window_size`` sequences;
-    2. inside a window, sequences are sorted by length, longest first (ties by sample id), and
-       cut greedily: the first row of a batch sets the padded length ``L`` (rounded up to
-       ``pad_to_multiple_of``) and the batch takes ``max_tokens // L`` rows;
-    3. the windows are shuffled; a window's batches stay consecutive, so the batches handed
-       out at one step (to different ranks) have similar lengths: no rank straggles.
-``pack`` with ``seq_len``: rows of exactly ``seq_len`` slots, ``max_tokens // seq_len`` rows
-per batch (only the epoch's last batch may have fewer rows). Rows carry segments
-``(sample id, offset, length)``:
-
-* ``packing="best_fit"``: sequences are shuffled globally and cut into windows; inside a window
-  best-fit-decreasing puts *whole* sequences into rows (padding only at row ends); the rows of
-  a window are shuffled. A sequence longer than ``seq_len`` is a :class:`ConfigError`.
-* ``packing="concat"``: sequences are shuffled globally and concatenated into one stream that
-  is cut every ``seq_len`` tokens; a document may continue in the next row (two segments).
-  Only the epoch's last row is padded.
-
-Storage: a plan is CSR arrays, no Python object per sample. ``sample_ids`` holds one entry per
-*segment*; ``batch_offsets`` cuts segments into batches. Pad mode has one segment per row and
-whole sequences, so ``row_offsets``, ``seg_starts`` and ``seg_lengths`` are ``None`` (a pad plan
-of 10 M sequences is ~80 MB of int64 plus the batch offsets). Plan time for 10 M sequences is
-~1-2 s in pad and concat modes (vectorised sorts; the only Python loop runs once per batch);
-best_fit packs every window with :func:`~shardcache.read.packing.best_fit_bins` (compiled
-with numba when installed: ~0.1 us a sequence; else a Python loop, ~1 us a sequence).
-
-Split over ranks and workers
-----------------------------
-Rank ``r`` of ``W`` takes global batches ``c + r, c + r + W, ...`` from the cursor ``c``
-(global batches already consumed this epoch, 0 at its start). With ``tail="drop"`` every rank
-takes ``(N - c) // W`` batches and the last ``(N - c) % W`` global batches are not delivered;
-with ``tail="wrap"`` every rank takes ``ceil((N - c) / W)`` and the missing slots are filled
-with batches ``0, 1, ...`` of the same epoch (delivered twice). Within a rank, batches are
-dealt round-robin to DataLoader workers (:func:`worker_batches`), which is the order in which
-the DataLoader collects from them, so a rank's stream does not depend on ``num_workers``.
-Because rank ``r`` at local step ``k`` holds global batch ``c + r + kW``, "every rank took
-``k`` batches" is the global cursor ``c + kW`` whatever ``W`` was: a resume with another world
-size continues with exactly the global batches not yet consumed.
+:func:`split_epoch` deals global batches from a cursor ``c``: rank ``r`` of ``W`` takes
+``c + r, c + r + W, ...``; ``tail="drop"`` leaves out the last ``(N - c) % W`` batches,
+``tail="wrap"`` repeats the first ones. Within a rank, :func:`worker_batches` deals
+round-robin to DataLoader workers, the order the DataLoader collects in, so a rank's stream
+does not depend on ``num_workers``, and "every rank took ``k`` batches" is the global cursor
+``c + kW`` whatever ``W`` was.
 """
 
 from __future__ import annotations

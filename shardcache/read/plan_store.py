@@ -1,24 +1,11 @@
-"""An epoch plan computed once and shared by every process that needs it (workers, ranks).
+"""An epoch plan computed once per machine and memory-mapped by every process that needs it.
 
-What this module owns
----------------------
-``ShardDataset`` needs the epoch plan in every DataLoader worker. Forked workers inherit it
-only when the main process computed it first; spawn/forkserver workers, workers of a new epoch
-(``persistent_workers=False``) and the ranks of one machine would each recompute it (1-2 s
-for 10 M sequences, more for best_fit). :func:`shared_plan` stores a computed plan as ``.npy``
-files under ``$SHARDCACHE_CACHE_DIR/plans/<digest>/`` (written tmp + fsync + rename, the
-folder renamed into place last) and every other process memory-maps it: one computation per
-(data, options, seed, epoch) per machine, and the plan's pages are shared through the page
-cache instead of copied per worker.
-
-The digest covers everything a plan is a function of: the caller's identity of the data (the
-length index's sha256 and the shard table: a rebuild with other bucket edges keeps the cache
-key but renumbers the samples), the plan options, the seed and the epoch, and
-:data:`PLAN_FILE_VERSION`. The first process takes an exclusive ``flock`` on
-``<digest>.lock``, computes and writes; the others wait on the lock and read. Plans of small
-caches (under :data:`SHARE_MIN_SEQUENCES` sequences, a few milliseconds to compute) are not
-written. The folder keeps the :data:`KEEP_PLANS` most recently used plans (older ones are
-deleted when a new one is written; a reader that still maps one keeps its pages).
+:func:`shared_plan` stores a computed plan as ``.npy`` files under
+``$SHARDCACHE_CACHE_DIR/plans/<digest>/`` (tmp + fsync + rename, one process computing under
+an exclusive ``flock``, the others waiting and reading). The digest covers the data identity
+(length index sha256 and shard table), the plan options, seed, epoch and
+:data:`PLAN_FILE_VERSION`. Plans of caches under :data:`SHARE_MIN_SEQUENCES` sequences are
+computed in place; the folder keeps the :data:`KEEP_PLANS` most recently used plans.
 """
 
 from __future__ import annotations

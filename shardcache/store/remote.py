@@ -34,6 +34,7 @@ import hashlib
 import logging
 import os
 import re
+import threading
 import time
 from collections.abc import Callable
 from typing import Any
@@ -57,7 +58,6 @@ from shardcache.store.layout import (
     check_digest,
     check_shard_name,
 )
-from shardcache.store.locking import DeferredLock
 from shardcache.store.manifest import read_manifest
 
 CACHE_SIZE_ENV = "SHARDCACHE_CACHE_SIZE"
@@ -377,31 +377,33 @@ def _try_exclusive(lock: str, victim: str) -> bool:
 #: unlock the other). A forked child inherits the descriptors (and so the shared locks, until
 #: both sides close them): still correct.
 _HELD: dict[str, list[int]] = {}
-#: guards _HELD; a DeferredLock because releases run from finalizers (ShardCache.__del__),
-#: which the garbage collector may run while this thread holds it; replaced in a forked child
-#: (a DataLoader worker may be forked while another thread of the parent holds it)
-_HELD_LOCK = DeferredLock()
-os.register_at_fork(after_in_child=_HELD_LOCK.reset)
+#: guards _HELD; replaced in a forked child (a DataLoader worker may be forked while another
+#: thread of the parent holds it)
+_HELD_LOCK = threading.Lock()
+
+
+def _new_held_lock() -> None:
+    global _HELD_LOCK
+    _HELD_LOCK = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_new_held_lock)
 #: object folders whose bound was reported exceeded (once per process)
 _REPORTED: set[str] = set()
 
 
 def _release(path: str) -> None:
-    """One user of ``path`` is done with it (at once, or when the thread holding
-    ``_HELD_LOCK`` leaves it: never waits, as it runs from finalizers)."""
-    _HELD_LOCK.run_or_defer(functools.partial(_release_now, path))
-
-
-def _release_now(path: str) -> None:  # (holding _HELD_LOCK)
-    held = _HELD.get(path)
-    if held is None:
-        return
-    held[1] -= 1
-    if held[1] > 0:
-        return
-    del _HELD[path]
+    """One user of ``path`` is done with it; the last one's shared lock goes with it."""
+    with _HELD_LOCK:
+        held = _HELD.get(path)
+        if held is None:
+            return
+        held[1] -= 1
+        if held[1] > 0:
+            return
+        del _HELD[path]
     with contextlib.suppress(OSError):
-        os.close(held[0])  # the last user: the shared lock on the object goes with it
+        os.close(held[0])
 
 
 class RemoteCache:

@@ -682,7 +682,7 @@ class ShardReader:
                 f"{path}: record batch {b} holds {batch.num_rows} rows / {len(values)} tokens "
                 f"but its header says {self._batch_rows[b]} / {self._batch_tokens[b]}; rebuild"
             )
-        bits, shift = _mask_bits(path, batch.column(3), offsets) if self.has_mask else (None, 0)
+        bits, shift = _mask_bits(path, b, batch.column(3), offsets) if self.has_mask else (None, 0)
         return _Batch(
             values=values,
             offsets=offsets,
@@ -906,11 +906,15 @@ class ShardReader:
                 )
 
 
-def _mask_bits(path: str, column: pa.ListArray, offsets: np.ndarray) -> tuple[np.ndarray, int]:
+def _mask_bits(
+    path: str, b: int, column: pa.ListArray, offsets: np.ndarray
+) -> tuple[np.ndarray, int]:
     """The packed validity-free bitmap of a list<bool> column's values and its bit offset."""
     values = column.values
     if values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
-        raise CorruptShardError(f"{path}: the loss mask does not line up with the tokens; rebuild")
+        raise CorruptShardError(
+            f"{path}: the loss mask of record batch {b} does not line up with its tokens; rebuild"
+        )
     data = values.buffers()[1]
     bits = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     return bits, values.offset

@@ -452,8 +452,6 @@ def test_expect_refuses_a_cache_built_under_another_key(cache_dir, tokenizer_dir
 def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
     corpus, build_cache, tokenizer_dir, monkeypatch
 ):
-    from shardcache.store.shards import DECODED
-
     monkeypatch.setenv("SHARDCACHE_DECODE_BUDGET", "8KiB")
     folder, _ = corpus("jsonl", n_files=2, docs=60)
     opts = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "shard_size": 4096}
@@ -462,8 +460,10 @@ def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
     for mode in ({}, {"mode": "pack", "seq_len": 64, "packing": "concat", "attention": "mask"}):
         want = _stream(ShardDataset(plain, max_tokens=256, seed=2, **mode), 0)
         got = []
-        for batch in ShardDataset(packed, max_tokens=256, seed=2, **mode):
-            assert DECODED.nbytes <= (8 << 10) + (4 << 10)  # the budget + one record batch
+        ds = ShardDataset(packed, max_tokens=256, seed=2, **mode)
+        for batch in ds:
+            decoded = ds._cache._shards.decoded
+            assert decoded.nbytes <= (8 << 10) + (4 << 10)  # the budget + one record batch
             got.append(batch)
         assert len(got) == len(want)
         for a, b in zip(got, want):

@@ -109,8 +109,8 @@ def test_the_kernels_take_the_batches(caches, monkeypatch):
 
 
 def test_a_segment_outside_its_sequence_is_the_numpy_paths_error(caches):
-    """A plan the kernel refuses (a segment past its sequence's end) is read again on the
-    numpy path, which raises the descriptive error."""
+    """A plan the kernel refuses (a segment past its sequence's end) raises the numpy path's
+    descriptive error from the kernel's refusal code, without reading the batch again."""
     ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
                       attention="none")  # fmt: skip
     plan = ds.plan()
@@ -119,9 +119,16 @@ def test_a_segment_outside_its_sequence_is_the_numpy_paths_error(caches):
     late = plan.seg_starts.copy()
     late[0] += 1000  # the same lengths, from past the sequence's end
     bad = type(plan)(plan.batch_offsets, plan.sample_ids, plan.row_offsets, late, plan.seg_lengths)
-    assert ds._compiled(bad).pack(0, 48, 0, np.dtype(np.int32)) is None
+    with pytest.raises(IndexError, match="past the end"):
+        ds._compiled(bad).pack(0, 48, 0, np.dtype(np.int32))
+    ds._cache.gather = None  # the numpy path is not taken
     with pytest.raises(IndexError, match="past the end"):
         ds.collate_batch(bad, 0)
+    reference = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat",
+                             seq_len=48, attention="none")  # fmt: skip
+    reference.kernels = False
+    with pytest.raises(IndexError, match="past the end"):
+        reference.collate_batch(bad, 0)
 
 
 def test_shards_open_on_demand_and_closed_ones_are_never_read(caches):
@@ -170,7 +177,8 @@ def test_token_ids_above_the_tokenizer_are_refused(caches, monkeypatch):
     monkeypatch.setattr(
         ds._cache._shards, "reader_options", {"max_token_id": 3, "with_mask": False}
     )
-    with pytest.raises(CorruptShardError, match="holds token id"):
+    ds._cache.gather = None  # the kernel's refusal names the file, not a numpy re-read
+    with pytest.raises(CorruptShardError, match="record batch 0 holds token id"):
         next(iter(ds))
 
 

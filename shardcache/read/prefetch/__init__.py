@@ -1,8 +1,5 @@
-"""DevicePrefetcher: move upstream CPU batches to the accelerator without stalling training.
-
-The overview (data flow, ownership rule, shutdown) is in prefetcher.py; ring.py is the pinned
-slot ring and packer thread, backend.py the device API, tree.py nested-batch flattening and
-options.py the options and metrics.
+"""DevicePrefetcher: move upstream CPU batches to the accelerator without stalling training
+(prefetcher.py: ownership and shutdown; ring.py, backend.py, tree.py, options.py).
 """
 
 from shardcache.read.prefetch.backend import DeviceBackend, TorchDeviceBackend

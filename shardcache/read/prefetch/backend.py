@@ -1,17 +1,9 @@
 """The device backend: the only place the prefetcher touches device APIs.
 
-Device-agnostic
----------------
-Device work goes through a small backend object (:class:`DeviceBackend`). The real one,
-:class:`TorchDeviceBackend`, uses ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` where
-the installed torch has them (>= 2.7) and ``torch.cuda`` otherwise; tests inject a fake backend
-that performs copies asynchronously. Without an accelerator (CPU-only torch, or
-``device="cpu"``) the prefetcher is a synchronous pass-through with the same API that never calls
-``pin_memory()`` (it raises on CPU builds of torch). Only CUDA has been the design target;
-other accelerators should work through ``torch.accelerator`` but are untested.
-
-:func:`parse_device` and :func:`default_device` turn the ``device=`` argument of
-``DevicePrefetcher`` into a ``torch.device``.
+:class:`TorchDeviceBackend` uses ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event``
+where torch has them, else ``torch.cuda``; tests inject a fake :class:`DeviceBackend`.
+Without an accelerator the prefetcher is a synchronous pass-through that never pins.
+:func:`parse_device` and :func:`default_device` resolve ``DevicePrefetcher(device=...)``.
 """
 
 from __future__ import annotations

@@ -1,14 +1,8 @@
-"""The prefetcher's options and its metrics snapshot.
+"""The prefetcher's options (:class:`PrefetchOptions`) and metrics (:class:`PrefetchStats`).
 
-Metrics
--------
-``DevicePrefetcher.stats()`` never synchronises the device: host timers (consumer wait = the
-stall, upstream wait, pack time, slot wait), queue depth sampled at each ``next()``, byte
-counters, and per-copy device time from timing events resolved lazily, only once ``query()``
-says they completed (the counting lives in ring.py). The three waits tell the story: high
-``source_wait_s`` means the producer is the bottleneck; high ``consumer_wait_s`` with low
-``source_wait_s`` means packing/transfer; high ``slot_wait_s`` with ~0 ``consumer_wait_s`` is the
-healthy, compute-bound case.
+Reading the metrics: high ``source_wait_s`` means the upstream is the bottleneck; high
+``consumer_wait_s`` with low ``source_wait_s`` means packing or transfer; high
+``slot_wait_s`` with no ``consumer_wait_s`` is the healthy, compute-bound case.
 """
 
 from __future__ import annotations

@@ -1,58 +1,18 @@
 """DevicePrefetcher: move upstream CPU batches to the accelerator without stalling training.
 
-What this module owns
----------------------
-A background *packer* thread, a bounded ring of reusable pinned host slots, one dedicated copy
-stream and the events that order it against the consumer's (compute) stream. The point is not
-PCIe bandwidth: a token batch of 16 x 8192 int64 ids is ~1 MiB, about 20 us at ~55 GB/s. The
-point is never stalling the compute stream:
+A packer thread packs each upstream batch into a pinned host slot of a bounded ring (ring.py);
+the consumer's ``next()`` issues one host-to-device copy on a dedicated copy stream and makes
+the compute stream wait on it. Use the upstream ``DataLoader`` with ``pin_memory=False``.
 
-* no pageable ``.to(device)`` on the compute stream (a pageable H2D copy performs a stream sync
-  before it starts, which kills the CPU's run-ahead);
-* no per-batch ``pin_memory()`` of fresh memory (with variable shapes the caching host allocator
-  keeps creating size classes and pinned memory grows without bound, pytorch#97432);
-* the DataLoader's receive + unpickle cost moved off the training thread (it runs in the
-  packer thread, which blocks in ``next(upstream)``);
-* correct buffer lifetimes on both sides, written down in ring.py and pinned by tests.
+Ownership: a yielded batch is never overwritten by the prefetcher; its tensors are ordinary
+device tensors owned by the caller, ready on the stream current when ``next()`` was called.
+The prefetcher reuses only its own pinned slots, and only after the copy that read them
+completed.
 
-Data flow (one epoch)::
-
-    upstream iterator --(packer thread: next(), pack every CPU tensor into one pinned slot)-->
-    ready FIFO --(consumer, inside next(): allocate device buffer on the compute stream S,
-    copy stream C waits on an event recorded on S, one H2D copy on C, record copy_done)-->
-    S waits on copy_done --> batch of device views handed to the caller
-
-Ownership rule
---------------
-**A yielded batch is never overwritten by the prefetcher: its tensors are ordinary device tensors
-owned by the caller and may be kept for any time.** The prefetcher reuses only its own pinned
-host slots, and only after the copy that read them completed. The batch is ready for work on the
-stream that was current when ``next()`` was called; to read it on another stream, make that
-stream wait on this one (and ``record_stream`` it if it outlives that use), as for any tensor.
-
-Use the upstream ``DataLoader`` with ``pin_memory=False``: this class owns pinning; a pinned
-upstream batch would be pinned twice (still correct, just wasted work and memory).
-
-Errors and shutdown
--------------------
-End of data and upstream exceptions travel in-band through the ready FIFO, after all earlier
-batches; an exception is re-raised in the consumer as the same object, so its original
-traceback (the upstream frames) is kept. End of data, ``close()``, ``break`` out of a ``for``
-loop (the epoch generator is closed), the ``with`` block and garbage collection (a
-``weakref.finalize``) all stop the packer thread, wait for outstanding copies, and drop the pinned
-slots (they go back to torch's caching host allocator; ``torch.accelerator.empty_host_cache()``
-returns them to the OS). One epoch is live at a time: ``iter()`` again stops the previous epoch.
-The packer cannot be interrupted while it is blocked inside the upstream ``next()``; ``close()``
-joins it with a timeout and the thread is a daemon (use ``DataLoader(timeout=...)`` for upstreams
-that may hang).
-
-Where the rest lives
---------------------
-ring.py: the slot ring, the packer thread and the copies (packing, the backpressure, slot and
-device-buffer invariants, streams and threads). backend.py: :class:`DeviceBackend`, the only
-place device APIs are touched, and :class:`TorchDeviceBackend`. tree.py: flattening nested
-batches to tensors and back. options.py: :class:`PrefetchOptions` and :class:`PrefetchStats`
-(the metrics and how to read them).
+Errors and shutdown: upstream exceptions are re-raised in the consumer (same object, after
+the batches before them). End of data, ``close()``, leaving a ``with`` block, ``break`` and
+garbage collection (``weakref.finalize``) stop the packer thread, wait for outstanding copies
+and drop the pinned slots. One epoch is live at a time.
 """
 
 from __future__ import annotations

@@ -1,51 +1,23 @@
 """The prefetch ring: pinned host slots, the packer thread, and the copies on one copy stream.
 
-:class:`Ring` is the pipeline behind ``DevicePrefetcher`` (prefetcher.py has the overview and
-the data flow). It never references the ``DevicePrefetcher``, so that object can be garbage
-collected and its finalizer can close the ring.
+Invariants:
 
-Packing: every CPU tensor of a batch is copied into one flat ``uint8`` pinned slot at 256-byte
-aligned offsets, so each batch costs exactly one H2D copy; the device side is one ``uint8``
-buffer and the tensors are views into it (then optionally cast, e.g. int32 -> int64 on the device,
-which halves the bytes moved). The batch's containers are rebuilt around the device views by
-tree.py; non-tensor values and tensors that are not on the CPU are passed through unchanged
-(same object).
+* Backpressure: the packer takes one of ``depth + 1`` tokens before ``next(upstream)``; the
+  consumer returns it when it hands the batch out, so the upstream is read at most
+  ``depth + 1`` batches ahead.
+* Host slots: ``depth + 1`` of them, each one flat pinned ``uint8`` buffer (256-byte aligned
+  tensors, one copy a batch). A slot is written again only after its copy's ``copy_done``
+  event completed (waited on the packer thread, never the consumer's). A slot grows to the
+  next power of two of a batch, capped at ``max_pinned_bytes // (depth + 1)``, and never
+  shrinks while open.
+* Device buffers: allocated on the consumer stream S; the copy stream waits on an event
+  recorded on S after the allocation, and S waits on ``copy_done`` at hand-off. No
+  ``record_stream``. A batch issued but never delivered is dropped after its copy completed.
 
-Invariants
-----------
-* **Backpressure.** The packer takes one of ``depth + 1`` tokens *before* it calls
-  ``next(upstream)``; the consumer returns it when it hands the batch out. So at any moment
-  ``upstream batches requested - batches delivered <= depth + 1`` (``depth`` staged ahead plus one
-  being packed), and the upstream is never read further ahead than that.
-* **Host slots.** There are ``depth + 1`` slots. A slot goes back to the free pool as soon as its
-  copy is *issued*, tagged with that copy's ``copy_done`` event; the packer waits for that event
-  (``query()``, else ``synchronize()`` on the packer thread, never on the consumer) before it
-  writes the slot again. So a pinned source is never overwritten mid-copy (pytorch#127612).
-  A slot's capacity only changes while it is free and its copy has completed; it grows to the
-  next power of two of the batch size, capped at ``max_pinned_bytes // (depth + 1)``; it never
-  shrinks while the prefetcher is open. Pinned bytes therefore stay flat over epochs.
-* **Device buffers.** Each batch's device buffer is allocated from the caching allocator *on the
-  consumer stream S* (the stream current when ``next()`` runs); C waits on an event recorded on S
-  right after that allocation, so the copy cannot write a block S may still read from a previous
-  life. At hand-off, S waits on ``copy_done`` (a device-side wait; the host does not block). No
-  ``record_stream``: lifetimes are deterministic and memory does not balloon when the CPU runs
-  ahead. A batch issued but never delivered (``close()`` mid-epoch) is dropped only after its
-  ``copy_done`` completed.
-
-Streams and threads
--------------------
-The H2D copies are issued from the consumer thread inside ``next()``, so the "current stream" is
-the training stream and nothing is shared between threads but host memory and events. At
-``next(k)`` copies for batches up to ``k + depth`` are issued, so copy ``k + depth`` overlaps
-compute step ``k``. The packer thread does host work only (the upstream ``next()``, memcpy into
-pinned memory, rare slot growth with ``cudaHostAlloc``); it runs ``torch.set_num_threads(1)``
-(thread-local) so the memcpy does not spread over every core (pytorch#25010). Every blocking
-call uses a short timeout and checks a stop flag. The thread is started after
-``iter(upstream)``, i.e. after the DataLoader forked its workers (fork + live thread can
-deadlock, pytorch#130610).
-
-Use the upstream ``DataLoader`` with ``pin_memory=False``: this class owns pinning; a pinned
-upstream batch would be pinned twice (still correct, just wasted work and memory).
+Copies are issued from the consumer thread inside ``next()``; the packer thread does host
+work only (one torch thread) and starts after ``iter(upstream)``, so DataLoader workers are
+forked before it exists. :class:`Ring` never references the ``DevicePrefetcher``, so that
+object's finalizer can close it.
 """
 
 from __future__ import annotations

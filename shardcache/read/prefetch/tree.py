@@ -1,16 +1,10 @@
-"""Batch structure: flatten a nested batch to its tensor leaves, rebuild it around new leaves;
-pack tensors into one buffer.
+"""Batch structure: flatten a nested batch to its tensors and rebuild it; pack tensors into one
+buffer.
 
-A batch is any nesting of containers around tensors. :func:`flatten` returns a *spec* tree and
-appends the tensors to a list; :func:`unflatten` rebuilds the batch from a spec and a list of
-(new) leaves. Containers are rebuilt with their own type: dicts (and dict subclasses), other
-Mappings, lists, tuples, namedtuples and dataclasses. Non-tensor values are kept in the spec and
-come back unchanged (the same object).
-
-:func:`packed_offsets` lays tensors out one after another in one byte buffer, at aligned
-offsets, and :func:`packed_view` is one of them seen in such a buffer: the prefetcher's pinned
-slots (ring.py) and a ``Batch`` pickled for a DataLoader worker's queue (one storage a batch,
-``shardcache.read.dataset``) both pack this way.
+:func:`flatten` / :func:`unflatten` handle dicts (and subclasses), Mappings, lists, tuples,
+namedtuples and dataclasses; non-tensor values come back as the same object.
+:func:`packed_offsets` lays tensors out in one aligned byte buffer and :func:`packed_view`
+reads one back (the prefetcher's pinned slots and a pickled ``Batch`` both pack this way).
 """
 
 from __future__ import annotations
