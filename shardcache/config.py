@@ -46,8 +46,8 @@ DEFAULT_SHARD_SIZE_BYTES = 64 * 1024 * 1024
 
 #: Uncompressed jsonl files and parquet files larger than this are cut into partitions of
 #: about this size (line boundaries / row groups), so one big file still uses every worker.
-#: 256 MiB is ~1-2 minutes of one core's tokenizing: long enough that per-partition costs
-#: (a process round trip, a few small files) vanish, short enough that a kill loses little.
+#: Long enough that per-partition costs (a process round trip, a few small files) vanish,
+#: short enough that a kill loses little.
 DEFAULT_PARTITION_SIZE_BYTES = 256 * 1024 * 1024
 MIN_PARTITION_SIZE_BYTES = 1024
 

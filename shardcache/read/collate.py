@@ -188,8 +188,7 @@ def _ramp(length: int, dtype: np.dtype) -> np.ndarray:
 
 def restarting_positions(cu_seqlens: np.ndarray, dtype: np.dtype | type = np.int64) -> np.ndarray:
     """Position ids ``0, 1, ...`` restarting at every boundary of ``cu_seqlens``:
-    ``arange - repeat(segment start)`` in ``dtype`` (measured faster than one slice copy per
-    segment from ~10 segments a batch up: a slice costs ~1.3 us)."""
+    ``arange - repeat(segment start)`` in ``dtype`` (no Python loop per segment)."""
     dtype = np.dtype(dtype)
     total = int(cu_seqlens[-1])
     starts = cu_seqlens[:-1].astype(dtype)

@@ -1,109 +1,27 @@
 """ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
 
-``ShardDataset`` is a ``torch.utils.data.IterableDataset`` that yields whole batches. Use it
-with ``DataLoader(ds, batch_size=None)`` (or ``shardcache.loader``, which does that): the
-DataLoader default ``batch_size=1`` would add a leading dimension to every tensor, so a batch
-collated that way raises :class:`ConfigError`. Batches follow the global plan of plan.py and
-are laid out by collate.py (numpy; this module reads the shards and makes tensors).
+A ``torch.utils.data.IterableDataset`` whose items are whole batches: iterate it through
+``DataLoader(ds, batch_size=None)`` (or ``shardcache.loader``). A batch (:class:`Batch`) is a
+dict of model inputs, so ``model(**batch)`` works, plus ``batch["meta"]`` (bookkeeping
+tensors; :func:`model_inputs` drops it):
 
-A batch is a ``dict`` (:class:`Batch`) of *model inputs*, so ``model(**batch)`` works with
-transformers' causal LMs, plus ``batch["meta"]``, a dict of bookkeeping tensors that are not
-model inputs (:func:`model_inputs` drops it, for models that reject unknown keywords). What it
-holds depends on ``PlanOptions.mode``:
+* ``mode="pad"``: ``input_ids`` and ``attention_mask`` (``ids_dtype``) and int64 ``labels``
+  (-100 on padding and, for chat caches, outside the trainable turns), ``B x L`` with
+  ``B x L <= max_tokens``; ``meta``: ``sample_ids``, ``num_tokens`` (padding not counted).
+* ``mode="pack"``: ``R x seq_len`` rows of segments, padding only at row ends;
+  ``input_ids``, ``position_ids`` (restart at every segment) and ``labels`` (-100 on padding
+  and on every segment's first token: no position predicts across a document boundary);
+  the ``attention=`` keys (``shardcache.read.attention``); ``meta``: ``cu_seqlens``,
+  ``max_seqlen``, per segment ``sample_ids`` / ``sample_offsets`` (-1 for padding),
+  ``num_tokens``.
 
-``mode="pad"`` (default): rows are whole sequences of one length bucket.
-
-* ``input_ids`` int32 ``B x L`` (``L`` = longest row, rounded up to ``pad_to_multiple_of``),
-  padded with the tokenizer's pad id; ``B x L <= max_tokens``;
-* ``attention_mask`` int32, 1 on tokens, 0 on padding;
-* ``labels`` int64, the input ids with -100 on padding (and, for chat caches, on every token
-  outside the trainable turns: the stored loss mask);
-* ``meta["sample_ids"]`` int64 ``B``: global sample ids (``Cache.lookup`` gives file and record).
-* ``meta["num_tokens"]`` (int): the batch's tokens, padding not counted (the sum of
-  ``attention_mask``, without a pass over it: for token counts, throughput and loss scaling).
-
-``mode="pack"``: ``R x seq_len`` rows, ``R <= max_tokens // seq_len``, each row a run of
-*segments* (a whole sequence, or with ``packing="concat"`` a piece of one), padding only at row
-ends. The flattened batch is a list of segments, padding runs included as segments of their own:
-
-* ``input_ids``, ``position_ids`` int32 and ``labels`` int64, ``R x seq_len``;
-* ``position_ids`` restart at 0 at every segment (so at every document);
-* ``labels`` are the input ids with -100 on padding *and on the first token of every segment*:
-  labels follow the Hugging Face convention (the model shifts them), so no position is trained
-  to predict across a document boundary, and the model's mean loss over a packed batch equals
-  the token-weighted mean of the per-document losses;
-* per ``attention=`` (required in pack mode, no default; see ``shardcache.read.attention``):
-  ``"mask"`` adds ``attention_mask``, a float32 additive ``R x 1 x seq_len x seq_len``
-  block-causal mask (exact with sdpa/eager whatever ``use_cache``; ``R * seq_len**2 * 4``
-  bytes); ``"varlen"`` adds ``cu_seq_lens_q``/``cu_seq_lens_k`` (int32) and
-  ``max_length_q``/``max_length_k`` (int) for flash attention (sdpa/eager are exact only with
-  ``model(**batch, use_cache=False)``); ``"none"`` adds nothing (documents see each other);
-* ``meta["cu_seqlens"]`` int32 ``S + 1`` (segment boundaries in the flattened ``R * seq_len``
-  tokens, ending at ``R * seq_len``), ``meta["max_seqlen"]`` (int), and
-  ``meta["sample_ids"]`` / ``meta["sample_offsets"]`` int64 ``S``: per segment the sample id and
-  the token offset inside that sequence (-1 / -1 for padding segments), ``meta["num_tokens"]``
-  (int): the tokens of the batch, padding runs not counted.
-
-Mixtures: ``ShardDataset([Source("web/", weight=0.7), Source("code/", weight=0.3)], ...)``
-reads several caches as one token-weighted stream (read/mixture.py: which documents an epoch
-uses; read/mixed_cache.py: reading them). Every guarantee below holds for it; ``meta`` also
-carries ``source_ids`` int64 (per row in pad mode, per segment in pack mode, -1 for padding),
-and ``sample_ids`` are then ids inside that source; :attr:`ShardDataset.mixture` gives the
-per-source numbers, and the state carries ``"mixture"`` (every source's name, key digest,
-weight and cap), checked at load like the cache digest.
-
-Integer types: ``input_ids``, ``position_ids`` and ``attention_mask`` are int32 by default
-(``ids_dtype="int32"``: embeddings, rotary position code and attention masks take int32, and
-it halves the bytes a batch writes per token); ``ids_dtype="int64"`` delivers int64, or let the
-prefetcher cast on the device (``DevicePrefetcher(loader, cast={torch.int32: torch.int64})``).
-``labels`` are always int64: torch's cross-entropy (and so every transformers loss) takes no
-other integer type for targets.
-
-Ranks, workers, state
----------------------
-Rank ``r`` of ``W`` (``rank=``/``world_size=``, else torch.distributed when initialised, else
-``RANK``/``WORLD_SIZE``) takes global batches ``c + r, c + r + W, ...`` from the global cursor
-``c``; within a rank batches go round-robin to DataLoader workers (plan.py), so the stream of a
-rank is the same for any ``num_workers``. The state is that global cursor::
-
-    {"version": 1, "cache_digest": "<hex>", "seed": 0, "plan": {PlanOptions fields},
-     "epoch": 3, "consumed": 1200, "world_size": 8}
-
-``consumed`` counts global batches of ``epoch`` already delivered (by all ranks together);
-loading it with another world size continues with exactly the batches not yet consumed (the
-new split's tail aside: ``tail="drop"`` leaves out at most ``world_size - 1`` of the last
-global batches). The digest (``manifest["key"]["digest"]``, or sha256 of the manifest's shard
-list when the cache has no key) and the plan options must match, else :class:`StateError`.
-Inside a DataLoader worker the state also carries
-``"worker": {"id", "num_workers", "world_size", "start", "yielded"}``: that is the per-worker
-protocol of torchdata's ``StatefulDataLoader`` (it snapshots each worker's dataset and
-restores it into the worker with the same id). One worker's position is not the global
-cursor (it lags the rank's by up to ``num_workers - 1`` batches), so a worker state restores
-only the same worker, ``num_workers`` and world size, else :class:`StateError`. The whole
-loader state is exact, though: ``ds.load_state_dict(loader.state_dict())`` sums the workers'
-positions into the global cursor (:func:`dataset_state_of_loader`), for any world size and
-``num_workers`` of the resumed job (then build a new loader without ``loader.load_state_dict``).
-Iterating in-process (``num_workers=0``) keeps the dataset's own state current. With a plain
-``DataLoader`` and workers, the main-process copy does not see the workers' progress: use
-``state_dict(steps=k)``, the state after this rank took ``k`` batches since the position set
-by ``set_epoch`` / ``load_state_dict``. Readers that run ahead (``DevicePrefetcher``) make the
-live state count batches not yet trained on; ``steps=`` is exact there too.
-
-Epochs: ``set_epoch(e)`` with a new ``e`` starts ``e`` at cursor 0; with the current epoch it
-keeps the cursor (so a resumed job may call ``set_epoch(resumed_epoch)``). A pass that starts
-on an epoch this process exhausted replays it from 0 (like a sampler without ``set_epoch``);
-a state *loaded* at the end of an epoch yields nothing until ``set_epoch(next)`` (resuming at
-an epoch boundary neither repeats nor skips an epoch). DataLoader workers start each pass
-where the main process's dataset stands: fresh workers get a copy of it; workers kept with
-``persistent_workers=True`` read the position ``set_epoch`` / ``load_state_dict`` last
-published in shared memory (and replay their epoch from 0 when nothing was
-published since their last pass), so they deliver the same batches as fresh ones.
-
-Memory: the length index is memory-mapped; the plan is a few numpy arrays (~8-24 bytes per
-sequence), computed once per machine and epoch and memory-mapped by every worker and rank
-(plan_store.py; small caches just recompute it); no Python object per sample. Batches are
-gathered with one index computation per shard touched (``Cache.gather``) and laid out by
-collate.py without a Python loop per sequence.
+State is a global cursor (epoch, global batches consumed) with the cache digest and the plan
+options; it resumes at any world size and ``num_workers``. Inside a DataLoader worker it also
+carries the worker's position (torchdata ``StatefulDataLoader``), which restores only the same
+worker; :func:`dataset_state_of_loader` turns a whole loader state into the global cursor.
+Persistent workers follow ``set_epoch`` / ``load_state_dict`` through a shared position.
+The dataset owns its cache and shard readers: :meth:`ShardDataset.close` (or a ``with``
+block) releases them.
 """
 
 from __future__ import annotations
@@ -136,18 +54,23 @@ from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
 
 STATE_VERSION = 1
-#: Open shards kept per reader process. Memory maps are cheap (file pages, reclaimable, and
-#: a few KB of row starts per shard); reopening a shard costs ~0.1 ms plus faulting its pages
-#: in again, and a shuffled window touches every shard of its bucket. 64 made every pass over
-#: a 75-shard cache reopen all 75 (an LRU smaller than a sequential scan keeps nothing):
-#: ~26 us a batch of 16 x 2048 tokens on the side-by-side corpus.
+#: Open shards kept per reader process. Memory maps are cheap (reclaimable file pages), while
+#: reopening a shard pays its open and its page faults again, and an LRU smaller than the
+#: cache keeps nothing across a sequential pass.
 OPEN_SHARDS = 256
 logger = logging.getLogger("shardcache")
 
 
 def cache_digest(manifest: dict[str, Any]) -> str:
-    """The cache-key digest of a manifest, or (cache without a key) the sha256 of its shard
-    list as canonical JSON: either identifies the data a reader state refers to."""
+    """The identity of a cache's data that a reader state refers to.
+
+    Args:
+        manifest: the cache's manifest.
+
+    Returns:
+        The cache-key digest, or (a cache without a key) the sha256 of its shard list as
+        canonical JSON.
+    """
     digest = manifest.get("key", {}).get("digest")
     if digest:
         return str(digest)
@@ -192,33 +115,39 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
 
 
 class ShardDataset(IterableDataset):
-    """Token-budget batches from a cache, sharded over ranks and DataLoader workers.
+    """Token-budget batches from a cache (or a mixture), sharded over ranks and workers.
 
-    ``ShardDataset(path, max_tokens, shuffle=True, seed=0)`` pads; the other batch options
-    (``mode``, ``seq_len``, ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``) are
-    the fields of :class:`PlanOptions`, given as keywords or as ``options=PlanOptions(...)``
-    (then without ``max_tokens``/``shuffle``).
+    Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch. A
+    context manager: :meth:`close` releases the cache and its open shards.
 
-    ``attention`` (``"mask"``, ``"varlen"`` or ``"none"``) is required with ``mode="pack"``
-    and refused otherwise: how the documents packed into a row are kept apart (module
-    docstring; ``"varlen"`` is exact with sdpa/eager only under ``use_cache=False``).
+    Args:
+        path: a cache folder or URL, or a list of :class:`~shardcache.read.mixture.Source`
+            (a mixture of caches sharing a tokenizer).
+        max_tokens: the token budget of a batch (padding included).
+        shuffle: shuffle the epoch (default True).
+        seed: the plan's seed (>= 0).
+        options: all batch options as one :class:`PlanOptions` (then without
+            ``max_tokens``, ``shuffle`` or keywords).
+        rank: this process's rank; with ``world_size``, else torch.distributed when
+            initialised, else ``RANK`` / ``WORLD_SIZE``.
+        world_size: the number of ranks.
+        expect: a :class:`~shardcache.store.key.CacheKey`, a lock file path or a mapping of
+            tokenizer options (``{"tokenizer": "tok/", "max_length": 2048}``) the cache must
+            have been built under (for a mixture: each source without its own).
+        attention: ``"mask"``, ``"varlen"`` or ``"none"``: required with ``mode="pack"``,
+            refused otherwise (:mod:`shardcache.read.attention`).
+        ids_dtype: ``"int32"`` or ``"int64"``, the type of ``input_ids``, ``position_ids``
+            and ``attention_mask`` (``labels`` are always int64).
+        tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in).
+        remix: let :meth:`load_state_dict` take the state of another mixture (with a
+            warning).
+        **plan_options: the other :class:`PlanOptions` fields (``mode``, ``seq_len``,
+            ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
-    ``ids_dtype`` (``"int32"``, default, or ``"int64"``) is the type of ``input_ids``,
-    ``position_ids`` and ``attention_mask``; ``labels`` are always int64.
-
-    Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch.
-
-    ``expect`` (a :class:`~shardcache.store.key.CacheKey`, a lock file path, or a mapping of
-    tokenizer options such as ``{"tokenizer": "tok/", "max_length": 2048}``) makes the
-    constructor raise :class:`~shardcache.errors.CacheKeyMismatch`, naming the changed fields,
-    when the cache was built under another key.
-
-    ``path`` may be a list of :class:`~shardcache.read.mixture.Source` (a mixture; ``expect``
-    then applies to the sources that give none): ``tokens_per_epoch`` fixes its epoch size
-    (default: the largest every source's share fits in), and ``remix=True`` lets
-    :meth:`load_state_dict` take a state of another mixture (other weights or source caches),
-    continuing from the same epoch and global batch with a warning; without it that is a
-    :class:`~shardcache.errors.StateError` listing the changes.
+    Raises:
+        ConfigError: an option is missing, unknown or out of range.
+        CacheNotFoundError: no committed cache at ``path``.
+        CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
 
     def __init__(
@@ -347,9 +276,7 @@ class ShardDataset(IterableDataset):
 
     @property
     def mixture(self) -> MixtureTable | None:
-        """A mixture's per-source numbers (documents and tokens available, share, tokens per
-        epoch, repetitions; :class:`~shardcache.read.mixture.SourceShare`), or None for one
-        cache. ``shardcache mix RECIPE`` prints the same table."""
+        """A mixture's per-source numbers (:class:`MixtureTable`), or None for one cache."""
         return None if self._mixture is None else self._mixture.table
 
     def _open_cache(self) -> Cache | MixedCache:
@@ -397,8 +324,17 @@ class ShardDataset(IterableDataset):
     # ---- epochs and sizes ------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reshuffles). A new epoch starts at cursor 0; the current one keeps
-        its cursor (a resumed job may call ``set_epoch`` with the resumed epoch)."""
+        """Select the epoch (reshuffles).
+
+        A new epoch starts at cursor 0; the current one keeps its cursor, so a resumed job may call
+        ``set_epoch`` with the resumed epoch. Persistent DataLoader workers follow it.
+
+        Args:
+            epoch: the epoch (>= 0).
+
+        Raises:
+            ConfigError: ``epoch`` is negative.
+        """
         epoch = int(epoch)
         if epoch < 0:
             raise ConfigError(f"set_epoch: got {epoch}, expected an epoch >= 0")
@@ -430,7 +366,14 @@ class ShardDataset(IterableDataset):
         self._generation = generation
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of an epoch (all ranks); cached for the last epoch asked."""
+        """The global batch plan of an epoch (all ranks), kept for the last epoch asked.
+
+        Args:
+            epoch: the epoch (default the current one).
+
+        Returns:
+            The plan, computed once per machine and epoch (plan_store.py).
+        """
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
             # computed once per machine and epoch, memory-mapped by the other processes
@@ -449,11 +392,23 @@ class ShardDataset(IterableDataset):
         return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
-        """How the global batches of an epoch, from global cursor ``start``, go to ranks."""
+        """How the global batches of an epoch go to ranks.
+
+        Args:
+            epoch: the epoch (default the current one).
+            start: the global cursor to deal from.
+
+        Returns:
+            The split (batches per rank, what is dropped or repeated).
+        """
         return split_epoch(len(self.plan(epoch)), self.world_size, start, self.options.tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
-        """How many batches every rank yields in a whole epoch (for LR schedulers)."""
+        """How many batches every rank yields in a whole epoch (for LR schedulers).
+
+        Args:
+            epoch: the epoch (default the current one).
+        """
         return self.split(epoch).batches_per_rank
 
     def _pass_start(self, cursor: int) -> int:
@@ -483,8 +438,14 @@ class ShardDataset(IterableDataset):
             )
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
-        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) so that every
-        rank gets the same number of batches: counts of batches, sequences/segments, tokens."""
+        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) to even out the ranks.
+
+        Args:
+            epoch: the epoch (default the current one).
+
+        Returns:
+            Counts of the batches, segments and tokens dropped and repeated.
+        """
         plan = self.plan(epoch)
         split = self.split(epoch)
 
@@ -510,11 +471,19 @@ class ShardDataset(IterableDataset):
     # ---- state -----------------------------------------------------------------------------
 
     def state_dict(self, *, steps: int | None = None) -> dict[str, Any]:
-        """The resumable position (JSON-able; see the module docstring).
+        """The resumable position, JSON-able.
 
-        ``steps=None``: this object's live position (current when iterating in-process; the
-        worker's own position inside a DataLoader worker). ``steps=k``: the position after this
-        rank took ``k`` batches since ``set_epoch``/``load_state_dict`` (plain DataLoader).
+        Args:
+            steps: None for this object's live position (current in-process; the worker's own
+                position inside a DataLoader worker); ``k`` for the position after this rank took
+                ``k`` batches since ``set_epoch`` / ``load_state_dict`` (a plain DataLoader).
+
+        Returns:
+            ``{"version", "cache_digest", "seed", "plan", "epoch", "consumed", "world_size"}``
+            (plus ``"mixture"``, and ``"worker"`` inside a worker).
+
+        Raises:
+            ConfigError: ``steps`` is not an integer in ``[0, batches of this pass]``.
         """
         if steps is None:
             consumed = self._consumed
@@ -543,13 +512,15 @@ class ShardDataset(IterableDataset):
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (from any world size and ``num_workers``); refuses a state
-        of another cache or other plan options with :class:`StateError`.
+        """Continue from a state, at any world size and ``num_workers``.
 
-        ``state`` is what :meth:`state_dict` returned, or a whole ``StatefulDataLoader``
-        state (``loader.state_dict()``): its worker states together give the global cursor
-        (:func:`loader_state_cursor`), so a checkpoint taken with workers resumes at any world
-        size and ``num_workers`` when it is loaded here (not with ``loader.load_state_dict``).
+        Args:
+            state: what :meth:`state_dict` returned, or a whole ``StatefulDataLoader`` state (its
+                worker states together give the global cursor: :func:`loader_state_cursor`).
+
+        Raises:
+            StateError: the state is of another cache, other plan options, another mixture
+                (without ``remix=True``) or is damaged.
         """
         if isinstance(state, dict) and "version" not in state:
             converted = dataset_state_of_loader(state)
@@ -720,7 +691,18 @@ class ShardDataset(IterableDataset):
     # ---- collation -------------------------------------------------------------------------
 
     def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
-        """Read global batch ``index`` of ``plan`` and build its tensors."""
+        """Read global batch ``index`` of ``plan`` and build its tensors.
+
+        Args:
+            plan: an epoch plan of this dataset.
+            index: the global batch.
+
+        Returns:
+            The batch.
+
+        Raises:
+            CorruptShardError: a shard is damaged or disagrees with the length index.
+        """
         batch = self._collate_batch(plan, index)
         if self._mixture is not None:  # mixture ids -> (source, sample id in the source)
             meta = batch["meta"]
@@ -757,9 +739,9 @@ class ShardDataset(IterableDataset):
 
     @property
     def reads_compiled(self) -> bool:
-        """Whether this process builds the batches with the compiled kernels (numba installed,
-        ``kernels`` on, a local cache of uncompressed shards): ~0.05 ms a 32k-token batch,
-        less than a DataLoader worker costs the main process to receive one (~0.6 ms)."""
+        """Whether this process builds batches with the compiled kernels (numba, ``kernels`` on, a
+        local cache of uncompressed shards).
+        """
         if not self.kernels or self._cache is None:  # (remote caches keep no Cache here)
             return False
         table = self._cache.mapped_table()
@@ -784,7 +766,14 @@ class ShardDataset(IterableDataset):
         return self._batch_kernels
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
-        """Read the sequences of ``sample_ids`` and pad them into one batch (pad mode)."""
+        """Read sequences and pad them into one batch (pad mode).
+
+        Args:
+            sample_ids: the sequences, one per row.
+
+        Returns:
+            The batch.
+        """
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._index()[0][sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
@@ -844,15 +833,20 @@ class ShardDataset(IterableDataset):
 
 
 def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | None:
-    """The dataset state (global cursor) in a torchdata ``StatefulDataLoader`` state, or None
-    when ``loader_state`` is not one.
+    """The dataset state (global cursor) in a torchdata ``StatefulDataLoader`` state.
 
-    In-process (``num_workers=0``) the loader keeps the dataset's own state, already a
-    global cursor. With workers it keeps one state per worker, each the position after the
-    last batch the loader handed out from that worker; the rank took ``T`` = the sum of the
-    workers' ``yielded`` (plus the loader's ``_steps_since_snapshot``) batches since their
-    common ``start``, so the global cursor is ``start + world_size * T``: exact for any
-    world size and ``num_workers`` to come (:func:`loader_state_cursor`).
+    In-process the loader keeps the dataset's own state; with workers, one state per worker,
+    whose positions together give the rank's global cursor (:func:`loader_state_cursor`), exact
+    for any world size and ``num_workers`` to come.
+
+    Args:
+        loader_state: what ``StatefulDataLoader.state_dict()`` returned.
+
+    Returns:
+        The dataset state, or None when ``loader_state`` is not a loader state.
+
+    Raises:
+        StateError: some worker holds no ShardDataset state, or the workers disagree.
     """
     if isinstance(loader_state.get("dataset_state"), dict) and "_num_yielded" in loader_state:
         return dict(loader_state["dataset_state"])
@@ -875,8 +869,18 @@ def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | No
 
 
 def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int = 0) -> int:
-    """The global cursor of one rank's DataLoader worker states taken together (see
-    :func:`dataset_state_of_loader`); a StateError when they do not belong together."""
+    """The global cursor of one rank's DataLoader worker states taken together.
+
+    Args:
+        workers: the workers' dataset states.
+        steps_since_snapshot: batches the loader handed out since the states were taken.
+
+    Returns:
+        ``start + world_size * batches taken``.
+
+    Raises:
+        StateError: the states do not belong to one loader's checkpoint.
+    """
     starts, worlds, epochs, taken = set(), set(), set(), steps_since_snapshot
     for state in workers:
         worker = state.get("worker")
@@ -911,18 +915,12 @@ META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_to
 
 
 class Batch(dict):  # type: ignore[type-arg]
-    """One batch: a plain ``dict`` of model inputs plus ``"meta"`` (see the module docstring).
+    """One batch: a ``dict`` of model inputs plus ``"meta"`` (see the module docstring).
 
-    A ``dict`` subclass so that a ``DataLoader`` left with its default ``batch_size=1``
-    fails loudly instead of stacking batches into a leading dimension (see
-    :func:`_refuse_collate`), and so that it pickles its tensors (those of ``"meta"`` too) as
-    one storage. A DataLoader worker hands its batches to the main process by pickling them
-    (torch's ``ForkingPickler``), which moves every storage into its own shared-memory
-    segment and passes one file descriptor a storage through a socket: ~0.5 ms a tensor on
-    a 2-core machine, so a packed batch of 6 tensors took 2.3-3.9 ms and 1.35-1.95 ms of the
-    main process's CPU; packed into one storage, 1.15-1.4 ms and 0.6-0.67 ms (measured,
-    ``benchmarks/bench_workers.py``). Everything else treats it as a dict; ``copy.copy`` is
-    a shallow copy, ``copy.deepcopy`` copies the data.
+    A ``dict`` subclass so that a ``DataLoader`` left with its default ``batch_size=1`` fails
+    loudly instead of stacking batches, and so that it pickles all its tensors as one storage
+    (one shared-memory segment per batch on a DataLoader worker's queue, not one per tensor).
+    ``copy.copy`` is shallow, ``copy.deepcopy`` copies the data.
     """
 
     def __copy__(self) -> Batch:
@@ -970,10 +968,13 @@ def _rebuild_batch(
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` without its ``"meta"`` bookkeeping: the keyword arguments of the model.
+    """``batch`` without its ``"meta"``: the keyword arguments of a model that rejects unknown ones.
 
-    ``model(**batch)`` works with transformers' causal LMs (they ignore unknown keywords); a
-    model that rejects unknown keywords takes ``model(**model_inputs(batch))``.
+    Args:
+        batch: a batch.
+
+    Returns:
+        A new dict without ``"meta"``.
     """
     return {k: v for k, v in batch.items() if k != "meta"}
 
@@ -982,9 +983,9 @@ class _SharedPosition:
     """``[generation, epoch, cursor, loaded]`` shared between a ``ShardDataset`` and the copies
     its DataLoader workers keep (``ShardDataset._published``).
 
-    It lives in an anonymous shared mapping (~10 us to make), which forked workers inherit;
-    when the dataset is pickled for spawned / forkserver workers, a torch shared-memory tensor
-    (~0.7 ms to make, so only then) joins it and travels with the pickle. The main process
+    It lives in an anonymous shared mapping, which forked workers inherit; when the dataset
+    is pickled for spawned / forkserver workers, a torch shared-memory tensor (slower to
+    make, so only then) joins it and travels with the pickle. The main process
     writes both; a copy reads the one it has. Where shared memory cannot be had, the copies
     keep the position they were made with (set_epoch does not reach persistent workers)."""
 

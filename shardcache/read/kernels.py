@@ -222,10 +222,10 @@ class BatchKernels:
 def warm_up() -> None:
     """Load the compiled kernels for the common argument types now (a no-op without numba).
 
-    A process's first call of a numba kernel pays numba's start (~0.13 s measured) plus
-    loading the kernel from numba's cache (~6 ms); ``shardcache.read.dataset`` calls this when
-    it is imported, so that cost is paid with the other imports, not in the first batch. Other
-    types (int64 ids, uint16 shards, int64 file starts) load on first use."""
+    A process's first call of a numba kernel pays numba's start and loads the kernel from
+    numba's cache; ``shardcache.read.dataset`` calls this when it is imported, so that cost is
+    paid with the other imports, not in the first batch. Other types (int64 ids, uint16
+    shards, int64 file starts) load on first use."""
     global disabled
     try:
         _warm()

@@ -151,8 +151,7 @@ def _copy_row(
 ) -> int:  # pragma: no cover - compiled
     """Copy one sequence (``values``: its tokens) into its padded row of ids, mask and labels
     (the tokens, -100 on the padding); returns its largest id (0 when empty). One simple
-    loop per output and part: writing the labels here, while the row is in cache, took 23 us
-    a 32k-slot batch against 27 us for a second pass over the batch's ids and mask."""
+    loop per output and part, the labels written while the row is in cache."""
     ids = ids_out[row : row + take]
     top = 0
     for j in range(take):

@@ -133,8 +133,8 @@ def loader(
 
     The DataLoader gets ``batch_size=None`` (the dataset yields whole batches),
     ``num_workers`` workers (default: none when the compiled kernels read the cache, since a
-    batch costs ~0.05 ms to build in-process and ~0.6 ms of the main process's time to
-    receive from a worker; else 2: compressed or remote caches, no numba; 2 as well when
+    batch costs less to build in-process than to receive from a worker; else 2: compressed
+    or remote caches, no numba; 2 as well when
     ``start_method`` or ``persistent_workers`` asks for workers) started with
     ``start_method`` (default ``"forkserver"`` where the platform has it: safe under DDP, see
     the module docstring), ``persistent_workers`` (False:

@@ -12,15 +12,34 @@ from shardcache.store.remote import RemoteCache, is_url
 
 
 def read_any_manifest(path: str) -> dict:
-    """The manifest of a cache folder or URL (reads only the manifest)."""
+    """The manifest of a cache folder or URL (reads only the manifest).
+
+    Raises:
+        CacheNotFoundError: no committed cache there.
+        CorruptShardError: the manifest is malformed.
+    """
     return RemoteCache(path).manifest if is_url(path) else read_manifest(path)
 
 
 def compare_keys(old: CacheKey, new: CacheKey, strict: bool) -> KeyComparison:
+    """Compare a recorded key with the current one (:func:`~shardcache.store.key.compare`).
+
+    Args:
+        old: the recorded key (a cache's or a lock file's).
+        new: the current configuration's key.
+        strict: soft differences (library versions) are errors too.
+
+    Returns:
+        The comparison, field by field.
+    """
     skip = ("data",) if new.components.get("data") is None else ()
     return compare(old, new, strict=strict, skip=skip)
 
 
 def cache_key(path: str) -> CacheKey:
-    """The key recorded in a cache's manifest (reads only manifest.json; folder or URL)."""
+    """The key recorded in a cache's manifest (reads only the manifest; folder or URL).
+
+    Raises:
+        CacheNotFoundError: no committed cache there.
+    """
     return manifest_key(read_any_manifest(path), path)

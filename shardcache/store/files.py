@@ -195,7 +195,7 @@ def write_memo(kind: str, digest: str, value: Any) -> None:
     ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time."""
     if memo_disabled():
         return
-    # UTF-8, not \u escapes: a 151k byte-level vocabulary's memo is half the size (4.7 MB)
+    # UTF-8, not \u escapes: a byte-level vocabulary's memo is half the size
     data = json.dumps({"input": digest, "value": value}, ensure_ascii=False).encode()
     with contextlib.suppress(OSError):
         folder = os.path.join(cache_root(), kind)

@@ -1,32 +1,13 @@
-"""Integrity checked once: a record of the files whose sha256 matched their manifest entry.
+"""Integrity checked once per file version: a record of the files whose sha256 matched.
 
-What this module owns
----------------------
-:func:`check_file` is the one check of a cache file (shard or length index) against its
-manifest entry: presence, size (one ``stat``) and sha256. The sha256 is a sequential read of
-the whole file (~0.5 s/GiB), so it is done **once per file version, not once per process**:
-after a file hashed clean, a marker is written under ``$SHARDCACHE_CACHE_DIR/verified/`` whose
-name is a digest of the file's identity
-
-    (absolute path, size, mtime_ns, inode, the manifest's sha256)
-
-Every later process, DataLoader worker and epoch that opens the same file finds the marker with
-one ``stat`` and skips the hash; any write to the file (new mtime/ctime), a replacement (new
-inode) or a rebuilt manifest (new sha256) changes the identity, so a changed file is hashed
-again (not the ctime: the remote object store's LRU bumps it with ``utime`` on every open).
-``shardcache verify`` records the files it hashed clean (:func:`record_verified`), and a
-remote download, which hashes while it streams, records the object it wrote, so a downloaded
-shard is hashed once, not twice.
-
-Concurrency: the first process to open a file takes an exclusive ``flock`` on the marker's lock
-file, hashes, writes the marker (tmp + fsync + rename), and unlocks; processes opening the
-same file meanwhile wait on the lock and then find the marker, so N workers hash a shard once,
-not N times. When the folder cannot be written, the record is kept in this process only (the
-old behaviour: once per process).
-
-Trust: the marker is as trustworthy as the user cache folder; a file changed in place with its
-size, mtime and inode all restored is not re-hashed. ``SHARDCACHE_SHARD_CHECKSUMS=0``
-skips the sha256 entirely (size and structure are still checked).
+:func:`check_file` checks a cache file (shard or length index) against its manifest entry:
+presence, size and sha256. After a file hashes clean, a marker named by a digest of its
+identity (absolute path, size, mtime_ns, inode, the manifest's sha256) is written under
+``$SHARDCACHE_CACHE_DIR/verified/``; later processes find it with one ``stat`` and skip the
+hash, and any change to the file or the manifest changes the identity. The first process
+hashes under an exclusive ``flock``; the others wait and find the marker. An unwritable
+folder keeps the record in this process only. ``SHARDCACHE_SHARD_CHECKSUMS=0`` skips the
+sha256 (size and structure are still checked).
 """
 
 from __future__ import annotations
@@ -52,7 +33,11 @@ _SEEN: set[str] = set()
 
 
 def checksums_enabled(checksum: bool | None = None) -> bool:
-    """``checksum`` if given, else the environment (``SHARDCACHE_SHARD_CHECKSUMS=0`` skips)."""
+    """Whether shard checksums are computed.
+
+    Args:
+        checksum: an explicit choice; None reads ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips).
+    """
     if checksum is not None:
         return checksum
     return os.environ.get(CHECKSUMS_ENV, "1").lower() not in ("0", "false", "no")
@@ -63,8 +48,8 @@ def _identity(path: str, st: os.stat_result, sha256: str) -> str:
     return sha256_text(f"{text}|{sha256}")
 
 
-#: marker folders known to exist, by cache root (a reader opens thousands of shards: two
-#: ``mkdir`` calls each were ~15 us of a ~100 us open)
+#: marker folders known to exist, by cache root (a reader opens thousands of shards: no
+#: ``mkdir`` per open)
 _FOLDERS: set[str] = set()
 
 
@@ -91,7 +76,13 @@ def _marker(identity: str, create: bool = True) -> str | None:
 
 
 def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> bool:
-    """True when ``path`` in its current version was hashed clean against ``sha256``."""
+    """Whether ``path``, in its current version, was hashed clean against ``sha256``.
+
+    Args:
+        path: the file.
+        sha256: its manifest digest.
+        st: its ``os.stat`` result, when the caller has it.
+    """
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     if identity in _SEEN:
@@ -104,25 +95,39 @@ def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> boo
 
 
 def record_verified(path: str, sha256: str, st: os.stat_result | None = None) -> None:
-    """Record that ``path`` (as it is now) has sha256 ``sha256`` (the caller hashed it)."""
+    """Record that ``path`` (as it is now) hashed clean against ``sha256`` (the caller hashed it).
+
+    Args:
+        path: the file.
+        sha256: its digest.
+        st: its ``os.stat`` result, when the caller has it.
+    """
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     _SEEN.add(identity)
     marker = _marker(identity)
     if marker is not None and not os.path.exists(marker):
         # an empty file whose existence is the record: creating it is atomic, and one lost to
-        # a power cut only means hashing again, so no temporary file and no fsync (two fsyncs
-        # a shard were ~0.4 ms of every first open)
+        # a power cut only means hashing again, so no temporary file and no fsync
         with contextlib.suppress(OSError), open(marker, "ab"):
             pass
 
 
 def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> bool:
-    """Raise :class:`CorruptShardError` unless ``path`` has the size and sha256 of its
-    manifest ``entry`` (``bytes``, ``sha256``); ``what`` names the file in messages ("shard",
-    "length index"). The sha256 is computed at most once per file version (module docstring).
-    True when the sha256 was confirmed (now or by an earlier record), False when it was not
-    checked (checksums off, or an entry without one).
+    """Check a cache file against its manifest entry; the sha256 at most once per file version.
+
+    Args:
+        path: the file.
+        entry: its manifest entry (``bytes``, ``sha256``).
+        what: what the file is, for messages ("shard", "length index").
+        checksum: as for :func:`checksums_enabled`.
+
+    Returns:
+        True when the sha256 was confirmed (now or by an earlier record), False when it was
+        not checked (checksums off, or an entry without one).
+
+    Raises:
+        CorruptShardError: the file is missing, or its size or sha256 differs.
     """
     try:
         st = os.stat(path)

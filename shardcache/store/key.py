@@ -1,33 +1,13 @@
 """The cache key: what makes two caches (or a cache and a lock file) interchangeable.
 
-A :class:`CacheKey` is a set of named components, each a small JSON object:
-
-===============  ====  ===============================================================
-component        kind  fields
-===============  ====  ===============================================================
-tokenizer        hard  canonical backend content: normalizer, pre_tokenizer, model
-                       (type, size, sha256 of its canonical JSON: vocab and merges),
-                       post_processor, decoder, added_tokens (ids, flags), and the
-                       backend's *saved* truncation / padding settings
-special_tokens   hard  named special tokens with their ids; the end and pad ids used
-behaviour        hard  ids the tokenizer emits for a fixed probe set (ASCII, CJK, emoji,
-                       combining marks, whitespace runs, code, special-token strings)
-template         hard  kind (text | chat), template source, options, BOS/EOS policy
-truncation       hard  max_length, side, strategy
-data             hard  per input file: relative path, size, sha256 (hashed while the
-                       build reads it); or a user-given data version
-versions         soft  transformers, tokenizers, FORMAT_VERSION, tokenizer class
-===============  ====  ===============================================================
-
-The digest is the sha256 of the canonical JSON (sorted keys, no whitespace) of the hard
-components. Canonicalization goes through the *parsed* tokenizer, so reformatting
-tokenizer.json (key order, whitespace) never changes the key, while any change in what the
-tokenizer emits does (through its content or, for library upgrades, through the probe).
-Every component is stored in full in the manifest; a value whose canonical JSON is longer
-than :data:`INLINE_LIMIT` is stored as ``{"sha256", "bytes"}`` so manifests stay small.
-
-Soft fields: a different library version alone is a warning when the behaviour probe gives
-the same ids, and an error when it does not; ``strict=True`` makes any difference an error.
+A :class:`CacheKey` holds named components, each a small JSON object: hard ones
+(``tokenizer``: the canonical backend content; ``special_tokens``; ``behaviour``: the ids of a
+fixed probe set; ``template``; ``truncation``; ``data``: per input file path, size and sha256,
+or a data version) and the soft ``versions`` (libraries, FORMAT_VERSION). The digest is the
+sha256 of the canonical JSON of the hard components. Every component is stored in full in the
+manifest (values longer than :data:`INLINE_LIMIT` as ``{"sha256", "bytes"}``), so a mismatch
+names the field. A version difference alone is a warning when the probe gives the same ids;
+``strict=True`` makes it an error.
 """
 
 from __future__ import annotations

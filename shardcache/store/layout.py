@@ -1,26 +1,11 @@
 """The folder layout of a cache and the one place a manifest name becomes a path.
 
-A cache directory::
-
-    manifest.json            written last, atomically: its presence means "committed"
-    index/lengths.npy        uint32 length of every sequence, in sample-id order
-    quarantine.jsonl         one line per skipped bad record (sha256 in the manifest)
-    shards/<part>-b<bucket>-<n>.arrow     a partition's shards of one bucket
-    shards/merged-b<bucket>-<n>.arrow     partial shards of several partitions, joined at commit
-    parts/build.json         the plan and the options fingerprint (build bookkeeping)
-    parts/<part>.json        per-partition completion record (+ .lengths.npy, .quarantine.jsonl)
-    .shares/                 job-array share markers and locks (only while shares run)
-    .lock                    only while a build runs (shardcache.store.build_lock)
-
-Names read from a manifest are joined to the cache folder only through :func:`cache_path`,
-so the rule about which names are acceptable lives here: a shard name is exactly what the
-writer makes (``p00042-b03-00007.arrow``, ``merged-b03-00000.arrow``), the index and
-quarantine names are the fixed ones above, every digest is 64 lowercase hex characters, and
-any other relative name (a remote listing under ``parts/``) is made of plain components (no
-``..``, no leading ``/``, no backslash or NUL). Anything else is a
-:class:`~shardcache.errors.CacheError` naming the field and the value, raised before any file
-is opened or written: a crafted manifest cannot make a reader open, or a download write, a
-file outside the folder it belongs to.
+A cache folder holds ``manifest.json`` (written last: its presence means committed),
+``index/lengths.npy``, ``quarantine.jsonl``, ``shards/<part>-b<bucket>-<n>.arrow`` (and
+``merged-b<bucket>-<n>.arrow``), and while building ``parts/``, ``.shares/`` and ``.lock``
+(:mod:`shardcache.store.build_lock`). Names from a manifest become paths only through :func:`cache_path` / :func:`shard_path`, after
+the checks here (writer-made shard names, 64-hex digests, relative names of plain components):
+a crafted manifest cannot make a reader open, or a download write, outside its folder.
 """
 
 from __future__ import annotations
@@ -63,22 +48,56 @@ def _refuse(field: str, value: object, expected: str) -> CacheError:
 
 
 def check_shard_name(name: object, field: str = "shard name") -> str:
-    """``name`` if it is a shard name the writer makes, else :class:`CacheError`."""
+    """Check that a manifest's shard name is one the writer makes.
+
+    Args:
+        name: the name.
+        field: the manifest field it came from (for the message).
+
+    Returns:
+        ``name``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
         raise _refuse(field, name, "expected a shard name like 'p00000-b00-00000.arrow'")
     return name
 
 
 def check_digest(digest: object, field: str = "sha256") -> str:
-    """``digest`` if it is a sha256 hex digest (64 lowercase hex), else :class:`CacheError`."""
+    """Check that a manifest's digest is a sha256 hex digest (64 lowercase hex).
+
+    Args:
+        digest: the digest.
+        field: the manifest field it came from (for the message).
+
+    Returns:
+        ``digest``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         raise _refuse(field, digest, "expected 64 lowercase hex characters")
     return digest
 
 
 def check_relative_name(name: object, field: str = "name") -> str:
-    """``name`` if it is a relative ``/``-separated path of plain components (letters,
-    digits, ``._-``; not ``.`` or ``..``), else :class:`CacheError`."""
+    """Check that a name is a relative ``/``-separated path of plain components.
+
+    Components are letters, digits and ``._-``, never ``.`` or ``..``.
+
+    Args:
+        name: the name.
+        field: where it came from (for the message).
+
+    Returns:
+        ``name``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(name, str) or not name:
         raise _refuse(field, name, "expected a non-empty relative name")
     parts = name.split("/")
@@ -88,13 +107,23 @@ def check_relative_name(name: object, field: str = "name") -> str:
 
 
 def cache_path(root: str, *names: str) -> str:
-    """``root/names...``: the path of a file of the cache folder ``root``."""
+    """The path of a file of the cache folder ``root`` (``root/names...``)."""
     return os.path.join(root, *names)
 
 
 def shard_path(root: str, name: str) -> str:
-    """The path of shard ``name`` (as listed in the manifest) in the cache folder ``root``;
-    a name the writer does not make is a :class:`CacheError`."""
+    """The path of a shard listed in the manifest.
+
+    Args:
+        root: the cache folder.
+        name: the shard's name.
+
+    Returns:
+        ``root/shards/name``.
+
+    Raises:
+        CacheError: the writer does not make such names.
+    """
     return cache_path(root, SHARD_DIR, check_shard_name(name))
 
 

@@ -45,8 +45,18 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_manifest_text(text: str, where: str) -> dict[str, Any]:
-    """Parse manifest JSON; anything but a JSON object (NaN, nesting that exhausts the
-    parser's recursion limit) is a :class:`CorruptShardError`."""
+    """Parse a manifest's JSON, guarded against pathological input.
+
+    Args:
+        text: the JSON.
+        where: the manifest's path or URL (for messages).
+
+    Returns:
+        The JSON object.
+
+    Raises:
+        CorruptShardError: not a JSON object (NaN, Infinity, nesting that exhausts the parser).
+    """
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as err:  # json's C scanner guards its recursion
@@ -118,18 +128,22 @@ class _Check:
 
 
 def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
-    """Check everything a reader takes from a manifest; returns it, or raises
-    :class:`CorruptShardError` naming the first bad field and its value.
+    """Check everything a reader takes from a manifest.
 
-    Checked: ``format_version``; ``kind``; ``dtype``; ``tokenizer.pad_id`` (and the integers
-    ``vocab_size`` / ``max_token_id``, the strings ``path`` / ``class``); ``buckets.ranges``
-    (``[low, high|null]`` pairs); every shard (``name`` the writer's form, ``bucket`` an
-    index into the ranges,
-    ``partition`` a partition id, ``source`` a string, or for a merged shard ``sources``: such
-    pairs with ``rows`` adding up to the shard's; ``rows`` / ``tokens`` / ``bytes``
-    int64-sized counts, ``sha256`` 64 hex); ``index.lengths`` and ``quarantine`` (the fixed
-    names, sizes, digests); ``totals``; ``options.tokenize``, ``stats`` and ``inputs`` (the
-    shapes ``info`` and the build report read); ``key`` (when present: ``components`` and a digest).
+    Checked: ``format_version``, ``kind``, ``dtype``, the tokenizer's ids, the bucket ranges,
+    every shard entry (name, bucket, partition and source or a merged shard's ``sources``,
+    counts, sha256), the index and quarantine entries, ``totals``, the option, stats and input
+    shapes ``info`` reads, and ``key`` when present.
+
+    Args:
+        manifest: the parsed JSON.
+        where: the manifest's path or URL (for messages).
+
+    Returns:
+        ``manifest``.
+
+    Raises:
+        CorruptShardError: naming the first bad field and its value.
     """
     c = _Check(where)
     if not isinstance(manifest, dict):
@@ -232,7 +246,7 @@ def _is_count(value: Any) -> bool:
 def _plain_shard_entry(shard: Any, buckets: int) -> bool:
     """True when a shard entry passes every check of :func:`validate_manifest` (tested with
     exact types, so anything unusual takes the field-by-field path that names the bad field):
-    ~1 us per shard instead of ~40, which a 10,000-shard cache pays at every open."""
+    the fast check of every entry of a large cache at every open."""
     if type(shard) is not dict:
         return False
     name, digest, partition = shard.get("name"), shard.get("sha256"), shard.get("partition")
@@ -262,8 +276,18 @@ def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read and validate ``manifest.json``; a directory without one holds no (committed)
-    cache (:class:`CacheNotFoundError`), a malformed one is a :class:`CorruptShardError`."""
+    """Read and validate a cache's ``manifest.json``.
+
+    Args:
+        cache_dir: the cache folder.
+
+    Returns:
+        The manifest (:func:`validate_manifest` passed).
+
+    Raises:
+        CacheNotFoundError: the folder holds no committed cache.
+        CorruptShardError: the manifest is malformed (the message names the field).
+    """
     path = os.path.join(cache_dir, MANIFEST)
     if not os.path.exists(cache_dir):
         raise CacheNotFoundError(

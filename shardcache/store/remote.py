@@ -1,28 +1,14 @@
 """Caches and inputs in object storage (``s3://``, ``gs://``, ``file://`` ...) through fsspec.
 
-shardcache never speaks an object store's protocol itself: every URL goes through
-``fsspec.core.url_to_fs``, so credentials and endpoints are the filesystem layer's usual
-settings (for S3: ``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``,
-``AWS_ENDPOINT_URL`` for an S3-compatible store, or any ``FSSPEC_S3_<KWARG>`` variable).
-``s3fs`` is the optional extra ``shardcache[s3]``.
-
-The write side (partition tasks uploading their files, commit from the records in the store)
-is :mod:`shardcache.store.storage`; this module gives it :func:`filesystem`.
-
-Read side: **a content-addressed local shard cache.** ``open_cache(URL)`` (and so
-``ShardDataset``, ``info``, ``check``) downloads the manifest (each open) and the length index
-(once per content), then shards on demand into ``$SHARDCACHE_CACHE_DIR/objects/<sha256>``.
-Every download streams into a private ``*.tmp``, is checked against the manifest's sha256 and
-size, then renamed: a file under its final name is always complete and correct, and a shard
-rebuilt under the same name gets a new sha256, so a stale copy is never read. Several ranks
-on one machine share the folder: a per-object ``flock`` (``<sha256>.lock``) serializes the
-download (one rank downloads, the others wait and then find it), and a reader holds a shared
-lock on it while the shard is open. The folder is bounded (``SHARDCACHE_CACHE_SIZE``, default
-64 GiB): after a download, least-recently-opened objects are deleted until the total fits,
-skipping any object some process holds open (a non-blocking exclusive lock fails); see
-:class:`ObjectStore` for the locks and the bound (hard for closed objects; reported once when
-the open ones alone exceed it). ``verify URL`` downloads every listed file
-into a temporary folder and runs the local verifier on it, so damage is reported, not raised.
+Every URL goes through ``fsspec.core.url_to_fs`` (credentials and endpoints are the
+filesystem layer's settings; ``s3fs`` is the extra ``shardcache[s3]``). Reading a cache at a
+URL downloads its manifest (each open) and length index (once per content), and shards on
+demand into the content-addressed folder ``$SHARDCACHE_CACHE_DIR/objects/<sha256>``
+(:class:`ObjectStore`): downloads stream into a private ``*.tmp``, are checked against the
+manifest's sha256 and size, then renamed. Processes share the folder: a per-object ``flock``
+serializes the download and a shared lock holds an open shard; the folder is bounded
+(``SHARDCACHE_CACHE_SIZE``, default 64 GiB) by evicting the least recently opened objects
+that no process holds. The write side is :mod:`shardcache.store.storage`.
 """
 
 from __future__ import annotations
@@ -177,9 +163,8 @@ def download(
 #: (non-blocking: an evictor never waits). Per object ``<sha>.fetch``: exclusive while one
 #: process downloads it. Folder-wide ``.space.lock``: exclusive while one process makes room
 #: and reserves the bytes of a download. Nobody waits for a lock while holding one that others
-#: keep long, so no wait can close a cycle (the old single lock was upgraded to exclusive
-#: while every reader held shared locks on the shards of its LRU: two readers each waiting
-#: for the other's shard hung forever).
+#: keep long, so no wait can close a cycle (an exclusive lock taken while readers hold shared
+#: locks on the shards of their LRUs would let two readers wait for each other).
 _SPACE_LOCK = ".space.lock"
 logger = logging.getLogger("shardcache")
 

@@ -1,26 +1,12 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
-Shards are Arrow IPC *files* (random access, memory-mappable) with the schema
-``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add ``mask``); a
-partition's shard holds sequences of one bucket from one partition (one input file or a range
-of one), in input order, cut into record batches of about
-:data:`~shardcache.store.layout.RECORD_BATCH_BYTES` token bytes; a merged shard
-(:func:`merge_shards`, at commit) holds the record batches of several partitions' partial
-shards of one bucket, in partition order. Where shard and record batch boundaries fall is a
-function of the sequence lengths only (cumulative token bytes), never of how the build happened
-to batch its work, so the bytes are reproducible.
-
-Sample ids are global row numbers: shards in manifest order, rows in shard order. Every file
-is written as ``*.tmp``, fsynced and renamed; its sha256 is recorded in the manifest. No pickle
-anywhere: JSON, Arrow IPC and ``.npy`` (``allow_pickle=False``).
-
-Reading (:class:`ShardReader`): opening a shard reads only the record batch headers (row and
-token counts, compression); record batches are decoded when first read. Uncompressed shards
-decode zero-copy from the memory map; compressed ones into :data:`DECODED`, one LRU per process
-bounded by ``SHARDCACHE_DECODE_BUDGET`` bytes (default 64 MiB), so memory no longer grows with
-the shards open (the previous reader decompressed whole shards on open: 64 MiB of Arrow heap
-for a 42 MiB zstd shard, up to 4 GiB with 64 shards open; tests/store/test_shards.py measures
-RSS +70 MiB before, bounded by the budget now).
+A shard is an Arrow IPC file with the schema ``tokens: list<uint16|uint32>, record: int64,
+piece: int32`` (chat caches add ``mask: list<bool>``): sequences of one bucket, in input
+order, cut into record batches of about ``RECORD_BATCH_BYTES`` token bytes, so where shards
+and record batches split depends only on the sequence lengths. :class:`BucketWriter` writes
+them (tmp + fsync + rename), :func:`merge_shards` joins partial shards at commit, and
+:class:`ShardReader` reads one through pyarrow: uncompressed record batches zero-copy from the
+memory map, compressed ones into a byte-bounded LRU (:class:`DecodedBatches`).
 """
 
 from __future__ import annotations
@@ -71,9 +57,17 @@ _ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
 
 
 def numpy_arrow(array: np.ndarray) -> pa.Array:
-    """A zero-copy Arrow array over a 1-d numpy integer or bool array (no nulls): what
-    ``pa.array(array)`` gives, without importing pandas (which ``pa.array`` of an ndarray does
-    where pandas is installed: 0.25-0.4 s of every build's first shard write, measured)."""
+    """A zero-copy Arrow array over a 1-d numpy integer or bool array (no nulls).
+
+    What ``pa.array(array)`` gives, without the pandas import ``pa.array`` makes where pandas
+    is installed.
+
+    Args:
+        array: the values.
+
+    Returns:
+        The Arrow array (bool arrays are bit-packed, so that one is a copy).
+    """
     array = np.ascontiguousarray(array)
     if array.dtype == np.bool_:
         bits = np.packbits(array, bitorder="little")
@@ -85,9 +79,15 @@ def numpy_arrow(array: np.ndarray) -> pa.Array:
 def arrow_numpy(array: pa.Array) -> np.ndarray:
     """A read-only, zero-copy numpy view of a primitive Arrow integer array without nulls.
 
-    ``pa.Array.to_numpy`` imports pandas when it is installed (0.7 s measured on the first
-    batch of a fresh reader process, e.g. every DataLoader worker of every epoch); the read
-    paths use this instead. Other arrays (nulls, other types) take ``to_numpy``."""
+    ``pa.Array.to_numpy`` imports pandas where it is installed, in every fresh reader process;
+    the read paths use this instead. Other arrays (nulls, other types) take ``to_numpy``.
+
+    Args:
+        array: the Arrow array.
+
+    Returns:
+        The values as numpy.
+    """
     dtype = _NUMPY_OF_ARROW.get(array.type)
     data = array.buffers()[1] if dtype is not None and not array.null_count else None
     if data is None:

@@ -15,6 +15,7 @@ from shardcache.store.cache import Cache
 
 
 def human_bytes(n: float) -> str:
+    """``n`` bytes as a short human string (``1.5 GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -23,7 +24,11 @@ def human_bytes(n: float) -> str:
 
 
 def cache_summary(cache: Cache) -> dict[str, Any]:
-    """Everything ``info`` shows, as plain JSON."""
+    """Everything ``shardcache info`` shows about a cache, as plain JSON.
+
+    Args:
+        cache: the open cache.
+    """
     m = cache.manifest
     lengths = np.asarray(cache.lengths, dtype=np.int64)
     buckets = cache.buckets()
@@ -66,8 +71,11 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
 
 
 def encoder_lines(encoder: dict[str, Any]) -> list[str]:
-    """Which backend encoded the cache, the gate's decision, and the in-build verification
-    (empty for caches built before the encoder was recorded)."""
+    """``info`` lines on the encoder: backend, the gate's decision, the in-build verification.
+
+    Args:
+        encoder: the manifest's ``encoder`` record (empty for older caches).
+    """
     if not encoder or not encoder.get("versions"):
         return []
     by_backend = ", ".join(f"{k} {v}" for k, v in encoder["partitions_by_backend"].items())
@@ -88,7 +96,11 @@ def encoder_lines(encoder: dict[str, Any]) -> list[str]:
 
 
 def chat_lines(stats: dict[str, Any]) -> list[str]:
-    """Trainable-token and lint lines for chat caches (none for plain text)."""
+    """``info`` lines on trainable tokens and template lint (none for plain text).
+
+    Args:
+        stats: the manifest's ``stats``.
+    """
     lint = stats.get("lint") or {}
     if not lint and not stats.get("trainable_tokens"):
         return []
@@ -114,6 +126,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
+    """The human form of :func:`cache_summary`'s result."""
     t = s["totals"]
     st = s["stats"]
     tok = s["tokenizer"]

@@ -1,25 +1,10 @@
 """``shardcache verify``: recompute every checksum and check the structure of a cache.
 
-What is checked (everything the manifest promises, nothing it does not):
-
-* the manifest: readable, supported ``format_version``, the keys a reader needs;
-* every shard listed: present, size and sha256 as recorded; an Arrow IPC file with the
-  ``tokens/record/piece`` schema and the manifest's token type; per record batch offsets that
-  start at 0, never decrease and end at the number of values; row and token counts as
-  recorded; every sequence length inside its bucket's range and ``<= max_length``; every
-  token id ``<= max_token_id`` (catches dtype overflow); record indices ``>= 0``;
-* the length index: present, size and sha256 as recorded, ``uint32``, one entry per row, equal
-  to the row lengths read from the shards (compared shard by shard against the memory-mapped
-  index, so memory stays at one record batch);
-* the quarantine file (when the manifest lists it): size, sha256, one line per bad record;
-* the totals: sequences, tokens, shards, shard bytes, documents against the inputs, and the
-  bad-record counts against the quarantine.
-
-Files in ``shards/`` that the manifest does not list are reported as ``extra_files`` (left over
-from an interrupted build, harmless to readers) but do not fail the check.
-
-Cost: one sequential read of every file (sha256), plus one pass over the decoded record
-batches; memory is one record batch (4 MiB of tokens) at a time.
+Checks what the manifest promises: the manifest itself; every listed shard (size, sha256,
+schema, offsets, row and token counts, lengths inside their bucket and ``max_length``, ids
+``<= max_token_id``); the length index (sha256, one ``uint32`` per row, equal to the shards'
+rows); the quarantine file; the totals. Unlisted files in ``shards/`` are reported as
+``extra_files`` without failing. Memory is one record batch at a time.
 """
 
 from __future__ import annotations

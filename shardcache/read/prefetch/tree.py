@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 #: Offsets of packed tensors are multiples of this: every dtype view is legal and device kernels
-#: get aligned loads. The padding costs < 256 bytes per tensor (a token batch has ~4-7).
+#: get aligned loads. The padding costs < 256 bytes per tensor.
 PACK_ALIGN = 256
 
 
