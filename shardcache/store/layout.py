@@ -3,9 +3,10 @@
 A cache folder holds ``manifest.json`` (written last: its presence means committed),
 ``index/lengths.npy``, ``quarantine.jsonl``, ``shards/<part>-b<bucket>-<n>.arrow`` (and
 ``merged-b<bucket>-<n>.arrow``), and while building ``parts/``, ``.shares/`` and ``.lock``
-(:mod:`shardcache.store.build_lock`). Names from a manifest become paths only through :func:`cache_path` / :func:`shard_path`, after
-the checks here (writer-made shard names, 64-hex digests, relative names of plain components):
-a crafted manifest cannot make a reader open, or a download write, outside its folder.
+(:mod:`shardcache.store.build_lock`). Names from a manifest become paths only through
+:func:`cache_path` / :func:`shard_path`, after the checks here (writer-made shard names,
+64-hex digests, relative names of plain components): a crafted manifest cannot make a reader
+open, or a download write, outside its folder.
 """
 
 from __future__ import annotations
