@@ -543,3 +543,34 @@ def test_s3_inputs_are_streamed_in_the_memory_of_a_local_build(s3, corpus, token
         assert proc.returncode == 0, proc.stdout + proc.stderr
         peaks[name] = int(proc.stdout.split("peak_kib", 1)[1])
     assert abs(peaks["s3"] - peaks["local"]) <= 0.1 * peaks["local"], peaks
+
+
+def test_a_mixture_of_s3_sources_reads_as_the_local_one(s3, reference, corpus, tokenizer_dir):
+    """Remote sources work in a mixture as single remote caches do: the same batches as the
+    mixture of the same caches on local disk, and through DataLoader workers."""
+    from torch.utils.data import DataLoader
+
+    from shardcache.read.mixture import Source
+
+    _, web = reference
+    other, _ = corpus("jsonl", n_files=1, docs=30, seed=7)
+    code = os.path.join(os.path.dirname(web), "code")
+    build_cache(_options(other, tokenizer_dir, code, workers=1))
+    for name, path in (("web", web), ("code", code)):
+        for root, _, files in os.walk(path):
+            for file in files:
+                rel = os.path.relpath(os.path.join(root, file), path)
+                s3.upload_file(os.path.join(root, file), "corpus", f"mix/{name}/{rel}")
+
+    def sources(web_path: str, code_path: str) -> list[Source]:
+        return [Source(web_path, weight=0.6, name="web"),
+                Source(code_path, weight=0.4, max_repetitions=2, name="code")]  # fmt: skip
+
+    local = ShardDataset(sources(web, code), max_tokens=256, seed=2)
+    remote = ShardDataset(sources("s3://corpus/mix/web", "s3://corpus/mix/code"), 256, seed=2)
+    assert remote.mixture.to_json()["sources"][0]["tokens"] == local.mixture.sources[0].tokens
+    want = [(b["input_ids"].tolist(), b["meta"]["source_ids"].tolist()) for b in local]
+    got = [(b["input_ids"].tolist(), b["meta"]["source_ids"].tolist()) for b in remote]
+    assert got == want and {s for _, ids in want for s in ids} == {0, 1}
+    loader = DataLoader(remote, batch_size=None, num_workers=2)
+    assert [(b["input_ids"].tolist(), b["meta"]["source_ids"].tolist()) for b in loader] == want
