@@ -125,9 +125,14 @@ class MixedCache:
         self._copied = np.zeros(0, dtype=bool)  # shards whose row starts are in the table
 
     def close(self) -> None:
-        """Close every source's cache (idempotent)."""
+        """Close every source's cache (idempotent); the combined table forgets every address
+        (a compiled reader still holding it finds no shard open)."""
         for cache in self.caches:
             cache.close()
+        if self._table is not None:
+            self._table.addresses[:] = 0
+            self._table.sizes[:] = 0
+        self._table, self._tables = None, []
         self._lengths = None
 
     @property

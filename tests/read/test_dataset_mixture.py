@@ -369,3 +369,20 @@ def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(tmp_path, cha
             assert np.array_equal(labels, np.where(mask, ids, -100))
             seen.add(s)
     assert seen == {0, 1}
+
+
+def test_a_closed_mixture_forgets_its_shards_and_the_dataset_reopens_it(caches):
+    from shardcache.read.mixed_cache import MixedCache
+
+    mixed = MixedCache(tuple(_sources(caches)))
+    table = mixed.mapped_table()
+    assert table is not None and not table.addresses.any()
+    last = len(table.addresses) - 1  # a shard of the last source
+    assert mixed.open_mapped(last) and table.addresses[last] != 0
+    assert table.file_starts[table.shard_starts[last] : table.shard_starts[last + 1]].any()
+    mixed.close()
+    assert not table.addresses.any()  # no address of an unmapped shard survives
+    ds = ShardDataset(_sources(caches), 256, seed=5, **PACKED)
+    first = [_key(b) for b in ds]
+    ds.close()
+    assert [_key(b) for b in ds] == first
