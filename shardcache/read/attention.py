@@ -26,9 +26,10 @@ ATTENTION_MODES = ("mask", "varlen", "none")
 
 
 def segment_starts(position_ids: np.ndarray) -> np.ndarray:
-    """Per token, the index (within its row) where its segment starts: ``i - position_ids[i]``.
+    """Per token, where (within its row) its segment starts: ``i - position_ids[i]``.
 
-    ``position_ids`` is ``R x L`` with positions restarting at 0 at every segment.
+    Args:
+        position_ids: ``R x L`` positions restarting at 0 at every segment.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
@@ -40,13 +41,18 @@ def segment_starts(position_ids: np.ndarray) -> np.ndarray:
 
 
 def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-    """The additive 4-D mask ``R x 1 x L x L`` of packed rows: 0 where query ``i`` may attend
-    to key ``j`` (``start(i) <= j <= i``: same segment, causal), ``finfo(dtype).min`` elsewhere.
+    """The additive 4-D mask ``R x 1 x L x L`` of packed rows.
 
-    ``R * L * L * itemsize`` bytes (see the module docstring). The mask is filled once and
-    each segment's lower triangle is cleared in place: a loop over segments (tens per batch),
-    never over tokens. That touches the ``L * L`` fill plus the diagonal blocks; one broadcast
-    comparison over ``R x L x L`` took twice as long (benchmarks/bench_attention.py).
+    0 where query ``i`` may attend to key ``j`` (same segment, ``j <= i``), ``finfo(dtype).min``
+    elsewhere; filled once, then each segment's lower triangle cleared in place (a loop over
+    segments, never over tokens).
+
+    Args:
+        position_ids: ``R x L`` positions restarting at 0 at every segment.
+        dtype: the float type.
+
+    Returns:
+        The mask, ``R * L * L * itemsize`` bytes.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
@@ -67,9 +73,15 @@ def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.
 
 
 def varlen_keys(position_ids: np.ndarray) -> dict[str, np.ndarray | int]:
-    """``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` (int) of the flattened batch, as
-    transformers' ``prepare_fa_kwargs_from_position_ids`` computes them: a sequence starts
-    wherever the position equals the minimum position (0), and ``R * L`` closes the last one."""
+    """The flash-attention keys of a packed batch, as transformers computes them from positions.
+
+    Args:
+        position_ids: ``R x L`` positions restarting at 0 at every segment.
+
+    Returns:
+        ``cu_seq_lens_q/k`` (int32, the segment boundaries of the flattened batch, ending at
+        ``R * L``) and ``max_length_q/k`` (int).
+    """
     flat = np.asarray(position_ids).reshape(-1)
     starts = np.flatnonzero(flat == flat.min())
     cu = np.empty(len(starts) + 1, dtype=np.int32)

@@ -26,13 +26,21 @@ def pad_batch(
 ) -> dict[str, np.ndarray | int]:
     """Pad whole sequences into one ``len(lengths) x width`` batch.
 
-    ``tokens`` holds the rows' ids concatenated (row ``i`` has ``lengths[i]``); with
-    ``laid_out`` it is already the padded ``len(lengths) x width`` batch (flattened, padding
-    ``pad_id``, of ``ids_dtype``: ``Cache.gather(layout=...)``), and ``loss_mask`` too.
-    ``width`` defaults to the longest row (``ShardDataset`` passes it rounded up to
-    ``pad_to_multiple_of``); ``loss_mask`` (bool per token; chat caches) keeps the labels of
-    trainable tokens only. ``input_ids`` and ``attention_mask`` are of ``ids_dtype``,
-    ``labels`` int64.
+    Args:
+        tokens: the rows' ids concatenated, or with ``laid_out`` the flattened padded batch
+            (``Cache.gather(layout=...)``: padding ``pad_id``, of ``ids_dtype``).
+        lengths: tokens of each row.
+        sample_ids: each row's sample id.
+        pad_id: the padding id.
+        width: the row width (default the longest row).
+        loss_mask: bool per token (laid out like ``tokens``; chat caches): labels only where
+            True.
+        ids_dtype: the type of ``input_ids`` and ``attention_mask``.
+        laid_out: ``tokens`` (and ``loss_mask``) are already in their rows.
+
+    Returns:
+        ``input_ids``, ``attention_mask``, int64 ``labels`` (-100 on padding and masked
+        tokens), int64 ``sample_ids`` and ``num_tokens``.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
@@ -75,16 +83,27 @@ def pack_batch(
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
-    ``tokens`` holds the segments' ids concatenated (segment ``k`` has ``seg_lengths[k]``
-    tokens: offset ``starts[k]`` of sequence ``sample_ids[k]``, see ``EpochPlan.segments``);
-    ``row_bounds`` cuts the segments into rows (``EpochPlan.row_bounds``). ``loss_mask`` (bool
-    per token, aligned with ``tokens``; chat caches) keeps the labels of trainable tokens only.
-    ``input_ids`` and ``position_ids`` are of ``ids_dtype``; ``labels`` are int64 (the type
-    torch's cross-entropy takes). When every row is full (concat packing, all but an epoch's
-    last batch) and ``tokens`` is already of ``ids_dtype``, ``input_ids`` is ``tokens``
-    itself, reshaped: no copy. With ``laid_out``, ``tokens`` (and ``loss_mask``) are already
-    the ``rows x seq_len`` slots, padding ``pad_id`` (:func:`packed_layout`,
-    ``Cache.gather(layout=...)``).
+    When every row is full and ``tokens`` is of ``ids_dtype``, ``input_ids`` is ``tokens``
+    itself, reshaped.
+
+    Args:
+        tokens: the segments' ids concatenated, or with ``laid_out`` the flattened rows
+            (:func:`packed_layout`, padding ``pad_id``).
+        seg_lengths: tokens of each segment.
+        sample_ids: each segment's sample id.
+        starts: each segment's offset in its sequence.
+        row_bounds: segment offsets of the rows (``EpochPlan.row_bounds``).
+        seq_len: slots per row.
+        pad_id: the padding id.
+        loss_mask: bool per token (like ``tokens``; chat caches): labels only where True.
+        ids_dtype: the type of ``input_ids`` and ``position_ids``.
+        laid_out: ``tokens`` (and ``loss_mask``) are already in their rows.
+
+    Returns:
+        ``input_ids``, ``position_ids`` (restarting at every segment), int64 ``labels`` (-100
+        on padding, on every segment's first token and on masked tokens), int32 ``cu_seqlens``,
+        ``max_seqlen``, per segment int64 ``sample_ids`` / ``sample_offsets`` (-1 for padding
+        runs) and ``num_tokens``.
     """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     num_rows = len(row_bounds) - 1
@@ -129,9 +148,16 @@ def pack_batch(
 
 
 def packed_layout(seg_lengths: np.ndarray, row_bounds: np.ndarray, seq_len: int) -> np.ndarray:
-    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch
-    (a row's segments one after the other from its first slot): the ``layout`` to gather a
-    batch straight into its rows."""
+    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch.
+
+    Args:
+        seg_lengths: tokens of each segment.
+        row_bounds: segment offsets of the rows.
+        seq_len: slots per row.
+
+    Returns:
+        The ``layout`` to gather a batch straight into its rows (int64).
+    """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     bounds = np.asarray(row_bounds, dtype=np.int64)
     begin = np.cumsum(seg_lengths) - seg_lengths  # compact start of every segment
@@ -187,8 +213,7 @@ def _ramp(length: int, dtype: np.dtype) -> np.ndarray:
 
 
 def restarting_positions(cu_seqlens: np.ndarray, dtype: np.dtype | type = np.int64) -> np.ndarray:
-    """Position ids ``0, 1, ...`` restarting at every boundary of ``cu_seqlens``:
-    ``arange - repeat(segment start)`` in ``dtype`` (no Python loop per segment)."""
+    """Position ids ``0, 1, ...`` restarting at every boundary of ``cu_seqlens``, in ``dtype``."""
     dtype = np.dtype(dtype)
     total = int(cu_seqlens[-1])
     starts = cu_seqlens[:-1].astype(dtype)

@@ -109,19 +109,18 @@ class BatchKernels:
 
     def _refuse(self, code: int, index: int) -> None:
         """Raise the error a kernel's refusal ``code`` of batch ``index`` stands for."""
-        plan, cache = self.plan, self.cache
+        plan, cache, table = self.plan, self.cache, self.table
         lo, hi = int(plan.batch_offsets[index]), int(plan.batch_offsets[index + 1])
         ids = np.asarray(plan.sample_ids[lo:hi], dtype=np.int64)
-        shards = np.unique(np.searchsorted(cache.shard_starts, ids, side="right") - 1)
+        count = len(table.lengths)
+        shards = np.unique(np.searchsorted(table.shard_starts, ids, side="right") - 1)
         if code == self._kernels.BAD_ID:
             for shard in shards.tolist():
                 cache.check_ids(shard)  # raises, naming the file and the record batch
         if code == self._kernels.BAD_SEGMENT:
-            bad = ids[(ids < 0) | (ids >= cache.num_sequences)]
+            bad = ids[(ids < 0) | (ids >= count)]
             if len(bad):
-                raise IndexError(
-                    f"sample id {int(bad[0])} out of range: the cache holds {cache.num_sequences}"
-                )
+                raise IndexError(f"sample id {int(bad[0])} out of range: the cache holds {count}")
             raise IndexError(f"{cache.path}: a segment reaches past the end of its sequence")
         if code == self._kernels.BAD_SOURCE:
             raise CorruptShardError(

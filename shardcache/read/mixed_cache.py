@@ -249,6 +249,16 @@ class MixedCache:
         table.last_used[index] = table.clock[0]
         return opened
 
+    def check_ids(self, index: int) -> None:
+        """Check every id of shard ``index`` of the combined table (its source's
+        :meth:`Cache.check_ids`).
+
+        Raises:
+            CorruptShardError: an id is larger than the tokenizer's largest.
+        """
+        source = int(np.searchsorted(self._shard_offsets, index, side="right")) - 1
+        self.caches[source].check_ids(int(index) - int(self._shard_offsets[source]))
+
     def _sync_all(self) -> None:
         if self._table is not None:
             for source in range(len(self._tables)):

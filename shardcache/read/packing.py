@@ -28,11 +28,21 @@ JIT_MIN_SEQUENCES = 100_000
 def best_fit_bins(
     sizes: np.ndarray, bounds: np.ndarray, capacity: int, method: str = "auto"
 ) -> np.ndarray:
-    """The row (numbered from 0 in each window) of every item of the windows
-    ``sizes[bounds[k] : bounds[k + 1]]``, each sorted decreasing, all ``<= capacity``.
+    """Best-fit-decreasing rows of windows of items.
 
-    ``method``: "jit" (numba, an ImportError when it is not installed), "loop", or "auto"
-    (jit when numba is installed and there are at least :data:`JIT_MIN_SEQUENCES` items).
+    Args:
+        sizes: the items of every window, each window sorted decreasing, all ``<= capacity``.
+        bounds: window ``k`` is ``sizes[bounds[k] : bounds[k + 1]]``.
+        capacity: the row size.
+        method: ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed and
+            there are at least :data:`JIT_MIN_SEQUENCES` items).
+
+    Returns:
+        Every item's row, numbered from 0 in each window.
+
+    Raises:
+        ConfigError: an unknown ``method``.
+        ImportError: ``"jit"`` without numba.
     """
     check_choice("method", method, BEST_FIT_METHODS)
     sizes = np.ascontiguousarray(sizes, dtype=np.int64)
@@ -83,8 +93,10 @@ def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
-    """``np.argsort(keys, kind="stable")`` for integer keys in ``[0, num_keys)``: a counting
-    sort (O(n), numba) when the kernel is available, else numpy's stable sort."""
+    """``np.argsort(keys, kind="stable")`` for integer keys in ``[0, num_keys)``.
+
+    A counting sort (numba) when the kernel is available, else numpy's stable sort.
+    """
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     compiled = _compiled_counting() if len(keys) >= JIT_MIN_SEQUENCES else None
     if compiled is None:
@@ -108,10 +120,17 @@ def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None: 
 
 
 def cut_batches(padded: np.ndarray, window_ends: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Pad-mode batch starts: within each window (sorted longest first, ending at
-    ``window_ends``), the first row of a batch sets its padded length ``L`` and the batch takes
-    ``max_tokens // L`` rows. A loop per batch, compiled by numba when it is installed and
-    the plan is large (same starts: a test compares the two)."""
+    """Pad-mode batch starts within sorted windows.
+
+    Args:
+        padded: every row's padded length, each window sorted longest first.
+        window_ends: where each window ends.
+        max_tokens: the token budget: a batch takes ``max_tokens // L`` rows, ``L`` its first
+            row's length.
+
+    Returns:
+        The first row of every batch.
+    """
     padded = np.ascontiguousarray(padded, dtype=np.int64)
     ends = np.ascontiguousarray(window_ends, dtype=np.int64)
     compiled = _jit(_cut_kernel) if len(padded) >= JIT_MIN_SEQUENCES else None

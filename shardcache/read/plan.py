@@ -40,11 +40,21 @@ TAILS = ("drop", "wrap")
 class PlanOptions:
     """How an epoch is cut into batches (validated at construction; JSON round-trips).
 
-    ``max_tokens`` bounds ``rows x padded length`` of every batch. ``mode="pad"`` pads whole
-    sequences of one bucket to the longest row (rounded up to ``pad_to_multiple_of``);
-    ``mode="pack"`` fills rows of exactly ``seq_len`` slots by ``packing`` ("best_fit" or
-    "concat"). ``window_size`` is the number of sequences sorted/packed together. ``tail``
-    says how the global batches that do not divide among ranks are handled: "drop" or "wrap".
+    Args:
+        max_tokens: bound on ``rows x padded length`` of every batch.
+        shuffle: shuffle the epoch (seeded by seed and epoch).
+        mode: ``"pad"`` (whole sequences of one bucket padded to the longest row) or
+            ``"pack"`` (rows of exactly ``seq_len`` slots).
+        seq_len: the row length in pack mode.
+        packing: ``"best_fit"`` (whole sequences, best-fit decreasing per window) or
+            ``"concat"`` (one stream cut every ``seq_len`` tokens; documents may continue in the
+            next row).
+        pad_to_multiple_of: round a pad batch's length up to a multiple of this.
+        window_size: sequences sorted or packed together.
+        tail: global batches that do not divide among ranks: ``"drop"`` or ``"wrap"``.
+
+    Raises:
+        ConfigError: a field out of range (the message names it).
     """
 
     max_tokens: int
@@ -94,14 +104,17 @@ class PlanOptions:
         return None if self.seq_len is None else self.max_tokens // self.seq_len
 
     def padded(self, length: np.ndarray | int) -> np.ndarray | int:
+        """``length`` rounded up to a multiple of ``pad_to_multiple_of``."""
         m = self.pad_to_multiple_of
         return -(-length // m) * m
 
     def to_json(self) -> dict[str, Any]:
+        """The options as a JSON-able dict."""
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PlanOptions:
+        """The options :meth:`to_json` gave."""
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -113,12 +126,12 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Global batches of one epoch as CSR arrays over *segments* (see the module docstring).
+    """Global batches of one epoch as CSR arrays over segments.
 
-    Batch ``i`` holds segments ``batch_offsets[i] : batch_offsets[i + 1]``. ``row_offsets``
-    (segments, global) cuts them into rows; ``None`` means one segment per row. ``seg_starts``
-    / ``seg_lengths`` give the token range a segment takes from its sequence; ``None`` means
-    the whole sequence.
+    Batch ``i`` holds segments ``batch_offsets[i] : batch_offsets[i + 1]`` (``sample_ids``, one
+    per segment). ``row_offsets`` (segments, global) cuts them into rows (None: one segment per
+    row); ``seg_starts`` / ``seg_lengths`` give the token range a segment takes from its sequence
+    (None: the whole sequence).
     """
 
     batch_offsets: np.ndarray  # int64, len = num_batches + 1, into segments
@@ -189,7 +202,28 @@ def plan_epoch(
     seed: int = 0,
     epoch: int = 0,
 ) -> EpochPlan:
-    """The ordered global batches of ``epoch`` (see the module docstring)."""
+    """The ordered global batches of an epoch.
+
+    Pad mode shuffles each bucket, cuts it into windows, sorts a window longest first and cuts
+    it greedily (the first row sets the padded length ``L``, the batch takes
+    ``max_tokens // L`` rows); windows are shuffled, a window's batches stay together (so ranks
+    get similar lengths at a step). Pack mode shuffles globally and fills ``seq_len`` rows by
+    ``options.packing``; rows of a window are shuffled.
+
+    Args:
+        lengths: every sequence's length (the length index).
+        buckets: every sequence's bucket.
+        options: the batch options.
+        seed: the seed.
+        epoch: the epoch.
+
+    Returns:
+        The plan; a function of the arguments only (no file, no world size).
+
+    Raises:
+        ConfigError: a sequence cannot fit a batch (``max_tokens``) or a best_fit row
+            (``seq_len``), or the arrays differ in length.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     buckets = np.asarray(buckets)
     if len(lengths) != len(buckets):
@@ -379,8 +413,8 @@ _PLANNERS: dict[str, _Planner] = {
 class EpochSplit:
     """How the global batches ``start .. num_batches - 1`` of an epoch are dealt to ranks.
 
-    ``dropped`` lists the global batches no rank delivers (``tail="drop"``); ``repeated`` the
-    ones delivered a second time to fill the last step (``tail="wrap"``).
+    ``dropped`` lists the global batches no rank delivers (``tail="drop"``); ``repeated`` the ones
+    delivered a second time to fill the last step (``tail="wrap"``).
     """
 
     num_batches: int
@@ -411,10 +445,12 @@ class EpochSplit:
 
     @property
     def dropped(self) -> np.ndarray:
+        """Global batches no rank delivers."""
         return np.arange(min(self.end, self.num_batches), self.num_batches, dtype=np.int64)
 
     @property
     def repeated(self) -> np.ndarray:
+        """Global batches delivered twice."""
         extra = max(self.end - max(self.num_batches, self.start), 0)
         return (np.arange(extra, dtype=np.int64) % max(self.num_batches, 1)).astype(np.int64)
 
@@ -422,8 +458,20 @@ class EpochSplit:
 def split_epoch(
     num_batches: int, world_size: int, start: int = 0, tail: str = "drop"
 ) -> EpochSplit:
-    """Deal global batches ``start ..`` of an epoch of ``num_batches`` to ``world_size`` ranks
-    so that every rank gets the same count (see the module docstring)."""
+    """Deal global batches to ranks so that every rank gets the same count.
+
+    Args:
+        num_batches: the epoch's global batches.
+        world_size: the number of ranks.
+        start: the global cursor (batches already consumed).
+        tail: ``"drop"`` the remainder or ``"wrap"`` around to the first batches.
+
+    Returns:
+        The split.
+
+    Raises:
+        ConfigError: an argument out of range.
+    """
     check_int("world_size", world_size, 1)
     check_int("num_batches", num_batches, 0)
     check_int("start", start, 0)
@@ -434,8 +482,16 @@ def split_epoch(
 
 
 def worker_batches(rank_batches: np.ndarray, worker_id: int, num_workers: int) -> np.ndarray:
-    """The part of a rank's batches a DataLoader worker produces: round-robin, the order in
-    which the DataLoader collects from its workers."""
+    """The part of a rank's batches a DataLoader worker produces.
+
+    Args:
+        rank_batches: the rank's batches, in order.
+        worker_id: the worker.
+        num_workers: the workers (>= 1).
+
+    Returns:
+        Every ``num_workers``-th batch from ``worker_id``: the order the DataLoader collects in.
+    """
     if not 0 <= worker_id < num_workers:
         raise ConfigError(
             f"worker_id: got {worker_id}, expected 0 <= worker_id < num_workers={num_workers}"

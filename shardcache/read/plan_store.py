@@ -36,7 +36,14 @@ _FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_leng
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
-    """The name of a stored plan (see the module docstring)."""
+    """The name of a stored plan: a digest of everything the plan is a function of.
+
+    Args:
+        data_identity: the caller's identity of the data ("" when unknown).
+        options_json: the plan options as canonical JSON.
+        seed: the seed.
+        epoch: the epoch.
+    """
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 
@@ -82,8 +89,16 @@ def _evict(root: str, keep: str) -> None:
 
 
 def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan]) -> EpochPlan:
-    """The plan named ``digest``: read from the plan folder when some process stored it,
-    else computed (by one process at a time) and stored for the others."""
+    """The plan named ``digest``, computed by one process per machine and mapped by the others.
+
+    Args:
+        digest: from :func:`plan_digest`.
+        num_sequences: the plan's size (small plans are computed in place, 0: never stored).
+        compute: computes the plan.
+
+    Returns:
+        The plan (memory-mapped when it was stored).
+    """
     if num_sequences < SHARE_MIN_SEQUENCES:
         return compute()
     try:

@@ -33,8 +33,15 @@ from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
-    """``tokens``, ``record``, ``piece``; chat caches add ``mask`` (list<bool>, one bit per
-    token on disk: 1 = the token has a loss)."""
+    """The Arrow schema of a shard.
+
+    Args:
+        dtype: the token type (uint16 or uint32).
+        with_mask: add the chat loss mask (``list<bool>``, 1 = the token has a loss).
+
+    Returns:
+        ``tokens``, ``record``, ``piece`` (and ``mask``).
+    """
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
         pa.field("tokens", pa.list_(value_type), nullable=False),
@@ -103,7 +110,8 @@ class ShardInfo:
 
     A partition's shard has its ``partition`` and ``source`` (input file); a merged shard
     (:func:`merge_shards`) has neither but ``sources``: per joined shard, in row order,
-    ``{"partition", "source", "rows"}``."""
+    ``{"partition", "source", "rows"}``.
+    """
 
     name: str
     bucket: int
@@ -118,6 +126,7 @@ class ShardInfo:
     sources: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
+        """The manifest entry (fields that are None left out)."""
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
     def runs(self) -> list[dict[str, Any]]:
@@ -130,9 +139,20 @@ class ShardInfo:
 class BucketWriter:
     """Writes the sequences of one (partition, bucket) into rotating shard files.
 
-    Sequences are buffered until :data:`RECORD_BATCH_BYTES` of tokens have accumulated, then
-    written as one record batch; a shard is closed after the record batch that takes it to
-    ``shard_size_bytes``. The split points depend only on the sequence lengths.
+    Sequences are buffered until :data:`RECORD_BATCH_BYTES` of tokens have accumulated and
+    written as one record batch; a shard closes after the batch that takes it to
+    ``shard_size_bytes``, so split points depend only on the sequence lengths.
+
+    Args:
+        cache_dir: the cache folder (shards go to its ``shards/``).
+        partition: the partition id (``p00042``), the first part of the shard names.
+        source: the input file, recorded per shard.
+        bucket: the length bucket.
+        dtype: the token type.
+        shard_size_bytes: the token bytes after which a shard closes.
+        compression: ``"none"`` or an Arrow IPC codec (``"zstd"``, ``"lz4"``).
+        with_mask: the sequences carry chat loss masks.
+        name: write one shard of this name, never rotated (:func:`merge_shards`).
     """
 
     def __init__(
@@ -182,8 +202,20 @@ class BucketWriter:
         pieces: np.ndarray,
         mask: np.ndarray | None = None,
     ) -> None:
-        """Append sequences (flat ``tokens`` cut by ``lengths``) in order; ``mask`` (flat,
-        like ``tokens``) is required exactly when the writer was made ``with_mask``."""
+        """Append sequences in order.
+
+        Args:
+            tokens: the sequences' tokens, concatenated.
+            lengths: tokens of each sequence.
+            records: each sequence's record index in its input.
+            pieces: each sequence's piece index in its record.
+            mask: the loss masks, flat like ``tokens``: required exactly when the writer was made
+                ``with_mask``.
+
+        Raises:
+            ValueError: ``mask`` given or missing against ``with_mask``.
+            OSError: a shard cannot be written (the message names the file).
+        """
         if (mask is None) == self.with_mask:
             raise ValueError(
                 f"BucketWriter: mask given={mask is not None}, with_mask={self.with_mask}"
@@ -287,13 +319,26 @@ def _finish_shard(cache_dir: str, name: str) -> tuple[int, str]:
 def merge_shards(
     cache_dir: str, members: list[ShardInfo], name: str, compression: str, shard_size_bytes: int
 ) -> ShardInfo:
-    """Join the shards ``members`` (one bucket, any partitions) into the new shard ``name``:
-    their rows in order, written by a :class:`BucketWriter` as one writer would have written
-    them (record batches cut at the same token bytes as ``shard_size_bytes`` gives a
-    partition's, ``compression``), not the members' own short last batches. Each member is
-    checked against its sha256 first, so a damaged file is refused here, not hidden under a new
-    digest. The members are left in place (the commit removes them once the manifest that
-    lists the merged shard is written)."""
+    """Join shards of one bucket into the new shard ``name``, as one writer would have written them.
+
+    Record batches are cut at the same token bytes as a partition's, not at the members' own
+    short last batches. Each member is checked against its sha256 first, so a damaged file is
+    refused, not hidden under a new digest; the members are left in place.
+
+    Args:
+        cache_dir: the cache folder.
+        members: the shards to join, in row order.
+        name: the merged shard's name.
+        compression: as for :class:`BucketWriter`.
+        shard_size_bytes: as for :class:`BucketWriter`.
+
+    Returns:
+        The merged shard's entry (with ``sources``).
+
+    Raises:
+        ValueError: members of several buckets.
+        CorruptShardError: a member's sha256 or schema is not its entry's.
+    """
     if len({m.bucket for m in members}) != 1:
         raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
     writer: BucketWriter | None = None
