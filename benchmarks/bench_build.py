@@ -1,9 +1,10 @@
 """Build throughput, process scaling and peak memory (not part of the tests).
 
-    python ../shared/bench/make_corpus.py /tmp/c100k --docs 100000 --files 8 --format jsonl.zst
-    python ../shared/bench/make_corpus.py /tmp/c500k --docs 500000 --files 8 --format jsonl.zst
-    python benchmarks/bench_build.py --corpus /tmp/c100k --corpus-large /tmp/c500k \
-        --tokenizer ../shared/fixtures/tokenizers/minilm-wordpiece [--hf-python VENV/bin/python]
+    python benchmarks/bench_build.py --corpus CORPUS [--corpus-large CORPUS_5X] \
+        --tokenizer TOKENIZER_DIR [--hf-python VENV/bin/python]
+
+``CORPUS`` is a folder of ``.jsonl.zst`` files (e.g. 100,000 documents in 8 files),
+``CORPUS_5X`` a five times larger one for the peak-RSS row.
 
 Rows (every build is a fresh ``shardcache build`` process; tokens/s = stored tokens / the
 build's own time, from the start of ``build_cache`` (tokenizer load included) to the
@@ -46,6 +47,8 @@ import sys
 import tempfile
 import threading
 import time
+
+from results import record_result
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -212,6 +215,12 @@ def compare_encoders(args: argparse.Namespace) -> None:
         print(f"| shardcache build --encoder {name} | {seconds:.2f} | {wall:.1f} | "
               f"{ceiling_s / seconds:.2f} | {rss:,.0f} | {used} | "
               f"{enc.get('documents_verified', 0):,} | {enc.get('mismatches', 0)} |")  # fmt: skip
+    record_result("bench_build --encoders", {
+        "documents": len(texts), "tokens": tokens, "ceiling_seconds": ceiling_s,
+        "builds": {name: {"seconds": s, "wall_seconds": w, "peak_rss_mib": r,
+                          "encoder": report.get("encoder")}
+                   for name, (s, w, r, report) in best.items()},
+    }, args)  # fmt: skip
     if args.profile:
         profile_fast_build(args)
 
@@ -315,6 +324,13 @@ def main() -> None:
         print("|---|---:|---:|---:|---:|")
         for name, corpus, docs, tokens, wall, rss in rss_rows:
             print(f"| {name} {corpus} | {docs:,} | {tokens:,} | {wall:.1f} | {rss:,.0f} |")
+    header = ("run", "tokens_per_s", "wall_seconds", "peak_rss_mib", "vs_1_core", "vs_ceiling")
+    record_result("bench_build", {
+        "text_mb": text_mb, "ceiling_tokens": ceil_tokens,
+        "rows": [dict(zip(header, row)) for row in rows],
+        "peak_rss": [{"corpus": c, "documents": d, "tokens": t, "wall_seconds": w,
+                      "peak_rss_mib": r} for _, c, d, t, w, r in rss_rows],
+    }, args)  # fmt: skip
 
 
 if __name__ == "__main__":

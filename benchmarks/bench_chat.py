@@ -1,8 +1,9 @@
 """Chat build throughput vs. encoding the already-rendered strings (not part of the tests).
 
-    python ../shared/bench/make_corpus.py /tmp/chat-5k --kind chat --docs 5000 --files 4
-    python benchmarks/bench_chat.py --corpus /tmp/chat-5k \
-        --tokenizer ../shared/fixtures/tokenizers/minilm-wordpiece
+    python benchmarks/bench_chat.py --corpus CHAT_CORPUS --tokenizer TOKENIZER_DIR
+
+``CHAT_CORPUS`` is a folder of jsonl files of ``{"messages": [...]}`` records (e.g. 5,000 or
+20,000 conversations; ``recipes/quickstart/chat`` for a smoke run).
 
 Measured in one run, on the same conversations and tokenizer:
 
@@ -24,6 +25,8 @@ import os
 import shutil
 import tempfile
 import time
+
+from results import record_result
 
 TEMPLATE = (
     "{% for m in messages %}<|{{ m['role'] }}|>\n{{ m['content'] }}"
@@ -94,6 +97,11 @@ def main() -> None:
     print(f"| ceiling: encode_batch(rendered strings) | {ceil_tps:,.0f} | 1.00 |")
     print(f"| chat build (render + masks + lint + write) | {build_tps:,.0f} | "
           f"{build_tps / ceil_tps:.2f} |")  # fmt: skip
+    record_result("bench_chat", {
+        "conversations": best.documents, "tokens": best.tokens,
+        "ceiling_tokens_per_s": ceil_tps, "build_tokens_per_s": build_tps,
+        "ratio": build_tps / ceil_tps,
+    }, args)  # fmt: skip
 
 
 if __name__ == "__main__":

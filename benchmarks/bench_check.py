@@ -1,7 +1,6 @@
 """How long `shardcache check` takes (not part of the tests).
 
-    python benchmarks/bench_check.py --corpus /tmp/corpus-20k \
-        --tokenizer ../shared/fixtures/tokenizers/minilm-wordpiece --shard-size 4096
+    python benchmarks/bench_check.py --corpus CORPUS --tokenizer TOKENIZER_DIR --shard-size 4096
 
 Builds a cache with many shards (``--shard-size 4096`` gives ~10,000 on a 20k-document
 corpus), writes a lock file, then times, best of ``--repeat``:
@@ -23,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from results import record_result
 
 
 def best_of(repeat: int, fn) -> float:
@@ -98,6 +99,10 @@ def main() -> None:
         print(f"| {label} | {seconds:.3f} |")
     print(f"| data hashing ({hashing.files} files, {hashing.bytes / 1e6:.1f} MB) | "
           f"{hashing.seconds:.3f} ({hashing.mb_per_second:,.0f} MB/s) |")  # fmt: skip
+    record_result("bench_check", {
+        "shards": shards, "manifest_mb": manifest_mb, "seconds": dict(rows),
+        "hashing": {"files": hashing.files, "bytes": hashing.bytes, "seconds": hashing.seconds},
+    }, args)  # fmt: skip
 
 
 if __name__ == "__main__":

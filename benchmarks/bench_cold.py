@@ -20,6 +20,8 @@ import statistics
 import subprocess
 import sys
 
+from results import record_result
+
 CHILD = r"""
 import sys, time
 import numpy as np
@@ -77,11 +79,15 @@ def main() -> None:
             seconds, total = run_once(cache, tree, args.mode, env)
             times[label].append(seconds)
             sums[label].add(total)
+    figures = {}
     for label, values in times.items():
         same = "one checksum" if len(sums[label]) == 1 else f"CHECKSUMS DIFFER: {sums[label]}"
         median = statistics.median(values)
         print(f"{label}: {args.mode} min {min(values):.4f} s, median {median:.4f} s over "
               f"{len(values)} fresh processes ({same})")  # fmt: skip
+        figures[label] = {"min_seconds": min(values), "median_seconds": median,
+                          "runs": len(values), "one_checksum": len(sums[label]) == 1}  # fmt: skip
+    record_result("bench_cold", figures, args)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Peak memory and ids of huge documents without ASCII spaces (issue 13 item 10).
 
-    python benchmarks/bench_huge_docs.py --tokenizer ../shared/fixtures/tokenizers/<folder> \
-        --chars 10000000 [--kind cjk|code|base64] [--whole]
+    python benchmarks/bench_huge_docs.py --tokenizer TOKENIZER_DIR --chars 10000000 \
+        [--kind cjk|code|base64] [--whole]
 
 Writes one jsonl record of ``--chars`` characters of the chosen kind (CJK with punctuation,
 minified code, base64) and runs ``shardcache build --workers 1`` on it in a child process,
@@ -22,6 +22,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from results import record_result
 
 
 def make_text(kind: str, chars: int, seed: int = 0) -> str:
@@ -72,12 +74,19 @@ def main() -> None:
         started = time.perf_counter()
         report = json.loads(subprocess.run(cmd, check=True, capture_output=True).stdout)
         seconds = time.perf_counter() - started
+        build_peak_mb = child_peak_mb()
         print(f"{args.kind} {args.chars:,} chars: {report['tokens']:,} tokens, {seconds:.1f} s, "
-              f"peak RSS {child_peak_mb():,.0f} MB (build process)")  # fmt: skip
+              f"peak RSS {build_peak_mb:,.0f} MB (build process)")  # fmt: skip
+        figures = {"tokens": report["tokens"], "seconds": seconds, "peak_rss_mb": build_peak_mb}
         if args.whole:
             check = [sys.executable, "-c", WHOLE, args.tokenizer, data, out]
             print(subprocess.run(check, check=True, capture_output=True, text=True).stdout.strip())
-            print(f"peak RSS of the two children: {child_peak_mb():,.0f} MB (whole encode)")
+            figures["whole_peak_rss_mb"] = child_peak_mb()
+            print(
+                f"peak RSS of the two children: {figures['whole_peak_rss_mb']:,.0f} MB "
+                "(whole encode)"
+            )
+        record_result("bench_huge_docs", figures, args)
 
 
 if __name__ == "__main__":

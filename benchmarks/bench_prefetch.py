@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from results import record_result
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -556,6 +557,9 @@ def main(argv: list[str] | None = None) -> int:
             for r in results:
                 f.write(json.dumps(clean(r)) + "\n")
         (args.out / "table.md").write_text(md + "\n")
+    if cuda:  # the CPU dry run's figures mean nothing
+        figures = {"info": info, "p1_gbps": p1, "results": [clean(r) for r in results]}
+        record_result("bench_prefetch", figures, args)
     return 1 if corrupted else 0
 
 

@@ -43,6 +43,7 @@ import tempfile
 import time
 
 import numpy as np
+from results import record_result
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -310,6 +311,7 @@ def main() -> None:
                 f"{r['batches']} batches | pad | {vm[0]:.0f} ({anon[0]:.0f}) / "
                 f"{vm[1]:.0f} ({anon[1]:.0f}) / {vm[2]:.0f} ({anon[2]:.0f}) |"
             )
+    record_result("bench_read", {"rows": rows}, args)
 
 
 if __name__ == "__main__":

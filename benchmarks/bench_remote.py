@@ -26,6 +26,8 @@ import sys
 import tempfile
 import time
 
+from results import record_result
+
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
 
 
@@ -139,6 +141,7 @@ def main() -> None:
         rows.append((engine, min(times)))
     ray.shutdown()
     assert tree(os.path.join(work, "local-0")) == tree(os.path.join(work, "ray-0"))
+    figures: dict = {"corpus_bytes": size, "build_seconds": dict(rows)}
     print(f"\n| build (2 CPUs) | best of {args.repeats} s | ratio |")
     print("|---|---|---|")
     for engine, seconds in rows:
@@ -162,6 +165,7 @@ def main() -> None:
     nbytes = sum(os.path.getsize(os.path.join(local, "shards", n))
                  for n in os.listdir(os.path.join(local, "shards")))  # fmt: skip
     stored = sum(o["Size"] for o in client.list_objects_v2(Bucket="bench")["Contents"])
+    figures.update(s3_build_seconds=up, s3_stored_bytes=stored, s3_uploaded_bytes=uploaded)
     print(f"\nbuild into s3:// (tasks upload, commit from records): {up:.2f} s")
     print("\n| bytes | MB | / cache |")
     print("|---|---|---|")
@@ -174,12 +178,15 @@ def main() -> None:
     for name, path in (("local disk", local), ("s3 cold (download+sha256)", url),
                        ("s3 warm (local shard cache)", url)):  # fmt: skip
         seconds, _ = timed(lambda p=path: read_all(p))
+        figures[f"read {name} seconds"] = seconds
         print(f"| {name} | {seconds:.2f} | {nbytes / 1e6 / seconds:.0f} |")
     for name, path in (("verify local", local), ("verify s3", url)):
         seconds, report = timed(lambda p=path: verify_cache(p))
         assert report.ok
+        figures[f"{name} seconds"] = seconds
         print(f"| {name} | {seconds:.2f} | {nbytes / 1e6 / seconds:.0f} |")
     server.stop()
+    record_result("bench_remote", figures, args)
     shutil.rmtree(work, ignore_errors=True)
 
 

@@ -22,6 +22,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
+from results import record_result
 from torch.utils.data import DataLoader
 
 from shardcache import ShardDataset
@@ -78,6 +79,7 @@ def main() -> None:
             f"| {r['workers']} | {r['wall_ms_per_batch']} | {r['main_cpu_ms_per_batch']} | "
             f"{r['mtok_s']} |"
         )
+    record_result("bench_workers", {"rows": rows}, args)
 
 
 if __name__ == "__main__":

@@ -378,17 +378,17 @@ def test_s3_job_array_on_separate_hosts_with_a_restarted_share_and_commit(
     _assert_same_cache(s3, "caches/array2", ref)
 
 
-# ------------------------------------------- the README's cluster recipes, run as written
+# ------------------------------------------- the docs' cluster recipes, run as written
 
 
 def _readme_cluster_blocks() -> list[list[str]]:
-    """The commands of the bash blocks of the README's "Running on a cluster" section
-    (continuation lines joined, comments dropped)."""
+    """The commands of the bash blocks of the docs' "Running on a cluster" section
+    (docs/guide/clusters.md; continuation lines joined, comments dropped)."""
     import re
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    with open(os.path.join(root, "README.md"), encoding="utf-8") as f:
-        section = f.read().split("### Running on a cluster", 1)[1].split("\n### ", 1)[0]
+    with open(os.path.join(root, "docs", "guide", "clusters.md"), encoding="utf-8") as f:
+        section = f.read().split("## Running on a cluster", 1)[1].split("\n## ", 1)[0]
     blocks = []
     for block in re.findall(r"```bash\n(.*?)\n```", section, flags=re.S):
         text = block.replace("\\\n", " ")
@@ -415,7 +415,7 @@ def _wait_for_nodes(address: str, count: int, env: dict[str, str]) -> None:
 def test_readme_cluster_recipes_run_against_loopback_s3(
     s3, reference, tokenizer_dir, tmp_path, monkeypatch
 ):
-    """The README's Ray recipe (a head and a second node on this host, each with its own
+    """The docs' Ray recipe (a head and a second node on this host, each with its own
     folders) and its SLURM job-array script (two shares on two "hosts", then commit), run
     from s3:// to s3://; the driver has no usable local cache folder; both caches equal a
     local build byte for byte."""
