@@ -3,13 +3,13 @@ times it (``ShardDataset`` made and iterated in-process, each batch's ids summed
 its padding slots counted from ``meta["num_tokens"]``), interleaved over caches or checkouts.
 
     python benchmarks/bench_cold.py CACHE[@TREE] [CACHE[@TREE] ...] [--mode concat|pad]
-        [--runs 12] [--prefault-ab]
+        [--runs 12] [--env-ab NAME]
 
 ``@TREE`` runs that cache with another checkout of shardcache (its folder on PYTHONPATH), so
-the commit before a change can read the cache it built. ``--prefault-ab`` runs every spec with
-``SHARDCACHE_PREFAULT=0`` and ``=1``. Each run is a new interpreter (imports untimed); the
-report is min and median seconds per spec. The harness's flat memmap floor is ~0.010 s on the
-benchmark machine for its 62 MB corpus (benchmarks/README.md).
+the commit before a change can read the cache it built. ``--env-ab NAME`` runs every spec
+with the environment variable ``NAME=0`` and ``NAME=1`` (an on/off switch, e.g.
+``SHARDCACHE_SHARD_CHECKSUMS``). Each run is a new interpreter (imports untimed); the report
+is min and median seconds per spec.
 """
 
 from __future__ import annotations
@@ -63,12 +63,12 @@ def main() -> None:
     parser.add_argument("specs", nargs="+", help="CACHE or CACHE@TREE")
     parser.add_argument("--mode", choices=("concat", "pad"), default="concat")
     parser.add_argument("--runs", type=int, default=12)
-    parser.add_argument("--prefault-ab", action="store_true")
+    parser.add_argument("--env-ab", metavar="NAME", help="run each spec with NAME=0 and =1")
     args = parser.parse_args()
     variants = []
     for spec in args.specs:
         cache, _, tree = spec.partition("@")
-        envs = [{"SHARDCACHE_PREFAULT": v} for v in ("0", "1")] if args.prefault_ab else [{}]
+        envs = [{args.env_ab: v} for v in ("0", "1")] if args.env_ab else [{}]
         for env in envs:
             label = spec + "".join(f" {k}={v}" for k, v in env.items())
             variants.append((label, cache, tree or None, env))
