@@ -177,6 +177,7 @@ def test_every_shardcache_command_in_the_docs_parses():
 
 
 def test_every_repository_path_and_link_exists():
+    checked = 0
     for page in PAGES:
         text = page.read_text(encoding="utf-8")
         written = set(re.findall(r">\s*([\w./-]+)", text))  # files the page's blocks write
@@ -187,7 +188,9 @@ def test_every_repository_path_and_link_exists():
             assert (REPO / path).exists(), f"{page.name} names a missing file {path}"
         for link in re.findall(r"\]\(([^)#:]+\.md)(?:#[^)]*)?\)", text):
             assert (page.parent / link).exists(), f"{page.name} links to a missing {link}"
+            checked += 1
         assert "pip index versions" not in text  # cannot work before a release
+    assert checked >= 20, f"only {checked} links found: is the link pattern still right?"
 
 
 def test_ddp_resume_line_uses_the_options_the_state_was_saved_with():

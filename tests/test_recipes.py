@@ -35,7 +35,8 @@ def test_train_loop_loss_falls_on_a_repeated_batch(cache_dir, capsys):
                          "--num-workers", "0", "--log-every", "4"])  # fmt: skip
     losses = report["losses"]
     assert len(losses) == 8 and all(a > b for a, b in itertools.pairwise(losses))
-    assert all(b == report["batches"][0] for b in report["batches"])
+    batches = report["batches"]
+    assert len(batches) == 8 and all(b == batches[0] for b in batches)  # one batch, repeated
     out = capsys.readouterr().out
     assert "parameters" in out and "step 4: loss" in out and "step 8: loss" in out
 
