@@ -11,7 +11,6 @@ memory map, compressed ones into a byte-bounded LRU (:class:`DecodedBatches`).
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import itertools
 import mmap
@@ -342,39 +341,43 @@ def merge_shards(
     if len({m.bucket for m in members}) != 1:
         raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
     writer: BucketWriter | None = None
-    with contextlib.ExitStack() as stack:  # members stay mapped until their rows are written
-        for member in members:
-            source = shard_path(cache_dir, member.name)
-            if sha256_file(source) != member.sha256:
-                raise CorruptShardError(
-                    f"{source}: its sha256 is not the one its partition recorded, so it "
-                    "was not merged; delete that partition's files under parts/ and "
-                    "rerun the build to rebuild it"
-                )
-            reader = pa.ipc.open_file(stack.enter_context(pa.memory_map(source)))
-            field = reader.schema.field("tokens").type.value_type
-            with_mask = "mask" in reader.schema.names
-            if writer is None:
-                writer = BucketWriter(cache_dir, "merged", "", member.bucket, np.dtype(str(field)),
-                                      shard_size_bytes, compression, with_mask, name)  # fmt: skip
-            if not reader.schema.equals(writer.schema):
-                raise CorruptShardError(
-                    f"{source}: its schema {reader.schema} is not a shard's of this cache "
-                    f"({writer.schema}); rebuild the cache"
-                )
-            for b in range(reader.num_record_batches):
-                batch = reader.get_batch(b)
-                tokens = batch.column(0)
-                offsets = arrow_numpy(tokens.offsets)
-                values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]
-                mask = None
-                if with_mask:
-                    bits = batch.column(3).values.to_numpy(zero_copy_only=False)
-                    mask = bits[offsets[0] : offsets[-1]]
-                writer.add(values, np.diff(offsets), arrow_numpy(batch.column(1)),
-                           arrow_numpy(batch.column(2)), mask)  # fmt: skip
-        assert writer is not None
-        writer.close()
+    for member in members:
+        source = shard_path(cache_dir, member.name)
+        if sha256_file(source) != member.sha256:
+            raise CorruptShardError(
+                f"{source}: its sha256 is not the one its partition recorded, so it "
+                "was not merged; delete that partition's files under parts/ and "
+                "rerun the build to rebuild it"
+            )
+        # read into memory and closed at once (a member is smaller than a shard): a merge
+        # of thousands of small shards never holds more than one of them open
+        with pa.OSFile(source) as f:
+            reader = pa.ipc.open_file(f)
+            schema = reader.schema
+            batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+        field = schema.field("tokens").type.value_type
+        with_mask = "mask" in schema.names
+        if writer is None:
+            writer = BucketWriter(cache_dir, "merged", "", member.bucket, np.dtype(str(field)),
+                                  shard_size_bytes, compression, with_mask, name)  # fmt: skip
+        if not schema.equals(writer.schema):
+            raise CorruptShardError(
+                f"{source}: its schema {schema} is not a shard's of this cache "
+                f"({writer.schema}); rebuild the cache"
+            )
+        for batch in batches:
+            tokens = batch.column(0)
+            offsets = arrow_numpy(tokens.offsets)
+            values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]
+            mask = None
+            if with_mask:
+                bits = batch.column(3).values.to_numpy(zero_copy_only=False)
+                mask = bits[offsets[0] : offsets[-1]]
+            writer.add(values, np.diff(offsets), arrow_numpy(batch.column(1)),
+                       arrow_numpy(batch.column(2)), mask)  # fmt: skip
+    if writer is None:
+        raise ValueError("merge_shards: no members")
+    writer.close()
     [merged] = writer.shards
     expected = (sum(m.rows for m in members), sum(m.tokens for m in members))
     if (merged.rows, merged.tokens) != expected:

@@ -193,3 +193,38 @@ def test_a_damaged_partial_shard_is_refused_at_commit_not_merged(
     with pytest.raises(CorruptShardError, match=victim["name"]):
         commit_output(out)
     assert not os.path.exists(os.path.join(out, "manifest.json"))
+
+
+def _file_limit(n: int):
+    def limit() -> None:
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_NOFILE, (n, n))
+
+    return limit
+
+
+def test_a_commit_joining_more_shards_than_the_file_limit_succeeds(tmp_path, tokenizer_dir):
+    """1,100 one-record files under a 1,024-descriptor limit: the commit joins 1,100 partial
+    shards of one bucket into one, which must not hold every member open at once."""
+    import subprocess
+    import sys
+
+    folder = tmp_path / "many"
+    folder.mkdir()
+    for k in range(1100):
+        (folder / f"f{k:04d}.jsonl").write_text(json.dumps({"text": f"doc {k} lazy fox"}) + "\n")
+    out = str(tmp_path / "out")
+    script = (
+        "from shardcache.builder.run import build_cache\n"
+        "from shardcache.config import build_options_from_mapping\n"
+        f"build_cache(build_options_from_mapping({{'input': {str(folder)!r}, "
+        f"'tokenizer': {tokenizer_dir!r}, 'output': {out!r}, 'workers': 1}}))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": repo}, preexec_fn=_file_limit(1024),
+                            timeout=900)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    cache = open_cache(out)
+    assert cache.num_sequences == 1100 and len(cache.manifest["shards"]) == 1
