@@ -339,3 +339,35 @@ def kill_env(spec: str, once: str | None = None) -> dict[str, str]:
     if once is not None:
         env["SHARDCACHE_TEST_KILL_ONCE"] = once
     return env
+
+
+@pytest.fixture(scope="session")
+def large_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A byte-level BPE tokenizer of a real-size vocabulary (40,000 entries, 39,700 merges,
+    a 3 MB tokenizer.json), assembled rather than trained: for bugs that only show with a
+    large tokenizer (a spawn payload larger than a pipe buffer)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {s: i for i, s in enumerate(["<eos>", "<pad>", "<bos>"])}
+    for ch in sorted(pre_tokenizers.ByteLevel.alphabet()):
+        vocab[ch] = len(vocab)
+    rng = random.Random(7)
+    tokens = list("abcdefghijklmnopqrstuvwxyz")
+    merges = []
+    while len(vocab) < 40_000:
+        a = rng.choice(tokens)
+        b = rng.choice(tokens[:200] if rng.random() < 0.7 else tokens)
+        if a + b not in vocab and len(a + b) <= 12:
+            vocab[a + b] = len(vocab)
+            merges.append((a, b))
+            tokens.append(a + b)
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>"
+    )
+    folder = str(tmp_path_factory.mktemp("tok-large-bpe"))
+    fast.save_pretrained(folder)
+    return folder

@@ -9,6 +9,12 @@ cores instead of N x cores threads. Results travel back as the persisted part re
 die with the parent (``PR_SET_PDEATHSIG`` on Linux, plus a parent-pid check per batch), so a
 killed build leaves no orphan writing into the folder. Progress events go through one queue
 to one bar.
+
+Spawned children re-import the parent's ``__main__``: a script read from stdin (``python -``)
+cannot be, so such a build is refused before any worker starts. The encoder spec and the plan
+(megabytes for a large vocabulary or many files) reach the workers through a private file
+(:data:`POOL_PAYLOAD_PREFIX`), never through the spawn pipe: a parent writing more than a pipe
+buffer to a child that died on start-up blocks forever.
 """
 
 from __future__ import annotations
@@ -16,7 +22,10 @@ from __future__ import annotations
 import contextlib
 import multiprocessing
 import os
+import pickle
 import signal
+import sys
+import tempfile
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from typing import Any
@@ -32,6 +41,10 @@ from shardcache.errors import (
 
 _PROGRESS_INTERVAL_S = 0.2
 _WORKER: dict[str, Any] = {}
+
+#: Name prefix of the file a pool's workers read their encoder spec and plan from, in the
+#: temporary folder: ``shardcache-pool-<pid>-...`` (the pid lets a sweep find a dead build's).
+POOL_PAYLOAD_PREFIX = "shardcache-pool-"
 
 
 class _QueueProgress(Progress):
@@ -71,9 +84,7 @@ def _die_with_parent() -> None:
         libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
 
 
-def _worker_init(
-    spec: dict[str, Any], plan: BuildPlan, queue: Any, rayon_threads: int, parent: int
-) -> None:
+def _worker_init(payload: str, queue: Any, rayon_threads: int, parent: int) -> None:
     set_parent_pid(parent)
     # Ctrl-C reaches the whole process group: the parent stops the build and terminates the
     # workers; a worker's own KeyboardInterrupt would only print a traceback per process
@@ -84,6 +95,8 @@ def _worker_init(
     os.environ["RAYON_NUM_THREADS"] = str(rayon_threads)
     os.environ["FASTOKENS_BPE_THREADS"] = str(rayon_threads)  # the fast backend's own pool
     queue.cancel_join_thread()  # progress is best-effort; never block a worker's exit on it
+    with open(payload, "rb") as f:
+        spec, plan = pickle.load(f)
     _WORKER.update(encoder=encoder_in_worker(spec), plan=plan, queue=queue)
 
 
@@ -109,6 +122,49 @@ def _drain(queue: Any, progress: Progress) -> None:
             progress.update(documents, tokens)
 
 
+def unimportable_main() -> str | None:
+    """The path of this process's ``__main__`` when spawned children cannot re-import it
+    (a script read from stdin: ``python - < build.py``); None when they can or need not
+    (a script file, ``python -m``, ``python -c``, an interactive session or a notebook)."""
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None):
+        return None  # imported by module name
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return None  # nothing to re-import
+    original = multiprocessing.process.ORIGINAL_DIR  # what spawn joins a relative path to
+    if not os.path.isabs(path) and original is not None:
+        path = os.path.join(original, path)
+    return None if os.path.isfile(path) else path
+
+
+def check_main_importable(workers: int) -> None:
+    """Refuse a process pool whose children would die re-importing ``__main__``.
+
+    Args:
+        workers: the pool's size (for the message).
+
+    Raises:
+        ShardcacheError: ``__main__`` is not a file a child can import.
+    """
+    path = unimportable_main()
+    if path is not None:
+        raise ShardcacheError(
+            f"cannot start {workers} worker processes: each re-imports the main script, and "
+            f"this one ({os.path.basename(path)!r}, e.g. a script read from stdin) is not a "
+            "file they can import; save the script to a file with the build call under an "
+            "`if __name__ == '__main__':` guard and run that file, or build with workers=1"
+        )
+
+
+def _write_payload(spec: dict[str, Any], plan: BuildPlan) -> str:
+    """Write what every worker needs to a private temporary file; returns its path."""
+    fd, path = tempfile.mkstemp(prefix=f"{POOL_PAYLOAD_PREFIX}{os.getpid()}-", suffix=".pickle")
+    with os.fdopen(fd, "wb") as f:
+        pickle.dump((spec, plan), f, protocol=pickle.HIGHEST_PROTOCOL)
+    return path
+
+
 def run_pool(
     plan: BuildPlan,
     pending: list[Partition],
@@ -116,8 +172,22 @@ def run_pool(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    from concurrent.futures.process import BrokenProcessPool
+    """Run ``pending`` in a ``spawn`` pool of ``workers`` processes (see the module notes).
 
+    Args:
+        plan: the build plan.
+        pending: the partitions to run.
+        encoder: the build's encoder, after the gate (its fast backend is freed here).
+        progress: receives the workers' progress events.
+        workers: processes in the pool.
+
+    Returns:
+        Partition id -> result, for every partition of ``pending``.
+
+    Raises:
+        ShardcacheError: ``__main__`` cannot be re-imported by a child, or a worker died.
+    """
+    check_main_importable(workers)
     ctx = multiprocessing.get_context("spawn")
     queue = ctx.Queue()
     rayon_threads = max(1, default_workers() // workers)
@@ -125,11 +195,31 @@ def run_pool(
     # this process only waits from here on: free its copy of the fast backend (large for a
     # big vocabulary; the workers load their own from the spec)
     getattr(encoder, "text", encoder).fast = None
+    payload = _write_payload(spec, plan)
+    try:
+        return _run_executor(ctx, queue, payload, plan, pending, progress, workers, rayon_threads)
+    finally:
+        with contextlib.suppress(OSError):
+            os.remove(payload)
+
+
+def _run_executor(
+    ctx: Any,
+    queue: Any,
+    payload: str,
+    plan: BuildPlan,
+    pending: list[Partition],
+    progress: Progress,
+    workers: int,
+    rayon_threads: int,
+) -> dict[str, PartitionResult]:
+    from concurrent.futures.process import BrokenProcessPool
+
     executor = ProcessPoolExecutor(
         max_workers=workers,
         mp_context=ctx,
         initializer=_worker_init,
-        initargs=(spec, plan, queue, rayon_threads, os.getpid()),
+        initargs=(payload, queue, rayon_threads, os.getpid()),
     )
     index = {p.id: i for i, p in enumerate(plan.partitions)}
     futures: dict[Future[dict[str, Any]], Partition] = {}

@@ -553,3 +553,57 @@ def test_lock_with_a_runaway_template_fails_cleanly(tmp_path, chatml_tokenizer_d
     result = _cli(args)
     assert result.returncode == 1, result.stderr
     assert "render budget" in result.stderr and "Traceback" not in result.stderr
+
+
+# --- 9b. workers that cannot start, with a real-size tokenizer ------------------------------
+
+
+def _run_build_script(tmp_path, tokenizer: str, how: str):
+    """Run a build_cache(workers=2) script as ``python -`` (how="stdin") or as a script file
+    without the ``__main__`` guard (how="file"); a timeout only guards against a hang."""
+    import subprocess
+    import sys
+
+    for f in range(2):
+        write_records(str(tmp_path / f"{f}.jsonl"), _records(20, seed=f), "jsonl")
+    script = (
+        "from shardcache.builder.run import build_cache\n"
+        "from shardcache.config import build_options_from_mapping\n"
+        f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer!r}, "
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
+        "build_cache(build_options_from_mapping(values))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    args: list[str] = [sys.executable, "-"]
+    if how == "file":
+        (tmp_path / "unguarded.py").write_text(script)
+        args = [sys.executable, str(tmp_path / "unguarded.py")]
+    return subprocess.run(
+        args,
+        input=script if how == "stdin" else None,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": repo},
+        timeout=120,
+    )
+
+
+def test_a_script_on_stdin_with_a_large_tokenizer_fails_fast_instead_of_hanging(
+    tmp_path, large_bpe_dir
+):
+    # the spawn payload (encoder spec + plan) used to exceed the pipe buffer of a child that
+    # had died re-importing '<stdin>': the parent blocked writing it, forever
+    result = _run_build_script(tmp_path, large_bpe_dir, "stdin")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "if __name__ == '__main__':" in result.stderr
+    assert "<stdin>" in result.stderr
+    assert "FileNotFoundError" not in result.stderr  # refused before any worker started
+
+
+def test_an_unguarded_script_with_a_large_tokenizer_fails_instead_of_hanging(
+    tmp_path, large_bpe_dir
+):
+    result = _run_build_script(tmp_path, large_bpe_dir, "file")
+    assert result.returncode == 1, result.stderr[-3000:]
+    assert "if __name__ == '__main__':" in result.stderr
