@@ -371,10 +371,6 @@ class ChatEncoder:
         self.lint = ChatLint()
         self._checked = 0
 
-    @property
-    def tokenize_options(self) -> Any:
-        return self.text.options
-
     def describe(self) -> dict[str, Any]:
         return {**self.text.describe(), "chat_template": self.renderer.template_kind}
 

@@ -24,14 +24,11 @@ from shardcache.builder.encoders import make_encoder
 from shardcache.builder.sources import list_inputs
 from shardcache.builder.tokenizer_memo import ResolvedTokenizer, library_versions
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
-from shardcache.store.check import cache_key, compare_keys
 from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
 from shardcache.store.key import (
     CacheKey,
-    KeyComparison,
     canonical_json,
     inline_value,
-    read_lock,
 )
 from shardcache.store.layout import FORMAT_VERSION
 
@@ -245,11 +242,3 @@ def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
     """The key the current configuration (recipe values + flags) would build."""
     encoder = make_encoder(tokenize_options_from_mapping(values), chat_options_from_mapping(values))
     return compute_key(encoder, current_data(values, hashing))
-
-
-def check_cache(path: str, values: Mapping[str, Any], strict: bool = False) -> KeyComparison:
-    return compare_keys(cache_key(path), current_key(values, DataHashing()), strict)
-
-
-def check_lock(lock: str, values: Mapping[str, Any], strict: bool = False) -> KeyComparison:
-    return compare_keys(read_lock(lock), current_key(values, DataHashing()), strict)

@@ -17,6 +17,7 @@ Only a local folder has an exclusive lock (:meth:`Storage.lock`, ``<output>/.loc
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -35,7 +36,7 @@ from shardcache.store.remote import filesystem, is_url
 STAGED_FOLDERS = (SHARD_DIR, PARTS_DIR, INDEX_DIR)
 
 
-class Storage:
+class Storage(abc.ABC):
     """The operations a build needs on its output (see the module docstring).
 
     Attributes:
@@ -44,56 +45,56 @@ class Storage:
 
     location: str
 
+    @abc.abstractmethod
     def exists(self, name: str) -> bool:
         """Whether ``name`` exists (listings are fresh: another machine may have written)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_json(self, name: str) -> dict[str, Any] | None:
         """The JSON object ``name``; None when it is missing or not a whole JSON object."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
         """Several small files at once; None for a missing one."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
         """Write ``obj`` as ``name``, whole or not at all (the format of
         :func:`~shardcache.store.files.write_json_atomic`; ``private``: a temporary name of
         this process's own, for a file several processes may write at once)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def sizes(self, folder: str) -> dict[str, int]:
         """Every file under ``folder`` (one listing): name relative to it -> size in bytes."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def remove(self, names: list[str]) -> None:
         """Delete files (missing ones are fine)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def remove_folders(self, folders: list[str]) -> None:
         """Delete folders and everything in them (missing ones are fine)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
         """Hold the exclusive build lock of ``name`` (the output itself by default).
 
         Raises:
             BuildLockedError: another live build holds it (local folders only).
         """
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def staging(self, label: str) -> contextlib.AbstractContextManager[str]:
         """A local folder (with :data:`STAGED_FOLDERS`) where files are written before they
         are published; ``label`` names a temporary one (``shardcache-<label>-...``)."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def publish(self, staged: str, names: list[str]) -> None:
         """Make the files ``names`` written under ``staged`` part of the output, in order."""
-        raise NotImplementedError
 
+    @abc.abstractmethod
     def fetch(self, staged: str, names: list[str]) -> None:
         """Copy the files ``names`` of the output into ``staged`` (a no-op in place)."""
-        raise NotImplementedError
 
 
 class LocalStorage(Storage):
