@@ -186,10 +186,20 @@ def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
     ]  # fmt: skip
 
 
-def fingerprint_of(options: dict[str, Any], inputs: list[dict[str, Any]]) -> str:
-    """The sha256 of recorded options and inputs (:func:`options_json`, :func:`inputs_json`)."""
-    blob = json.dumps({"options": options, "inputs": inputs}, sort_keys=True)
+def fingerprint_of(options: BuildOptions, inputs: list[InputFile]) -> str:
+    """The sha256 of the options and inputs as recorded (:func:`options_json`,
+    :func:`inputs_json`): a build with another fingerprint cannot reuse the recorded work."""
+    blob = json.dumps({"options": options_json(options), "inputs": inputs_json(inputs)},
+                      sort_keys=True)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
+
+
+def what_changed(state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]) -> str:
+    """The recorded options and inputs (``parts/build.json``) that differ from these, at most
+    8 differences joined by ``"; "`` (empty when none is found)."""
+    changes = differences(state.get("options"), options_json(options))
+    changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
+    return "; ".join(changes[:8])
 
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
@@ -223,7 +233,7 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
                 nbytes = (span.end if span.end is not None else f.size) - span.start
             partitions.append(Partition(f"p{len(partitions):05d}", f, span, nbytes))
     edges = effective_edges(options.layout.bucket_edges, options.tokenize.max_length)
-    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
+    fingerprint = fingerprint_of(options, inputs)
     return BuildPlan(options, inputs, partitions, edges, hashes, fingerprint)
 
 
@@ -332,9 +342,7 @@ def completed(storage: Storage, partitions: list[Partition]) -> dict[str, Partit
 
 def _refused(location: str, state: dict[str, Any], options: BuildOptions,
              inputs: list[InputFile], share: Share | None) -> CacheError:  # fmt: skip
-    changes = differences(state.get("options"), options_json(options))
-    changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
-    what = "; ".join(changes[:8]) or "fingerprint differs"
+    what = what_changed(state, options, inputs) or "fingerprint differs"
     if share is not None:
         return CacheError(
             f"{location!r} holds a build with other options or inputs ({what}); every share of "
@@ -373,7 +381,7 @@ def plan_output(
         CacheError: the output holds a build with other options or inputs.
     """
     state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
-    fingerprint = fingerprint_of(options_json(options), inputs_json(inputs))
+    fingerprint = fingerprint_of(options, inputs)
     if state is not None and state.get("fingerprint") != fingerprint and not options.force:
         raise _refused(storage.location, state, options, inputs, share)
     if state is not None and not options.force:

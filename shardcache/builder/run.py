@@ -33,12 +33,9 @@ from shardcache.builder.build_plan import (
     PartitionResult,
     Share,
     completed,
-    differences,
     fingerprint_of,
-    input_differences,
-    inputs_json,
-    options_json,
     plan_output,
+    what_changed,
 )
 from shardcache.builder.commit import commit, committed_manifest, finish_committed
 from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
@@ -210,13 +207,9 @@ def already_committed(
         storage.remove([MANIFEST])
         return None
     state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
-    options_now, inputs_now = options_json(options), inputs_json(inputs)
-    if state is None or state.get("fingerprint") != fingerprint_of(options_now, inputs_now):
-        changes = []
-        if state is not None:
-            changes = differences(state.get("options"), options_now)
-            changes += input_differences(state.get("inputs") or [], inputs_now)
-        what = "; ".join(changes[:8]) or "its build record is missing, so it cannot be compared"
+    if state is None or state.get("fingerprint") != fingerprint_of(options, inputs):
+        what = what_changed(state, options, inputs) if state is not None else ""
+        what = what or "its build record is missing, so it cannot be compared"
         raise CacheError(
             f"{storage.location!r} already holds a committed cache built with other options or "
             f"inputs ({what}); pass --force to rebuild it, or choose another --output"
