@@ -65,12 +65,16 @@ def _plain(array: np.ndarray | None, read_only: bool) -> np.ndarray:
 
 
 class BatchKernels:
-    """The compiled reader of one cache and one epoch plan: :meth:`pack` / :meth:`pad` build
-    batch ``index`` (the arrays of ``collate.pack_batch`` / ``collate.pad_batch``), or return
-    None when the numpy path must (a compressed shard, a batch the kernel refuses).
+    """The compiled reader of one cache and one epoch plan.
 
-    ``capacity`` is the most slots a batch can have (the plan's token budget): outputs are
-    allocated at that size and cut to the batch's own."""
+    Args:
+        cache: the cache (or mixture) whose :meth:`~shardcache.store.cache.Cache.open_mapped`
+            opens shards on demand.
+        table: its mapped-shard table.
+        plan: the epoch plan.
+        capacity: the most slots a batch can have (the token budget): outputs are allocated at
+            that size and cut to the batch's own.
+    """
 
     def __init__(self, cache: Cache, table: MappedTable, plan: Any, capacity: int):
         kernels = _compiled()
@@ -137,7 +141,23 @@ class BatchKernels:
     def pack(
         self, index: int, seq_len: int, pad_id: int, ids_dtype: np.dtype
     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """``(model inputs, meta)`` of packed batch ``index``, or None (the numpy path)."""
+        """The arrays of packed batch ``index`` (as ``collate.pack_batch`` makes them).
+
+        Args:
+            index: the global batch.
+            seq_len: slots per row.
+            pad_id: the padding id.
+            ids_dtype: the type of ``input_ids`` and ``position_ids``.
+
+        Returns:
+            ``(model inputs, meta)``, or None when the numpy path must read the batch (a compressed
+            shard, or more shards than stay open).
+
+        Raises:
+            IndexError: a segment outside its sequence.
+            CorruptShardError: an id above the tokenizer's largest, or a read past a shard's end.
+            ValueError: the plan's rows do not fit the budget.
+        """
         t = self.table
         offsets, samples, starts, lengths, rows = self._plan
         segments = int(offsets[index + 1] - offsets[index])
@@ -185,7 +205,22 @@ class BatchKernels:
     def pad(
         self, index: int, multiple: int, pad_id: int, ids_dtype: np.dtype
     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """``(model inputs, meta)`` of pad batch ``index``, or None (the numpy path)."""
+        """The arrays of pad batch ``index`` (as ``collate.pad_batch`` makes them).
+
+        Args:
+            index: the global batch.
+            multiple: round the row width up to a multiple of this.
+            pad_id: the padding id.
+            ids_dtype: the type of ``input_ids`` and ``attention_mask``.
+
+        Returns:
+            ``(model inputs, meta)``, or None when the numpy path must read the batch.
+
+        Raises:
+            IndexError: a sample id out of range.
+            CorruptShardError: an id above the tokenizer's largest, or a read past a shard's end.
+            ValueError: the batch does not fit the budget.
+        """
         t = self.table
         offsets, samples = self._plan[0], self._plan[1]
         slots = self.capacity
@@ -221,10 +256,10 @@ class BatchKernels:
 def warm_up() -> None:
     """Load the compiled kernels for the common argument types now (a no-op without numba).
 
-    A process's first call of a numba kernel pays numba's start and loads the kernel from
-    numba's cache; ``shardcache.read.dataset`` calls this when it is imported, so that cost is
-    paid with the other imports, not in the first batch. Other types (int64 ids, uint16
-    shards, int64 file starts) load on first use."""
+    ``shardcache.read.dataset`` calls this on import, so numba's start and the kernels' load from
+    its cache are paid with the other imports, not in the first batch. A kernel that fails to
+    load turns the kernels off with a warning (reads take the numpy path).
+    """
     global disabled
     try:
         _warm()

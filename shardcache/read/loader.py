@@ -33,15 +33,13 @@ DEFAULT_WORKERS = 2
 
 
 class ShardLoader:
-    """Iterate batches of a :class:`ShardDataset` through a DataLoader (and optionally a
+    """Batches of a :class:`ShardDataset` through a DataLoader (and optionally a
     :class:`DevicePrefetcher`), with an exact resumable position.
 
-    Built by :func:`loader`. ``for batch in loader`` runs one pass over the current epoch;
-    ``set_epoch(e)`` before each epoch reshuffles; ``len(loader)`` is the batches of that pass;
-    ``state_dict()`` is the reader position after the batches handed out so far (exact with
-    workers and prefetching), ``load_state_dict`` restores one. A pass left early (``break``)
-    and iterated again continues after the last batch it handed out. ``dataset``, ``dataloader``
-    and ``prefetcher`` (``None`` without ``device=``) are the parts.
+    Built by :func:`loader`. ``for batch in loader`` runs one pass over the current epoch; a
+    pass left early and iterated again continues after the last batch handed out.
+    ``dataset``, ``dataloader`` and ``prefetcher`` (None without ``device=``) are the parts. A
+    context manager: :meth:`close` stops the prefetcher and closes the dataset.
     """
 
     def __init__(
@@ -79,8 +77,11 @@ class ShardLoader:
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (see :meth:`ShardDataset.set_epoch`): a new one starts at 0, the
-        current one keeps its position (after the last batch handed out)."""
+        """Select the epoch (:meth:`ShardDataset.set_epoch`).
+
+        Args:
+            epoch: the epoch; a new one starts at 0, the current one keeps its position.
+        """
         if self._base is not None and not self._finished and epoch == self.dataset.epoch:
             self.dataset.load_state_dict(self.state_dict())
         self.dataset.set_epoch(epoch)
@@ -96,14 +97,23 @@ class ShardLoader:
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue from ``state`` (any world size and ``num_workers``)."""
+        """Continue from a state (any world size and ``num_workers``).
+
+        Args:
+            state: what :meth:`state_dict` returned.
+
+        Raises:
+            StateError: the state does not fit this dataset.
+        """
         self.dataset.load_state_dict(state)
         self._base = None
 
     def close(self) -> None:
-        """Stop the prefetcher's thread and free its pinned memory (idempotent)."""
+        """Stop the prefetcher's thread, free its pinned memory, close the dataset (idempotent;
+        the dataset opens its cache again if the loader is used afterwards)."""
         if self.prefetcher is not None:
             self.prefetcher.close()
+        self.dataset.close()
 
     def __enter__(self) -> ShardLoader:
         return self
@@ -126,23 +136,26 @@ def loader(
 ) -> ShardLoader:
     """A :class:`ShardLoader` over ``ShardDataset(path, max_tokens, attention=..., **options)``.
 
-    ``options`` are the other ``ShardDataset`` keywords: ``mode``, ``seq_len``, ``packing``,
-    ``shuffle``, ``seed``, ``rank``, ``world_size``, ``expect``... ``attention`` is required
-    with ``mode="pack"`` (``"mask"``, ``"varlen"``: flash attention, or sdpa/eager with
-    ``use_cache=False``, ``"none"``).
+    Args:
+        path: the cache folder or URL (or a list of mixture sources).
+        max_tokens: the token budget of a batch.
+        num_workers: DataLoader workers (default: none when the compiled kernels read the
+            cache, else 2; 2 as well when ``start_method`` or ``persistent_workers`` asks for
+            workers).
+        device: add a :class:`DevicePrefetcher` that hands out batches on this device.
+        attention: required with ``mode="pack"``: ``"mask"``, ``"varlen"`` or ``"none"``.
+        stateful: use torchdata's ``StatefulDataLoader`` (``pip install torchdata``).
+        start_method: how workers start (default ``"forkserver"`` where available).
+        persistent_workers: keep the workers across epochs.
+        **options: the other ``ShardDataset`` keywords (``mode``, ``seq_len``, ``shuffle``,
+            ``seed``, ``rank``, ``expect``, ...).
 
-    The DataLoader gets ``batch_size=None`` (the dataset yields whole batches),
-    ``num_workers`` workers (default: none when the compiled kernels read the cache, since a
-    batch costs less to build in-process than to receive from a worker; else 2: compressed
-    or remote caches, no numba; 2 as well when
-    ``start_method`` or ``persistent_workers`` asks for workers) started with
-    ``start_method`` (default ``"forkserver"`` where the platform has it: safe under DDP, see
-    the module docstring), ``persistent_workers`` (False:
-    new workers every epoch; True keeps them, saving their start at every epoch) and
-    ``pin_memory=False``. ``stateful=True`` makes it a torchdata ``StatefulDataLoader``
-    (``pip install torchdata``), for frameworks that checkpoint the DataLoader itself.
-    ``device`` (e.g. ``"cuda"``) adds a :class:`DevicePrefetcher` that hands out batches on
-    that device (a pass-through on CPU).
+    Returns:
+        The loader (its DataLoader has ``batch_size=None`` and no ``pin_memory``).
+
+    Raises:
+        ConfigError: an option is invalid.
+        MissingDependencyError: ``stateful=True`` without torchdata.
     """
     if num_workers is not None:
         check_int("num_workers", num_workers, 0)

@@ -30,6 +30,7 @@ INLINE_LIMIT = 2048
 
 
 def canonical_json(value: Any) -> str:
+    """``value`` as canonical JSON (sorted keys, no whitespace): what digests are taken of."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
@@ -52,6 +53,7 @@ class Difference:
     severity: str  # "changed" (incompatible) or "warning"
 
     def to_json(self) -> dict[str, Any]:
+        """The difference as JSON."""
         return {"field": self.field, "old": self.old, "new": self.new, "severity": self.severity}
 
 
@@ -63,10 +65,12 @@ class CacheKey:
 
     @property
     def digest(self) -> str:
+        """The sha256 of the canonical JSON of the hard components."""
         hard = {name: self.components.get(name) for name in HARD_COMPONENTS}
         return sha256_text(canonical_json({"key_version": KEY_VERSION, **hard}))
 
     def to_json(self) -> dict[str, Any]:
+        """The key as stored in a manifest or lock file."""
         return {
             "key_version": KEY_VERSION,
             "digest": self.digest,
@@ -75,6 +79,7 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CacheKey:
+        """The key :meth:`to_json` gave."""
         if not isinstance(data, Mapping) or "components" not in data:
             raise ConfigError("cache key: expected an object with 'components'; got something else")
         if data.get("key_version", KEY_VERSION) != KEY_VERSION:
@@ -85,6 +90,7 @@ class CacheKey:
         return cls(dict(data["components"]))
 
     def with_component(self, name: str, value: Any) -> CacheKey:
+        """A copy with component ``name`` set to ``value``."""
         return CacheKey({**self.components, name: value})
 
 
@@ -122,9 +128,11 @@ class KeyComparison:
 
     @property
     def compatible(self) -> bool:
+        """True when no component is "changed" (warnings and skipped ones are compatible)."""
         return all(s != "changed" for s in self.status.values())
 
     def to_json(self) -> dict[str, Any]:
+        """The comparison as JSON (``shardcache check --json``)."""
         return {
             "compatible": self.compatible,
             "expected_digest": self.expected.digest,
@@ -159,7 +167,17 @@ def _short(value: Any, limit: int) -> str:
 def compare(
     expected: CacheKey, actual: CacheKey, strict: bool = False, skip: tuple[str, ...] = ()
 ) -> KeyComparison:
-    """Compare two keys component by component (``skip``: components not checked)."""
+    """Compare two keys component by component.
+
+    Args:
+        expected: the key the caller expects (current configuration or lock file).
+        actual: the cache's key.
+        strict: a version difference is an error even when the behaviour probe agrees.
+        skip: components not compared.
+
+    Returns:
+        The per-component status and the differences.
+    """
     result = KeyComparison(expected, actual)
     behaviour_same = canonical_json(expected.components.get("behaviour")) == canonical_json(
         actual.components.get("behaviour")
@@ -184,10 +202,17 @@ def compare(
 
 
 def write_lock(path: str, key: CacheKey) -> None:
+    """Write ``key`` as a lock file at ``path`` (atomically)."""
     write_json_atomic(path, {"shardcache_lock": LOCK_VERSION, "key": key.to_json()})
 
 
 def read_lock(path: str) -> CacheKey:
+    """The key a lock file records.
+
+    Raises:
+        SourceError: the file cannot be read.
+        ConfigError: it is not a shardcache lock file.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -204,13 +229,22 @@ def read_lock(path: str) -> CacheKey:
 
 
 def manifest_key(manifest: Mapping[str, Any], where: str) -> CacheKey:
+    """The key a manifest records.
+
+    Raises:
+        ConfigError: the manifest has none (``where`` names the cache).
+    """
     if not manifest.get("key"):
         raise ConfigError(f"{where}: the manifest has no cache key; rebuild the cache")
     return CacheKey.from_json(manifest["key"])
 
 
 def raise_if_mismatch(comparison: KeyComparison, where: str) -> None:
-    """Raise :class:`CacheKeyMismatch` (listing the fields) unless compatible."""
+    """Raise unless a comparison is compatible.
+
+    Raises:
+        CacheKeyMismatch: listing the changed fields, ``where`` naming the cache.
+    """
     if comparison.compatible:
         return
     changed = [d for d in comparison.differences if d.severity == "changed"]
@@ -235,8 +269,15 @@ def register_options_resolver(resolver: Callable[[Mapping[str, Any]], CacheKey])
 
 
 def expected_key(expect: Any) -> CacheKey:
-    """``expect`` as a key: a :class:`CacheKey`, a lock file path, or a mapping of the
-    tokenizer/template/truncation options (as in a recipe: tokenizer, max_length, ...)."""
+    """``expect`` as a key.
+
+    Args:
+        expect: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer, template
+            and truncation options (as in a recipe: ``tokenizer``, ``max_length``, ...).
+
+    Raises:
+        ConfigError: ``expect`` is none of those, or no resolver of options is registered.
+    """
     if isinstance(expect, CacheKey):
         return expect
     if isinstance(expect, (str, os.PathLike)):
@@ -256,8 +297,19 @@ def expected_key(expect: Any) -> CacheKey:
 
 
 def verify_manifest_key(manifest: Mapping[str, Any], expect: Any, where: str) -> CacheKey:
-    """Raise :class:`CacheKeyMismatch` unless the cache's key matches ``expect``; returns
-    the cache's key. Components missing on the expected side (e.g. data) are not compared."""
+    """Check a cache's key against ``expect``; components ``expect`` lacks (e.g. data) are skipped.
+
+    Args:
+        manifest: the cache's manifest.
+        expect: as for :func:`expected_key`.
+        where: the cache's path (for messages).
+
+    Returns:
+        The cache's key.
+
+    Raises:
+        CacheKeyMismatch: the keys differ (the fields are listed).
+    """
     recorded = manifest_key(manifest, where)
     wanted = expected_key(expect)
     skip = tuple(n for n in COMPONENTS if wanted.components.get(n) is None)

@@ -59,7 +59,18 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path inside it)`` for a URL; names the pip command if missing."""
+    """The fsspec filesystem of a URL.
+
+    Args:
+        url: ``scheme://...``.
+
+    Returns:
+        ``(filesystem, path inside it)``.
+
+    Raises:
+        MissingDependencyError: the scheme's package is missing (names the pip command).
+        ConfigError: fsspec does not know the URL.
+    """
     import fsspec
 
     try:
@@ -79,9 +90,16 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 def unreachable(err: BaseException, url: str) -> CacheError | None:
-    """A :class:`CacheError` naming the URL and what to check when ``err`` means the object
-    store could not be reached (connection refused, DNS, timeout: builtin, botocore or aiohttp
-    errors); None for other errors."""
+    """The error to raise when ``err`` means the object store could not be reached.
+
+    Args:
+        err: an error from fsspec (builtin, botocore or aiohttp).
+        url: the URL that was read.
+
+    Returns:
+        A :class:`CacheError` naming the URL and what to check (connection refused, DNS,
+        timeout), or None for other errors.
+    """
     names = {t.__name__ for t in type(err).__mro__}
     network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                "ConnectionError", "TimeoutError", "ServerTimeoutError"}  # fmt: skip
@@ -96,7 +114,11 @@ def unreachable(err: BaseException, url: str) -> CacheError | None:
 
 
 def cache_size_bytes() -> int:
-    """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``, e.g. ``200GiB``)."""
+    """The bound of the local shard cache in bytes (``SHARDCACHE_CACHE_SIZE``, default 64 GiB).
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
     value = os.environ.get(CACHE_SIZE_ENV)
     return parse_size(value, CACHE_SIZE_ENV) if value else DEFAULT_CACHE_SIZE_BYTES
 
@@ -114,10 +136,20 @@ def download(
     size: int | None,
     tmp: str | None = None,
 ) -> None:
-    """Stream ``rpath`` into ``local`` (private tmp, checked, renamed); raise if it differs.
+    """Stream a remote file into a local path (private tmp, checked, renamed).
 
-    ``tmp``: an existing temporary file to write into without truncating it first (its
-    size is a reservation others count, see :class:`ObjectStore`)."""
+    Args:
+        fs: the filesystem.
+        rpath: the remote path.
+        local: the local path.
+        sha256: the expected digest, or None.
+        size: the expected size, or None.
+        tmp: an existing temporary file to write into without truncating it (its size is a
+            reservation others count: :class:`ObjectStore`).
+
+    Raises:
+        CorruptShardError: the download's size or sha256 is not the expected one.
+    """
     os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
     reserved = tmp is not None
     tmp = tmp or private_tmp(local)
@@ -187,6 +219,7 @@ class ObjectStore:
         os.makedirs(folder, exist_ok=True)
 
     def path(self, sha256: str) -> str:
+        """The local path of the object with digest ``sha256``."""
         return os.path.join(self.folder, f"{check_digest(sha256, 'shard sha256')}.arrow")
 
     def acquire(
@@ -394,8 +427,12 @@ def _release(path: str) -> None:
 class RemoteCache:
     """A committed cache at a URL, seen through a local folder holding its manifest.
 
-    ``local_dir`` holds ``manifest.json`` (refreshed on every open); :attr:`lengths_path` the
-    length index (content-addressed, downloaded once); shards come from :meth:`fetch_shard`.
+    Args:
+        url: the cache's URL.
+
+    Raises:
+        CacheNotFoundError: no committed cache there.
+        CacheError: the store cannot be reached.
     """
 
     def __init__(self, url: str):
@@ -433,6 +470,7 @@ class RemoteCache:
 
     @property
     def lengths_path(self) -> str:
+        """The local copy of the length index (content-addressed, downloaded once)."""
         entry = self.manifest["index"]["lengths"]
         sha = check_digest(entry["sha256"], "index.lengths.sha256")
         path = os.path.join(cache_root(), "index", f"{sha}.npy")
@@ -441,5 +479,13 @@ class RemoteCache:
         return path
 
     def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
+        """Download (if needed) a shard and hold it (:meth:`ObjectStore.acquire`).
+
+        Args:
+            info: the shard's manifest entry.
+
+        Returns:
+            ``(local path, release)``.
+        """
         name = check_shard_name(info["name"], "shard name")
         return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=self.shed)

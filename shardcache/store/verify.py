@@ -37,6 +37,7 @@ class Problem:
     message: str
 
     def to_json(self) -> dict[str, str]:
+        """The problem as JSON."""
         return {"file": self.file, "kind": self.kind, "message": self.message}
 
 
@@ -52,12 +53,15 @@ class VerifyReport:
 
     @property
     def ok(self) -> bool:
+        """True when no problem was found."""
         return not self.problems
 
     def add(self, file: str, kind: str, message: str) -> None:
+        """Record a problem of ``file`` (relative to the cache) of ``kind`` with ``message``."""
         self.problems.append(Problem(file, kind, message))
 
     def to_json(self) -> dict[str, Any]:
+        """The report as JSON (``shardcache verify --json``)."""
         return {
             "cache": self.cache,
             "ok": self.ok,
@@ -228,9 +232,17 @@ def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any])
 
 
 def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
-    """Check every file of the cache at ``path``; never raises for damage, reports it.
+    """Check every file of a cache; damage is reported, never raised.
 
-    A URL is downloaded file by file into a temporary folder first (:func:`verify_remote`)."""
+    Args:
+        path: the cache folder, or a URL (then :func:`verify_remote`).
+
+    Returns:
+        The report.
+
+    Raises:
+        CacheError: a URL's store cannot be reached (nothing was verified).
+    """
     root = os.fspath(path)
     if is_url(root):
         return verify_remote(root)
@@ -289,7 +301,11 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
 
 
 def verify_remote(url: str) -> VerifyReport:
-    """``verify_cache`` for a URL: download every listed file into a temporary folder."""
+    """:func:`verify_cache` for a URL: every listed file downloaded into a temporary folder first.
+
+    Raises:
+        CacheError: the store cannot be reached.
+    """
     url = url.rstrip("/")
     try:
         remote = RemoteCache(url)
@@ -327,7 +343,7 @@ def verify_remote(url: str) -> VerifyReport:
 
 
 def format_verify(report: VerifyReport) -> str:
-    """Human-readable lines: one per problem, then a summary line."""
+    """Human-readable lines of a report: one per problem, then a summary line."""
     lines = [
         f"NOT A CACHE  {p.message}" if p.kind == "not_a_cache" else
         f"CORRUPT  {p.file}: {p.kind}: {p.message}"

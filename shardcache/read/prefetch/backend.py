@@ -54,7 +54,11 @@ def _has_generic_api() -> bool:
 
 
 def parse_device(device: object) -> torch.device:
-    """``torch.device(device)``, or a :class:`ConfigError` naming the accepted forms."""
+    """The ``device=`` argument as a ``torch.device``.
+
+    Raises:
+        ConfigError: torch does not understand it (the message names the accepted forms).
+    """
     try:
         return torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError) as err:
@@ -76,7 +80,14 @@ def default_device() -> torch.device:
 
 
 class TorchDeviceBackend:
-    """Real backend: ``torch.accelerator``/``torch.Stream``/``torch.Event``, else ``torch.cuda``."""
+    """The real backend: ``torch.accelerator`` / ``Stream`` / ``Event``, else ``torch.cuda``.
+
+    Args:
+        device: the accelerator device.
+
+    Raises:
+        ConfigError: no usable accelerator of that type.
+    """
 
     def __init__(self, device: torch.device) -> None:
         acc = None

@@ -17,13 +17,17 @@ from shardcache.errors import ConfigError
 class PrefetchOptions:
     """Less common knobs of :class:`DevicePrefetcher`, validated at construction.
 
-    ``max_pinned_bytes`` caps the pinned host memory of all slots together (each of the
-    ``depth + 1`` slots may hold up to ``max_pinned_bytes // (depth + 1)``); a larger batch raises
-    :class:`ConfigError`. ``min_slot_bytes`` is the smallest slot capacity (slots grow in powers of
-    two). ``copy_stream_priority`` is passed to the copy stream (lower = higher priority on CUDA).
-    ``timing`` records timing events around each copy for ``stats()``. ``poll_interval_s`` is the
-    timeout of every blocking wait between stop-flag checks; ``join_timeout_s`` bounds how long
-    ``close()`` waits for the packer thread.
+    Args:
+        max_pinned_bytes: pinned host memory of all ``depth + 1`` slots together; a larger batch
+            raises :class:`ConfigError`.
+        min_slot_bytes: the smallest slot (slots grow in powers of two).
+        copy_stream_priority: the copy stream's priority (lower = higher on CUDA).
+        timing: record timing events around each copy for ``stats()``.
+        poll_interval_s: timeout of every blocking wait between stop-flag checks.
+        join_timeout_s: how long ``close()`` waits for the packer thread.
+
+    Raises:
+        ConfigError: a field out of range.
     """
 
     max_pinned_bytes: int = 1 << 30
@@ -58,11 +62,10 @@ class PrefetchOptions:
 class PrefetchStats:
     """A snapshot of the prefetcher's counters (cumulative since construction).
 
-    Times are host seconds unless the name says otherwise. ``consumer_wait_s`` is the stall: time
-    ``next()`` blocked waiting for the packer. ``consumer_next_s`` is all host time spent in
-    ``next()`` (the wait plus issuing copies and building views). ``copy_s`` and
-    ``copy_bytes_timed`` cover only copies whose timing events were already complete when last
-    looked at (``copies_timed`` of them), so they lag a few batches behind ``batches``.
+    Times are host seconds unless named otherwise. ``consumer_wait_s`` is the stall: time
+    ``next()`` waited for the packer; ``consumer_next_s`` all host time in ``next()``. ``copy_s``
+    and ``copy_bytes_timed`` cover the copies whose timing events had completed when last looked
+    at (``copies_timed``), so they lag a few batches behind ``batches``.
     """
 
     passthrough: bool

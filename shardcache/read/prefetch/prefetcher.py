@@ -40,16 +40,23 @@ MAX_DEPTH = 64
 class DevicePrefetcher:
     """Yield each upstream batch on the device, in order, with copies overlapping compute.
 
-    ``iterable`` is re-iterated once per epoch (e.g. a ``DataLoader`` built with
-    ``pin_memory=False``). ``device=None`` picks the current accelerator, or a CPU pass-through
-    when there is none. ``depth`` batches are staged ahead of the one being consumed (plus one
-    being packed). ``cast`` maps a host dtype to the dtype handed out, converted on the device
-    after the copy (e.g. ``{torch.int32: torch.int64}``). ``backend`` replaces the torch device
-    backend (tests, other accelerators). See the module docstring for the ownership rule::
+    See the module docstring for the ownership rule::
 
         with DevicePrefetcher(loader, depth=2) as batches:
             for batch in batches:
                 loss = model(**batch)
+
+    Args:
+        iterable: re-iterated once per epoch (a ``DataLoader`` with ``pin_memory=False``).
+        device: the device (default the current accelerator; a CPU pass-through without one).
+        depth: batches staged ahead of the one consumed (1 to :data:`MAX_DEPTH`).
+        cast: host dtype -> dtype handed out, converted on the device after the copy (e.g.
+            ``{torch.int32: torch.int64}``).
+        options: the less common knobs.
+        backend: replaces the torch device backend (tests, other accelerators).
+
+    Raises:
+        ConfigError: ``depth``, ``options`` or ``cast`` is invalid.
     """
 
     def __init__(
@@ -122,9 +129,9 @@ class DevicePrefetcher:
         return self._ring.stats()
 
     def close(self) -> None:
-        """Stop the packer thread, wait for outstanding copies, free the pinned slots.
+        """Stop the packer thread, wait for outstanding copies, free the pinned slots (idempotent).
 
-        Idempotent. A later ``iter()`` starts afresh (re-allocating slots and the copy stream).
+        A later ``iter()`` starts afresh.
         """
         self._ring.close()
 

@@ -132,8 +132,12 @@ class _Epoch:
 class Ring:
     """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats.
 
-    ``backend=None`` is the synchronous pass-through (no accelerator). ``run()`` is one epoch's
-    iterator; ``close()`` stops it and frees the slots (idempotent).
+    Args:
+        iterable: the upstream, iterated once per epoch.
+        backend: the device backend; None is the synchronous pass-through.
+        depth: batches staged ahead.
+        cast: dtype conversions done on the device.
+        options: the prefetcher's options.
     """
 
     def __init__(
@@ -168,6 +172,7 @@ class Ring:
             self.slots = [_Slot() for _ in range(self.depth + 1)]
 
     def start_epoch(self) -> _Epoch:
+        """Start an epoch (stopping an unfinished one): its packer thread runs from here."""
         with self.lock:
             if self.epoch is not None:
                 self._stop_epoch(self.epoch)
@@ -186,6 +191,7 @@ class Ring:
             ep.thread.start()
 
     def stop_epoch(self, ep: _Epoch) -> None:
+        """Stop an epoch's packer thread and drop its staged batches once their copies completed."""
         with self.lock:
             self._stop_epoch(ep)
 
@@ -229,6 +235,7 @@ class Ring:
             self.epoch = None
 
     def close(self) -> None:
+        """Stop the current epoch and free the slots and the copy stream (idempotent)."""
         with self.lock:
             if self.epoch is not None:
                 self._stop_epoch(self.epoch)
@@ -391,6 +398,12 @@ class Ring:
                 c.copy_bytes_timed += nbytes
 
     def next_batch(self, ep: _Epoch) -> Any:
+        """The next batch of ``ep`` on the device, ready on the current stream.
+
+        Raises:
+            StopIteration: the upstream is exhausted.
+            Exception: whatever the upstream raised (the same object).
+        """
         t0 = time.perf_counter()
         poll = self.options.poll_interval_s
         b = self.backend
@@ -441,6 +454,7 @@ class Ring:
         return out
 
     def passthrough_next(self, ep: _Epoch) -> Any:
+        """The next upstream batch as it is (no accelerator)."""
         t0 = time.perf_counter()
         try:
             batch = next(ep.source)  # type: ignore[arg-type]
@@ -460,6 +474,7 @@ class Ring:
         return batch
 
     def run(self) -> Iterator[Any]:
+        """One epoch's iterator: starts it, yields its batches, stops it on exit."""
         ep = self.start_epoch()
         step = self.next_batch if self.backend is not None else self.passthrough_next
         try:
@@ -473,6 +488,7 @@ class Ring:
             self.stop_epoch(ep)
 
     def stats(self) -> PrefetchStats:
+        """A snapshot of the counters (never synchronises the device)."""
         if self.backend is not None and self.options.timing:
             self._harvest()
         c = self.counters

@@ -23,8 +23,14 @@ PACK_ALIGN = 256
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Where each tensor's bytes start when ``tensors`` are packed one after another into one
-    byte buffer (multiples of :data:`PACK_ALIGN`), and the bytes the buffer needs."""
+    """Where tensors go when packed one after another into one byte buffer.
+
+    Args:
+        tensors: the tensors.
+
+    Returns:
+        Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) and the bytes needed.
+    """
     offsets = []
     used = 0
     for t in tensors:
@@ -37,13 +43,22 @@ def packed_view(
     buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
     """The tensor of ``dtype`` and ``shape`` packed at byte ``offset`` of the uint8 ``buffer``
-    (a view: writing it writes the buffer)."""
+    (a view: writing it writes the buffer).
+    """
     nbytes = math.prod(shape) * dtype.itemsize
     return buffer[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
-    """A spec tree for ``obj``; tensors are appended to ``leaves`` and referenced by index."""
+    """A spec tree for ``obj``.
+
+    Args:
+        obj: a batch (any nesting of containers around tensors).
+        leaves: the tensors are appended here and referenced by index in the spec.
+
+    Returns:
+        The spec (for :func:`unflatten`).
+    """
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return ("t", len(leaves) - 1)
@@ -62,7 +77,7 @@ def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
 
 
 def unflatten(spec: tuple, leaves: list[Any]) -> Any:
-    """The batch described by ``spec`` (from :func:`flatten`) around ``leaves``."""
+    """The batch described by ``spec`` (from :func:`flatten`) around new ``leaves``."""
     kind = spec[0]
     if kind == "t":
         return leaves[spec[1]]
