@@ -31,9 +31,15 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def interruptible(what: str) -> Iterator[None]:
-    """Ctrl-C handling for long commands: the first SIGINT raises KeyboardInterrupt (clean
-    stop, exit 130 with ``what`` to do next), a second one during the cleanup exits at once.
-    Left alone where SIGINT is ignored (a background job) or off the main thread."""
+    """Ctrl-C handling for a long command, as a context manager.
+
+    The first SIGINT stops cleanly (exit 130, printing ``what`` to do next); a second one during
+    the cleanup exits at once. Left alone where SIGINT is ignored (a background job) or off the
+    main thread.
+
+    Args:
+        what: what to do after an interruption (e.g. "rerun the same command to resume").
+    """
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
@@ -56,6 +62,11 @@ def interruptible(what: str) -> Iterator[None]:
 
 
 def translate_errors(func: F) -> F:
+    """Wrap a command: :class:`ConfigError` becomes a usage error (exit 2), any other
+    :class:`ShardcacheError` a ``click.ClickException`` (exit 1); anything else keeps its
+    traceback.
+    """
+
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
         try:

@@ -57,7 +57,18 @@ DEFAULT_MAX_BAD_FRACTION = 0.1
 
 
 def check_int(field: str, value: object, low: int, high: int | None = None, unit: str = "") -> None:
-    """Raise :class:`ConfigError` unless ``value`` is an int (not a bool) in ``[low, high]``."""
+    """Check that ``value`` is an int (not a bool) in ``[low, high]``.
+
+    Args:
+        field: the option's name (for the message).
+        value: its value.
+        low: the smallest allowed.
+        high: the largest allowed (None: no bound).
+        unit: the unit named in the message.
+
+    Raises:
+        ConfigError: naming the field, the value and the range.
+    """
     allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
     unit = f" {unit}" if unit else ""
     if (
@@ -70,7 +81,11 @@ def check_int(field: str, value: object, low: int, high: int | None = None, unit
 
 
 def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is one of ``valid`` (naming the closest)."""
+    """Check that ``value`` is one of ``valid``.
+
+    Raises:
+        ConfigError: naming the field, the value, the choices and the closest one.
+    """
     if value in valid:
         return
     close = difflib.get_close_matches(str(value), list(valid), n=1)
@@ -79,14 +94,27 @@ def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
 
 
 def check_fraction(field: str, value: object) -> None:
-    """Raise :class:`ConfigError` unless ``value`` is a number in ``[0, 1]``."""
+    """Check that ``value`` is a number in ``[0, 1]``.
+
+    Raises:
+        ConfigError: naming the field and the value.
+    """
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"{field}: got {value!r}, expected a number in [0, 1] (a fraction)")
 
 
 def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str = "key") -> None:
-    """Raise :class:`ConfigError` naming the names in ``given`` that are not in ``valid``
-    (only those), each with the closest valid name when one is close."""
+    """Check that every name in ``given`` is in ``valid``.
+
+    Args:
+        what: what the names are given to (for the message).
+        given: the names given.
+        valid: the names allowed.
+        noun: what a name is called in the message.
+
+    Raises:
+        ConfigError: naming the unknown names (each with the closest valid one) and the valid.
+    """
     valid = sorted(valid)
     unknown = sorted(set(given) - set(valid))
     if not unknown:
@@ -111,7 +139,18 @@ def default_workers() -> int:
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How conversations are rendered and masked. All of these are part of the cache key."""
+    """How conversations are rendered and masked; all part of the cache key.
+
+    Args:
+        messages_field: the record field holding the messages.
+        template_path: a Jinja template file (None: the tokenizer's ``chat_template``).
+        train_on: which turns carry a loss (:data:`TRAIN_ON`).
+        truncation_side: which side a long conversation is cut from.
+        lint_sample: conversations per partition compared with ``apply_chat_template``.
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     messages_field: str = "messages"
     template_path: str | None = None  # None: the tokenizer's own chat_template
@@ -134,7 +173,16 @@ class ChatOptions:
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """Where records come from."""
+    """Where records come from.
+
+    Args:
+        inputs: files, folders or globs (local or URLs).
+        text_field: the record field holding the text.
+        on_error: ``"skip"`` bad records (reported) or ``"fail"``.
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     inputs: tuple[str, ...]
     text_field: str = "text"
@@ -153,7 +201,18 @@ class SourceOptions:
 
 @dataclass(frozen=True)
 class TokenizeOptions:
-    """How text becomes ids. All of these are part of the cache key."""
+    """How text becomes ids; all part of the cache key.
+
+    Args:
+        tokenizer: a tokenizer folder or hub name.
+        add_special_tokens: None: what the tokenizer does by default.
+        append_eos: append the end-of-sequence id.
+        max_length: the longest sequence (None: no limit).
+        truncation: ``"truncate"``, ``"drop"`` or ``"split"`` for longer documents.
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     tokenizer: str
     add_special_tokens: bool | None = None  # None: what the tokenizer does by default
@@ -176,8 +235,16 @@ class TokenizeOptions:
 
 @dataclass(frozen=True)
 class EncodingOptions:
-    """Which backend encodes, and how much of its output is re-checked against the Hugging
-    Face tokenizer. Never changes the bytes (ids are proven equal), so not in the cache key."""
+    """Which backend encodes and how much of its output is re-checked against the Hugging Face
+    tokenizer; never changes the bytes (ids are proven equal), so not in the cache key.
+
+    Args:
+        encoder: :data:`ENCODERS`.
+        verify_fraction: share of documents re-encoded with the Hugging Face tokenizer.
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     encoder: str = "auto"
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
@@ -195,7 +262,16 @@ class EncodingOptions:
 
 @dataclass(frozen=True)
 class LayoutOptions:
-    """How sequences are laid out on disk. Not part of the cache key."""
+    """How sequences are laid out on disk; not part of the cache key.
+
+    Args:
+        bucket_edges: upper length of each bucket, increasing.
+        shard_size_bytes: token bytes per shard (>= 4096).
+        compression: :data:`COMPRESSIONS`.
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     bucket_edges: tuple[int, ...] = DEFAULT_BUCKET_EDGES
     shard_size_bytes: int = DEFAULT_SHARD_SIZE_BYTES
@@ -216,7 +292,11 @@ class LayoutOptions:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Everything one build needs."""
+    """Everything one build needs (the fields are documented where they are declared).
+
+    Raises:
+        ConfigError: a field is invalid.
+    """
 
     source: SourceOptions
     tokenize: TokenizeOptions
@@ -272,7 +352,15 @@ class BuildOptions:
 
 
 def parse_size(value: str | int, name: str = "shard_size") -> int:
-    """Parse a byte size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` into bytes."""
+    """A byte size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` in bytes.
+
+    Args:
+        value: the size.
+        name: the option's name (for the message).
+
+    Raises:
+        ConfigError: not a size.
+    """
     if isinstance(value, int):
         return value
     text = str(value).strip().lower().replace(" ", "")
@@ -296,7 +384,11 @@ def parse_size(value: str | int, name: str = "shard_size") -> int:
 
 
 def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
-    """Parse ``"128,512,2048"`` (or a list of ints) into bucket edges."""
+    """Bucket edges from ``"128,512,2048"`` (or a list of ints).
+
+    Raises:
+        ConfigError: not comma-separated integers.
+    """
     if isinstance(value, str):
         try:
             return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
@@ -320,7 +412,12 @@ CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
 
 
 def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
-    """Chat options when ``chat = true`` or any chat option is given, else None."""
+    """Chat options from flat recipe/CLI values when ``chat = true`` or any chat option is given,
+    else None.
+
+    Raises:
+        ConfigError: a value is invalid.
+    """
     if not values.get("chat") and all(values.get(k) is None for k in CHAT_KEYS):
         return None
     return ChatOptions(
@@ -332,10 +429,14 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
 
 
 def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
-    """The tokenizer/truncation part of flat recipe/CLI values (for check, lock, expect).
+    """The tokenizer and truncation options of flat recipe/CLI values (for check, lock, expect).
 
-    ``append_eos`` defaults to True for text and False for chat data (chat templates write
-    their own end-of-turn markers)."""
+    ``append_eos`` defaults to True for text and False for chat data (chat templates write their
+    own end-of-turn markers).
+
+    Raises:
+        ConfigError: a value is missing or invalid.
+    """
     if values.get("tokenizer") in (None, ""):
         raise ConfigError("tokenizer: not given; pass --tokenizer FOLDER or a recipe with one")
     chat = chat_options_from_mapping(values) is not None
@@ -356,7 +457,11 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
-    """Make :class:`BuildOptions` from flat recipe/CLI values (unknown keys are an error)."""
+    """:class:`BuildOptions` from flat recipe/CLI values.
+
+    Raises:
+        ConfigError: an unknown key, or a missing or invalid value.
+    """
     check_known("recipe", values, RECIPE_KEYS)
     missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
     if missing:
@@ -404,8 +509,11 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
 
 
 def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
-    """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be written
-    ``"1/64"``)."""
+    """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be ``"1/64"``).
+
+    Raises:
+        ConfigError: a value is invalid.
+    """
     fraction: Any = values.get("verify_fraction")
     if fraction is None:
         fraction = DEFAULT_VERIFY_FRACTION
@@ -415,7 +523,11 @@ def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
 
 
 def parse_fraction(value: str, name: str = "verify_fraction") -> float:
-    """``"0.02"`` or ``"1/64"`` as a float."""
+    """``"0.02"`` or ``"1/64"`` as a float.
+
+    Raises:
+        ConfigError: not a fraction.
+    """
     text = value.strip()
     try:
         if "/" in text:

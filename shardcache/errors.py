@@ -67,7 +67,10 @@ class CorruptShardError(CacheError):
 class CacheKeyMismatch(CacheError):
     """The cache was built under a different cache key than the one expected.
 
-    ``differences`` lists the changed fields as ``(component, field, old, new)`` tuples.
+    Args:
+        message: what differs and what to do.
+        differences: the changed fields as ``(component, field, old, new)`` tuples (kept as
+            the attribute ``differences``).
     """
 
     def __init__(self, message: str, differences: list[tuple[str, str, object, object]]):
@@ -82,7 +85,9 @@ class BuildLockedError(CacheError):
 class IncompleteBuildError(CacheError):
     """``shardcache commit`` found partitions without a completion record.
 
-    ``missing`` lists their ids.
+    Args:
+        message: which and what to do.
+        missing: their ids (kept as the attribute ``missing``).
     """
 
     def __init__(self, message: str, missing: list[str]):

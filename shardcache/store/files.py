@@ -29,8 +29,9 @@ NO_MEMO_ENV = "SHARDCACHE_NO_MEMO"
 
 
 def cache_root() -> str:
-    """The local folder for downloads, staging and integrity records
-    (``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache``)."""
+    """The local folder for downloads, plans and integrity records (``SHARDCACHE_CACHE_DIR``,
+    default ``~/.cache/shardcache``).
+    """
     root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "shardcache"
     )
@@ -82,7 +83,12 @@ class HashingReader(io.RawIOBase):
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
-    """sha256 hex digest of a file, read in 1 MiB chunks (``on_bytes``: progress)."""
+    """The sha256 hex digest of a file, read in 1 MiB chunks.
+
+    Args:
+        path: the file.
+        on_bytes: called with the bytes of every chunk read (progress).
+    """
     with open(path, "rb") as f:
         reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
         reader.drain()
@@ -90,8 +96,11 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str
 
 
 def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
-    """Copy ``src`` to ``dst`` in 1 MiB chunks, feeding ``digest`` (a ``hashlib`` object);
-    returns the bytes and the newlines copied."""
+    """Copy ``src`` to ``dst`` in 1 MiB chunks, feeding ``digest`` (a ``hashlib`` object).
+
+    Returns:
+        The bytes and the newlines copied.
+    """
     size = lines = 0
     while chunk := src.read(READ_CHUNK):
         dst.write(chunk)
@@ -108,9 +117,14 @@ def private_tmp(path: str) -> str:
 
 @contextlib.contextmanager
 def exclusive_lock(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the
-    block: "one process computes, the others wait, then find the result". Yields False
-    (holding nothing) when the lock file cannot be opened, e.g. a read-only folder."""
+    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the block.
+
+    "One process computes, the others wait, then find the result".
+
+    Yields:
+        True while held; False (holding nothing) when the lock file cannot be opened (a
+        read-only folder).
+    """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -124,6 +138,7 @@ def exclusive_lock(path: str) -> Iterator[bool]:
 
 
 def fsync_dir(path: str) -> None:
+    """fsync a folder, so a rename in it survives a power cut (a no-op where unsupported)."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -137,8 +152,16 @@ def _finish(tmp: str, path: str) -> None:
 
 
 def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
-    """Write ``data`` to ``path`` via a temporary file + fsync + rename (``private``: a
-    temporary name of this process's own, for files several processes may write)."""
+    """Write ``data`` to ``path`` via a temporary file, fsync and rename.
+
+    Args:
+        path: the file.
+        data: its bytes.
+        private: a temporary name of this process's own (files several processes may write).
+
+    Raises:
+        OSError: the write failed (nothing is left under ``path``'s name).
+    """
     tmp = private_tmp(path) if private else path + ".tmp"
     try:
         with open(tmp, "wb") as f:
@@ -153,6 +176,7 @@ def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None
 
 
 def write_json_atomic(path: str, obj: Any, *, private: bool = False) -> None:
+    """:func:`write_bytes_atomic` of ``obj`` as JSON."""
     data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
     write_bytes_atomic(path, data, private=private)
 
@@ -173,11 +197,18 @@ def memo_disabled() -> bool:
 
 
 def read_memo(kind: str, digest: str) -> Any | None:
-    """The value remembered by :func:`write_memo` under ``kind`` (a folder name under
-    :func:`cache_root`) for ``digest`` (the sha256 of everything the value depends on); None
-    when memos are disabled (:data:`NO_MEMO_ENV`) or the file is missing, unreadable, not
-    JSON, or names another digest (a renamed or forged file). A memo only saves work: a
-    caller treats None as "compute it again" and validates the value's shape itself."""
+    """A value :func:`write_memo` remembered.
+
+    A memo only saves work: a caller treats None as "compute it again" and validates the value.
+
+    Args:
+        kind: the memo's folder under :func:`cache_root`.
+        digest: the sha256 of everything the value depends on.
+
+    Returns:
+        The value, or None when memos are off (:data:`NO_MEMO_ENV`) or the file is missing,
+        unreadable or names another digest.
+    """
     if memo_disabled():
         return None
     try:
@@ -190,9 +221,9 @@ def read_memo(kind: str, digest: str) -> Any | None:
 
 
 def write_memo(kind: str, digest: str, value: Any) -> None:
-    """Remember ``value`` as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically, under
-    a name of this process's own, so concurrent builds never see half a file); any
-    ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time."""
+    """Remember ``value`` as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically); an
+    ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time.
+    """
     if memo_disabled():
         return
     # UTF-8, not \u escapes: a byte-level vocabulary's memo is half the size
@@ -204,6 +235,7 @@ def write_memo(kind: str, digest: str, value: Any) -> None:
 
 
 def write_npy_atomic(path: str, array: np.ndarray) -> None:
+    """Write ``array`` as ``.npy`` to ``path`` (tmp, fsync, rename)."""
     tmp = path + ".tmp"
     with open(tmp, "wb") as f:
         np.save(f, array, allow_pickle=False)
@@ -213,9 +245,14 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
 
 
 def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
-    """Write the concatenation of 1-d ``.npy`` files (one dtype), or of slices of them
-    (``(file, start, stop)``), as one ``.npy``, streaming: memory is one source array, not the
-    total. The bytes equal ``np.save`` of the concatenated array (same header writer)."""
+    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming.
+
+    The bytes equal ``np.save`` of the concatenated array; memory is one source array.
+
+    Args:
+        path: the output.
+        sources: files, or ``(file, start, stop)`` slices of them.
+    """
     pieces = []
     for source in sources:
         name, start, stop = (source, 0, None) if isinstance(source, str) else source
@@ -240,7 +277,11 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
 
 
 def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
-    """Concatenate files into ``path`` (tmp + fsync + rename); returns bytes, sha256, lines."""
+    """Concatenate files into ``path`` (tmp, fsync, rename).
+
+    Returns:
+        The bytes, sha256 and lines written.
+    """
     digest = hashlib.sha256()
     size = lines = 0
     tmp = path + ".tmp"
@@ -268,10 +309,17 @@ _DISK_ERRORS = {
 
 
 def disk_error(err: OSError, output: str) -> CacheError | None:
-    """A :class:`CacheError` naming the path and what to do for a disk-full, quota,
-    file-size-limit, read-only or permission error while writing ``output``; None for other
-    errors. Completed partitions are kept, so after freeing space a rerun resumes to the same
-    bytes."""
+    """The error to raise for a disk-full, quota, file-size, read-only or permission error.
+
+    Completed partitions are kept, so after freeing space a rerun resumes to the same bytes.
+
+    Args:
+        err: the error while writing ``output``.
+        output: the cache being written.
+
+    Returns:
+        A :class:`CacheError` naming the path and what to do, or None for other errors.
+    """
     known = _DISK_ERRORS.get(err.errno or 0)
     if known is None:
         return None
