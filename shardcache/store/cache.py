@@ -381,7 +381,10 @@ class Cache:
         Raises:
             IndexError: a sample id or segment out of range, or ``layout`` too small.
             CorruptShardError: a shard disagrees with the length index or is damaged.
+            ValueError: the cache is closed.
         """
+        if self._shards.closed:
+            raise ValueError(f"{self.path}: the cache is closed: open it again to read")
         ids = np.asarray(sample_ids, dtype=np.int64)
         n = len(ids)
         if n and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):

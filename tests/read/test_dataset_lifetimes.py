@@ -8,6 +8,7 @@ import os
 import pathlib
 import shutil
 
+import numpy as np
 import pytest
 
 import shardcache
@@ -67,6 +68,8 @@ def test_a_thousand_datasets_leave_no_file_open_or_mapped(caches, monkeypatch):
     with open_cache(os.path.join(caches, "zstd")) as cache:
         assert len(cache.read(0))
     assert _open_files_under(caches) == ([], [])
+    with pytest.raises(ValueError, match="closed"):
+        cache.gather(np.array([0]))
 
 
 def test_no_finalizer_in_the_package():
