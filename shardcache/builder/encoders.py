@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import importlib
 import json
 from collections.abc import Callable
 from typing import Any, Union
@@ -50,32 +49,25 @@ def make_encoder(
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
     """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
-    worker process (chat: the tokenizer is loaded again, with transformers, for rendering)."""
+    worker process: text carries what transformers resolved (no transformers import in the
+    worker); chat loads the tokenizer again as the build did (rendering needs transformers)."""
     if isinstance(encoder, ChatEncoder):
-        cls = type(encoder.hf)
         return {
             "kind": "chat",
             "tokenize": dataclasses.asdict(encoder.text.options),
             "chat": dataclasses.asdict(encoder.options),
-            "hf_class": [cls.__module__, cls.__qualname__],
             "selection": encoder.text.selection.to_json(),  # the gate's decision (always HF)
         }
     return {"kind": "text", "text": encoder.spec()}
 
 
 def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
-    from shardcache.config import TokenizeOptions
-
+    """The encoder :func:`encoder_spec` describes, with the build's backend selection."""
     if spec["kind"] == "chat":
-        options = TokenizeOptions(**spec["tokenize"])
-        # the tokenizer class the parent resolved, loaded directly: AutoTokenizer would also
-        # import torch (through the model configs) in every worker process
-        module, name = spec["hf_class"]
-        cls = getattr(importlib.import_module(module), name)
-        hf = cls.from_pretrained(options.tokenizer, local_files_only=True)
-        text = TextEncoder(options, hf_tokenizer=hf)
-        text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
-        return ChatEncoder(text, ChatOptions(**spec["chat"]))
+        chat = ChatEncoder(TextEncoder(TokenizeOptions(**spec["tokenize"])),
+                           ChatOptions(**spec["chat"]))  # fmt: skip
+        chat.text.use_fast(None, EncoderSelection(**spec["selection"]), chat.text.verify_fraction)
+        return chat
     return TextEncoder.from_spec(spec["text"])
 
 
