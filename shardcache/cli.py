@@ -308,8 +308,8 @@ def build(
 
     What transformers resolves from a text build's tokenizer folder (backend JSON, special
     tokens) is remembered in $SHARDCACHE_CACHE_DIR/tokenizers/ (keyed by the folder's files
-    and the library versions), so later builds and checks skip transformers;
-    SHARDCACHE_NO_MEMO=1 bypasses it.
+    and the library versions, and used only when it agrees with them), so later builds skip
+    transformers; SHARDCACHE_NO_MEMO=1 bypasses it.
 
     \b
     Example:
@@ -488,10 +488,8 @@ def check(targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ..
 
     The recorded side (cache or lock) is shown as old, the configuration as new. The data
     part is compared only when inputs (--input or the recipe's) or --data-version are given.
-    A text configuration whose tokenizer folder was built or checked before is keyed from the
-    memo in $SHARDCACHE_CACHE_DIR/tokenizers/ without importing transformers (same result;
-    SHARDCACHE_NO_MEMO=1 bypasses it). Exit codes: 0 compatible, 1 not compatible, 2 usage or
-    I/O error.
+    The tokenizer is resolved from its files (never from the memo a build keeps). Exit codes:
+    0 compatible, 1 not compatible, 2 usage or I/O error.
     """
     from shardcache.store.check import compare_keys
 

@@ -27,20 +27,26 @@ EncoderFactory = Callable[[BuildOptions], Encoder]
 
 
 def make_encoder(
-    tokenize: TokenizeOptions, chat: ChatOptions | None, preload_fast: bool = False
+    tokenize: TokenizeOptions,
+    chat: ChatOptions | None,
+    preload_fast: bool = False,
+    *,
+    audit: bool = False,
 ) -> Encoder:
     """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
-    (``preload_fast``: start loading the fast backend for the gate, text only).
+    (``preload_fast``: start loading the fast backend for the gate, text only; ``audit``:
+    never read the memo, for ``check``, ``lock`` and ``verify --tokens``).
 
     Plain text whose tokenizer folder was resolved before is built from the memo
-    (:func:`~shardcache.builder.tokenizer_memo.read_resolved`) without importing
-    transformers; else through transformers, which writes the memo. On a miss the fast
+    (:func:`~shardcache.builder.tokenizer_memo.read_resolved`, used only when it agrees with
+    the folder's files) without importing transformers; else through transformers, which
+    writes the memo. On a miss the fast
     backend starts loading from the folder's tokenizer.json before transformers is imported
     (:func:`~shardcache.builder.backends.load_fast_early`). Chat always loads transformers
     (rendering needs it)."""
     if chat is not None:
         return ChatEncoder(TextEncoder(tokenize), chat)
-    resolved = read_resolved(tokenize.tokenizer)
+    resolved = None if audit else read_resolved(tokenize.tokenizer)
     if resolved is not None:
         return TextEncoder.from_resolved(tokenize, resolved, preload_fast)
     early = load_fast_early(tokenize.tokenizer) if preload_fast else None

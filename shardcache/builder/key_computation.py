@@ -178,11 +178,17 @@ def text_component(text: Any) -> dict:
     )
 
 
-def precompute_tokenizer_component(encoder: Any) -> None:
-    """Compute the key's tokenizer component now (:func:`memoised_tokenizer_component`) and
-    keep it on the encoder for :func:`compute_key`."""
+def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
+    """Compute the key's tokenizer component now (:func:`memoised_tokenizer_component`, or
+    without the memo when ``use_memo`` is False: audits never read a memo) and keep it on the
+    encoder for :func:`compute_key`."""
     text = getattr(encoder, "text", encoder)
-    text.tokenizer_component = text_component(text)
+    if use_memo:
+        text.tokenizer_component = text_component(text)
+    else:
+        text.tokenizer_component = tokenizer_component(
+            text.backend_json, text.backend_truncation, text.backend_padding
+        )
 
 
 def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
@@ -240,5 +246,8 @@ def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, A
 
 def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
     """The key the current configuration (recipe values + flags) would build."""
-    encoder = make_encoder(tokenize_options_from_mapping(values), chat_options_from_mapping(values))
+    encoder = make_encoder(
+        tokenize_options_from_mapping(values), chat_options_from_mapping(values), audit=True
+    )
+    precompute_tokenizer_component(encoder, use_memo=False)  # an audit: no memo at all
     return compute_key(encoder, current_data(values, hashing))

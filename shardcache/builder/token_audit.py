@@ -34,7 +34,7 @@ import numpy as np
 
 from shardcache.builder.build_plan import options_from_json
 from shardcache.builder.encoders import make_encoder
-from shardcache.builder.key_computation import compute_key
+from shardcache.builder.key_computation import compute_key, precompute_tokenizer_component
 from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
 from shardcache.builder.tokenize import TruncationStats
 from shardcache.errors import CacheKeyMismatch, SourceError
@@ -148,7 +148,9 @@ def audit_tokens(
         options = dataclasses.replace(
             options, tokenize=dataclasses.replace(options.tokenize, tokenizer=tokenizer)
         )
-    encoder = make_encoder(options.tokenize, options.chat)  # HF: the reference
+    # HF, the reference, resolved from the tokenizer's files: an audit never reads a memo
+    encoder = make_encoder(options.tokenize, options.chat, audit=True)
+    precompute_tokenizer_component(encoder, use_memo=False)
     audit = TokenAudit(path=path, fraction=fraction)
     comparison = compare_keys(cache_key(path), compute_key(encoder, None), strict=False)
     changed = [d for d in comparison.differences

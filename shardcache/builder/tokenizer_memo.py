@@ -23,10 +23,19 @@ of a tokenizer never opens them, and hashing gigabytes would cost more than tran
 A missing, damaged, forged or unreadable memo (:func:`read_resolved` returns None) only means
 resolving through transformers again; ``SHARDCACHE_NO_MEMO=1`` bypasses every memo. Chat
 builds always load transformers (they render templates with it).
+
+A memo is a file anyone with write access to the cache folder can edit, and its digest names
+the tokenizer files, not the memo's content. So a record is used only when everything in it
+that decides ids agrees with the folder's own files (:func:`agrees_with_files`): the
+tokenizer.json pipeline (model, normalizer, pre-tokenizer, post-processor, decoder, added
+tokens), the named special tokens the folder's configuration declares, their ids and the
+largest id. Anything else, or a folder without tokenizer.json, resolves through transformers.
+Audits (``check``, ``lock``, ``verify --tokens``) never read the memo at all.
 """
 
 from __future__ import annotations
 
+import json
 import os
 from dataclasses import dataclass, fields
 from importlib import metadata
@@ -187,9 +196,99 @@ def read_resolved(folder: str) -> ResolvedTokenizer | None:
     if value is None:
         return None
     try:
-        return ResolvedTokenizer.from_json(value)
+        resolved = ResolvedTokenizer.from_json(value)
     except (ValueError, TypeError):
         return None
+    return resolved if agrees_with_files(resolved, folder) else None
+
+
+#: The parts of a tokenizer.json that decide which ids a text gets.
+PIPELINE_PARTS = ("model", "normalizer", "pre_tokenizer", "post_processor", "decoder",
+                  "added_tokens")  # fmt: skip
+
+#: The files of a folder that declare its named special tokens, in the order consulted.
+SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
+
+
+def agrees_with_files(resolved: ResolvedTokenizer, folder: str) -> bool:
+    """Whether every part of ``resolved`` that decides ids agrees with the files of
+    ``folder`` (see the module docstring); False when that cannot be told.
+
+    Args:
+        resolved: a record read from the memo.
+        folder: the tokenizer folder it claims to describe.
+
+    Returns:
+        True when the record can be used instead of resolving through transformers.
+    """
+    try:
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+            saved = json.load(f)
+        backend = json.loads(resolved.backend)
+    except (OSError, ValueError, RecursionError):
+        return False
+    if not isinstance(saved, dict) or not isinstance(backend, dict):
+        return False
+    if any(backend.get(part) != saved.get(part) for part in PIPELINE_PARTS):
+        return False
+    ids = _token_ids(backend)
+    if ids is None or resolved.max_token_id != max(ids.values(), default=0):
+        return False
+    for token, token_id in resolved.named_special.values():
+        if ids.get(token) != token_id:
+            return False
+    named = {name: pair[1] for name, pair in resolved.named_special.items()}
+    for name, value in (("eos_token", resolved.eos_token_id), ("sep_token",
+                        resolved.sep_token_id), ("pad_token", resolved.pad_token_id)):  # fmt: skip
+        if named.get(name) != value:
+            return False
+    declared = _declared_special(folder)
+    if declared is None:
+        return False
+    return all(
+        resolved.named_special.get(name, [None])[0] == token for name, token in declared.items()
+    )
+
+
+def _token_ids(backend: dict[str, Any]) -> dict[str, int] | None:
+    """Token -> id of a parsed backend (model vocabulary and added tokens); None for a model
+    whose vocabulary is not stored as ``{token: id}`` or Unigram's ``[[piece, score], ...]``."""
+    model = backend.get("model") or {}
+    vocab = model.get("vocab")
+    if model.get("type") in ("BPE", "WordPiece", "WordLevel") and isinstance(vocab, dict):
+        ids = dict(vocab)
+    elif model.get("type") == "Unigram" and isinstance(vocab, list):
+        ids = {piece[0]: k for k, piece in enumerate(vocab) if isinstance(piece, list) and piece}
+    else:
+        return None
+    for added in backend.get("added_tokens") or []:
+        if isinstance(added, dict) and "content" in added:
+            ids[added["content"]] = added.get("id")
+    return ids
+
+
+def _declared_special(folder: str) -> dict[str, str] | None:
+    """The named special tokens the folder's configuration files declare (the first file of
+    :data:`SPECIAL_TOKEN_FILES` that names one wins); None when a file cannot be read."""
+    declared: dict[str, str] = {}
+    for name in reversed(SPECIAL_TOKEN_FILES):
+        path = os.path.join(folder, name)
+        if not os.path.exists(path):
+            continue
+        try:
+            with open(path, encoding="utf-8") as f:
+                config = json.load(f)
+        except (OSError, ValueError, RecursionError):
+            return None
+        if not isinstance(config, dict):
+            return None
+        for special in SPECIAL_NAMES:
+            value = config.get(special)
+            if isinstance(value, dict):
+                value = value.get("content")
+            if isinstance(value, str):
+                declared[special] = value
+    return declared
 
 
 def write_resolved(digest: str | None, resolved: ResolvedTokenizer) -> None:

@@ -251,8 +251,9 @@ def test_a_chat_encoder_always_loads_transformers(chatml_tokenizer_dir):
     assert chat.hf is not None and chat.text.hf is not None
 
 
-def test_check_with_a_warm_memo_gives_the_same_result(corpus, tokenizer_dir, tmp_path,
-                                                      monkeypatch):  # fmt: skip
+def test_check_resolves_through_transformers_even_with_a_warm_memo(
+    corpus, tokenizer_dir, tmp_path, monkeypatch
+):
     folder, _ = corpus("jsonl", n_files=1, docs=20)
     out = str(tmp_path / "cache")
     build_cache(build_options_from_mapping({"input": folder, "tokenizer": tokenizer_dir,
@@ -264,9 +265,13 @@ def test_check_with_a_warm_memo_gives_the_same_result(corpus, tokenizer_dir, tmp
         return result.exit_code, result.stdout  # stderr: the hashing speed differs
 
     assert read_resolved(tokenizer_dir) is not None  # the build left the memo warm
-    with monkeypatch.context() as m:
-        _refuse_transformers(m)
-        warm = [check(), check("--max-length", "8"), check("--json")]
+    loads = []
+    real = tokenize.load_hf_tokenizer
+    monkeypatch.setattr(
+        tokenize, "load_hf_tokenizer", lambda path: loads.append(path) or real(path)
+    )
+    warm = [check(), check("--max-length", "8"), check("--json")]
+    assert loads == [tokenizer_dir] * 3  # an audit never reads the memo
     monkeypatch.setenv(NO_MEMO_ENV, "1")
     off = [check(), check("--max-length", "8"), check("--json")]
     assert warm == off
@@ -282,3 +287,54 @@ def test_a_caller_tokenizer_is_not_memoised(tokenizer_dir):
     hf.add_special_tokens({"additional_special_tokens": ["<extra>"]})
     TextEncoder(TokenizeOptions(tokenizer_dir), hf_tokenizer=hf)
     assert _memo_files() == []
+
+
+# --- a poisoned memo (someone edited $SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json) --------
+
+
+def _poison_memo(tokenizer: str) -> None:
+    """Swap the ids of the two vocabulary entries the corpus uses most in the folder's memo,
+    keeping the memo's own digest and shape valid (what an attacker or a bad copy can do)."""
+    from tokenizers import Tokenizer
+
+    (name,) = _memo_files()
+    path = os.path.join(cache_root(), RESOLVED_DIR, name)
+    with open(path, encoding="utf-8") as f:
+        saved = json.load(f)
+    backend = json.loads(saved["value"]["backend"])
+    vocab = backend["model"]["vocab"]
+    reference = Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
+    a, b = reference.encode(" the quick", add_special_tokens=False).tokens[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    saved["value"]["backend"] = json.dumps(backend)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(saved, f)
+
+
+def test_a_poisoned_memo_never_changes_the_ids_a_build_stores(corpus, tokenizer_dir, tmp_path):
+    folder, _ = corpus("jsonl", n_files=1, docs=60)
+    reference = _build(folder, tokenizer_dir, str(tmp_path / "reference"))  # writes the memo
+    _poison_memo(tokenizer_dir)
+    again = _build(folder, tokenizer_dir, str(tmp_path / "again"))
+    assert cache_data_files(str(tmp_path / "again")) == cache_data_files(
+        str(tmp_path / "reference")
+    )
+    assert again["key"] == reference["key"]
+
+
+def test_audits_never_read_the_memo(corpus, tokenizer_dir, tmp_path):
+    """A good cache stays good and compatible whatever the memo says: ``check``, ``lock`` and
+    ``verify --tokens`` resolve the tokenizer from its files."""
+    folder, _ = corpus("jsonl", n_files=1, docs=60)
+    out = str(tmp_path / "cache")
+    _build(folder, tokenizer_dir, out)
+    _poison_memo(tokenizer_dir)
+    runner = CliRunner()
+    check = runner.invoke(main, ["check", out, "-t", tokenizer_dir, "-i", folder])
+    assert check.exit_code == 0, check.output
+    verify = runner.invoke(main, ["verify", out, "--tokens", "--fraction", "1"])
+    assert verify.exit_code == 0, verify.output
+    lock = str(tmp_path / "shardcache.lock")
+    written = runner.invoke(main, ["lock", "-t", tokenizer_dir, "-i", folder, "-o", lock])
+    assert written.exit_code == 0, written.output
+    assert runner.invoke(main, ["check", out, "--lock", lock]).exit_code == 0
