@@ -40,6 +40,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.dataset import ShardDataset, model_inputs
     from shardcache.read.loader import ShardLoader, loader
+    from shardcache.read.mixture import MixtureTable, Source, SourceShare
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
     from shardcache.store.cache import Cache, Provenance, open_cache
@@ -71,13 +72,16 @@ _LAZY: dict[str, str] = {
     "EpochPlan": "shardcache.read.plan",
     "FORMAT_VERSION": "shardcache.store.layout",
     "LayoutOptions": "shardcache.config",
+    "MixtureTable": "shardcache.read.mixture",
     "PlanOptions": "shardcache.read.plan",
     "PrefetchOptions": "shardcache.read.prefetch",
     "PrefetchStats": "shardcache.read.prefetch",
     "Provenance": "shardcache.store.cache",
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
+    "Source": "shardcache.read.mixture",
     "SourceOptions": "shardcache.config",
+    "SourceShare": "shardcache.read.mixture",
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",
@@ -106,6 +110,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "IncompleteBuildError",
     "LayoutOptions",
     "MissingDependencyError",
+    "MixtureTable",
     "PlanOptions",
     "PrefetchOptions",
     "PrefetchStats",
@@ -113,8 +118,10 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "ShardDataset",
     "ShardLoader",
     "ShardcacheError",
+    "Source",
     "SourceError",
     "SourceOptions",
+    "SourceShare",
     "StateError",
     "TokenizeOptions",
     "TokenizerError",

@@ -92,6 +92,7 @@ def main() -> None:
       shardcache verify cache/                        # recompute every checksum
       shardcache lock recipes/quickstart.toml         # write shardcache.lock for CI
       shardcache check --lock shardcache.lock recipes/quickstart.toml   # still matching?
+      shardcache mix recipes/mixture.toml             # what each cache of a mixture gives
 
     Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
     (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
@@ -394,9 +395,7 @@ def info(cache: str, as_json: bool) -> None:
         click.echo(format_summary(summary))
 
 
-# ``shardcache mix`` joins the group (``main.add_command(mix)``) once the README documents it
-# (tests/test_docs.py: every command has a README row)
-@click.command("mix")
+@main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 @translate_errors

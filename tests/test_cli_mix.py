@@ -12,7 +12,7 @@ from click.testing import CliRunner
 
 from conftest import make_texts, write_records
 from shardcache import ShardDataset
-from shardcache.cli import mix
+from shardcache.cli import main
 from shardcache.read.mixture_recipe import load_mixture_recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -71,10 +71,10 @@ def test_mix_prints_the_table_the_dataset_reports(caches, extra):
     path = _recipe(caches, extra)
     recipe = load_mixture_recipe(path)
     ds = ShardDataset(recipe.sources, **recipe.dataset_options())
-    result = CliRunner().invoke(mix, [path, "--json"])
+    result = CliRunner().invoke(main, ["mix", path, "--json"])
     assert result.exit_code == 0, result.output
     assert json.loads(result.output) == ds.mixture.to_json()
-    text = CliRunner().invoke(mix, [path])
+    text = CliRunner().invoke(main, ["mix", path])
     assert text.exit_code == 0, text.output
     assert text.output.strip() == ds.mixture.format()
     assert "the-code" in text.output and "tokens per epoch" in text.output
@@ -87,7 +87,7 @@ def test_mix_reads_no_shard(caches, monkeypatch):
         raise AssertionError("a shard was opened")
 
     monkeypatch.setattr(store_cache.ShardCache, "get", refuse)
-    result = CliRunner().invoke(mix, [_recipe(caches), "--json"])
+    result = CliRunner().invoke(main, ["mix", _recipe(caches), "--json"])
     assert result.exit_code == 0, result.output
 
 
@@ -104,7 +104,7 @@ def test_mix_usage_errors_exit_2_and_say_why(caches, text, match):
     path = os.path.join(caches, "bad.toml")
     with open(path, "w", encoding="utf-8") as f:
         f.write(text)
-    result = CliRunner().invoke(mix, [path])
+    result = CliRunner().invoke(main, ["mix", path])
     assert result.exit_code == 2, result.output
     assert match in result.output
 
@@ -112,7 +112,7 @@ def test_mix_usage_errors_exit_2_and_say_why(caches, text, match):
 def test_a_recipe_without_sources_is_refused(tmp_path):
     path = tmp_path / "empty.toml"
     path.write_text("max_tokens = 256\n")
-    result = CliRunner().invoke(mix, [str(path)])
+    result = CliRunner().invoke(main, ["mix", str(path)])
     assert result.exit_code == 2 and "[[source]]" in result.output
 
 

@@ -15,8 +15,8 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import make_texts, write_records
-from shardcache import CacheKeyMismatch, ConfigError, ShardDataset, StateError, open_cache
-from shardcache.read.mixture import MixtureIndex, Source
+from shardcache import CacheKeyMismatch, ConfigError, ShardDataset, Source, StateError, open_cache
+from shardcache.read.mixture import MixtureIndex
 from shardcache.store.key import CacheKey
 
 BUILD = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "workers": 1}
