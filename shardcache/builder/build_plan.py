@@ -41,6 +41,7 @@ from shardcache.store.layout import (
     QUARANTINE,
     SHARD_DIR,
     SHARES_DIR,
+    share_name,
 )
 from shardcache.store.shards import ShardInfo
 from shardcache.store.storage import Storage
@@ -112,7 +113,7 @@ class Share:
     @property
     def name(self) -> str:
         """``share-i-of-N``: its lock folder and note under ``.shares/``."""
-        return f"share-{self.index}-of-{self.count}"
+        return share_name(self.index, self.count)
 
     def owns(self, position: int) -> bool:
         """Whether the partition at ``position`` of the plan is this share's."""

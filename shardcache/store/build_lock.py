@@ -22,6 +22,13 @@ lock: two writers in one folder would corrupt it, whatever the options.
 
 Pid reuse (a dead build's pid given to an unrelated live process) makes a stale lock look
 live; the error message names the pid and start time so a person can decide and delete it.
+
+A job-array share holds its own lock, ``.shares/share-i-of-N/.lock``, so shares of one array
+run side by side. What must not run together is refused by :func:`refuse_colliding_builds`,
+which a build calls once it holds its own lock: a full build (or commit) beside any share,
+and shares of different N (each would build, and a commit remove, the other's files). Both
+sides take their own lock before looking for the other's, so of two that start at once at
+least one sees the other.
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import time
 from typing import Any
 
 from shardcache.errors import BuildLockedError
+from shardcache.store.layout import SHARES_DIR, parse_share_name
 
 LOCK_NAME = ".lock"
 TAKEOVER_NAME = ".lock.takeover"
@@ -185,3 +193,68 @@ class BuildLock:
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+def _live_holder(path: str) -> dict[str, Any] | None:
+    """The holder of the lock file ``path`` when it may be alive (its pid runs on this host,
+    or it is another host's: that cannot be checked); None when there is no lock, it cannot
+    be read, or its build is gone."""
+    holder = read_owner(path)
+    if not holder or not isinstance(holder.get("pid"), int):
+        return None
+    host = holder.get("host")
+    if host == socket.gethostname() and (
+        holder["pid"] == os.getpid() or not pid_alive(holder["pid"])
+    ):
+        return None
+    return holder
+
+
+def _describe(share: tuple[int, int] | None) -> str:
+    return "a full build (or commit)" if share is None else f"share {share[0]}/{share[1]}"
+
+
+def refuse_colliding_builds(root: str, name: str) -> None:
+    """Refuse to run beside a live build of ``root`` that this one would collide with.
+
+    Args:
+        root: the output folder.
+        name: the lock this build holds, relative to ``root``: ``""`` for a full build or a
+            commit, ``.shares/share-i-of-N`` for a job-array share.
+
+    Raises:
+        BuildLockedError: a full build runs beside a share, or shares of different N run
+            together; the message names the running build, its pid and what to do.
+    """
+    mine = parse_share_name(os.path.basename(name)) if name else None
+    running: list[tuple[tuple[int, int] | None, dict[str, Any]]] = []
+    if mine is not None:
+        holder = _live_holder(os.path.join(root, LOCK_NAME))
+        if holder is not None:
+            running.append((None, holder))
+    with contextlib.suppress(OSError), os.scandir(os.path.join(root, SHARES_DIR)) as entries:
+        for entry in entries:
+            other = parse_share_name(entry.name)
+            if other is None or other == mine or (mine is not None and other[1] == mine[1]):
+                continue
+            holder = _live_holder(os.path.join(entry.path, LOCK_NAME))
+            if holder is not None:
+                running.append((other, holder))
+    if not running:
+        return
+    other, holder = running[0]
+    host = holder.get("host")
+    where = "this host" if host == socket.gethostname() else f"host {host!r}"
+    if mine is None:
+        advice = ("wait for the shares to finish and run `shardcache commit`, or stop them "
+                  "and delete the output's .shares folder")  # fmt: skip
+    elif other is None:
+        advice = "wait for it to finish (it builds every partition), or stop it first"
+    else:
+        advice = (f"every share of one output must use the same N: run --partition i/{other[1]}, "
+                  "or stop those shares first")  # fmt: skip
+    raise BuildLockedError(
+        f"{root!r}: {_describe(mine)} cannot start while {_describe(other)} runs (pid "
+        f"{holder['pid']} on {where}; {len(running)} running build(s) in all): they would "
+        f"remove or rebuild each other's files; {advice}"
+    )

@@ -131,3 +131,18 @@ def shard_path(root: str, name: str) -> str:
 def merged_shard_name(bucket: int, number: int) -> str:
     """The name of the ``number``-th merged shard of ``bucket`` (see :data:`SHARD_NAME`)."""
     return f"{MERGED_OWNER}-b{bucket:02d}-{number:05d}.arrow"
+
+
+def share_name(index: int, count: int) -> str:
+    """``share-i-of-N``: a job-array share's lock folder and note under :data:`SHARES_DIR`."""
+    return f"share-{index}-of-{count}"
+
+
+def parse_share_name(name: str) -> tuple[int, int] | None:
+    """``(i, N)`` of a :func:`share_name`; None for any other name."""
+    parts = name.split("-")
+    if len(parts) != 4 or parts[0] != "share" or parts[2] != "of":
+        return None
+    if not (parts[1].isdigit() and parts[3].isdigit()):
+        return None
+    return int(parts[1]), int(parts[3])

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from typing import Any
 
 from shardcache.errors import CacheError
-from shardcache.store.build_lock import BuildLock
+from shardcache.store.build_lock import BuildLock, refuse_colliding_builds
 from shardcache.store.files import read_json_or_none, write_json_atomic
 from shardcache.store.layout import INDEX_DIR, PARTS_DIR, SHARD_DIR, check_relative_name
 from shardcache.store.remote import filesystem, is_url
@@ -77,10 +77,13 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
-        """Hold the exclusive build lock of ``name`` (the output itself by default).
+        """Hold the exclusive build lock of ``name`` (the output itself by default; a share's
+        is ``.shares/share-i-of-N``).
 
         Raises:
-            BuildLockedError: another live build holds it (local folders only).
+            BuildLockedError: another live build holds it, or runs beside it that it would
+                collide with (a full build or commit and a share, shares of different N; see
+                :func:`~shardcache.store.build_lock.refuse_colliding_builds`); local folders only.
         """
 
     @abc.abstractmethod
@@ -152,8 +155,11 @@ class LocalStorage(Storage):
         for folder in folders:
             shutil.rmtree(self._path(folder), ignore_errors=True)
 
-    def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
-        return BuildLock(self._path(name) if name else self.root)
+    @contextlib.contextmanager
+    def lock(self, name: str = "") -> Iterator[BuildLock]:
+        with BuildLock(self._path(name) if name else self.root) as held:
+            refuse_colliding_builds(self.root, name)
+            yield held
 
     @contextlib.contextmanager
     def staging(self, label: str) -> Iterator[str]:

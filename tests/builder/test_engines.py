@@ -139,3 +139,60 @@ def test_a_share_restarting_while_another_runs_leaves_its_files_alone(
     report = commit_output(out)
     assert report.partitions == 13
     assert tree(out) == tree(reference)
+
+
+# --- mutual exclusion: a full build, shares, shares of another N ---------------------------
+
+
+def _hold(path, pid: int) -> None:
+    """Write a build lock at ``path`` (a ``.lock`` file) held by the live process ``pid``."""
+    import json
+    import socket
+    import time
+
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump({"pid": pid, "host": socket.gethostname(), "started": time.time()}, f)
+
+
+@pytest.fixture()
+def live_pid():
+    import subprocess
+    import sys
+
+    holder = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"])
+    yield holder.pid
+    holder.kill()
+    holder.wait()
+
+
+@pytest.mark.parametrize(
+    "running, mine, named",
+    [
+        (".lock", Share(0, 2), "a full build"),  # a share beside a full build
+        (".shares/share-1-of-2/.lock", None, "share 1/2"),  # a full build beside a share
+        (".shares/share-0-of-2/.lock", Share(1, 3), "share 0/2"),  # shares of another N
+    ],
+)
+def test_a_build_beside_a_running_one_it_would_collide_with_is_refused(
+    corpus, tokenizer_dir, tmp_path, live_pid, running, mine, named
+):
+    from shardcache.errors import BuildLockedError
+
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    out = tmp_path / "out"
+    _hold(str(out / running), live_pid)
+    with pytest.raises(BuildLockedError, match=rf"{named}.*pid {live_pid}"):
+        build(_options(folder, tokenizer_dir, str(out)), EngineOptions(share=mine))
+    assert not (out / "parts").exists() or not os.listdir(out / "parts")  # nothing written
+
+
+def test_shares_of_one_count_run_side_by_side(local_reference, tokenizer_dir, tmp_path, live_pid):
+    folder, reference = local_reference
+    out = tmp_path / "array"
+    _hold(str(out / ".shares/share-1-of-2/.lock"), live_pid)  # share 1/2 is running
+    build(_options(folder, tokenizer_dir, str(out)), EngineOptions(share=Share(0, 2)))
+    os.remove(out / ".shares/share-1-of-2/.lock")
+    build(_options(folder, tokenizer_dir, str(out)), EngineOptions(share=Share(1, 2)))
+    commit_output(str(out))
+    assert tree(str(out)) == tree(reference)
