@@ -21,7 +21,8 @@ Measures, single process, no DataLoader:
   a mixture is read on the numpy path, so the single cache is measured both ways
   (``kernels`` on: what it uses with numba; off: the numpy path); target: ratio <= 1.10.
 
-Prints one JSON line per measurement and a markdown table at the end.
+Prints one JSON line per measurement and a markdown table at the end, and appends the run to
+``benchmarks/results.jsonl`` (``results.py``).
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ import sys
 import time
 
 import numpy as np
+from results import record_result
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
@@ -183,6 +185,7 @@ def main() -> None:
         bench_first_batch(args.cache, args.first_batch_sources, rows)
         bench_read(args.cache, args.batches, rows)
     print(table(rows))
+    record_result("bench_mixture", {"rows": rows}, args)
 
 
 if __name__ == "__main__":

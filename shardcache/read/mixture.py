@@ -373,10 +373,14 @@ class MixtureIndex:
         """``(source, local id)`` of mixture ids (int64 each); a negative id (padding) gives
         ``(-1, -1)``."""
         ids = np.asarray(ids, dtype=np.int64)
-        source = np.searchsorted(self.offsets, ids, side="right") - 1
-        pad = ids < 0
-        local = ids - self.offsets[np.where(pad, 0, source)]
-        return np.where(pad, -1, source), np.where(pad, -1, local)
+        source = self.offsets.searchsorted(ids, side="right")
+        source -= 1
+        local = ids - self.offsets[source]  # (a padding id's is fixed below)
+        pad = source < 0
+        if pad.any():
+            source[pad] = -1
+            local[pad] = -1
+        return source, local
 
 
 def mixture_documents(
