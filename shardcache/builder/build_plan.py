@@ -139,8 +139,16 @@ class PartitionResult:
     #: The encoder backend of this partition and its in-build verification (backends.py):
     #: backend, version, verified (documents re-encoded with HF), mismatches, reencoded.
     encoding: dict[str, Any] = field(default_factory=dict)
+    #: CPU seconds per stage (:mod:`~shardcache.builder.stage_times`): reported, never
+    #: recorded in ``parts/<id>.json`` (the output's bytes do not depend on timing).
+    timings: dict[str, float] = field(default_factory=dict)
+
+    def to_message(self) -> dict[str, Any]:
+        """:meth:`to_json` with the timings (what a worker sends back to the build)."""
+        return {**self.to_json(), "timings": self.timings}
 
     def to_json(self) -> dict[str, Any]:
+        """The completion record ``parts/<id>.json`` (without timings)."""
         return {
             "partition": self.partition,
             "source": self.source,
@@ -165,6 +173,7 @@ class PartitionResult:
             corrupt=list(data.get("corrupt", [])),
             lint=dict(data.get("lint", {})),
             encoding=dict(data.get("encoding", {})),
+            timings=dict(data.get("timings", {})),
         )
 
 

@@ -87,7 +87,7 @@ def _ray_partition(spec: dict[str, Any], plan: BuildPlan, index: int) -> dict[st
     # one Rayon thread per task CPU, set before this process's tokenizer pool starts
     os.environ.setdefault("RAYON_NUM_THREADS", "1")
     encoder = encoder_in_worker(spec)
-    return build_partition(plan, plan.partitions[index], encoder, Progress()).to_json()
+    return build_partition(plan, plan.partitions[index], encoder, Progress()).to_message()
 
 
 def run_ray(

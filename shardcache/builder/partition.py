@@ -18,6 +18,7 @@ import dataclasses
 import heapq
 import json
 import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -37,6 +38,7 @@ from shardcache.builder.sources import (
     position_fields,
     record_position,
 )
+from shardcache.builder.stage_times import StageTimes
 from shardcache.builder.tokenize import (
     EncodingMismatch,
     TruncationStats,
@@ -192,9 +194,12 @@ def _map_verified(
     is left as it is), or an :class:`EncoderError` under ``--encoder fast``."""
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     text.take_verify()  # counts are per partition (whatever ran before in this process)
+    times = StageTimes()
+    text.stage_times = times
+    started = time.process_time()
     used = encoder
     try:
-        result = map_partition(plan, partition, encoder, progress)
+        result = map_partition(plan, partition, encoder, progress, times)
         text.check_verified()  # the sample is verified in the background: a difference raises
         counts = text.take_verify()
     except EncodingMismatch as err:
@@ -207,7 +212,7 @@ def _map_verified(
             ) from err
         remove_partition_files(plan.options.output, partition.id)
         used = reference_only(encoder)
-        result = map_partition(plan, partition, used, progress)
+        result = map_partition(plan, partition, used, progress, times)
     used_text = getattr(used, "text", used)
     backend = used_text.fast or used_text.reference
     result.encoding = {
@@ -220,7 +225,24 @@ def _map_verified(
         "reencoded": used is not encoder,
         "detail": counts.detail[:3],
     }
+    text.stage_times = None
+    result.timings = partition_timings(times, time.process_time() - started)
     return result
+
+
+def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]:
+    """The partition's stage times: ``parse`` is the reading thread's CPU beyond ``read``,
+    ``tokenizer`` the process CPU beyond the Python-side stages (the native encode and
+    verification threads), ``process`` the whole."""
+    seconds = dict(times.to_json())
+    reader = seconds.pop("reader", 0.0)
+    seconds["parse"] = max(0.0, reader - seconds.get("read", 0.0))
+    python_side = reader + seconds.get("bucket", 0.0) + seconds.get("write", 0.0)
+    seconds["tokenizer"] = max(0.0, process_cpu - python_side)
+    seconds["process"] = process_cpu
+    total = StageTimes()
+    total.merge(seconds)
+    return total.to_json()
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
@@ -234,10 +256,14 @@ def remove_partition_files(out: str, partition_id: str) -> None:
 
 
 def map_partition(
-    plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
+    plan: BuildPlan,
+    partition: Partition,
+    encoder: Encoder,
+    progress: Progress,
+    times: StageTimes | None = None,
 ) -> PartitionResult:
     """Read, encode and write one partition's files into ``plan.options.output`` (not its
-    completion record).
+    completion record). ``times`` receives the CPU seconds of its stages.
 
     Returns:
         The partition's result (its ``encoding`` left empty).
@@ -304,6 +330,7 @@ def map_partition(
         )
         for bucket in range(len(plan.edges) + 1)
     ]
+    times = times or StageTimes()
     take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
     digest = FileDigest()
     read_bytes = 0
@@ -325,9 +352,10 @@ def map_partition(
         on_corrupt=on_corrupt,
         kind="text" if options.chat is None else "chat",
         on_layout=on_layout,
+        times=times,
     )
     try:
-        for batch, ids in encode_ahead(encoder, batches):
+        for batch, ids in encode_ahead(encoder, batches, times=times):
             check_parent()
             original = batch
             batch, ids, failures = drop_failures(batch, ids)
@@ -336,27 +364,34 @@ def map_partition(
             if not len(ids):
                 write_batch_failures()
                 continue  # every record of the batch failed (quarantined above)
-            encoded = encoder.finish(ids, stats)
-            del ids
+            with times.cpu("bucket"):
+                encoded = encoder.finish(ids, stats)
+                del ids
             for doc, reason, detail in encoded.failed:  # conversations the template refused
                 batch_bad(batch, doc, reason, detail)
             write_batch_failures()
-            records = batch.records[encoded.doc_index]
-            buckets = assign_buckets(encoded.lengths, plan.edges)
-            for b in np.unique(buckets):
-                rows = buckets == b
-                token_rows = np.repeat(rows, encoded.lengths)
-                writers[int(b)].add(
-                    encoded.tokens[token_rows],
-                    encoded.lengths[rows],
-                    records[rows],
-                    encoded.piece[rows],
-                    None if encoded.mask is None else encoded.mask[token_rows],
-                )
+            with times.cpu("bucket"):
+                records = batch.records[encoded.doc_index]
+                buckets = assign_buckets(encoded.lengths, plan.edges)
+                groups = []
+                for b in np.unique(buckets):
+                    rows = buckets == b
+                    token_rows = np.repeat(rows, encoded.lengths)
+                    groups.append((int(b), rows, token_rows))
+            for b, rows, token_rows in groups:
+                with times.cpu("write"):
+                    writers[b].add(
+                        encoded.tokens[token_rows],
+                        encoded.lengths[rows],
+                        records[rows],
+                        encoded.piece[rows],
+                        None if encoded.mask is None else encoded.mask[token_rows],
+                    )
             progress.update(len(batch.texts), int(encoded.lengths.sum()))
             fault_point("batch")
-        for writer in writers:
-            writer.close()
+        with times.cpu("write"):
+            for writer in writers:
+                writer.close()
     finally:
         reader_bad.close()
         template_bad.close()

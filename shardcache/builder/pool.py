@@ -105,7 +105,7 @@ def _worker_run(index: int) -> dict[str, Any]:
     progress = _QueueProgress(_WORKER["queue"])
     result = build_partition(plan, plan.partitions[index], _WORKER["encoder"], progress)
     progress.flush()
-    return result.to_json()
+    return result.to_message()
 
 
 def _drain(queue: Any, progress: Progress) -> None:

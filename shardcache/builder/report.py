@@ -10,6 +10,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from shardcache.builder.stage_times import format_stages
 from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
@@ -54,6 +55,8 @@ class BuildReport:
     #: Nothing was done: the output already held this build, committed (idempotent rerun).
     up_to_date: bool = False
     encoder: dict[str, Any] = field(default_factory=dict)  # the manifest's "encoder" field
+    #: CPU seconds per stage of this run (:mod:`~shardcache.builder.stage_times`).
+    stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
@@ -94,6 +97,7 @@ def report_json(report: BuildReport) -> dict[str, Any]:
         "workers": report.workers,
         "up_to_date": report.up_to_date,
         "encoder": report.encoder,
+        "stages": report.stages,
     }
 
 
@@ -128,6 +132,7 @@ def format_report(report: BuildReport) -> str:
             *lost,
             *chat_lines(st),
             *encoder_lines(report.encoder),
+            *format_stages(report.stages),
             f"time         {report.seconds:.1f} s: {report.tokens / secs:,.0f} tokens/s, "
             f"{report.bytes_in / secs / 1e6:.1f} MB/s in",
         ]

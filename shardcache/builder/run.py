@@ -43,6 +43,7 @@ from shardcache.builder.engines import ENGINES, EngineOptions
 from shardcache.builder.key_computation import precompute_tokenizer_component
 from shardcache.builder.report import BuildReport, Progress, report_from_manifest
 from shardcache.builder.sources import InputFile, list_inputs
+from shardcache.builder.stage_times import StageTimes
 from shardcache.config import BuildOptions
 from shardcache.errors import CacheError, ConfigError
 from shardcache.store.files import disk_error
@@ -111,6 +112,7 @@ def build(
         )
     progress = progress or Progress()
     started = time.perf_counter()
+    times = StageTimes()  # the partitions' stages (this run's, not resumed ones) and commit
     storage = open_storage(options.output)
     inputs = list_inputs(options.source.inputs, exclude=[options.output])
     encoder = encoder_for(options, encoder_factory)
@@ -143,12 +145,20 @@ def build(
                 run = ENGINES[engine.engine](engine)
                 results.update(run(plan, pending, encoder, progress, workers))
             if share is None:
+                commit_started = time.process_time()
                 manifest = commit(storage, plan, [results[p.id] for p in mine], encoder)
+                times.add("commit", time.process_time() - commit_started)
         finally:
             progress.close()
+    for p in pending:
+        times.merge(results[p.id].timings)
     if manifest is None:
-        return _share_report(storage.location, mine, done, results, started, workers)
-    return _build_report(storage.location, manifest, started, len(mine), done, pending, workers)
+        report = _share_report(storage.location, mine, done, results, started, workers)
+    else:
+        report = _build_report(storage.location, manifest, started, len(mine), done, pending,
+                               workers)  # fmt: skip
+    report.stages = times.to_json()
+    return report
 
 
 def build_cache(

@@ -47,6 +47,7 @@ from shardcache.builder.backends import (
     verify_sample,
 )
 from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
+from shardcache.builder.stage_times import StageTimes
 from shardcache.builder.tokenizer_memo import ResolvedTokenizer, folder_digest, write_resolved
 from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
 from shardcache.errors import ConfigError, EncoderError, TokenizerError
@@ -341,6 +342,8 @@ class TextEncoder:
         self.verify = VerifyCounts()
         self._batches = 0
         self._verifying: list[Ahead[VerifyCounts]] = []  # per batch, in order (background)
+        #: The partition's stage times (set per partition): the verification's seconds.
+        self.stage_times: StageTimes | None = None
 
     def use_fast(
         self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
@@ -434,7 +437,7 @@ class TextEncoder:
         if len(self._verifying) >= VERIFY_AHEAD:  # backpressure: at most this many behind
             self._verifying[-VERIFY_AHEAD].result()
         job = (texts, tokens, lengths, positions, self.reference, self.add_special_tokens)
-        self._verifying.append(Ahead(_verify_batch, *job))
+        self._verifying.append(Ahead(_verify_batch, *job, self.stage_times))
         return FlatIds(tokens, lengths)
 
     def check_verified(self) -> None:
@@ -493,13 +496,17 @@ def _verify_batch(
     positions: np.ndarray,
     reference: HFBackend,
     add_special_tokens: bool,
+    times: StageTimes | None = None,
 ) -> VerifyCounts:
     """:func:`verify_sample` of one batch, for a background thread. HF failing on a sampled
     text counts as a difference: the partition is then re-encoded with HF, which quarantines
-    that record (as encoding it alone did when the check ran in line)."""
+    that record (as encoding it alone did when the check ran in line). ``times``: its
+    seconds go to ``verify_busy``."""
     counts = VerifyCounts()
     try:
-        verify_sample(texts, tokens, lengths, positions, reference, add_special_tokens, counts)
+        with times.busy("verify_busy") if times is not None else contextlib.nullcontext():
+            verify_sample(texts, tokens, lengths, positions, reference, add_special_tokens,
+                          counts)  # fmt: skip
     except Exception as err:  # any HF failure is the partition's
         counts.mismatches += 1
         counts.detail.append(f"HF failed on the verification sample ({type(err).__name__}: "
@@ -643,17 +650,21 @@ class _Failure:
     error: BaseException
 
 
-def _read_ahead(batches: Iterable[Any], stop: threading.Event) -> Iterator[Any]:
+def _read_ahead(
+    batches: Iterable[Any], stop: threading.Event, times: StageTimes | None = None
+) -> Iterator[Any]:
     """``batches``, iterated one item ahead in a thread of its own (until ``stop`` is set):
     reading (decompression, JSON parsing: GIL-bound) overlaps the encode of the previous
-    batch (GIL released). Upstream errors re-raise here."""
+    batch (GIL released). Upstream errors re-raise here. ``times``: the thread's CPU goes to
+    the ``reader`` stage (read + parse)."""
     items: queue.Queue[Any] = queue.Queue(maxsize=1)
 
     def read() -> None:
         try:
-            for batch in batches:
-                if not _put(items, batch, stop):
-                    return
+            with times.cpu("reader") if times is not None else contextlib.nullcontext():
+                for batch in batches:
+                    if not _put(items, batch, stop):
+                        return
             _put(items, _DONE, stop)
         except BaseException as err:  # re-raised in the consumer
             _put(items, _Failure(err), stop)
@@ -685,7 +696,10 @@ def _put(items: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
 
 
 def encode_ahead(
-    encoder: TextEncoder, batches: Iterable[Any], depth: int = 2
+    encoder: TextEncoder,
+    batches: Iterable[Any],
+    depth: int = 2,
+    times: StageTimes | None = None,
 ) -> Iterator[tuple[Any, Any]]:
     """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
 
@@ -693,6 +707,8 @@ def encode_ahead(
     previous result, so id extraction and writing overlap tokenization; another reads the
     upstream one batch ahead of it (:func:`_read_ahead`), so reading overlaps encoding.
     At most ``depth`` encoded batches wait in the queue. Upstream errors re-raise here.
+    ``times``: the reading thread's CPU (``reader``) and the encode calls' seconds
+    (``encode_busy``).
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -702,8 +718,12 @@ def encode_ahead(
 
     def produce() -> None:
         try:
-            for batch in _read_ahead(batches, stop):
-                if stop.is_set() or not put((batch, encode_isolating(encoder, batch.texts))):
+            for batch in _read_ahead(batches, stop, times):
+                if stop.is_set():
+                    return
+                with times.busy("encode_busy") if times is not None else contextlib.nullcontext():
+                    ids = encode_isolating(encoder, batch.texts)
+                if not put((batch, ids)):
                     return
             put(_DONE)
         except BaseException as err:  # re-raised in the consumer

@@ -1,0 +1,101 @@
+"""Where a build's time goes: CPU seconds per stage, always on, in the build report.
+
+Each stage is timed with the CPU clock of the thread that runs it (``time.thread_time``, a
+few calls per read chunk or batch, never per record), so the figures stay meaningful on a
+loaded machine where wall-clock seconds are not:
+
+* ``read``: file reads, sha256 and decompression (the read-ahead thread, per read chunk);
+* ``parse``: JSON parsing, validation and batching (the rest of the read-ahead thread);
+* ``bucket``: EOS, truncation and bucket assignment of the encoded ids (the partition's thread);
+* ``write``: Arrow record batches and shard files, fsync included (the partition's thread);
+* ``tokenizer``: the rest of the partition's process CPU: the encoder's and the
+  verification's native threads (both release the GIL and run on a thread pool of their
+  own, which no Python-side thread clock sees), and whatever else the process did;
+* ``commit``: merging and publishing at commit (the build process).
+
+``encode_busy`` and ``verify_busy`` are the seconds the encode and verification calls took
+(wall clock: their CPU is in ``tokenizer``): their ratio says how ``tokenizer`` divides.
+``process`` is the partitions' process CPU in all. The figures go to the build report and its
+JSON, never into the cache (its bytes do not depend on timing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections.abc import Iterator, Mapping
+
+#: The stages, in pipeline order (the report lists them so).
+STAGES = (
+    "read",
+    "parse",
+    "tokenizer",
+    "bucket",
+    "write",
+    "commit",
+    "encode_busy",
+    "verify_busy",
+    "process",
+)
+
+
+class StageTimes:
+    """Seconds per stage, added from any thread (a lock guards the sums)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.seconds: dict[str, float] = {}
+
+    def add(self, stage: str, seconds: float) -> None:
+        """Add ``seconds`` to ``stage``."""
+        with self._lock:
+            self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
+
+    def merge(self, other: Mapping[str, float]) -> None:
+        """Add every stage of ``other`` (a :meth:`to_json` of another partition)."""
+        for stage, seconds in other.items():
+            self.add(stage, float(seconds))
+
+    @contextlib.contextmanager
+    def cpu(self, stage: str) -> Iterator[None]:
+        """Add the calling thread's CPU seconds spent in the ``with`` block to ``stage``."""
+        start = time.thread_time()
+        try:
+            yield
+        finally:
+            self.add(stage, time.thread_time() - start)
+
+    @contextlib.contextmanager
+    def busy(self, stage: str) -> Iterator[None]:
+        """Add the wall-clock seconds of the ``with`` block to ``stage`` (calls whose CPU is
+        spent in native threads)."""
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.add(stage, time.perf_counter() - start)
+
+    def to_json(self) -> dict[str, float]:
+        """``{stage: seconds}`` in :data:`STAGES` order (then any other), rounded to ms."""
+        with self._lock:
+            order = [s for s in STAGES if s in self.seconds]
+            order += sorted(s for s in self.seconds if s not in STAGES)
+            return {s: round(self.seconds[s], 3) for s in order}
+
+
+def format_stages(seconds: Mapping[str, float]) -> list[str]:
+    """The build report's line (none when nothing ran): CPU seconds and share per stage."""
+    total = sum(seconds.get(s, 0.0) for s in ("read", "parse", "tokenizer", "bucket", "write"))
+    total += seconds.get("commit", 0.0)
+    if total <= 0:
+        return []
+    parts = [
+        f"{s} {seconds[s]:.2f}s ({100 * seconds[s] / total:.0f}%)"
+        for s in ("read", "parse", "tokenizer", "bucket", "write", "commit")
+        if s in seconds
+    ]
+    busy = [f"{s.removesuffix('_busy')} {seconds[s]:.2f}s" for s in ("encode_busy", "verify_busy")
+            if s in seconds]  # fmt: skip
+    line = "cpu          " + ", ".join(parts)
+    return [line + (f"; in the tokenizer: {', '.join(busy)} busy" if busy else "")]
