@@ -29,6 +29,7 @@ from shardcache.builder.backends import (
     select_backend,
 )
 from shardcache.builder.build_plan import BuildPlan
+from shardcache.builder.chunking import HUGE_CHARS
 from shardcache.builder.key_computation import probe_texts
 from shardcache.builder.sources import iter_text_batches
 from shardcache.config import BuildOptions
@@ -42,8 +43,9 @@ def corpus_sample(
     plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
 ) -> list[str]:
     """Up to ``limit`` texts and about ``max_chars`` characters: the first documents of up
-    to :data:`GATE_PARTITIONS` partitions spread over the plan (bad records skipped; a
-    damaged file just contributes less)."""
+    to :data:`GATE_PARTITIONS` partitions spread over the plan (bad records and documents
+    above :data:`~shardcache.builder.chunking.HUGE_CHARS` skipped; a damaged file just
+    contributes less)."""
     partitions = plan.partitions
     if not partitions or limit <= 0:
         return []
@@ -66,6 +68,8 @@ def corpus_sample(
             for batch in batches:
                 chars = 0
                 for text in batch.texts[: limit - len(texts)]:
+                    if len(text) > HUGE_CHARS:
+                        continue  # HF encodes huge documents in the build, never the fast one
                     if chars and chars + len(text) > chars_per_partition:
                         break
                     texts.append(text)

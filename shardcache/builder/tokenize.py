@@ -412,14 +412,18 @@ class TextEncoder:
         backend a deterministic sample is re-encoded with HF (:func:`verify_sample`) in the
         background, overlapping the next batches (at most :data:`VERIFY_AHEAD` behind); a
         difference raises :class:`EncodingMismatch` from :meth:`check_verified`, which a
-        partition calls before it is recorded. A huge document is encoded in pieces by HF
-        (chunking.py), exact by construction."""
+        partition calls before it is recorded. A huge document is encoded by HF whatever the
+        backend: in pieces (chunking.py, exact by construction), or whole where no exact cut
+        exists (HF's whole encode needs a fraction of the fast backend's memory there)."""
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
             return self._encode_flat(texts)
         out: list[Any] = [None] * len(texts)
         for i in huge:
-            out[i] = self._encode_huge(texts[i])
+            ids = self._encode_huge(texts[i])
+            if ids is None:
+                ids = self.reference.encode_flat([texts[i]], self.add_special_tokens)[0]
+            out[i] = ids
         small = [i for i in range(len(texts)) if out[i] is None]
         rest = self._encode_flat([texts[i] for i in small])
         for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):

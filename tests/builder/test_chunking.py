@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import os
 import random
 
 import pytest
@@ -10,7 +11,7 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 from transformers import AutoTokenizer
 
 import shardcache.builder.tokenize as tokenize_module
-from conftest import WORDS, make_texts
+from conftest import WORDS, cache_data_files, make_texts
 from shardcache import open_cache
 from shardcache.builder.chunking import chunking_is_exact, encode_in_pieces, split_points
 
@@ -106,3 +107,43 @@ def test_text_without_spaces_is_cut_at_pre_tokenizer_boundaries(fixture, kind, r
     pieces = encode_in_pieces(backend, text, wrapping, piece_chars=997)
     assert pieces is not None  # cut, not encoded whole
     assert pieces.tolist() == tok(text)["input_ids"]
+
+
+def _build_peak_rss_mb(tmp_path, tokenizer: str, encoder: str) -> float:
+    """Build the corpus under ``tmp_path / "in"`` in a fresh process; its peak RSS in MB."""
+    import subprocess
+    import sys
+
+    out = str(tmp_path / f"out-{encoder}")
+    script = (
+        "import resource\n"
+        "from shardcache.builder.run import build_cache\n"
+        "from shardcache.config import build_options_from_mapping\n"
+        f"build_cache(build_options_from_mapping({{'input': {str(tmp_path / 'in')!r}, "
+        f"'tokenizer': {tokenizer!r}, 'output': {out!r}, 'workers': 1, 'encoder': {encoder!r}}}))\n"
+        "print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": repo}, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    return int(result.stdout.split()[-1]) / 1024
+
+
+def test_a_huge_document_without_spaces_costs_auto_no_more_memory_than_hf(tmp_path, large_bpe_dir):
+    """One 5 M-character CJK document (one pre-token: no exact cut exists): the default
+    encoder must not take the fast backend's far hungrier whole-document path (in the gate,
+    the build or its verification); HF's is the bound."""
+    import json
+
+    rng = random.Random(0)
+    chars = [chr(c) for c in range(0x4E00, 0x4E00 + 2000)]
+    (tmp_path / "in").mkdir()
+    text = "".join(rng.choices(chars, k=5_000_000))
+    (tmp_path / "in" / "huge.jsonl").write_text(json.dumps({"text": text}, ensure_ascii=False))
+    hf = _build_peak_rss_mb(tmp_path, large_bpe_dir, "hf")
+    auto = _build_peak_rss_mb(tmp_path, large_bpe_dir, "auto")
+    assert auto <= 1.25 * hf, (auto, hf)
+    assert cache_data_files(str(tmp_path / "out-auto")) == cache_data_files(
+        str(tmp_path / "out-hf")
+    )
