@@ -73,6 +73,11 @@ from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
 from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR
 from shardcache.store.remote import filesystem, is_url
 
+try:  # parses bytes with UTF-8 validation in one pass, well ahead of json.loads
+    from orjson import loads as _orjson_loads
+except ImportError:  # optional (shardcache[fast]): json alone then
+    _orjson_loads = None
+
 FORMATS = ("jsonl", "jsonl.zst", "json", "json.gz", "parquet")
 _SUFFIXES = {
     ".jsonl": "jsonl",
@@ -782,6 +787,32 @@ class _Batcher:
         return batch
 
 
+#: Brackets a line may hold for orjson to parse it: ``json`` refuses nesting near the
+#: interpreter's recursion limit (``too_deep``, depending on the stack), orjson only past its
+#: own, higher one, so a line that could nest that deep takes the reference path.
+FAST_MAX_BRACKETS = 256
+
+
+def _fast_text(line: bytes, text_field: str, kind: str) -> Any | None:
+    """The record's text (or conversation) through orjson when it parses the line (UTF-8
+    checked in the same pass) and the record is valid, else None: the line then takes the
+    reference path (``json``), which classifies it. orjson accepts no line that ``json``
+    rejects (no NaN, no lone surrogate, no invalid UTF-8, no integer past
+    ``int_max_str_digits``; nesting is bounded by :data:`FAST_MAX_BRACKETS`) and parses what
+    both accept to equal strings, so texts and bad-record reasons are those of ``json``
+    alone (a test compares the two on every kind of line)."""
+    if _orjson_loads is None:
+        return None
+    try:
+        obj = _orjson_loads(line)
+    except ValueError:  # orjson.JSONDecodeError
+        return None
+    if line.count(b"[") + line.count(b"{") > FAST_MAX_BRACKETS:
+        return None
+    text, reason = _validate(obj, text_field, kind)
+    return text if reason is None else None
+
+
 def _iter_lines(
     file: InputFile,
     raw: HashingReader,
@@ -801,8 +832,12 @@ def _iter_lines(
         for index, line in enumerate(records, first_record):
             if index == 0 and line.startswith(BOM):
                 line = line[len(BOM) :]
-            if not line.strip():
+            if not line or line.isspace():  # what strip() empties, without a copy
                 batcher.bad(index, "blank_line", line)
+                continue
+            text = _fast_text(line, text_field, batcher.kind)
+            if text is not None:
+                yield from batcher.add(index, text)
                 continue
             try:
                 decoded = line.decode("utf-8")

@@ -212,3 +212,57 @@ def test_the_plan_hashes_every_byte_range_it_cuts(corpus):
     assert whole == hashlib.sha256(data).hexdigest()
     for s in slices:
         assert s.sha256 == hashlib.sha256(data[s.start : s.end]).hexdigest()
+
+
+#: JSON lines of every kind the reader classifies: valid texts (escapes, pairs of surrogates,
+#: CJK, emoji, combining marks, control escapes, duplicate keys), and each kind of bad line
+#: json and orjson might judge differently (NaN, big integers, lone surrogates, raw control
+#: characters, invalid UTF-8, nesting around json's limit, trailing garbage, not an object).
+ORJSON_EDGE_LINES = [
+    b'{"text": "plain"}',
+    b'{"text": "a\\nb\\t\\u00e9\\ud83d\\ude00 \\u4e2d\\u6587 e\\u0301"}',
+    '{"text": "中文 🙂 é x̧"}'.encode(),
+    b'{"text": "first", "text": "last"}',
+    b'{"text": "x", "n": NaN}',
+    b'{"text": "x", "n": 123456789012345678901234567890}',
+    b'{"text": "x", "n": ' + b"1" * 5000 + b"}",
+    b'{"text": "x", "n": 1e400}',
+    b'{"text": "\\ud800 lone"}',
+    b'{"text": "raw\x01control"}',
+    b'{"text": "bad \xff utf8"}',
+    b'{"text": "ok", "deep": ' + b"[" * 200 + b"]" * 200 + b"}",
+    b'{"text": "ok", "deep": ' + b"[" * 1000 + b"]" * 1000 + b"}",
+    b'{"text": "ok", "deep": ' + b"[" * 1020 + b"]" * 1020 + b"}",
+    b'{"text": "ok"} trailing',
+    b'"just a string"',
+    b'{"text": 5}',
+    b'{"text": ""}',
+    b'{"other": "x"}',
+    b'{"text": null}',
+    b"   ",
+    b'  {"text": "spaced"}  \r',
+    b'{"text": "code {[()]} ' + b"{[" * 300 + b'"}',
+]
+
+
+@pytest.mark.parametrize("kind", ["text", "chat"])
+def test_orjson_and_json_read_the_same_records_and_reasons(tmp_path, monkeypatch, kind):
+    import shardcache.builder.sources as sources
+
+    pytest.importorskip("orjson")
+    lines = list(ORJSON_EDGE_LINES)
+    if kind == "chat":
+        lines += [
+            b'{"text": [{"role": "user", "content": "hi \\ud83d\\ude00"}]}',
+            b'{"text": [{"role": "user", "content": "\\udc00"}]}',
+            b'{"text": [{"role": "user"}]}',
+        ]
+    path = tmp_path / "edge.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    (file,) = list_inputs([str(path)])
+    fast = _collect(file, kind=kind)
+    monkeypatch.setattr(sources, "_orjson_loads", None)
+    reference = _collect(file, kind=kind)
+    assert fast == reference
+    if kind == "text":
+        assert len(fast[0]) >= 6 and len(fast[2]) >= 10  # both kinds of line are there
