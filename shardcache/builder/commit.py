@@ -11,10 +11,8 @@ running it again: everything it writes before the manifest is a pure function of
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 import os
-import shutil
 import tempfile
 import time
 from collections import Counter
@@ -47,7 +45,7 @@ from shardcache.errors import (
     ShardcacheError,
     SourceError,
 )
-from shardcache.store.build_lock import pid_alive
+from shardcache.store.build_lock import sweep_dead_scratch
 from shardcache.store.files import (
     concat_files_atomic,
     sha256_file,
@@ -106,7 +104,7 @@ def commit(
             "committed (the partitions are kept). Fix the template/data, or rerun without "
             "--strict-lint to commit anyway (see `shardcache info` for the counts)"
         )
-    sweep_commit_scratch(tempfile.gettempdir())
+    sweep_dead_scratch(tempfile.gettempdir())
     with storage.staging(f"commit-{os.getpid()}") as out:  # see COMMIT_SCRATCH_PREFIX
         staged = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
                   for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
@@ -391,19 +389,3 @@ def _incomplete(
         f"are not built: {shown}{hint}, then rerun `shardcache commit`",
         ids,
     )
-
-
-def sweep_commit_scratch(root: str) -> list[str]:
-    """Remove the scratch folders of URL commits that died on this host (their pid is gone:
-    a killed commit's ``TemporaryDirectory`` is never cleaned up, and it holds copies of the
-    partial shards and the merged ones); returns the paths removed."""
-    removed = []
-    with contextlib.suppress(OSError), os.scandir(root) as entries:
-        for entry in entries:
-            pid = entry.name[len(COMMIT_SCRATCH_PREFIX) :].split("-", 1)[0]
-            if not entry.name.startswith(COMMIT_SCRATCH_PREFIX) or not pid.isdigit():
-                continue
-            if entry.is_dir(follow_symlinks=False) and not pid_alive(int(pid)):
-                shutil.rmtree(entry.path, ignore_errors=True)
-                removed.append(entry.path)
-    return removed

@@ -171,7 +171,8 @@ def build_partition(
             ``--on-error fail``.
     """
     storage = open_storage(plan.options.output)
-    with storage.staging(partition.id) as staged:
+    # the pid in the name lets a later run sweep what a killed one left (a URL's scratch)
+    with storage.staging(f"part-{os.getpid()}-{partition.id}") as staged:
         if staged != plan.options.output:
             options = dataclasses.replace(plan.options, output=staged)
             plan = dataclasses.replace(plan, options=options)

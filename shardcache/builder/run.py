@@ -22,7 +22,9 @@ single-process one.
 
 from __future__ import annotations
 
+import contextlib
 import functools
+import tempfile
 import time
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
@@ -46,7 +48,8 @@ from shardcache.builder.sources import InputFile, list_inputs
 from shardcache.builder.stage_times import StageTimes
 from shardcache.config import BuildOptions
 from shardcache.errors import CacheError, ConfigError
-from shardcache.store.files import disk_error
+from shardcache.store.build_lock import sweep_dead_scratch
+from shardcache.store.files import cache_root, disk_error
 from shardcache.store.layout import BUILD_STATE, MANIFEST, PARTS_DIR, SHARES_DIR
 from shardcache.store.remote import is_url, unreachable
 from shardcache.store.storage import Storage, open_storage
@@ -113,6 +116,10 @@ def build(
     progress = progress or Progress()
     started = time.perf_counter()
     times = StageTimes()  # the partitions' stages (this run's, not resumed ones) and commit
+    # scratch files and folders of builds, commits and verifies killed on this host
+    sweep_dead_scratch(tempfile.gettempdir())
+    with contextlib.suppress(OSError):  # a build never needs the cache folder
+        sweep_dead_scratch(cache_root())
     storage = open_storage(options.output)
     inputs = list_inputs(options.source.inputs, exclude=[options.output])
     encoder = encoder_for(options, encoder_factory)

@@ -37,6 +37,7 @@ import contextlib
 import fcntl
 import json
 import os
+import shutil
 import socket
 import time
 from typing import Any
@@ -57,6 +58,40 @@ def pid_alive(pid: int) -> bool:
     except PermissionError:  # exists, owned by someone else
         return True
     return True
+
+
+#: Name prefixes of the scratch files and folders a process leaves only when it is killed:
+#: each is followed by the owner's pid and ``-`` (``shardcache-commit-1234-...``).
+SCRATCH_PREFIXES = ("shardcache-commit-", "shardcache-part-", "shardcache-pool-", "verify-")
+
+
+def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES) -> list[str]:
+    """Remove what processes killed on this host left in ``folder``: the entries named
+    ``<prefix><pid>-...`` (files or folders) whose pid is no longer alive.
+
+    Args:
+        folder: the folder to sweep (the temporary folder, or the local cache folder).
+        prefixes: the scratch name prefixes to look for.
+
+    Returns:
+        The paths removed.
+    """
+    removed = []
+    with contextlib.suppress(OSError), os.scandir(folder) as entries:
+        for entry in entries:
+            prefix = next((p for p in prefixes if entry.name.startswith(p)), None)
+            if prefix is None:
+                continue
+            pid = entry.name[len(prefix) :].split("-", 1)[0]
+            if not pid.isdigit() or pid_alive(int(pid)):
+                continue
+            if entry.is_dir(follow_symlinks=False):
+                shutil.rmtree(entry.path, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    os.remove(entry.path)
+            removed.append(entry.path)
+    return removed
 
 
 def read_owner(path: str) -> dict[str, Any] | None:

@@ -20,6 +20,7 @@ import numpy as np
 import pyarrow as pa
 
 from shardcache.errors import CacheError, CacheNotFoundError
+from shardcache.store.build_lock import sweep_dead_scratch
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
@@ -317,7 +318,9 @@ def verify_remote(url: str) -> VerifyReport:
         report.add(MANIFEST, kind, str(err))
         return report
     fs, root, manifest = remote.fs, remote.root, remote.manifest
-    folder = tempfile.mkdtemp(prefix="verify-", dir=cache_root())
+    # a killed verify leaves its copy of the cache: the next one removes those of dead pids
+    sweep_dead_scratch(cache_root())
+    folder = tempfile.mkdtemp(prefix=f"verify-{os.getpid()}-", dir=cache_root())
     try:
         names = [MANIFEST]
         index = manifest.get("index", {}).get("lengths", {}).get("name")

@@ -501,3 +501,38 @@ def test_two_concurrent_builds_one_is_refused(monkeypatch, corpus, tmp_path, tok
         release.set()
         first.join(60)
     assert open_cache(out).num_sequences == 40
+
+
+def test_a_build_sweeps_what_killed_builds_commits_and_verifies_left(
+    corpus, tmp_path, tokenizer_dir, monkeypatch
+):
+    """A kill -9 leaves scratch behind: a URL partition's or commit's staging folder, a pool's
+    payload file (temporary folder), a remote verify's copy of a cache (cache folder). The
+    next build removes those whose pid is dead, and keeps live and unrelated ones."""
+    import tempfile
+
+    from shardcache.store.files import cache_root
+
+    scratch = tmp_path / "tmp"
+    scratch.mkdir()
+    monkeypatch.setattr(tempfile, "tempdir", str(scratch))
+    gone = subprocess.Popen([sys.executable, "-c", "pass"])
+    gone.wait()
+    dead = [scratch / f"shardcache-part-{gone.pid}-p00003-x1",
+            scratch / f"shardcache-commit-{gone.pid}-x2",
+            scratch / f"shardcache-pool-{gone.pid}-x3.pickle", tmp_path / "cache-dir"]  # fmt: skip
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(dead[-1]))
+    dead[-1] = dead[-1] / f"verify-{gone.pid}-x4"
+    kept = [scratch / f"shardcache-part-{os.getpid()}-p00001-y", scratch / "shardcache-p00002-old",
+            scratch / "unrelated", dead[-1].parent / "tokenizers"]  # fmt: skip
+    for path in dead + kept:
+        if path.name.endswith(".pickle"):
+            path.write_bytes(b"x")
+        else:
+            (path / "shards").mkdir(parents=True)
+    assert cache_root() == str(dead[-1].parent)
+    folder, _ = corpus("jsonl", n_files=1, docs=5)
+    build(build_options_from_mapping({"input": folder, "tokenizer": tokenizer_dir,
+                                      "output": str(tmp_path / "out"), "workers": 1}))  # fmt: skip
+    assert [p for p in dead if p.exists()] == []
+    assert all(p.exists() for p in kept)
