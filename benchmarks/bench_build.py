@@ -215,14 +215,31 @@ def compare_encoders(args: argparse.Namespace) -> None:
         print(f"| shardcache build --encoder {name} | {seconds:.2f} | {wall:.1f} | "
               f"{ceiling_s / seconds:.2f} | {rss:,.0f} | {used} | "
               f"{enc.get('documents_verified', 0):,} | {enc.get('mismatches', 0)} |")  # fmt: skip
+    print_stages({name: report for name, (_, _, _, report) in best.items()})
     record_result("bench_build --encoders", {
         "documents": len(texts), "tokens": tokens, "ceiling_seconds": ceiling_s,
         "builds": {name: {"seconds": s, "wall_seconds": w, "peak_rss_mib": r,
-                          "encoder": report.get("encoder")}
+                          "encoder": report.get("encoder"),
+                          "stages_cpu_seconds": report.get("stages")}
                    for name, (s, w, r, report) in best.items()},
     }, args)  # fmt: skip
     if args.profile:
         profile_fast_build(args)
+
+
+def print_stages(reports: dict[str, dict]) -> None:
+    """Per-stage CPU seconds of each build (its report's ``stages``): where a build's CPU
+    goes, a figure that stays meaningful on a loaded machine; ``share`` of the stages' sum."""
+    names = ("startup", "read", "parse", "tokenizer", "bucket", "write", "commit")
+    print("| build | " + " | ".join(names) + " | encode busy s | verify busy s |")
+    print("|---|" + "---:|" * (len(names) + 2))
+    for name, report in reports.items():
+        stages = report.get("stages") or {}
+        total = sum(stages.get(n, 0.0) for n in names) or 1.0
+        cells = [f"{stages.get(n, 0.0):.2f} ({100 * stages.get(n, 0.0) / total:.0f}%)"
+                 for n in names]  # fmt: skip
+        busy = [f"{stages.get(n, 0.0):.2f}" for n in ("encode_busy", "verify_busy")]
+        print(f"| --encoder {name} | " + " | ".join([*cells, *busy]) + " |")
 
 
 def profile_fast_build(args: argparse.Namespace) -> None:

@@ -114,7 +114,7 @@ def build(
             "output); delete the output to start over"
         )
     progress = progress or Progress()
-    started = time.perf_counter()
+    started, cpu_started = time.perf_counter(), time.process_time()
     times = StageTimes()  # the partitions' stages (this run's, not resumed ones) and commit
     # scratch files and folders of builds, commits and verifies killed on this host
     sweep_dead_scratch(tempfile.gettempdir())
@@ -148,6 +148,7 @@ def build(
         try:
             progress.start(sum(p.nbytes for p in pending), len(plan.inputs))
             results = dict(done)
+            times.add("startup", time.process_time() - cpu_started)
             if pending:
                 run = ENGINES[engine.engine](engine)
                 results.update(run(plan, pending, encoder, progress, workers))

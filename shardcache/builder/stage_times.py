@@ -4,6 +4,8 @@ Each stage is timed with the CPU clock of the thread that runs it (``time.thread
 few calls per read chunk or batch, never per record), so the figures stay meaningful on a
 loaded machine where wall-clock seconds are not:
 
+* ``startup``: the build process before the first partition: tokenizer loads (the fast one in
+  a thread), the cache key, the plan and the backend gate (its HF encodes included);
 * ``read``: file reads, sha256 and decompression (the read-ahead thread, per read chunk);
 * ``parse``: JSON parsing, validation and batching (the rest of the read-ahead thread);
 * ``bucket``: EOS, truncation and bucket assignment of the encoded ids (the partition's thread);
@@ -28,6 +30,7 @@ from collections.abc import Iterator, Mapping
 
 #: The stages, in pipeline order (the report lists them so).
 STAGES = (
+    "startup",
     "read",
     "parse",
     "tokenizer",
@@ -86,14 +89,12 @@ class StageTimes:
 
 def format_stages(seconds: Mapping[str, float]) -> list[str]:
     """The build report's line (none when nothing ran): CPU seconds and share per stage."""
-    total = sum(seconds.get(s, 0.0) for s in ("read", "parse", "tokenizer", "bucket", "write"))
-    total += seconds.get("commit", 0.0)
+    shown = ("startup", "read", "parse", "tokenizer", "bucket", "write", "commit")
+    total = sum(seconds.get(s, 0.0) for s in shown)
     if total <= 0:
         return []
     parts = [
-        f"{s} {seconds[s]:.2f}s ({100 * seconds[s] / total:.0f}%)"
-        for s in ("read", "parse", "tokenizer", "bucket", "write", "commit")
-        if s in seconds
+        f"{s} {seconds[s]:.2f}s ({100 * seconds[s] / total:.0f}%)" for s in shown if s in seconds
     ]
     busy = [f"{s.removesuffix('_busy')} {seconds[s]:.2f}s" for s in ("encode_busy", "verify_busy")
             if s in seconds]  # fmt: skip

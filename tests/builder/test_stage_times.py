@@ -21,14 +21,16 @@ def test_a_build_reports_cpu_seconds_per_stage(corpus, tokenizer_dir, tmp_path):
     folder, _ = corpus("jsonl.zst", n_files=2, docs=40)
     report = _build(folder, tokenizer_dir, str(tmp_path / "out"), workers=1)
     stages = report.stages
-    for stage in ("read", "parse", "tokenizer", "bucket", "write", "commit", "process"):
+    stages_listed = ("startup", "read", "parse", "tokenizer", "bucket", "write", "commit")
+    for stage in (*stages_listed, "process"):
         assert stages[stage] >= 0.0, stage
     assert stages["encode_busy"] > 0.0
     # the stages measured in Python threads are parts of the partitions' process CPU
     python_side = stages["read"] + stages["parse"] + stages["bucket"] + stages["write"]
     assert python_side <= stages["process"] + 1e-3
     assert report_json(report)["stages"] == stages
-    assert "cpu          read " in format_report(report)
+    assert stages["startup"] > 0.0  # the tokenizer was loaded
+    assert "cpu          startup " in format_report(report)
 
 
 def test_timings_travel_from_workers_but_stay_out_of_the_cache(corpus, tokenizer_dir, tmp_path):
