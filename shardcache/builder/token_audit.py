@@ -40,6 +40,7 @@ from shardcache.builder.tokenize import TruncationStats
 from shardcache.errors import CacheKeyMismatch, SourceError
 from shardcache.store.cache import open_cache
 from shardcache.store.check import cache_key, compare_keys
+from shardcache.store.summary import sample_bound
 
 #: Key components that must be equal for the audit to mean anything.
 AUDITED_COMPONENTS = ("tokenizer", "special_tokens", "template", "truncation")
@@ -73,6 +74,7 @@ class TokenAudit:
     changed_inputs: list[str] = field(default_factory=list)  # sha256 differs from the manifest
     missing_inputs: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
+    total_documents: int | None = None  # documents the cache holds (the manifest's count)
 
     @property
     def ok(self) -> bool:
@@ -90,6 +92,9 @@ class TokenAudit:
             "changed_inputs": self.changed_inputs,
             "missing_inputs": self.missing_inputs,
             "warnings": self.warnings,
+            "sample_bound": sample_bound(
+                self.documents, len(self.mismatches), self.total_documents
+            ),
         }
 
 
@@ -108,6 +113,9 @@ def format_token_audit(audit: TokenAudit) -> str:
     ]
     if len(audit.mismatches) > 20:
         lines.append(f"mismatch     ... {len(audit.mismatches):,} in all (--json lists 100)")
+    bound = sample_bound(audit.documents, len(audit.mismatches), audit.total_documents)
+    if bound and audit.ok:
+        lines.append(f"sample       {bound}")
     lines.append(
         "ok           stored ids equal the HF tokenizer's"
         if audit.ok
@@ -152,6 +160,8 @@ def audit_tokens(
     encoder = make_encoder(options.tokenize, options.chat, audit=True)
     precompute_tokenizer_component(encoder, use_memo=False)
     audit = TokenAudit(path=path, fraction=fraction)
+    documents = (manifest.get("totals") or {}).get("documents")
+    audit.total_documents = documents if isinstance(documents, int) else None
     comparison = compare_keys(cache_key(path), compute_key(encoder, None), strict=False)
     changed = [d for d in comparison.differences
                if d.component in AUDITED_COMPONENTS and d.severity == "changed"]  # fmt: skip

@@ -92,7 +92,36 @@ def encoder_lines(encoder: dict[str, Any]) -> list[str]:
             f"verified     {verified:,} documents re-encoded with HF during the build, "
             f"{mismatches:,} mismatches{again}"
         )
+        bound = sample_bound(verified, mismatches)
+        if bound:
+            lines.append(f"             {bound}")
     return lines
+
+
+def sample_bound(checked: int, mismatches: int, total: int | None = None) -> str:
+    """What a sample without mismatches says about the documents it did not check.
+
+    A sample can only bound how many documents differ (a rare difference is easily missed):
+    with 0 mismatches in ``checked`` documents drawn at random, fewer than ``3/checked`` of
+    all documents differ at 95% confidence (the rule of three).
+
+    Args:
+        checked: documents re-encoded and compared.
+        mismatches: how many of them differed.
+        total: documents there are, when known (then a check of every one says so).
+
+    Returns:
+        The sentence, or "" when there were mismatches or nothing was checked.
+    """
+    if mismatches or checked <= 0:
+        return ""
+    if total is not None and checked >= total:
+        return f"0 mismatches in {checked:,} documents: every document was checked"
+    return (
+        f"0 mismatches in {checked:,} documents: fewer than 3/{checked:,} "
+        f"({3 / checked:.2%}) of documents differ at 95% confidence; "
+        "`shardcache verify CACHE --tokens --fraction 1` checks every one"
+    )
 
 
 def chat_lines(stats: dict[str, Any]) -> list[str]:

@@ -119,3 +119,34 @@ def test_chat_cache_ids_and_masks(tmp_path, chatml_tokenizer_dir):
                  chat=True)  # fmt: skip
     audit = audit_tokens(out, 1.0)
     assert audit.ok and audit.documents == 25 and audit.sequences == 25
+
+
+def test_a_sample_says_how_many_documents_may_still_differ(corpus, tokenizer_dir, tmp_path):
+    """A sample without mismatches bounds, never excludes, differences: the build report,
+    ``info`` and ``verify --tokens`` say "fewer than 3/N differ at 95% confidence"."""
+    import re
+
+    from click.testing import CliRunner
+
+    from shardcache.builder.report import format_report
+    from shardcache.builder.run import build_cache
+    from shardcache.cli import main
+    from shardcache.config import build_options_from_mapping
+
+    folder, _ = corpus("jsonl", n_files=2, docs=150)
+    out = str(tmp_path / "cache")
+    report = build_cache(build_options_from_mapping(
+        {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+         "verify_fraction": 0.1}))  # fmt: skip
+    verified = report.encoder["documents_verified"]
+    assert 0 < verified < 300  # the fast backend encoded, its in-build sample checked
+    bound = f"0 mismatches in {verified:,} documents: fewer than 3/{verified:,}"
+    assert bound in format_report(report)
+    assert bound in CliRunner().invoke(main, ["info", out]).output
+    audit = CliRunner().invoke(main, ["verify", out, "--tokens", "--fraction", "0.1"])
+    assert audit.exit_code == 0, audit.output
+    checked = int(re.search(r"tokens +([\d,]+) documents", audit.output).group(1).replace(",", ""))
+    assert 0 < checked < 300
+    assert f"0 mismatches in {checked:,} documents: fewer than 3/{checked:,}" in audit.output
+    full = CliRunner().invoke(main, ["verify", out, "--tokens", "--fraction", "1"])
+    assert "0 mismatches in 300 documents: every document was checked" in full.output
