@@ -79,3 +79,100 @@ def test_more_ranks_than_batches_warns(small_cache):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert len(ShardDataset(small_cache, max_tokens=256, rank=0, world_size=1)) > 0
+
+
+# --- one view of a shard's tokens: a manifest cannot point the reader elsewhere ------------
+
+
+def _file_tokens(cache: str) -> list[list[int]]:
+    """Every stored sequence as the shard files' own Arrow metadata gives it (pyarrow: what
+    ``verify --tokens`` reads), in manifest order."""
+    import json
+    import os
+
+    import pyarrow as pa
+
+    with open(os.path.join(cache, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    out = []
+    for shard in manifest["shards"]:
+        with pa.OSFile(os.path.join(cache, "shards", shard["name"])) as f:
+            table = pa.ipc.open_file(f).read_all()
+        out += table.column("tokens").to_pylist()
+    return out
+
+
+def _rewrite_manifest(cache: str, change) -> None:
+    import json
+    import os
+
+    path = os.path.join(cache, "manifest.json")
+    with open(path, encoding="utf-8") as f:
+        manifest = json.load(f)
+    change(manifest)
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(manifest, f)
+
+
+def _hide_payload(cache: str, manifest: dict) -> None:
+    """Insert junk between each shard's last record batch and its Arrow footer (the file
+    still reads the same through pyarrow), and record a layout pointing at the junk with the
+    new sha256 and size, as whoever writes the manifest can."""
+    import os
+
+    from shardcache.store.files import sha256_file
+
+    for shard in manifest["shards"]:
+        path = os.path.join(cache, "shards", shard["name"])
+        with open(path, "rb") as f:
+            data = f.read()
+        footer = len(data) - 10 - int.from_bytes(data[-10:-6], "little")
+        payload = bytes(range(256)) * 64
+        with open(path, "wb") as f:
+            f.write(data[:footer] + payload + data[footer:])
+        shard["sha256"], shard["bytes"] = sha256_file(path), os.path.getsize(path)
+        shard["layout"] = {"tokens": {"offset": footer, "length": len(payload)},
+                           "offsets": {"offset": footer + 8, "length": 64}}  # fmt: skip
+    manifest["totals"]["shard_bytes"] = sum(s["bytes"] for s in manifest["shards"])
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["kernels", "numpy"])
+def test_a_manifest_layout_lie_cannot_change_what_training_reads(tmp_path, small_cache, kernels):
+    import shutil
+
+    import numpy as np
+    from click.testing import CliRunner
+
+    from shardcache import open_cache
+    from shardcache.cli import main
+
+    cache = str(tmp_path / "cache")
+    shutil.copytree(small_cache, cache)
+    truth = _file_tokens(small_cache)
+    _rewrite_manifest(cache, lambda m: _hide_payload(cache, m))
+    assert _file_tokens(cache) == truth  # pyarrow's view is unchanged
+    for args in (["verify", cache], ["verify", cache, "--tokens", "--fraction", "1"]):
+        result = CliRunner().invoke(main, args)
+        assert result.exit_code == 0, result.output
+    with open_cache(cache) as opened:
+        assert [opened.read(i).tolist() for i in range(opened.num_sequences)] == truth
+    ds = ShardDataset(cache, max_tokens=4096, shuffle=False)
+    ds.kernels = kernels
+    read = []
+    for batch in ds:
+        ids, mask = batch["input_ids"].numpy(), batch["attention_mask"].numpy().astype(bool)
+        read += [row[m].tolist() for row, m in zip(ids, mask)]
+    assert sorted(read) == sorted(truth)
+    assert np.isin(np.concatenate([np.asarray(t) for t in read]), np.arange(600)).all()
+
+
+def test_a_manifest_dtype_lie_is_refused_not_read_as_junk(tmp_path, small_cache):
+    import shutil
+
+    from shardcache import CorruptShardError, open_cache
+
+    cache = str(tmp_path / "cache")
+    shutil.copytree(small_cache, cache)
+    _rewrite_manifest(cache, lambda m: m.update(dtype="uint32"))
+    with pytest.raises(CorruptShardError, match="uint32"), open_cache(cache) as opened:
+        opened.read(0)
