@@ -17,6 +17,8 @@ import json
 import os
 from typing import Any
 
+import numpy as np
+
 from shardcache.errors import CacheError, CacheNotFoundError, CorruptShardError
 from shardcache.store.layout import (
     FORMAT_VERSION,
@@ -155,12 +157,14 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
             f"(reads {FORMAT_VERSION}); rebuild the cache or use a matching shardcache version"
         )
     c.choice(manifest.get("kind", "text"), "kind", KINDS)
-    c.choice(c.get(manifest, "dtype", "dtype"), "dtype", DTYPES)
+    dtype = c.choice(c.get(manifest, "dtype", "dtype"), "dtype", DTYPES)
     c.str(c.get(manifest, "shardcache_version", "shardcache_version"), "shardcache_version")
     tokenizer = c.obj(manifest, "tokenizer", "tokenizer")
-    c.int(c.get(tokenizer, "pad_id", "tokenizer.pad_id"), "tokenizer.pad_id")
-    for key in ("vocab_size", "max_token_id"):
-        c.int(c.get(tokenizer, key, f"tokenizer.{key}"), f"tokenizer.{key}")
+    c.int(c.get(tokenizer, "vocab_size", "tokenizer.vocab_size"), "tokenizer.vocab_size")
+    # ids are stored as ``dtype``, and padded rows hold pad_id: both within the tokenizer
+    largest = c.int(c.get(tokenizer, "max_token_id", "tokenizer.max_token_id"),
+                    "tokenizer.max_token_id", high=int(np.iinfo(np.dtype(dtype)).max))  # fmt: skip
+    c.int(c.get(tokenizer, "pad_id", "tokenizer.pad_id"), "tokenizer.pad_id", high=largest)
     for key in ("path", "class"):
         c.str(c.get(tokenizer, key, f"tokenizer.{key}"), f"tokenizer.{key}")
     ranges = c.list(c.obj(manifest, "buckets", "buckets"), "ranges", "buckets.ranges")

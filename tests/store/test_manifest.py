@@ -300,3 +300,24 @@ def test_a_merged_shard_entry_is_checked_run_by_run(cache_dir):
     refused(lambda s: s.update(sources="p00000"), "sources")
     # a partition's fields on a merged entry do not make its runs unchecked
     refused(lambda s: (s.update(partition="p00000", source="a"), s["sources"].pop()), "sources")
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("pad_id", "max+1"),  # every padded row would hold an id the tokenizer never gives
+        ("pad_id", 2**40),  # padded with 0 on one path, OverflowError on the other
+        ("max_token_id", 2**16),  # ids above what the uint16 shards can hold
+    ],
+)
+def test_tokenizer_ids_the_reader_uses_are_checked_at_open(cache_dir, field, value):
+    def change(manifest: dict[str, Any]) -> None:
+        tokenizer = manifest["tokenizer"]
+        tokenizer[field] = tokenizer["max_token_id"] + 1 if value == "max+1" else value
+
+    _edit(cache_dir, change)
+    with pytest.raises(CacheError, match=rf"manifest field tokenizer\.{field} is .*rebuild"):
+        open_cache(cache_dir)
+    with pytest.raises(CacheError, match=rf"tokenizer\.{field}"):
+        ShardDataset(cache_dir, max_tokens=256)
+    assert not verify_cache(cache_dir).ok
