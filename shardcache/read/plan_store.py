@@ -6,6 +6,11 @@ an exclusive ``flock``, the others waiting and reading). The digest covers the d
 (length index sha256 and shard table), the plan options, seed, epoch and
 :data:`PLAN_FILE_VERSION`. Plans of caches under :data:`SHARE_MIN_SEQUENCES` sequences are
 computed in place; the folder keeps the :data:`KEEP_PLANS` most recently used plans.
+
+A stored plan is a set of files anyone who can write the cache folder can edit: its
+:data:`DIGESTS_FILE`, written with it, holds the sha256 of each array file, and a plan whose
+files do not match (edited, truncated, missing, extra) is never used: it is removed and
+computed again.
 """
 
 from __future__ import annotations
@@ -22,11 +27,16 @@ from shardcache.store.files import (
     cache_root,
     exclusive_lock,
     private_tmp,
+    read_json_or_none,
+    sha256_file,
     sha256_text,
+    write_json_atomic,
     write_npy_atomic,
 )
 
-PLAN_FILE_VERSION = 1
+PLAN_FILE_VERSION = 2
+#: In a stored plan's folder: array file name -> its sha256.
+DIGESTS_FILE = "sha256.json"
 PLANS_DIR = "plans"
 #: Below this many sequences a plan is recomputed (milliseconds), not written.
 SHARE_MIN_SEQUENCES = 200_000
@@ -47,7 +57,22 @@ def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) ->
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 
+def _matches_digests(folder: str) -> bool:
+    """Whether the array files of ``folder`` are exactly the ones its :data:`DIGESTS_FILE`
+    lists, with those sha256s."""
+    try:
+        recorded = read_json_or_none(os.path.join(folder, DIGESTS_FILE))
+        present = {n for n in os.listdir(folder) if n.endswith(".npy")}
+        if not isinstance(recorded, dict) or set(recorded) != present:
+            return False
+        return all(sha256_file(os.path.join(folder, n)) == recorded[n] for n in sorted(present))
+    except OSError:
+        return False
+
+
 def _read(folder: str) -> EpochPlan | None:
+    if not _matches_digests(folder):
+        return None
     arrays: dict[str, np.ndarray | None] = {}
     try:
         for name in _FIELDS:
@@ -68,10 +93,15 @@ def _write(folder: str, plan: EpochPlan) -> None:
     tmp = private_tmp(folder)
     os.makedirs(tmp)
     try:
+        digests = {}
         for name in _FIELDS:
             value = getattr(plan, name)
             if value is not None:
-                write_npy_atomic(os.path.join(tmp, f"{name}.npy"), np.asarray(value))
+                path = os.path.join(tmp, f"{name}.npy")
+                write_npy_atomic(path, np.asarray(value))
+                digests[f"{name}.npy"] = sha256_file(path)
+        write_json_atomic(os.path.join(tmp, DIGESTS_FILE), digests)
+        shutil.rmtree(folder, ignore_errors=True)  # a damaged plan: replaced
         os.replace(tmp, folder)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)

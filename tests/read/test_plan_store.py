@@ -77,3 +77,40 @@ def test_a_stored_plan_reads_back_equal_and_other_inputs_get_their_own(tmp_path)
         for name in ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_lengths"):
             assert np.array_equal(getattr(plan, name), getattr(want, name))
     assert calls == [1, 2]
+
+
+@pytest.mark.parametrize("damage", ["swap", "truncate", "digests"])
+def test_an_edited_stored_plan_is_never_used(cache_dir, planned, damage):
+    """A stored plan edited in place (two sample ids swapped: silently other batches; a file
+    cut short: a raw ValueError; the digest file itself edited) is detected, removed and
+    computed again."""
+    import json
+    import os
+
+    from shardcache.store.files import cache_root
+
+    ds = ShardDataset(cache_dir, max_tokens=256, seed=7)
+    want = list(ds)
+    (folder,) = [e.path for e in os.scandir(os.path.join(cache_root(), plan_store.PLANS_DIR))
+                 if e.is_dir()]  # fmt: skip
+    path = os.path.join(folder, "sample_ids.npy")
+    if damage == "swap":
+        ids = np.load(path, mmap_mode="r+")
+        ids[0], ids[-1] = int(ids[-1]), int(ids[0])
+        ids.flush()
+        del ids
+    elif damage == "truncate":
+        os.truncate(path, os.path.getsize(path) - 8)
+    else:
+        digests = os.path.join(folder, plan_store.DIGESTS_FILE)
+        with open(digests, encoding="utf-8") as f:
+            recorded = json.load(f)
+        recorded["sample_ids.npy"] = "0" * 64
+        with open(digests, "w", encoding="utf-8") as f:
+            json.dump(recorded, f)
+    again = ShardDataset(cache_dir, max_tokens=256, seed=7)
+    got = list(again)
+    assert len(got) == len(want)
+    for a, b in zip(got, want):
+        assert_batches_equal(a, b)
+    assert planned() == [0, 0]  # computed again
