@@ -49,14 +49,15 @@ from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, m
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.read.prefetch.tree import packed_offsets, packed_view
-from shardcache.store.cache import Cache, Gathered
+from shardcache.store.cache import Cache, Gathered, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
 
 STATE_VERSION = 1
 #: Open shards kept per reader process. Memory maps are cheap (reclaimable file pages), while
 #: reopening a shard pays its open and its page faults again, and an LRU smaller than the
-#: cache keeps nothing across a sequential pass.
+#: cache keeps nothing across a sequential pass. Each map holds a file descriptor, so fewer
+#: under a low open-file limit (:func:`~shardcache.store.cache.shards_within_file_limit`).
 OPEN_SHARDS = 256
 logger = logging.getLogger("shardcache")
 
@@ -223,7 +224,7 @@ class ShardDataset(IterableDataset):
                 "is all of it. Drop tokens_per_epoch or pass [Source(path)]"
             )
         self.path = os.fspath(path)
-        cache = Cache(self.path, open_shards=OPEN_SHARDS)
+        cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
         if expect is not None:
             # refuse a cache built under another key (CacheKeyMismatch names the fields)
             verify_manifest_key(cache.manifest, expect, self.path)
@@ -250,7 +251,9 @@ class ShardDataset(IterableDataset):
         self, sources: tuple[Source, ...], expect: Any, tokens_per_epoch: int | None
     ) -> None:
         """Open a mixture's caches (mixed_cache.py) and fix its per-source targets."""
-        mixed = MixedCache(sources, expect, open_shards=OPEN_SHARDS)
+        mixed = MixedCache(
+            sources, expect, open_shards=shards_within_file_limit(OPEN_SHARDS, len(sources))
+        )
         digests = tuple(cache_digest(c.manifest) for c in mixed.caches)
         table = mixed.table(tokens_per_epoch)
         self._mixture = Mixture(sources, table, mixed.index, digests, tokens_per_epoch)
@@ -282,8 +285,11 @@ class ShardDataset(IterableDataset):
     def _open_cache(self) -> Cache | MixedCache:
         """This process's reader of the cache (or of a mixture's caches)."""
         if self._mixture is not None:
-            return MixedCache(self._mixture.sources, open_shards=OPEN_SHARDS)
-        return Cache(self.path, open_shards=OPEN_SHARDS)
+            sources = self._mixture.sources
+            return MixedCache(
+                sources, open_shards=shards_within_file_limit(OPEN_SHARDS, len(sources))
+            )
+        return Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()

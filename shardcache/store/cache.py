@@ -202,6 +202,30 @@ def _forget_in(addresses: np.ndarray, mapped: dict[int, np.ndarray]) -> Callable
     return forget
 
 
+#: Share of the process's open-file limit that open shards may take (each memory map holds
+#: a descriptor), leaving the rest to the program, its DataLoader pipes and other caches.
+SHARD_SHARE_OF_FILE_LIMIT = 4
+
+
+def shards_within_file_limit(requested: int, caches: int = 1) -> int:
+    """How many shards each of ``caches`` caches may keep open in this process: at most
+    ``requested``, and together at most a quarter of the soft open-file limit (at least 4).
+
+    Args:
+        requested: the open shards wanted per cache.
+        caches: caches this process reads at once (a mixture's sources).
+
+    Returns:
+        The open shards per cache.
+    """
+    import resource
+
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY or soft <= 0:
+        return requested
+    return max(4, min(requested, soft // SHARD_SHARE_OF_FILE_LIMIT // max(1, caches)))
+
+
 class Cache:
     """A committed cache, local or at a URL; use :func:`open_cache` to make one.
 

@@ -329,3 +329,41 @@ def disk_error(err: OSError, output: str) -> CacheError | None:
         f"cannot write {path!r} ({why}: {err.strerror}); {fix}, then rerun the same command: "
         f"completed partitions in {output!r} are kept and the result is byte-identical"
     )
+
+
+def resource_limit_error(err: OSError, path: str) -> CacheError | None:
+    """The error to raise when opening or mapping ``path`` failed for lack of a process or
+    system resource, not because the file is damaged.
+
+    Args:
+        err: the error while opening, reading or mapping ``path``.
+        path: the file.
+
+    Returns:
+        A :class:`CacheError` naming the limit hit, its value and what to do, or None for
+        other errors (then the caller reports the file).
+    """
+    import resource
+
+    if err.errno == errno.EMFILE:
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        return CacheError(
+            f"cannot open {path!r}: this process reached its open-file limit (RLIMIT_NOFILE "
+            f"soft {soft}, hard {hard}); the file is not damaged. Raise the soft limit "
+            "(`ulimit -n` before starting, or resource.setrlimit; above the hard limit only "
+            "an administrator can), or open fewer files at once (fewer caches, DataLoader "
+            "workers or open_shards)"
+        )
+    if err.errno == errno.ENFILE:
+        return CacheError(
+            f"cannot open {path!r}: the system-wide open-file table is full (ENFILE; Linux: "
+            "/proc/sys/fs/file-max); the file is not damaged: close other programs' files or "
+            "raise fs.file-max, then retry"
+        )
+    if err.errno == errno.ENOMEM:
+        return CacheError(
+            f"cannot map {path!r}: out of memory or of memory mappings (ENOMEM; Linux: "
+            "vm.max_map_count, or the address-space limit RLIMIT_AS); the file is not "
+            "damaged: raise the limit, or read with fewer open shards or processes, then retry"
+        )
+    return None

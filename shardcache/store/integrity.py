@@ -21,6 +21,7 @@ from shardcache.store.files import (
     CACHE_DIR_ENV,
     cache_root,
     exclusive_lock,
+    resource_limit_error,
     sha256_file,
     sha256_text,
 )
@@ -154,7 +155,13 @@ def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | Non
         locked = marker is not None and stack.enter_context(exclusive_lock(marker + ".lock"))
         if locked and is_verified(path, expected, st):
             return True
-        actual = sha256_file(path)
+        try:
+            actual = sha256_file(path)
+        except OSError as err:
+            limit = resource_limit_error(err, path)
+            if limit is not None:
+                raise limit from err
+            raise
         if actual != expected:
             raise CorruptShardError(
                 f"{path}: checksum mismatch: sha256 {actual[:16]}... but the manifest says "

@@ -26,7 +26,7 @@ import pyarrow as pa
 
 from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
-from shardcache.store.files import sha256_file
+from shardcache.store.files import resource_limit_error, sha256_file
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
@@ -630,6 +630,9 @@ class ShardReader:
             schema = self._reader.schema
             rows, tokens, self.compressed = _batch_counts(self._whole)
         except (OSError, ValueError, IndexError, struct.error, pa.ArrowException) as err:
+            limit = resource_limit_error(err, path) if isinstance(err, OSError) else None
+            if limit is not None:
+                raise limit from err
             raise CorruptShardError(
                 f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
             ) from err

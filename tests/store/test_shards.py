@@ -206,3 +206,76 @@ def test_a_loss_mask_out_of_line_with_its_tokens_is_refused(tmp_path):
     reader = ShardReader(path, info, np.dtype(np.uint16), checksum=False, with_mask=True)
     with pytest.raises(CorruptShardError, match="loss mask of record batch 0 does not line up"):
         reader.mask_bit_starts()
+
+
+# --- resource limits are not corruption ---------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def many_shards(tmp_path_factory, tokenizer_dir) -> str:
+    """A cache of a few hundred 4 KiB shards."""
+    from conftest import make_texts, write_records
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("many-shards")
+    texts = make_texts(12000, seed=3, max_words=200)
+    path = write_records(str(folder / "a.jsonl"), [{"text": t} for t in texts], "jsonl")
+    out = str(folder / "cache")
+    build_cache(build_options_from_mapping({"input": path, "tokenizer": tokenizer_dir,
+                                            "output": out, "workers": 1, "shard_size": 4096,
+                                            "buckets": "1024"}))  # fmt: skip
+    return out
+
+
+def test_a_cache_of_more_shards_than_the_file_limit_reads_whole(many_shards):
+    """Under RLIMIT_NOFILE 64 a fresh process reads every sequence and a whole epoch of a
+    cache of more shards than that (compiled and numpy paths)."""
+    import subprocess
+    import sys
+
+    with open(os.path.join(many_shards, "manifest.json"), encoding="utf-8") as f:
+        manifest = json.load(f)
+    assert len(manifest["shards"]) > 128
+    script = (
+        "import resource, sys\n"
+        "resource.setrlimit(resource.RLIMIT_NOFILE, (64, 64))\n"
+        "from shardcache import ShardDataset, open_cache\n"
+        f"path = {many_shards!r}\n"
+        "with open_cache(path) as cache:\n"
+        "    tokens = sum(len(cache.read(i)) for i in range(cache.num_sequences))\n"
+        "seen = []\n"
+        "for kernels in (True, False):\n"
+        "    ds = ShardDataset(path, max_tokens=4096, shuffle=False)\n"
+        "    ds.kernels = kernels\n"
+        "    seen.append(sum(int(b['meta']['num_tokens']) for b in ds))\n"
+        "    ds.close()\n"
+        "print(tokens, *seen)\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                            env={**os.environ, "PYTHONPATH": repo}, timeout=600)  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    total = manifest["totals"]["tokens"]
+    assert [int(v) for v in result.stdout.split()] == [total, total, total]
+
+
+@pytest.mark.parametrize("code", ["EMFILE", "ENFILE", "ENOMEM"])
+def test_a_resource_limit_is_named_not_reported_as_corruption(many_shards, monkeypatch, code):
+    import errno
+
+    import shardcache.store.shards as shards_module
+
+    def fail(*args, **kwargs):
+        raise OSError(getattr(errno, code), os.strerror(getattr(errno, code)))
+
+    with open_cache(many_shards) as cache:
+        monkeypatch.setattr(shards_module.mmap, "mmap", fail)  # the shard's map
+        with pytest.raises(Exception) as info:
+            cache.read(0)
+    assert not isinstance(info.value, CorruptShardError)
+    message = str(info.value)
+    assert "not damaged" in message and "rebuild" not in message
+    assert {"EMFILE": "RLIMIT_NOFILE", "ENFILE": "file-max", "ENOMEM": "max_map_count"}[
+        code
+    ] in message
