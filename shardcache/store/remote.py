@@ -149,6 +149,7 @@ def download(
 
     Raises:
         CorruptShardError: the download's size or sha256 is not the expected one.
+        CacheError: the object is missing from the store.
     """
     os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
     reserved = tmp is not None
