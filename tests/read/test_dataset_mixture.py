@@ -87,8 +87,10 @@ def test_token_shares_over_an_epoch_equal_the_plan_and_the_weights(caches, extra
     table = ds.mixture
     delivered = collections.Counter()
     opened = [open_cache(s.path) for s in table.sources]
+    mixed_batches = 0
     for batch in ds:
         meta = batch["meta"]
+        mixed_batches += len({s for s, _, _ in _segments(batch)}) > 1
         assert meta["source_ids"].shape == meta["sample_ids"].shape
         assert meta["source_ids"].dtype == torch.int64
         for s, _, n in _segments(batch):
@@ -113,6 +115,7 @@ def test_token_shares_over_an_epoch_equal_the_plan_and_the_weights(caches, extra
     for s, row in enumerate(table.sources):
         assert abs(delivered[s] - row.share * table.tokens_per_epoch) <= lengths[s].max() + 1
     assert len(delivered) == 3
+    assert mixed_batches > 0  # documents of different sources are shuffled together
 
 
 def test_pack_segments_read_the_right_tokens_of_their_source(caches):
