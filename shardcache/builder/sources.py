@@ -1,48 +1,12 @@
-"""Inputs: list them deterministically, stream their records with provenance.
+"""Build inputs: list them, split them into slices, stream their records in batches.
 
-Owns two things:
-
-* :func:`list_inputs` turns files, folders and globs into a sorted list of
-  :class:`InputFile` with a *relative path* (relative to the common parent folder of all
-  inputs), so a corpus moved as a whole keeps the same provenance and cache key. A symbolic
-  link is listed under its own name (its format and provenance come from the link, as in a
-  Hugging Face hub snapshot). The build's output and any folder holding a cache or a build
-  state are skipped (a cache inside its corpus folder must not feed itself), and anything
-  that is not a regular file (a FIFO, a socket, /dev/zero, a symlink loop) is refused at
-  listing, naming it, instead of hanging the build.
-* :func:`split_input` cuts a large input into :class:`InputSlice` s for parallel builds:
-  an uncompressed jsonl file into byte ranges that start and end at line boundaries, a
-  parquet file into runs of row groups. Compressed jsonl.zst / json.gz files cannot be
-  entered in the middle, so they stay one slice each (split such corpora into several files).
-  The split pass reads a jsonl file once with ``bytes.count``/``find`` (~GB/s) and hashes it
-  on the way, so each slice knows the file-global number of its first line and the file's
-  sha256 is still the hash of its whole bytes.
-* :func:`iter_text_batches` streams one file (or one slice) as batches of
-  ``(texts, record_indices)``. Nothing holds more than one batch of records: a batch is
-  flushed at ``batch_docs`` documents or :data:`MAX_BATCH_CHARS` characters of text,
-  whichever comes first, so a corpus of huge documents does not multiply memory by
-  ``batch_docs`` (a single document larger than that is a batch of its own). The record index
-  is the file-global 0-based line number for jsonl formats (blank and bad lines count, so it
-  always points at the physical line) and the row number for parquet.
-
-Line-based files (jsonl, jsonl.zst, json, json.gz) hold JSON lines, lines ended by CR alone,
-or one top-level array of objects (a common export form, read element by element by
-:func:`array_items` with one element in memory); a UTF-8 BOM is skipped. The layout is told
-from the first 64 KiB (:func:`record_layout`).
-
-A record that fails anywhere on its own is that record's: a lone surrogate (valid JSON, not
-text) is ``invalid_unicode``, nesting past the parser's limit ``too_deep``, and a tokenizer
-failure on one record ``encode_error`` (:func:`~shardcache.builder.tokenize.encode_isolating`).
-
-While a line-based file is read, its raw (compressed) bytes are hashed on the way through
-(:class:`HashingReader`), so the data component of the cache key costs no second pass.
-Bad records are never silently dropped: each one is handed to an ``on_bad`` callback with its
-reason (one of :data:`BAD_REASONS`), and with ``on_error="fail"`` raises
-:class:`~shardcache.errors.BadRecordError`. A truncated or corrupt compressed file (or an
-unreadable parquet row group) raises :class:`~shardcache.errors.SourceError` naming the file,
-the last good line and the compressed offset; with ``on_error="skip"`` and an ``on_corrupt``
-callback the records decoded before the damage are kept (they are complete, valid lines), the
-loss is reported once (reason ``corrupt_file``) and the rest of that file is skipped.
+Invariants: listing is deterministic (sorted by path relative to the inputs' common parent;
+cache folders and the build's output are skipped; non-regular files are refused); a record
+index is the file-global 0-based line (jsonl family) or row (parquet); no bad record is
+dropped silently (``on_bad`` gets a reason from :data:`BAD_REASONS`, or
+:class:`~shardcache.errors.BadRecordError` with ``on_error="fail"``); a damaged file raises
+:class:`~shardcache.errors.SourceError` unless skipped through ``on_corrupt``; raw bytes are
+hashed while read, so the cache key's data digest costs no second pass.
 """
 
 from __future__ import annotations
@@ -100,19 +64,15 @@ BAD_REASONS = (
     "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
 )
-#: A batch is flushed at this many characters of text even below ``batch_docs`` documents.
-#: 8 Mi characters keep one batch (texts + ids + encodings) at a few tens of MB while staying
-#: far above the size where per-call overhead of ``encode_batch`` matters.
+#: A batch is flushed at this many characters even below ``batch_docs`` (bounds memory).
 MAX_BATCH_CHARS = 8 * 1024 * 1024
 _SCAN_CHUNK = 8 << 20
-#: read size of an input on object storage: each read of a URL input is a range request of
-#: this many bytes (fsspec's read-ahead cache holds one block), so memory stays bounded
+#: Range-request size when reading a URL input (fsspec holds one such block).
 URL_BLOCK_BYTES = 8 << 20
 
 #: Called as ``on_bad(record_index, reason, excerpt)`` for every skipped record.
 BadRecordCallback = Callable[[int, str, str], None]
-#: Called as ``on_corrupt(record_index, compressed_offset, message)`` when a file is damaged:
-#: ``record_index`` is the first line/row that could not be read.
+#: Called as ``on_corrupt(first_unread_index, compressed_offset, message)``.
 CorruptFileCallback = Callable[[int, int, str], None]
 
 
@@ -121,9 +81,7 @@ def _position_name(fmt: str) -> str:
 
 
 def record_position(fmt: str, index: int) -> str:
-    """How a person finds record ``index`` (0-based, as stored) of a file of format ``fmt``:
-    "line 4" (1-based, what editors and ``sed -n 4p`` show), "row 4" for parquet, "item 4"
-    for the elements of a JSON array file (``fmt`` :data:`ARRAY_LAYOUT`)."""
+    """Human position of 0-based record ``index``: "line 4", "row 4" or "item 4" (1-based)."""
     return f"{_position_name(fmt)} {index + 1}"
 
 
@@ -133,8 +91,7 @@ def position_fields(fmt: str, index: int) -> dict[str, int]:
 
 
 def has_lone_surrogate(value: Any) -> bool:
-    """True when a text (or any string of a conversation) holds a lone surrogate: JSON
-    allows ``"\ud800"`` but such a string is not Unicode text (it cannot be encoded)."""
+    """True when a string (or any string nested in ``value``) holds a lone surrogate."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -150,9 +107,8 @@ def has_lone_surrogate(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class InputFile:
-    """One input file: absolute path (or URL), path relative to the corpus root, size,
-    format, and ``mtime_ns``: the modification time seen when it was listed (a URL's from the
-    store; None: unknown). A partition checks the size and mtime again (check_unchanged)."""
+    """One listed input: path or URL, path relative to the corpus root, size, format, and
+    the mtime seen at listing (None: unknown), checked again by :func:`check_unchanged`."""
 
     path: str
     relpath: str
@@ -162,9 +118,7 @@ class InputFile:
 
 
 def open_input(file: InputFile) -> BinaryIO:
-    """Open an input for reading: a local file, or for a URL an fsspec file object whose
-    reads are range requests of :data:`URL_BLOCK_BYTES` (streamed, never staged whole;
-    seeks for byte-range partitions and parquet footers/row groups are range reads)."""
+    """Open an input for binary reading (a URL is streamed by range requests, never staged)."""
     if is_url(file.path):
         fs, path = filesystem(file.path)
         handle: BinaryIO = fs.open(path, "rb", block_size=URL_BLOCK_BYTES, cache_type="readahead")
@@ -200,8 +154,11 @@ def _file_kind(mode: int) -> str:
 
 
 def check_regular_file(path: str) -> None:
-    """Raise :class:`SourceError` unless ``path`` is (a link to) a regular file: reading a
-    FIFO, a socket or a device such as /dev/zero would block or never end."""
+    """Refuse anything but (a link to) a regular file, which could block or never end.
+
+    Raises:
+        SourceError: ``path`` is missing, a broken link or loop, or not a regular file.
+    """
     try:
         st = os.stat(path)
     except OSError as err:
@@ -226,9 +183,7 @@ def check_regular_file(path: str) -> None:
 
 
 def is_cache_folder(path: str) -> bool:
-    """True for a folder holding a shardcache manifest or build state: a cache (or a build
-    in progress) inside a corpus folder is output, never input (its quarantine.jsonl and
-    parts/*.jsonl would otherwise feed the next build)."""
+    """True for a folder holding a manifest or build state: output, never input."""
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(
         os.path.join(path, PARTS_DIR, BUILD_STATE)
     )
@@ -280,15 +235,20 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
 def list_inputs(
     specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
 ) -> list[InputFile]:
-    """Resolve files / folders / globs (or URLs: :func:`list_url_inputs`) into input files,
-    sorted by relative path.
+    """Resolve files, folders and globs (or URLs) into input files sorted by relative path.
 
-    A file given explicitly must have a known format; files inside folders without one are
-    ignored. The format and the relative path come from the name as listed, so a symbolic
-    link (a Hugging Face hub snapshot: ``snap/train.jsonl -> ../blobs/<hash>``) is read as
-    the link names it. The same file reached twice (by a folder and a glob, or by two links)
-    is listed once. Folders in ``exclude`` (the build's output) and folders holding a cache
-    or a build state are skipped; anything that is not a regular file is refused.
+    A link is listed under its own name; a file reached twice is listed once.
+
+    Args:
+        specs: Files, folders, globs, or URLs (all URLs or none).
+        exclude: Folders to skip (the build's output); cache folders are always skipped.
+
+    Returns:
+        The input files, sorted by ``relpath``.
+
+    Raises:
+        SourceError: A spec matches nothing, has an unknown format, or is not a regular file.
+        ConfigError: Local paths and URLs are mixed.
     """
     if any(is_url(spec) for spec in specs):
         return list_url_inputs(specs)
@@ -329,11 +289,17 @@ def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
 
 
 def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
-    """List URL inputs (files, folders/prefixes or globs) without reading them.
+    """List URL inputs (objects, prefixes or globs) without reading them.
 
-    Returns input files whose ``path`` is the object's URL, ``relpath`` relative to the URLs'
-    common prefix (as a local listing would make it), ``size`` the object's and ``mtime_ns``
-    its modification time (the resume fingerprint).
+    Args:
+        specs: URLs.
+
+    Returns:
+        Input files whose ``relpath`` is relative to the URLs' common prefix.
+
+    Raises:
+        ConfigError: A spec is a local path.
+        SourceError: A spec matches no object or has an unknown format.
     """
     specs = list(specs)
     found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
@@ -384,13 +350,9 @@ def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
 
 @dataclass(frozen=True)
 class InputSlice:
-    """The part of one input file that one partition reads.
-
-    ``start``/``end`` are byte offsets (jsonl; ``end`` None = to the end of the file),
-    ``first_record`` the file-global index of its first line or row, ``row_groups`` the
-    parquet row groups (None = all), ``sha256`` the digest of the byte range when the plan
-    cut it (a partition checks that it read those bytes; "" = not known).
-    """
+    """The part of one input a partition reads: a byte range ``[start, end)`` (jsonl) or
+    parquet ``row_groups`` (None: all), the index of its first record, and the range's
+    sha256 when the plan cut it ("" = unknown)."""
 
     start: int = 0
     end: int | None = None
@@ -424,11 +386,17 @@ class InputSlice:
 
 
 def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
-    """Cut ``file`` into slices of about ``partition_size_bytes``.
+    """Cut ``file`` into slices of about ``partition_size_bytes`` at line or row-group bounds.
 
-    Returns the slices and, when the file was read to split it, its sha256 ("" otherwise: the
-    map step hashes whole-file partitions as it reads them). Files at or below the size, and
-    compressed jsonl, are one slice.
+    Args:
+        file: The input; compressed formats and files within the size stay one slice.
+        partition_size_bytes: Target slice size.
+
+    Returns:
+        The slices, and the file's sha256 when it was read to split it (else "").
+
+    Raises:
+        SourceError: The file cannot be opened or changed while it was read.
     """
     if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
         return [InputSlice()], ""
@@ -438,8 +406,7 @@ def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputS
 
 
 def _split_lines(file: InputFile, size: int) -> tuple[list[InputSlice], str]:
-    """One pass: hash (the file, and each slice's byte range), count newlines, and cut after
-    the first newline past each target."""
+    """One pass: hash the file and each slice, count lines, cut after each target."""
     slices: list[InputSlice] = []
     piece = hashlib.sha256()  # of the current slice's bytes
     start, first_line = 0, 0
@@ -564,8 +531,7 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
 
 
 class ZstdReader(io.RawIOBase):
-    """Decompresses concatenated zstd frames; a file that ends inside a frame is an error
-    (``stream_reader`` would report a silent, early end of data)."""
+    """Decompresses concatenated zstd frames; ending inside a frame raises ``ZstdError``."""
 
     def __init__(self, raw: io.RawIOBase):
         self._raw = raw
@@ -612,9 +578,8 @@ _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 def record_layout(head: bytes) -> str:
-    """How the records of a line-based file are laid out, from its first bytes: ``"array"``
-    (one top-level JSON array of objects, a common export form), ``"cr"`` (lines ended by
-    CR alone: classic Mac), or ``"lines"`` (JSON lines)."""
+    """Record layout told from a file's first bytes: ``"array"`` (one top-level JSON array
+    of objects), ``"cr"`` (lines ended by CR alone) or ``"lines"``."""
     body = head.removeprefix(BOM).lstrip(_WHITESPACE)
     if body.startswith(b"[") and body[1:].lstrip(_WHITESPACE)[:1] in (b"{", b"]"):
         return "array"
@@ -624,10 +589,8 @@ def record_layout(head: bytes) -> str:
 
 
 def array_items(stream: Any) -> Iterator[bytes]:
-    """The elements of the top-level JSON array(s) in ``stream``, as bytes, streamed: memory
-    holds one element plus one read chunk. A string is skipped with one regex match to its
-    closing quote, so brackets and commas inside texts are never structure. Anything after
-    the array that is not another array is yielded as one (bad) element."""
+    """Stream the elements of the top-level JSON array(s) in ``stream`` as bytes, holding
+    one element and one chunk; trailing non-array bytes are yielded as one (bad) element."""
     buf, pos, depth, elem_from = b"", 0, 0, 0
     while True:
         m = _SPECIAL.search(buf, pos)
@@ -685,9 +648,7 @@ class _CrToLf(io.RawIOBase):
 
 
 def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
-    """``(layout, raw records)`` of a line-based stream: its lines, the lines of a CR-only
-    file, or the elements of a JSON array file (the layout is told from the first bytes,
-    ``at_start``; see :func:`record_layout`)."""
+    """``(layout, raw records)`` of a line-based stream (layout told only ``at_start``)."""
     layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
     if layout == "cr":
         return layout, iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
@@ -695,8 +656,7 @@ def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
 
 
 class _TimedReader(io.RawIOBase):
-    """A raw reader that adds the CPU time of each read (file, hash, decompression) to the
-    ``read`` stage (one clock read per chunk, never per record)."""
+    """Adds the CPU time of each chunk read to the ``read`` stage."""
 
     def __init__(self, raw: Any, times: StageTimes):
         self._raw = raw
@@ -766,8 +726,7 @@ class _Batcher:
         self.on_corrupt(index, offset, message)
 
     def add(self, index: int, text: Any) -> list[TextBatch]:
-        """Add one text (or conversation); returns the batches that became full (usually
-        none)."""
+        """Add one text or conversation; returns the batches that became full."""
         full = []
         size = len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
         if self.texts and self.chars + size > MAX_BATCH_CHARS:
@@ -787,20 +746,15 @@ class _Batcher:
         return batch
 
 
-#: Brackets a line may hold for orjson to parse it: ``json`` refuses nesting near the
-#: interpreter's recursion limit (``too_deep``, depending on the stack), orjson only past its
-#: own, higher one, so a line that could nest that deep takes the reference path.
+#: Most brackets a line may hold for orjson: deeper lines take the ``json`` path, whose
+#: recursion limit decides ``too_deep``.
 FAST_MAX_BRACKETS = 256
 
 
 def _fast_text(line: bytes, text_field: str, kind: str) -> Any | None:
-    """The record's text (or conversation) through orjson when it parses the line (UTF-8
-    checked in the same pass) and the record is valid, else None: the line then takes the
-    reference path (``json``), which classifies it. orjson accepts no line that ``json``
-    rejects (no NaN, no lone surrogate, no invalid UTF-8, no integer past
-    ``int_max_str_digits``; nesting is bounded by :data:`FAST_MAX_BRACKETS`) and parses what
-    both accept to equal strings, so texts and bad-record reasons are those of ``json``
-    alone (a test compares the two on every kind of line)."""
+    """The record's text through orjson for a valid record, else None (the ``json`` path
+    then classifies the line). orjson accepts a subset of what ``json`` accepts and parses
+    it to equal strings, so results match the ``json`` path."""
     if _orjson_loads is None:
         return None
     try:
@@ -930,8 +884,7 @@ def _iter_parquet_file(
 
 
 def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
-    """The fields of the first ``records`` records of ``file`` (name -> type of its first
-    value), for messages that suggest the right field; {} when the file cannot be read."""
+    """Field name -> type name over the first ``records`` records ({} if unreadable)."""
     fields: dict[str, str] = {}
     try:
         if file.format == "parquet":
@@ -957,9 +910,7 @@ def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
 
 
 def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
-    """Why records lack ``field`` and what to pass instead, from the first records' fields:
-    "no record has field 'body'; fields seen in the first records: text, id; did you mean
-    --text-field text?" ("" when nothing can be said)."""
+    """A hint naming the fields seen and the flag to pass when records lack ``field``."""
     fields: dict[str, str] = {}
     for file in files[:3]:
         for name, type_name in sample_fields(file).items():
@@ -984,8 +935,8 @@ def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
 
 @dataclass
 class FileDigest:
-    """Filled in once a file (or a line-based slice) has been read to the end: the sha256 of
-    a whole file, and the raw bytes read (0 for parquet, read by row groups)."""
+    """Filled once a file or slice is read to the end: a whole file's sha256, and the raw
+    bytes read with their sha256 (0 for parquet)."""
 
     sha256: str = ""
     bytes_read: int = 0
@@ -993,8 +944,11 @@ class FileDigest:
 
 
 def check_unchanged(file: InputFile, when: str) -> None:
-    """Raise :class:`SourceError` naming ``file`` if its size or modification time is not
-    the one it had when it was listed and planned (the plan hashed and cut those bytes)."""
+    """Check that ``file`` still has the size and mtime it was listed with.
+
+    Raises:
+        SourceError: The file disappeared or changed (``when`` says at which step).
+    """
     try:
         if is_url(file.path):  # one HEAD request; the store's mtime is not compared
             fs, path = filesystem(file.path)
@@ -1039,12 +993,26 @@ def iter_text_batches(
 ) -> Iterator[TextBatch]:
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
-    ``on_bytes(n)`` is called as raw bytes are consumed (progress); when a whole file has been
-    read to the end, ``digest.sha256`` holds the sha256 of the file's bytes (a slice leaves it
-    empty: :func:`split_input` hashed the file). ``on_layout(ARRAY_LAYOUT)`` is called before
-    the first record of a JSON array file (its records are items, not lines). ``times``:
-    the CPU of reading, hashing and decompressing a line-based file goes to its ``read``
-    stage.
+    Args:
+        file: The input.
+        text_field: Field holding the text (or the messages, for ``kind="chat"``).
+        batch_docs: Most records a batch holds (also bounded by :data:`MAX_BATCH_CHARS`).
+        on_error: ``"skip"`` or ``"fail"`` on a bad record or damaged file.
+        on_bad: Receives each skipped record.
+        on_bytes: Receives the count of raw bytes as they are consumed.
+        digest: Filled in once the file or slice is read to the end.
+        part: The slice to read (default: the whole file).
+        on_corrupt: Receives a damaged file's loss when skipping.
+        kind: ``"text"`` or ``"chat"``.
+        on_layout: Called with :data:`ARRAY_LAYOUT` before a JSON array file's first record.
+        times: Takes the CPU time of reading a line-based file (``read`` stage).
+
+    Yields:
+        Batches of valid texts with their record indices.
+
+    Raises:
+        BadRecordError: A bad record with ``on_error="fail"``.
+        SourceError: The file cannot be opened, or is damaged and not skipped.
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
