@@ -1,20 +1,11 @@
 """Tokenizer adapter: text -> ids, with explicit special tokens, EOS and truncation.
 
-* A *fast* Hugging Face tokenizer is loaded from a local folder (never the network); the ids
-  are exactly ``tokenizer(text)["input_ids"]`` (transformers semantics), and a caller's
-  tokenizer is never mutated (a private clone of its backend is used).
-* The backend's *own* truncation/padding settings (a saved tokenizer.json can carry them) are
-  recorded in the cache key and switched off: truncation is shardcache's, explicit
-  (``--max-length`` / ``--truncation``) and counted.
-* EOS is appended by default, never doubled; tokenizers without an EOS token use SEP.
-* Truncation (``truncate``, ``drop``, ``split``) is vectorized over flat (ids, lengths) arrays.
-* :func:`encode_ahead` encodes the next batch in a thread (the backend releases the GIL) while
-  the caller converts and writes the previous one.
-
-Everything the encoder takes from transformers is one plain-JSON record,
-:class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`; :meth:`TextEncoder.from_resolved`
-builds an encoder from it without importing transformers (worker processes, and the memo of
-a folder resolved before).
+Ids are exactly ``tokenizer(text)["input_ids"]``; tokenizers load from local folders only
+and a caller's tokenizer is never mutated. The backend's own truncation/padding settings
+are recorded in the cache key and switched off: truncation is shardcache's, explicit and
+counted. EOS is appended by default and never doubled (SEP when there is no EOS). Workers
+build encoders from a plain-JSON :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`
+without importing transformers.
 """
 
 from __future__ import annotations
@@ -56,11 +47,8 @@ from shardcache.store.files import memo_disabled
 
 @dataclass
 class Encoded:
-    """Sequences of one batch of documents, as flat arrays.
-
-    ``doc_index[i]`` is the position (within the batch) of the document sequence ``i``
-    came from, and ``piece[i]`` its piece number (0 unless the document was split).
-    """
+    """Sequences of one batch as flat arrays; ``doc_index[i]`` is sequence ``i``'s document
+    (position in the batch) and ``piece[i]`` its piece number (0 unless split)."""
 
     tokens: np.ndarray
     lengths: np.ndarray  # int64
@@ -87,8 +75,7 @@ class FlatIds:
 
 
 class EncodingMismatch(EncoderError):
-    """The fast backend's ids differed from HF's on the in-build sample (partition.py then
-    re-encodes the partition with HF, or fails the build under ``--encoder fast``)."""
+    """The fast backend's ids differed from HF's on the in-build sample."""
 
 
 @dataclass
@@ -120,10 +107,14 @@ def token_dtype(max_token_id: int) -> np.dtype:
 
 
 def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
-    """The largest id ``backend`` can emit (model vocabulary and added tokens), read from its
-    parsed JSON rather than a Python dict of the whole vocabulary. Model types whose JSON
-    vocabulary is not ``{token: id}`` (or Unigram's ``[[piece, score], ...]``, ids by
-    position) fall back to ``get_vocab``."""
+    """The largest id ``backend`` can emit (vocabulary and added tokens).
+
+    Args:
+        backend: A ``tokenizers.Tokenizer``.
+
+    Returns:
+        The largest token id.
+    """
     model = backend_json.get("model") or {}
     vocab = model.get("vocab")
     added = [int(t["id"]) for t in backend_json.get("added_tokens") or []]
@@ -169,11 +160,10 @@ def load_hf_tokenizer(path: str) -> Any:
 
 
 def named_tokenizer_class(path: str) -> Any | None:
-    """The class named by ``tokenizer_class`` in the folder's tokenizer_config.json, when
-    transformers exports it; else None (then AutoTokenizer resolves it).
+    """The class tokenizer_config.json names, if transformers exports it, else None.
 
-    AutoTokenizer does the same lookup but imports the model configurations, and with them
-    torch; the named class is exactly what it would pick (a test compares the two)."""
+    It is what AutoTokenizer would pick, without importing torch.
+    """
     config = os.path.join(path, "tokenizer_config.json")
     try:
         with open(config, encoding="utf-8") as f:
@@ -205,10 +195,8 @@ def ensure_fast(tok: Any, path: str) -> None:
 class TextEncoder:
     """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`.
 
-    Everything it takes from transformers is :attr:`resolved` (a
-    :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`); :attr:`hf` is the transformers
-    tokenizer when one was loaded (chat rendering needs it), or None when the encoder was
-    built from a resolved record (:meth:`from_resolved`: the memo, a worker's spec)."""
+    :attr:`resolved` holds all it takes from transformers; :attr:`hf` is the transformers
+    tokenizer, or None when built by :meth:`from_resolved`."""
 
     def __init__(
         self,
@@ -217,12 +205,9 @@ class TextEncoder:
         preload_fast: bool = False,
         early: Ahead[EarlyLoad] | None = None,
     ):
-        """Load the tokenizer through transformers (or take the caller's ``hf_tokenizer``,
-        never mutated) and, for a tokenizer loaded here, memoise what it resolved
-        (:func:`~shardcache.builder.tokenizer_memo.write_resolved`). ``preload_fast``: start loading
-        the fast backend (in a thread) as soon as the backend JSON is known, or adopt
-        ``early`` (:func:`load_fast_early`, started before transformers was imported) when it
-        loaded the same content; the build's gate takes it from ``fast_loading``."""
+        """Load the tokenizer through transformers (or take ``hf_tokenizer``, never mutated)
+        and memoise what it resolved; ``preload_fast`` starts loading the fast backend (or
+        adopts ``early`` when it loaded the same content)."""
         from tokenizers import Tokenizer
 
         owned = hf_tokenizer is None
@@ -253,11 +238,16 @@ class TextEncoder:
     def from_resolved(
         cls, options: TokenizeOptions, resolved: ResolvedTokenizer, preload_fast: bool = False
     ) -> TextEncoder:
-        """The encoder of ``resolved`` without transformers (``hf`` is None): the reference
-        backend is ``Tokenizer.from_str(resolved.backend)``, the same Rust object
-        transformers holds (its ids are HF's with truncation/padding off). ``preload_fast``:
-        the fast backend starts loading from the same JSON first, in a thread (fastokens
-        releases the GIL; ``from_str`` holds it)."""
+        """The encoder of ``resolved``, built without transformers (``hf`` is None).
+
+        Args:
+            resolved: The tokenizer record.
+            options: Tokenization options.
+            preload_fast: Start loading the fast backend in a thread.
+
+        Returns:
+            The encoder.
+        """
         from tokenizers import Tokenizer
 
         self = cls.__new__(cls)
@@ -303,8 +293,7 @@ class TextEncoder:
         return json.loads(self.serialized)
 
     def spec(self) -> dict[str, Any]:
-        """Plain-JSON state from which :meth:`from_spec` rebuilds an equivalent encoder
-        without transformers (for worker processes)."""
+        """Plain-JSON state from which :meth:`from_spec` rebuilds this encoder in a worker."""
         return {
             "options": dataclasses.asdict(self.options),
             "resolved": self.resolved.to_json(),
@@ -354,16 +343,14 @@ class TextEncoder:
         self.verify_fraction = verify_fraction
 
     def reference_only(self) -> TextEncoder:
-        """A copy of this encoder that encodes with the HF reference alone (nothing to
-        verify); this one is left as it is."""
+        """A copy that encodes with the HF reference alone; this one is unchanged."""
         clone = copy.copy(self)
         clone.use_fast(None, self.selection, self.verify_fraction)
         clone.verify, clone._batches, clone._verifying = VerifyCounts(), 0, []
         return clone
 
     def take_verify(self) -> VerifyCounts:
-        """The in-build verification counts since the last call (per partition), then reset
-        (waits for the verifications still running)."""
+        """The verification counts since the last call, then reset (waits for running ones)."""
         self._settle_verify()
         counts, self.verify, self._batches = self.verify, VerifyCounts(), 0
         return counts
@@ -408,13 +395,18 @@ class TextEncoder:
         }
 
     def encode_texts(self, texts: list[str]) -> FlatIds:
-        """Raw ids of a batch (the backend releases the GIL and uses all cores). With the fast
-        backend a deterministic sample is re-encoded with HF (:func:`verify_sample`) in the
-        background, overlapping the next batches (at most :data:`VERIFY_AHEAD` behind); a
-        difference raises :class:`EncodingMismatch` from :meth:`check_verified`, which a
-        partition calls before it is recorded. A huge document is encoded by HF whatever the
-        backend: in pieces (chunking.py, exact by construction), or whole where no exact cut
-        exists (HF's whole encode needs a fraction of the fast backend's memory there)."""
+        """Raw ids of a batch.
+
+        With the fast backend a deterministic sample is re-encoded with HF in the background;
+        :meth:`check_verified` reports a difference. Huge documents are always encoded by HF
+        (in exact pieces where possible).
+
+        Args:
+            texts: The batch's texts.
+
+        Returns:
+            The ids of every text.
+        """
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
             return self._encode_flat(texts)
@@ -445,9 +437,11 @@ class TextEncoder:
         return FlatIds(tokens, lengths)
 
     def check_verified(self) -> None:
-        """Wait for the in-build verification of every batch encoded since the last
-        :meth:`take_verify`; raise :class:`EncodingMismatch` if the fast backend's ids
-        differed from HF's on any of them (the partition is then re-encoded with HF)."""
+        """Wait for the verification of every batch since :meth:`take_verify`.
+
+        Raises:
+            EncodingMismatch: The fast backend's ids differed from HF's on one of them.
+        """
         self._settle_verify()
         if self.verify.mismatches:
             raise EncodingMismatch(
@@ -456,9 +450,8 @@ class TextEncoder:
             )
 
     def _settle_verify(self) -> None:
-        """Add the counts of the background verifications to :attr:`verify`, in batch order,
-        up to and including the first batch with a difference (what a synchronous check
-        counted before it raised), so the counts never depend on thread timing."""
+        """Add the background verifications' counts in batch order, up to the first batch
+        with a difference, so counts never depend on thread timing."""
         pending, self._verifying = self._verifying, []
         for job in pending:
             counts = job.result()
@@ -488,8 +481,7 @@ class TextEncoder:
         return encoded
 
 
-#: Encode batches whose HF verification may still run while the next ones are encoded: the
-#: sample's HF encode costs more than the fast encode itself, so it runs in the background.
+#: Batches whose HF verification may still run in the background while the next encode.
 VERIFY_AHEAD = 2
 
 
@@ -502,10 +494,8 @@ def _verify_batch(
     add_special_tokens: bool,
     times: StageTimes | None = None,
 ) -> VerifyCounts:
-    """:func:`verify_sample` of one batch, for a background thread. HF failing on a sampled
-    text counts as a difference: the partition is then re-encoded with HF, which quarantines
-    that record (as encoding it alone did when the check ran in line). ``times``: its
-    seconds go to ``verify_busy``."""
+    """:func:`verify_sample` of one batch in a background thread; an HF failure on a sampled
+    text counts as a difference."""
     counts = VerifyCounts()
     try:
         with times.busy("verify_busy") if times is not None else contextlib.nullcontext():
@@ -608,11 +598,19 @@ class EncodeFailure:
 
 
 def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
-    """``encoder.encode_texts(texts)``; when that raises, each text is encoded alone and a
-    text that still fails gets an :class:`EncodeFailure` instead of its ids (a list is
-    returned then): one record the tokenizer cannot take (a bug, an allocator limit) is that
-    record's, not the build's. :class:`EncodingMismatch` (the fast backend disagreeing with
-    HF) is the partition's, never a record's: it propagates."""
+    """Encode ``texts``, isolating a failure to its record.
+
+    Args:
+        encoder: The encoder.
+        texts: The batch's texts.
+
+    Returns:
+        The batch's :class:`FlatIds`, or, when the batch failed, a list with each text's ids
+        or an :class:`EncodeFailure`.
+
+    Raises:
+        EncodingMismatch: The fast backend disagreed with HF (the partition's, not a record's).
+    """
     try:
         return encoder.encode_texts(texts)
     except EncodingMismatch:
@@ -627,9 +625,12 @@ def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
 
 
 def drop_failures(batch: Any, ids: Any) -> tuple[Any, Any, list[tuple[int, str]]]:
-    """Remove the :class:`EncodeFailure` s of a batch: returns the batch and ids without them
-    and ``(doc, detail)`` for each (``doc``: its position in the original batch). Text ids
-    come back as :class:`FlatIds` (what :meth:`TextEncoder.finish` takes)."""
+    """Remove a batch's :class:`EncodeFailure` s.
+
+    Returns:
+        The batch and its ids (:class:`FlatIds`) without them, and ``(doc, detail)`` for
+        each failure (``doc``: its position in the original batch).
+    """
     if isinstance(ids, FlatIds):
         return batch, ids, []
     failed = [(i, x.detail) for i, x in enumerate(ids) if isinstance(x, EncodeFailure)]
@@ -657,10 +658,8 @@ class _Failure:
 def _read_ahead(
     batches: Iterable[Any], stop: threading.Event, times: StageTimes | None = None
 ) -> Iterator[Any]:
-    """``batches``, iterated one item ahead in a thread of its own (until ``stop`` is set):
-    reading (decompression, JSON parsing: GIL-bound) overlaps the encode of the previous
-    batch (GIL released). Upstream errors re-raise here. ``times``: the thread's CPU goes to
-    the ``reader`` stage (read + parse)."""
+    """``batches`` iterated one item ahead in a thread (until ``stop``), so reading overlaps
+    encoding; upstream errors re-raise here."""
     items: queue.Queue[Any] = queue.Queue(maxsize=1)
 
     def read() -> None:
@@ -688,8 +687,7 @@ def _read_ahead(
 
 
 def _put(items: queue.Queue[Any], item: Any, stop: threading.Event) -> bool:
-    """``items.put(item)`` unless ``stop`` is set first (never blocks on a consumer that has
-    gone); False when stopped."""
+    """``items.put(item)`` unless ``stop`` is set first; False when stopped."""
     while not stop.is_set():
         try:
             items.put(item, timeout=0.1)
@@ -705,14 +703,20 @@ def encode_ahead(
     depth: int = 2,
     times: StageTimes | None = None,
 ) -> Iterator[tuple[Any, Any]]:
-    """Yield ``(batch, ids)`` for each ``batch`` (having ``.texts``), encoding ahead.
+    """Yield ``(batch, ids)`` for each batch, encoding in a background thread and reading
+    one batch ahead in another, so reading, encoding and writing overlap.
 
-    A background thread runs ``encode_batch`` (GIL released) while the caller processes the
-    previous result, so id extraction and writing overlap tokenization; another reads the
-    upstream one batch ahead of it (:func:`_read_ahead`), so reading overlaps encoding.
-    At most ``depth`` encoded batches wait in the queue. Upstream errors re-raise here.
-    ``times``: the reading thread's CPU (``reader``) and the encode calls' seconds
-    (``encode_busy``).
+    Args:
+        encoder: Encodes each batch's ``.texts``.
+        batches: Items with ``.texts``.
+        depth: Most encoded batches waiting in the queue.
+        times: Takes the reading thread's CPU and the encode calls' seconds.
+
+    Yields:
+        ``(batch, ids)`` in input order.
+
+    Raises:
+        Exception: Whatever the upstream iterator or the encoder raised.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()
@@ -733,11 +737,8 @@ def encode_ahead(
         except BaseException as err:  # re-raised in the consumer
             put(_Failure(err))
 
-    # not a daemon: a daemon thread still inside the Rust encoder when the interpreter
-    # finalizes (a Ctrl-C or error exit that does not wait for it) is killed by a forced
-    # unwind as it takes the GIL back, which aborted the process ("FATAL: exception not
-    # rethrown", exit -6 instead of 130, once in a CI run); shutdown now waits for the
-    # encode in flight, which then sees ``stop`` and ends
+    # not a daemon: a daemon killed inside the Rust encoder at interpreter exit aborts the
+    # process; shutdown waits for the encode in flight, which then sees ``stop``
     thread = threading.Thread(target=produce, name="shardcache-encode", daemon=False)
     thread.start()
     try:
@@ -753,8 +754,7 @@ def encode_ahead(
         with contextlib.suppress(queue.Empty):
             while True:
                 out.get_nowait()
-        # On an error, Ctrl-C or an early close, do not wait here for the encode in flight (a
-        # huge batch takes seconds): the thread sees ``stop`` and ends by itself (it writes no
-        # file), and interpreter shutdown waits for it.
+        # On an error or early close, do not wait for the encode in flight: it sees ``stop``
+        # and ends by itself (it writes no file).
         if sys.exc_info()[0] is None:
             thread.join()
