@@ -1,29 +1,11 @@
 """Chat / SFT data: render conversations with a chat template, tokenize once, exact loss masks.
 
-How one conversation becomes ``(ids, mask)``:
-
-1. **Render** the whole conversation to text with the template, exactly as transformers does
-   (its sandboxed Jinja environment, the tokenizer's special tokens as template variables).
-   The template is the tokenizer's ``chat_template`` or a Jinja file (``--chat-template``).
-2. **Assistant spans** (character ranges): for assistant message *i*, the text rendered for
-   ``messages[:i]`` with the generation prompt is a prefix of the full text, and so is the
-   text rendered for ``messages[:i+1]``; the span between the two is that assistant turn: its
-   content and the end-of-turn marker the template writes after it. A template for which
-   these renderings are not prefixes of the full text cannot be masked exactly: such a
-   conversation is reported as a bad record (``template_not_incremental``), never guessed.
-3. **One tokenization**: the full text is encoded once by the backend with
-   ``add_special_tokens=False`` (the template writes the special tokens). If the tokenizer's
-   post-processor adds a BOS and the rendered text does not start with one, one BOS is
-   prepended, so a BOS-writing template and a BOS-adding tokenizer give exactly one BOS.
-4. **Mask**: a token is trainable when its first character lies in a trainable span
-   (``--train-on assistant`` every assistant turn, ``last-assistant`` the last one, ``all``
-   every token). Tokens that straddle a span boundary are counted (lint), since one
-   tokenization cannot split them.
-
-Lint counts (report, ``info``; ``--strict-lint`` fails the build on any): double BOS, a
-trainable span that does not end with an end-of-turn/EOS special token, unknown tokens, span
-boundary tokens, and mismatches between ``apply_chat_template(tokenize=True)`` and our ids on
-the first ``lint_sample`` conversations of each partition.
+A conversation is rendered whole with the template (as transformers does); each trainable
+assistant turn is the character span between the renderings of its prefix with and
+without it, and a template whose prefix renderings are not prefixes of the full text is a
+bad record (``template_not_incremental``), never guessed. The text is tokenized once; a
+token is trainable when its first character lies in a trainable span. :class:`ChatLint`
+counts what looks wrong (see docs/guide/chat.md).
 """
 
 from __future__ import annotations
@@ -51,11 +33,10 @@ CHAT_BAD_REASONS = (
     "template_budget",  # rendering took longer than RENDER_SECONDS or wrote > RENDER_CHARS
 )
 
-#: Render budget per conversation (all its prefix renders together). A template with a huge
-#: loop or an exponential macro would otherwise hang the build (and ``lock``/``check``); real
-#: templates render a conversation far faster than this, so it never cuts a sane one.
+#: Render budget per conversation (all its prefix renders): a looping template must not hang
+#: the build.
 RENDER_SECONDS = 5.0
-#: Output budget per render: 64 Mi characters, far above any real conversation's text.
+#: Output budget per render, in characters.
 RENDER_CHARS = 64 * 1024 * 1024
 
 
@@ -64,14 +45,11 @@ class RenderBudgetExceeded(Exception):
 
 
 class _Watchdog:
-    """Stops a render that runs past its deadline, in whatever thread it runs.
+    """Stops a render past its deadline, in whatever thread it runs.
 
-    Jinja compiles a template to Python; a loop such as ``range(100000)`` nested twice runs
-    in that code and never returns to us, and a thread cannot be stopped from outside except
-    by an *asynchronous exception* (``PyThreadState_SetAsyncExc``), which the interpreter
-    raises at its next check (every loop back-edge and call). One daemon thread per process
-    polls the deadlines every 20 ms; a render registers its deadline and clears it (and any
-    exception still pending for it) when done, so nothing outside a render is ever hit."""
+    Compiled template code never yields to us, so one daemon thread per process raises an
+    asynchronous exception (``PyThreadState_SetAsyncExc``) in a render past its deadline; a
+    render clears its deadline and any pending exception when done."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -118,7 +96,8 @@ _WATCHDOG = _Watchdog()
 
 @dataclass
 class ChatLint:
-    """Counts of suspicious samples (see the module docstring)."""
+    """Counts of suspicious samples (double BOS, missing end of turn, unknown tokens, tokens
+    straddling a span boundary, template mismatches)."""
 
     double_bos: int = 0
     missing_end_of_turn: int = 0
@@ -174,12 +153,9 @@ def _render_batch(
 
 
 class _FastRender:
-    """The same rendering as :func:`_render_batch`, with transformers' per-call work (deep
-    copies of every message for every prefix) done once per
-    conversation: the messages are converted once, then prefixes render straight through the
-    compiled (sandboxed) template. Falls back to :func:`_render_batch` when this
-    transformers version lacks the helpers; the tests and the build's lint compare the result
-    with ``apply_chat_template``."""
+    """The rendering of :func:`_render_batch`, converting each conversation's messages once
+    and rendering prefixes straight through the compiled template (unused when transformers
+    lacks the helpers)."""
 
     def __init__(self, template: str, variables: dict[str, Any]):
         from transformers.utils import chat_template_utils as ctu
@@ -300,8 +276,7 @@ class ChatRenderer:
 def encoding_mask(
     encoding: Any, n_tokens: int, spans: list[tuple[int, int]]
 ) -> tuple[np.ndarray, int]:
-    """:func:`token_mask` through the encoding's char -> token map: a few lookups per span
-    instead of converting every token's offsets."""
+    """:func:`token_mask` through the encoding's char -> token map."""
     mask = np.zeros(n_tokens, dtype=bool)
     straddle = 0
     for lo, hi in spans:
@@ -322,8 +297,8 @@ def encoding_mask(
 
 
 def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """Trainable flags for tokens with character ``offsets`` (n x 2) and the number of tokens
-    that straddle a span boundary."""
+    """Trainable flags for tokens with character ``offsets`` (n x 2), and how many tokens
+    straddle a span boundary."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(offsets), dtype=bool)
     straddle = 0
@@ -345,8 +320,12 @@ class ChatSample:
 
 
 class ChatEncoder:
-    """The chat counterpart of :class:`~shardcache.builder.tokenize.TextEncoder` (same build
-    interface: ``encode_texts`` in the encode thread, ``finish`` in the writer)."""
+    """The chat counterpart of :class:`~shardcache.builder.tokenize.TextEncoder`, with the
+    same build interface (``encode_texts``, ``finish``).
+
+    Raises:
+        TokenizerError: The tokenizer has no usable chat template and none was given.
+    """
 
     def __init__(self, text: Any, options: ChatOptions):
         self.text = text  # the TextEncoder: tokenizer, backend, ids, dtype, options
@@ -454,8 +433,12 @@ class ChatEncoder:
         return counts
 
     def finish(self, samples: list[ChatSample], stats: Any) -> Any:
-        """Truncate, drop zero-trainable samples, lint; returns an Encoded with ``mask`` and
-        ``failed`` (doc index, reason) for conversations that could not be rendered."""
+        """Truncate, drop samples with no trainable token, and lint.
+
+        Returns:
+            An :class:`~shardcache.builder.tokenize.Encoded` with ``mask``, and ``failed``
+            ``(doc index, reason)`` for conversations that could not be rendered.
+        """
         limit = self.text.options.max_length
         strategy = self.text.options.truncation
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
