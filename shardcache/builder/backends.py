@@ -1,34 +1,10 @@
-"""Encoder backends: the Hugging Face tokenizer (the reference) and an accelerated one, behind
-one small protocol, and the gate that decides which one a build uses.
+"""Encoder backends behind one protocol, and the gate that picks one for a build.
 
-What this module owns:
-
-* :class:`Backend` — ``encode_flat(texts) -> (tokens, lengths)``: every text's ids
-  concatenated (uint32) and the number of ids per text (int64). The build converts ids in
-  bulk, never through per-token Python ints where the backend allows it.
-* :class:`HFBackend` — ``tokenizers.Tokenizer.encode_batch``: the reference, always there.
-* :class:`FastBackend` — `fastokens <https://pypi.org/project/fastokens/>`_
-  (``pip install 'shardcache[fast]'``), which loads the same ``tokenizer.json`` and returns a
-  batch as one flat buffer (``encode_batch_flat``). It refuses what it does not implement
-  (at load: e.g. BertNormalizer, NFKC, the Metaspace pre-tokenizer) and tracks no character
-  offsets, so chat builds (loss masks from char -> token lookups) always use HF.
-* The gate (:func:`select_backend`): a fast backend is used only when it loads the tokenizer
-  AND encodes the behaviour probe of the cache key plus a sample of the corpus to exactly the
-  ids of HF. Any difference -> HF for the whole build, and the reason is recorded
-  (:class:`EncoderSelection`: manifest ``encoder``, build report, ``info``). During the build
-  :func:`verify_sample` re-encodes a deterministic sample of every encode batch with HF
-  (partition.py re-encodes a partition with HF on a mismatch).
-
-Start-up: with a warm memo of the tokenizer folder (:mod:`shardcache.builder.tokenizer_memo`) the
-fast load starts from the memo's backend JSON (the JSON transformers produced) while the
-reference backend parses the same JSON. Without one, a build starts the fast load from the
-folder's tokenizer.json first thing (:func:`load_fast_early`), before transformers is
-imported, and adopts it once transformers' backend JSON is known if the two have the same
-:func:`ids_content` (else it loads that JSON).
-
-Exactness is by proof, not by trust: ids equal the reference on everything the gate and the
-in-build sample saw, and ``shardcache verify --tokens`` audits any cache afterwards. The cache
-key does not depend on the backend (it is computed with HF).
+:class:`HFBackend` (``tokenizers``) is the reference; :class:`FastBackend` (fastokens,
+``shardcache[fast]``) is used only when :func:`select_backend` finds it encodes the key's
+probe and a corpus sample to exactly HF's ids, and every encode batch is then re-checked on
+a sample (:func:`verify_sample`). Either returns ``(tokens uint32, lengths int64)`` flat
+arrays. The cache key never depends on the backend. User-facing rules: docs/guide/building.md.
 """
 
 from __future__ import annotations
@@ -52,9 +28,8 @@ from shardcache.errors import EncoderError, MissingDependencyError
 FAST_MODULE = "fastokens"
 FAST_PIP = "pip install 'shardcache[fast]'"
 
-#: Corpus documents the gate encodes with both backends before the build starts: at most
-#: this many documents and :data:`GATE_SAMPLE_CHARS` characters. Every partition is verified
-#: during the build anyway, so the gate's sample stays small (its HF side is slow).
+#: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,
+#: since every partition is verified during the build anyway.
 GATE_SAMPLE_DOCS = 512
 GATE_SAMPLE_CHARS = 256 * 1024
 
@@ -98,9 +73,7 @@ class HFBackend:
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The build's ids: ``encode_batch_fast`` (tokenizers >= 0.20), the same pipeline
-        without character offsets (less work than ``encode_batch``) and the same ids (the
-        build tests compare with ``tokenizer(text)``)."""
+        """The build's ids through ``encode_batch_fast`` (no character offsets, same ids)."""
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         encodings = encode(texts, add_special_tokens=add_special_tokens)
         return flatten_ids([e.ids for e in encodings])
@@ -141,15 +114,12 @@ T = TypeVar("T")
 
 class Ahead(Generic[T]):
     """``fn(*args)`` run in a background thread; :meth:`result` waits and returns it (or
-    re-raises its exception in the caller). For start-up work that releases the GIL or fills
-    time the caller spends waiting anyway."""
+    re-raises its exception)."""
 
     def __init__(self, fn: Callable[..., T], *args: Any):
         self._value: T | None = None
         self._error: BaseException | None = None
-        # not a daemon: interpreter shutdown waits for it. A daemon thread still inside
-        # fastokens when a failing build exits aborted the process once ("FATAL: exception
-        # not rethrown", seen when it reacquired the GIL during finalization)
+        # not a daemon: a daemon killed inside fastokens at interpreter exit aborts the process
         self._thread = threading.Thread(
             target=self._run, args=(fn, args), name="shardcache-ahead", daemon=False
         )
@@ -173,8 +143,11 @@ class Ahead(Generic[T]):
 
 
 def load_fast_backend(serialized: str) -> FastBackend:
-    """:class:`FastBackend`, with any failure turned into the :class:`EncoderError` of a
-    refusal (never a crash of the build)."""
+    """Load a :class:`FastBackend`.
+
+    Raises:
+        EncoderError: fastokens is missing or refuses the tokenizer.
+    """
     try:
         return FastBackend(serialized)
     except (EncoderError, MissingDependencyError):
@@ -184,11 +157,8 @@ def load_fast_backend(serialized: str) -> FastBackend:
 
 
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
-    """Load a :class:`FastBackend` in the background: fastokens releases the GIL while it
-    parses, so the load overlaps planning and the HF side of the gate (or, in a worker, the
-    HF load). Returns once the thread is about to call fastokens (the package is imported
-    here first): callers next run ``Tokenizer.from_str``, which holds the GIL, and a thread
-    still importing fastokens would wait for all of it."""
+    """Load a :class:`FastBackend` in a background thread; fastokens is imported before
+    returning, so the thread does not wait on the GIL the caller holds next."""
     with contextlib.suppress(MissingDependencyError):  # the thread reports it
         import_fast_module()
     entered = threading.Event()
@@ -208,16 +178,11 @@ IDS_IRRELEVANT_KEYS = ("decoder", "truncation", "padding")
 
 
 def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
-    """``backend_json`` without what cannot change ids: :data:`IDS_IRRELEVANT_KEYS` and the
-    ``trim_offsets`` flag of ByteLevel components (in tokenizers it only trims character
-    offsets, which the fast backend does not produce). Two tokenizer.json whose
-    ``ids_content`` are equal encode every text to the same ids in the same backend.
+    """``backend_json`` without what cannot change ids (:data:`IDS_IRRELEVANT_KEYS`, ByteLevel
+    ``trim_offsets``): equal contents encode every text to the same ids.
 
-    Why it exists: transformers 5 rewrites parts of a saved tokenizer.json as it loads it
-    (for Qwen2: the decoder and the pre-tokenizer's ``trim_offsets``), so the backend JSON
-    the build uses is not byte-for-byte the file; this comparison lets the fast backend
-    loaded from the file before transformers is imported (:func:`load_fast_early`) stand in
-    for one loaded from transformers' JSON."""
+    transformers rewrites parts of tokenizer.json as it loads it; this comparison lets a fast
+    backend loaded from the file stand in for one loaded from transformers' JSON."""
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
@@ -239,9 +204,8 @@ def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class EarlyLoad:
-    """The fast backend loaded from a folder's tokenizer.json before transformers ran:
-    ``content`` (:func:`ids_content` of the file) says what it was loaded from; ``backend``
-    or ``error`` (the refusal: unsupported tokenizer, package missing)."""
+    """A fast backend loaded from a folder's tokenizer.json before transformers ran: the
+    file's :func:`ids_content`, and the ``backend`` or the refusal ``error``."""
 
     content: dict[str, Any] | None
     backend: FastBackend | None = None
@@ -261,10 +225,8 @@ def _load_early(path: str) -> EarlyLoad:
 
 
 def load_fast_early(folder: str) -> Ahead[EarlyLoad] | None:
-    """Start loading the fast backend from ``folder/tokenizer.json`` now, in a thread, or
-    None when the folder has no tokenizer.json. A build calls this first thing: the load
-    (the GIL released) then overlaps the transformers import and the HF load.
-    :func:`adopt_early` decides whether it can be used."""
+    """Start loading the fast backend from ``folder/tokenizer.json`` in a thread (None if the
+    folder has none); :func:`adopt_early` decides whether it is used."""
     path = os.path.join(folder, "tokenizer.json")
     return Ahead(_load_early, path) if os.path.isfile(path) else None
 
@@ -287,10 +249,8 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
 def adopt_early(
     early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized: str
 ) -> Ahead[FastBackend]:
-    """The fast backend for the HF tokenizer whose backend is ``backend_json`` (parsed
-    ``serialized``): the early one when the file it loaded has the same :func:`ids_content`,
-    else one loaded from ``serialized`` (in the background either way). Exactness is
-    unchanged: the gate and the in-build sample still compare its ids with HF."""
+    """The early fast backend when its file has the same :func:`ids_content` as
+    ``backend_json``, else one loading from ``serialized`` in the background."""
     return Ahead(_adopt, early, backend_json, serialized)
 
 
@@ -337,8 +297,8 @@ def first_difference(
     reference: tuple[np.ndarray, np.ndarray],
     candidate: tuple[np.ndarray, np.ndarray],
 ) -> str | None:
-    """None when both (tokens, lengths) are equal, else a description of the first differing
-    text (its position, an excerpt, the first differing position and ids)."""
+    """None when both ``(tokens, lengths)`` are equal, else a description of the first
+    differing text."""
     ref_tokens, ref_lengths = reference
     tokens, lengths = candidate
     if np.array_equal(ref_lengths, lengths) and np.array_equal(ref_tokens, tokens):
@@ -370,10 +330,25 @@ def select_backend(
     sample: list[str] | tuple[str, ...] = (),
     loading: Ahead[FastBackend] | None = None,
 ) -> tuple[FastBackend | None, EncoderSelection]:
-    """The gate: the fast backend when ``requested`` allows it, it loads ``serialized`` and it
-    encodes ``probes`` (the key's behaviour probe) and ``sample`` (corpus documents) to
-    exactly HF's ids; else None and the reason. ``requested == "fast"`` raises
-    :class:`EncoderError` instead of falling back. ``loading``: the load, started earlier."""
+    """Decide the build's backend: fast only if it loads and encodes ``probes`` and
+    ``sample`` to exactly HF's ids.
+
+    Args:
+        requested: ``"auto"``, ``"fast"`` or ``"hf"``.
+        serialized: The backend JSON.
+        reference: The HF backend.
+        add_special_tokens: As the build encodes.
+        probes: The cache key's behaviour probe texts.
+        chat: A chat build (always HF).
+        sample: Corpus documents.
+        loading: A fast load started earlier.
+
+    Returns:
+        The fast backend or None, and the selection with its reason.
+
+    Raises:
+        EncoderError: ``requested == "fast"`` and the fast backend cannot be used.
+    """
     texts = [*probes, *sample]
     corpus_documents = len(sample)
     hf = EncoderSelection(requested, reference.name, reference.version, "", corpus_documents)
@@ -437,9 +412,8 @@ class VerifyCounts:
 def sample_positions(
     texts: list[str], lengths: np.ndarray, fraction: float, batch_number: int
 ) -> np.ndarray:
-    """Positions of a batch to re-encode with HF: every ``round(1/fraction)``-th document
-    (the phase moves with ``batch_number``, so a partition's sample is deterministic and
-    spread), plus the longest (most ids) and the most non-ASCII document of the batch."""
+    """Positions to re-encode with HF: every ``round(1/fraction)``-th document (phase set by
+    ``batch_number``, so deterministic), plus the longest and the most non-ASCII one."""
     n = len(texts)
     if n == 0:
         return np.zeros(0, dtype=np.int64)
@@ -463,10 +437,8 @@ def verify_sample(
     add_special_tokens: bool,
     counts: VerifyCounts,
 ) -> None:
-    """Re-encode ``texts[positions]`` with HF and compare with the fast ids; updates
-    ``counts`` (each differing document adds one mismatch and its description). HF encodes
-    as an HF build does (:meth:`HFBackend.encode_flat`), so a fast build is compared with the
-    ids an HF build stores."""
+    """Re-encode ``texts[positions]`` with HF as an HF build does and compare with the fast
+    ids; each differing document adds a mismatch and its description to ``counts``."""
     if len(positions) == 0:
         return
     ends = np.cumsum(lengths)
