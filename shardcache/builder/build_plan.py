@@ -1,20 +1,10 @@
 """The build plan: what a build will do, which part of it a process runs, what it did.
 
-* **plan** (:func:`plan_build`) lists the inputs in a deterministic order and cuts them into
-  partitions with stable ids ``p00000``, ``p00001`` ... in (file, position) order: one per
-  input file, or several for an uncompressed jsonl / parquet file larger than
-  ``partition_size_bytes`` (byte ranges cut at line boundaries / runs of row groups, see
-  :func:`~shardcache.builder.sources.split_input`; compressed files stay whole). The plan, the
-  sha256 of every split file and an options fingerprint are recorded as ``parts/build.json``
-  in the output (:func:`plan_output`), before any partition runs.
-* **filter**: a process runs every partition, or a job-array :class:`Share` of them.
-* **resume**: a recorded plan with the same fingerprint (options except
-  output/force/workers, and every input's path, size and mtime) is reused, and
-  :func:`completed` keeps every partition whose completion record exists and whose shards
-  have the recorded sizes; the build runs the rest. A different fingerprint is refused,
-  naming what changed, unless ``--force`` starts over. Nothing else is deleted on resume: a
-  partition rebuilt rewrites its own names with the same bytes, and the commit deletes files
-  no record lists.
+Partitions have stable ids ``p00000``... in (file, position) order; the plan, split files'
+sha256 and an options/inputs fingerprint are written to ``parts/build.json`` before any
+partition runs. A recorded plan with the same fingerprint is resumed (completed partitions
+are kept); another fingerprint is refused unless ``--force``. Resume deletes nothing: the
+commit removes files no record lists.
 """
 
 from __future__ import annotations
@@ -136,11 +126,9 @@ class PartitionResult:
     bad_records: dict[str, int]
     corrupt: list[dict[str, Any]] = field(default_factory=list)
     lint: dict[str, int] = field(default_factory=dict)  # chat lint counts of this partition
-    #: The encoder backend of this partition and its in-build verification (backends.py):
-    #: backend, version, verified (documents re-encoded with HF), mismatches, reencoded.
+    #: The partition's encoder backend and its in-build verification counts.
     encoding: dict[str, Any] = field(default_factory=dict)
-    #: CPU seconds per stage (:mod:`~shardcache.builder.stage_times`): reported, never
-    #: recorded in ``parts/<id>.json`` (the output's bytes do not depend on timing).
+    #: CPU seconds per stage: reported, never recorded (bytes never depend on timing).
     timings: dict[str, float] = field(default_factory=dict)
 
     def to_message(self) -> dict[str, Any]:
@@ -178,9 +166,8 @@ class PartitionResult:
 
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
-    """Options as recorded in the manifest (plain JSON: lists, not tuples): without what
-    cannot change the bytes (``strict_lint`` and ``max_bad_fraction`` only decide whether to
-    commit; ``encoding`` picks a backend whose ids are proven equal to the reference's)."""
+    """Options as recorded in the manifest (plain JSON), without those that cannot change
+    the bytes (``strict_lint``, ``max_bad_fraction``, ``encoding``)."""
     data = options.to_json()
     for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
@@ -197,8 +184,7 @@ def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
 
 
 def fingerprint_of(options: BuildOptions, inputs: list[InputFile]) -> str:
-    """The sha256 of the options and inputs as recorded (:func:`options_json`,
-    :func:`inputs_json`): a build with another fingerprint cannot reuse the recorded work."""
+    """The sha256 of the recorded options and inputs; another fingerprint cannot resume."""
     blob = json.dumps({"options": options_json(options), "inputs": inputs_json(inputs)},
                       sort_keys=True)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
@@ -302,8 +288,8 @@ def check_record(
     has_part_file: Callable[[str], bool],
     shard_size: Callable[[str], int | None],
 ) -> PartitionResult | None:
-    """A completion record, if it is whole, belongs to ``partition`` and its files are all
-    there (``parts/<id>.lengths.npy`` and ``.quarantine.jsonl``, every shard at its size)."""
+    """The completion record of ``partition`` if it is whole and all its files are there at
+    their recorded sizes, else None."""
     if data is None:
         return None
     try:
@@ -371,12 +357,9 @@ def plan_output(
 ) -> BuildPlan:
     """The plan of a build into ``storage``: the one recorded there, or a new one written.
 
-    A recorded plan with the same fingerprint is resumed. With another fingerprint the build
-    is refused, unless ``--force`` (never with a share): then, as when there is no plan, the
-    build's files are deleted (a share deletes nothing: other shares write the same output)
-    and a new plan is written before any partition runs. Call it with the committed
-    manifest gone (the caller removes it first for ``--force``) and, for a local folder, the
-    build lock held.
+    With ``--force`` (never a share) or no plan, the build's files are deleted (a share
+    deletes none) and a new plan is written. Call it with the committed manifest gone and,
+    locally, the build lock held.
 
     Args:
         storage: the build output.
