@@ -1,12 +1,8 @@
 """Commit: gather the completion records into the length index, quarantine and manifest.
 
-:func:`commit` reads only the records of ``parts/`` (never worker memory), which is what makes
-resume work, works in the output's staging folder (the folder itself, or a scratch folder for
-a URL, :class:`~shardcache.store.storage.Storage`), and publishes ``manifest.json`` last: a
-reader sees a whole cache or none. :func:`commit_output` is ``shardcache commit OUTPUT`` for job
-arrays: it rebuilds the plan from ``parts/build.json``, checks that every partition is present
-(naming the shares that still have to run) and commits. A commit that dies is redone by
-running it again: everything it writes before the manifest is a pure function of the records.
+Reads only ``parts/`` records (never worker memory), so resume and job arrays commit alike;
+``manifest.json`` is published last, so a reader sees a whole cache or none. A commit that
+dies is redone by running it again.
 """
 
 from __future__ import annotations
@@ -239,9 +235,8 @@ def committed_manifest(storage: Storage) -> dict[str, Any] | None:
 
 
 def unlisted_shards(names: list[str], manifest: Mapping[str, Any]) -> list[str]:
-    """The shard files among ``names`` that the committed ``manifest`` does not list: the
-    partition shards a merged one replaced, left behind when a commit died between writing
-    its manifest and removing them. No reader opens them; they only take space."""
+    """The shard files among ``names`` the committed ``manifest`` does not list (left when a
+    commit died after its manifest)."""
     listed = {entry["name"] for entry in manifest["shards"]}
     return sorted(n for n in names if SHARD_NAME.fullmatch(n) and n not in listed)
 
@@ -259,10 +254,11 @@ _NOT_RECORDS = ("blank_line",)
 
 
 def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str, int]) -> None:
-    """Refuse to commit a build that kept no document, or whose bad records exceed
-    ``max_bad_fraction`` of its records: a wrong ``--text-field`` or chat data built as text
-    must not end as an empty cache with exit 0. The partitions stay (a rerun with a higher
-    ``--max-bad-fraction`` commits them)."""
+    """Refuse a build that kept no document or has too many bad records (partitions stay).
+
+    Raises:
+        SourceError: No document was kept, or bad records exceed ``max_bad_fraction``.
+    """
     options = plan.options
     n_bad = sum(n for reason, n in bad.items() if reason not in _NOT_RECORDS)
     records = stats.documents + n_bad
@@ -290,9 +286,7 @@ def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str,
 
 
 def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
-    """The manifest's ``encoder`` field, from the partitions' records (so a job-array commit
-    and a local build agree): the gate's decision, the backends used, documents verified
-    against HF, mismatches and partitions re-encoded with HF."""
+    """The manifest's ``encoder`` field, from the partitions' records alone."""
     encodings = [r.encoding for r in results if r.encoding]
     backends = Counter(e["backend"] for e in encodings)
     return {

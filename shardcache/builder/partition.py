@@ -1,15 +1,8 @@
 """Map one partition: stream records -> encode -> EOS/truncation -> bucket -> shard files.
 
-A partition's output is a pure function of its bytes and the options: the same bytes however
-and wherever the work is scheduled. :func:`build_partition` writes the shards,
-``parts/<id>.quarantine.jsonl``, ``parts/<id>.lengths.npy`` and ``parts/<id>.json`` (its
-completion record: shards, counts, bad records, the file's sha256 for a whole-file partition)
-into the output's staging folder and publishes them, the record last.
-
-Memory is bounded by the options, not the corpus: per process one encode batch being
-converted, two encoded ahead and one read ahead (each at most ``batch_docs`` documents or
-:data:`~shardcache.builder.sources.MAX_BATCH_CHARS` characters), one record batch (4 MiB of
-tokens) buffered per bucket, and 4 bytes per sequence of the partition for its length index.
+A partition's output is a pure function of its bytes and the options. Its completion record
+``parts/<id>.json`` is published last. Memory is bounded by the options (a few batches in
+flight, one record batch per bucket), not by the corpus.
 """
 
 from __future__ import annotations
@@ -118,10 +111,12 @@ def merge_bad_logs(path: str, logs: list[str]) -> None:
 
 
 def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> None:
-    """The bytes this partition read are the bytes the plan described: the file's size and
-    mtime are unchanged now (they were checked at open), a line-based read covered its whole
-    byte range, and the sha256 of what it read equals the plan's when the plan hashed it (the
-    byte range of a slice the plan cut; a whole file)."""
+    """Check that the partition read the bytes the plan described (size, mtime, range and,
+    when the plan hashed them, sha256).
+
+    Raises:
+        SourceError: The input changed since it was planned.
+    """
     file, span = partition.file, partition.span
     check_unchanged(file, "while this partition read it")
     if file.format != "parquet":
@@ -150,11 +145,8 @@ def build_partition(
 ) -> PartitionResult:
     """Map one partition to shard files and its completion record, published to the output.
 
-    The files are written into the output's staging folder (the output folder itself, or a
-    scratch folder of this task for a URL, :meth:`~shardcache.store.storage.Storage.staging`)
-    and published with the completion record ``parts/<id>.json`` last. With the fast
-    encoder, a difference from HF on the in-build sample re-encodes the whole partition with
-    HF (its first attempt's files are removed) and is recorded in the result's ``encoding``.
+    Files are written in the output's staging folder and published, the completion record
+    last. A fast-encoder difference from HF re-encodes the partition with HF.
 
     Args:
         plan: the build plan (its options name the output).
@@ -190,9 +182,8 @@ def build_partition(
 def _map_verified(
     plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
 ) -> PartitionResult:
-    """:func:`map_partition` with the fast encoder's in-build verification: on a difference,
-    the partition again with the HF reference alone (a value passed down, the encoder itself
-    is left as it is), or an :class:`EncoderError` under ``--encoder fast``."""
+    """:func:`map_partition`, redone with the HF reference alone on a fast-encoder difference
+    (an :class:`EncoderError` under ``--encoder fast``)."""
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     times = StageTimes()
@@ -232,9 +223,8 @@ def _map_verified(
 
 
 def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]:
-    """The partition's stage times: ``parse`` is the reading thread's CPU beyond ``read``,
-    ``tokenizer`` the process CPU beyond the Python-side stages (the native encode and
-    verification threads), ``process`` the whole."""
+    """The partition's stage times, with ``parse`` (reading thread beyond ``read``) and
+    ``tokenizer`` (process CPU beyond the Python-side stages) derived."""
     seconds = dict(times.to_json())
     reader = seconds.pop("reader", 0.0)
     seconds["parse"] = max(0.0, reader - seconds.get("read", 0.0))
@@ -247,8 +237,7 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
-    """Remove what a failed attempt at ``partition_id`` wrote into the folder ``out``
-    (shards, parts files)."""
+    """Remove what a failed attempt at ``partition_id`` wrote into the folder ``out``."""
     for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
         folder = os.path.join(out, sub)
         for name in os.listdir(folder):
@@ -278,10 +267,8 @@ def map_partition(
     out = options.output
     stats = TruncationStats()
     quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
-    # Bad records come from two threads: the reader (encode_ahead's read-ahead thread: bad
-    # lines, a corrupt end) and this one (conversations the template refused). Each thread owns its
-    # counter and its file, each written in record order; the two are merged by record at the
-    # end, so the quarantine (and so the manifest) does not depend on the threads' timing.
+    # Bad records come from the read-ahead thread and this one: each owns a file written in
+    # record order, merged at the end so the quarantine never depends on thread timing.
     reader_bad = _BadLog(quarantine_path + ".reader.tmp")
     template_bad = _BadLog(quarantine_path + ".template.tmp")
     batch_failures: list[dict[str, Any]] = []
