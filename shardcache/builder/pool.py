@@ -1,20 +1,11 @@
 """The local engine: partitions in this process, or in a ``spawn`` process pool.
 
-``workers == 1`` (or a single pending partition) runs in this process, where the tokenizer's
-Rayon pool uses every core. Otherwise a ``spawn`` process pool (fork after Rayon started
-deadlocks or silently serializes the tokenizer) runs partitions, largest first so no big
-partition is left for the end; each worker builds its encoder once from its spec (no
-transformers import) and gets ``RAYON_NUM_THREADS = cores // workers``, so N workers use N
-cores instead of N x cores threads. Results travel back as the persisted part records. Workers
-die with the parent (``PR_SET_PDEATHSIG`` on Linux, plus a parent-pid check per batch), so a
-killed build leaves no orphan writing into the folder. Progress events go through one queue
-to one bar.
-
-Spawned children re-import the parent's ``__main__``: a script read from stdin (``python -``)
-cannot be, so such a build is refused before any worker starts. The encoder spec and the plan
-(megabytes for a large vocabulary or many files) reach the workers through a private file
-(:data:`POOL_PAYLOAD_PREFIX`), never through the spawn pipe: a parent writing more than a pipe
-buffer to a child that died on start-up blocks forever.
+One worker (or one pending partition) runs in this process. Otherwise a ``spawn`` pool
+(fork after the tokenizer's Rayon pool started would deadlock) runs partitions largest
+first; each worker builds its encoder from a spec read from a private payload file (never
+the spawn pipe, which blocks on a child that died), splits the cores with the others, and
+dies with the parent. A ``__main__`` read from stdin cannot be re-imported by children, so
+such a build is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -42,8 +33,7 @@ from shardcache.errors import (
 _PROGRESS_INTERVAL_S = 0.2
 _WORKER: dict[str, Any] = {}
 
-#: Name prefix of the file a pool's workers read their encoder spec and plan from, in the
-#: temporary folder: ``shardcache-pool-<pid>-...`` (the pid lets a sweep find a dead build's).
+#: Prefix of the workers' payload file (spec and plan); the pid lets a sweep find a dead one.
 POOL_PAYLOAD_PREFIX = "shardcache-pool-"
 
 
@@ -123,9 +113,8 @@ def _drain(queue: Any, progress: Progress) -> None:
 
 
 def unimportable_main() -> str | None:
-    """The path of this process's ``__main__`` when spawned children cannot re-import it
-    (a script read from stdin: ``python - < build.py``); None when they can or need not
-    (a script file, ``python -m``, ``python -c``, an interactive session or a notebook)."""
+    """The path of ``__main__`` when spawned children cannot re-import it (read from stdin);
+    None when they can or need not."""
     main = sys.modules.get("__main__")
     if getattr(getattr(main, "__spec__", None), "name", None):
         return None  # imported by module name
@@ -172,7 +161,7 @@ def run_pool(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    """Run ``pending`` in a ``spawn`` pool of ``workers`` processes (see the module notes).
+    """Run ``pending`` in a ``spawn`` pool of ``workers`` processes.
 
     Args:
         plan: the build plan.
@@ -192,8 +181,7 @@ def run_pool(
     queue = ctx.Queue()
     rayon_threads = max(1, default_workers() // workers)
     spec = encoder_spec(encoder)
-    # this process only waits from here on: free its copy of the fast backend (large for a
-    # big vocabulary; the workers load their own from the spec)
+    # this process only waits from here on: free its fast backend (workers load their own)
     getattr(encoder, "text", encoder).fast = None
     payload = _write_payload(spec, plan)
     try:

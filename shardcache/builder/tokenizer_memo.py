@@ -1,36 +1,13 @@
 """What transformers resolves from a tokenizer folder, as plain JSON, remembered on disk.
 
-Everything a *text* build (and ``shardcache check`` / ``lock``) takes from the transformers
-tokenizer object is a pure function of the folder's files and the transformers + tokenizers
-versions: the backend JSON transformers produced (``backend_tokenizer.to_str()``: it rewrites
-parts of a saved tokenizer.json), the class name, the backend's saved truncation / padding,
-the eos / sep / pad ids, the named special tokens with their ids, the additional special
-tokens and ``all_special_tokens`` (the behaviour probe writes them). :class:`ResolvedTokenizer`
-holds exactly that; the cache key and the probe read it, never the transformers object, so a
-key is the same whether the record came from transformers or from the memo.
-
-Why it exists: resolving it costs ``import transformers``, the tokenizer class lookup and
-``from_pretrained``, most of a small build's time. A text build whose folder was seen before
-takes the record from ``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json`` and never imports
-transformers.
-
-The memo's digest (:func:`folder_digest`) covers :data:`RESOLVED_MEMO_VERSION`, the installed
-versions of :data:`RESOLVER_PACKAGES` (package metadata: no import) and the name and sha256
-of every regular file directly in the folder, so editing
-any tokenizer file, or upgrading either library, misses the memo. Model weights that share a
-folder with the tokenizer (:data:`NOT_TOKENIZER_FILES`) are not hashed: ``from_pretrained``
-of a tokenizer never opens them, and hashing gigabytes would cost more than transformers.
-A missing, damaged, forged or unreadable memo (:func:`read_resolved` returns None) only means
-resolving through transformers again; ``SHARDCACHE_NO_MEMO=1`` bypasses every memo. Chat
-builds always load transformers (they render templates with it).
-
-A memo is a file anyone with write access to the cache folder can edit, and its digest names
-the tokenizer files, not the memo's content. So a record is used only when everything in it
-that decides ids agrees with the folder's own files (:func:`agrees_with_files`): the
-tokenizer.json pipeline (model, normalizer, pre-tokenizer, post-processor, decoder, added
-tokens), the named special tokens the folder's configuration declares, their ids and the
-largest id. Anything else, or a folder without tokenizer.json, resolves through transformers.
-Audits (``check``, ``lock``, ``verify --tokens``) never read the memo at all.
+:class:`ResolvedTokenizer` holds everything a text build, ``check`` and ``lock`` take from
+the transformers tokenizer; the key and probe read only it, so a key is the same from
+transformers or from the memo (``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json``), which
+spares a repeat build importing transformers. The digest covers the folder's files (not
+model weights), the resolver packages' versions and :data:`RESOLVED_MEMO_VERSION`. A memo is
+used only when what decides ids agrees with the folder's files (:func:`agrees_with_files`);
+any miss resolves through transformers again. ``SHARDCACHE_NO_MEMO=1`` bypasses the memo;
+chat builds and audits never use it.
 """
 
 from __future__ import annotations
@@ -50,8 +27,7 @@ RESOLVED_DIR = "tokenizers"
 #: Bump when :class:`ResolvedTokenizer` or what goes into a field changes.
 RESOLVED_MEMO_VERSION = 1
 
-#: File endings of model weights: never read by a tokenizer's ``from_pretrained``, so not
-#: hashed into the digest (a model folder can hold tens of GB of them).
+#: File endings of model weights: a tokenizer never reads them, so they are not hashed.
 NOT_TOKENIZER_FILES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".gguf", ".h5",
                        ".msgpack", ".onnx")  # fmt: skip
 
@@ -60,15 +36,13 @@ SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token"
                  "mask_token")  # fmt: skip
 
 
-#: Packages whose versions can change what transformers resolves from the same files:
-#: the two libraries, and what its converters use when a folder has no tokenizer.json
-#: (a sentencepiece or tiktoken model is converted to a fast tokenizer as it loads).
+#: Packages whose versions can change what transformers resolves from the same files
+#: (with the converters used when a folder has no tokenizer.json).
 RESOLVER_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "protobuf", "tiktoken")
 
 
 def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) -> dict[str, str]:
-    """Installed versions by package name ("unknown" when missing), from package metadata
-    (no import of transformers to read ``__version__``)."""
+    """Installed versions by package name from package metadata ("unknown" when missing)."""
     out = {}
     for name in names:
         try:
@@ -125,8 +99,11 @@ class ResolvedTokenizer:
 
     @classmethod
     def from_json(cls, value: Any) -> ResolvedTokenizer:
-        """The record saved by :meth:`to_json`; ``ValueError`` naming the field when a value
-        has the wrong shape (a damaged or foreign memo)."""
+        """The record saved by :meth:`to_json`.
+
+        Raises:
+            ValueError: A field has the wrong shape (names it).
+        """
         if not isinstance(value, dict) or set(value) != {f.name for f in fields(cls)}:
             raise ValueError("not a resolved tokenizer record (other fields)")
         checks = {
@@ -169,8 +146,7 @@ def _is_str_list(value: Any) -> bool:
 
 
 def folder_digest(folder: str) -> str | None:
-    """The memo digest of a tokenizer folder (see the module docstring), or None when the
-    folder cannot be listed or a file cannot be read (then nothing is memoised)."""
+    """The memo digest of a tokenizer folder, or None when a file cannot be read."""
     try:
         entries = sorted(
             (e.name, e.path)
@@ -185,8 +161,7 @@ def folder_digest(folder: str) -> str | None:
 
 
 def read_resolved(folder: str) -> ResolvedTokenizer | None:
-    """The memoised record of ``folder``; None on any miss (no memo, another digest, a
-    damaged or unreadable file, memos disabled): then transformers resolves it again."""
+    """The memoised record of ``folder``, or None on any miss (damaged, absent, disabled)."""
     if memo_disabled():  # not even the digest
         return None
     digest = folder_digest(folder)
@@ -211,8 +186,8 @@ SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def agrees_with_files(resolved: ResolvedTokenizer, folder: str) -> bool:
-    """Whether every part of ``resolved`` that decides ids agrees with the files of
-    ``folder`` (see the module docstring); False when that cannot be told.
+    """Whether every part of ``resolved`` that decides ids agrees with ``folder``'s files
+    (False when that cannot be told).
 
     Args:
         resolved: a record read from the memo.
@@ -251,8 +226,7 @@ def agrees_with_files(resolved: ResolvedTokenizer, folder: str) -> bool:
 
 
 def _token_ids(backend: dict[str, Any]) -> dict[str, int] | None:
-    """Token -> id of a parsed backend (model vocabulary and added tokens); None for a model
-    whose vocabulary is not stored as ``{token: id}`` or Unigram's ``[[piece, score], ...]``."""
+    """Token -> id of a parsed backend (vocabulary and added tokens); None for other layouts."""
     model = backend.get("model") or {}
     vocab = model.get("vocab")
     if model.get("type") in ("BPE", "WordPiece", "WordLevel") and isinstance(vocab, dict):
@@ -268,8 +242,8 @@ def _token_ids(backend: dict[str, Any]) -> dict[str, int] | None:
 
 
 def _declared_special(folder: str) -> dict[str, str] | None:
-    """The named special tokens the folder's configuration files declare (the first file of
-    :data:`SPECIAL_TOKEN_FILES` that names one wins); None when a file cannot be read."""
+    """The named special tokens the folder declares (first of :data:`SPECIAL_TOKEN_FILES`
+    wins); None when a file cannot be read."""
     declared: dict[str, str] = {}
     for name in reversed(SPECIAL_TOKEN_FILES):
         path = os.path.join(folder, name)
@@ -292,7 +266,7 @@ def _declared_special(folder: str) -> dict[str, str] | None:
 
 
 def write_resolved(digest: str | None, resolved: ResolvedTokenizer) -> None:
-    """Remember ``resolved`` for the folder whose :func:`folder_digest` was ``digest``
-    (taken before transformers read the folder; None: nothing is written)."""
+    """Remember ``resolved`` under ``digest``, taken before transformers read the folder
+    (None: nothing is written)."""
     if digest is not None:
         write_memo(RESOLVED_DIR, digest, resolved.to_json())
