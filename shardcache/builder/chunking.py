@@ -1,26 +1,12 @@
 """Encoding huge documents in pieces, exactly, with bounded memory.
 
-A tokenizers ``Encoding`` keeps, per token, its string, offsets, type id, masks and word id,
-and the normalizer keeps an alignment per character, so one huge document encoded at once
-takes many times its size in memory. A document longer than
-:data:`HUGE_CHARS` is therefore cut into pieces of about :data:`PIECE_CHARS` characters,
-each encoded without special tokens, and the special tokens the post-processor adds
-(e.g. ``[CLS] ... [SEP]``, a BOS) are put around the concatenated ids.
-
-That is exact only when the tokenizer treats a cut the same as the whole text. Pieces are
-cut before a single space between two non-space characters (``"a b"`` -> ``"a"`` +
-``" b"``), where whitespace-splitting pre-tokenizers (BERT, byte-level BPE, Metaspace) start
-a new word anyway; and :func:`chunking_is_exact` checks, once per tokenizer, that this holds
-on probe texts and that the post-processor only wraps the ids.
-
-Text without ASCII spaces (CJK, minified code, base64) is cut where the tokenizer's own
-pre-tokenizer splits a window of :data:`WINDOW_CHARS` around the target
-(:func:`pretokenizer_cut`): a cut is taken only if the pre-tokenizer splits there and
-encoding :data:`CHECK_CHARS` characters on each side whole gives the ids of the two sides
-encoded apart (the model never sees across a pre-token, so the cut is invisible to it); the
-start-up check covers such cuts too. A tokenizer that fails the check (e.g. one whose
-normalizer prepends a marker to every input), or a stretch with no such boundary, is encoded
-whole: exact first, memory second.
+A document above :data:`HUGE_CHARS` is cut into pieces of about :data:`PIECE_CHARS`, each
+encoded without special tokens, and the post-processor's wrapping is put around the joined
+ids. Cuts are before a single space between non-space characters, or where the tokenizer's
+own pre-tokenizer splits and encoding across the cut gives the same ids
+(:func:`pretokenizer_cut`). :func:`chunking_is_exact` checks each tokenizer once; a
+tokenizer that fails it, or a stretch with no safe cut, is encoded whole: exact first,
+memory second.
 """
 
 from __future__ import annotations
@@ -90,9 +76,8 @@ def split_points(
 
 
 def pretokenizer_cut(backend: Any, text: str, start: int, target: int) -> int | None:
-    """A cut in ``(start, target]``, as close to ``target`` as possible, where ``backend``'s
-    pre-tokenizer splits the text around it and the ids on both sides are the same encoded
-    together or apart (see the module docstring); None if the window has none."""
+    """The cut in ``(start, target]`` closest to ``target`` where ``backend``'s pre-tokenizer
+    splits and the ids are the same encoded together or apart; None if none."""
     pre = backend.pre_tokenizer
     if pre is None:
         return None

@@ -1,16 +1,10 @@
 """The cache key of a build configuration: components computed from the tokenizer itself.
 
-The key's data structure, comparison and lock files are the store's
-(:mod:`shardcache.store.key`); computing a key needs the tokenizer loaded (the behaviour
-probe encodes fixed texts with it), so it lives with the builder. ``shardcache check`` and
-``lock`` call :func:`current_key` on the recipe's values; a build calls :func:`compute_key`
-on its encoder and the data component it hashed while reading.
-
-Everything the key takes from transformers (special tokens, the class name) is read off the
-encoder's :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`, never off the transformers
-object, so the key is byte-identical whether transformers loaded the folder or its memo
-stood in (a test compares the two for every tokenizer family the tests build); the library
-versions come from package metadata, so a warm ``check`` never imports transformers.
+The key's structure and comparison are the store's (:mod:`shardcache.store.key`); computing
+one needs the tokenizer (the behaviour probe), so it lives here. Everything taken from
+transformers is read off the encoder's
+:class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`, so a key is byte-identical
+whether transformers or its memo resolved the folder.
 """
 
 from __future__ import annotations
@@ -152,15 +146,8 @@ def memoised_tokenizer_component(
     truncation: Any,
     padding: Any,
 ) -> dict:
-    """:func:`tokenizer_component`, remembered on disk by the sha256 of its whole input.
-
-    The component is a pure function of the backend's JSON (``serialized``, which
-    ``backend_json()`` parses, on a miss only) and the saved truncation/padding, but
-    computing it (sorting and serialising the model canonically, holding the GIL) costs far
-    more than hashing its input, on every build and every ``shardcache check``; it is kept in
-    ``$SHARDCACHE_CACHE_DIR/components/<digest>.json`` (:func:`~shardcache.store.files.read_memo`).
-    Any problem with the folder (read-only, missing, a damaged file) only means computing it
-    again."""
+    """:func:`tokenizer_component`, remembered in ``$SHARDCACHE_CACHE_DIR/components/`` by
+    the sha256 of its whole input (any memo problem only means computing it again)."""
     head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
     digest = sha256_text(head + "\n" + serialized)
     saved = read_memo(COMPONENTS_DIR, digest)
@@ -179,9 +166,8 @@ def text_component(text: Any) -> dict:
 
 
 def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
-    """Compute the key's tokenizer component now (:func:`memoised_tokenizer_component`, or
-    without the memo when ``use_memo`` is False: audits never read a memo) and keep it on the
-    encoder for :func:`compute_key`."""
+    """Compute the key's tokenizer component now (through the memo unless ``use_memo`` is
+    False) and keep it on the encoder for :func:`compute_key`."""
     text = getattr(encoder, "text", encoder)
     if use_memo:
         text.tokenizer_component = text_component(text)
@@ -192,10 +178,15 @@ def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
 
 
 def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
-    """The key of a configuration: ``encoder`` is a
-    :class:`~shardcache.builder.tokenize.TextEncoder` (duck-typed here to keep this module free
-    of tokenizer imports); ``data`` a data component or None when the data side is not known
-    (then it is left out and not compared)."""
+    """The key of a configuration.
+
+    Args:
+        encoder: A :class:`~shardcache.builder.tokenize.TextEncoder` or chat encoder.
+        data: The data component, or None when unknown (then not compared).
+
+    Returns:
+        The cache key.
+    """
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     resolved = text.resolved  # what transformers resolved (or its memo): never ``text.hf``
     options = text.options

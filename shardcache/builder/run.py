@@ -1,23 +1,10 @@
 """The build's front door: one pipeline, plan -> map(partitions) -> commit.
 
-:func:`build` runs every build the same way, whatever the output and the engine:
-
-1. open the output (:func:`~shardcache.store.storage.open_storage`: a local folder or a URL)
-   and hold its lock (a local folder's ``.lock``; a share's own lock under ``.shares/``);
-2. the one "already committed" check: an up-to-date cache is reported as it is, ``--force``
-   removes its manifest first (readers stop seeing it), anything else is refused;
-3. plan, or resume the recorded plan (:func:`~shardcache.builder.build_plan.plan_output`), and
-   filter: every partition, or this process's job-array share; the completed ones are kept
-   (:func:`~shardcache.builder.build_plan.completed`);
-4. choose the encoder backend once (:func:`~shardcache.builder.backend_gate.gate_encoder`);
-5. map the pending partitions with an engine (:data:`~shardcache.builder.engines.ENGINES`:
-   in-process or a process pool, or Ray);
-6. commit (:func:`~shardcache.builder.commit.commit`), unless this process runs one share
-   (``shardcache commit`` does it when every share is done).
-
-Since a partition's bytes do not depend on scheduling or on where the output lives, a
-resumed, parallel, sharded or URL build is byte-identical to an uninterrupted
-single-process one.
+:func:`build` opens the output (local folder or URL) and holds its lock, makes the one
+"already committed" check, plans or resumes, filters the partitions (all, or a job-array
+share), gates the encoder once, maps the pending partitions with an engine and commits
+(except for a share). A partition's bytes never depend on scheduling or storage, so every
+kind of build is byte-identical to an uninterrupted single-process one.
 """
 
 from __future__ import annotations
@@ -58,10 +45,8 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def errors_explained(func: F) -> F:
-    """An object store that cannot be reached, or a full disk, quota, file-size limit,
-    read-only folder or permission error while writing a local ``options.output`` (the
-    first argument), becomes a :class:`CacheError` naming the place and what to do (also
-    from worker processes)."""
+    """Turn an unreachable store or a write error on ``options.output`` (full disk, quota,
+    read-only, permissions) into a :class:`CacheError` naming the place and what to do."""
 
     @functools.wraps(func)
     def wrapper(options: BuildOptions, *args: Any, **kwargs: Any) -> Any:
@@ -124,8 +109,7 @@ def build(
     inputs = list_inputs(options.source.inputs, exclude=[options.output])
     encoder = encoder_for(options, encoder_factory)
     loading = start_loading(encoder, options)
-    # the key's tokenizer component (one long C call holding the GIL): computed while the
-    # fast backend may still be loading in its thread
+    # the key's tokenizer component: computed while the fast backend may still be loading
     precompute_tokenizer_component(encoder)
     with storage.lock(f"{SHARES_DIR}/{share.name}" if share is not None else ""):
         manifest = already_committed(storage, options, inputs, share)
@@ -135,8 +119,8 @@ def build(
         mine = share.select(plan.partitions) if share is not None else plan.partitions
         done = completed(storage, mine)
         pending = [p for p in mine if p.id not in done]
-        # which backend encodes (HF or the proven fast one); also when every partition is
-        # resumed, so the manifest's encoder field does not depend on where a build stopped
+        # also when every partition is resumed, so the manifest never depends on where a
+        # build stopped
         gate_encoder(encoder, plan, loading)
         loading = None  # the encoder holds the backend it uses (a pool's parent frees it)
         workers = options.num_workers
@@ -204,10 +188,8 @@ def already_committed(
         share: the job-array share this process runs, if any.
 
     Returns:
-        The manifest of a cache built with these options and inputs (finished: shards a
-        commit killed after its manifest left behind are removed), or None when there is
-        no committed cache (any more: ``--force`` removes the manifest first, so readers
-        stop seeing the old cache).
+        The (finished) manifest of a cache built with these options and inputs, or None
+        when there is none (``--force`` removes the manifest first).
 
     Raises:
         CacheError: a share has nothing to add to a committed cache; or the cache was built
@@ -236,9 +218,8 @@ def already_committed(
     return manifest
 
 
-#: Input bytes a worker process must have to itself before the default worker count uses it
-#: with the fast backend: below this, starting a worker (interpreter, imports, tokenizer
-#: loads) costs more than the partitions it would take over.
+#: Pending input bytes per worker below which the fast backend's default uses fewer workers
+#: (starting a worker would cost more than its share).
 FAST_BYTES_PER_WORKER = 256 * 1024 * 1024
 
 

@@ -1,24 +1,11 @@
 """``shardcache verify --tokens``: re-tokenize stored documents with the HF tokenizer and compare.
 
-An audit any user can run on any cache, whichever backend built it: a deterministic sample of
-input records (``fraction`` of each file, chosen by a hash of the record index, so the same
-records are chosen every time) is read again from the inputs named in the manifest, encoded
-with the Hugging Face tokenizer (the reference: never the fast backend) under the cache's own
-options (special tokens, EOS, truncation, chat template and masks), and every resulting
-sequence is compared with the stored one of the same provenance (file, record, piece): ids
-and, for chat, loss masks. A sampled record with no stored sequence (or the reverse) is a
-mismatch too.
-
-Before comparing, the tokenizer's part of the current cache key (tokenizer, special tokens,
-template, truncation) must equal the cache's: otherwise the audit would compare two different
-configurations, and :class:`~shardcache.errors.CacheKeyMismatch` says which field changed.
-A changed behaviour probe (e.g. a ``tokenizers`` upgrade) is not refused: that is exactly
-what the audit is for, and it is reported.
-
-Lives in ``builder/`` because it needs the tokenizer (``store/`` must not import it); the CLI
-command is in cli.py. Cost: one read of every input file (its sha256 is checked against the
-manifest on the way), one read of every shard, and HF encoding of the sampled records; memory
-holds the sampled records' stored sequences.
+A deterministic, hash-chosen sample of each input's records is encoded again with the HF
+reference under the cache's own options and compared with the stored sequences of the same
+provenance (ids and, for chat, masks); a sampled record missing on either side is a
+mismatch. The tokenizer's key components must equal the cache's
+(:class:`~shardcache.errors.CacheKeyMismatch` otherwise); a changed behaviour probe is
+reported, not refused.
 """
 
 from __future__ import annotations
@@ -48,8 +35,7 @@ _GOLDEN = np.uint64(0x9E3779B97F4A7C15)
 
 
 def sampled(records: np.ndarray, fraction: float) -> np.ndarray:
-    """Which record indices the audit checks: a fixed hash of the index below ``fraction``
-    (deterministic, spread over the file, independent of partitions and batches)."""
+    """Which record indices the audit checks: a fixed hash of the index below ``fraction``."""
     if fraction >= 1:
         return np.ones(len(records), dtype=bool)
     with np.errstate(over="ignore"):
@@ -143,8 +129,20 @@ def audit_tokens(
 ) -> TokenAudit:
     """Re-encode ``fraction`` of the records of the cache at ``path`` with HF and compare.
 
-    ``inputs`` / ``tokenizer`` replace the paths recorded in the manifest (data or tokenizer
-    moved since the build)."""
+    Args:
+        path: The cache.
+        fraction: Share of each input's records to check.
+        inputs: Replace the manifest's input paths (data moved since the build).
+        tokenizer: Replace the manifest's tokenizer path.
+
+    Returns:
+        The audit's counts and mismatches.
+
+    Raises:
+        CacheKeyMismatch: The tokenizer's key components differ from the cache's.
+        CacheError: ``path`` holds no readable cache (missing or changed inputs are
+            reported in the audit, not raised).
+    """
     cache = open_cache(path)
     manifest = cache.manifest
     options = options_from_json(manifest["options"], path)
