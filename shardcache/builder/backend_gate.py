@@ -1,18 +1,9 @@
 """The start-up gate of a build: which encoder backend it uses, decided once, with a reason.
 
-Before any partition runs, :func:`gate_encoder` encodes the cache key's behaviour probe (the
-fixed unicode / whitespace / special-token texts of :mod:`~.key_computation`) plus a sample
-of the corpus (the first documents of up to :data:`GATE_PARTITIONS` partitions spread over
-the plan, :data:`~shardcache.builder.backends.GATE_SAMPLE_DOCS` in all) with the HF
-reference and the accelerated backend (:func:`~shardcache.builder.backends.select_backend`).
-Any difference, a tokenizer the fast backend refuses, a missing package, or chat data (no
-offsets) -> HF for the whole build; the reason goes to the manifest's ``encoder`` field, the
-build report and ``shardcache info``. The decision travels to worker processes in the
-encoder's spec, so every partition of a build uses the same backend.
-
-Cost: loading the fast backend (started by :func:`start_loading` before planning, in a
-thread, so it overlaps the rest of the start), and encoding the probe plus a small corpus
-sample with both backends.
+:func:`gate_encoder` compares the fast backend with HF on the key's behaviour probe and a
+corpus sample drawn over the plan; any difference, refusal or chat data means HF for the
+whole build. The reason goes to the manifest, the report and ``info``, and the decision
+reaches workers in the encoder's spec.
 """
 
 from __future__ import annotations
@@ -42,10 +33,8 @@ GATE_PARTITIONS = 8
 def corpus_sample(
     plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
 ) -> list[str]:
-    """Up to ``limit`` texts and about ``max_chars`` characters: the first documents of up
-    to :data:`GATE_PARTITIONS` partitions spread over the plan (bad records and documents
-    above :data:`~shardcache.builder.chunking.HUGE_CHARS` skipped; a damaged file just
-    contributes less)."""
+    """Up to ``limit`` texts (about ``max_chars`` characters): the first valid documents of
+    partitions spread over the plan, huge ones skipped."""
     partitions = plan.partitions
     if not partitions or limit <= 0:
         return []
@@ -85,9 +74,8 @@ def corpus_sample(
 
 
 def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
-    """The fast backend's load, in the background, when the build may use it: the one the
-    encoder started (``TextEncoder(preload_fast=True)``, right after the HF load), else one
-    started now. It overlaps the rest of the start; :func:`gate_encoder` takes it."""
+    """The fast backend's background load when the build may use it (the encoder's, else
+    one started now), for :func:`gate_encoder`."""
     if options.encoding.encoder == "hf" or options.chat is not None:
         return None
     text = getattr(encoder, "text", encoder)
@@ -97,9 +85,11 @@ def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | N
 def gate_encoder(
     encoder: Any, plan: BuildPlan, loading: Ahead[FastBackend] | None = None
 ) -> EncoderSelection:
-    """Run the gate for ``encoder`` (a TextEncoder or a ChatEncoder wrapping one) under the
-    plan's options; the encoder then encodes with the chosen backend. Raises
-    :class:`~shardcache.errors.EncoderError` when ``--encoder fast`` cannot be honoured."""
+    """Run the gate; ``encoder`` then encodes with the chosen backend.
+
+    Raises:
+        EncoderError: ``--encoder fast`` cannot be honoured.
+    """
     options = plan.options
     text = getattr(encoder, "text", encoder)
     requested = options.encoding.encoder

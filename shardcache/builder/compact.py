@@ -1,22 +1,10 @@
 """Compaction at commit: a bucket's partial shards from many partitions joined into full ones.
 
-Every partition writes its own shards, bucket by bucket, and closes each bucket's last shard
-where the partition ends. So a build of N input files leaves up to N partial shards in every
-bucket, where one writer would have made a few full ones; each shard costs a reader an open
-(a stat, a map, its offsets checked against the length index) and its first page faults.
-
-:func:`compact` walks each bucket's shards in partition order. A full shard (its tokens reach
-the target ``--shard-size``) is kept as it is, not rewritten. Consecutive partial shards are
-joined (:func:`~shardcache.store.shards.merge_shards`: their rows rewritten in record batches
-cut as one writer cuts them) until the joined tokens reach the target; a partial shard left
-alone is kept too. The cache lists its shards bucket by bucket, each bucket's in the order of
-their first rows, so sample ids run bucket by bucket.
-
-What it writes is a pure function of the partitions' records, so a build stays byte-identical
-for any number of processes and after a kill and resume. The merged shards are written before
-the manifest and the shards they join are removed after it: a commit killed before the
-manifest leaves every partition whole (the resumed build removes the merged files, which no
-completed partition lists, and merges again), and a reader never sees a shard missing.
+Each bucket's shards are walked in partition order: a full shard is kept as it is,
+consecutive partial ones are merged until they reach ``--shard-size``. The output is a pure
+function of the records. Merged shards are written before the manifest and the shards they
+replace removed after it, so a killed commit leaves every partition whole and a reader
+never sees a shard missing.
 """
 
 from __future__ import annotations
@@ -57,9 +45,8 @@ class Compacted:
 
 
 def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
-    """Indices into ``shards`` (one bucket's, in partition order), grouped: a shard of at
-    least ``target_tokens`` tokens alone, consecutive smaller ones together until their sum
-    reaches it. Groups are in the order of their first member."""
+    """Group indices into one bucket's ``shards``: a shard of ``target_tokens`` or more alone,
+    consecutive smaller ones together until they reach it."""
     groups: list[list[int]] = []
     open_group: list[int] | None = None
     joined = 0
@@ -80,9 +67,8 @@ def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
 def plan_compaction(
     out: str, results: list[PartitionResult], target_bytes: int, itemsize: int
 ) -> list[Group]:
-    """The cache's shards as groups of the partitions' shards (``results`` in partition
-    order; ``out``: the folder whose ``parts/`` holds their length files), bucket by bucket;
-    ``target_bytes`` of tokens (``itemsize`` bytes each) make a full shard."""
+    """The cache's shards as groups of the partitions' shards, bucket by bucket, where
+    ``target_bytes`` of tokens make a full shard."""
     by_bucket: dict[int, list[tuple[ShardInfo, LengthSlice]]] = defaultdict(list)
     for result in results:
         path = os.path.join(out, PARTS_DIR, f"{result.partition}.lengths.npy")

@@ -1,11 +1,8 @@
 """Encoders: how a build turns records into ids, chosen in one place.
 
-Two encoders share one protocol (:data:`Encoder`): :class:`~shardcache.builder.tokenize.TextEncoder`
-for plain text and :class:`~shardcache.builder.chat.ChatEncoder` (which wraps a text encoder) for
-conversations. Both expose ``encode_texts`` (raw batch encode), ``finish`` (EOS, truncation,
-masks -> :class:`~shardcache.builder.tokenize.Encoded`), ``describe``, ``template_component`` and
-``dtype``. :func:`encoder_for` picks the encoder of a build; :func:`encoder_spec` /
-:func:`encoder_from_spec` carry it to worker processes as plain JSON.
+:class:`~shardcache.builder.tokenize.TextEncoder` (text) and
+:class:`~shardcache.builder.chat.ChatEncoder` (conversations) share the :data:`Encoder`
+protocol; :func:`encoder_spec` / :func:`encoder_from_spec` carry one to workers as JSON.
 """
 
 from __future__ import annotations
@@ -33,17 +30,11 @@ def make_encoder(
     *,
     audit: bool = False,
 ) -> Encoder:
-    """A TextEncoder for plain text, or a ChatEncoder wrapping one for chat data
-    (``preload_fast``: start loading the fast backend for the gate, text only; ``audit``:
-    never read the memo, for ``check``, ``lock`` and ``verify --tokens``).
+    """A TextEncoder, or for chat data a ChatEncoder wrapping one.
 
-    Plain text whose tokenizer folder was resolved before is built from the memo
-    (:func:`~shardcache.builder.tokenizer_memo.read_resolved`, used only when it agrees with
-    the folder's files) without importing transformers; else through transformers, which
-    writes the memo. On a miss the fast
-    backend starts loading from the folder's tokenizer.json before transformers is imported
-    (:func:`~shardcache.builder.backends.load_fast_early`). Chat always loads transformers
-    (rendering needs it)."""
+    Text is built from the tokenizer memo when it agrees with the folder, else through
+    transformers; ``preload_fast`` starts loading the fast backend for the gate; ``audit``
+    never reads the memo."""
     if chat is not None:
         return ChatEncoder(TextEncoder(tokenize), chat)
     resolved = None if audit else read_resolved(tokenize.tokenizer)
@@ -54,9 +45,8 @@ def make_encoder(
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
-    """Plain-JSON description from which :func:`encoder_from_spec` rebuilds the encoder in a
-    worker process: text carries what transformers resolved (no transformers import in the
-    worker); chat loads the tokenizer again as the build did (rendering needs transformers)."""
+    """Plain-JSON description from which a worker rebuilds the encoder (text without
+    importing transformers)."""
     if isinstance(encoder, ChatEncoder):
         return {
             "kind": "chat",
@@ -97,8 +87,7 @@ def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
 
 
 def reference_only(encoder: Encoder) -> Encoder:
-    """``encoder`` encoding with the HF reference alone: the fallback of a partition whose
-    fast ids differed from HF's. A new encoder; ``encoder`` itself is left as it is.
+    """``encoder`` encoding with the HF reference alone (``encoder`` is left as it is).
 
     Args:
         encoder: a build's encoder.

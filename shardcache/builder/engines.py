@@ -1,20 +1,11 @@
 """Where partitions run: an engine maps a build's pending partitions, anywhere, in any order.
 
-The map step is engine-agnostic: a partition's output is a pure function of its bytes and
-the options, staged and published with its completion record ``parts/<id>.json`` last
-(:func:`~shardcache.builder.partition.build_partition`), and the commit reads only the
-records. So any scheduler that runs ``build_partition`` once per partition, on any machine
-that reaches the output, produces the same bytes. Which partitions a process runs (all, or a
-job-array :class:`~shardcache.builder.build_plan.Share`) is decided before, by the pipeline.
-
-* **local** (default, :mod:`shardcache.builder.pool`): in this process, or a process pool.
-* **ray** (``--engine ray``, extra ``shardcache[ray]``): one ``ray.remote`` task per pending
-  partition, largest first, ``max_retries=3`` (a task whose worker dies is rerun; it
-  rewrites every file of its partition and publishes the record last, so a retry leaves
-  nothing partial behind), results gathered with ``ray.wait``. ``--ray-address`` joins an
-  existing cluster (the output must then be a folder every node sees, or a URL), else a
-  local Ray with ``num_cpus = --workers``. A Ray worker builds its encoder once per process
-  from the encoder spec and runs its tokenizer on one Rayon thread per task CPU.
+A partition's output is a pure function of its bytes and options, published with its record
+last, and the commit reads only records; so any engine produces the same bytes. ``local``
+(:mod:`shardcache.builder.pool`) runs in this process or a process pool; ``ray``
+(``shardcache[ray]``) runs one retried task per partition, largest first, on a local Ray
+(``num_cpus = --workers``) or the cluster at ``--ray-address`` (the output must then be
+reachable from every node).
 """
 
 from __future__ import annotations

@@ -1,24 +1,11 @@
 """Where a build's time goes: CPU seconds per stage, always on, in the build report.
 
-Each stage is timed with the CPU clock of the thread that runs it (``time.thread_time``, a
-few calls per read chunk or batch, never per record), so the figures stay meaningful on a
-loaded machine where wall-clock seconds are not:
-
-* ``startup``: the build process before the first partition: tokenizer loads (the fast one in
-  a thread), the cache key, the plan and the backend gate (its HF encodes included);
-* ``read``: file reads, sha256 and decompression (the read-ahead thread, per read chunk);
-* ``parse``: JSON parsing, validation and batching (the rest of the read-ahead thread);
-* ``bucket``: EOS, truncation and bucket assignment of the encoded ids (the partition's thread);
-* ``write``: Arrow record batches and shard files, fsync included (the partition's thread);
-* ``tokenizer``: the rest of the partition's process CPU: the encoder's and the
-  verification's native threads (both release the GIL and run on a thread pool of their
-  own, which no Python-side thread clock sees), and whatever else the process did;
-* ``commit``: merging and publishing at commit (the build process).
-
-``encode_busy`` and ``verify_busy`` are the seconds the encode and verification calls took
-(wall clock: their CPU is in ``tokenizer``): their ratio says how ``tokenizer`` divides.
-``process`` is the partitions' process CPU in all. The figures go to the build report and its
-JSON, never into the cache (its bytes do not depend on timing).
+Stages are timed with the running thread's CPU clock (per chunk or batch, never per
+record): ``startup`` (before the first partition), ``read`` (reads, sha256, decompression),
+``parse``, ``bucket``, ``write``, ``tokenizer`` (the rest of the partition's process CPU:
+native encode and verification threads) and ``commit``. ``encode_busy`` / ``verify_busy``
+are the wall seconds of those calls; ``process`` is the partitions' process CPU in all.
+The figures never go into the cache.
 """
 
 from __future__ import annotations
