@@ -108,6 +108,7 @@ def behaviour_component(encode: Any, special_strings: list[str], chat: str | Non
 
 
 def truncation_component(max_length: int | None, strategy: str, side: str = "right") -> dict:
+    """The key component of the build's truncation options."""
     return {"max_length": max_length, "strategy": strategy, "side": side}
 
 
@@ -120,10 +121,12 @@ def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
 
 
 def data_component_from_version(version: str) -> dict:
+    """The data component of a corpus named by a version string instead of its files."""
     return {"mode": "version", "version": str(version)}
 
 
 def versions_component(tokenizer_class: str) -> dict:
+    """The key component of the library versions, format version and tokenizer class."""
     versions = library_versions()  # package metadata: transformers is not imported
     return {
         "transformers": versions["transformers"],
@@ -210,6 +213,8 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
 
 @dataclass
 class DataHashing:
+    """Files, bytes and seconds spent hashing the data component."""
+
     files: int = 0
     bytes: int = 0
     seconds: float = 0.0

@@ -66,6 +66,7 @@ class BuildReport:
 def report_from_manifest(
     output: str, manifest: Mapping[str, Any], seconds: float, up_to_date: bool = False
 ) -> BuildReport:
+    """The report of a committed cache, from its manifest (no partition ran)."""
     totals, stats = manifest["totals"], dict(manifest["stats"])
     bad, corrupt = stats.pop("bad_records"), stats.pop("corrupt_files")
     return BuildReport(
@@ -79,6 +80,7 @@ def report_from_manifest(
 
 
 def report_json(report: BuildReport) -> dict[str, Any]:
+    """The report as plain JSON (``build --json``)."""
     return {
         "output": report.output,
         "documents": report.documents,
@@ -102,6 +104,7 @@ def report_json(report: BuildReport) -> dict[str, Any]:
 
 
 def format_report(report: BuildReport) -> str:
+    """The report as the text ``build`` prints."""
     st = report.stats
     secs = max(report.seconds, 1e-9)
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
