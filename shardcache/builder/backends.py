@@ -266,6 +266,7 @@ def import_fast_module() -> Any:
 
 
 def fast_version() -> str:
+    """The installed fast backend's version ("unknown" when missing)."""
     try:
         return metadata.version(FAST_MODULE)
     except metadata.PackageNotFoundError:

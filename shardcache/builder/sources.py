@@ -677,7 +677,7 @@ def _open_lines(raw: HashingReader, fmt: str, times: StageTimes | None = None) -
     if fmt == "jsonl.zst":
         zstd: Any = ZstdReader(raw) if times is None else _TimedReader(ZstdReader(raw), times)
         return io.BufferedReader(zstd, buffer_size=READ_CHUNK)
-    if fmt == "json.gz":  # gzip reads (and so its offsets) as before: decompression is "parse"
+    if fmt == "json.gz":  # gzip reads the raw stream itself: its decompression counts as "parse"
         return gzip.GzipFile(fileobj=timed, mode="rb")  # type: ignore[return-value]
     raise SourceError(f"format {fmt!r} is not line-based")
 
@@ -969,6 +969,7 @@ def check_unchanged(file: InputFile, when: str) -> None:
 
 
 def input_changed(file: InputFile, when: str, detail: str) -> SourceError:
+    """The error for an input that changed since it was listed (``when``: at which step)."""
     return SourceError(
         f"{file.relpath}: the input changed {when} ({detail}); the bytes read are not the "
         "ones the build planned and hashed, so nothing was committed for them. Stop whatever "

@@ -85,6 +85,7 @@ class TokenAudit:
 
 
 def format_token_audit(audit: TokenAudit) -> str:
+    """The audit as the text ``verify --tokens`` prints."""
     lines = [
         f"cache        {audit.path}",
         f"tokens       {audit.documents:,} documents re-encoded with HF (fraction "
