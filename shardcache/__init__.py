@@ -43,6 +43,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.mixture import MixtureTable, Source, SourceShare
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
+    from shardcache.read.readahead import ReadAheadOptions
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.layout import FORMAT_VERSION
     from shardcache.store.verify import VerifyReport, verify_cache
@@ -77,6 +78,7 @@ _LAZY: dict[str, str] = {
     "PrefetchOptions": "shardcache.read.prefetch",
     "PrefetchStats": "shardcache.read.prefetch",
     "Provenance": "shardcache.store.cache",
+    "ReadAheadOptions": "shardcache.read.readahead",
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
     "Source": "shardcache.read.mixture",
@@ -115,6 +117,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PrefetchOptions",
     "PrefetchStats",
     "Provenance",
+    "ReadAheadOptions",
     "ShardDataset",
     "ShardLoader",
     "ShardcacheError",

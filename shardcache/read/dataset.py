@@ -49,6 +49,13 @@ from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, m
 from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
 from shardcache.read.plan_store import plan_digest, shared_plan
 from shardcache.read.prefetch.tree import packed_offsets, packed_view
+from shardcache.read.readahead import (
+    ReadAhead,
+    ReadAheadOptions,
+    ReadStats,
+    cache_readahead,
+    readahead_options,
+)
 from shardcache.store.cache import Cache, Gathered, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
@@ -142,6 +149,9 @@ class ShardDataset(IterableDataset):
         tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in).
         remix: let :meth:`load_state_dict` take the state of another mixture (with a
             warning).
+        readahead: how far a cache in object storage is downloaded ahead of the batches, in
+            plan order (:class:`~shardcache.read.readahead.ReadAheadOptions`; an int: the
+            shards ahead, 0 on demand only; None the defaults). No effect on local caches.
         **plan_options: the other :class:`PlanOptions` fields (``mode``, ``seq_len``,
             ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
@@ -166,9 +176,13 @@ class ShardDataset(IterableDataset):
         ids_dtype: str = "int32",
         tokens_per_epoch: int | None = None,
         remix: bool = False,
+        readahead: ReadAheadOptions | int | None = None,
         **plan_options: Any,
     ) -> None:
         super().__init__()
+        self.readahead: ReadAheadOptions = readahead_options(readahead)
+        self._readahead: ReadAhead | None = None  # of the pass being read
+        self._stats = ReadStats()
         if options is not None:
             if max_tokens is not None or shuffle is not None or plan_options:
                 raise ConfigError(
@@ -294,15 +308,19 @@ class ShardDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # memory maps do not travel to worker processes: a spawned one opens its own
-        for name in ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets"):
+        for name in ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets", "_readahead"):
             state[name] = None
         return state
 
     def close(self) -> None:
         """Release the cache, its open shards and the plan (idempotent).
 
-        The dataset stays usable: it opens them again when next needed.
+        The dataset stays usable: it opens them again when next needed. A pass being read
+        from object storage stops its downloads (their threads end).
         """
+        if self._readahead is not None:
+            self._readahead.close()
+            self._readahead = None
         if self._cache is not None:
             self._cache.close()
         self._cache = self._plan = self._batch_kernels = None
@@ -666,19 +684,51 @@ class ShardDataset(IterableDataset):
     def _generate(
         self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
     ) -> Iterator[Batch]:
-        for position in positions.tolist():
-            batch = self.collate_batch(plan, int(mine[position]))
-            # a batch counts as consumed once it is handed out (the torchdata convention)
-            self._consumed = start + self.world_size * (position + 1)
-            if self._worker is not None:
-                self._worker["yielded"] += 1
-            yield batch
+        if self._readahead is not None:  # a pass left unfinished: its downloads stop
+            self._readahead.close()
+        cache = self._open()
+        where = f"ShardDataset({self.path!r})"
+        readahead = cache_readahead(
+            cache, plan, mine[positions], self.readahead, self._stats, where
+        )
+        self._readahead = readahead
+        try:
+            for n, position in enumerate(positions.tolist()):
+                if readahead is not None:
+                    readahead.ready(n)
+                batch = self.collate_batch(plan, int(mine[position]))
+                # a batch counts as consumed once it is handed out (the torchdata convention)
+                self._consumed = start + self.world_size * (position + 1)
+                if self._worker is not None:
+                    self._worker["yielded"] += 1
+                yield batch
+        finally:
+            if readahead is not None:
+                readahead.close()
+                if self._readahead is readahead:
+                    self._readahead = None
         if self._worker is None:  # in-process pass finished: the next one replays from 0
             self._start = 0
             self._loaded = False
         else:  # a worker's share done: its next pass (persistent workers) replays from 0
             self._consumed = start + self.world_size * len(mine)
             self._loaded = False
+
+    def stats(self) -> dict[str, Any]:
+        """What reading from object storage cost this process so far (all passes).
+
+        Inside DataLoader workers each worker counts its own (and warns on its own); the main
+        process's dataset then counts nothing.
+
+        Returns:
+            ``batches``; ``first_wait_s`` (waits for first batches), ``wait_s`` and
+            ``longest_wait_s`` (waits for the others), ``elapsed_s`` (since the first batch
+            was ready) and ``wait_share`` (``wait_s / elapsed_s``); ``bytes_ahead`` /
+            ``shards_ahead`` downloaded ahead and ``bytes_on_demand`` / ``shards_on_demand``
+            while the batch waited; ``retried`` (read-aheads that failed and were retried);
+            ``warned``. All zero for a local cache.
+        """
+        return self._stats.as_dict()
 
     def _log_tail(self, split: EpochSplit) -> None:
         if len(split.dropped) or len(split.repeated):

@@ -259,6 +259,21 @@ class MixedCache:
         source = int(np.searchsorted(self._shard_offsets, index, side="right")) - 1
         self.caches[source].check_ids(int(index) - int(self._shard_offsets[source]))
 
+    def close_idle(self, keep: list[set[int] | None], room: int) -> int:
+        """:meth:`Cache.close_idle` over the sources (``keep[s]``: shards of source ``s``
+        to leave open; None: leave the source alone), the combined table kept in step.
+
+        Returns:
+            The bytes the open shards outside ``keep`` hold afterwards.
+        """
+        used = 0
+        for source, cache in enumerate(self.caches):
+            kept = keep[source]
+            if kept is not None:
+                used += cache.close_idle(kept, max(0, room - used))
+        self._sync_all()
+        return used
+
     def _sync_all(self) -> None:
         if self._table is not None:
             for source in range(len(self._tables)):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Container, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -99,7 +99,10 @@ class ShardCache:
             self._open.move_to_end(index, last=False)
 
     def _close_one(self) -> None:
-        index, (reader, release) = self._open.popitem(last=False)
+        self._close(next(iter(self._open)))
+
+    def _close(self, index: int) -> None:
+        reader, release = self._open.pop(index)
         if self.on_close is not None:
             self.on_close(index)
         try:
@@ -117,6 +120,22 @@ class ShardCache:
             return False
         self._close_one()
         return True
+
+    def close_idle(self, keep: Container[int], room: int) -> int:
+        """Close the least recently used open shards outside ``keep`` until those left
+        outside it hold at most ``room`` bytes (the manifest's sizes).
+
+        Returns:
+            The bytes of the open shards outside ``keep`` afterwards.
+        """
+        idle = [index for index in self._open if index not in keep]
+        used = sum(int(self.shards[index]["bytes"]) for index in idle)
+        for index in idle:  # least recently used first
+            if used <= room:
+                break
+            self._close(index)
+            used -= int(self.shards[index]["bytes"])
+        return used
 
     def close(self) -> None:
         """Close every open shard; :meth:`get` refuses afterwards."""
@@ -304,6 +323,8 @@ class Cache:
             self.shards, self.dtype, open_shards, fetch, options,
             _forget_in(self._addresses, self._mapped),
         )  # fmt: skip
+        #: the object store behind a URL (None for a local folder)
+        self.remote = remote
         if remote is not None:
             remote.shed = self._shards.shed
 
@@ -531,6 +552,19 @@ class Cache:
             kind = np.uint32 if small else np.int64
             self._file_starts = np.zeros(self.num_sequences, dtype=kind)
         return self._file_starts
+
+    def close_idle(self, keep: Container[int], room: int) -> int:
+        """Close least recently used open shards outside ``keep`` until the others hold at
+        most ``room`` bytes (a reader making room in a bounded local shard cache).
+
+        Args:
+            keep: shards to leave open.
+            room: the bytes the other open shards may hold.
+
+        Returns:
+            The bytes the open shards outside ``keep`` hold afterwards.
+        """
+        return self._shards.close_idle(keep, room)
 
     def check_ids(self, index: int) -> None:
         """Check every id of shard ``index`` against the tokenizer's largest.

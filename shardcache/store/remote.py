@@ -479,14 +479,27 @@ class RemoteCache:
             download(self.fs, f"{self.root}/{LENGTHS_FILE}", path, entry["sha256"], entry["bytes"])
         return path
 
-    def fetch_shard(self, info: dict[str, Any]) -> tuple[str, Callable[[], None]]:
-        """Download (if needed) a shard and hold it (:meth:`ObjectStore.acquire`).
+    def fetch_shard(
+        self, info: dict[str, Any], *, background: bool = False
+    ) -> tuple[str, Callable[[], None]]:
+        """Download (if needed) and hold one shard (:meth:`ObjectStore.acquire`).
 
         Args:
             info: the shard's manifest entry.
+            background: called from another thread than the reader's: its open shards are
+                never closed for room (``shed`` is the reader thread's alone).
 
         Returns:
-            ``(local path, release)``.
+            The local path and the release to call when done with it.
         """
         name = check_shard_name(info["name"], "shard name")
-        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=self.shed)
+        shed = None if background else self.shed
+        return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=shed)
+
+    def has_shard(self, info: dict[str, Any]) -> bool:
+        """Whether the local shard cache holds a complete copy of a shard (no download)."""
+        return _complete(self.store.path(info["sha256"]), int(info["bytes"]))
+
+    def shard_url(self, info: dict[str, Any]) -> str:
+        """The URL of a shard's object in the store."""
+        return str(self.fs.unstrip_protocol(f"{self.root}/{SHARD_DIR}/{info['name']}"))

@@ -1,0 +1,488 @@
+"""Read-ahead from object storage, driven by the epoch plan.
+
+The plan says from the start which shards every batch of this rank (and DataLoader worker)
+needs, in order. :class:`ReadAhead` downloads the shards of the next batches in that order on
+a small thread pool, into the local shard cache (:mod:`shardcache.store.remote`), while the
+consumer trains:
+
+* the first batch's shards come first and alone (a fast first batch), the window is filled
+  once they are in;
+* every shard of the window, and of the batch being read, stays *pinned* (held like an open
+  shard, so no process evicts it) until the consumer has passed the last batch of the window
+  that needs it;
+* the window is bounded in shards and bytes (:class:`ReadAheadOptions`) and by the local
+  shard cache's bound ``SHARDCACHE_CACHE_SIZE``: it waits (backpressure) until the consumer
+  passes batches, and the consumer's idle open shards are closed to make room;
+* a failed download of a later shard is retried on demand when its batch comes; a shard that
+  still cannot be had raises a :class:`~shardcache.errors.CacheError` naming the object and
+  the store, at the batch that needs it (never in the background).
+
+:class:`ReadStats` counts the consumer's waits and the bytes downloaded ahead and on demand,
+and warns once when the waits take more than a share of the time.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable, Hashable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from shardcache.config import check_fraction, check_int, parse_size
+from shardcache.errors import CacheError, ConfigError, ShardcacheError
+from shardcache.read.mixed_cache import MixedCache
+from shardcache.read.plan import EpochPlan
+from shardcache.store.cache import Cache
+from shardcache.store.remote import RemoteCache, cache_size_bytes
+
+logger = logging.getLogger("shardcache")
+
+#: How far past the consumer the window looks for shards (batches): bounds the work of one
+#: top-up when many batches share few shards.
+LOOKAHEAD_BATCHES = 1024
+#: Batches after the first before the wait share is judged (:class:`ReadStats`).
+WARN_AFTER_BATCHES = 8
+
+Key = Hashable
+Release = Callable[[], None]
+
+
+@dataclass(frozen=True)
+class ReadAheadOptions:
+    """How far a reader of a cache in object storage downloads ahead of its batches.
+
+    Args:
+        shards: shards downloaded ahead of the batch being read (0: on demand only).
+        bytes: bytes downloaded ahead (an int or a size like ``"2GiB"``; None: no bound but
+            ``SHARDCACHE_CACHE_SIZE``).
+        threads: downloads in parallel (at least 1).
+        warn_share: warn (once) when the consumer waits for data more than this share of
+            the time after its first batch.
+
+    Raises:
+        ConfigError: a value is out of range.
+    """
+
+    shards: int = 16
+    bytes: int | str | None = None
+    threads: int = 4
+    warn_share: float = 0.05
+
+    def __post_init__(self) -> None:
+        check_int("readahead.shards", self.shards, 0)
+        check_int("readahead.threads", self.threads, 1, 64)
+        check_fraction("readahead.warn_share", self.warn_share)
+        if self.bytes is not None:
+            size = parse_size(self.bytes, "readahead.bytes")
+            object.__setattr__(self, "bytes", size)
+
+    @property
+    def byte_bound(self) -> int:
+        """The bound in bytes (a very large number when none)."""
+        return int(self.bytes) if self.bytes is not None else 1 << 62
+
+
+def readahead_options(value: Any) -> ReadAheadOptions:
+    """``ShardDataset(readahead=...)`` as options: a :class:`ReadAheadOptions`, an int (the
+    shards ahead; 0 is on demand), or None (the defaults).
+
+    Raises:
+        ConfigError: anything else.
+    """
+    if value is None:
+        return ReadAheadOptions()
+    if isinstance(value, ReadAheadOptions):
+        return value
+    if isinstance(value, int) and not isinstance(value, bool):
+        return ReadAheadOptions(shards=value)
+    raise ConfigError(
+        f"readahead: got {value!r}, expected a ReadAheadOptions, a number of shards (0: "
+        "download on demand only) or None (the defaults)"
+    )
+
+
+@dataclass
+class ReadStats:
+    """What a reader of object storage waited for and downloaded (this process).
+
+    Waits are the consumer's time inside :meth:`ReadAhead.ready`: the first batch's apart,
+    and the others against the time since the first batch was ready.
+    """
+
+    batches: int = 0
+    first_wait_s: float = 0.0
+    wait_s: float = 0.0  # after the first batch
+    longest_wait_s: float = 0.0  # after the first batch
+    elapsed_s: float = 0.0  # from the first batch ready to the last one ready
+    bytes_ahead: int = 0
+    bytes_on_demand: int = 0
+    shards_ahead: int = 0
+    shards_on_demand: int = 0
+    retried: int = 0
+    warned: bool = False
+    _first_ready: float | None = field(default=None, repr=False)
+
+    def as_dict(self) -> dict[str, Any]:
+        """The figures as a JSON-able dict (with ``wait_share``)."""
+        out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
+        out["wait_share"] = self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
+        return out
+
+    def waited(self, first: bool, seconds: float, now: float) -> None:
+        """Count one batch's wait ending at ``now`` (``first``: the pass's first batch)."""
+        self.batches += 1
+        if first or self._first_ready is None:
+            self.first_wait_s += seconds
+            self._first_ready = now - self.elapsed_s  # (a later pass continues the clock)
+            return
+        self.wait_s += seconds
+        self.longest_wait_s = max(self.longest_wait_s, seconds)
+        self.elapsed_s = now - self._first_ready
+
+    def check(self, options: ReadAheadOptions, where: str) -> None:
+        """Warn once when the waits exceed ``options.warn_share`` of the time."""
+        if self.warned or self.batches <= WARN_AFTER_BATCHES or self.elapsed_s <= 0:
+            return
+        share = self.wait_s / self.elapsed_s
+        if share <= options.warn_share:
+            return
+        self.warned = True
+        logger.warning(
+            "%s: the training loop waited for data %.1f%% of the time after the first batch "
+            "(%.2f s of %.2f s, longest wait %.3f s; %d bytes downloaded ahead, %d on demand); "
+            "read further ahead (ShardDataset(readahead=ReadAheadOptions(shards=..., "
+            "threads=...)), now %d shards, %d threads) or raise SHARDCACHE_CACHE_SIZE if the "
+            "window is held back by it",
+            where,
+            100 * share,
+            self.wait_s,
+            self.elapsed_s,
+            self.longest_wait_s,
+            self.bytes_ahead,
+            self.bytes_on_demand,
+            options.shards,
+            options.threads,
+        )
+
+
+@dataclass
+class _Pin:
+    size: int
+    last: int  # the last position of the window that needs it
+    future: Future[Release] | None = None
+    release: Release | None = None
+
+
+class ReadAhead:
+    """Downloads the shards of a pass's batches ahead of the consumer (module docstring).
+
+    The consumer calls :meth:`ready` with each position before reading its batch, and
+    :meth:`close` when the pass ends or stops; everything but the downloads runs in the
+    consumer's thread.
+
+    Args:
+        count: batches in the pass (positions ``0 .. count - 1``).
+        needs: the shards (keys) of the batch at a position.
+        size: a shard's bytes.
+        fetch: ``fetch(key, background)`` downloads a shard if needed and holds it; returns
+            its release (``background``: called on the pool's threads). True when it
+            downloaded (not a hit) is told by ``present``.
+        present: whether a shard is already in the local shard cache (no download).
+        options: the window's bounds.
+        stats: where waits and bytes are counted.
+        cache_bound: the local shard cache's bound (bytes).
+        trim: ``trim(keep, room)`` closes the consumer's open shards outside ``keep`` until
+            the others hold ``room`` bytes (None: nothing to close).
+        describe: names a shard's object and store for error messages.
+        where: names the reader in the warning.
+    """
+
+    def __init__(
+        self,
+        count: int,
+        needs: Callable[[int], list[Key]],
+        size: Callable[[Key], int],
+        fetch: Callable[[Key, bool], Release],
+        present: Callable[[Key], bool],
+        options: ReadAheadOptions,
+        stats: ReadStats,
+        cache_bound: int,
+        trim: Callable[[set[Key], int], None] | None = None,
+        describe: Callable[[Key], str] = str,
+        where: str = "shardcache",
+    ) -> None:
+        self.count = count
+        self.needs = needs
+        self.size = size
+        self.fetch = fetch
+        self.present = present
+        self.options = options
+        self.stats = stats
+        self.cache_bound = cache_bound
+        self.trim = trim
+        self.describe = describe
+        self.where = where
+        self._pins: dict[Key, _Pin] = {}
+        self._scheduled = -1  # the last position whose shards are all pinned
+        self._pool: ThreadPoolExecutor | None = None
+        self._lock = threading.Lock()  # guards the byte counters the pool threads add to
+        self._first = True
+
+    # ---- consumer side ---------------------------------------------------------------------
+
+    def ready(self, position: int) -> None:
+        """Make the shards of the batch at ``position`` local and pinned; then top up the
+        window ahead of it.
+
+        Raises:
+            CacheError: a shard could not be downloaded, even retried now (names the object
+                and the store).
+        """
+        start = time.perf_counter()
+        for key in [k for k, pin in self._pins.items() if pin.last < position]:
+            self._unpin(key)
+        keys = self.needs(position)
+        new = []
+        for key in keys:
+            pin = self._pins.get(key)
+            if pin is None:
+                pin = self._pins[key] = _Pin(self.size(key), position)
+                new.append(key)
+            pin.last = max(pin.last, position)
+        self._make_room()
+        if self.options.shards and len(new) > 1:  # several at once on the pool
+            for key in new:
+                self._pins[key].future = self._submit(key, ahead=False)
+        for key in keys:
+            self._resolve(key, position)
+        self._scheduled = max(self._scheduled, position)
+        now = time.perf_counter()
+        self.stats.waited(self._first, now - start, now)
+        self._first = False
+        self.stats.check(self.options, self.where)
+        self._top_up(position, set(keys))
+
+    def _resolve(self, key: Key, position: int) -> None:
+        """Wait for ``key``'s download, or download it now (on demand, or again after a
+        failed read-ahead)."""
+        pin = self._pins[key]
+        if pin.release is not None:
+            return
+        if pin.future is not None:
+            try:
+                pin.release = pin.future.result()
+                return
+            except Exception as err:  # retried below, in this thread
+                pin.future = None
+                self.stats.retried += 1
+                logger.info(
+                    "%s: reading ahead %s failed (%s: %s); retrying it now",
+                    self.where, self.describe(key), type(err).__name__, err,
+                )  # fmt: skip
+        for attempt in (1, 2):  # a download that failed on demand gets one more try
+            try:
+                pin.release = self._fetch(key, ahead=False, background=False)
+                return
+            except ShardcacheError:  # corrupt or missing: another try gives the same
+                del self._pins[key]
+                raise
+            except Exception as err:
+                if attempt == 1:
+                    self.stats.retried += 1
+                    continue
+                del self._pins[key]
+                raise CacheError(
+                    f"{self.describe(key)}: download failed ({type(err).__name__}: {err}) "
+                    f"for batch {position} of this reader, after the retries of the "
+                    "filesystem layer; check the object store and the network, then resume "
+                    "from the last checkpoint"
+                ) from err
+
+    def _top_up(self, position: int, current: set[Key]) -> None:
+        """Pin and start downloading the shards of the batches after ``position``, in plan
+        order, as far as the bounds allow."""
+        if not self.options.shards:
+            return
+        ahead = [k for k in self._pins if k not in current]
+        ahead_bytes = sum(self._pins[k].size for k in ahead)
+        total = sum(pin.size for pin in self._pins.values())
+        new: list[Key] = []
+        nxt = max(self._scheduled, position) + 1
+        stop = min(self.count, position + 1 + LOOKAHEAD_BATCHES)
+        while nxt < stop:
+            keys = self.needs(nxt)
+            fresh = [k for k in dict.fromkeys(keys) if k not in self._pins]
+            cost = sum(self.size(k) for k in fresh)
+            if (
+                len(ahead) + len(new) + len(fresh) > self.options.shards
+                or ahead_bytes + cost > self.options.byte_bound
+                or total + cost > self.cache_bound
+            ):
+                break  # backpressure: the consumer's progress frees room
+            for key in keys:
+                pin = self._pins.get(key)
+                if pin is None:
+                    pin = self._pins[key] = _Pin(self.size(key), nxt)
+                    new.append(key)
+                pin.last = max(pin.last, nxt)
+            ahead_bytes += cost
+            total += cost
+            self._scheduled = nxt
+            nxt += 1
+        self._make_room()
+        for key in new:
+            self._pins[key].future = self._submit(key, ahead=True)
+
+    def _make_room(self) -> None:
+        """Close the consumer's open shards outside the pins that the pins leave no room
+        for under the local shard cache's bound (before the pins' downloads start)."""
+        if self.trim is not None:
+            total = sum(pin.size for pin in self._pins.values())
+            self.trim(set(self._pins), max(0, self.cache_bound - total))
+
+    def _submit(self, key: Key, ahead: bool) -> Future[Release]:
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(self.options.threads, "shardcache-readahead")
+        return self._pool.submit(self._fetch, key, ahead, True)
+
+    def _fetch(self, key: Key, ahead: bool, background: bool) -> Release:
+        downloads = not self.present(key)
+        release = self.fetch(key, background)
+        if downloads:
+            with self._lock:
+                if ahead:
+                    self.stats.bytes_ahead += self.size(key)
+                    self.stats.shards_ahead += 1
+                else:
+                    self.stats.bytes_on_demand += self.size(key)
+                    self.stats.shards_on_demand += 1
+        return release
+
+    def _unpin(self, key: Key) -> None:
+        pin = self._pins.pop(key)
+        release = pin.release
+        if release is None and pin.future is not None:
+            if pin.future.cancel():
+                return
+            try:
+                release = pin.future.result()
+            except Exception:  # nobody needs it any more: its batch retries if it comes
+                return
+        if release is not None:
+            release()
+
+    @property
+    def pinned(self) -> dict[Key, int]:
+        """The pinned shards and the last position that needs each."""
+        return {key: pin.last for key, pin in self._pins.items()}
+
+    def close(self) -> None:
+        """Stop: cancel the downloads not started, wait for those running (the pool's
+        threads end), release every pin (idempotent)."""
+        for pin in self._pins.values():
+            if pin.future is not None:
+                pin.future.cancel()
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
+        for key in list(self._pins):
+            self._unpin(key)
+
+
+def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
+    """The shards holding sample ids ``ids``, in order of first use.
+
+    Args:
+        shard_starts: the first sample id of every shard, plus the total.
+        ids: sample ids.
+    """
+    shards = np.searchsorted(shard_starts, np.asarray(ids, dtype=np.int64), side="right") - 1
+    _, first = np.unique(shards, return_index=True)
+    return [int(s) for s in shards[np.sort(first)]]
+
+
+def cache_readahead(
+    cache: Cache | MixedCache,
+    plan: EpochPlan,
+    batches: np.ndarray,
+    options: ReadAheadOptions,
+    stats: ReadStats,
+    where: str,
+) -> ReadAhead | None:
+    """A :class:`ReadAhead` over the shards in object storage of ``cache`` (or of a
+    mixture's sources at URLs) for global batches ``batches`` of ``plan``, in that order.
+
+    Args:
+        cache: the reader's open cache or mixture.
+        plan: the epoch plan.
+        batches: this reader's global batches, in the order it reads them.
+        options: the window's bounds.
+        stats: where waits and downloads are counted.
+        where: names the reader in messages.
+
+    Returns:
+        The read-ahead, or None when no shard is in object storage.
+    """
+    mixed = isinstance(cache, MixedCache)
+    caches = cache.caches if isinstance(cache, MixedCache) else [cache]
+    remotes = [c.remote for c in caches]
+    if all(r is None for r in remotes):
+        return None
+    index = cache.index if isinstance(cache, MixedCache) else None
+
+    def needs(position: int) -> list[Key]:
+        ids = plan.batch(int(batches[position]))
+        if index is None:
+            return [(0, s) for s in shards_of(caches[0].shard_starts, ids)]
+        source, local = index.locate(ids)
+        keys: list[Key] = []
+        for s in dict.fromkeys(source.tolist()):  # sources in order of first use
+            if remotes[s] is not None:
+                keys += [(s, sh) for sh in shards_of(caches[s].shard_starts, local[source == s])]
+        return keys
+
+    def remote_of(key: Any) -> tuple[RemoteCache, dict[str, Any]]:
+        source, shard = key
+        remote = remotes[source]
+        assert remote is not None  # (needs() keys only remote sources)
+        return remote, caches[source].shards[shard]
+
+    def fetch(key: Key, background: bool) -> Release:
+        remote, info = remote_of(key)
+        return remote.fetch_shard(info, background=background)[1]
+
+    def present(key: Key) -> bool:
+        remote, info = remote_of(key)
+        return remote.has_shard(info)
+
+    def describe(key: Key) -> str:
+        remote, info = remote_of(key)
+        return f"shard {info['name']} of {remote.url!r} ({remote.shard_url(info)})"
+
+    def trim(keep: set[Key], room: int) -> None:
+        shards = [set() if r is not None else None for r in remotes]
+        for source, shard in keep:  # type: ignore[misc]
+            shards[source].add(shard)  # type: ignore[union-attr]
+        if mixed:
+            cache.close_idle(shards, room)  # type: ignore[arg-type]
+        else:
+            cache.close_idle(shards[0], room)  # type: ignore[arg-type]
+
+    return ReadAhead(
+        len(batches),
+        needs,
+        lambda key: int(remote_of(key)[1]["bytes"]),
+        fetch,
+        present,
+        options,
+        stats,
+        cache_size_bytes(),
+        trim,
+        describe,
+        where,
+    )
