@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import shutil
 import socket
@@ -220,6 +221,7 @@ def stalls(args: argparse.Namespace, work: str, corpus: str, tok: str) -> dict:
     server_port = free_port()
     from moto.server import ThreadedMotoServer
 
+    logging.getLogger("werkzeug").setLevel(logging.ERROR)  # one line per request otherwise
     server = ThreadedMotoServer(ip_address="127.0.0.1", port=server_port, verbose=False)
     server.start()
     os.environ.update(AWS_ACCESS_KEY_ID="x", AWS_SECRET_ACCESS_KEY="x",
