@@ -318,11 +318,12 @@ class ReadAhead:
             keys = self.needs(nxt)
             fresh = [k for k in dict.fromkeys(keys) if k not in self._pins]
             cost = sum(self.size(k) for k in fresh)
-            if (
-                len(ahead) + len(new) + len(fresh) > self.options.shards
-                or ahead_bytes + cost > self.options.byte_bound
-                or total + cost > self.cache_bound
-            ):
+            deep = len(ahead) + len(new) + len(fresh) > self.options.shards or (
+                ahead_bytes + cost > self.options.byte_bound
+            )
+            # (the next batch is always read ahead, however many shards it needs, when the
+            # local shard cache has room for it)
+            if (deep and (ahead or new)) or total + cost > self.cache_bound:
                 break  # backpressure: the consumer's progress frees room
             for key in keys:
                 pin = self._pins.get(key)

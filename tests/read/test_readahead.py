@@ -237,3 +237,12 @@ def test_short_waits_do_not_warn(caplog):
         stats.waited(False, 0.001, now=1.0 + k)
         stats.check(ReadAheadOptions(), "x")
     assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+
+
+def test_the_next_batch_is_read_ahead_even_when_it_needs_more_shards_than_the_depth():
+    batches = [[0], [1, 2, 3, 4], [5]]
+    store = FakeStore()
+    ra, _ = make(batches, store, ReadAheadOptions(shards=2, threads=2))
+    ra.ready(0)
+    assert set(ra.pinned) == {0, 1, 2, 3, 4}  # batch 1 whole; batch 2 waits for room
+    ra.close()
