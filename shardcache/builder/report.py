@@ -36,7 +36,27 @@ class Progress:
 
 @dataclass
 class BuildReport:
-    """The summary a build prints and returns."""
+    """The summary a build prints and returns.
+
+    Attributes:
+        output: The cache folder or URL.
+        documents: Documents kept.
+        sequences: Sequences stored (documents, or their pieces when split).
+        tokens: Tokens stored.
+        shards: Shard files of the cache.
+        bytes_in: Input bytes read.
+        bytes_out: Shard bytes written.
+        seconds: Wall-clock seconds of this run.
+        stats: The manifest's build counters (truncation, chat lint).
+        bad_records: Skipped records by reason.
+        partitions: Partitions of the plan.
+        resumed_partitions: Partitions taken from an interrupted earlier run.
+        workers: Worker processes used.
+        corrupt_files: Damaged inputs and where their loss begins.
+        up_to_date: Nothing was done: the output already held this build, committed.
+        encoder: The manifest's ``encoder`` field (backend chosen and its verification).
+        stages: CPU seconds per stage of this run (:mod:`~shardcache.builder.stage_times`).
+    """
 
     output: str
     documents: int
@@ -49,17 +69,16 @@ class BuildReport:
     stats: dict[str, int]
     bad_records: dict[str, int] = field(default_factory=dict)
     partitions: int = 0
-    resumed_partitions: int = 0  # taken from an interrupted earlier run
+    resumed_partitions: int = 0
     workers: int = 1
     corrupt_files: list[dict[str, Any]] = field(default_factory=list)
-    #: Nothing was done: the output already held this build, committed (idempotent rerun).
     up_to_date: bool = False
-    encoder: dict[str, Any] = field(default_factory=dict)  # the manifest's "encoder" field
-    #: CPU seconds per stage of this run (:mod:`~shardcache.builder.stage_times`).
+    encoder: dict[str, Any] = field(default_factory=dict)
     stages: dict[str, float] = field(default_factory=dict)
 
     @property
     def tokens_per_second(self) -> float:
+        """Tokens stored per wall-clock second."""
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
