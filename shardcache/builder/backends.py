@@ -336,13 +336,13 @@ def select_backend(
 
     Args:
         requested: ``"auto"``, ``"fast"`` or ``"hf"``.
-        serialized: The backend JSON.
-        reference: The HF backend.
-        add_special_tokens: As the build encodes.
-        probes: The cache key's behaviour probe texts.
-        chat: A chat build (always HF).
-        sample: Corpus documents.
-        loading: A fast load started earlier.
+        serialized: the backend JSON.
+        reference: the HF backend.
+        add_special_tokens: as the build encodes.
+        probes: the cache key's behaviour probe texts.
+        chat: a chat build (always HF).
+        sample: corpus documents.
+        loading: a fast load started earlier.
 
     Returns:
         The fast backend or None, and the selection with its reason.

@@ -324,7 +324,7 @@ class ChatEncoder:
     same build interface (``encode_texts``, ``finish``).
 
     Raises:
-        TokenizerError: The tokenizer has no usable chat template and none was given.
+        TokenizerError: the tokenizer has no usable chat template and none was given.
     """
 
     def __init__(self, text: Any, options: ChatOptions):

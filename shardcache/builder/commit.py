@@ -257,7 +257,7 @@ def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str,
     """Refuse a build that kept no document or has too many bad records (partitions stay).
 
     Raises:
-        SourceError: No document was kept, or bad records exceed ``max_bad_fraction``.
+        SourceError: no document was kept, or bad records exceed ``max_bad_fraction``.
     """
     options = plan.options
     n_bad = sum(n for reason, n in bad.items() if reason not in _NOT_RECORDS)

@@ -184,8 +184,8 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     """The key of a configuration.
 
     Args:
-        encoder: A :class:`~shardcache.builder.tokenize.TextEncoder` or chat encoder.
-        data: The data component, or None when unknown (then not compared).
+        encoder: a :class:`~shardcache.builder.tokenize.TextEncoder` or chat encoder.
+        data: the data component, or None when unknown (then not compared).
 
     Returns:
         The cache key.

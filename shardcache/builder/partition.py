@@ -115,7 +115,7 @@ def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> Non
     when the plan hashed them, sha256).
 
     Raises:
-        SourceError: The input changed since it was planned.
+        SourceError: the input changed since it was planned.
     """
     file, span = partition.file, partition.span
     check_unchanged(file, "while this partition read it")

@@ -39,22 +39,22 @@ class BuildReport:
     """The summary a build prints and returns.
 
     Attributes:
-        output: The cache folder or URL.
-        documents: Documents kept.
-        sequences: Sequences stored (documents, or their pieces when split).
-        tokens: Tokens stored.
-        shards: Shard files of the cache.
-        bytes_in: Input bytes read.
-        bytes_out: Shard bytes written.
-        seconds: Wall-clock seconds of this run.
-        stats: The manifest's build counters (truncation, chat lint).
-        bad_records: Skipped records by reason.
-        partitions: Partitions of the plan.
-        resumed_partitions: Partitions taken from an interrupted earlier run.
-        workers: Worker processes used.
-        corrupt_files: Damaged inputs and where their loss begins.
-        up_to_date: Nothing was done: the output already held this build, committed.
-        encoder: The manifest's ``encoder`` field (backend chosen and its verification).
+        output: the cache folder or URL.
+        documents: documents kept.
+        sequences: sequences stored (documents, or their pieces when split).
+        tokens: tokens stored.
+        shards: shard files of the cache.
+        bytes_in: input bytes read.
+        bytes_out: shard bytes written.
+        seconds: wall-clock seconds of this run.
+        stats: the manifest's build counters (truncation, chat lint).
+        bad_records: skipped records by reason.
+        partitions: partitions of the plan.
+        resumed_partitions: partitions taken from an interrupted earlier run.
+        workers: worker processes used.
+        corrupt_files: damaged inputs and where their loss begins.
+        up_to_date: nothing was done: the output already held this build, committed.
+        encoder: the manifest's ``encoder`` field (backend chosen and its verification).
         stages: CPU seconds per stage of this run (:mod:`~shardcache.builder.stage_times`).
     """
 

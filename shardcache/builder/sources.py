@@ -240,15 +240,15 @@ def list_inputs(
     A link is listed under its own name; a file reached twice is listed once.
 
     Args:
-        specs: Files, folders, globs, or URLs (all URLs or none).
-        exclude: Folders to skip (the build's output); cache folders are always skipped.
+        specs: files, folders, globs, or URLs (all URLs or none).
+        exclude: folders to skip (the build's output); cache folders are always skipped.
 
     Returns:
         The input files, sorted by ``relpath``.
 
     Raises:
-        SourceError: A spec matches nothing, has an unknown format, or is not a regular file.
-        ConfigError: Local paths and URLs are mixed.
+        SourceError: a spec matches nothing, has an unknown format, or is not a regular file.
+        ConfigError: local paths and URLs are mixed.
     """
     if any(is_url(spec) for spec in specs):
         return list_url_inputs(specs)
@@ -298,8 +298,8 @@ def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
         Input files whose ``relpath`` is relative to the URLs' common prefix.
 
     Raises:
-        ConfigError: A spec is a local path.
-        SourceError: A spec matches no object or has an unknown format.
+        ConfigError: a spec is a local path.
+        SourceError: a spec matches no object or has an unknown format.
     """
     specs = list(specs)
     found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
@@ -389,14 +389,14 @@ def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputS
     """Cut ``file`` into slices of about ``partition_size_bytes`` at line or row-group bounds.
 
     Args:
-        file: The input; compressed formats and files within the size stay one slice.
-        partition_size_bytes: Target slice size.
+        file: the input; compressed formats and files within the size stay one slice.
+        partition_size_bytes: target slice size.
 
     Returns:
         The slices, and the file's sha256 when it was read to split it (else "").
 
     Raises:
-        SourceError: The file cannot be opened or changed while it was read.
+        SourceError: the file cannot be opened or changed while it was read.
     """
     if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
         return [InputSlice()], ""
@@ -947,7 +947,7 @@ def check_unchanged(file: InputFile, when: str) -> None:
     """Check that ``file`` still has the size and mtime it was listed with.
 
     Raises:
-        SourceError: The file disappeared or changed (``when`` says at which step).
+        SourceError: the file disappeared or changed (``when`` says at which step).
     """
     try:
         if is_url(file.path):  # one HEAD request; the store's mtime is not compared
@@ -995,25 +995,25 @@ def iter_text_batches(
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
     Args:
-        file: The input.
-        text_field: Field holding the text (or the messages, for ``kind="chat"``).
-        batch_docs: Most records a batch holds (also bounded by :data:`MAX_BATCH_CHARS`).
+        file: the input.
+        text_field: field holding the text (or the messages, for ``kind="chat"``).
+        batch_docs: most records a batch holds (also bounded by :data:`MAX_BATCH_CHARS`).
         on_error: ``"skip"`` or ``"fail"`` on a bad record or damaged file.
-        on_bad: Receives each skipped record.
-        on_bytes: Receives the count of raw bytes as they are consumed.
-        digest: Filled in once the file or slice is read to the end.
-        part: The slice to read (default: the whole file).
-        on_corrupt: Receives a damaged file's loss when skipping.
+        on_bad: receives each skipped record.
+        on_bytes: receives the count of raw bytes as they are consumed.
+        digest: filled in once the file or slice is read to the end.
+        part: the slice to read (default: the whole file).
+        on_corrupt: receives a damaged file's loss when skipping.
         kind: ``"text"`` or ``"chat"``.
-        on_layout: Called with :data:`ARRAY_LAYOUT` before a JSON array file's first record.
-        times: Takes the CPU time of reading a line-based file (``read`` stage).
+        on_layout: called with :data:`ARRAY_LAYOUT` before a JSON array file's first record.
+        times: takes the CPU time of reading a line-based file (``read`` stage).
 
     Yields:
         Batches of valid texts with their record indices.
 
     Raises:
-        BadRecordError: A bad record with ``on_error="fail"``.
-        SourceError: The file cannot be opened, or is damaged and not skipped.
+        BadRecordError: a bad record with ``on_error="fail"``.
+        SourceError: the file cannot be opened, or is damaged and not skipped.
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)

@@ -131,16 +131,16 @@ def audit_tokens(
     """Re-encode ``fraction`` of the records of the cache at ``path`` with HF and compare.
 
     Args:
-        path: The cache.
-        fraction: Share of each input's records to check.
-        inputs: Replace the manifest's input paths (data moved since the build).
-        tokenizer: Replace the manifest's tokenizer path.
+        path: the cache.
+        fraction: share of each input's records to check.
+        inputs: replace the manifest's input paths (data moved since the build).
+        tokenizer: replace the manifest's tokenizer path.
 
     Returns:
         The audit's counts and mismatches.
 
     Raises:
-        CacheKeyMismatch: The tokenizer's key components differ from the cache's.
+        CacheKeyMismatch: the tokenizer's key components differ from the cache's.
         CacheError: ``path`` holds no readable cache (missing or changed inputs are
             reported in the audit, not raised).
     """

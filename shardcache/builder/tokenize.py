@@ -110,7 +110,7 @@ def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
     """The largest id ``backend`` can emit (vocabulary and added tokens).
 
     Args:
-        backend: A ``tokenizers.Tokenizer``.
+        backend: a ``tokenizers.Tokenizer``.
 
     Returns:
         The largest token id.
@@ -241,9 +241,9 @@ class TextEncoder:
         """The encoder of ``resolved``, built without transformers (``hf`` is None).
 
         Args:
-            resolved: The tokenizer record.
-            options: Tokenization options.
-            preload_fast: Start loading the fast backend in a thread.
+            resolved: the tokenizer record.
+            options: tokenization options.
+            preload_fast: start loading the fast backend in a thread.
 
         Returns:
             The encoder.
@@ -402,7 +402,7 @@ class TextEncoder:
         (in exact pieces where possible).
 
         Args:
-            texts: The batch's texts.
+            texts: the batch's texts.
 
         Returns:
             The ids of every text.
@@ -440,7 +440,7 @@ class TextEncoder:
         """Wait for the verification of every batch since :meth:`take_verify`.
 
         Raises:
-            EncodingMismatch: The fast backend's ids differed from HF's on one of them.
+            EncodingMismatch: the fast backend's ids differed from HF's on one of them.
         """
         self._settle_verify()
         if self.verify.mismatches:
@@ -601,15 +601,15 @@ def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
     """Encode ``texts``, isolating a failure to its record.
 
     Args:
-        encoder: The encoder.
-        texts: The batch's texts.
+        encoder: the encoder.
+        texts: the batch's texts.
 
     Returns:
         The batch's :class:`FlatIds`, or, when the batch failed, a list with each text's ids
         or an :class:`EncodeFailure`.
 
     Raises:
-        EncodingMismatch: The fast backend disagreed with HF (the partition's, not a record's).
+        EncodingMismatch: the fast backend disagreed with HF (the partition's, not a record's).
     """
     try:
         return encoder.encode_texts(texts)
@@ -707,16 +707,16 @@ def encode_ahead(
     one batch ahead in another, so reading, encoding and writing overlap.
 
     Args:
-        encoder: Encodes each batch's ``.texts``.
-        batches: Items with ``.texts``.
-        depth: Most encoded batches waiting in the queue.
-        times: Takes the reading thread's CPU and the encode calls' seconds.
+        encoder: encodes each batch's ``.texts``.
+        batches: items with ``.texts``.
+        depth: most encoded batches waiting in the queue.
+        times: takes the reading thread's CPU and the encode calls' seconds.
 
     Yields:
         ``(batch, ids)`` in input order.
 
     Raises:
-        Exception: Whatever the upstream iterator or the encoder raised.
+        Exception: whatever the upstream iterator or the encoder raised.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()

@@ -102,7 +102,7 @@ class ResolvedTokenizer:
         """The record saved by :meth:`to_json`.
 
         Raises:
-            ValueError: A field has the wrong shape (names it).
+            ValueError: a field has the wrong shape (names it).
         """
         if not isinstance(value, dict) or set(value) != {f.name for f in fields(cls)}:
             raise ValueError("not a resolved tokenizer record (other fields)")
