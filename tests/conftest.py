@@ -7,6 +7,7 @@ import gzip
 import json
 import os
 import random
+import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -371,3 +372,40 @@ def large_bpe_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     folder = str(tmp_path_factory.mktemp("tok-large-bpe"))
     fast.save_pretrained(folder)
     return folder
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on right now."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture()
+def s3(monkeypatch, tmp_path):
+    """A moto S3 server on loopback with bucket ``corpus`` (slow tier); yields a boto3 client."""
+    pytest.importorskip("s3fs")
+    boto3 = pytest.importorskip("boto3")
+    from moto.server import ThreadedMotoServer
+
+    port = free_port()
+    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
+    server.start()
+    endpoint = f"http://127.0.0.1:{port}"
+    for key, value in {
+        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
+        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
+        "SHARDCACHE_CACHE_DIR": str(tmp_path / "local-cache"),
+    }.items():  # fmt: skip
+        monkeypatch.setenv(key, value)
+    monkeypatch.delenv("AWS_PROFILE", raising=False)
+    client = boto3.client("s3", endpoint_url=endpoint)
+    client.create_bucket(Bucket="corpus")
+    import s3fs
+
+    s3fs.S3FileSystem.clear_instance_cache()
+    try:
+        yield client
+    finally:
+        s3fs.S3FileSystem.clear_instance_cache()
+        server.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 import logging
 import os
 import re
-import socket
 import threading
 
 import numpy as np
@@ -27,42 +26,6 @@ pytestmark = [
 ]
 
 URL = "s3://corpus/caches/ra"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def s3(monkeypatch, tmp_path):
-    """A moto S3 server on loopback with bucket ``corpus``; yields a boto3 client."""
-    pytest.importorskip("s3fs")
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-        "SHARDCACHE_CACHE_DIR": str(tmp_path / "local-cache"),
-    }.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket="corpus")
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        yield client
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 @pytest.fixture()

@@ -5,13 +5,12 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import warnings
 
 import pytest
 
 from conftest import folder_files as tree
-from conftest import kill_env
+from conftest import free_port, kill_env
 from shardcache import ShardDataset, build_cache, open_cache, verify_cache
 from shardcache.builder.commit import commit_output
 from shardcache.builder.engines import EngineOptions, Share
@@ -83,42 +82,6 @@ def test_ray_retries_a_killed_task_without_partial_output(
         ray.shutdown()
     assert marker.exists(), "no task was killed: the test did not test a retry"
     assert tree(out) == tree(ref)  # the retried partition was rewritten whole
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@pytest.fixture()
-def s3(monkeypatch, tmp_path):
-    """A moto S3 server on loopback with bucket ``corpus``; yields its endpoint."""
-    pytest.importorskip("s3fs")
-    boto3 = pytest.importorskip("boto3")
-    from moto.server import ThreadedMotoServer
-
-    port = _free_port()
-    server = ThreadedMotoServer(ip_address="127.0.0.1", port=port, verbose=False)
-    server.start()
-    endpoint = f"http://127.0.0.1:{port}"
-    for key, value in {
-        "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
-        "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
-        "SHARDCACHE_CACHE_DIR": str(tmp_path / "local-cache"),
-    }.items():  # fmt: skip
-        monkeypatch.setenv(key, value)
-    monkeypatch.delenv("AWS_PROFILE", raising=False)
-    client = boto3.client("s3", endpoint_url=endpoint)
-    client.create_bucket(Bucket="corpus")
-    import s3fs
-
-    s3fs.S3FileSystem.clear_instance_cache()
-    try:
-        yield client
-    finally:
-        s3fs.S3FileSystem.clear_instance_cache()
-        server.stop()
 
 
 def _upload_folder(client, folder: str, prefix: str) -> None:
@@ -438,7 +401,7 @@ def test_readme_cluster_recipes_run_against_loopback_s3(
     import shutil
     import tempfile
 
-    port = _free_port()
+    port = free_port()
     nodes = []
     ray_temp = tempfile.mkdtemp(prefix="sc-ray-", dir="/tmp")  # short: Unix socket paths
     ray_env = {"HEAD_IP": "127.0.0.1", "RAY_AUTH_MODE": "disabled"}  # loopback, no token files
@@ -450,9 +413,9 @@ def test_readme_cluster_recipes_run_against_loopback_s3(
             if k == 0:
                 extra += f" --include-dashboard=false --temp-dir={ray_temp}"
             else:  # a second node on this host: ports of its own
-                extra += f" --dashboard-agent-listen-port={_free_port()}"
-                extra += f" --metrics-export-port={_free_port()}"
-                extra += f" --runtime-env-agent-port={_free_port()}"
+                extra += f" --dashboard-agent-listen-port={free_port()}"
+                extra += f" --metrics-export-port={free_port()}"
+                extra += f" --runtime-env-agent-port={free_port()}"
             line = command.replace("6379", str(port)) + extra
             nodes.append(
                 subprocess.Popen(["bash", "-c", f"exec {line}"], env=env, cwd=work,

@@ -3,15 +3,9 @@ so no server is started)."""
 
 from __future__ import annotations
 
-import socket
-
 import pytest
 
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from conftest import free_port
 
 
 def test_an_unreachable_endpoint_is_a_clear_error(monkeypatch, tmp_path):
@@ -21,7 +15,7 @@ def test_an_unreachable_endpoint_is_a_clear_error(monkeypatch, tmp_path):
 
     from shardcache import CacheError, open_cache
 
-    endpoint = f"http://127.0.0.1:{_free_port()}"  # nothing listens there
+    endpoint = f"http://127.0.0.1:{free_port()}"  # nothing listens there
     for key, value in {
         "AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing",
         "AWS_DEFAULT_REGION": "us-east-1", "AWS_ENDPOINT_URL": endpoint,
