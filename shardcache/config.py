@@ -16,11 +16,40 @@ import dataclasses
 import difflib
 import itertools
 import os
+import sys
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from shardcache.errors import ConfigError
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - exercised on 3.10 only
+    import tomli as tomllib
+
+
+def read_toml(path: str, what: str) -> dict[str, Any]:
+    """Read a TOML file (a build recipe, a mixture recipe).
+
+    Args:
+        path: the file.
+        what: how messages name it (e.g. ``"recipe"``).
+
+    Returns:
+        The parsed table.
+
+    Raises:
+        ConfigError: the file cannot be read or is not valid TOML.
+    """
+    try:
+        with open(path, "rb") as f:
+            return tomllib.load(f)
+    except OSError as err:
+        raise ConfigError(f"{what} {path!r}: cannot read it ({err})") from err
+    except tomllib.TOMLDecodeError as err:
+        raise ConfigError(f"{what} {path!r}: not valid TOML ({err})") from err
+
 
 TRUNCATION_STRATEGIES = ("truncate", "drop", "split")
 COMPRESSIONS = ("none", "zstd")

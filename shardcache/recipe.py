@@ -10,30 +10,18 @@ given on the command line override recipe values.
 from __future__ import annotations
 
 import os
-import sys
 from collections.abc import Mapping
 from typing import Any
 
-from shardcache.config import RECIPE_KEYS
+from shardcache.config import RECIPE_KEYS, read_toml
 from shardcache.errors import ConfigError
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 PATH_KEYS = ("input", "tokenizer", "output", "chat_template")
 
 
 def load_recipe(path: str) -> dict[str, Any]:
     """Read a recipe, check its keys and resolve its relative paths."""
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as err:
-        raise ConfigError(f"recipe {path!r}: cannot read it ({err})") from err
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"recipe {path!r}: not valid TOML ({err})") from err
+    data = read_toml(path, "recipe")
     unknown = sorted(set(data) - RECIPE_KEYS)
     if unknown:
         raise ConfigError(

@@ -27,19 +27,13 @@
 from __future__ import annotations
 
 import os
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
-from shardcache.config import check_known
+from shardcache.config import check_known, read_toml
 from shardcache.errors import ConfigError
 from shardcache.read.mixture import Source, as_sources
 from shardcache.read.plan import PlanOptions
-
-if sys.version_info >= (3, 11):
-    import tomllib
-else:  # pragma: no cover - exercised on 3.10 only
-    import tomli as tomllib
 
 #: Keys of a ``[[source]]`` table.
 SOURCE_KEYS = ("path", "weight", "max_repetitions", "name")
@@ -83,13 +77,7 @@ def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
             range, or there is no ``[[source]]``.
     """
     path = os.fspath(path)
-    try:
-        with open(path, "rb") as f:
-            data = tomllib.load(f)
-    except OSError as err:
-        raise ConfigError(f"mixture recipe {path!r}: cannot read it ({err})") from err
-    except tomllib.TOMLDecodeError as err:
-        raise ConfigError(f"mixture recipe {path!r}: not valid TOML ({err})") from err
+    data = read_toml(path, "mixture recipe")
     plan_fields = set(PlanOptions.__dataclass_fields__)
     check_known(
         f"mixture recipe {path!r}", data, {*plan_fields, *DATASET_KEYS, "source"}, noun="key"
