@@ -760,8 +760,9 @@ class ShardDataset(IterableDataset):
             CorruptShardError: a shard is damaged or disagrees with the length index.
         """
         batch = self._collate_batch(plan, index)
-        if self._mixture is not None:  # mixture ids -> (source, sample id in the source)
-            meta = batch["meta"]
+        meta = batch["meta"]
+        if self._mixture is not None and "source_ids" not in meta:  # (else the kernels did)
+            # the numpy path: mixture ids -> (source, sample id in the source)
             source, local = self._mixture.index.locate(meta["sample_ids"].numpy())
             meta["sample_ids"] = torch.from_numpy(local)
             meta["source_ids"] = torch.from_numpy(source)
@@ -816,8 +817,9 @@ class ShardDataset(IterableDataset):
         table = self._cache.mapped_table()
         if table is None or not kernels.available(self._cache.dtype):
             return None
+        sources = None if self._mixture is None else self._mixture.index.offsets
         self._batch_kernels = kernels.BatchKernels(
-            self._cache, table, plan, self.options.max_tokens
+            self._cache, table, plan, self.options.max_tokens, sources
         )
         return self._batch_kernels
 

@@ -4,11 +4,13 @@
 straight from the memory-mapped shards (:class:`~shardcache.store.cache.MappedTable`): each
 token is read once and written once into every output, and every segment is checked on the
 way (inside its sequence and its shard, rows not over-full, ids at most the tokenizer's
-largest). A kernel that needs a shard not open says which; :class:`BatchKernels` opens it and
-calls again. A kernel that refuses a batch returns a code that :class:`BatchKernels` turns
-into the numpy path's descriptive error, so no batch is built twice. Compressed caches, or a
-batch over more shards than stay open, are read on the numpy path (``Cache.gather`` +
-collate.py); tests check that both give identical batches.
+largest). For a mixture it also writes each row's or segment's source and its sample id
+within that source (``meta["source_ids"]`` / ``meta["sample_ids"]``), so a mixture's batch
+is built in the same single pass. A kernel that needs a shard not open says which;
+:class:`BatchKernels` opens it and calls again. A kernel that refuses a batch returns a code
+that :class:`BatchKernels` turns into the numpy path's descriptive error, so no batch is
+built twice. Compressed caches, or a batch over more shards than stay open, are read on the
+numpy path (``Cache.gather`` + collate.py); tests check that both give identical batches.
 
 The kernels need numba (``pip install 'shardcache[fast]'``). They read shards through raw
 addresses (kernels_jit.py): shards open and close only in Python between kernel calls, the
@@ -74,9 +76,20 @@ class BatchKernels:
         plan: the epoch plan.
         capacity: the most slots a batch can have (the token budget): outputs are allocated at
             that size and cut to the batch's own.
+        source_offsets: for a mixture, where each source's sequences start in the plan's id
+            space and where the last ends (:attr:`~shardcache.read.mixture.MixtureIndex.
+            offsets`): batches then carry ``source_ids`` and sample ids within their source.
+            None for one cache.
     """
 
-    def __init__(self, cache: Cache, table: MappedTable, plan: Any, capacity: int):
+    def __init__(
+        self,
+        cache: Cache,
+        table: MappedTable,
+        plan: Any,
+        capacity: int,
+        source_offsets: np.ndarray | None = None,
+    ):
         kernels = _compiled()
         assert kernels is not None
         self._kernels = kernels
@@ -91,6 +104,9 @@ class BatchKernels:
             _plain(plan.seg_starts, read_only),
             _plain(plan.seg_lengths, read_only),
             _plain(plan.row_offsets, read_only),
+        )
+        self._sources = (
+            _EMPTY if source_offsets is None else np.array(source_offsets, dtype=np.int64)
         )
         self._wide = table.dtype.itemsize == 4
         self._info = np.zeros(5, dtype=np.int64)  # (kernels_jit.py)
@@ -150,8 +166,8 @@ class BatchKernels:
             ids_dtype: the type of ``input_ids`` and ``position_ids``.
 
         Returns:
-            ``(model inputs, meta)``, or None when the numpy path must read the batch (a compressed
-            shard, or more shards than stay open).
+            ``(model inputs, meta)`` (a mixture's meta with ``source_ids``), or None when the
+            numpy path must read the batch (a compressed shard, or more shards than stay open).
 
         Raises:
             IndexError: a segment outside its sequence.
@@ -168,6 +184,7 @@ class BatchKernels:
         positions = np.empty(slots, dtype=ids_dtype)
         cu = np.empty(segments + most_rows + 1, dtype=np.int32)
         sample = np.empty(segments + most_rows, dtype=np.int64)
+        source = np.empty(segments + most_rows if len(self._sources) else 0, dtype=np.int64)
         offset = np.empty(segments + most_rows, dtype=np.int64)
         info = self._info
         t.clock[0] += 1
@@ -177,7 +194,8 @@ class BatchKernels:
             code = self._kernels.pack(
                 self._wide, t.addresses, t.sizes, t.last_used, stamp, t.shard_starts,
                 t.file_starts, t.lengths, t.mask_starts, offsets, samples, starts, lengths, rows,
-                index, seq_len, pad_id, t.max_id, ids, labels, positions, cu, sample, offset, info,
+                self._sources, index, seq_len, pad_id, t.max_id, ids, labels, positions, cu,
+                sample, source, offset, info,
             )  # fmt: skip
             if code == 0:
                 break
@@ -200,6 +218,8 @@ class BatchKernels:
             "max_seqlen": int(info[2]),
             "num_tokens": int(info[4]),
         }
+        if len(self._sources):
+            meta["source_ids"] = source[:count]
         return inputs, meta
 
     def pad(
@@ -214,7 +234,8 @@ class BatchKernels:
             ids_dtype: the type of ``input_ids`` and ``attention_mask``.
 
         Returns:
-            ``(model inputs, meta)``, or None when the numpy path must read the batch.
+            ``(model inputs, meta)`` (a mixture's meta with ``source_ids``), or None when the
+            numpy path must read the batch.
 
         Raises:
             IndexError: a sample id out of range.
@@ -224,6 +245,9 @@ class BatchKernels:
         t = self.table
         offsets, samples = self._plan[0], self._plan[1]
         slots = self.capacity
+        num_rows = int(offsets[index + 1] - offsets[index])
+        sample = np.empty(num_rows, dtype=np.int64)
+        source = np.empty(num_rows if len(self._sources) else 0, dtype=np.int64)
         ids = np.empty(slots, dtype=ids_dtype)
         mask = np.empty(slots, dtype=ids_dtype)
         labels = np.empty(slots, dtype=np.int64)
@@ -234,8 +258,8 @@ class BatchKernels:
         while True:
             code = self._kernels.pad(
                 self._wide, t.addresses, t.sizes, t.last_used, stamp, t.shard_starts,
-                t.file_starts, t.lengths, t.mask_starts, offsets, samples, index, multiple, pad_id,
-                t.max_id, ids, mask, labels, info,
+                t.file_starts, t.lengths, t.mask_starts, offsets, samples, self._sources, index,
+                multiple, pad_id, t.max_id, ids, mask, labels, sample, source, info,
             )  # fmt: skip
             if code == 0:
                 break
@@ -243,14 +267,15 @@ class BatchKernels:
                 return None
         rows, width = int(info[0]), int(info[1])
         used = rows * width
-        lo = int(offsets[index])
         inputs = {
             "input_ids": ids[:used].reshape(rows, width),
             "attention_mask": mask[:used].reshape(rows, width),
             "labels": labels[:used].reshape(rows, width),
         }
-        # a copy: plans may be read-only
-        return inputs, {"sample_ids": samples[lo : lo + rows].copy(), "num_tokens": int(info[2])}
+        meta = {"sample_ids": sample, "num_tokens": int(info[2])}
+        if len(self._sources):
+            meta["source_ids"] = source
+        return inputs, meta
 
 
 def warm_up() -> None:

@@ -2,7 +2,10 @@
 
 :func:`pack` and :func:`pad` write one batch from memory-mapped shards (``cache=True``:
 compiled once per machine). They return 0, :data:`NEED_SHARD` (open the shard in ``info[3]``
-and call again) or an error code below zero.
+and call again) or an error code below zero. For a mixture (``source_offsets``: source ``s``'s
+sequences are ``[source_offsets[s], source_offsets[s + 1])``) they write every row's or
+segment's source and its sample id within that source, so a mixture's batch costs what one
+cache's does.
 """
 
 from __future__ import annotations
@@ -196,6 +199,28 @@ def _locate(
     return s
 
 
+@_inline
+def _write_sample(
+    sample: int,
+    source_offsets: np.ndarray,
+    at: int,
+    sample_out: np.ndarray,
+    source_out: np.ndarray,
+) -> None:  # pragma: no cover - compiled
+    """Write ``sample`` (a plan's id; -1 for padding) at ``at`` of ``sample_out``; for a
+    mixture (``source_offsets`` not empty) as its id within its source, and its source at
+    ``at`` of ``source_out`` (-1 for padding)."""
+    if len(source_offsets) == 0:
+        sample_out[at] = sample
+    elif sample < 0:
+        sample_out[at] = -1
+        source_out[at] = -1
+    else:
+        s = np.searchsorted(source_offsets, sample, side="right") - 1
+        sample_out[at] = sample - source_offsets[s]
+        source_out[at] = s
+
+
 @_jit
 def pack(
     wide: bool,
@@ -212,6 +237,7 @@ def pack(
     seg_starts: np.ndarray,
     seg_lengths: np.ndarray,
     row_offsets: np.ndarray,
+    source_offsets: np.ndarray,
     index: int,
     seq_len: int,
     pad_id: int,
@@ -221,15 +247,17 @@ def pack(
     positions_out: np.ndarray,
     cu_out: np.ndarray,
     sample_out: np.ndarray,
+    source_out: np.ndarray,
     offset_out: np.ndarray,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
     """Packed batch ``index`` of the plan (``batch_offsets``, ``sample_ids``, ``seg_starts`` /
     ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
     ``seq_len`` slots (``wide``: uint32 shards, else uint16; ``mask_starts`` empty, or a chat
-    cache's loss masks: labels -100 where the bit is 0). Returns 0 with ``info`` = (rows,
-    segments including padding runs, longest segment, -, tokens copied), NEED_SHARD, or an
-    error code."""
+    cache's loss masks: labels -100 where the bit is 0; ``source_offsets`` empty, or a
+    mixture's: ``sample_out`` / ``source_out`` as :func:`_write_sample` writes them). Returns
+    0 with ``info`` = (rows, segments including padding runs, longest segment, -, tokens
+    copied), NEED_SHARD, or an error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     if len(row_offsets):
@@ -241,6 +269,10 @@ def pack(
         num_rows = hi - lo
     num_samples = len(lengths)
     if num_rows * seq_len > len(ids_out) or (hi - lo) + num_rows + 1 > len(cu_out):
+        return BAD_ROW
+    if (hi - lo) + num_rows > len(sample_out) or (
+        len(source_offsets) and (hi - lo) + num_rows > len(source_out)
+    ):
         return BAD_ROW
     itemsize = 4 if wide else 2
     masked = len(mask_starts) > 0
@@ -308,7 +340,7 @@ def pack(
             if masked:
                 _mask_labels(bases[k], mask_bits[k], take, labels_out[dst : dst + take])
             dst += take
-            sample_out[out] = sample_ids[lo + k]
+            _write_sample(sample_ids[lo + k], source_offsets, out, sample_out, source_out)
             offset_out[out] = seg_starts[lo + k] if len(seg_starts) else 0
             cu_out[out + 1] = dst
             longest = max(longest, take)
@@ -320,7 +352,7 @@ def pack(
             for j in range(pad):
                 positions[j] = j
             dst = row_end
-            sample_out[out] = -1
+            _write_sample(-1, source_offsets, out, sample_out, source_out)
             offset_out[out] = -1
             cu_out[out + 1] = dst
             longest = max(longest, pad)
@@ -345,6 +377,7 @@ def pad(
     mask_starts: np.ndarray,
     batch_offsets: np.ndarray,
     sample_ids: np.ndarray,
+    source_offsets: np.ndarray,
     index: int,
     multiple: int,
     pad_id: int,
@@ -352,11 +385,14 @@ def pad(
     ids_out: np.ndarray,
     mask_out: np.ndarray,
     labels_out: np.ndarray,
+    sample_out: np.ndarray,
+    source_out: np.ndarray,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
     """Pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
-    longest rounded up to ``multiple`` (``wide``: uint32 shards; ``mask_starts``: as for
-    :func:`pack`). Returns 0 with ``info`` = (rows, width, tokens copied), NEED_SHARD, or an
+    longest rounded up to ``multiple`` (``wide``: uint32 shards; ``mask_starts``,
+    ``source_offsets``, ``sample_out`` and ``source_out``: as for :func:`pack`, one per row).
+    Returns 0 with ``info`` = (rows, width, tokens copied), NEED_SHARD, or an
     error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
@@ -394,7 +430,9 @@ def pad(
             mask_bits[r] = bit
             bases[r] = addresses[s]
     width = -(-width // multiple) * multiple
-    if num_rows * width > len(ids_out):
+    if num_rows * width > len(ids_out) or num_rows > len(sample_out):
+        return BAD_ROW
+    if len(source_offsets) and num_rows > len(source_out):
         return BAD_ROW
     for r in range(min(PREFETCH_AHEAD, num_rows)):
         _prefetch_source(where[r], takes[r] * itemsize)
@@ -411,6 +449,7 @@ def pad(
             top = _copy_row(values16, take, r * width, width, pad_id, ids_out, mask_out, labels_out)
         if top > max_id:
             return BAD_ID
+        _write_sample(sample_ids[lo + r], source_offsets, r, sample_out, source_out)
     if masked:
         for r in range(num_rows):
             row = r * width

@@ -344,6 +344,27 @@ def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
             assert_batches_equal(a, b)
 
 
+@pytest.mark.parametrize("extra", [{}, PACKED, CONCAT], ids=["pad", "best_fit", "concat"])
+def test_the_compiled_reader_writes_source_ids_itself(caches, extra, monkeypatch):
+    """The kernels write every row's or segment's source and id within it: a compiled
+    mixture batch never maps mixture ids back in numpy, and says the same as the plan."""
+    ds = ShardDataset(_sources(caches), 256, seed=2, **extra)
+    plan_keys = _plan_keys(ds, range(len(ds.plan())))
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a compiled batch's source ids were computed in numpy")
+
+    monkeypatch.setattr(MixtureIndex, "locate", refuse)
+    assert ds.reads_compiled
+    batches = list(ds)
+    assert [_key(b) for b in batches] == plan_keys
+    for batch in batches:
+        meta = batch["meta"]
+        assert meta["source_ids"].dtype == meta["sample_ids"].dtype == torch.int64
+        assert meta["source_ids"].shape == meta["sample_ids"].shape
+        assert ((meta["source_ids"] == -1) == (meta["sample_ids"] == -1)).all()
+
+
 def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(tmp_path, chatml_tokenizer_dir):
     """A chat cache (loss on assistant turns) and a plain-text cache of one tokenizer: each
     row's labels follow its own source (the chat mask; every token of plain text)."""
