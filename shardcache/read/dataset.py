@@ -61,10 +61,9 @@ from shardcache.store.key import verify_manifest_key
 from shardcache.store.remote import is_url
 
 STATE_VERSION = 1
-#: Open shards kept per reader process. Memory maps are cheap (reclaimable file pages), while
-#: reopening a shard pays its open and its page faults again, and an LRU smaller than the
-#: cache keeps nothing across a sequential pass. Each map holds a file descriptor, so fewer
-#: under a low open-file limit (:func:`~shardcache.store.cache.shards_within_file_limit`).
+#: Open shards kept per reader process during a pass (a shuffled pass returns to a shard many
+#: times). Each map holds a file descriptor, so fewer under a low open-file limit
+#: (:func:`~shardcache.store.cache.shards_within_file_limit`).
 OPEN_SHARDS = 256
 logger = logging.getLogger("shardcache")
 
@@ -707,6 +706,10 @@ class ShardDataset(IterableDataset):
                 readahead.close()
                 if self._readahead is readahead:
                     self._readahead = None
+        if self._cache is not None:
+            # the pass is over: its shards close here, not at the next pass or close(); the
+            # next pass reopens what it reads (a remote cache's local copies stay on disk)
+            _close_shards(self._cache)
         if self._worker is None:  # in-process pass finished: the next one replays from 0
             self._start = 0
             self._loaded = False
@@ -1081,6 +1084,13 @@ class _SharedPosition:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._mapped = None
         self._tensor = state["tensor"]
+
+
+def _close_shards(cache: Cache | MixedCache) -> None:
+    if isinstance(cache, MixedCache):
+        cache.close_idle([set()] * len(cache.caches), 0)
+    else:
+        cache.close_idle(set(), 0)
 
 
 def _check_attention(attention: str | None, mode: str) -> str | None:

@@ -72,6 +72,27 @@ def test_a_thousand_datasets_leave_no_file_open_or_mapped(caches, monkeypatch):
         cache.gather(np.array([0]))
 
 
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc")
+def test_a_finished_pass_closes_its_shards(caches):
+    """The end of an epoch (a pass read to its end) closes the shard readers; the dataset
+    keeps only its length index until close(), and the next pass reads the same batches."""
+    shards = os.path.join(caches, "plain", "shards")
+
+    def shards_open() -> bool:
+        fds, maps = _open_files_under(caches)
+        return any(p.startswith(shards) for p in fds + maps)
+
+    with ShardDataset(os.path.join(caches, "plain"), max_tokens=2048, seed=3) as ds:
+        first = iter(ds)
+        next(first)
+        assert shards_open()
+        list(first)
+        assert not shards_open()
+        again = list(ds)
+        assert not shards_open()
+        assert len(again) == len(ds)
+
+
 def test_no_finalizer_in_the_package():
     """Resources are closed by their owner (close(), with), never from __del__: a finalizer
     runs at any allocation, on any thread, and one that took a lock deadlocked a reader."""

@@ -223,11 +223,10 @@ def many_shards(tmp_path_factory, tokenizer_dir):
     return target
 
 
-def test_a_second_pass_reopens_no_shard(many_shards, monkeypatch):
-    """Every shard of a cache that fits in the open-shard LRU is opened once per reader, not
-    once per pass: with an LRU smaller than the cache (64 against 75 shards, once), a
-    sequential pass evicted each shard before the next pass came back to it, and every pass
-    paid every open again."""
+def test_a_pass_opens_each_shard_once_and_closes_them_at_its_end(many_shards, monkeypatch):
+    """Every shard of a cache that fits in the open-shard LRU is opened once per pass (with an
+    LRU smaller than the cache, 64 against 75 shards, once, a pass paid some opens twice),
+    and the dataset closes them when the pass ends: no descriptor or mapping outlives it."""
     from shardcache.store import shards as shards_module
 
     path = many_shards
@@ -244,8 +243,11 @@ def test_a_second_pass_reopens_no_shard(many_shards, monkeypatch):
     names = [s["name"] for s in ds._cache.shards]
     assert len(names) > 64  # more than the old LRU held
     first = list(ds)
+    assert sorted(opened) == sorted(names)
+    assert ds._cache._shards._open == {}
     opened.clear()
     second = list(ds)
-    assert opened == []
+    assert sorted(opened) == sorted(names)
+    assert ds._cache._shards._open == {}
     for a, b in zip(first, second, strict=True):
         assert_batches_equal(a, b)

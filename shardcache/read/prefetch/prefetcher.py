@@ -10,14 +10,14 @@ The prefetcher reuses only its own pinned slots, and only after the copy that re
 completed.
 
 Errors and shutdown: upstream exceptions are re-raised in the consumer (same object, after
-the batches before them). End of data, ``close()``, leaving a ``with`` block, ``break`` and
-garbage collection (``weakref.finalize``) stop the packer thread, wait for outstanding copies
-and drop the pinned slots. One epoch is live at a time.
+the batches before them). End of data, ``break`` and a dropped iterator stop the packer
+thread and wait for outstanding copies; ``close()`` or leaving a ``with`` block also drops the
+pinned slots (a dropped prefetcher frees them with it: no finalizer). One epoch is live at a
+time.
 """
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
@@ -104,8 +104,6 @@ class DevicePrefetcher:
         self.device: torch.device = backend.device if backend is not None else torch.device("cpu")
         self.depth = depth
         self._ring = Ring(iterable, backend, depth, cast, options)
-        # Runs at close() or when this object is garbage collected; holds only the ring.
-        self._finalizer = weakref.finalize(self, self._ring.close)
 
     @property
     def passthrough(self) -> bool:
@@ -117,8 +115,8 @@ class DevicePrefetcher:
         return self._iterate()
 
     def _iterate(self) -> Iterator[Any]:
-        # A generator method, so a live epoch keeps this object (and its finalizer) alive;
-        # `break` closes the generator, which stops the epoch in run()'s finally.
+        # `break` or dropping the iterator closes the generator, which stops the epoch in
+        # run()'s finally.
         yield from self._ring.run()
 
     def __len__(self) -> int:

@@ -16,8 +16,9 @@ Invariants:
 
 Copies are issued from the consumer thread inside ``next()``; the packer thread does host
 work only (one torch thread) and starts after ``iter(upstream)``, so DataLoader workers are
-forked before it exists. :class:`Ring` never references the ``DevicePrefetcher``, so that
-object's finalizer can close it.
+forked before it exists. A dropped iterator stops its epoch from the generator's ``finally``,
+which may run inside garbage collection on a thread holding ``Ring.lock``: the lock is
+reentrant, and a stopped epoch is never stopped twice.
 """
 
 from __future__ import annotations
@@ -159,7 +160,7 @@ class Ring:
         self.copy_stream: Any = None
         self.pending_timings: deque[tuple[Any, Any, int]] = deque()
         self.epoch: _Epoch | None = None
-        self.lock = threading.Lock()  # guards epoch start/stop and close
+        self.lock = threading.RLock()  # guards epoch start/stop and close
         self.timing_lock = threading.Lock()  # guards pending_timings (next() vs stats())
 
     # ---- lifecycle -------------------------------------------------------------------------
