@@ -50,7 +50,9 @@ import hashlib
 import logging
 import math
 import os
+import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -60,8 +62,8 @@ from shardcache.errors import ConfigError
 from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
 
 logger = logging.getLogger("shardcache")
-#: A mixture's epoch of at least this many documents logs its planning (INFO: it takes
-#: seconds, and every rank does it before its first batch).
+#: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its
+#: progress on a terminal's stderr: it takes seconds, before the first batch of the epoch.
 LOG_MIN_DOCUMENTS = 1_000_000
 
 
@@ -390,6 +392,7 @@ def mixture_documents(
     keys: tuple[int, ...],
     seed: int,
     epoch: int,
+    on_source: Callable[[str], None] | None = None,
 ) -> np.ndarray:
     """The mixture ids an epoch plans over: every source's :func:`epoch_documents`, shifted
     into the mixture id space (int64).
@@ -401,6 +404,7 @@ def mixture_documents(
         keys: per source, its permutation key (:func:`source_seed`).
         seed: the mixture's seed.
         epoch: the epoch.
+        on_source: called with each source's name once its documents are chosen (progress).
 
     Returns:
         The chosen mixture ids, source by source.
@@ -409,6 +413,8 @@ def mixture_documents(
     for s, (row, key) in enumerate(zip(table.sources, keys)):
         lo, hi = int(index.offsets[s]), int(index.offsets[s + 1])
         parts.append(epoch_documents(lengths[lo:hi], row.tokens_per_epoch, seed, key, epoch) + lo)
+        if on_source is not None:
+            on_source(row.name)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
@@ -472,20 +478,32 @@ class Mixture:
         self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
     ) -> EpochPlan:
         """The global batches of ``epoch`` (:func:`mixture_epoch_plan`); sample ids are
-        mixture ids."""
+        mixture ids. An epoch of at least :data:`LOG_MIN_DOCUMENTS` documents logs its
+        planning and shows a progress bar (a step per source, then one for the batches) when
+        stderr is a terminal."""
         started = time.perf_counter()
-        chosen = self.documents(lengths, seed, epoch)
-        loud = len(chosen) >= LOG_MIN_DOCUMENTS
+        expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
+        loud = expected >= LOG_MIN_DOCUMENTS
         if loud:
             logger.info(
-                "shardcache: planning epoch %d of a mixture of %d sources: %d documents",
-                epoch, len(self.sources), len(chosen),
+                "shardcache: planning epoch %d of a mixture of %d sources: about %d documents",
+                epoch, len(self.sources), expected,
             )  # fmt: skip
-        plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+        progress = _PlanProgress(loud, epoch, len(self.sources), expected)
+        try:
+            keys = tuple(source_seed(d) for d in self.digests)
+            chosen = mixture_documents(
+                lengths, self.index, self.table, keys, seed, epoch, progress.source_done
+            )
+            progress.batches_started()
+            plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+            progress.batches_done()
+        finally:
+            progress.close()
         if loud:
             logger.info(
-                "shardcache: planned epoch %d in %.1f s: %d global batches",
-                epoch, time.perf_counter() - started, len(plan),
+                "shardcache: planned epoch %d in %.1f s: %d documents, %d global batches",
+                epoch, time.perf_counter() - started, len(chosen), len(plan),
             )  # fmt: skip
         return plan
 
@@ -503,6 +521,45 @@ class Mixture:
                 for s, d in zip(self.sources, self.digests)
             ],
         }
+
+
+class _PlanProgress:
+    """A progress bar on stderr while an epoch is planned (tqdm, drawn only on a terminal;
+    nothing when ``shown`` is False): a step per source's documents, one for the batches."""
+
+    def __init__(self, shown: bool, epoch: int, sources: int, documents: int) -> None:
+        self._bar: Any = None
+        if shown:
+            from tqdm import tqdm
+
+            self._bar = tqdm(
+                total=sources + 1,
+                desc=f"shardcache: plan epoch {epoch} ({sources} sources, ~{documents:,} docs)",
+                bar_format="{desc}: {percentage:3.0f}%|{bar}| {n}/{total} [{elapsed}{postfix}]",
+                mininterval=0,  # a few steps, each drawn
+                file=sys.stderr,
+                disable=None,
+                leave=False,
+                dynamic_ncols=True,
+            )
+
+    def source_done(self, name: str) -> None:
+        """Source ``name``'s documents are chosen."""
+        if self._bar is not None:
+            self._bar.set_postfix_str(f"chose {name}'s documents", refresh=False)
+            self._bar.update(1)
+
+    def batches_started(self) -> None:
+        if self._bar is not None:
+            self._bar.set_postfix_str("planning batches")
+
+    def batches_done(self) -> None:
+        if self._bar is not None:
+            self._bar.update(1)
+
+    def close(self) -> None:
+        if self._bar is not None:
+            self._bar.close()
 
 
 def mixture_changes(theirs: Any, ours: dict[str, Any]) -> list[str]:

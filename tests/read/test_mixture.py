@@ -3,8 +3,10 @@ plan over the chosen documents. Pure numpy: no cache on disk."""
 
 from __future__ import annotations
 
+import io
 import itertools
 import math
+import sys
 
 import numpy as np
 import pytest
@@ -190,3 +192,29 @@ def test_a_large_mixture_epoch_logs_its_planning(caplog, monkeypatch):
         mixture.plan(lengths, np.zeros(40, np.int32), PlanOptions(max_tokens=128), 0, 3)
     assert "planning epoch 3 of a mixture of 2 sources" in caplog.text
     assert "global batches" in caplog.text
+
+
+class _Terminal(io.StringIO):
+    def isatty(self) -> bool:
+        return True
+
+
+@pytest.mark.parametrize("terminal", [True, False])
+def test_a_large_mixture_epoch_shows_its_planning_on_a_terminal(monkeypatch, terminal):
+    from shardcache.read import mixture as mixture_module
+
+    monkeypatch.setattr(mixture_module, "LOG_MIN_DOCUMENTS", 10)
+    stderr = _Terminal() if terminal else io.StringIO()
+    monkeypatch.setattr(sys, "stderr", stderr)
+    parts = [_lengths(20, 1), _lengths(20, 2)]
+    sources = (Source("a"), Source("b"))
+    table = solve_mixture(sources, [20, 20], [int(p.sum()) for p in parts])
+    mixture = Mixture(sources, table, MixtureIndex.of([20, 20]), ("x", "y"))
+    lengths = np.concatenate(parts).astype(np.int64)
+    mixture.plan(lengths, np.zeros(40, np.int32), PlanOptions(max_tokens=128), 0, 3)
+    shown = stderr.getvalue()
+    if terminal:  # a step per source, one for the batches
+        assert "plan epoch 3 (2 sources" in shown
+        assert "3/3" in shown
+    else:
+        assert shown == ""
