@@ -56,9 +56,8 @@ from shardcache.read.readahead import (
     cache_readahead,
     readahead_options,
 )
-from shardcache.store.cache import Cache, Gathered, shards_within_file_limit
+from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
-from shardcache.store.remote import is_url
 
 STATE_VERSION = 1
 #: Open shards kept per reader process during a pass (a shuffled pass returns to a shard many
@@ -206,11 +205,41 @@ class ShardDataset(IterableDataset):
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
         self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
+        self._sources: tuple[Source, ...] | None = None
         self.remix = remix
         if isinstance(path, (str, os.PathLike)):
-            self._init_cache(path, expect, tokens_per_epoch)
+            if tokens_per_epoch is not None:
+                raise ConfigError(
+                    "tokens_per_epoch: applies to a mixture (a list of Source); one cache's "
+                    "epoch is all of it. Drop tokens_per_epoch or pass [Source(path)]"
+                )
+            self.path = os.fspath(path)
+            cache: Cache | MixedCache = self._open_cache(expect)
+            assert isinstance(cache, Cache)
+            self.cache_digest = cache_digest(cache.manifest)
+            self._data_identity = _data_identity([cache])
         else:
-            self._init_mixture(as_sources(path), expect, tokens_per_epoch)
+            self._sources = sources = as_sources(path)
+            self.path = f"mixture({', '.join(s.label for s in sources)})"
+            cache = self._open_cache(expect)
+            assert isinstance(cache, MixedCache)
+            table = cache.table(tokens_per_epoch)
+            digests = tuple(cache_digest(c.manifest) for c in cache.caches)
+            self._mixture = Mixture(sources, table, cache.index, digests, tokens_per_epoch)
+            mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
+            self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
+            terms = (mixture_json, table.tokens_per_epoch)
+            self._data_identity = _data_identity(cache.caches, *terms)
+        self.pad_id = cache.pad_id
+        self._lengths: np.ndarray | None = np.asarray(cache.lengths)
+        self._buckets: np.ndarray | None = cache.buckets()
+        # the dataset owns its cache (close()); spawned workers open their own (__getstate__).
+        # A remote one is not kept here: its filesystem client is not fork-safe, and forked
+        # DataLoader workers would inherit it
+        self._cache: Cache | MixedCache | None = cache
+        if cache.remote:
+            cache.close()
+            self._cache = None
         self._plan: tuple[int, EpochPlan] | None = None
         self._start = 0  # global cursor where the current pass started (set/load/restart)
         self._consumed = 0  # live global cursor (this process's iteration)
@@ -227,82 +256,20 @@ class ShardDataset(IterableDataset):
         self.kernels = True
         self._batch_kernels: kernels.BatchKernels | None = None  # of the current plan
 
-    def _init_cache(
-        self, path: str | os.PathLike[str], expect: Any, tokens_per_epoch: int | None
-    ) -> None:
-        """Open one cache."""
-        if tokens_per_epoch is not None:
-            raise ConfigError(
-                "tokens_per_epoch: applies to a mixture (a list of Source); one cache's epoch "
-                "is all of it. Drop tokens_per_epoch or pass [Source(path)]"
-            )
-        self.path = os.fspath(path)
-        cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
-        if expect is not None:
-            # refuse a cache built under another key (CacheKeyMismatch names the fields)
-            verify_manifest_key(cache.manifest, expect, self.path)
-        self.pad_id = cache.pad_id
-        self.cache_digest = cache_digest(cache.manifest)
-        self._lengths: np.ndarray | None = np.asarray(cache.lengths)
-        self._buckets: np.ndarray | None = cache.buckets()
-        # what a plan is a function of, besides options/seed/epoch (plan_store.py)
-        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
-        table = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
-        self._data_identity = (
-            hashlib.sha256(json.dumps([index_sha, table]).encode()).hexdigest() if index_sha else ""
-        )
-        # the dataset owns its cache (close()); spawned workers open their own (__getstate__).
-        # A remote one is not kept here: its filesystem client is not fork-safe, and forked
-        # DataLoader workers would inherit it
-        self._cache: Cache | MixedCache | None = None
-        if is_url(self.path):
-            cache.close()
-        else:
-            self._cache = cache
-
-    def _init_mixture(
-        self, sources: tuple[Source, ...], expect: Any, tokens_per_epoch: int | None
-    ) -> None:
-        """Open a mixture's caches (mixed_cache.py) and fix its per-source targets."""
-        mixed = MixedCache(
-            sources, expect, open_shards=shards_within_file_limit(OPEN_SHARDS, len(sources))
-        )
-        digests = tuple(cache_digest(c.manifest) for c in mixed.caches)
-        table = mixed.table(tokens_per_epoch)
-        self._mixture = Mixture(sources, table, mixed.index, digests, tokens_per_epoch)
-        self.path = f"mixture({', '.join(s.label for s in sources)})"
-        self.pad_id = mixed.pad_id
-        mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
-        self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
-        self._lengths = mixed.lengths
-        self._buckets = mixed.buckets()
-        identities = []
-        for cache in mixed.caches:
-            index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
-            table_rows = [[s.get("bucket"), s.get("rows")] for s in cache.shards]
-            identities.append([index_sha, table_rows])
-        known = all(sha for sha, _ in identities)
-        identity = json.dumps([identities, mixture_json, table.tokens_per_epoch])
-        self._data_identity = hashlib.sha256(identity.encode()).hexdigest() if known else ""
-        self._cache = None
-        if mixed.remote:
-            mixed.close()
-        else:
-            self._cache = mixed
-
     @property
     def mixture(self) -> MixtureTable | None:
         """A mixture's per-source numbers (:class:`MixtureTable`), or None for one cache."""
         return None if self._mixture is None else self._mixture.table
 
-    def _open_cache(self) -> Cache | MixedCache:
+    def _open_cache(self, expect: Any = None) -> Cache | MixedCache:
         """This process's reader of the cache (or of a mixture's caches)."""
-        if self._mixture is not None:
-            sources = self._mixture.sources
-            return MixedCache(
-                sources, open_shards=shards_within_file_limit(OPEN_SHARDS, len(sources))
-            )
-        return Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
+        if self._sources is not None:
+            open_shards = shards_within_file_limit(OPEN_SHARDS, len(self._sources))
+            return MixedCache(self._sources, expect, open_shards=open_shards)
+        cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
+        if expect is not None:  # CacheKeyMismatch names the fields
+            verify_manifest_key(cache.manifest, expect, self.path)
+        return cache
 
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
@@ -802,27 +769,26 @@ class ShardDataset(IterableDataset):
         """Whether this process builds batches with the compiled kernels (numba, ``kernels`` on, a
         local cache of uncompressed shards).
         """
-        if not self.kernels or self._cache is None:  # (remote caches keep no Cache here)
-            return False
-        table = self._cache.mapped_table()
-        return table is not None and kernels.available(self._cache.dtype)
+        # (a remote cache keeps no Cache here)
+        return self._cache is not None and self._table(self._cache) is not None
+
+    def _table(self, cache: Cache | MixedCache) -> MappedTable | None:
+        if not self.kernels or not kernels.available(cache.dtype):
+            return None
+        return cache.mapped_table()
 
     def _compiled(self, plan: EpochPlan) -> kernels.BatchKernels | None:
         """The compiled reader of ``plan`` (kernels.py), or None when the numpy path reads
         its batches (no numba, a compressed cache, ``self.kernels`` off)."""
-        if not self.kernels:
-            return None
-        self._open()
-        assert self._cache is not None
-        cached = self._batch_kernels
-        if cached is not None and cached.plan is plan and cached.cache is self._cache:
+        cache, cached = self._open(), self._batch_kernels
+        if self.kernels and cached is not None and cached.plan is plan and cached.cache is cache:
             return cached
-        table = self._cache.mapped_table()
-        if table is None or not kernels.available(self._cache.dtype):
+        table = self._table(cache)
+        if table is None:
             return None
         sources = None if self._mixture is None else self._mixture.index.offsets
         self._batch_kernels = kernels.BatchKernels(
-            self._cache, table, plan, self.options.max_tokens, sources
+            cache, table, plan, self.options.max_tokens, sources
         )
         return self._batch_kernels
 
@@ -1084,6 +1050,19 @@ class _SharedPosition:
     def __setstate__(self, state: dict[str, Any]) -> None:
         self._mapped = None
         self._tensor = state["tensor"]
+
+
+def _data_identity(caches: list[Cache], *terms: Any) -> str:
+    """What a plan is a function of besides options, seed and epoch (plan_store.py): each
+    cache's length-index sha256 and shard table, and a mixture's ``terms``; "" when a cache
+    records no index sha256 (then no plan is shared)."""
+    parts: list[Any] = []
+    for cache in caches:
+        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
+        if not index_sha:
+            return ""
+        parts.append([index_sha, [[s.get("bucket"), s.get("rows")] for s in cache.shards]])
+    return hashlib.sha256(json.dumps([*parts, *terms] if terms else parts[0]).encode()).hexdigest()
 
 
 def _close_shards(cache: Cache | MixedCache) -> None:

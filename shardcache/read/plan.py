@@ -150,27 +150,16 @@ class EpochPlan:
     def segments(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
         """``(sample_ids, starts, lengths)`` of batch ``index``'s segments; ``lengths`` is
         ``None`` when every segment is a whole sequence."""
-        lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
-        starts = (
-            np.zeros(hi - lo, dtype=np.int64) if self.seg_starts is None else self.seg_starts[lo:hi]
-        )
-        lengths = None if self.seg_lengths is None else self.seg_lengths[lo:hi]
-        return self.sample_ids[lo:hi], starts, lengths
+        return self.packed_segments(index)[:3]
 
     def row_bounds(self, index: int) -> np.ndarray:
         """Segment offsets of batch ``index``'s rows, relative to its first segment."""
-        lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
-        if self.row_offsets is None:
-            return np.arange(hi - lo + 1, dtype=np.int64)
-        first = int(np.searchsorted(self.row_offsets, lo))
-        last = int(np.searchsorted(self.row_offsets, hi))
-        return self.row_offsets[first : last + 1] - lo
+        return self.packed_segments(index)[3]
 
     def packed_segments(
         self, index: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-        """:meth:`segments` and :meth:`row_bounds` of batch ``index`` in one call (the
-        reader's per-batch lookup: one read of the batch's bounds)."""
+        """:meth:`segments` and :meth:`row_bounds` of batch ``index`` in one call."""
         lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
         if self.seg_starts is None:
             starts = np.zeros(hi - lo, dtype=np.int64)

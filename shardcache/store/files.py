@@ -146,18 +146,17 @@ def fsync_dir(path: str) -> None:
         os.close(fd)
 
 
-def _finish(tmp: str, path: str) -> None:
-    os.replace(tmp, path)
-    fsync_dir(os.path.dirname(os.path.abspath(path)))
-
-
-def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
-    """Write ``data`` to ``path`` via a temporary file, fsync and rename.
+@contextlib.contextmanager
+def atomic_file(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
+    """A file to write ``path`` into: a temporary file, fsynced and renamed over ``path``
+    when the block ends without error (removed otherwise).
 
     Args:
         path: the file.
-        data: its bytes.
         private: a temporary name of this process's own (files several processes may write).
+
+    Yields:
+        The temporary file, open for writing bytes.
 
     Raises:
         OSError: the write failed (nothing is left under ``path``'s name).
@@ -165,14 +164,21 @@ def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None
     tmp = private_tmp(path) if private else path + ".tmp"
     try:
         with open(tmp, "wb") as f:
-            f.write(data)
+            yield f
             f.flush()
             os.fsync(f.fileno())
-        _finish(tmp, path)
+        os.replace(tmp, path)
+        fsync_dir(os.path.dirname(os.path.abspath(path)))
     except BaseException:
-        if os.path.exists(tmp):
+        with contextlib.suppress(FileNotFoundError):
             os.remove(tmp)
         raise
+
+
+def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
+    """Write ``data`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path, private=private) as f:
+        f.write(data)
 
 
 def write_json_atomic(path: str, obj: Any, *, private: bool = False) -> None:
@@ -235,13 +241,9 @@ def write_memo(kind: str, digest: str, value: Any) -> None:
 
 
 def write_npy_atomic(path: str, array: np.ndarray) -> None:
-    """Write ``array`` as ``.npy`` to ``path`` (tmp, fsync, rename)."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    """Write ``array`` as ``.npy`` to ``path`` through :func:`atomic_file`."""
+    with atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
-        f.flush()
-        os.fsync(f.fileno())
-    _finish(tmp, path)
 
 
 def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
@@ -262,8 +264,7 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
     if any(d != dtype for _, d, _, _ in pieces):
         raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
     total = sum(stop - start for _, _, start, stop in pieces)
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
+    with atomic_file(path) as f:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                   "fortran_order": False, "shape": (total,)}  # fmt: skip
         np.lib.format.write_array_header_1_0(f, header)
@@ -271,29 +272,22 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
             if stop > start:
                 arr = np.load(name, mmap_mode="r", allow_pickle=False)
                 f.write(np.ascontiguousarray(arr[start:stop]).tobytes())
-        f.flush()
-        os.fsync(f.fileno())
-    _finish(tmp, path)
 
 
 def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
-    """Concatenate files into ``path`` (tmp, fsync, rename).
+    """Concatenate files into ``path`` through :func:`atomic_file`.
 
     Returns:
         The bytes, sha256 and lines written.
     """
     digest = hashlib.sha256()
     size = lines = 0
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as out:
+    with atomic_file(path) as out:
         for source in sources:
             with open(source, "rb") as f:
                 n, k = copy_hashing(f, out, digest)  # type: ignore[arg-type]
             size += n
             lines += k
-        out.flush()
-        os.fsync(out.fileno())
-    _finish(tmp, path)
     return size, digest.hexdigest(), lines
 
 

@@ -34,7 +34,13 @@ from shardcache.errors import (
     MissingDependencyError,
 )
 from shardcache.store.files import CACHE_DIR_ENV as CACHE_DIR_ENV  # re-exported
-from shardcache.store.files import cache_root, copy_hashing, private_tmp, sha256_text
+from shardcache.store.files import (
+    cache_root,
+    copy_hashing,
+    private_tmp,
+    sha256_text,
+    write_bytes_atomic,
+)
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import (
     LENGTHS_FILE,
@@ -462,11 +468,8 @@ class RemoteCache:
                 raise
             raise explained from err
         os.makedirs(self.local_dir, exist_ok=True)
-        target = os.path.join(self.local_dir, MANIFEST)
-        tmp = private_tmp(target)
-        with open(tmp, "wb") as f:
-            f.write(data)
-        os.replace(tmp, target)  # several ranks may do this at once: whole files only
+        # several ranks may do this at once: whole files only
+        write_bytes_atomic(os.path.join(self.local_dir, MANIFEST), data, private=True)
         self.manifest = read_manifest(self.local_dir)
 
     @property
