@@ -257,10 +257,9 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
 )
 @click.option(
     "--verify-fraction",
-    help="Fast encoder: share of each partition's documents re-encoded with HF and compared "
-    "(plus the longest and the most non-ASCII document of every batch); a mismatch "
-    "re-encodes the partition with HF (--encoder fast: fails), e.g. 0.02 or 1/64.  "
-    "[default: 1/64]",
+    help="Fast encoder: share of the documents re-encoded with HF and compared (a random "
+    "sample, at least 64 KiB of input's worth; 0: none); a mismatch re-encodes the "
+    "partition with HF (--encoder fast: fails), e.g. 0.01 or 1/64.  [default: 1/1000]",
 )
 @click.option(
     "--engine",

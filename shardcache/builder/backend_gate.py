@@ -18,6 +18,7 @@ from shardcache.builder.backends import (
     FastBackend,
     load_fast_ahead,
     select_backend,
+    verify_rate,
 )
 from shardcache.builder.build_plan import BuildPlan
 from shardcache.builder.chunking import HUGE_CHARS
@@ -105,6 +106,7 @@ def gate_encoder(
         sample=sample,
         loading=loading,
     )
-    text.use_fast(fast, selection, options.encoding.verify_fraction)
+    input_bytes = sum(f.size for f in plan.inputs)
+    text.use_fast(fast, selection, verify_rate(options.encoding.verify_fraction, input_bytes))
     text.fast_loading = None  # a refused backend is not kept alive
     return selection

@@ -2,14 +2,16 @@
 
 :class:`HFBackend` (``tokenizers``) is the reference; :class:`FastBackend` (fastokens,
 ``shardcache[fast]``) is used only when :func:`select_backend` finds it encodes the key's
-probe and a corpus sample to exactly HF's ids, and every encode batch is then re-checked on
-a sample (:func:`verify_sample`). Either returns ``(tokens uint32, lengths int64)`` flat
-arrays. The cache key never depends on the backend. User-facing rules: docs/guide/building.md.
+probe and a corpus sample to exactly HF's ids; a random sample of the documents it encodes is
+then re-checked (:func:`sampled`, :func:`verify_sample`). Either returns ``(tokens uint32,
+lengths int64)`` flat arrays. The cache key never depends on the backend. User-facing rules:
+docs/guide/building.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import importlib
 import itertools
 import json
@@ -406,27 +408,59 @@ class VerifyCounts:
     """In-build verification of one partition (fast backend only)."""
 
     documents: int = 0  # documents re-encoded with HF and compared
+    tokens: int = 0  # HF's ids of those documents
     mismatches: int = 0
     detail: list[str] = field(default_factory=list)
 
 
-def sample_positions(
-    texts: list[str], lengths: np.ndarray, fraction: float, batch_number: int
-) -> np.ndarray:
-    """Positions to re-encode with HF: every ``round(1/fraction)``-th document (phase set by
-    ``batch_number``, so deterministic), plus the longest and the most non-ASCII one."""
-    n = len(texts)
-    if n == 0:
-        return np.zeros(0, dtype=np.int64)
-    chosen = [int(np.argmax(lengths))]
-    if fraction > 0:
-        step = max(1, round(1 / fraction))
-        chosen.extend(range(batch_number % step, n, step))
-    # UTF-8 bytes beyond one per character: 0 for ASCII (isascii is a C-speed check)
-    extra = [0 if t.isascii() else len(t.encode("utf-8", "surrogatepass")) - len(t) for t in texts]
-    if max(extra) > 0:
-        chosen.append(int(np.argmax(extra)))
-    return np.unique(np.asarray(chosen, dtype=np.int64))
+#: However low the verification rate, the sample covers at least this many bytes' worth of
+#: input (a small corpus is verified whole): the rate is raised to this share of the input.
+VERIFY_FLOOR_BYTES = 64 * 1024
+
+
+def verify_rate(fraction: float, input_bytes: int) -> float:
+    """The share of documents a build re-encodes with HF.
+
+    Args:
+        fraction: the requested share (``--verify-fraction``; 0 turns the sample off).
+        input_bytes: the bytes the build reads.
+
+    Returns:
+        ``fraction``, raised to cover :data:`VERIFY_FLOOR_BYTES` of the input, at most 1.
+    """
+    if fraction <= 0:
+        return 0.0
+    return min(1.0, max(fraction, VERIFY_FLOOR_BYTES / max(1, input_bytes)))
+
+
+def source_salt(name: str) -> int:
+    """The 64-bit salt :func:`sampled` uses for the records of input ``name``."""
+    return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
+
+
+def sampled(records: np.ndarray, rate: float, salt: int) -> np.ndarray:
+    """Which records are in the verification sample: a bool per record.
+
+    A record is in it when a hash (splitmix64) of ``salt`` and its index, read as a number in
+    [0, 1), is below ``rate``: independently, with probability ``rate``, for every record, and
+    the same whatever the batching, the number of processes or a resume.
+
+    Args:
+        records: record indices in their input (int64).
+        rate: the share of records sampled.
+        salt: the input's :func:`source_salt`.
+
+    Returns:
+        The mask.
+    """
+    if rate >= 1:
+        return np.ones(len(records), dtype=bool)
+    with np.errstate(over="ignore"):
+        z = records.astype(np.uint64) + np.uint64(salt) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) < rate * 2.0**53
 
 
 def verify_sample(
@@ -447,6 +481,7 @@ def verify_sample(
     ref_tokens, ref_lengths = reference.encode_flat(picked, add_special_tokens)
     ref_ends = np.cumsum(ref_lengths)
     counts.documents += len(positions)
+    counts.tokens += int(ref_lengths.sum())
     for j, i in enumerate(positions):
         expected = ref_tokens[ref_ends[j] - ref_lengths[j] : ref_ends[j]]
         got = tokens[ends[i] - lengths[i] : ends[i]]

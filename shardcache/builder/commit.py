@@ -295,6 +295,8 @@ def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
         "partitions_by_backend": dict(sorted(backends.items())),
         "versions": sorted({f"{e['backend']} {e['version']}" for e in encodings}),
         "documents_verified": sum(int(e["verified"]) for e in encodings),
+        "tokens_verified": sum(int(e.get("verified_tokens", 0)) for e in encodings),
+        "verify_fraction": max((float(e.get("verify_fraction", 0)) for e in encodings), default=0),
         "mismatches": sum(int(e["mismatches"]) for e in encodings),
         "partitions_reencoded": sorted(r.partition for r in results if r.encoding.get("reencoded")),
         "mismatch_detail": [d for e in encodings for d in e["detail"]][:5],

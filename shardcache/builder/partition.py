@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.builder.backends import source_salt
 from shardcache.builder.bucket import assign_buckets
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
@@ -188,6 +189,7 @@ def _map_verified(
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     times = StageTimes()
     text.stage_times = times
+    text.verify_salt = source_salt(partition.file.relpath)
     started = time.process_time()
     used = encoder
     try:
@@ -213,6 +215,8 @@ def _map_verified(
         "backend": backend.name,
         "version": backend.version,
         "verified": counts.documents,
+        "verified_tokens": counts.tokens,
+        "verify_fraction": text.verify_fraction if text.fast is not None else 0.0,
         "mismatches": counts.mismatches,
         "reencoded": used is not encoder,
         "detail": counts.detail[:3],

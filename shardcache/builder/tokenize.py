@@ -34,7 +34,7 @@ from shardcache.builder.backends import (
     VerifyCounts,
     adopt_early,
     load_fast_ahead,
-    sample_positions,
+    sampled,
     verify_sample,
 )
 from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
@@ -327,9 +327,11 @@ class TextEncoder:
         self.fast: FastBackend | None = None
         self.selection = EncoderSelection("hf", self.reference.name, self.reference.version,
                                           "the gate did not run (HF by default)")  # fmt: skip
+        #: The share of documents verified (:func:`~shardcache.builder.backends.verify_rate`)
+        #: and the salt of the input whose records are encoded (set per partition).
         self.verify_fraction = DEFAULT_VERIFY_FRACTION
+        self.verify_salt = 0
         self.verify = VerifyCounts()
-        self._batches = 0
         self._verifying: list[Ahead[VerifyCounts]] = []  # per batch, in order (background)
         #: The partition's stage times (set per partition): the verification's seconds.
         self.stage_times: StageTimes | None = None
@@ -346,13 +348,13 @@ class TextEncoder:
         """A copy that encodes with the HF reference alone; this one is unchanged."""
         clone = copy.copy(self)
         clone.use_fast(None, self.selection, self.verify_fraction)
-        clone.verify, clone._batches, clone._verifying = VerifyCounts(), 0, []
+        clone.verify, clone._verifying = VerifyCounts(), []
         return clone
 
     def take_verify(self) -> VerifyCounts:
         """The verification counts since the last call, then reset (waits for running ones)."""
         self._settle_verify()
-        counts, self.verify, self._batches = self.verify, VerifyCounts(), 0
+        counts, self.verify = self.verify, VerifyCounts()
         return counts
 
     def encode_reference(self, texts: list[str]) -> list[list[int]]:
@@ -394,22 +396,23 @@ class TextEncoder:
             "append_eos": self.options.append_eos,
         }
 
-    def encode_texts(self, texts: list[str]) -> FlatIds:
+    def encode_texts(self, texts: list[str], records: np.ndarray | None = None) -> FlatIds:
         """Raw ids of a batch.
 
-        With the fast backend a deterministic sample is re-encoded with HF in the background;
-        :meth:`check_verified` reports a difference. Huge documents are always encoded by HF
-        (in exact pieces where possible).
+        With the fast backend the documents of the verification sample (:func:`sampled` of
+        ``records``) are re-encoded with HF in the background; :meth:`check_verified` reports
+        a difference. Huge documents are always encoded by HF (in exact pieces where possible).
 
         Args:
             texts: the batch's texts.
+            records: their record indices in their input (None: nothing is verified).
 
         Returns:
             The ids of every text.
         """
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
-            return self._encode_flat(texts)
+            return self._encode_flat(texts, records)
         out: list[Any] = [None] * len(texts)
         for i in huge:
             ids = self._encode_huge(texts[i])
@@ -417,19 +420,22 @@ class TextEncoder:
                 ids = self.reference.encode_flat([texts[i]], self.add_special_tokens)[0]
             out[i] = ids
         small = [i for i in range(len(texts)) if out[i] is None]
-        rest = self._encode_flat([texts[i] for i in small])
+        rest = self._encode_flat([texts[i] for i in small], None if records is None else records[small])
         for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):
             out[i] = ids
         lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
         return FlatIds(np.concatenate(out).astype(np.uint32, copy=False), lengths)
 
-    def _encode_flat(self, texts: list[str]) -> FlatIds:
+    def _encode_flat(self, texts: list[str], records: np.ndarray | None) -> FlatIds:
         if self.fast is None:
             return FlatIds(*self.reference.encode_flat(texts, self.add_special_tokens))
         tokens, lengths = self.fast.encode_flat(texts, self.add_special_tokens)
+        if records is None or self.verify_fraction <= 0:
+            return FlatIds(tokens, lengths)
+        positions = np.flatnonzero(sampled(records, self.verify_fraction, self.verify_salt))
+        if len(positions) == 0:
+            return FlatIds(tokens, lengths)
         tokens.flags.writeable = False  # the verification below reads them in a thread
-        positions = sample_positions(texts, lengths, self.verify_fraction, self._batches)
-        self._batches += 1
         if len(self._verifying) >= VERIFY_AHEAD:  # backpressure: at most this many behind
             self._verifying[-VERIFY_AHEAD].result()
         job = (texts, tokens, lengths, positions, self.reference, self.add_special_tokens)
@@ -458,6 +464,7 @@ class TextEncoder:
             if self.verify.mismatches:
                 continue
             self.verify.documents += counts.documents
+            self.verify.tokens += counts.tokens
             self.verify.mismatches += counts.mismatches
             self.verify.detail += counts.detail
 
@@ -597,12 +604,13 @@ class EncodeFailure:
     detail: str
 
 
-def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
+def encode_isolating(encoder: Any, texts: list[Any], records: np.ndarray | None = None) -> Any:
     """Encode ``texts``, isolating a failure to its record.
 
     Args:
         encoder: the encoder.
         texts: the batch's texts.
+        records: their record indices (the verification sample's draw).
 
     Returns:
         The batch's :class:`FlatIds`, or, when the batch failed, a list with each text's ids
@@ -612,15 +620,15 @@ def encode_isolating(encoder: Any, texts: list[Any]) -> Any:
         EncodingMismatch: the fast backend disagreed with HF (the partition's, not a record's).
     """
     try:
-        return encoder.encode_texts(texts)
+        return encoder.encode_texts(texts, records)
     except EncodingMismatch:
         raise
     except Exception as err:  # re-tried one by one below
         if len(texts) == 1:
             return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
     out: list[Any] = []
-    for text in texts:
-        out += list(encode_isolating(encoder, [text]))
+    for i, text in enumerate(texts):
+        out += list(encode_isolating(encoder, [text], None if records is None else records[i : i + 1]))
     return out
 
 
@@ -730,7 +738,7 @@ def encode_ahead(
                 if stop.is_set():
                     return
                 with times.busy("encode_busy") if times is not None else contextlib.nullcontext():
-                    ids = encode_isolating(encoder, batch.texts)
+                    ids = encode_isolating(encoder, batch.texts, batch.records)
                 if not put((batch, ids)):
                     return
             put(_DONE)

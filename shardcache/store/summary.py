@@ -88,11 +88,14 @@ def encoder_lines(encoder: dict[str, Any]) -> list[str]:
     if verified or mismatches:
         redone = encoder["partitions_reencoded"]
         again = f", re-encoded with HF: {', '.join(redone)}" if redone else ""
+        tokens = int(encoder.get("tokens_verified") or 0)
+        rate = float(encoder.get("verify_fraction") or 0)
+        drawn = f", a random {rate:.3g} of the documents" if 0 < rate < 1 else ""
         lines.append(
-            f"verified     {verified:,} documents re-encoded with HF during the build, "
-            f"{mismatches:,} mismatches{again}"
+            f"verified     {verified:,} documents ({tokens:,} tokens{drawn}) re-encoded with HF "
+            f"during the build, {mismatches:,} mismatches{again}"
         )
-        bound = sample_bound(verified, mismatches)
+        bound = sample_bound(verified, mismatches, verified if rate >= 1 else None)
         if bound:
             lines.append(f"             {bound}")
     return lines

@@ -21,8 +21,11 @@ from shardcache.builder.backends import (
     flatten_ids,
     ids_content,
     load_fast_early,
-    sample_positions,
+    VERIFY_FLOOR_BYTES,
+    sampled,
     select_backend,
+    source_salt,
+    verify_rate,
 )
 from shardcache.builder.run import build_cache as run_build
 from shardcache.builder.tokenize import TextEncoder
@@ -258,16 +261,33 @@ def test_families_fastokens_supports_and_refuses(family_dir):
     assert supported == (name in FAST_FAMILIES), name
 
 
-def test_flatten_ids_and_sample_positions():
+def test_flatten_ids():
     tokens, lengths = flatten_ids([[1, 2], [], [3]])
     assert tokens.dtype == np.uint32 and tokens.tolist() == [1, 2, 3]
     assert lengths.tolist() == [2, 0, 1]
-    texts = ["a" * 5, "é" * 3, "b", "東京", "c", "d", "e", "f"]
-    lens = np.array([5, 3, 9, 2, 1, 1, 1, 1])
-    # every 4th from phase 1, plus the longest (2) and the most non-ASCII (3: 6 extra bytes)
-    assert sample_positions(texts, lens, 0.25, batch_number=1).tolist() == [1, 2, 3, 5]
-    assert sample_positions(texts, lens, 0.0, batch_number=0).tolist() == [2, 3]
-    assert sample_positions(["x"], np.array([1]), 1.0, 0).tolist() == [0]
+
+
+def test_the_verification_sample_is_random_and_independent_of_batching():
+    """Each record is drawn independently at the rate (so "0 mismatches in N: fewer than 3/N
+    differ" holds), from its input and index alone: any batching draws the same records."""
+    records = np.arange(200_000, dtype=np.int64)
+    salt = source_salt("a.jsonl")
+    whole = sampled(records, 0.01, salt)
+    assert 1800 < whole.sum() < 2200  # binomial(200000, 0.01): 2000 +- 5 sigma
+    batched = np.concatenate([sampled(records[i : i + 97], 0.01, salt)
+                              for i in range(0, len(records), 97)])  # fmt: skip
+    assert np.array_equal(whole, batched)
+    assert not np.array_equal(whole, sampled(records, 0.01, source_salt("b.jsonl")))
+    halves = whole.reshape(2, -1).sum(axis=1)  # no drift along the file
+    assert abs(int(halves[0]) - int(halves[1])) < 300
+    assert sampled(records[:5], 1.0, salt).all() and not sampled(records, 0.0, salt).any()
+
+
+def test_the_verification_rate_covers_a_floor_of_the_input():
+    assert verify_rate(1 / 1000, 10**9) == 1 / 1000
+    assert verify_rate(1 / 1000, 10 * VERIFY_FLOOR_BYTES) == 0.1  # a small corpus: more
+    assert verify_rate(1 / 1000, VERIFY_FLOOR_BYTES // 2) == 1.0  # a tiny one: whole
+    assert verify_rate(0.0, 100) == 0.0  # 0 turns it off
 
 
 def test_encoding_options_validated():
@@ -314,8 +334,10 @@ def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_di
     assert enc["partitions_by_backend"] == {"fastokens": 2}
     assert enc["versions"][0].startswith("fastokens ")
     assert enc["mismatches"] == 0 and enc["partitions_reencoded"] == []
-    # the longest and the most non-ASCII doc of each of the 9 batches, plus 1/64
-    assert enc["documents_verified"] >= 9
+    # a corpus this small is verified whole (the sample's floor)
+    assert enc["verify_fraction"] == 1.0
+    assert enc["documents_verified"] == len([t for t in _texts() if t])  # "" is quarantined
+    assert enc["tokens_verified"] > enc["documents_verified"]
     assert "ids equal to HF on the gate sample" in enc["gate"][0]
     assert hf["encoder"]["partitions_by_backend"] == {"hf": 2}
     assert hf["encoder"]["gate"] == ["hf: --encoder hf"]
@@ -382,15 +404,16 @@ def test_gate_falls_back_when_the_backends_disagree(hard_corpus, tokenizer_dir, 
 
 def test_in_build_mismatch_reencodes_the_partition_with_hf(hard_corpus, tokenizer_dir, tmp_path,
                                                            monkeypatch):  # fmt: skip
-    """A wrong id the gate does not see (it appears after the gate's call) in the longest
-    document of a batch: that partition is re-encoded with HF, counted, and the cache is the
-    HF cache byte for byte; under --encoder fast the build fails."""
+    """A wrong id the gate does not see (it appears after the gate's call) in a document of
+    the verification sample (a corpus this small is verified whole): that partition is
+    re-encoded with HF, counted, and the cache is the HF cache byte for byte; under
+    --encoder fast the build fails."""
     pytest.importorskip("fastokens")
     hf_out = str(tmp_path / "hf")
     _build(hard_corpus, tokenizer_dir, hf_out, encoder="hf")
     _inject_wrong_id(monkeypatch, lambda text, call: call > 0 and text == "x" * 3000)
     out = str(tmp_path / "auto")
-    manifest = _build(hard_corpus, tokenizer_dir, out, verify_fraction=0)
+    manifest = _build(hard_corpus, tokenizer_dir, out)
     enc = manifest["encoder"]
     assert enc["partitions_by_backend"] == {"fastokens": 1, "hf": 1}
     assert enc["mismatches"] == 1 and len(enc["partitions_reencoded"]) == 1
@@ -407,27 +430,25 @@ def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir
     stopped at the first differing batch, whatever the timing; an HF failure on a sampled
     text is a difference too."""
     pytest.importorskip("fastokens")
-    from shardcache.builder.backends import sample_positions
     from shardcache.builder.tokenize import EncodingMismatch
 
     batches = [make_texts(40, seed=s) for s in range(5)]
+    records = [np.arange(40 * k, 40 * (k + 1), dtype=np.int64) for k in range(5)]
     encoder = _fast_encoder(tokenizer_dir)
     assert encoder is not None
-    encoder.verify_fraction = 1 / 8
-    for batch in batches:
-        encoder.encode_texts(batch)
+    encoder.verify_fraction, encoder.verify_salt = 1 / 4, source_salt("a.jsonl")
+    for batch, rec in zip(batches, records):
+        encoder.encode_texts(batch, rec)
     encoder.check_verified()
     clean = encoder.take_verify()
-    expected = [
-        len(sample_positions(b, encoder.fast.encode_flat(b, True)[1], 1 / 8, k))
-        for k, b in enumerate(batches)
-    ]
-    assert clean.mismatches == 0 and clean.documents == sum(expected)
+    expected = [int(sampled(rec, 1 / 4, encoder.verify_salt).sum()) for rec in records]
+    assert clean.mismatches == 0 and clean.documents == sum(expected) and all(expected)
+    assert clean.tokens > clean.documents
 
-    wrong_batch = batches[2]
+    wrong_batch = batches[2]  # a wrong id in every document of it, the sampled ones too
     _inject_wrong_id(monkeypatch, lambda text, call: text in wrong_batch)
-    for batch in batches:
-        encoder.encode_texts(batch)
+    for batch, rec in zip(batches, records):
+        encoder.encode_texts(batch, rec)
     with pytest.raises(EncodingMismatch, match="HF gives"):
         encoder.check_verified()
     counts = encoder.take_verify()
@@ -439,7 +460,7 @@ def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir
         raise RuntimeError("HF broke")
 
     monkeypatch.setattr(encoder.reference, "encode_flat", failing)
-    encoder.encode_texts(batches[0])
+    encoder.encode_texts(batches[0], records[0])
     with pytest.raises(EncodingMismatch, match="HF failed on the verification sample"):
         encoder.check_verified()
     assert encoder.take_verify().mismatches == 1

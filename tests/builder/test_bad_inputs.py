@@ -131,12 +131,12 @@ def test_a_record_the_tokenizer_rejects_is_quarantined_not_fatal(
 
     real = TextEncoder.encode_texts
 
-    def picky(self, texts):
+    def picky(self, texts, records=None):
         if any("POISON" in t for t in texts) and len(texts) > 1:
             raise RuntimeError("backend failure on a batch")
         if any("POISON" in t for t in texts):
             raise RuntimeError("backend failure")
-        return real(self, texts)
+        return real(self, texts, records)
 
     monkeypatch.setattr(TextEncoder, "encode_texts", picky)
     path, _ = _dirty_file(tmp_path, ['{"text": "a POISON text"}'])

@@ -121,10 +121,15 @@ def test_chat_cache_ids_and_masks(tmp_path, chatml_tokenizer_dir):
     assert audit.ok and audit.documents == 25 and audit.sequences == 25
 
 
-def test_a_sample_says_how_many_documents_may_still_differ(corpus, tokenizer_dir, tmp_path):
+def test_a_sample_says_how_many_documents_may_still_differ(corpus, tokenizer_dir, tmp_path,
+                                                          monkeypatch):  # fmt: skip
     """A sample without mismatches bounds, never excludes, differences: the build report,
     ``info`` and ``verify --tokens`` say "fewer than 3/N differ at 95% confidence"."""
     import re
+
+    from shardcache.builder import backends
+
+    monkeypatch.setattr(backends, "VERIFY_FLOOR_BYTES", 0)  # sample this small corpus
 
     from click.testing import CliRunner
 

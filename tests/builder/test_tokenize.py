@@ -189,7 +189,8 @@ def test_encode_ahead_reads_ahead_in_order_and_reraises_upstream_errors(tokenize
     def batches(n: int, fail: bool = False):
         for i in range(n):
             readers.add(threading.current_thread().name)
-            yield types.SimpleNamespace(texts=[f"data {i}", "w7 café"])
+            yield types.SimpleNamespace(texts=[f"data {i}", "w7 café"],
+                                        records=np.arange(2 * i, 2 * i + 2))  # fmt: skip
         if fail:
             raise OSError("disk gone")
 
@@ -220,14 +221,14 @@ from shardcache.config import TokenizeOptions
 encoder = TextEncoder(TokenizeOptions({tokenizer_dir!r}))
 encode = encoder.encode_texts
 started = threading.Event()
-def slow(texts):
+def slow(texts, records):
     started.set()
     time.sleep(0.5)  # an encode still running when the consumer gives up
-    return encode(texts)
+    return encode(texts, records)
 encoder.encode_texts = slow
 def batches():
     for i in range(100):
-        yield types.SimpleNamespace(texts=[f"data {{i}}"])
+        yield types.SimpleNamespace(texts=[f"data {{i}}"], records=None)
 stream = encode_ahead(encoder, batches())
 try:
     next(stream)
