@@ -420,7 +420,9 @@ class TextEncoder:
                 ids = self.reference.encode_flat([texts[i]], self.add_special_tokens)[0]
             out[i] = ids
         small = [i for i in range(len(texts)) if out[i] is None]
-        rest = self._encode_flat([texts[i] for i in small], None if records is None else records[small])
+        rest = self._encode_flat(
+            [texts[i] for i in small], None if records is None else records[small]
+        )
         for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):
             out[i] = ids
         lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
@@ -628,7 +630,8 @@ def encode_isolating(encoder: Any, texts: list[Any], records: np.ndarray | None 
             return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
     out: list[Any] = []
     for i, text in enumerate(texts):
-        out += list(encode_isolating(encoder, [text], None if records is None else records[i : i + 1]))
+        one = None if records is None else records[i : i + 1]
+        out += list(encode_isolating(encoder, [text], one))
     return out
 
 

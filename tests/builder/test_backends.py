@@ -14,6 +14,7 @@ import pytest
 
 from conftest import cache_data_files, make_conversations, make_texts, write_records
 from shardcache.builder.backends import (
+    VERIFY_FLOOR_BYTES,
     Ahead,
     EarlyLoad,
     FastBackend,
@@ -21,7 +22,6 @@ from shardcache.builder.backends import (
     flatten_ids,
     ids_content,
     load_fast_early,
-    VERIFY_FLOOR_BYTES,
     sampled,
     select_backend,
     source_salt,
