@@ -34,6 +34,15 @@ the encode thread's time shows as lock waits) with the top functions::
 
     python benchmarks/bench_build.py --corpus /tmp/c20k --tokenizer /tmp/tok151k \
         --encoders hf,fast --repeat 3 --workers-encoders 1 [--profile]
+
+The build against fastokens alone, ``--vs-fast [--repeat 3]``: in one run, interleaved, best
+of each, fastokens ``encode_batch_flat`` over the texts preloaded in memory (batches of
+``--batch-docs``, ``add_special_tokens=False``; the ceiling of any build encoding with it) and
+``shardcache build`` with default options (fast backend, verification on); prints the ratio
+(goal >= 0.4), the verification's documents, tokens and share of the build's CPU, and the
+build's CPU per stage::
+
+    python benchmarks/bench_build.py --corpus CORPUS --tokenizer TOKDIR --vs-fast --repeat 3
 """
 
 from __future__ import annotations
@@ -215,7 +224,7 @@ def compare_encoders(args: argparse.Namespace) -> None:
         print(f"| shardcache build --encoder {name} | {seconds:.2f} | {wall:.1f} | "
               f"{ceiling_s / seconds:.2f} | {rss:,.0f} | {used} | "
               f"{enc.get('documents_verified', 0):,} | {enc.get('mismatches', 0)} |")  # fmt: skip
-    print_stages({name: report for name, (_, _, _, report) in best.items()})
+    print_stages({f"--encoder {name}": report for name, (_, _, _, report) in best.items()})
     record_result("bench_build --encoders", {
         "documents": len(texts), "tokens": tokens, "ceiling_seconds": ceiling_s,
         "builds": {name: {"seconds": s, "wall_seconds": w, "peak_rss_mib": r,
@@ -225,6 +234,58 @@ def compare_encoders(args: argparse.Namespace) -> None:
     }, args)  # fmt: skip
     if args.profile:
         profile_fast_build(args)
+
+
+def fast_alone_seconds(texts: list[str], tokenizer: str, batch_docs: int) -> tuple[float, int]:
+    """fastokens ``encode_batch_flat`` over preloaded texts (load not timed): (seconds, ids)."""
+    import fastokens
+
+    tok = fastokens.Tokenizer.from_file(os.path.join(tokenizer, "tokenizer.json"))
+    ids = 0
+    start = time.perf_counter()
+    for i in range(0, len(texts), batch_docs):
+        ids += len(tok.encode_batch_flat(texts[i : i + batch_docs], add_special_tokens=False)[0])
+    return time.perf_counter() - start, ids // 4  # uint32 ids as bytes
+
+
+def compare_fast(args: argparse.Namespace) -> None:
+    """fastokens alone and a default build, interleaved, best of ``--repeat`` (see above)."""
+    texts = load_texts(args.corpus)
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    fast_s, build_s, best, tokens = float("inf"), float("inf"), (0.0, 0.0, {}), 0
+    work = tempfile.mkdtemp(prefix="bench-vs-fast-")
+    try:
+        for _ in range(args.repeat):
+            seconds, tokens = fast_alone_seconds(texts, args.tokenizer, args.batch_docs)
+            fast_s = min(fast_s, seconds)
+            out = os.path.join(work, "c")
+            report, wall, rss = build(args.corpus, args.tokenizer, out, 1, {}, args.batch_docs)
+            if report["seconds"] < build_s:
+                build_s, best = report["seconds"], (wall, rss, report)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    wall, rss, report = best
+    enc, stages = report.get("encoder") or {}, report.get("stages") or {}
+    cpu = sum(stages.get(n, 0.0) for n in ("startup", "read", "parse", "tokenizer", "bucket",
+                                            "write", "commit"))  # fmt: skip
+    print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB text, {tokens:,} "
+          f"tokens (w/o EOS); cores {os.cpu_count()}; best of {args.repeat}, interleaved")
+    print("| run | seconds | wall s | MB/s | x fastokens alone | peak RSS MiB |")
+    print("|---|---:|---:|---:|---:|---:|")
+    print(f"| fastokens encode_batch_flat, texts preloaded | {fast_s:.2f} | - | "
+          f"{mb / fast_s:.0f} | 1.00 | - |")
+    print(f"| shardcache build (default options) | {build_s:.2f} | {wall:.1f} | "
+          f"{mb / build_s:.0f} | {fast_s / build_s:.2f} | {rss:,.0f} |")
+    print(f"verified {enc.get('documents_verified', 0):,} documents, "
+          f"{enc.get('tokens_verified', 0):,} tokens (share {enc.get('verify_fraction', 0):g}), "
+          f"{enc.get('mismatches', 0)} mismatches; verify busy "
+          f"{stages.get('verify_busy', 0.0):.2f} s of {cpu:.2f} CPU-s in the stages")
+    print_stages({"default": report})
+    record_result("bench_build --vs-fast", {
+        "documents": len(texts), "text_mb": mb, "tokens": tokens, "fast_alone_seconds": fast_s,
+        "build_seconds": build_s, "wall_seconds": wall, "peak_rss_mib": rss,
+        "ratio_to_fast_alone": fast_s / build_s, "encoder": enc, "stages_cpu_seconds": stages,
+    }, args)  # fmt: skip
 
 
 def print_stages(reports: dict[str, dict]) -> None:
@@ -239,7 +300,7 @@ def print_stages(reports: dict[str, dict]) -> None:
         cells = [f"{stages.get(n, 0.0):.2f} ({100 * stages.get(n, 0.0) / total:.0f}%)"
                  for n in names]  # fmt: skip
         busy = [f"{stages.get(n, 0.0):.2f}" for n in ("encode_busy", "verify_busy")]
-        print(f"| --encoder {name} | " + " | ".join([*cells, *busy]) + " |")
+        print(f"| {name} | " + " | ".join([*cells, *busy]) + " |")
 
 
 def profile_fast_build(args: argparse.Namespace) -> None:
@@ -274,7 +335,7 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2", help="worker counts to sweep (comma-separated)")
     ap.add_argument("--hf-python", help="python with `datasets` installed, for the HF row")
     ap.add_argument("--encoders", help="compare encoder backends instead, e.g. hf,fast")
-    ap.add_argument("--repeat", type=int, default=3, help="--encoders: rounds (best of)")
+    ap.add_argument("--repeat", type=int, default=3, help="--encoders/--vs-fast: best of")
     ap.add_argument(
         "--workers-encoders",
         type=int,
@@ -282,7 +343,11 @@ def main() -> None:
         help="--encoders: build processes (1: in-process, fast backend threads)",
     )
     ap.add_argument("--profile", action="store_true", help="--encoders: profile a fast build")
+    ap.add_argument("--vs-fast", action="store_true", help="a build against fastokens alone")
     args = ap.parse_args()
+    if args.vs_fast:
+        compare_fast(args)
+        return
     if args.encoders:
         compare_encoders(args)
         return
