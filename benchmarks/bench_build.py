@@ -268,18 +268,26 @@ def compare_fast(args: argparse.Namespace) -> None:
     enc, stages = report.get("encoder") or {}, report.get("stages") or {}
     cpu = sum(stages.get(n, 0.0) for n in ("startup", "read", "parse", "tokenizer", "bucket",
                                             "write", "commit"))  # fmt: skip
-    print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB text, {tokens:,} "
-          f"tokens (w/o EOS); cores {os.cpu_count()}; best of {args.repeat}, interleaved")
+    print(
+        f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB text, {tokens:,} "
+        f"tokens (w/o EOS); cores {os.cpu_count()}; best of {args.repeat}, interleaved"
+    )
     print("| run | seconds | wall s | MB/s | x fastokens alone | peak RSS MiB |")
     print("|---|---:|---:|---:|---:|---:|")
-    print(f"| fastokens encode_batch_flat, texts preloaded | {fast_s:.2f} | - | "
-          f"{mb / fast_s:.0f} | 1.00 | - |")
-    print(f"| shardcache build (default options) | {build_s:.2f} | {wall:.1f} | "
-          f"{mb / build_s:.0f} | {fast_s / build_s:.2f} | {rss:,.0f} |")
-    print(f"verified {enc.get('documents_verified', 0):,} documents, "
-          f"{enc.get('tokens_verified', 0):,} tokens (share {enc.get('verify_fraction', 0):g}), "
-          f"{enc.get('mismatches', 0)} mismatches; verify busy "
-          f"{stages.get('verify_busy', 0.0):.2f} s of {cpu:.2f} CPU-s in the stages")
+    print(
+        f"| fastokens encode_batch_flat, texts preloaded | {fast_s:.2f} | - | "
+        f"{mb / fast_s:.0f} | 1.00 | - |"
+    )
+    print(
+        f"| shardcache build (default options) | {build_s:.2f} | {wall:.1f} | "
+        f"{mb / build_s:.0f} | {fast_s / build_s:.2f} | {rss:,.0f} |"
+    )
+    print(
+        f"verified {enc.get('documents_verified', 0):,} documents, "
+        f"{enc.get('tokens_verified', 0):,} tokens (share {enc.get('verify_fraction', 0):g}), "
+        f"{enc.get('mismatches', 0)} mismatches; verify busy "
+        f"{stages.get('verify_busy', 0.0):.2f} s of {cpu:.2f} CPU-s in the stages"
+    )
     print_stages({"default": report})
     record_result("bench_build --vs-fast", {
         "documents": len(texts), "text_mb": mb, "tokens": tokens, "fast_alone_seconds": fast_s,
