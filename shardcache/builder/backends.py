@@ -1,4 +1,4 @@
-"""Encoder backends behind one protocol, and the gate that picks one for a build.
+"""Encoder backends (``name``, ``version``, ``encode_flat``) and the gate that picks one.
 
 :class:`HFBackend` (``tokenizers``) is the reference; :class:`FastBackend` (fastokens,
 ``shardcache[fast]``) is used only when :func:`select_backend` finds it encodes the key's
@@ -18,9 +18,9 @@ import json
 import os
 import threading
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from importlib import metadata
-from typing import Any, Generic, Protocol, TypeVar
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 
@@ -34,17 +34,6 @@ FAST_PIP = "pip install 'shardcache[fast]'"
 #: since every partition is verified during the build anyway.
 GATE_SAMPLE_DOCS = 512
 GATE_SAMPLE_CHARS = 256 * 1024
-
-
-class Backend(Protocol):
-    """Text -> ids. ``encode_flat`` returns (uint32 tokens of all texts, int64 lengths)."""
-
-    name: str
-    version: str
-
-    def encode_flat(
-        self, texts: list[str], add_special_tokens: bool
-    ) -> tuple[np.ndarray, np.ndarray]: ...
 
 
 def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
@@ -82,7 +71,12 @@ class HFBackend:
 
 
 class FastBackend:
-    """fastokens over the same ``tokenizer.json`` (truncation and padding off, as HF's)."""
+    """fastokens over the same ``tokenizer.json`` (truncation and padding off, as HF's).
+
+    Raises:
+        MissingDependencyError: fastokens is not installed.
+        EncoderError: fastokens refuses the tokenizer.
+    """
 
     name = FAST_MODULE
 
@@ -90,14 +84,14 @@ class FastBackend:
         module = import_fast_module()
         try:
             self.tokenizer = module.Tokenizer.from_json_str(serialized)
+            self.tokenizer.no_truncation()
+            self.tokenizer.no_padding()
         except Exception as err:  # fastokens raises ValueError for what it does not implement
             raise EncoderError(
                 f"{FAST_MODULE} cannot load this tokenizer ({type(err).__name__}: {err}); "
                 "it supports byte-level BPE and BPE tokenizers without Metaspace; build with "
                 "--encoder hf (or auto, which falls back by itself)"
             ) from err
-        self.tokenizer.no_truncation()
-        self.tokenizer.no_padding()
         self.version = fast_version()
 
     def encode_flat(
@@ -144,20 +138,6 @@ class Ahead(Generic[T]):
         return self._value  # type: ignore[return-value]
 
 
-def load_fast_backend(serialized: str) -> FastBackend:
-    """Load a :class:`FastBackend`.
-
-    Raises:
-        EncoderError: fastokens is missing or refuses the tokenizer.
-    """
-    try:
-        return FastBackend(serialized)
-    except (EncoderError, MissingDependencyError):
-        raise
-    except Exception as err:
-        raise EncoderError(f"{FAST_MODULE} failed to load the tokenizer: {err!r}") from err
-
-
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
     """Load a :class:`FastBackend` in a background thread; fastokens is imported before
     returning, so the thread does not wait on the GIL the caller holds next."""
@@ -171,7 +151,7 @@ def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
 
 def _load_entering(serialized: str, entered: threading.Event) -> FastBackend:
     entered.set()
-    return load_fast_backend(serialized)
+    return FastBackend(serialized)
 
 
 #: Keys of a tokenizer.json that never change the ids an encode returns: the decoder (ids ->
@@ -219,7 +199,7 @@ def _load_early(path: str) -> EarlyLoad:
         text = f.read()
     early = EarlyLoad(None)
     try:
-        early.backend = load_fast_backend(text)
+        early.backend = FastBackend(text)
     except (EncoderError, MissingDependencyError) as err:
         early.error = err
     early.content = ids_content(json.loads(text))
@@ -237,12 +217,12 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
     try:
         loaded = early.result()
     except (OSError, ValueError):  # file unreadable or not JSON: load transformers' JSON
-        return load_fast_backend(serialized)
+        return FastBackend(serialized)
     same = loaded.content == ids_content(backend_json)
     loaded.content = None  # the parsed file (large for a big vocabulary) goes now
     if not same:
         loaded.backend = None
-        return load_fast_backend(serialized)
+        return FastBackend(serialized)
     if loaded.error is not None:
         raise loaded.error
     return loaded.backend
@@ -286,13 +266,7 @@ class EncoderSelection:
     gate_documents: int = 0  # corpus documents the gate compared
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "requested": self.requested,
-            "backend": self.backend,
-            "version": self.version,
-            "reason": self.reason,
-            "gate_documents": self.gate_documents,
-        }
+        return asdict(self)
 
 
 def first_difference(

@@ -14,7 +14,7 @@ import hashlib
 import json
 import os
 import typing
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -282,33 +282,9 @@ def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> l
     return out
 
 
-def check_record(
-    data: dict[str, Any] | None,
-    partition: Partition,
-    has_part_file: Callable[[str], bool],
-    shard_size: Callable[[str], int | None],
-) -> PartitionResult | None:
-    """The completion record of ``partition`` if it is whole and all its files are there at
-    their recorded sizes, else None."""
-    if data is None:
-        return None
-    try:
-        result = PartitionResult.from_json(data)
-    except (KeyError, TypeError, ValueError):
-        return None
-    if result.partition != partition.id or result.source != partition.file.relpath:
-        return None
-    for name in (f"{partition.id}.lengths.npy", f"{partition.id}.quarantine.jsonl"):
-        if not has_part_file(name):
-            return None
-    for shard in result.shards:
-        if shard_size(shard.name) != shard.bytes:
-            return None
-    return result
-
-
 def completed(storage: Storage, partitions: list[Partition]) -> dict[str, PartitionResult]:
-    """The partitions whose completion records check out (:func:`check_record`).
+    """The partitions whose completion records are whole and whose files are all there at
+    their recorded sizes.
 
     Args:
         storage: the build output.
@@ -324,14 +300,17 @@ def completed(storage: Storage, partitions: list[Partition]) -> dict[str, Partit
     records = storage.read_many(names)
     done: dict[str, PartitionResult] = {}
     for p in partitions:
-        raw = records.get(f"{PARTS_DIR}/{p.id}.json")
         try:
-            data = json.loads(raw) if raw is not None else None
-        except (ValueError, RecursionError):
-            data = None
-        result = check_record(data if isinstance(data, dict) else None, p, parts.__contains__,
-                              shards.get)  # fmt: skip
-        if result is not None:
+            result = PartitionResult.from_json(json.loads(records[f"{PARTS_DIR}/{p.id}.json"]))
+        except (KeyError, TypeError, ValueError, RecursionError):  # absent or damaged
+            continue
+        if (
+            result.partition == p.id
+            and result.source == p.file.relpath
+            and f"{p.id}.lengths.npy" in parts
+            and f"{p.id}.quarantine.jsonl" in parts
+            and all(shards.get(shard.name) == shard.bytes for shard in result.shards)
+        ):
             done[p.id] = result
     return done
 

@@ -14,7 +14,7 @@ import contextlib
 import threading
 import time
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
@@ -106,16 +106,8 @@ class ChatLint:
     template_mismatch: int = 0
     template_checked: int = 0
 
-    def add(self, other: ChatLint) -> None:
-        for name in self.__dataclass_fields__:
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-
-    def problems(self) -> dict[str, int]:
-        """The non-zero problem counts (``template_checked`` is not a problem)."""
-        return {k: v for k, v in self.to_json().items() if v and k != "template_checked"}
-
     def to_json(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in self.__dataclass_fields__}
+        return asdict(self)
 
 
 def validate_messages(value: Any) -> str | None:

@@ -234,17 +234,13 @@ def committed_manifest(storage: Storage) -> dict[str, Any] | None:
     return parse_manifest_text(data.decode("utf-8", "replace"), f"{storage.location}/{MANIFEST}")
 
 
-def unlisted_shards(names: list[str], manifest: Mapping[str, Any]) -> list[str]:
-    """The shard files among ``names`` the committed ``manifest`` does not list (left when a
-    commit died after its manifest)."""
-    listed = {entry["name"] for entry in manifest["shards"]}
-    return sorted(n for n in names if SHARD_NAME.fullmatch(n) and n not in listed)
-
-
 def finish_committed(storage: Storage, manifest: Mapping[str, Any]) -> list[str]:
-    """Finish a committed cache: remove :func:`unlisted_shards` (call it holding the build
-    lock); returns their names."""
-    stray = unlisted_shards(list(storage.sizes(SHARD_DIR)), manifest)
+    """Finish a committed cache: remove the shard files its manifest does not list (left when
+    a commit died after its manifest); call it holding the build lock. Returns their names."""
+    listed = {entry["name"] for entry in manifest["shards"]}
+    stray = sorted(
+        n for n in storage.sizes(SHARD_DIR) if SHARD_NAME.fullmatch(n) and n not in listed
+    )
     storage.remove([f"{SHARD_DIR}/{n}" for n in stray])
     return stray
 

@@ -7,7 +7,7 @@ what ``build`` / ``commit`` return and print (:func:`format_report`, :func:`repo
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardcache.builder.stage_times import format_stages
@@ -101,24 +101,9 @@ def report_from_manifest(
 def report_json(report: BuildReport) -> dict[str, Any]:
     """The report as plain JSON (``build --json``)."""
     return {
-        "output": report.output,
-        "documents": report.documents,
-        "sequences": report.sequences,
-        "tokens": report.tokens,
-        "shards": report.shards,
-        "bytes_in": report.bytes_in,
-        "bytes_out": report.bytes_out,
+        **asdict(report),
         "seconds": round(report.seconds, 3),
         "tokens_per_second": round(report.tokens_per_second, 1),
-        "stats": report.stats,
-        "bad_records": report.bad_records,
-        "corrupt_files": report.corrupt_files,
-        "partitions": report.partitions,
-        "resumed_partitions": report.resumed_partitions,
-        "workers": report.workers,
-        "up_to_date": report.up_to_date,
-        "encoder": report.encoder,
-        "stages": report.stages,
     }
 
 

@@ -13,6 +13,7 @@ import contextlib
 import functools
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping
 from typing import Any, TypeVar
 
@@ -145,10 +146,12 @@ def build(
     for p in pending:
         times.merge(results[p.id].timings)
     if manifest is None:
-        report = _share_report(storage.location, mine, done, results, started, workers)
+        report = _share_report(storage.location, mine, results, started)
+        report.workers = workers
     else:
-        report = _build_report(storage.location, manifest, started, len(mine), done, pending,
-                               workers)  # fmt: skip
+        report = report_from_manifest(storage.location, manifest, time.perf_counter() - started)
+        report.workers = 1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending))
+    report.partitions, report.resumed_partitions = len(mine), len(done)
     report.stages = times.to_json()
     return report
 
@@ -232,34 +235,12 @@ def fast_workers(encoder: Encoder, pending: list[Partition], workers: int) -> in
     return max(1, min(workers, -(-nbytes // FAST_BYTES_PER_WORKER)))
 
 
-def _build_report(
-    output: str,
-    manifest: Mapping[str, Any],
-    started: float,
-    partitions: int,
-    done: Mapping[str, PartitionResult],
-    pending: list[Partition],
-    workers: int,
-) -> BuildReport:
-    report = report_from_manifest(output, manifest, time.perf_counter() - started)
-    report.partitions = partitions
-    report.resumed_partitions = len(done)
-    report.workers = 1 if workers == 1 or len(pending) <= 1 else min(workers, len(pending))
-    return report
-
-
 def _share_report(
-    output: str,
-    mine: list[Partition],
-    done: Mapping[str, PartitionResult],
-    results: Mapping[str, PartitionResult],
-    started: float,
-    workers: int,
+    output: str, mine: list[Partition], results: Mapping[str, PartitionResult], started: float
 ) -> BuildReport:
-    stats: dict[str, int] = {}
+    stats: Counter[str] = Counter()
     for r in results.values():
-        for k, v in r.stats.to_json().items():
-            stats[k] = stats.get(k, 0) + int(v)
+        stats.update({k: int(v) for k, v in r.stats.to_json().items()})
     return BuildReport(
         output=output,
         documents=stats.get("documents", 0),
@@ -269,8 +250,5 @@ def _share_report(
         bytes_in=sum(p.nbytes for p in mine),
         bytes_out=sum(s.bytes for r in results.values() for s in r.shards),
         seconds=time.perf_counter() - started,
-        stats=stats,
-        partitions=len(mine),
-        resumed_partitions=len(done),
-        workers=workers,
+        stats=dict(stats),
     )

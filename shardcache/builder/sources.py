@@ -24,7 +24,7 @@ import re
 import stat
 import zlib
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -266,16 +266,13 @@ def list_inputs(
             by_target[target] = min(by_target.get(target, path), path)
     if not by_target:
         raise SourceError(f"inputs {list(specs)}: no input file found")
-    paths = sorted(by_target.values())
-    root = os.path.commonpath([os.path.dirname(p) for p in paths])
+    root = os.path.commonpath([os.path.dirname(p) for p in by_target.values()])
     files = []
-    for p in paths:
+    for p in by_target.values():
         st = os.stat(p)
         relpath = os.path.relpath(p, root).replace(os.sep, "/")
-        fmt = detect_format(p) or ""
-        files.append(InputFile(p, relpath, st.st_size, fmt, st.st_mtime_ns))
-    files.sort(key=lambda f: f.relpath)
-    return files
+        files.append(InputFile(p, relpath, st.st_size, detect_format(p) or "", st.st_mtime_ns))
+    return sorted(files, key=lambda f: f.relpath)
 
 
 def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
@@ -333,19 +330,12 @@ def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
     if not found:
         raise SourceError(f"inputs {specs}: no input file found")
     root = os.path.commonpath([u.split("://", 1)[1].rsplit("/", 1)[0] for u in found])
-    files = []
-    for url, (fs, p, info) in sorted(found.items()):
-        files.append(
-            InputFile(
-                path=url,
-                relpath=os.path.relpath(url.split("://", 1)[1], root).replace(os.sep, "/"),
-                size=int(info.get("size") or 0),
-                format=detect_format(p) or "",
-                mtime_ns=_mtime_ns(fs, p, info),
-            )
-        )
-    files.sort(key=lambda f: f.relpath)
-    return files
+    files = [
+        InputFile(url, os.path.relpath(url.split("://", 1)[1], root).replace(os.sep, "/"),
+                  int(info.get("size") or 0), detect_format(p) or "", _mtime_ns(fs, p, info))
+        for url, (fs, p, info) in found.items()
+    ]  # fmt: skip
+    return sorted(files, key=lambda f: f.relpath)
 
 
 @dataclass(frozen=True)
@@ -365,13 +355,8 @@ class InputSlice:
         return self.start == 0 and self.end is None and self.row_groups is None
 
     def to_json(self) -> dict[str, Any]:
-        return {
-            "start": self.start,
-            "end": self.end,
-            "first_record": self.first_record,
-            "row_groups": list(self.row_groups) if self.row_groups is not None else None,
-            "sha256": self.sha256,
-        }
+        groups = list(self.row_groups) if self.row_groups is not None else None
+        return {**asdict(self), "row_groups": groups}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InputSlice:
@@ -470,16 +455,20 @@ def _split_parquet(file: InputFile, size: int) -> list[InputSlice]:
     return slices
 
 
-class _RangeReader(io.RawIOBase):
+class _Reader(io.RawIOBase):
+    """A readable raw stream over ``_raw`` (what io.BufferedReader and gzip wrap)."""
+
+    def readable(self) -> bool:
+        return True
+
+
+class _RangeReader(_Reader):
     """Raw reads of ``[start, end)`` of a file (``end`` None = to its end)."""
 
     def __init__(self, raw: BinaryIO, start: int, end: int | None):
         self._raw = raw
         raw.seek(start)
         self._left = None if end is None else end - start
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: Any) -> int:
         view = memoryview(buffer)
@@ -530,8 +519,9 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
     return text, None
 
 
-class ZstdReader(io.RawIOBase):
-    """Decompresses concatenated zstd frames; ending inside a frame raises ``ZstdError``."""
+class _ZstdReader(_Reader):
+    """Decompresses concatenated zstd frames; ending inside a frame raises ``ZstdError``
+    (zstandard's own stream_reader ends silently there)."""
 
     def __init__(self, raw: io.RawIOBase):
         self._raw = raw
@@ -539,9 +529,6 @@ class ZstdReader(io.RawIOBase):
         self._obj = self._dctx.decompressobj()
         self._in_frame = False
         self._pending = memoryview(b"")
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: Any) -> int:
         while not self._pending:
@@ -631,20 +618,16 @@ def array_items(stream: Any) -> Iterator[bytes]:
         yield rest  # an unterminated array: the partial element is reported as bad
 
 
-class _CrToLf(io.RawIOBase):
+class _CrToLf(_Reader):
     """Reads a stream whose lines end with CR alone as if they ended with LF."""
 
     def __init__(self, stream: Any):
-        self._stream = stream
-
-    def readable(self) -> bool:
-        return True
+        self._raw = stream
 
     def readinto(self, buffer: Any) -> int:
-        data = self._stream.read(len(buffer))
-        n = len(data)
-        buffer[:n] = data.replace(b"\r", b"\n")
-        return n
+        data = self._raw.read(len(buffer))
+        buffer[: len(data)] = data.replace(b"\r", b"\n")
+        return len(data)
 
 
 def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
@@ -655,15 +638,12 @@ def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
     return layout, array_items(stream) if layout == "array" else iter(stream)
 
 
-class _TimedReader(io.RawIOBase):
+class _TimedReader(_Reader):
     """Adds the CPU time of each chunk read to the ``read`` stage."""
 
     def __init__(self, raw: Any, times: StageTimes):
         self._raw = raw
         self._times = times
-
-    def readable(self) -> bool:
-        return True
 
     def readinto(self, buffer: Any) -> int:
         with self._times.cpu("read"):
@@ -671,39 +651,29 @@ class _TimedReader(io.RawIOBase):
 
 
 def _open_lines(raw: HashingReader, fmt: str, times: StageTimes | None = None) -> io.BufferedIOBase:
-    timed: Any = raw if times is None else _TimedReader(raw, times)
-    if fmt in ("jsonl", "json"):
-        return io.BufferedReader(timed, buffer_size=READ_CHUNK)
-    if fmt == "jsonl.zst":
-        zstd: Any = ZstdReader(raw) if times is None else _TimedReader(ZstdReader(raw), times)
-        return io.BufferedReader(zstd, buffer_size=READ_CHUNK)
+    source: Any = _ZstdReader(raw) if fmt == "jsonl.zst" else raw
+    if times is not None:
+        source = _TimedReader(source, times)
     if fmt == "json.gz":  # gzip reads the raw stream itself: its decompression counts as "parse"
-        return gzip.GzipFile(fileobj=timed, mode="rb")  # type: ignore[return-value]
-    raise SourceError(f"format {fmt!r} is not line-based")
+        return gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[return-value]
+    return io.BufferedReader(source, buffer_size=READ_CHUNK)
 
 
+@dataclass
 class _Batcher:
     """Collects valid texts into batches; routes bad records to the callback or raises."""
 
-    def __init__(
-        self,
-        relpath: str,
-        batch_docs: int,
-        on_error: str,
-        on_bad: BadRecordCallback | None,
-        on_corrupt: CorruptFileCallback | None = None,
-    ):
-        self.relpath = relpath
-        self.batch_docs = batch_docs
-        self.on_error = on_error
-        self.on_bad = on_bad
-        self.on_corrupt = on_corrupt
-        self.kind = "text"
-        self.format = ""
-        self.on_layout: Callable[[str], None] | None = None
-        self.texts: list[str] = []
-        self.records: list[int] = []
-        self.chars = 0
+    relpath: str
+    batch_docs: int
+    on_error: str
+    on_bad: BadRecordCallback | None
+    on_corrupt: CorruptFileCallback | None
+    kind: str  # "text": a string field; "chat": a list of {role, content} messages
+    format: str  # the file's, or ARRAY_LAYOUT once a JSON array is found
+    on_layout: Callable[[str], None] | None
+    texts: list[Any] = field(default_factory=list)
+    records: list[int] = field(default_factory=list)
+    chars: int = 0
 
     def bad(self, index: int, reason: str, raw: bytes | str) -> None:
         excerpt = _excerpt(raw)
@@ -828,56 +798,44 @@ def _iter_lines(
 def _iter_parquet(
     file: InputFile, batcher: _Batcher, text_field: str, part: InputSlice
 ) -> Iterator[TextBatch]:
-    try:
-        handle = open_input(file)
-    except OSError as err:  # as an unreadable footer: reported, not raised
-        message = f"{file.relpath}: not a readable parquet file: {err}"
-        batcher.corrupt(part.first_record, 0, message, err)
-        return
-    with handle:
-        yield from _iter_parquet_file(file, handle, batcher, text_field, part)
-
-
-def _iter_parquet_file(
-    file: InputFile, handle: BinaryIO, batcher: _Batcher, text_field: str, part: InputSlice
-) -> Iterator[TextBatch]:
     import pyarrow as pa
     import pyarrow.parquet as pq
 
     row = part.first_record
-    try:
-        pf = pq.ParquetFile(handle)
-    except Exception as err:  # pyarrow raises several types for a bad footer
-        batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
-        return
-    names = pf.schema_arrow.names
-    groups = list(part.row_groups) if part.row_groups is not None else None
-    if text_field not in names:  # every row lacks the field: bad records, as in jsonl
-        reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
-        meta = pf.metadata
-        n_rows = sum(meta.row_group(g).num_rows for g in (groups or range(meta.num_row_groups)))
-        for row in range(part.first_record, part.first_record + n_rows):
-            batcher.bad(row, reason, f"columns: {', '.join(names)}")
-        return
-    batches = pf.iter_batches(
-        batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
-    )
-    while True:
-        try:
-            record_batch = next(batches, None)
-        except (pa.ArrowException, OSError) as err:
-            message = f"{file.relpath}: cannot read parquet data at row {row}: {err}"
-            batcher.corrupt(row, 0, message, err)
-            break
-        if record_batch is None:
-            break
-        for value in record_batch.column(0).to_pylist():
-            text, reason = _validate({text_field: value}, text_field, batcher.kind)
-            if reason is not None:
-                batcher.bad(row, reason, repr(value))
-            else:
-                yield from batcher.add(row, text)  # type: ignore[arg-type]
-            row += 1
+    with contextlib.ExitStack() as stack:
+        try:  # an unopenable file is reported as an unreadable footer is, not raised
+            pf = pq.ParquetFile(stack.enter_context(open_input(file)))
+        except Exception as err:  # pyarrow raises several types for a bad footer
+            batcher.corrupt(row, 0, f"{file.relpath}: not a readable parquet file: {err}", err)
+            return
+        names = pf.schema_arrow.names
+        groups = list(part.row_groups) if part.row_groups is not None else None
+        if text_field not in names:  # every row lacks the field: bad records, as in jsonl
+            reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+            meta = pf.metadata
+            n_rows = sum(meta.row_group(g).num_rows for g in (groups or range(meta.num_row_groups)))
+            for row in range(part.first_record, part.first_record + n_rows):
+                batcher.bad(row, reason, f"columns: {', '.join(names)}")
+            return
+        batches = pf.iter_batches(
+            batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
+        )
+        while True:
+            try:
+                record_batch = next(batches, None)
+            except (pa.ArrowException, OSError) as err:
+                message = f"{file.relpath}: cannot read parquet data at row {row}: {err}"
+                batcher.corrupt(row, 0, message, err)
+                break
+            if record_batch is None:
+                break
+            for value in record_batch.column(0).to_pylist():
+                text, reason = _validate({text_field: value}, text_field, batcher.kind)
+                if reason is not None:
+                    batcher.bad(row, reason, repr(value))
+                else:
+                    yield from batcher.add(row, text)  # type: ignore[arg-type]
+                row += 1
     batch = batcher.flush()
     if batch is not None:
         yield batch
@@ -905,7 +863,7 @@ def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
                     for key, value in obj.items():
                         fields.setdefault(str(key), type(value).__name__)
     except Exception:  # a hint only: the build already reported what is wrong with the file
-        return fields
+        pass
     return fields
 
 
@@ -1016,10 +974,8 @@ def iter_text_batches(
         SourceError: the file cannot be opened, or is damaged and not skipped.
     """
     part = part or InputSlice()
-    batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt)
-    batcher.kind = kind  # "text": a string field; "chat": a list of {role, content} messages
-    batcher.format = file.format
-    batcher.on_layout = on_layout
+    batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt, kind, file.format,
+                       on_layout)  # fmt: skip
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
         if part.whole:
