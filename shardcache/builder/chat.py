@@ -326,11 +326,7 @@ class ChatEncoder:
         self.hf = text.hf
         self.dtype = text.dtype
         self.eos_id = text.eos_id
-        self.pad_id = text.pad_id
         self.backend = text.backend
-        self.backend_json = text.backend_json
-        self.backend_truncation = text.backend_truncation
-        self.backend_padding = text.backend_padding
         self.bos_id = _bos_added_by_post_processor(text)
         self.unk_id = getattr(text.hf, "unk_token_id", None)
         specials = set(getattr(text.hf, "all_special_ids", []) or [])

@@ -2,7 +2,7 @@
 
 :class:`~shardcache.builder.tokenize.TextEncoder` (text) and
 :class:`~shardcache.builder.chat.ChatEncoder` (conversations) share the :data:`Encoder`
-protocol; :func:`encoder_spec` / :func:`encoder_from_spec` carry one to workers as JSON.
+protocol; :func:`encoder_spec` / :func:`encoder_in_worker` carry one to workers as JSON.
 """
 
 from __future__ import annotations
@@ -57,16 +57,6 @@ def encoder_spec(encoder: Encoder) -> dict[str, Any]:
     return {"kind": "text", "text": encoder.spec()}
 
 
-def encoder_from_spec(spec: dict[str, Any]) -> Encoder:
-    """The encoder :func:`encoder_spec` describes, with the build's backend selection."""
-    if spec["kind"] == "chat":
-        chat = ChatEncoder(TextEncoder(TokenizeOptions(**spec["tokenize"])),
-                           ChatOptions(**spec["chat"]))  # fmt: skip
-        chat.text.use_fast(None, EncoderSelection(**spec["selection"]), chat.text.verify_fraction)
-        return chat
-    return TextEncoder.from_spec(spec["text"])
-
-
 _WORKER_ENCODERS: dict[str, Encoder] = {}
 
 
@@ -80,10 +70,14 @@ def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
         The encoder, with the backend the build's gate chose.
     """
     key = json.dumps(spec, sort_keys=True, default=str)
-    encoder = _WORKER_ENCODERS.get(key)
-    if encoder is None:
-        encoder = _WORKER_ENCODERS[key] = encoder_from_spec(spec)
-    return encoder
+    if key not in _WORKER_ENCODERS:
+        if spec["kind"] == "text":
+            _WORKER_ENCODERS[key] = TextEncoder.from_spec(spec["text"])
+        else:
+            text = TextEncoder(TokenizeOptions(**spec["tokenize"]))
+            text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
+            _WORKER_ENCODERS[key] = ChatEncoder(text, ChatOptions(**spec["chat"]))
+    return _WORKER_ENCODERS[key]
 
 
 def reference_only(encoder: Encoder) -> Encoder:

@@ -16,7 +16,7 @@ from typing import Any
 
 from shardcache.builder.encoders import make_encoder
 from shardcache.builder.sources import list_inputs
-from shardcache.builder.tokenizer_memo import ResolvedTokenizer, library_versions
+from shardcache.builder.tokenizer_memo import library_versions
 from shardcache.config import chat_options_from_mapping, tokenize_options_from_mapping
 from shardcache.store.files import read_memo, sha256_file, sha256_text, write_memo
 from shardcache.store.key import (
@@ -69,47 +69,22 @@ def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, paddin
     }
 
 
-def special_tokens_component(resolved: ResolvedTokenizer, end_id: int | None, pad_id: int) -> dict:
-    """The named special tokens with their ids, the additional ones, the end and pad ids."""
-    return {
-        "named": {name: list(pair) for name, pair in resolved.named_special.items()},
-        "additional": inline_value(list(resolved.additional_special)),
-        "end_id": end_id,
-        "pad_id": pad_id,
-    }
-
-
-def probe_set(special_strings: list[str], chat: str | None = None) -> dict[str, str]:
+def probe_set(encoder: Any) -> dict[str, str]:
     """The behaviour probe texts by name: :data:`PROBES`, the special tokens written in text,
     and a rendered conversation for chat builds."""
+    specials = getattr(encoder, "text", encoder).resolved.all_special
     probes = dict(PROBES)
-    if special_strings:
-        probes["special_tokens"] = " ".join(special_strings) + " x" + "".join(special_strings)
-    if chat is not None:
-        probes["chat"] = chat
+    if specials:
+        probes["special_tokens"] = " ".join(specials) + " x" + "".join(specials)
+    if hasattr(encoder, "probe_chat"):
+        probes["chat"] = encoder.probe_chat()
     return probes
 
 
 def probe_texts(encoder: Any) -> list[str]:
     """The behaviour probe texts of ``encoder``'s key (the encoder gate encodes them too)."""
-    specials = getattr(encoder, "text", encoder).resolved.all_special
-    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
-    probes = probe_set(specials, chat)
+    probes = probe_set(encoder)
     return [probes[n] for n in sorted(probes)]
-
-
-def behaviour_component(encode: Any, special_strings: list[str], chat: str | None = None) -> dict:
-    """Ids for the probe set through ``encode(list[str]) -> list[list[int]]``."""
-    probes = probe_set(special_strings, chat)
-    names = sorted(probes)
-    ids = encode([probes[n] for n in names])
-    return {"probes_sha256": sha256_text(canonical_json(probes)),
-            "ids": {n: inline_value(list(map(int, i))) for n, i in zip(names, ids)}}  # fmt: skip
-
-
-def truncation_component(max_length: int | None, strategy: str, side: str = "right") -> dict:
-    """The key component of the build's truncation options."""
-    return {"max_length": max_length, "strategy": strategy, "side": side}
 
 
 def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
@@ -123,17 +98,6 @@ def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
 def data_component_from_version(version: str) -> dict:
     """The data component of a corpus named by a version string instead of its files."""
     return {"mode": "version", "version": str(version)}
-
-
-def versions_component(tokenizer_class: str) -> dict:
-    """The key component of the library versions, format version and tokenizer class."""
-    versions = library_versions()  # package metadata: transformers is not imported
-    return {
-        "transformers": versions["transformers"],
-        "tokenizers": versions["tokenizers"],
-        "format_version": FORMAT_VERSION,
-        "tokenizer_class": tokenizer_class,
-    }
 
 
 #: Folder under ``$SHARDCACHE_CACHE_DIR`` of memoised tokenizer components.
@@ -193,20 +157,39 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     resolved = text.resolved  # what transformers resolved (or its memo): never ``text.hf``
     options = text.options
-    specials = resolved.all_special
-    chat = encoder.probe_chat() if hasattr(encoder, "probe_chat") else None
-    side = encoder.options.truncation_side if chat is not None else "right"
+    probes = probe_set(encoder)
+    names = sorted(probes)
+    # the reference (HF) encodes the probe: the key never depends on the backend
+    ids = text.encode_reference([probes[n] for n in names])
+    side = encoder.options.truncation_side if "chat" in probes else "right"
     component = getattr(text, "tokenizer_component", None)
+    versions = library_versions()  # package metadata: transformers is not imported
     return CacheKey(
         {
             "tokenizer": component if component is not None else text_component(text),
-            "special_tokens": special_tokens_component(resolved, text.eos_id, text.pad_id),
-            # the reference (HF) encodes the probe: the key never depends on the backend
-            "behaviour": behaviour_component(text.encode_reference, specials, chat),
+            "special_tokens": {
+                "named": {name: list(pair) for name, pair in resolved.named_special.items()},
+                "additional": inline_value(list(resolved.additional_special)),
+                "end_id": text.eos_id,
+                "pad_id": text.pad_id,
+            },
+            "behaviour": {
+                "probes_sha256": sha256_text(canonical_json(probes)),
+                "ids": {n: inline_value(list(map(int, i))) for n, i in zip(names, ids)},
+            },
             "template": encoder.template_component(),
-            "truncation": truncation_component(options.max_length, options.truncation, side),
+            "truncation": {
+                "max_length": options.max_length,
+                "strategy": options.truncation,
+                "side": side,
+            },
             "data": dict(data) if data is not None else None,
-            "versions": versions_component(resolved.class_name),
+            "versions": {
+                "transformers": versions["transformers"],
+                "tokenizers": versions["tokenizers"],
+                "format_version": FORMAT_VERSION,
+                "tokenizer_class": resolved.class_name,
+            },
         }
     )
 

@@ -23,7 +23,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, BinaryIO
 
@@ -240,7 +240,8 @@ def list_inputs(
     A link is listed under its own name; a file reached twice is listed once.
 
     Args:
-        specs: files, folders, globs, or URLs (all URLs or none).
+        specs: files, folders, globs, or URLs (all URLs or none; a URL ``relpath`` is
+            relative to the URLs' common prefix).
         exclude: folders to skip (the build's output); cache folders are always skipped.
 
     Returns:
@@ -251,7 +252,7 @@ def list_inputs(
         ConfigError: local paths and URLs are mixed.
     """
     if any(is_url(spec) for spec in specs):
-        return list_url_inputs(specs)
+        return _list_url_inputs(list(specs))
     excluded = frozenset(os.path.realpath(os.fspath(e)) for e in exclude)
     by_target: dict[str, str] = {}
     for spec in specs:
@@ -285,20 +286,8 @@ def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
     return 0
 
 
-def list_url_inputs(specs: Iterable[str]) -> list[InputFile]:
-    """List URL inputs (objects, prefixes or globs) without reading them.
-
-    Args:
-        specs: URLs.
-
-    Returns:
-        Input files whose ``relpath`` is relative to the URLs' common prefix.
-
-    Raises:
-        ConfigError: a spec is a local path.
-        SourceError: a spec matches no object or has an unknown format.
-    """
-    specs = list(specs)
+def _list_url_inputs(specs: list[str]) -> list[InputFile]:
+    """:func:`list_inputs` for URLs (objects, prefixes or globs), none of them read."""
     found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in specs:
         if not is_url(spec):
@@ -978,10 +967,8 @@ def iter_text_batches(
                        on_layout)  # fmt: skip
     if file.format == "parquet":
         yield from _iter_parquet(file, batcher, text_field, part)
-        if part.whole:
-            sha = sha256_input(file)
-            if digest is not None:
-                digest.sha256 = sha
+        if part.whole and digest is not None:
+            digest.sha256 = sha256_input(file)
         if on_bytes is not None:
             on_bytes(file.size if part.whole else 0)
         return
