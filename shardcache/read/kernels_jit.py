@@ -19,6 +19,7 @@ from numba import types
 from numba.extending import intrinsic
 
 from shardcache.read.collate import IGNORE_INDEX
+from shardcache.store.cache import NO_MASK
 
 BAD_SEGMENT = -1  # a segment outside its sequence
 BAD_SOURCE = -2  # a shard not open, or a read past its end
@@ -127,6 +128,19 @@ def _mask_labels(
         at = first + j
         if not (bits[at >> 3] >> (at & 7)) & 1:
             labels[j] = IGNORE_INDEX
+
+
+@_inline
+def _mask_bit(start: int, first: int, take: int, nbytes: int) -> int:  # pragma: no cover
+    """The first loss-mask bit of a segment from token ``first`` of a sequence whose bits
+    start at ``start`` (``NO_MASK``: it has none, returned as is), or -2 when the bits lie
+    outside the shard's ``nbytes``."""
+    if start == NO_MASK:
+        return NO_MASK
+    bit = start + first
+    if start < 0 or (bit + take + 7) >> 3 > nbytes:
+        return -2
+    return bit
 
 
 @_inline
@@ -254,10 +268,10 @@ def pack(
     """Packed batch ``index`` of the plan (``batch_offsets``, ``sample_ids``, ``seg_starts`` /
     ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
     ``seq_len`` slots (``wide``: uint32 shards, else uint16; ``mask_starts`` empty, or a chat
-    cache's loss masks: labels -100 where the bit is 0; ``source_offsets`` empty, or a
-    mixture's: ``sample_out`` / ``source_out`` as :func:`_write_sample` writes them). Returns
-    0 with ``info`` = (rows, segments including padding runs, longest segment, -, tokens
-    copied), NEED_SHARD, or an error code."""
+    cache's loss masks: labels -100 where the bit is 0, none for a sequence at ``NO_MASK``;
+    ``source_offsets`` empty, or a mixture's: ``sample_out`` / ``source_out`` as
+    :func:`_write_sample` writes them). Returns 0 with ``info`` = (rows, segments including
+    padding runs, longest segment, -, tokens copied), NEED_SHARD, or an error code."""
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     if len(row_offsets):
@@ -300,8 +314,8 @@ def pack(
         where[k - lo] = addresses[s] + src * itemsize
         takes[k - lo] = take
         if masked:
-            bit = mask_starts[sample] + first
-            if bit < 0 or (bit + take + 7) >> 3 > sizes[s] * itemsize:
+            bit = _mask_bit(mask_starts[sample], first, take, sizes[s] * itemsize)
+            if bit < NO_MASK:
                 return BAD_SOURCE
             mask_bits[k - lo] = bit
             bases[k - lo] = addresses[s]
@@ -337,7 +351,7 @@ def pack(
                 top = _copy_segment(values16, take, dst, ids_out, labels_out, positions_out)
             if top > max_id:
                 return BAD_ID
-            if masked:
+            if masked and mask_bits[k] != NO_MASK:
                 _mask_labels(bases[k], mask_bits[k], take, labels_out[dst : dst + take])
             dst += take
             _write_sample(sample_ids[lo + k], source_offsets, out, sample_out, source_out)
@@ -424,8 +438,8 @@ def pad(
         tokens += take
         width = max(width, take)
         if masked:
-            bit = mask_starts[sample]
-            if bit < 0 or (bit + take + 7) >> 3 > sizes[s] * itemsize:
+            bit = _mask_bit(mask_starts[sample], 0, take, sizes[s] * itemsize)
+            if bit < NO_MASK:
                 return BAD_SOURCE
             mask_bits[r] = bit
             bases[r] = addresses[s]
@@ -452,6 +466,8 @@ def pad(
         _write_sample(sample_ids[lo + r], source_offsets, r, sample_out, source_out)
     if masked:
         for r in range(num_rows):
+            if mask_bits[r] == NO_MASK:
+                continue
             row = r * width
             _mask_labels(bases[r], mask_bits[r], takes[r], labels_out[row : row + takes[r]])
     info[0] = num_rows

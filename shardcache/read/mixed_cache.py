@@ -20,9 +20,11 @@ the mixture's), kept in step with the sources' own tables: :meth:`MixedCache.ope
 opens a shard through its source and copies that source's addresses (and the row starts of
 shards it sees for the first time) into the combined table, and every :meth:`gather`, which
 may open and close shards of any source, does the same for all sources afterwards. So between
-calls the combined table never holds the address of a closed shard. Sources whose shards are
-compressed, of another token type, or a mix of chat and plain-text caches, have no table
-(None): their batches are built on the numpy path.
+calls the combined table never holds the address of a closed shard. When chat and
+plain-text sources mix, the plain-text sequences' loss-mask starts are
+:data:`~shardcache.store.cache.NO_MASK` (every token has a loss). Sources whose shards are
+compressed or of another token type have no table (None): their batches are built on the
+numpy path.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ import numpy as np
 
 from shardcache.errors import CacheKeyMismatch
 from shardcache.read.mixture import MixtureIndex, MixtureTable, Source, solve_mixture
-from shardcache.store.cache import Cache, Gathered, MappedTable
+from shardcache.store.cache import NO_MASK, Cache, Gathered, MappedTable
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url
 from shardcache.store.shards import flat_ranges
@@ -179,15 +181,15 @@ class MixedCache:
 
     def mapped_table(self) -> MappedTable | None:
         """One table over every source's memory-mapped shards (see the module docstring), or
-        None when the numpy path must read (a compressed source, sources of other token types,
-        chat and plain-text sources together). The same object for the cache's life."""
+        None when the numpy path must read (a compressed source, sources of other token
+        types). The same object for the cache's life."""
         if self._table is not None:
             return self._table
         tables = [c.mapped_table() for c in self.caches]
         if any(t is None for t in tables):
             return None
         full = [t for t in tables if t is not None]
-        if len({t.dtype for t in full}) != 1 or len({c.has_mask for c in self.caches}) != 1:
+        if len({t.dtype for t in full}) != 1:
             return None
         counts = np.array([len(t.addresses) for t in full], dtype=np.int64)
         self._shard_offsets = np.zeros(len(full) + 1, dtype=np.int64)
@@ -209,7 +211,7 @@ class MixedCache:
             self.lengths,
             full[0].dtype,
             min(t.max_id for t in full),
-            np.zeros(samples if self.has_mask else 0, dtype=np.int64),
+            np.full(samples if self.has_mask else 0, NO_MASK, dtype=np.int64),
         )
         for s in range(len(full)):
             self._sync(s)
@@ -228,7 +230,7 @@ class MixedCache:
         for shard in new.tolist():
             a, b = int(own.shard_starts[shard]), int(own.shard_starts[shard + 1])
             table.file_starts[base + a : base + b] = own.file_starts[a:b]
-            if len(table.mask_starts):
+            if len(own.mask_starts):  # (a plain-text source's stay NO_MASK)
                 table.mask_starts[base + a : base + b] = own.mask_starts[a:b]
             self._copied[lo + shard] = True
 

@@ -159,6 +159,11 @@ class Gathered:
         return self.offsets[1:] - self.offsets[:-1]
 
 
+#: A :class:`MappedTable` ``mask_starts`` entry of a sequence without a loss mask (every token
+#: has a loss): a plain-text source's, in a mixture's table with chat sources.
+NO_MASK = -1
+
+
 @dataclass(frozen=True)
 class MappedTable:
     """The open memory-mapped shards of a cache by address, for a compiled reader.
@@ -167,10 +172,10 @@ class MappedTable:
     tokens (``dtype``) are the ``sizes[s]`` values at address ``addresses[s]`` (0: not open;
     :meth:`Cache.open_mapped` opens it). Sample ``i`` starts at value ``file_starts[i]`` of its
     shard and holds ``lengths[i]`` tokens; in a chat cache its loss mask is ``lengths[i]`` bits
-    from bit ``mask_starts[i]`` of the same file (empty otherwise). A reader advances
-    ``clock[0]`` once per batch and stamps ``last_used[s]`` for every shard it reads: the LRU
-    closes the least recently stamped. The reader checks the ids it copies against
-    ``max_id``. An address is valid until the next :meth:`Cache.open_mapped` or close, so no
+    from bit ``mask_starts[i]`` of the same file (``NO_MASK``: none; empty otherwise). A
+    reader advances ``clock[0]`` once per batch and stamps ``last_used[s]`` for every shard it
+    reads: the LRU closes the least recently stamped. The reader checks the ids it copies
+    against ``max_id``. An address is valid until the next :meth:`Cache.open_mapped` or close, so no
     Python code may run between reading an address and copying from it.
     """
 

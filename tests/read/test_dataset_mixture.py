@@ -365,24 +365,35 @@ def test_the_compiled_reader_writes_source_ids_itself(caches, extra, monkeypatch
         assert ((meta["source_ids"] == -1) == (meta["sample_ids"] == -1)).all()
 
 
-def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(tmp_path, chatml_tokenizer_dir):
-    """A chat cache (loss on assistant turns) and a plain-text cache of one tokenizer: each
-    row's labels follow its own source (the chat mask; every token of plain text)."""
+@pytest.fixture(scope="module")
+def chat_and_text(tmp_path_factory, chatml_tokenizer_dir) -> tuple[str, str]:
+    """A plain-text cache and a chat cache (loss on assistant turns) of one tokenizer."""
     from conftest import make_conversations
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
-    text = _build(tmp_path, "text", chatml_tokenizer_dir, 40, 5)
-    chats = tmp_path / "chats"
+    root = tmp_path_factory.mktemp("chat-and-text")
+    text = _build(root, "text", chatml_tokenizer_dir, 40, 5)
+    chats = root / "chats"
     chats.mkdir()
     records = [{"messages": m} for m in make_conversations(30, seed=4)]
     write_records(str(chats / "c.jsonl"), records, "jsonl")
-    chat = str(tmp_path / "chat")
+    chat = str(root / "chat")
     values = {"input": str(chats), "tokenizer": chatml_tokenizer_dir, "output": chat,
               "workers": 1, "chat": True, "max_length": 64, "truncation": "truncate"}  # fmt: skip
     build_cache(build_options_from_mapping(values))
+    return text, chat
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["kernels", "numpy"])
+def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(chat_and_text, compiled):
+    """A chat cache (loss on assistant turns) and a plain-text cache of one tokenizer: each
+    row's labels follow its own source (the chat mask; every token of plain text), on the
+    compiled and the numpy path."""
+    text, chat = chat_and_text
     ds = ShardDataset([Source(text, weight=0.5), Source(chat, weight=0.5)], 256, seed=1)
-    assert not ds.reads_compiled  # chat and plain text together: the numpy path
+    ds.kernels = compiled
+    assert ds.reads_compiled == compiled
     opened = [open_cache(text), open_cache(chat)]
     seen = set()
     for batch in ds:
@@ -393,6 +404,29 @@ def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(tmp_path, cha
             assert np.array_equal(labels, np.where(mask, ids, -100))
             seen.add(s)
     assert seen == {0, 1}
+
+
+@pytest.mark.parametrize("open_shards", [256, 1])
+@pytest.mark.parametrize("extra", [{}, PACKED, CONCAT], ids=["pad", "best_fit", "concat"])
+def test_chat_and_plain_text_sources_give_the_numpy_paths_batches_compiled(
+    chat_and_text, extra, open_shards, monkeypatch
+):
+    from conftest import assert_batches_equal
+    from shardcache.read import dataset as dataset_module
+
+    monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
+    sources = [Source(p, weight=0.5) for p in chat_and_text]
+    compiled = ShardDataset(sources, 256, seed=6, **extra)
+    numpy_path = ShardDataset(sources, 256, seed=6, **extra)
+    numpy_path.kernels = False
+    assert compiled.reads_compiled
+    for epoch in range(2):
+        compiled.set_epoch(epoch)
+        numpy_path.set_epoch(epoch)
+        got, want = _batches(compiled), _batches(numpy_path)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert_batches_equal(a, b)
 
 
 def test_a_closed_mixture_forgets_its_shards_and_the_dataset_reopens_it(caches):
