@@ -23,7 +23,7 @@ from shardcache.builder.backends import (
 from shardcache.builder.build_plan import BuildPlan
 from shardcache.builder.chunking import HUGE_CHARS
 from shardcache.builder.key_computation import probe_texts
-from shardcache.builder.sources import iter_text_batches
+from shardcache.builder.sources import InputSlice, iter_text_batches
 from shardcache.config import BuildOptions
 from shardcache.errors import SourceError
 
@@ -46,29 +46,33 @@ def corpus_sample(
     texts: list[str] = []
     chars_per_partition = max_chars // len(chosen)
     for partition in chosen:
-        batches = iter_text_batches(
-            partition.file,
-            text_field=options.source.text_field,
-            batch_docs=per_partition,
-            on_error="skip",
-            part=partition.span,
-            on_corrupt=lambda *args: None,
-        )
-        try:
-            for batch in batches:
-                chars = 0
-                for text in batch.texts[: limit - len(texts)]:
-                    if len(text) > HUGE_CHARS:
-                        continue  # HF encodes huge documents in the build, never the fast one
-                    if chars and chars + len(text) > chars_per_partition:
-                        break
-                    texts.append(text)
-                    chars += len(text)
+        chars, taken = 0, 0  # of this partition (a group: its first files' documents)
+        for k, file in enumerate(partition.files[:per_partition]):
+            batches = iter_text_batches(
+                file,
+                text_field=options.source.text_field,
+                batch_docs=per_partition - taken,
+                on_error="skip",
+                part=partition.span if k == 0 else InputSlice(),
+                on_corrupt=lambda *args: None,
+            )
+            try:
+                for batch in batches:
+                    for text in batch.texts[: limit - len(texts)]:
+                        if len(text) > HUGE_CHARS:
+                            continue  # HF encodes huge documents in the build, never the fast one
+                        if chars and chars + len(text) > chars_per_partition:
+                            break
+                        texts.append(text)
+                        chars += len(text)
+                        taken += 1
+                    break
+            except SourceError:
+                pass  # the build itself reports the unreadable input
+            finally:
+                batches.close()
+            if taken >= per_partition or len(texts) >= limit:
                 break
-        except SourceError:
-            pass  # the build itself reports the unreadable input
-        finally:
-            batches.close()
         if len(texts) >= limit:
             break
     return texts

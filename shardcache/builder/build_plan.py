@@ -1,6 +1,7 @@
 """The build plan: what a build will do, which part of it a process runs, what it did.
 
-Partitions have stable ids ``p00000``... in (file, position) order; the plan, split files'
+Partitions have stable ids ``p00000``... in (file, position) order: a large file is cut into
+slices, consecutive small files are gathered into one partition; the plan, split files'
 sha256 and an options/inputs fingerprint are written to ``parts/build.json`` before any
 partition runs. A recorded plan with the same fingerprint is resumed (completed partitions
 are kept); another fingerprint is refused unless ``--force``. Resume deletes nothing: the
@@ -36,19 +37,35 @@ from shardcache.store.layout import (
 from shardcache.store.shards import ShardInfo
 from shardcache.store.storage import Storage
 
+#: Files smaller than ``partition_size / GROUP_DIVISOR`` are gathered into partitions of up to
+#: that many bytes: a partition's fixed cost (threads, shard and record files, fsyncs) is then
+#: paid once per group, not per tiny file, while files of mid size keep a partition each (and
+#: a corpus of them its parallelism).
+GROUP_DIVISOR = 16
+
 
 @dataclass(frozen=True)
 class Partition:
-    """A unit of map work with a stable id: one input file or a slice of one."""
+    """A unit of map work with a stable id: one input file, a slice of one, or consecutive
+    small whole files (``file`` then ``more``, read in that order)."""
 
     id: str
     file: InputFile
     span: InputSlice = field(default_factory=InputSlice)
     nbytes: int = 0  # input bytes it reads (progress, scheduling)
+    more: tuple[InputFile, ...] = ()  # further whole files after ``file`` (a group)
+
+    @property
+    def files(self) -> tuple[InputFile, ...]:
+        """The input files it reads, in order."""
+        return (self.file, *self.more)
 
     def to_json(self) -> dict[str, Any]:
-        return {"id": self.id, "source": self.file.relpath, "nbytes": self.nbytes,
+        data = {"id": self.id, "source": self.file.relpath, "nbytes": self.nbytes,
                 **self.span.to_json()}  # fmt: skip
+        if self.more:
+            data["sources"] = [f.relpath for f in self.files]
+        return data
 
 
 @dataclass
@@ -130,6 +147,16 @@ class PartitionResult:
     encoding: dict[str, Any] = field(default_factory=dict)
     #: CPU seconds per stage: reported, never recorded (bytes never depend on timing).
     timings: dict[str, float] = field(default_factory=dict)
+    #: A group's input files in order, each ``{"source", "sha256", "documents",
+    #: "bad_records"}`` (empty for a one-file partition: ``source`` and ``sha256`` say it).
+    files: list[dict[str, Any]] = field(default_factory=list)
+
+    def per_file(self) -> list[dict[str, Any]]:
+        """Each input file's ``{"source", "sha256", "documents", "bad_records"}``, in order."""
+        if self.files:
+            return self.files
+        return [{"source": self.source, "sha256": self.sha256, "documents": self.stats.documents,
+                 "bad_records": sum(self.bad_records.values())}]  # fmt: skip
 
     def to_message(self) -> dict[str, Any]:
         """:meth:`to_json` with the timings (what a worker sends back to the build)."""
@@ -137,7 +164,7 @@ class PartitionResult:
 
     def to_json(self) -> dict[str, Any]:
         """The completion record ``parts/<id>.json`` (without timings)."""
-        return {
+        data = {
             "partition": self.partition,
             "source": self.source,
             "sha256": self.sha256,
@@ -148,6 +175,9 @@ class PartitionResult:
             "lint": dict(sorted(self.lint.items())),
             "encoding": self.encoding,
         }
+        if self.files:
+            data["files"] = self.files
+        return data
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PartitionResult:
@@ -162,6 +192,7 @@ class PartitionResult:
             lint=dict(data.get("lint", {})),
             encoding=dict(data.get("encoding", {})),
             timings=dict(data.get("timings", {})),
+            files=[dict(f) for f in data.get("files", [])],
         )
 
 
@@ -206,7 +237,9 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
         inputs: the listed inputs (default: listed from ``options``).
 
     Returns:
-        The plan (every file that is split is read once, to hash and cut it).
+        The plan: files over ``partition_size`` cut into slices (each such file is read once,
+        to hash and cut it), consecutive files under ``partition_size / GROUP_DIVISOR``
+        gathered into partitions of up to that many bytes, every other file a partition.
 
     Raises:
         SourceError: an input cannot be listed or read.
@@ -218,7 +251,28 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
     )
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
+    group_bytes = options.partition_size_bytes // GROUP_DIVISOR
+    group: list[InputFile] = []  # consecutive small files not yet in a partition
+    grouped = 0  # their bytes
+
+    def add(file: InputFile, span: InputSlice, nbytes: int, more: list[InputFile]) -> None:
+        partitions.append(Partition(f"p{len(partitions):05d}", file, span, nbytes, tuple(more)))
+
+    def close_group() -> None:
+        nonlocal grouped
+        if group:
+            add(group[0], InputSlice(), grouped, group[1:])
+            group.clear()
+            grouped = 0
+
     for f in inputs:
+        if f.size < group_bytes:
+            if grouped + f.size > group_bytes:
+                close_group()
+            group.append(f)
+            grouped += f.size
+            continue
+        close_group()
         spans, sha = split_input(f, options.partition_size_bytes)
         if sha:
             hashes[f.relpath] = sha
@@ -227,7 +281,8 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
                 nbytes = f.size // len(spans) + (f.size % len(spans) if k == 0 else 0)
             else:
                 nbytes = (span.end if span.end is not None else f.size) - span.start
-            partitions.append(Partition(f"p{len(partitions):05d}", f, span, nbytes))
+            add(f, span, nbytes, [])
+    close_group()
     edges = effective_edges(options.layout.bucket_edges, options.tokenize.max_length)
     fingerprint = fingerprint_of(options, inputs)
     return BuildPlan(options, inputs, partitions, edges, hashes, fingerprint)
@@ -253,10 +308,11 @@ def plan_from_json(
         KeyError: a recorded partition's source is not among ``inputs``.
     """
     by_path = {f.relpath: f for f in inputs}
-    partitions = [
-        Partition(p["id"], by_path[p["source"]], InputSlice.from_json(p), int(p["nbytes"]))
-        for p in state["partitions"]
-    ]
+    partitions = []
+    for p in state["partitions"]:
+        files = [by_path[s] for s in p.get("sources") or [p["source"]]]
+        partitions.append(Partition(p["id"], files[0], InputSlice.from_json(p), int(p["nbytes"]),
+                                    tuple(files[1:])))  # fmt: skip
     edges = effective_edges(options.layout.bucket_edges, options.tokenize.max_length)
     hashes = dict(state["sha256"])
     return BuildPlan(options, inputs, partitions, edges, hashes, state["fingerprint"])

@@ -116,11 +116,12 @@ def commit(
         for r in results:
             stats.add(r.stats)
             bad.update(r.bad_records)
-            entry = per_file.setdefault(r.source, {"sha256": "", "documents": 0,
-                                                   "bad_records": 0})  # fmt: skip
-            entry["sha256"] = entry["sha256"] or r.sha256
-            entry["documents"] += r.stats.documents
-            entry["bad_records"] += sum(r.bad_records.values())
+            for part in r.per_file():
+                entry = per_file.setdefault(part["source"], {"sha256": "", "documents": 0,
+                                                             "bad_records": 0})  # fmt: skip
+                entry["sha256"] = entry["sha256"] or part["sha256"]
+                entry["documents"] += part["documents"]
+                entry["bad_records"] += part["bad_records"]
         check_bad_records(plan, stats, bad)
         layout = options.layout
         groups = plan_compaction(out, results, layout.shard_size_bytes, encoder.dtype.itemsize)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import itertools
 import json
 import os
 import time
@@ -26,6 +27,9 @@ from shardcache.builder.fault_points import fault_point
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import (
     FileDigest,
+    InputFile,
+    InputSlice,
+    TextBatch,
     check_unchanged,
     input_changed,
     iter_text_batches,
@@ -81,10 +85,12 @@ class _BadLog:
         self.path = path
         self.file = open(path, "w", encoding="utf-8")  # noqa: SIM115 - closed by close()
         self.counts: Counter[str] = Counter()
+        self.per_source: Counter[str] = Counter()
         self.corrupt: list[dict[str, Any]] = []
 
     def add(self, entry: dict[str, Any]) -> None:
         self.counts[entry["reason"]] += 1
+        self.per_source[entry["source"]] += 1
         if entry["reason"] == "corrupt_file":
             self.corrupt.append({k: v for k, v in entry.items() if k != "reason"})
         self.file.write(json.dumps(entry, ensure_ascii=False) + "\n")
@@ -93,14 +99,17 @@ class _BadLog:
         self.file.close()
 
 
-def merge_bad_logs(path: str, logs: list[str]) -> None:
-    """Merge record-ordered quarantine logs into ``path`` by record (streaming; the logs are
-    removed). A record is in at most one log, so the order is total."""
+def merge_bad_logs(path: str, logs: list[str], sources: list[str] | None = None) -> None:
+    """Merge quarantine logs ordered by (file in ``sources``, record) into ``path`` in that
+    order (streaming; the logs are removed). A record is in at most one log, so the order is
+    total. ``sources``: the partition's files in order (default: entries of one file)."""
+    order = {source: k for k, source in enumerate(sources or [])}
 
-    def lines(log: str) -> Iterator[tuple[int, str]]:
+    def lines(log: str) -> Iterator[tuple[tuple[int, int], str]]:
         with open(log, encoding="utf-8") as f:
             for line in f:
-                yield json.loads(line)["record"], line
+                entry = json.loads(line)
+                yield (order.get(entry["source"], 0), entry["record"]), line
 
     tmp = path + ".tmp"
     with open(tmp, "w", encoding="utf-8") as out:
@@ -111,14 +120,13 @@ def merge_bad_logs(path: str, logs: list[str]) -> None:
         os.remove(log)
 
 
-def check_read(plan: BuildPlan, partition: Partition, digest: FileDigest) -> None:
-    """Check that the partition read the bytes the plan described (size, mtime, range and,
-    when the plan hashed them, sha256).
+def check_read(plan: BuildPlan, file: InputFile, span: InputSlice, digest: FileDigest) -> None:
+    """Check that a partition read the bytes the plan described of ``file`` (size, mtime,
+    ``span`` and, when the plan hashed them, sha256).
 
     Raises:
         SourceError: the input changed since it was planned.
     """
-    file, span = partition.file, partition.span
     check_unchanged(file, "while this partition read it")
     if file.format != "parquet":
         expected = (file.size if span.end is None else span.end) - span.start
@@ -266,7 +274,8 @@ def map_partition(
         SourceError: the input changed since it was planned.
         BadRecordError: a bad record under ``--on-error fail``.
     """
-    check_unchanged(partition.file, "between the plan and this partition's read")
+    for file in partition.files:
+        check_unchanged(file, "between the plan and this partition's read")
     options = plan.options
     out = options.output
     stats = TruncationStats()
@@ -276,27 +285,19 @@ def map_partition(
     reader_bad = _BadLog(quarantine_path + ".reader.tmp")
     template_bad = _BadLog(quarantine_path + ".template.tmp")
     batch_failures: list[dict[str, Any]] = []
-    relpath = partition.file.relpath
-    positions = {"format": partition.file.format}  # "json-array": records are array items
-
-    def on_layout(layout: str) -> None:
-        positions["format"] = layout
-
-    def on_bad(record: int, reason: str, excerpt: str) -> None:  # reader thread
-        reader_bad.add({"source": relpath, "record": record,
-                        **position_fields(positions["format"], record),
-                        "reason": reason, "excerpt": excerpt})  # fmt: skip
+    # per file: "json-array" once a file turns out to hold one array (records are its items)
+    formats = {f.relpath: f.format for f in partition.files}
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
-        record = int(batch.records[doc])
+        record, relpath = int(batch.records[doc]), batch.source
         if options.source.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: {record_position(positions['format'], record)} cannot be used "
+                f"{relpath}: {record_position(formats[relpath], record)} cannot be used "
                 f"({reason}: {detail}); fix the input or the chat template, or build with "
                 "--on-error skip to quarantine such records"
             )
         batch_failures.append({"source": relpath, "record": record,
-                               **position_fields(positions["format"], record),
+                               **position_fields(formats[relpath], record),
                                "reason": reason, "excerpt": detail})  # fmt: skip
 
     def write_batch_failures() -> None:  # this thread: one batch's failures, in record order
@@ -304,16 +305,11 @@ def map_partition(
             template_bad.add(entry)
         batch_failures.clear()
 
-    def on_corrupt(record: int, offset: int, message: str) -> None:  # reader thread
-        position = position_fields(partition.file.format, record)
-        reader_bad.add({"source": relpath, "record": record, **position, "reason": "corrupt_file",
-                        "offset": offset, "excerpt": message})  # fmt: skip
-
     writers = [
         BucketWriter(
             out,
             partition.id,
-            relpath,
+            partition.file.relpath,
             bucket,
             encoder.dtype,
             options.layout.shard_size_bytes,
@@ -324,7 +320,8 @@ def map_partition(
     ]
     times = times or StageTimes()
     take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
-    digest = FileDigest()
+    digests = {f.relpath: FileDigest() for f in partition.files}
+    documents = Counter({f.relpath: 0 for f in partition.files})
     read_bytes = 0
 
     def on_bytes(n: int) -> None:
@@ -332,23 +329,48 @@ def map_partition(
         read_bytes += n
         progress.advance(n)
 
-    batches = iter_text_batches(
-        partition.file,
-        text_field=options.source.text_field,
-        batch_docs=options.batch_docs,
-        on_error=options.source.on_error,
-        on_bad=on_bad,
-        on_bytes=on_bytes,
-        digest=digest,
-        part=partition.span,
-        on_corrupt=on_corrupt,
-        kind="text" if options.chat is None else "chat",
-        on_layout=on_layout,
-        times=times,
+    def read(file: InputFile, span: InputSlice) -> Iterator[TextBatch]:  # reader thread
+        relpath = file.relpath
+
+        def on_layout(layout: str) -> None:
+            formats[relpath] = layout
+
+        def on_bad(record: int, reason: str, excerpt: str) -> None:
+            reader_bad.add({"source": relpath, "record": record,
+                            **position_fields(formats[relpath], record),
+                            "reason": reason, "excerpt": excerpt})  # fmt: skip
+
+        def on_corrupt(record: int, offset: int, message: str) -> None:
+            position = position_fields(file.format, record)
+            reader_bad.add({"source": relpath, "record": record, **position,
+                            "reason": "corrupt_file", "offset": offset,
+                            "excerpt": message})  # fmt: skip
+
+        yield from iter_text_batches(
+            file,
+            text_field=options.source.text_field,
+            batch_docs=options.batch_docs,
+            on_error=options.source.on_error,
+            on_bad=on_bad,
+            on_bytes=on_bytes,
+            digest=digests[relpath],
+            part=span,
+            on_corrupt=on_corrupt,
+            kind="text" if options.chat is None else "chat",
+            on_layout=on_layout,
+            times=times,
+        )
+
+    batches = itertools.chain.from_iterable(
+        read(file, partition.span if k == 0 else InputSlice())
+        for k, file in enumerate(partition.files)
     )
     try:
         for batch, ids in encode_ahead(encoder, batches, times=times):
             check_parent()
+            for writer in writers:  # the file of the rows added next
+                writer.source = batch.source
+            kept_before = stats.documents
             original = batch
             batch, ids, failures = drop_failures(batch, ids)
             for doc, detail in failures:  # records the tokenizer failed on alone
@@ -379,6 +401,7 @@ def map_partition(
                         encoded.piece[rows],
                         None if encoded.mask is None else encoded.mask[token_rows],
                     )
+            documents[batch.source] += stats.documents - kept_before
             progress.update(len(batch.texts), int(encoded.lengths.sum()))
             fault_point("batch")
         with times.cpu("write"):
@@ -387,12 +410,17 @@ def map_partition(
     finally:
         reader_bad.close()
         template_bad.close()
-    check_read(plan, partition, digest)  # before anything of this partition is final
+    for k, file in enumerate(partition.files):  # before anything of this partition is final
+        check_read(plan, file, partition.span if k == 0 else InputSlice(), digests[file.relpath])
     if read_bytes < partition.nbytes:  # compressed/parquet readers report approximately
         progress.advance(partition.nbytes - read_bytes)
     bad = reader_bad.counts + template_bad.counts
+    bad_per_file = reader_bad.per_source + template_bad.per_source
     corrupt = reader_bad.corrupt
-    merge_bad_logs(quarantine_path, [reader_bad.path, template_bad.path])
+    sources = [f.relpath for f in partition.files]
+    per_file = [{"source": s, "sha256": digests[s].sha256, "documents": documents[s],
+                 "bad_records": bad_per_file[s]} for s in sources]  # fmt: skip
+    merge_bad_logs(quarantine_path, [reader_bad.path, template_bad.path], sources)
     shards = [s for w in writers for s in w.shards]
     lengths = [arr for w in writers for arr in w.lengths]
     write_npy_atomic(
@@ -401,12 +429,13 @@ def map_partition(
     )
     result = PartitionResult(
         partition=partition.id,
-        source=relpath,
-        sha256=digest.sha256,
+        source=partition.file.relpath,
+        sha256=digests[partition.file.relpath].sha256,
         shards=shards,
         stats=stats,
         bad_records=dict(bad),
         corrupt=corrupt,
         lint=take_lint(encoder),
+        files=[] if not partition.more else per_file,
     )
     return result

@@ -481,6 +481,7 @@ class TextBatch:
 
     texts: list[str]
     records: np.ndarray  # int64, record index of each text in its file
+    source: str = ""  # the file's path relative to the corpus root
 
 
 def _excerpt(data: bytes | str, limit: int = 120) -> str:
@@ -700,7 +701,7 @@ class _Batcher:
     def flush(self) -> TextBatch | None:
         if not self.texts:
             return None
-        batch = TextBatch(self.texts, np.asarray(self.records, dtype=np.int64))
+        batch = TextBatch(self.texts, np.asarray(self.records, dtype=np.int64), self.relpath)
         self.texts, self.records, self.chars = [], [], 0
         return batch
 

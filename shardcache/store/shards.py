@@ -107,9 +107,10 @@ def arrow_numpy(array: pa.Array) -> np.ndarray:
 class ShardInfo:
     """One shard's manifest entry.
 
-    A partition's shard has its ``partition`` and ``source`` (input file); a merged shard
-    (:func:`merge_shards`) has neither but ``sources``: per joined shard, in row order,
-    ``{"partition", "source", "rows"}``.
+    A partition's shard has its ``partition`` and ``source`` (input file); a partition's shard
+    holding rows of several files has ``sources`` instead of ``source``, and a merged shard
+    (:func:`merge_shards`) has ``sources`` alone: in row order, ``{"partition", "source",
+    "rows"}`` runs.
     """
 
     name: str
@@ -145,7 +146,9 @@ class BucketWriter:
     Args:
         cache_dir: the cache folder (shards go to its ``shards/``).
         partition: the partition id (``p00042``), the first part of the shard names.
-        source: the input file, recorded per shard.
+        source: the input file of the sequences added next; :attr:`source` may change
+            between :meth:`add` calls (a partition of several files): a shard holding rows of
+            several files records their runs as ``sources``.
         bucket: the length bucket.
         dtype: the token type.
         shard_size_bytes: the token bytes after which a shard closes.
@@ -187,6 +190,8 @@ class BucketWriter:
         self._shard_tokens = 0
         self._shard_token_bytes = 0
         self._shard_lengths: list[np.ndarray] = []
+        self._pending_runs: list[list[Any]] = []  # [source, rows] of the pending rows
+        self._shard_runs: list[list[Any]] = []  # [source, rows] of the open shard's rows
 
     def _shard_name(self) -> str:
         if self.name is not None:
@@ -232,6 +237,7 @@ class BucketWriter:
             self._pending.append(
                 (tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut], mask[:n_tok])
             )
+            _add_run(self._pending_runs, self.source, cut)
             self._pending_bytes += n_tok * itemsize
             tokens, lengths, mask = tokens[n_tok:], lengths[cut:], mask[n_tok:]
             records, pieces = records[cut:], pieces[cut:]
@@ -247,6 +253,9 @@ class BucketWriter:
         pieces = np.concatenate([p[3] for p in self._pending])
         mask = np.concatenate([p[4] for p in self._pending]) if self.with_mask else None
         self._pending, self._pending_bytes = [], 0
+        for source, rows in self._pending_runs:
+            _add_run(self._shard_runs, source, rows)
+        self._pending_runs = []
         offsets = numpy_arrow(np.concatenate([[0], np.cumsum(lengths)]).astype(np.int32))
         columns = [
             pa.ListArray.from_arrays(offsets, numpy_arrow(tokens)),
@@ -282,16 +291,23 @@ class BucketWriter:
         self._sink.close()
         name = self._shard_name()
         size, sha256 = _finish_shard(self.cache_dir, name)
+        runs, self._shard_runs = self._shard_runs, []
         self.shards.append(
             ShardInfo(
                 name=name,
                 bucket=self.bucket,
                 partition=self.partition,
-                source=self.source,
+                source=runs[0][0] if len(runs) == 1 else None,
                 rows=self._shard_rows,
                 tokens=self._shard_tokens,
                 bytes=size,
                 sha256=sha256,
+                sources=None
+                if len(runs) == 1
+                else [
+                    {"partition": self.partition, "source": source, "rows": rows}
+                    for source, rows in runs
+                ],
             )
         )
         self.lengths.append(np.concatenate(self._shard_lengths).astype(np.uint32))
@@ -303,6 +319,14 @@ class BucketWriter:
         """Flush what is buffered and close the open shard."""
         self._write_batch()
         self._close_shard()
+
+
+def _add_run(runs: list[list[Any]], source: str, rows: int) -> None:
+    """Count ``rows`` more rows of ``source`` at the end of ``runs``."""
+    if runs and runs[-1][0] == source:
+        runs[-1][1] += rows
+    else:
+        runs.append([source, rows])
 
 
 def _finish_shard(cache_dir: str, name: str) -> tuple[int, str]:
