@@ -185,7 +185,8 @@ class PartitionResult:
             partition=data["partition"],
             source=data["source"],
             sha256=data["sha256"],
-            shards=[ShardInfo(**s) for s in data["shards"]],
+            # a shard of several files has ``sources`` instead of ``source`` (to_json drops None)
+            shards=[ShardInfo(**{"source": None, **s}) for s in data["shards"]],
             stats=TruncationStats(**data["stats"]),
             bad_records=dict(data["bad_records"]),
             corrupt=list(data.get("corrupt", [])),

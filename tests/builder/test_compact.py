@@ -21,6 +21,9 @@ from shardcache.config import build_options_from_mapping
 from shardcache.store.shards import ShardInfo
 
 SHARD = 4096  # bytes of tokens (uint16 here: 2048 tokens)
+#: Each file of :func:`many_files` a partition: over the 16 KiB under which files are grouped,
+#: within the size over which they are split.
+PARTITION_SIZE = "256KiB"
 
 
 def _info(tokens: int, k: int) -> ShardInfo:
@@ -51,7 +54,8 @@ def test_groups_join_consecutive_partial_shards_until_the_target(seed):
 
 @pytest.fixture()
 def many_files(tmp_path):
-    """Eight small input files (eight partitions), so every bucket has partial shards."""
+    """Eight small input files (eight partitions at :data:`PARTITION_SIZE`), so every bucket
+    has partial shards."""
     folder = tmp_path / "corpus"
     folder.mkdir()
     texts = {}
@@ -70,7 +74,8 @@ def _texts(n: int, seed: int) -> list[str]:
 
 def _build(inputs: str, tokenizer: str, out: str, **extra) -> str:
     values = {"input": inputs, "tokenizer": tokenizer, "output": out, "workers": 1,
-              "shard_size": SHARD, "buckets": "16,64", **extra}  # fmt: skip
+              "shard_size": SHARD, "buckets": "16,64", "partition_size": PARTITION_SIZE,
+              **extra}  # fmt: skip
     build(build_options_from_mapping(values))
     return out
 
@@ -110,6 +115,7 @@ def test_a_many_file_build_keeps_one_partial_shard_per_bucket_and_every_document
     path = _build(folder, tokenizer_dir, str(tmp_path / "cache"))
     cache = open_cache(path)
     manifest = cache.manifest
+    assert manifest["partitions"] == 8
     partition_shards = [
         s for k in range(manifest["partitions"]) for s in _record(path, f"p{k:05d}")["shards"]
     ]
@@ -179,7 +185,8 @@ def test_a_damaged_partial_shard_is_refused_at_commit_not_merged(
     folder, _ = many_files
     out = str(tmp_path / "array")
     values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
-              "shard_size": SHARD, "buckets": "16,64"}  # fmt: skip
+              "shard_size": SHARD, "buckets": "16,64",
+              "partition_size": PARTITION_SIZE}  # fmt: skip
     for i in range(2):
         build(build_options_from_mapping(values), EngineOptions(share=Share(i, 2)))
     record = _record(out, "p00003")
@@ -206,20 +213,23 @@ def _file_limit(n: int):
 
 def test_a_commit_joining_more_shards_than_the_file_limit_succeeds(tmp_path, tokenizer_dir):
     """1,100 one-record files under a 1,024-descriptor limit: the commit joins 1,100 partial
-    shards of one bucket into one, which must not hold every member open at once."""
+    shards of one bucket into one, which must not hold every member open at once (a 1 KiB
+    partition size keeps each file of over 64 bytes a partition of its own)."""
     import subprocess
     import sys
 
     folder = tmp_path / "many"
     folder.mkdir()
     for k in range(1100):
-        (folder / f"f{k:04d}.jsonl").write_text(json.dumps({"text": f"doc {k} lazy fox"}) + "\n")
+        text = f"doc {k} lazy fox " + "the quick brown fox " * 4
+        (folder / f"f{k:04d}.jsonl").write_text(json.dumps({"text": text}) + "\n")
     out = str(tmp_path / "out")
     script = (
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"build_cache(build_options_from_mapping({{'input': {str(folder)!r}, "
-        f"'tokenizer': {tokenizer_dir!r}, 'output': {out!r}, 'workers': 1}}))\n"
+        f"'tokenizer': {tokenizer_dir!r}, 'output': {out!r}, 'workers': 1, "
+        "'partition_size': '1KiB'}))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
@@ -227,4 +237,5 @@ def test_a_commit_joining_more_shards_than_the_file_limit_succeeds(tmp_path, tok
                             timeout=900)  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     cache = open_cache(out)
+    assert cache.manifest["partitions"] == 1100
     assert cache.num_sequences == 1100 and len(cache.manifest["shards"]) == 1
