@@ -37,11 +37,22 @@ from shardcache.store.layout import (
 from shardcache.store.shards import ShardInfo
 from shardcache.store.storage import Storage
 
-#: Files smaller than ``partition_size / GROUP_DIVISOR`` are gathered into partitions of up to
-#: that many bytes: a partition's fixed cost (threads, shard and record files, fsyncs) is then
-#: paid once per group, not per tiny file, while files of mid size keep a partition each (and
-#: a corpus of them its parallelism).
+#: Files smaller than ``partition_size / GROUP_DIVISOR`` may be gathered into one partition: a
+#: partition's fixed cost (threads, shard and record files, fsyncs) is then paid once per
+#: group, not per tiny file, while files of mid size keep a partition each.
 GROUP_DIVISOR = 16
+#: Groups hold at most 1/GROUP_SPREAD of the small files' bytes: a corpus of small files
+#: still gives about this many partitions (work for every core), and a few files stay apart.
+GROUP_SPREAD = 64
+
+
+def group_bytes(inputs: list[InputFile], partition_size_bytes: int) -> int:
+    """The most bytes consecutive small files gathered into one partition hold (a file of at
+    least this size is never grouped): ``partition_size / GROUP_DIVISOR``, or less so that
+    the files under that size make about :data:`GROUP_SPREAD` partitions."""
+    cap = partition_size_bytes // GROUP_DIVISOR
+    small = sum(f.size for f in inputs if f.size < cap)
+    return min(cap, small // GROUP_SPREAD)
 
 
 @dataclass(frozen=True)
@@ -239,8 +250,8 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
 
     Returns:
         The plan: files over ``partition_size`` cut into slices (each such file is read once,
-        to hash and cut it), consecutive files under ``partition_size / GROUP_DIVISOR``
-        gathered into partitions of up to that many bytes, every other file a partition.
+        to hash and cut it), consecutive files under :func:`group_bytes` gathered into
+        partitions of up to that many bytes, every other file a partition.
 
     Raises:
         SourceError: an input cannot be listed or read.
@@ -252,7 +263,7 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
     )
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
-    group_bytes = options.partition_size_bytes // GROUP_DIVISOR
+    most = group_bytes(inputs, options.partition_size_bytes)
     group: list[InputFile] = []  # consecutive small files not yet in a partition
     grouped = 0  # their bytes
 
@@ -267,8 +278,8 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
             grouped = 0
 
     for f in inputs:
-        if f.size < group_bytes:
-            if grouped + f.size > group_bytes:
+        if f.size < most:
+            if grouped + f.size > most:
                 close_group()
             group.append(f)
             grouped += f.size

@@ -463,7 +463,7 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2, 'partition_size': '1KiB'}}\n"
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
         "build_cache(build_options_from_mapping(values))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -570,7 +570,7 @@ def _run_build_script(tmp_path, tokenizer: str, how: str):
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2, 'partition_size': '1KiB'}}\n"
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
         "build_cache(build_options_from_mapping(values))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

@@ -1,10 +1,10 @@
 """The build plan (shardcache/builder/build_plan.py): small files gathered into partitions.
 
-Consecutive files under ``partition_size / GROUP_DIVISOR`` share a partition: the plan of
-many tiny files has far fewer partitions than files, keeps their sorted order, and the cache
-holds the same ids in the same order as one built from the same records in one file, with
-each row's provenance, each file's hash and counts, and the quarantine's file/line positions
-those of its own file; bytes do not depend on the workers or on a kill and a rerun.
+Consecutive small files share a partition (:func:`group_bytes`): the plan of many tiny
+files has far fewer partitions than files (about ``GROUP_SPREAD``), keeps their sorted order,
+and the cache holds the same ids in the same order as one built from the same records in one
+file, with each row's provenance, each file's hash and counts, and the quarantine's file/line
+positions those of its own file; bytes do not depend on the workers or on a kill and a rerun.
 """
 
 from __future__ import annotations
@@ -20,7 +20,13 @@ import pytest
 
 from conftest import folder_files, kill_env, make_texts
 from shardcache import open_cache
-from shardcache.builder.build_plan import GROUP_DIVISOR, plan_build, plan_from_json, plan_to_json
+from shardcache.builder.build_plan import (
+    GROUP_SPREAD,
+    group_bytes,
+    plan_build,
+    plan_from_json,
+    plan_to_json,
+)
 from shardcache.builder.run import build_cache
 from shardcache.builder.sources import list_inputs
 from shardcache.config import build_options_from_mapping
@@ -55,18 +61,21 @@ def test_the_plan_of_500_tiny_files_groups_them_in_order(tmp_path, tokenizer_dir
     _tiny_files(tmp_path / "tiny", 500)
     options = _options(tmp_path / "tiny", tmp_path / "out", tokenizer_dir)
     inputs = list_inputs(options.source.inputs)
+    most = group_bytes(inputs, options.partition_size_bytes)
+    assert most == sum(f.size for f in inputs) // GROUP_SPREAD  # far under 256 MiB / 16
     plan = plan_build(options, inputs)
-    assert len(plan.partitions) == 1  # 500 files of ~100 bytes: far under 256 MiB / 16
-    assert [f.relpath for p in plan.partitions for f in p.files] == [f.relpath for f in inputs]
-
-    size = 16 * 1024  # group up to 1 KiB: about ten files a partition
-    options = _options(tmp_path / "tiny", tmp_path / "out", tokenizer_dir, partition_size=size)
-    plan = plan_build(options, inputs)
-    assert 20 < len(plan.partitions) < 100
+    assert GROUP_SPREAD // 2 < len(plan.partitions) < 2 * GROUP_SPREAD  # of 500 files
     assert [f.relpath for p in plan.partitions for f in p.files] == [f.relpath for f in inputs]
     for p in plan.partitions:
-        assert p.nbytes == sum(f.size for f in p.files) <= size // GROUP_DIVISOR
+        assert p.nbytes == sum(f.size for f in p.files)
+        assert p.nbytes <= most or len(p.files) == 1  # a file of ``most`` bytes or more: alone
         assert p.span.whole
+    # under a small partition size, groups are smaller: at most 256 bytes here
+    options = _options(tmp_path / "tiny", tmp_path / "out", tokenizer_dir, partition_size=4096)
+    plan = plan_build(options, inputs)
+    assert 150 < len(plan.partitions) < 300
+    assert [f.relpath for p in plan.partitions for f in p.files] == [f.relpath for f in inputs]
+    assert all(p.nbytes <= 256 or len(p.files) == 1 for p in plan.partitions)
     # the recorded plan (parts/build.json) gives the same partitions back
     again = plan_from_json(json.loads(json.dumps(plan_to_json(plan))), options, inputs)
     assert again.partitions == plan.partitions
@@ -79,13 +88,13 @@ def test_a_file_over_the_group_size_keeps_a_partition_of_its_own(tmp_path, token
     (folder / "b.jsonl").write_text(json.dumps({"text": "x" * 200}) + "\n")
     (folder / "c.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
     (folder / "d.jsonl").write_text(json.dumps({"text": "tiny"}) + "\n")
+    for k in range(200):  # enough small bytes that 1/64 of them holds several small files
+        (folder / f"e{k:03d}.jsonl").write_text(json.dumps({"text": "small"}) + "\n")
     options = _options(folder, tmp_path / "out", tokenizer_dir, partition_size=16 * 128)
     plan = plan_build(options)
-    assert [[f.relpath for f in p.files] for p in plan.partitions] == [
-        ["a.jsonl"],
-        ["b.jsonl"],
-        ["c.jsonl", "d.jsonl"],
-    ]
+    groups = [[f.relpath for f in p.files] for p in plan.partitions]
+    assert groups[:2] == [["a.jsonl"], ["b.jsonl"]]  # b: over partition_size / 16, alone
+    assert groups[2][:3] == ["c.jsonl", "d.jsonl", "e000.jsonl"]
 
 
 def test_a_cache_of_tiny_files_equals_one_of_the_same_records_in_one_file(tmp_path, tokenizer_dir):
@@ -95,7 +104,7 @@ def test_a_cache_of_tiny_files_equals_one_of_the_same_records_in_one_file(tmp_pa
     (one / "all.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
     grouped = _built(tmp_path / "tiny", tmp_path / "a", tokenizer_dir)
     single = _built(one, tmp_path / "b", tokenizer_dir)
-    assert grouped.manifest["partitions"] == 1
+    assert grouped.manifest["partitions"] < 100
     a, b = list(grouped.iter_sequences()), list(single.iter_sequences())
     assert [s.ids.tolist() for s in a] == [s.ids.tolist() for s in b]
     # every row names its own file and record; the same text as the one-file cache's row
@@ -118,7 +127,7 @@ def test_a_cache_of_tiny_files_equals_one_of_the_same_records_in_one_file(tmp_pa
     ]
     # the data component of the key: the files' hashes, or the given data version
     ungrouped = _built(tmp_path / "tiny", tmp_path / "c", tokenizer_dir, partition_size="1KiB")
-    assert ungrouped.manifest["partitions"] > 100  # files over 64 bytes: one partition each
+    assert ungrouped.manifest["partitions"] > 300  # files over 64 bytes: one partition each
     assert grouped.manifest["key"] == ungrouped.manifest["key"]
     assert grouped.manifest["inputs"] == ungrouped.manifest["inputs"]
     versioned = _built(tmp_path / "tiny", tmp_path / "d", tokenizer_dir, data_version="v7")
@@ -133,7 +142,7 @@ def test_grouped_partitions_give_the_same_bytes_for_any_workers_and_after_a_kill
     reference = str(tmp_path / "ref")
     build_cache(_options(tmp_path / "tiny", reference, tokenizer_dir, **more))
     manifest = open_cache(reference).manifest
-    assert 5 < manifest["partitions"] < 60  # groups of several files
+    assert 5 < manifest["partitions"] < 100  # groups of several files
     assert any("sources" in s for s in manifest["shards"])
     expected = folder_files(reference)
 
@@ -162,12 +171,12 @@ def test_small_files_of_other_formats_group_too(fmt, tmp_path, tokenizer_dir):
     folder = tmp_path / "c"
     folder.mkdir()
     texts = make_texts(30, seed=9, max_words=10)
-    for k in range(10):
-        write_records(str(folder / f"f{k}.{fmt}"),
-                      [{"text": t} for t in texts[3 * k : 3 * k + 3]], fmt)  # fmt: skip
+    for k in range(200):
+        write_records(str(folder / f"f{k:03d}.{fmt}"),
+                      [{"text": t} for t in texts[k % 10 * 3 : k % 10 * 3 + 3]], fmt)  # fmt: skip
     out = str(tmp_path / "out")
     build_cache(_options(folder, out, tokenizer_dir))
     cache = open_cache(out)
-    assert cache.manifest["partitions"] == 1
-    seen = {(s.provenance.source, s.provenance.record) for s in cache.iter_sequences()}
-    assert seen == {(f"f{k}.{fmt}", r) for k in range(10) for r in range(3)}
+    assert cache.manifest["partitions"] < 100
+    seen = sorted((s.provenance.source, s.provenance.record) for s in cache.iter_sequences())
+    assert seen == [(f"f{k:03d}.{fmt}", r) for k in range(200) for r in range(3)]
