@@ -157,10 +157,14 @@ class MixedCache:
 
     @property
     def lengths(self) -> np.ndarray:
-        """Every mixture id's length: the sources' length indexes, concatenated."""
+        """Every mixture id's length: the sources' length indexes, concatenated (read-only,
+        as a cache's memory-mapped index: the compiled kernels then take the signature
+        ``kernels.warm_up`` loaded)."""
         if self._lengths is None:
             kind = np.result_type(*(c.lengths.dtype for c in self.caches))
-            self._lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in self.caches])
+            lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in self.caches])
+            lengths.flags.writeable = False
+            self._lengths = lengths
         return self._lengths
 
     def buckets(self) -> np.ndarray:

@@ -365,6 +365,20 @@ def test_the_compiled_reader_writes_source_ids_itself(caches, extra, monkeypatch
         assert ((meta["source_ids"] == -1) == (meta["sample_ids"] == -1)).all()
 
 
+@pytest.mark.parametrize("extra", [{}, PACKED], ids=["pad", "pack"])
+def test_a_mixture_reads_with_the_kernels_a_single_cache_loaded(caches, extra):
+    """A mixture's table and plan have the types of a single cache's (a read-only length
+    index), so its first batch compiles no kernel of its own."""
+    from shardcache.read import kernels_jit
+
+    next(iter(ShardDataset(caches["web"], 256, **extra)))
+    loaded = (set(kernels_jit.pad.signatures), set(kernels_jit.pack.signatures))
+    mixed = ShardDataset(_sources(caches), 256, **extra)
+    next(iter(mixed))
+    assert mixed.reads_compiled
+    assert (set(kernels_jit.pad.signatures), set(kernels_jit.pack.signatures)) == loaded
+
+
 @pytest.fixture(scope="module")
 def chat_and_text(tmp_path_factory, chatml_tokenizer_dir) -> tuple[str, str]:
     """A plain-text cache and a chat cache (loss on assistant turns) of one tokenizer."""
