@@ -18,7 +18,7 @@ Measures, single process, no DataLoader:
   ``next(iter(ds))``; target < 2 s.
 * **read cost per batch** (``--cache``): ``--batches`` batches of a single cache against a
   mixture of two sources (the cache twice, equal weights), per mode: three rounds, each
-  timing every reader in turn (best of 3 runs), the best round kept. Both read with the
+  timing every reader in turn for 3 runs; each reader's best run counts. Both read with the
   compiled kernels when numba is installed (``compiled``); the single cache is also timed on
   the numpy path (``kernels`` off) for scale. Target: ``ratio_vs_single`` <= 1.10. The
   reading thread's CPU time is reported too (``*_cpu_s``, ``cpu_ratio_vs_single``): on a
