@@ -103,8 +103,9 @@ class _BarProgress:
     """One tqdm bar over input bytes (so its ETA is the build's) with documents and tokens/s;
     in a parallel build the workers' events arrive here through the parent."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, label: str = "build"):
         self.enabled = enabled
+        self.label = label
         self.bar: Any = None
         self.documents = 0
         self.tokens = 0
@@ -117,7 +118,7 @@ class _BarProgress:
             unit="B",
             unit_scale=True,
             unit_divisor=1024,
-            desc=f"build ({files} files)",
+            desc=f"{self.label} ({files} files)",
             disable=not self.enabled,
             dynamic_ncols=True,
             file=sys.stderr,
@@ -560,6 +561,11 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
               "when they moved since the build (default: the paths in the manifest).")  # fmt: skip
 @click.option("--tokenizer", "-t", help="With --tokens: the tokenizer folder, when it moved "
               "since the build.")  # fmt: skip
+@click.option("--workers", "-w", type=click.IntRange(min=1), default=None,
+              help="With --tokens: processes that re-tokenize (1: in this process). Never "
+              "changes the outcome.  [default: the machine's cores]")  # fmt: skip
+@click.option("--quiet", "-q", is_flag=True, help="With --tokens: no progress bar (there is "
+              "none when stderr is not a terminal).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the report as JSON.")
 @translate_errors
 def verify(
@@ -568,6 +574,8 @@ def verify(
     fraction: str,
     inputs: tuple[str, ...],
     tokenizer: str | None,
+    workers: int | None,
+    quiet: bool,
     as_json: bool,
 ) -> None:
     """Recompute every checksum of a CACHE and check its structure.
@@ -576,16 +584,17 @@ def verify(
     inside the bucket ranges, token ids), the length index, the quarantine file and the
     manifest totals. Names each corrupt or missing file. With --tokens, also re-tokenizes
     a deterministic sample of the documents from the inputs with the Hugging Face tokenizer
-    and compares with the stored ids (whichever encoder built the cache). Exit 0 when clean,
-    1 otherwise.
+    and compares with the stored ids (whichever encoder built the cache), on every core,
+    with a progress bar on stderr when it is a terminal. Exit 0 when clean, 1 otherwise.
 
     \b
     Example:
       shardcache verify ./cache
       shardcache verify ./cache --json
       shardcache verify ./cache --tokens --fraction 0.01
+      shardcache verify ./cache --tokens --fraction 1      # every document
     """
-    from shardcache.config import parse_fraction
+    from shardcache.config import default_workers, parse_fraction
     from shardcache.store.verify import format_verify, verify_cache
 
     share = parse_fraction(fraction, "fraction")
@@ -597,7 +606,12 @@ def verify(
     if tokens:
         from shardcache.builder.token_audit import audit_tokens, format_token_audit
 
-        audit = audit_tokens(cache, share, inputs or None, tokenizer)
+        progress = _BarProgress(not quiet and not as_json and sys.stderr.isatty(), "verify")
+        try:
+            audit = audit_tokens(cache, share, inputs or None, tokenizer,
+                                 workers or default_workers(), progress)  # fmt: skip
+        finally:
+            progress.close()
     if as_json:
         data = report.to_json()
         if audit is not None:

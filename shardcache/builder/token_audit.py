@@ -13,19 +13,22 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import glob
+import hashlib
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
+from shardcache.builder.audit_pool import encode_in_order
 from shardcache.builder.build_plan import options_from_json
 from shardcache.builder.encoders import make_encoder
 from shardcache.builder.key_computation import compute_key, precompute_tokenizer_component
+from shardcache.builder.report import Progress
 from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
-from shardcache.builder.tokenize import TruncationStats
 from shardcache.errors import CacheKeyMismatch, SourceError
-from shardcache.store.cache import open_cache
+from shardcache.store.cache import Cache, open_cache
 from shardcache.store.check import cache_key, compare_keys
 from shardcache.store.summary import sample_bound
 
@@ -127,6 +130,8 @@ def audit_tokens(
     fraction: float,
     inputs: tuple[str, ...] | None = None,
     tokenizer: str | None = None,
+    workers: int = 1,
+    progress: Progress | None = None,
 ) -> TokenAudit:
     """Re-encode ``fraction`` of the records of the cache at ``path`` with HF and compare.
 
@@ -135,6 +140,9 @@ def audit_tokens(
         fraction: share of each input's records to check.
         inputs: replace the manifest's input paths (data moved since the build).
         tokenizer: replace the manifest's tokenizer path.
+        workers: processes that encode (:func:`~.audit_pool.encode_in_order`); the audit is
+            the same for any number.
+        progress: receives the input bytes read and the documents and tokens checked.
 
     Returns:
         The audit's counts and mismatches.
@@ -177,11 +185,12 @@ def audit_tokens(
             "since the build?): mismatches below show where the ids changed"
         )
 
-    stored: dict[tuple[str, int, int], tuple[np.ndarray, np.ndarray | None]] = {}
+    # a digest per sampled sequence, not its ids: memory stays small for a full audit
+    stored: dict[tuple[str, int, int], tuple[int, bytes, bytes]] = {}
     for seq in cache.iter_sequences():
         p = seq.provenance
         if is_sampled(p.record, fraction):
-            stored[(p.source, p.record, p.piece)] = (seq.ids, seq.mask)
+            stored[(p.source, p.record, p.piece)] = (seq.sample_id, *_digests(seq.ids, seq.mask))
 
     recorded = {f["relpath"]: f for f in manifest["inputs"]}
     found = {}
@@ -190,28 +199,35 @@ def audit_tokens(
         found = {f.relpath: f for f in list_inputs(existing)} if existing else {}
     audit.missing_inputs = sorted(set(recorded) - set(found))
     kind = "text" if options.chat is None else "chat"
-    for relpath in sorted(set(recorded) & set(found)):
-        file = found[relpath]
-        digest = FileDigest()
-        for batch in iter_text_batches(file, text_field=options.source.text_field,
-                                       batch_docs=options.batch_docs, on_error="skip",
-                                       digest=digest, on_corrupt=lambda *a: None,
-                                       kind=kind):  # fmt: skip
-            pick = np.flatnonzero(sampled(batch.records, fraction))
-            if len(pick) == 0:
-                continue
-            records = batch.records[pick]
-            texts = [batch.texts[i] for i in pick]
-            encoded = encoder.finish(encoder.encode_texts(texts), TruncationStats())
-            audit.documents += len(texts)
-            ends = np.cumsum(encoded.lengths)
-            for j, (doc, piece) in enumerate(zip(encoded.doc_index, encoded.piece)):
-                key = (relpath, int(records[doc]), int(piece))
-                expected = encoded.tokens[ends[j] - encoded.lengths[j] : ends[j]]
-                start = ends[j] - encoded.lengths[j]
-                mask = None if encoded.mask is None else encoded.mask[start : ends[j]]
-                _compare(audit, key, expected, mask, stored.pop(key, None))
-        if digest.sha256 and digest.sha256 != recorded[relpath]["sha256"]:
+    names = sorted(set(recorded) & set(found))
+    digests = {relpath: FileDigest() for relpath in names}
+    progress = progress or Progress()
+    progress.start(sum(found[relpath].size for relpath in names), len(names))
+
+    def jobs() -> Iterator[tuple[tuple[str, np.ndarray], list[Any]]]:
+        for relpath in names:
+            for batch in iter_text_batches(found[relpath], text_field=options.source.text_field,
+                                           batch_docs=options.batch_docs, on_error="skip",
+                                           on_bytes=progress.advance, digest=digests[relpath],
+                                           on_corrupt=lambda *a: None, kind=kind):  # fmt: skip
+                pick = np.flatnonzero(sampled(batch.records, fraction))
+                if len(pick):
+                    yield (relpath, batch.records[pick]), [batch.texts[i] for i in pick]
+
+    encoded_batches = encode_in_order(encoder, jobs(), workers, options.tokenize, options.chat)
+    for (relpath, records), encoded in encoded_batches:
+        audit.documents += len(records)
+        progress.update(len(records), int(encoded.lengths.sum()))
+        ends = np.cumsum(encoded.lengths)
+        for j, (doc, piece) in enumerate(zip(encoded.doc_index, encoded.piece)):
+            key = (relpath, int(records[doc]), int(piece))
+            start = ends[j] - encoded.lengths[j]
+            expected = encoded.tokens[start : ends[j]]
+            mask = None if encoded.mask is None else encoded.mask[start : ends[j]]
+            _compare(audit, cache, key, expected, mask, stored.pop(key, None))
+    for relpath in names:
+        sha = digests[relpath].sha256
+        if sha and sha != recorded[relpath]["sha256"]:
             audit.changed_inputs.append(relpath)
     for key in sorted(k for k in stored if k[0] in found):
         audit.mismatches.append({"source": key[0], "record": key[1], "piece": key[2],
@@ -219,24 +235,35 @@ def audit_tokens(
     return audit
 
 
+def _digests(ids: np.ndarray, mask: np.ndarray | None) -> tuple[bytes, bytes]:
+    """Digests of a sequence's ids (as uint32, whatever the cache's dtype) and loss mask."""
+    id_digest = hashlib.blake2b(np.asarray(ids, dtype=np.uint32).tobytes(), digest_size=16)
+    if mask is None:
+        return id_digest.digest(), b""
+    mask_digest = hashlib.blake2b(np.asarray(mask, dtype=bool).tobytes(), digest_size=16)
+    return id_digest.digest(), mask_digest.digest()
+
+
 def _compare(
     audit: TokenAudit,
+    cache: Cache,
     key: tuple[str, int, int],
     expected: np.ndarray,
     mask: np.ndarray | None,
-    stored: tuple[np.ndarray, np.ndarray | None] | None,
+    stored: tuple[int, bytes, bytes] | None,
 ) -> None:
     source, record, piece = key
     if stored is None:
         detail = "HF produces this sequence, but the cache does not hold it"
     else:
         audit.sequences += 1
-        ids, stored_mask = stored
-        if len(ids) == len(expected) and np.array_equal(ids, expected):
-            if mask is None or stored_mask is None or np.array_equal(mask, stored_mask):
-                return
-            detail = "ids equal, loss masks differ"
-        else:
-            detail = _describe(expected, ids)
+        sample_id, stored_ids, stored_mask = stored
+        ids_digest, mask_digest = _digests(expected, mask)
+        if ids_digest == stored_ids and (not mask_digest or not stored_mask
+                                         or mask_digest == stored_mask):  # fmt: skip
+            return
+        ids = cache.read(sample_id)  # a difference: read the stored sequence to describe it
+        equal = len(ids) == len(expected) and np.array_equal(ids, expected)
+        detail = "ids equal, loss masks differ" if equal else _describe(expected, ids)
     audit.mismatches.append({"source": source, "record": record, "piece": piece,
                              "detail": detail})  # fmt: skip
