@@ -1,11 +1,11 @@
 """The local engine: partitions in this process, or in a ``spawn`` process pool.
 
-One worker (or one pending partition) runs in this process. Otherwise a ``spawn`` pool
-(fork after the tokenizer's Rayon pool started would deadlock) runs partitions largest
-first; each worker builds its encoder from a spec read from a private payload file (never
-the spawn pipe, which blocks on a child that died), splits the cores with the others, and
-dies with the parent. A ``__main__`` read from stdin cannot be re-imported by children, so
-such a build is refused before any worker starts.
+One worker (or one pending partition) runs in this process, text partitions two at a time
+in threads. Otherwise a ``spawn`` pool (fork after the tokenizer's Rayon pool started would
+deadlock) runs partitions largest first; each worker builds its encoder from a spec read
+from a private payload file (never the spawn pipe, which blocks on a child that died), splits
+the cores with the others, and dies with the parent. A ``__main__`` read from stdin cannot
+be re-imported by children, so such a build is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -17,14 +17,23 @@ import pickle
 import signal
 import sys
 import tempfile
+import threading
 import time
-from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from concurrent.futures import (
+    FIRST_COMPLETED,
+    FIRST_EXCEPTION,
+    Future,
+    ProcessPoolExecutor,
+    ThreadPoolExecutor,
+    wait,
+)
 from typing import Any
 
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
 from shardcache.builder.partition import build_partition, check_parent, set_parent_pid
 from shardcache.builder.report import Progress
+from shardcache.builder.tokenize import TextEncoder
 from shardcache.config import default_workers
 from shardcache.errors import (
     ShardcacheError,
@@ -273,5 +282,75 @@ def run_local(
         ShardcacheError: a worker process died (completed partitions are kept).
     """
     if workers == 1 or len(pending) <= 1:
-        return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
+        return run_in_process(plan, pending, encoder, progress)
     return run_pool(plan, pending, encoder, progress, min(workers, len(pending)))
+
+
+#: Text partitions a one-process build runs at once, in threads: the next one reads and
+#: encodes while the one before writes its last batches and publishes, so the cores do not
+#: idle between partitions.
+IN_FLIGHT = 2
+
+
+class _LockedProgress(Progress):
+    """``progress`` called by one thread at a time."""
+
+    def __init__(self, progress: Progress):
+        self.progress = progress
+        self.lock = threading.Lock()
+
+    def advance(self, n_bytes: int) -> None:
+        with self.lock:
+            self.progress.advance(n_bytes)
+
+    def update(self, documents: int, tokens: int) -> None:
+        with self.lock:
+            self.progress.update(documents, tokens)
+
+
+def run_in_process(
+    plan: BuildPlan, pending: list[Partition], encoder: Encoder, progress: Progress
+) -> dict[str, PartitionResult]:
+    """Run ``pending`` in this process: text partitions :data:`IN_FLIGHT` at a time, each
+    with its own :meth:`~shardcache.builder.tokenize.TextEncoder.for_partition` copy (a
+    partition's files depend on its input alone, so the order they finish in does not
+    matter); chat partitions one after the other.
+
+    Args:
+        plan: the build plan.
+        pending: the partitions to run.
+        encoder: the build's encoder, after the gate.
+        progress: receives bytes, documents and tokens.
+
+    Returns:
+        Partition id -> result, for every partition of ``pending``.
+    """
+    if not isinstance(encoder, TextEncoder) or len(pending) <= 1:
+        return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
+    locked = _LockedProgress(progress)
+    started = time.process_time()
+    with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shardcache-partition") as pool:
+        futures = [pool.submit(build_partition, plan, p, encoder.for_partition(), locked)
+                   for p in pending]  # fmt: skip
+        done, _ = wait(futures, return_when=FIRST_EXCEPTION)
+        failed = [f for f in futures if f in done and f.exception() is not None]
+        if failed:
+            for future in futures:
+                future.cancel()  # the partition still running finishes (and is kept)
+            raise failed[0].exception()  # type: ignore[misc]
+    results = {p.id: f.result() for p, f in zip(pending, futures)}
+    apportion_process_cpu(list(results.values()), time.process_time() - started)
+    return results
+
+
+def apportion_process_cpu(results: list[PartitionResult], process_cpu: float) -> None:
+    """Partitions that ran at once each timed the whole process's CPU: give each a share of
+    ``process_cpu`` by its encode time (``process``), the part beyond its Python-side stages
+    being its ``tokenizer`` time."""
+    busy = [r.timings.get("encode_busy", 0.0) for r in results]
+    total = sum(busy)
+    for r, seconds in zip(results, busy):
+        share = process_cpu * (seconds / total if total > 0 else 1 / len(results))
+        python_side = sum(r.timings.get(s, 0.0) for s in ("read", "parse", "bucket", "write"))
+        r.timings["process"] = round(share, 3)
+        r.timings["tokenizer"] = round(max(0.0, share - python_side), 3)

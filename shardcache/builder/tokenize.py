@@ -346,9 +346,15 @@ class TextEncoder:
 
     def reference_only(self) -> TextEncoder:
         """A copy that encodes with the HF reference alone; this one is unchanged."""
-        clone = copy.copy(self)
+        clone = self.for_partition()
         clone.use_fast(None, self.selection, self.verify_fraction)
-        clone.verify, clone._verifying = VerifyCounts(), []
+        return clone
+
+    def for_partition(self) -> TextEncoder:
+        """A copy for one partition (partitions may run at once in threads): the same
+        backends, its own verification counts and stage times."""
+        clone = copy.copy(self)
+        clone.verify, clone._verifying, clone.stage_times = VerifyCounts(), [], None
         return clone
 
     def take_verify(self) -> VerifyCounts:

@@ -196,3 +196,54 @@ def test_shares_of_one_count_run_side_by_side(local_reference, tokenizer_dir, tm
     build(_options(folder, tokenizer_dir, str(out)), EngineOptions(share=Share(1, 2)))
     commit_output(str(out))
     assert tree(str(out)) == tree(reference)
+
+
+def test_one_process_runs_text_partitions_two_at_a_time(corpus, tokenizer_dir, tmp_path,
+                                                        monkeypatch):  # fmt: skip
+    """A one-worker build overlaps two text partitions in threads (each with its own encoder
+    copy); the cache is byte-identical to one built a partition at a time, and the partitions'
+    process CPU adds up to the run's."""
+    import threading
+    import time
+
+    from shardcache.builder import pool
+
+    folder, _ = corpus("jsonl", n_files=3, docs=60)
+    real, running, most = pool.build_partition, [0], [0]
+    encoders: set[int] = set()
+    lock = threading.Lock()
+
+    def counting(plan, partition, encoder, progress):
+        with lock:
+            running[0] += 1
+            most[0] = max(most[0], running[0])
+            encoders.add(id(encoder))
+        time.sleep(0.05)  # the next partition starts meanwhile
+        try:
+            return real(plan, partition, encoder, progress)
+        finally:
+            with lock:
+                running[0] -= 1
+
+    monkeypatch.setattr(pool, "build_partition", counting)
+    overlapped = str(tmp_path / "overlapped")
+    report = build_cache(_options(folder, tokenizer_dir, overlapped))
+    assert most[0] == pool.IN_FLIGHT and len(encoders) == report.partitions > 4
+    assert report.stages["process"] > 0
+    monkeypatch.setattr(pool, "IN_FLIGHT", 1)
+    one_at_a_time = str(tmp_path / "sequential")
+    build_cache(_options(folder, tokenizer_dir, one_at_a_time))
+    assert tree(overlapped) == tree(one_at_a_time)
+
+
+def test_apportion_process_cpu_splits_the_run_by_encode_time():
+    from shardcache.builder.build_plan import PartitionResult
+    from shardcache.builder.pool import apportion_process_cpu
+    from shardcache.builder.tokenize import TruncationStats
+
+    results = [PartitionResult(f"p{i}", "a.jsonl", "", [], TruncationStats(), {}) for i in range(2)]
+    results[0].timings = {"read": 0.5, "parse": 0.5, "encode_busy": 3.0, "tokenizer": 9.0}
+    results[1].timings = {"bucket": 0.25, "encode_busy": 1.0, "tokenizer": 9.0}
+    apportion_process_cpu(results, 8.0)
+    assert [r.timings["process"] for r in results] == [6.0, 2.0]
+    assert [r.timings["tokenizer"] for r in results] == [5.0, 1.75]
