@@ -24,24 +24,14 @@ def pad_batch(
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
 ) -> dict[str, np.ndarray | int]:
-    """Pad whole sequences into one ``len(lengths) x width`` batch.
+    """Pad whole sequences into one ``len(lengths) x width`` batch (``width``: default the
+    longest row).
 
-    Args:
-        tokens: the rows' ids concatenated, or with ``laid_out`` the flattened padded batch
-            (``Cache.gather(layout=...)``: padding ``pad_id``, of ``ids_dtype``).
-        lengths: tokens of each row.
-        sample_ids: each row's sample id.
-        pad_id: the padding id.
-        width: the row width (default the longest row).
-        loss_mask: bool per token (laid out like ``tokens``; chat caches): labels only where
-            True.
-        ids_dtype: the type of ``input_ids`` and ``attention_mask``.
-        laid_out: ``tokens`` (and ``loss_mask``) are already in their rows.
-
-    Returns:
-        ``input_ids``, ``attention_mask``, int64 ``labels`` (-100 on padding and masked
-        tokens), int64 ``sample_ids`` and ``num_tokens``.
-    """
+    ``tokens`` are the rows' ids concatenated, or with ``laid_out`` already in their rows
+    (``Cache.gather(layout=...)``, padding ``pad_id``, of ``ids_dtype``), and so is
+    ``loss_mask`` (chat caches: labels only where True). Returns ``input_ids`` and
+    ``attention_mask`` (``ids_dtype``), int64 ``labels`` (-100 on padding and masked tokens),
+    int64 ``sample_ids`` and ``num_tokens``."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
         width = int(lengths.max())
@@ -83,28 +73,13 @@ def pack_batch(
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
-    When every row is full and ``tokens`` is of ``ids_dtype``, ``input_ids`` is ``tokens``
-    itself, reshaped.
-
-    Args:
-        tokens: the segments' ids concatenated, or with ``laid_out`` the flattened rows
-            (:func:`packed_layout`, padding ``pad_id``).
-        seg_lengths: tokens of each segment.
-        sample_ids: each segment's sample id.
-        starts: each segment's offset in its sequence.
-        row_bounds: segment offsets of the rows (``EpochPlan.row_bounds``).
-        seq_len: slots per row.
-        pad_id: the padding id.
-        loss_mask: bool per token (like ``tokens``; chat caches): labels only where True.
-        ids_dtype: the type of ``input_ids`` and ``position_ids``.
-        laid_out: ``tokens`` (and ``loss_mask``) are already in their rows.
-
-    Returns:
-        ``input_ids``, ``position_ids`` (restarting at every segment), int64 ``labels`` (-100
-        on padding, on every segment's first token and on masked tokens), int32 ``cu_seqlens``,
-        ``max_seqlen``, per segment int64 ``sample_ids`` / ``sample_offsets`` (-1 for padding
-        runs) and ``num_tokens``.
-    """
+    ``tokens`` are the segments' ids concatenated, or with ``laid_out`` already in their rows
+    (:func:`packed_layout`, padding ``pad_id``), and so is ``loss_mask`` (chat caches: labels
+    only where True); when every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
+    Returns ``input_ids`` and ``position_ids`` (``ids_dtype``, positions restarting at every
+    segment), int64 ``labels`` (-100 on padding, on every segment's first token and on masked
+    tokens), int32 ``cu_seqlens``, ``max_seqlen``, per segment int64 ``sample_ids`` /
+    ``sample_offsets`` (-1 for padding runs) and ``num_tokens``."""
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     num_rows = len(row_bounds) - 1
     if loss_mask is None and not laid_out and len(tokens) == num_rows * seq_len:
@@ -148,16 +123,8 @@ def pack_batch(
 
 
 def packed_layout(seg_lengths: np.ndarray, row_bounds: np.ndarray, seq_len: int) -> np.ndarray:
-    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch.
-
-    Args:
-        seg_lengths: tokens of each segment.
-        row_bounds: segment offsets of the rows.
-        seq_len: slots per row.
-
-    Returns:
-        The ``layout`` to gather a batch straight into its rows (int64).
-    """
+    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch
+    (int64): the ``layout`` to gather a batch straight into its rows."""
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     bounds = np.asarray(row_bounds, dtype=np.int64)
     begin = np.cumsum(seg_lengths) - seg_lengths  # compact start of every segment

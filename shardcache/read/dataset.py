@@ -68,15 +68,8 @@ logger = logging.getLogger("shardcache")
 
 
 def cache_digest(manifest: dict[str, Any]) -> str:
-    """The identity of a cache's data that a reader state refers to.
-
-    Args:
-        manifest: the cache's manifest.
-
-    Returns:
-        The cache-key digest, or (a cache without a key) the sha256 of its shard list as
-        canonical JSON.
-    """
+    """The identity of a cache's data that a reader state refers to: the cache-key digest, or
+    (a cache without a key) the sha256 of its shard list as canonical JSON."""
     digest = manifest.get("key", {}).get("digest")
     if digest:
         return str(digest)
@@ -279,11 +272,8 @@ class ShardDataset(IterableDataset):
         return state
 
     def close(self) -> None:
-        """Release the cache, its open shards and the plan (idempotent).
-
-        The dataset stays usable: it opens them again when next needed. A pass being read
-        from object storage stops its downloads (their threads end).
-        """
+        """Release the cache, its open shards and the plan (idempotent); the dataset reopens them
+        when next needed. A pass being read from object storage stops its downloads."""
         if self._readahead is not None:
             self._readahead.close()
             self._readahead = None
@@ -335,16 +325,16 @@ class ShardDataset(IterableDataset):
         self._publish()
 
     def _publish(self) -> None:
-        """Make this position the one persistent workers start their next pass from (in the
-        main process; a worker's own ``load_state_dict`` keeps its copy's state instead)."""
+        """Make this position the one persistent workers start their next pass from (main process
+        only; a worker keeps its copy's state)."""
         if get_worker_info() is None:
             self._generation = self._published.write(self.epoch, self._consumed, self._loaded)
         else:
             self._generation = self._published.read()[0]
 
     def _adopt_published(self) -> None:
-        """In a persistent worker: take the position the main process published since this
-        copy's last pass, if any (a fresh worker's copy already holds it)."""
+        """In a persistent worker: take the position the main process published since this copy's
+        last pass, if any."""
         generation, epoch, consumed, loaded = self._published.read()
         if generation == self._generation:
             return
@@ -356,25 +346,14 @@ class ShardDataset(IterableDataset):
         self._generation = generation
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of an epoch (all ranks), kept for the last epoch asked.
-
-        Args:
-            epoch: the epoch (default the current one).
-
-        Returns:
-            The plan, computed once per machine and epoch (plan_store.py).
-        """
+        """The global batch plan of ``epoch`` (default the current one) for all ranks, computed once
+        per machine and epoch (plan_store.py) and kept for the last epoch asked."""
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            # computed once per machine and epoch, memory-mapped by the other processes
             options = json.dumps(self.options.to_json(), sort_keys=True)
             digest = plan_digest(self._data_identity, options, self.seed, epoch)
-            plan = shared_plan(
-                digest,
-                len(self._index()[0]) if self._data_identity else 0,
-                lambda: self._plan_epoch(epoch),
-            )
-            self._plan = (epoch, plan)
+            count = len(self._index()[0])
+            self._plan = (epoch, shared_plan(digest, count, lambda: self._plan_epoch(epoch)))
         return self._plan[1]
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
@@ -382,28 +361,18 @@ class ShardDataset(IterableDataset):
         return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
-        """How the global batches of an epoch go to ranks.
-
-        Args:
-            epoch: the epoch (default the current one).
-            start: the global cursor to deal from.
-
-        Returns:
-            The split (batches per rank, what is dropped or repeated).
-        """
+        """How the global batches of ``epoch`` (default the current one) go to ranks, dealt from the
+        global cursor ``start``: an :class:`EpochSplit`."""
         return split_epoch(len(self.plan(epoch)), self.world_size, start, self.options.tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
-        """How many batches every rank yields in a whole epoch (for LR schedulers).
-
-        Args:
-            epoch: the epoch (default the current one).
-        """
+        """How many batches every rank yields in a whole ``epoch`` (default the current one; for LR
+        schedulers)."""
         return self.split(epoch).batches_per_rank
 
     def _pass_start(self, cursor: int) -> int:
-        """Where a pass begins: at ``cursor``, or at 0 if the epoch is exhausted there (unless
-        the cursor was loaded: a state taken at the end of an epoch resumes to nothing)."""
+        """Where a pass begins: ``cursor``, or 0 when the epoch is exhausted there (unless the
+        cursor was loaded: a state taken at the end of an epoch resumes to nothing)."""
         if cursor and not self._loaded and self.split(start=cursor).batches_per_rank == 0:
             return 0
         return cursor
@@ -428,14 +397,8 @@ class ShardDataset(IterableDataset):
             )
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
-        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) to even out the ranks.
-
-        Args:
-            epoch: the epoch (default the current one).
-
-        Returns:
-            Counts of the batches, segments and tokens dropped and repeated.
-        """
+        """The batches, segments and tokens a whole ``epoch`` (default the current one) drops
+        (``tail="drop"``) or repeats (``"wrap"``) to even out the ranks."""
         plan = self.plan(epoch)
         split = self.split(epoch)
 
@@ -567,8 +530,8 @@ class ShardDataset(IterableDataset):
         self._publish()
 
     def _check_mixture_state(self, state: dict[str, Any]) -> bool:
-        """Whether ``state`` is loaded under another mixture (``remix=True``: warned); a
-        StateError naming the changes when the mixture changed without ``remix=True``."""
+        """Whether ``state`` is loaded under another mixture (with ``remix=True``: warned);
+        StateError naming the changes without ``remix=True``."""
         if self._mixture is None:
             return False
         changes = mixture_changes(state.get("mixture"), self._mixture.state())
@@ -630,9 +593,8 @@ class ShardDataset(IterableDataset):
     def _check_worker_resume(
         self, resume: dict[str, Any], worker_id: int, num_workers: int
     ) -> None:
-        """A DataLoader worker state is a position in the round-robin of its own rank's
-        batches: it resumes only the same worker of the same ``num_workers`` at the same world
-        size. Anything else would lose or repeat batches, so it is a StateError."""
+        """A worker state resumes only the same worker of the same ``num_workers`` at the same world
+        size; anything else would lose or repeat batches (StateError)."""
         theirs = (resume.get("id"), resume.get("num_workers"), resume.get("world_size"))
         ours = (worker_id, num_workers, self.world_size)
         if theirs == ours:
@@ -677,26 +639,22 @@ class ShardDataset(IterableDataset):
             # the pass is over: its shards close here, not at the next pass or close(); the
             # next pass reopens what it reads (a remote cache's local copies stay on disk)
             _close_shards(self._cache)
-        if self._worker is None:  # in-process pass finished: the next one replays from 0
+        # the pass is done: the next one (in-process, or of a persistent worker) replays from 0
+        self._loaded = False
+        if self._worker is None:
             self._start = 0
-            self._loaded = False
-        else:  # a worker's share done: its next pass (persistent workers) replays from 0
+        else:
             self._consumed = start + self.world_size * len(mine)
-            self._loaded = False
 
     def stats(self) -> dict[str, Any]:
-        """What reading from object storage cost this process so far (all passes).
-
-        Inside DataLoader workers each worker counts its own (and warns on its own); the main
-        process's dataset then counts nothing.
+        """What reading from object storage cost this process so far, all passes (all zero for a
+        local cache; inside DataLoader workers each worker counts, and warns, on its own).
 
         Returns:
             ``batches``; ``first_wait_s`` (waits for first batches), ``wait_s`` and
-            ``longest_wait_s`` (waits for the others), ``elapsed_s`` (since the first batch
-            was ready) and ``wait_share`` (``wait_s / elapsed_s``); ``bytes_ahead`` /
-            ``shards_ahead`` downloaded ahead and ``bytes_on_demand`` / ``shards_on_demand``
-            while the batch waited; ``retried`` (read-aheads that failed and were retried);
-            ``warned``. All zero for a local cache.
+            ``longest_wait_s`` (the others), ``elapsed_s`` (since the first batch was ready),
+            ``wait_share``; ``bytes_ahead`` / ``shards_ahead`` and ``bytes_on_demand`` /
+            ``shards_on_demand``; ``retried``; ``warned``.
         """
         return self._stats.as_dict()
 
@@ -757,8 +715,8 @@ class ShardDataset(IterableDataset):
         lengths: Any = None,
         layout: tuple[np.ndarray, int] | None = None,
     ) -> Gathered:
-        """The tokens (and, for chat caches, loss masks) of segments, concatenated, or with
-        ``layout`` placed in padded rows (:meth:`Cache.gather`)."""
+        """:meth:`Cache.gather` of segments (with the loss masks of chat caches), concatenated or
+        placed by ``layout``."""
         cache = self._open()
         return cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
@@ -793,14 +751,7 @@ class ShardDataset(IterableDataset):
         return self._batch_kernels
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
-        """Read sequences and pad them into one batch (pad mode).
-
-        Args:
-            sample_ids: the sequences, one per row.
-
-        Returns:
-            The batch.
-        """
+        """Read sequences ``sample_ids`` and pad them into one batch, one per row (pad mode)."""
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._index()[0][sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
@@ -896,14 +847,8 @@ def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | No
 
 
 def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int = 0) -> int:
-    """The global cursor of one rank's DataLoader worker states taken together.
-
-    Args:
-        workers: the workers' dataset states.
-        steps_since_snapshot: batches the loader handed out since the states were taken.
-
-    Returns:
-        ``start + world_size * batches taken``.
+    """The global cursor (``start + world_size * batches taken``) of one rank's DataLoader worker
+    states taken together, ``steps_since_snapshot`` batches after they were taken.
 
     Raises:
         StateError: the states do not belong to one loader's checkpoint.
@@ -946,9 +891,7 @@ class Batch(dict):  # type: ignore[type-arg]
 
     A ``dict`` subclass so that a ``DataLoader`` left with its default ``batch_size=1`` fails
     loudly instead of stacking batches, and so that it pickles all its tensors as one storage
-    (one shared-memory segment per batch on a DataLoader worker's queue, not one per tensor).
-    ``copy.copy`` is shallow, ``copy.deepcopy`` copies the data.
-    """
+    (one shared-memory segment per batch on a worker's queue). ``copy.copy`` is shallow."""
 
     def __copy__(self) -> Batch:
         return Batch(self)
@@ -974,8 +917,7 @@ class Batch(dict):  # type: ignore[type-arg]
 
 
 def _packable(t: torch.Tensor) -> bool:
-    """A tensor a pickled :class:`Batch` carries in its one storage (CPU, strided, no
-    autograd; anything else keeps torch's own pickling)."""
+    """A tensor a pickled :class:`Batch` carries in its one storage (CPU, strided, no autograd)."""
     return t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
 
 
@@ -985,8 +927,7 @@ def _rebuild_batch(
     keys: list[tuple[bool, str]],
     items: dict[str, Any],
 ) -> Batch:
-    """A pickled :class:`Batch` again (``items`` with placeholders where the tensors were):
-    its tensors are views of the one ``flat`` storage."""
+    """A pickled :class:`Batch` again: its tensors are views of the one ``flat`` storage."""
     batch = Batch(items)
     meta = batch.get("meta")
     for (in_meta, key), (at, dtype, shape) in zip(keys, specs):
@@ -995,26 +936,17 @@ def _rebuild_batch(
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` without its ``"meta"``: the keyword arguments of a model that rejects unknown ones.
-
-    Args:
-        batch: a batch.
-
-    Returns:
-        A new dict without ``"meta"``.
-    """
+    """``batch`` without its ``"meta"`` (a new dict): the keyword arguments of a model that
+    rejects unknown ones."""
     return {k: v for k, v in batch.items() if k != "meta"}
 
 
 class _SharedPosition:
-    """``[generation, epoch, cursor, loaded]`` shared between a ``ShardDataset`` and the copies
-    its DataLoader workers keep (``ShardDataset._published``).
-
-    It lives in an anonymous shared mapping, which forked workers inherit; when the dataset
-    is pickled for spawned / forkserver workers, a torch shared-memory tensor (slower to
-    make, so only then) joins it and travels with the pickle. The main process
-    writes both; a copy reads the one it has. Where shared memory cannot be had, the copies
-    keep the position they were made with (set_epoch does not reach persistent workers)."""
+    """``[generation, epoch, cursor, loaded]`` shared between a ``ShardDataset`` and its DataLoader
+    workers' copies: an anonymous shared mapping (forked workers inherit it), joined by a torch
+    shared-memory tensor when the dataset is pickled for spawned / forkserver workers. The main
+    process writes both, a copy reads the one it has. Without shared memory a copy keeps the
+    position it was made with."""
 
     def __init__(self) -> None:
         self._mapped: np.ndarray | None = np.frombuffer(mmap.mmap(-1, 32), dtype=np.int64)
@@ -1054,14 +986,11 @@ class _SharedPosition:
 
 def _data_identity(caches: list[Cache], *terms: Any) -> str:
     """What a plan is a function of besides options, seed and epoch (plan_store.py): each
-    cache's length-index sha256 and shard table, and a mixture's ``terms``; "" when a cache
-    records no index sha256 (then no plan is shared)."""
-    parts: list[Any] = []
-    for cache in caches:
-        index_sha = cache.manifest.get("index", {}).get("lengths", {}).get("sha256")
-        if not index_sha:
-            return ""
-        parts.append([index_sha, [[s.get("bucket"), s.get("rows")] for s in cache.shards]])
+    cache's length-index sha256 and shard table, and a mixture's ``terms``."""
+    parts = [
+        [c.manifest["index"]["lengths"]["sha256"], [[s["bucket"], s["rows"]] for s in c.shards]]
+        for c in caches
+    ]
     return hashlib.sha256(json.dumps([*parts, *terms] if terms else parts[0]).encode()).hexdigest()
 
 
@@ -1093,7 +1022,7 @@ def _check_attention(attention: str | None, mode: str) -> str | None:
 
 
 def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
-    """The numpy arrays of a collated batch as tensors sharing their memory (ints stay ints)."""
+    """The numpy arrays of a collated batch as tensors sharing their memory."""
     batch = Batch()
     for key, value in arrays.items():
         batch[key] = torch.from_numpy(value) if type(value) is np.ndarray else value
@@ -1105,8 +1034,7 @@ def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
 
 
 def _refuse_collate(batches: list[Batch], **_: Any) -> Batch:
-    """A DataLoader with ``batch_size`` set collates ``batch_size`` of our (already whole)
-    batches into one with a leading dimension: refuse, naming the fix."""
+    """A DataLoader with ``batch_size`` set stacks our (already whole) batches: refuse it."""
     raise ConfigError(
         f"DataLoader: it collated {len(batches)} ShardDataset batch(es) into one (its "
         "batch_size defaults to 1, which adds a leading dimension to every tensor). "

@@ -1,28 +1,9 @@
-"""Mixture recipes: a TOML file with one ``[[source]]`` table per cache plus the batch options.
-
-::
-
-    seed = 0
-    max_tokens = 16384
-    mode = "pack"
-    seq_len = 2048
-    attention = "varlen"
-    # tokens_per_epoch = 1_000_000_000   # optional: else the largest epoch that fits
-
-    [[source]]
-    path = "web-cache"        # relative to this file, or a URL (s3://...)
-    weight = 0.7
-    [[source]]
-    path = "code-cache"
-    weight = 0.3
-    max_repetitions = 2
-    name = "code"             # optional label (default: the path's last part)
-
-:func:`load_mixture_recipe` reads and checks it (unknown keys, values, the batch options as
-:class:`~shardcache.read.plan.PlanOptions`) and returns a :class:`MixtureRecipe`, whose
+"""Mixture recipes: a TOML file with one ``[[source]]`` table per cache (``path`` relative to
+the file or a URL, ``weight``, ``max_repetitions``, ``name``) plus the batch options and
+``seed``, ``attention``, ``ids_dtype``, ``tokens_per_epoch`` (example: ``recipes/mixture.toml``).
+:func:`load_mixture_recipe` checks it into a :class:`MixtureRecipe`, whose
 :meth:`~MixtureRecipe.dataset_options` are the keywords of ``ShardDataset(recipe.sources,
-...)`` (and of ``shardcache.loader``). ``shardcache mix RECIPE`` shows its table.
-"""
+...)`` (and of ``shardcache.loader``)."""
 
 from __future__ import annotations
 
@@ -64,13 +45,7 @@ def _resolve(path: Any, base: str, where: str) -> str:
 
 
 def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
-    """Read and check a mixture recipe (see the module docstring).
-
-    Args:
-        path: the TOML file; relative source paths are relative to its folder.
-
-    Returns:
-        The recipe.
+    """Read and check the mixture recipe at ``path`` (see the module docstring).
 
     Raises:
         ConfigError: the file cannot be read or parsed, a key is unknown, a value is out of

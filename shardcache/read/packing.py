@@ -28,17 +28,10 @@ JIT_MIN_SEQUENCES = 100_000
 def best_fit_bins(
     sizes: np.ndarray, bounds: np.ndarray, capacity: int, method: str = "auto"
 ) -> np.ndarray:
-    """Best-fit-decreasing rows of windows of items.
-
-    Args:
-        sizes: the items of every window, each window sorted decreasing, all ``<= capacity``.
-        bounds: window ``k`` is ``sizes[bounds[k] : bounds[k + 1]]``.
-        capacity: the row size.
-        method: ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed and
-            there are at least :data:`JIT_MIN_SEQUENCES` items).
-
-    Returns:
-        Every item's row, numbered from 0 in each window.
+    """Every item's best-fit-decreasing row, numbered from 0 in each window ``k`` of items
+    ``sizes[bounds[k] : bounds[k + 1]]`` (sorted decreasing, each ``<= capacity``). ``method``:
+    ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed and there are at
+    least :data:`JIT_MIN_SEQUENCES` items).
 
     Raises:
         ConfigError: an unknown ``method``.
@@ -120,17 +113,8 @@ def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None: 
 
 
 def cut_batches(padded: np.ndarray, window_ends: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Pad-mode batch starts within sorted windows.
-
-    Args:
-        padded: every row's padded length, each window sorted longest first.
-        window_ends: where each window ends.
-        max_tokens: the token budget: a batch takes ``max_tokens // L`` rows, ``L`` its first
-            row's length.
-
-    Returns:
-        The first row of every batch.
-    """
+    """The first row of every pad-mode batch of windows (ending at ``window_ends``) of rows sorted
+    longest first: a batch takes ``max_tokens // L`` rows, ``L`` its first row's padded length."""
     padded = np.ascontiguousarray(padded, dtype=np.int64)
     ends = np.ascontiguousarray(window_ends, dtype=np.int64)
     compiled = _jit(_cut_kernel) if len(padded) >= JIT_MIN_SEQUENCES else None

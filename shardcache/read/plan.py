@@ -447,16 +447,8 @@ class EpochSplit:
 def split_epoch(
     num_batches: int, world_size: int, start: int = 0, tail: str = "drop"
 ) -> EpochSplit:
-    """Deal global batches to ranks so that every rank gets the same count.
-
-    Args:
-        num_batches: the epoch's global batches.
-        world_size: the number of ranks.
-        start: the global cursor (batches already consumed).
-        tail: ``"drop"`` the remainder or ``"wrap"`` around to the first batches.
-
-    Returns:
-        The split.
+    """Deal ``num_batches`` global batches from cursor ``start`` to ``world_size`` ranks, each the
+    same count (``tail``: ``"drop"`` the remainder or ``"wrap"`` around to the first batches).
 
     Raises:
         ConfigError: an argument out of range.
@@ -471,16 +463,8 @@ def split_epoch(
 
 
 def worker_batches(rank_batches: np.ndarray, worker_id: int, num_workers: int) -> np.ndarray:
-    """The part of a rank's batches a DataLoader worker produces.
-
-    Args:
-        rank_batches: the rank's batches, in order.
-        worker_id: the worker.
-        num_workers: the workers (>= 1).
-
-    Returns:
-        Every ``num_workers``-th batch from ``worker_id``: the order the DataLoader collects in.
-    """
+    """Every ``num_workers``-th batch of a rank's batches from ``worker_id``: a DataLoader worker's
+    part, in the order the DataLoader collects in."""
     if not 0 <= worker_id < num_workers:
         raise ConfigError(
             f"worker_id: got {worker_id}, expected 0 <= worker_id < num_workers={num_workers}"

@@ -1,17 +1,11 @@
 """An epoch plan computed once per machine and memory-mapped by every process that needs it.
 
-:func:`shared_plan` stores a computed plan as ``.npy`` files under
-``$SHARDCACHE_CACHE_DIR/plans/<digest>/`` (tmp + fsync + rename, one process computing under
-an exclusive ``flock``, the others waiting and reading). The digest covers the data identity
-(length index sha256 and shard table), the plan options, seed, epoch and
-:data:`PLAN_FILE_VERSION`. Plans of caches under :data:`SHARE_MIN_SEQUENCES` sequences are
-computed in place; the folder keeps the :data:`KEEP_PLANS` most recently used plans.
-
-A stored plan is a set of files anyone who can write the cache folder can edit: its
-:data:`DIGESTS_FILE`, written with it, holds the sha256 of each array file, and a plan whose
-files do not match (edited, truncated, missing, extra) is never used: it is removed and
-computed again.
-"""
+:func:`shared_plan` stores a plan as ``.npy`` files under ``$SHARDCACHE_CACHE_DIR/plans/
+<digest>/`` (one process computes under an exclusive ``flock``, the others wait and read),
+with the sha256 of each file: a plan whose files do not match is removed and computed again.
+The digest covers the data identity, the plan options, seed, epoch and
+:data:`PLAN_FILE_VERSION`. Caches under :data:`SHARE_MIN_SEQUENCES` sequences plan in place;
+the :data:`KEEP_PLANS` most recently used plans are kept."""
 
 from __future__ import annotations
 
@@ -46,14 +40,8 @@ _FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_leng
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
-    """The name of a stored plan: a digest of everything the plan is a function of.
-
-    Args:
-        data_identity: the caller's identity of the data ("" when unknown).
-        options_json: the plan options as canonical JSON.
-        seed: the seed.
-        epoch: the epoch.
-    """
+    """The name of a stored plan: a digest of everything the plan is a function of
+    (``data_identity`` "" when unknown)."""
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 

@@ -1,25 +1,14 @@
 """Read-ahead from object storage, driven by the epoch plan.
 
 The plan says from the start which shards every batch of this rank (and DataLoader worker)
-needs, in order. :class:`ReadAhead` downloads the shards of the next batches in that order on
-a small thread pool, into the local shard cache (:mod:`shardcache.store.remote`), while the
-consumer trains:
-
-* the first batch's shards come first and alone (a fast first batch), the window is filled
-  once they are in;
-* every shard of the window, and of the batch being read, stays *pinned* (held like an open
-  shard, so no process evicts it) until the consumer has passed the last batch of the window
-  that needs it;
-* the window is bounded in shards and bytes (:class:`ReadAheadOptions`) and by the local
-  shard cache's bound ``SHARDCACHE_CACHE_SIZE``: it waits (backpressure) until the consumer
-  passes batches, and the consumer's idle open shards are closed to make room;
-* a failed download of a later shard is retried on demand when its batch comes; a shard that
-  still cannot be had raises a :class:`~shardcache.errors.CacheError` naming the object and
-  the store, at the batch that needs it (never in the background).
-
-:class:`ReadStats` counts the consumer's waits and the bytes downloaded ahead and on demand,
-and warns once when the waits take more than a share of the time.
-"""
+needs, in order. :class:`ReadAhead` downloads them in that order on a small thread pool into
+the local shard cache (:mod:`shardcache.store.remote`) while the consumer trains: the first
+batch's shards first and alone; every shard of the window, and of the batch being read,
+pinned (no process evicts it) until the consumer has passed the last batch that needs it;
+the window bounded in shards and bytes (:class:`ReadAheadOptions`) and by
+``SHARDCACHE_CACHE_SIZE`` (backpressure, idle open shards closed for room). A failed
+read-ahead is retried when its batch comes; a shard that still cannot be had raises a
+:class:`~shardcache.errors.CacheError` at the batch that needs it, never in the background."""
 
 from __future__ import annotations
 
@@ -88,12 +77,8 @@ class ReadAheadOptions:
 
 
 def readahead_options(value: Any) -> ReadAheadOptions:
-    """``ShardDataset(readahead=...)`` as options: a :class:`ReadAheadOptions`, an int (the
-    shards ahead; 0 is on demand), or None (the defaults).
-
-    Raises:
-        ConfigError: anything else.
-    """
+    """``ShardDataset(readahead=...)`` as options: a :class:`ReadAheadOptions`, an int (the shards
+    ahead; 0: on demand), or None (the defaults); ConfigError for anything else."""
     if value is None:
         return ReadAheadOptions()
     if isinstance(value, ReadAheadOptions):
@@ -181,26 +166,13 @@ class _Pin:
 class ReadAhead:
     """Downloads the shards of a pass's batches ahead of the consumer (module docstring).
 
-    The consumer calls :meth:`ready` with each position before reading its batch, and
-    :meth:`close` when the pass ends or stops; everything but the downloads runs in the
-    consumer's thread.
-
-    Args:
-        count: batches in the pass (positions ``0 .. count - 1``).
-        needs: the shards (keys) of the batch at a position.
-        size: a shard's bytes.
-        fetch: ``fetch(key, background)`` downloads a shard if needed and holds it; returns
-            its release (``background``: called on the pool's threads). True when it
-            downloaded (not a hit) is told by ``present``.
-        present: whether a shard is already in the local shard cache (no download).
-        options: the window's bounds.
-        stats: where waits and bytes are counted.
-        cache_bound: the local shard cache's bound (bytes).
-        trim: ``trim(keep, room)`` closes the consumer's open shards outside ``keep`` until
-            the others hold ``room`` bytes (None: nothing to close).
-        describe: names a shard's object and store for error messages.
-        where: names the reader in the warning.
-    """
+    The consumer calls :meth:`ready` with each position ``0 .. count - 1`` before reading its
+    batch, and :meth:`close` when the pass ends or stops; everything but the downloads runs in
+    the consumer's thread. The cache is seen through callables: ``needs(position)`` (a batch's
+    shard keys), ``size(key)``, ``fetch(key, background)`` (download if needed and hold: returns
+    the release), ``present(key)`` (already local), ``trim(keep, room)`` (close the consumer's
+    open shards outside ``keep`` until the others hold ``room`` bytes) and ``describe(key)``
+    (for messages); ``cache_bound`` is the local shard cache's bound in bytes."""
 
     def __init__(
         self,
@@ -304,8 +276,8 @@ class ReadAhead:
                 ) from err
 
     def _top_up(self, position: int, current: set[Key]) -> None:
-        """Pin and start downloading the shards of the batches after ``position``, in plan
-        order, as far as the bounds allow."""
+        """Pin and start downloading the shards of the batches after ``position``, in plan order, as
+        far as the bounds allow."""
         if not self.options.shards:
             return
         ahead = [k for k in self._pins if k not in current]
@@ -340,8 +312,7 @@ class ReadAhead:
             self._pins[key].future = self._submit(key, ahead=True)
 
     def _make_room(self) -> None:
-        """Close the consumer's open shards outside the pins that the pins leave no room
-        for under the local shard cache's bound (before the pins' downloads start)."""
+        """Close the consumer's open shards that the pins leave no room for under the bound."""
         if self.trim is not None:
             total = sum(pin.size for pin in self._pins.values())
             self.trim(set(self._pins), max(0, self.cache_bound - total))
@@ -383,8 +354,7 @@ class ReadAhead:
         return {key: pin.last for key, pin in self._pins.items()}
 
     def close(self) -> None:
-        """Stop: cancel the downloads not started, wait for those running (the pool's
-        threads end), release every pin (idempotent)."""
+        """Cancel pending downloads, wait for running ones, release every pin (idempotent)."""
         for pin in self._pins.values():
             if pin.future is not None:
                 pin.future.cancel()
@@ -396,12 +366,8 @@ class ReadAhead:
 
 
 def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
-    """The shards holding sample ids ``ids``, in order of first use.
-
-    Args:
-        shard_starts: the first sample id of every shard, plus the total.
-        ids: sample ids.
-    """
+    """The shards (``shard_starts``: first sample id of each, plus the total) holding sample ids
+    ``ids``, in order of first use."""
     shards = np.searchsorted(shard_starts, np.asarray(ids, dtype=np.int64), side="right") - 1
     _, first = np.unique(shards, return_index=True)
     return [int(s) for s in shards[np.sort(first)]]
@@ -415,20 +381,9 @@ def cache_readahead(
     stats: ReadStats,
     where: str,
 ) -> ReadAhead | None:
-    """A :class:`ReadAhead` over the shards in object storage of ``cache`` (or of a
-    mixture's sources at URLs) for global batches ``batches`` of ``plan``, in that order.
-
-    Args:
-        cache: the reader's open cache or mixture.
-        plan: the epoch plan.
-        batches: this reader's global batches, in the order it reads them.
-        options: the window's bounds.
-        stats: where waits and downloads are counted.
-        where: names the reader in messages.
-
-    Returns:
-        The read-ahead, or None when no shard is in object storage.
-    """
+    """A :class:`ReadAhead` over the shards in object storage of ``cache`` (or of a mixture's
+    sources at URLs) for this reader's global ``batches`` of ``plan``, in that order; None when
+    no shard is in object storage."""
     mixed = isinstance(cache, MixedCache)
     caches = cache.caches if isinstance(cache, MixedCache) else [cache]
     remotes = [c.remote for c in caches]

@@ -67,15 +67,7 @@ SCRATCH_PREFIXES = ("shardcache-commit-", "shardcache-part-", "shardcache-pool-"
 
 def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES) -> list[str]:
     """Remove what processes killed on this host left in ``folder``: the entries named
-    ``<prefix><pid>-...`` (files or folders) whose pid is no longer alive.
-
-    Args:
-        folder: the folder to sweep (the temporary folder, or the local cache folder).
-        prefixes: the scratch name prefixes to look for.
-
-    Returns:
-        The paths removed.
-    """
+    ``<prefix><pid>-...`` (files or folders) whose pid is no longer alive; returns their paths."""
     removed = []
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in entries:
@@ -250,12 +242,9 @@ def _describe(share: tuple[int, int] | None) -> str:
 
 
 def refuse_colliding_builds(root: str, name: str) -> None:
-    """Refuse to run beside a live build of ``root`` that this one would collide with.
-
-    Args:
-        root: the output folder.
-        name: the lock this build holds, relative to ``root``: ``""`` for a full build or a
-            commit, ``.shares/share-i-of-N`` for a job-array share.
+    """Refuse to run beside a live build of ``root`` that this one, holding the lock ``name``
+    (``""``: a full build or commit; ``.shares/share-i-of-N``: a job-array share), would collide
+    with.
 
     Raises:
         BuildLockedError: a full build runs beside a share, or shares of different N run

@@ -1,12 +1,8 @@
 """Read access to a committed cache: :func:`open_cache` -> :class:`Cache`.
 
 A :class:`Cache` owns the manifest, the memory-mapped length index and an LRU of open shard
-readers (:class:`ShardCache`), and releases them on :meth:`Cache.close`. Sample ids are
-global row numbers (shards in manifest order); planning needs only the length index and the
-shard table, so opening a cache opens no shard. :meth:`Cache.gather` reads segments of many
-sequences with one copy per record batch touched; :meth:`Cache.mapped_table` gives compiled
-readers (``shardcache.read.kernels``) the addresses of the open memory-mapped shards.
-"""
+readers (:class:`ShardCache`), released by :meth:`Cache.close`. Sample ids are global row
+numbers (shards in manifest order); opening a cache opens no shard."""
 
 from __future__ import annotations
 
@@ -35,17 +31,9 @@ def _no_release() -> None:
 
 
 class ShardCache:
-    """A small LRU of open :class:`~shardcache.store.shards.ShardReader` s that owns them.
-
-    Args:
-        shards: the manifest's shard entries.
-        dtype: the cache's token type.
-        size: how many shards stay open (at least 1).
-        fetch: where a shard's file is and its release (local: the folder; remote: a
-            download held under a shared lock until released).
-        reader_options: keywords for every :class:`ShardReader`.
-        on_close: called with a shard's index when it is closed.
-    """
+    """An LRU of at most ``size`` open :class:`~shardcache.store.shards.ShardReader` s that owns
+    them; ``fetch`` gives a shard's file and its release (a remote download is held under a
+    shared lock until released), ``on_close`` is told each shard closed."""
 
     def __init__(
         self,
@@ -68,7 +56,7 @@ class ShardCache:
         self._open: OrderedDict[int, tuple[ShardReader, Callable[[], None]]] = OrderedDict()
 
     def get(self, index: int) -> ShardReader:
-        """The reader of shard ``index``, opened (and another closed for room) when needed.
+        """The reader of shard ``index``, opened (another closed for room) when needed.
 
         Raises:
             ValueError: the cache is closed.
@@ -111,23 +99,15 @@ class ShardCache:
             release()
 
     def shed(self) -> bool:
-        """Close the least recently used open shard.
-
-        Returns:
-            False when none is open (a remote cache asks when open shards leave no room).
-        """
+        """Close the least recently used open shard; False when none is open."""
         if not self._open:
             return False
         self._close_one()
         return True
 
     def close_idle(self, keep: Container[int], room: int) -> int:
-        """Close the least recently used open shards outside ``keep`` until those left
-        outside it hold at most ``room`` bytes (the manifest's sizes).
-
-        Returns:
-            The bytes of the open shards outside ``keep`` afterwards.
-        """
+        """Close least recently used open shards outside ``keep`` until those left outside it hold
+        at most ``room`` bytes (the manifest's sizes); returns those bytes."""
         idle = [index for index in self._open if index not in keep]
         used = sum(int(self.shards[index]["bytes"]) for index in idle)
         for index in idle:  # least recently used first
@@ -146,8 +126,8 @@ class ShardCache:
 
 @dataclass(frozen=True)
 class Gathered:
-    """Segments read by :meth:`Cache.gather`: ``tokens`` concatenated (or laid out),
-    ``offsets`` (int64, ``len + 1``) cutting their lengths, ``mask`` (bool per token) if asked."""
+    """Segments read by :meth:`Cache.gather`: ``tokens`` (concatenated or laid out), ``offsets``
+    (int64, ``len + 1``) of their lengths, ``mask`` (bool per token) if asked."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -168,16 +148,15 @@ NO_MASK = -1
 class MappedTable:
     """The open memory-mapped shards of a cache by address, for a compiled reader.
 
-    Shard ``s`` holds sample ids ``shard_starts[s] : shard_starts[s + 1]``; while it is open its
-    tokens (``dtype``) are the ``sizes[s]`` values at address ``addresses[s]`` (0: not open;
-    :meth:`Cache.open_mapped` opens it). Sample ``i`` starts at value ``file_starts[i]`` of its
-    shard and holds ``lengths[i]`` tokens; in a chat cache its loss mask is ``lengths[i]`` bits
-    from bit ``mask_starts[i]`` of the same file (``NO_MASK``: none; empty otherwise). A
-    reader advances ``clock[0]`` once per batch and stamps ``last_used[s]`` for every shard it
-    reads: the LRU closes the least recently stamped. The reader checks the ids it copies
-    against ``max_id``. An address is valid until the next :meth:`Cache.open_mapped` or close, so no
-    Python code may run between reading an address and copying from it.
-    """
+    Shard ``s`` holds sample ids ``shard_starts[s] : shard_starts[s + 1]``; while open, its
+    tokens are the ``sizes[s]`` values at ``addresses[s]`` (0: not open; :meth:`Cache.open_mapped`
+    opens it). Sample ``i`` starts at value ``file_starts[i]`` of its shard and holds
+    ``lengths[i]`` tokens; in a chat cache its loss mask is ``lengths[i]`` bits from bit
+    ``mask_starts[i]`` of the same file (``NO_MASK``: none). A reader advances ``clock[0]``
+    once per batch and stamps ``last_used[s]`` for every shard it reads (the LRU closes the
+    least recently stamped) and checks the ids it copies against ``max_id``. An address is
+    valid until the next :meth:`Cache.open_mapped` or close: no Python code may run between
+    reading and copying."""
 
     addresses: np.ndarray  # int64, one per shard
     sizes: np.ndarray  # int64, one per shard
@@ -216,8 +195,8 @@ class Sequence:
 
 
 def _forget_in(addresses: np.ndarray, mapped: dict[int, np.ndarray]) -> Callable[[int], None]:
-    """``on_close`` of a cache's :class:`ShardCache`: a closed shard's address becomes 0 (a
-    closure over the arrays, not the cache: no reference cycle keeps a cache alive)."""
+    """``on_close`` of a cache's :class:`ShardCache` (a closure over the arrays, not the cache: no
+    reference cycle keeps a cache alive)."""
 
     def forget(index: int) -> None:
         addresses[index] = 0
@@ -233,15 +212,7 @@ SHARD_SHARE_OF_FILE_LIMIT = 4
 
 def shards_within_file_limit(requested: int, caches: int = 1) -> int:
     """How many shards each of ``caches`` caches may keep open in this process: at most
-    ``requested``, and together at most a quarter of the soft open-file limit (at least 4).
-
-    Args:
-        requested: the open shards wanted per cache.
-        caches: caches this process reads at once (a mixture's sources).
-
-    Returns:
-        The open shards per cache.
-    """
+    ``requested``, and together at most a quarter of the soft open-file limit (at least 4)."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -283,9 +254,7 @@ class Cache:
             remote.lengths_path if remote is not None else cache_path(self.path, LENGTHS_FILE)
         )
         # the index decides batch shapes and every read trusts it: checked like a shard
-        entry = self.manifest.get("index", {}).get("lengths")
-        if isinstance(entry, dict):
-            check_file(lengths_path, entry, "length index")
+        check_file(lengths_path, self.manifest["index"]["lengths"], "length index")
         try:
             self.lengths: np.ndarray = np.load(lengths_path, mmap_mode="r", allow_pickle=False)
         except (OSError, ValueError) as err:
@@ -309,12 +278,8 @@ class Cache:
             if remote is not None
             else lambda info: (shard_path(self.path, info["name"]), _no_release)
         )
-        max_id = self.manifest.get("tokenizer", {}).get("max_token_id")
-        self._max_id = np.iinfo(np.int64).max if max_id is None else int(max_id)
-        options = {
-            "max_token_id": None if max_id is None else int(max_id),
-            "with_mask": self.has_mask,
-        }
+        self._max_id = int(self.manifest["tokenizer"]["max_token_id"])  # (validated)
+        options = {"max_token_id": self._max_id, "with_mask": self.has_mask}
         # the mapped-shard table (mapped_table): shards whose rows were checked against the
         # index and recorded, and the token arrays of the open ones by address
         self._recorded = np.zeros(len(self.shards), dtype=bool)
@@ -340,8 +305,7 @@ class Cache:
         )
 
     def close(self) -> None:
-        """Close the open shards and release the length index (idempotent); the cache reads
-        nothing afterwards."""
+        """Close the open shards and release the length index (idempotent)."""
         self._shards.close()
         self._table = None
         self.lengths = self._lengths_plain = np.zeros(0, dtype=self.lengths.dtype)
@@ -469,12 +433,8 @@ class Cache:
         return Gathered(tokens, offsets, mask)
 
     def mapped_table(self) -> MappedTable | None:
-        """The table of memory-mapped shards for compiled readers.
-
-        Returns:
-            The same table for the cache's life (its arrays change as shards open and
-            close), or None for a compressed cache.
-        """
+        """The table of memory-mapped shards for compiled readers: one for the cache's life (its
+        arrays change as shards open and close), or None for a compressed cache."""
         layout = (self.manifest.get("options") or {}).get("layout") or {}
         if layout.get("compression", "none") != "none":
             return None  # (a cache resumed under another compression: open_mapped says so)
@@ -494,16 +454,8 @@ class Cache:
         return self._table
 
     def open_mapped(self, index: int) -> bool:
-        """Open shard ``index`` for :meth:`mapped_table` readers.
-
-        It is checked like any open (its ids are left to the reader); the shard the LRU closes
-        for it is the least recently stamped one.
-
-        Args:
-            index: the shard.
-
-        Returns:
-            False when the shard is compressed (read it through :meth:`gather`).
+        """Open shard ``index`` for :meth:`mapped_table` readers (checked like any open; the shard
+        closed for room is the least recently stamped); False when it is compressed.
 
         Raises:
             CorruptShardError: the shard is damaged or disagrees with the length index.
@@ -559,24 +511,11 @@ class Cache:
         return self._file_starts
 
     def close_idle(self, keep: Container[int], room: int) -> int:
-        """Close least recently used open shards outside ``keep`` until the others hold at
-        most ``room`` bytes (a reader making room in a bounded local shard cache).
-
-        Args:
-            keep: shards to leave open.
-            room: the bytes the other open shards may hold.
-
-        Returns:
-            The bytes the open shards outside ``keep`` hold afterwards.
-        """
+        """:meth:`ShardCache.close_idle` (a reader making room in a bounded local shard cache)."""
         return self._shards.close_idle(keep, room)
 
     def check_ids(self, index: int) -> None:
-        """Check every id of shard ``index`` against the tokenizer's largest.
-
-        Raises:
-            CorruptShardError: one is larger (the message names the file and record batch).
-        """
+        """Check every id of shard ``index`` against the tokenizer's largest (CorruptShardError)."""
         self._shards.get(index).check_ids()
 
     def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:
@@ -618,11 +557,7 @@ class Cache:
 
 def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
     """``(input file, rows)`` in row order of a shard: its ``source``, or a merged shard's
-    ``sources``.
-
-    Args:
-        info: the shard's manifest entry.
-    """
+    ``sources``."""
     runs = info.get("sources")
     if runs is None:
         return [(str(info["source"]), int(info["rows"]))]
@@ -630,11 +565,8 @@ def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
 
 
 def source_of_row(info: dict[str, Any], row: int) -> str:
-    """The input file of row ``row`` of the shard whose manifest entry is ``info``.
-
-    Raises:
-        IndexError: the shard has no such row.
-    """
+    """The input file of row ``row`` of the shard whose manifest entry is ``info`` (IndexError:
+    no such row)."""
     for source, rows in shard_runs(info):
         if row < rows:
             return source

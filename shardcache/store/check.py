@@ -22,16 +22,8 @@ def read_any_manifest(path: str) -> dict:
 
 
 def compare_keys(old: CacheKey, new: CacheKey, strict: bool) -> KeyComparison:
-    """Compare a recorded key with the current one (:func:`~shardcache.store.key.compare`).
-
-    Args:
-        old: the recorded key (a cache's or a lock file's).
-        new: the current configuration's key.
-        strict: soft differences (library versions) are errors too.
-
-    Returns:
-        The comparison, field by field.
-    """
+    """:func:`~shardcache.store.key.compare` of a recorded key with the current configuration's
+    (``strict``: library version differences are errors too; data skipped when ``new`` has none)."""
     skip = ("data",) if new.components.get("data") is None else ()
     return compare(old, new, strict=strict, skip=skip)
 

@@ -83,12 +83,7 @@ class HashingReader(io.RawIOBase):
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
-    """The sha256 hex digest of a file, read in 1 MiB chunks.
-
-    Args:
-        path: the file.
-        on_bytes: called with the bytes of every chunk read (progress).
-    """
+    """The sha256 hex digest of a file (``on_bytes`` is told every chunk read: progress)."""
     with open(path, "rb") as f:
         reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
         reader.drain()
@@ -96,11 +91,8 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str
 
 
 def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
-    """Copy ``src`` to ``dst`` in 1 MiB chunks, feeding ``digest`` (a ``hashlib`` object).
-
-    Returns:
-        The bytes and the newlines copied.
-    """
+    """Copy ``src`` to ``dst`` feeding ``digest`` (a ``hashlib`` object); the bytes and the
+    newlines copied."""
     size = lines = 0
     while chunk := src.read(READ_CHUNK):
         dst.write(chunk)
@@ -117,14 +109,9 @@ def private_tmp(path: str) -> str:
 
 @contextlib.contextmanager
 def exclusive_lock(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the block.
-
-    "One process computes, the others wait, then find the result".
-
-    Yields:
-        True while held; False (holding nothing) when the lock file cannot be opened (a
-        read-only folder).
-    """
+    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the block:
+    one process computes, the others wait, then find the result. Yields False, holding nothing,
+    when the lock file cannot be opened (a read-only folder)."""
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -203,18 +190,10 @@ def memo_disabled() -> bool:
 
 
 def read_memo(kind: str, digest: str) -> Any | None:
-    """A value :func:`write_memo` remembered.
-
-    A memo only saves work: a caller treats None as "compute it again" and validates the value.
-
-    Args:
-        kind: the memo's folder under :func:`cache_root`.
-        digest: the sha256 of everything the value depends on.
-
-    Returns:
-        The value, or None when memos are off (:data:`NO_MEMO_ENV`) or the file is missing,
-        unreadable or names another digest.
-    """
+    """A value :func:`write_memo` remembered under ``kind`` (a folder of :func:`cache_root`) and
+    ``digest`` (of everything the value depends on); None when memos are off
+    (:data:`NO_MEMO_ENV`) or it is missing, unreadable or of another digest. A memo only saves
+    work: the caller validates it."""
     if memo_disabled():
         return None
     try:
@@ -247,14 +226,8 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
 
 
 def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
-    """Write the concatenation of 1-d ``.npy`` files (one dtype) as one ``.npy``, streaming.
-
-    The bytes equal ``np.save`` of the concatenated array; memory is one source array.
-
-    Args:
-        path: the output.
-        sources: files, or ``(file, start, stop)`` slices of them.
-    """
+    """Write the concatenation of 1-d ``.npy`` files (one dtype), or of ``(file, start, stop)``
+    slices of them, as one ``.npy`` (the bytes of ``np.save``), one source in memory at a time."""
     pieces = []
     for source in sources:
         name, start, stop = (source, 0, None) if isinstance(source, str) else source
@@ -303,17 +276,8 @@ _DISK_ERRORS = {
 
 
 def disk_error(err: OSError, output: str) -> CacheError | None:
-    """The error to raise for a disk-full, quota, file-size, read-only or permission error.
-
-    Completed partitions are kept, so after freeing space a rerun resumes to the same bytes.
-
-    Args:
-        err: the error while writing ``output``.
-        output: the cache being written.
-
-    Returns:
-        A :class:`CacheError` naming the path and what to do, or None for other errors.
-    """
+    """The :class:`CacheError` to raise when ``err``, writing ``output``, is a disk-full, quota,
+    file-size, read-only or permission error (naming the path and what to do); None otherwise."""
     known = _DISK_ERRORS.get(err.errno or 0)
     if known is None:
         return None
@@ -326,17 +290,9 @@ def disk_error(err: OSError, output: str) -> CacheError | None:
 
 
 def resource_limit_error(err: OSError, path: str) -> CacheError | None:
-    """The error to raise when opening or mapping ``path`` failed for lack of a process or
-    system resource, not because the file is damaged.
-
-    Args:
-        err: the error while opening, reading or mapping ``path``.
-        path: the file.
-
-    Returns:
-        A :class:`CacheError` naming the limit hit, its value and what to do, or None for
-        other errors (then the caller reports the file).
-    """
+    """The :class:`CacheError` to raise when opening or mapping ``path`` failed for lack of a
+    process or system resource (naming the limit, its value and what to do), not because the
+    file is damaged; None for other errors."""
     import resource
 
     if err.errno == errno.EMFILE:

@@ -34,11 +34,7 @@ _SEEN: set[str] = set()
 
 
 def checksums_enabled(checksum: bool | None = None) -> bool:
-    """Whether shard checksums are computed.
-
-    Args:
-        checksum: an explicit choice; None reads ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips).
-    """
+    """``checksum``, or when None ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips checksums)."""
     if checksum is not None:
         return checksum
     return os.environ.get(CHECKSUMS_ENV, "1").lower() not in ("0", "false", "no")
@@ -77,13 +73,8 @@ def _marker(identity: str, create: bool = True) -> str | None:
 
 
 def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> bool:
-    """Whether ``path``, in its current version, was hashed clean against ``sha256``.
-
-    Args:
-        path: the file.
-        sha256: its manifest digest.
-        st: its ``os.stat`` result, when the caller has it.
-    """
+    """Whether ``path``, in its current version (``st``: its stat, when the caller has it), was
+    hashed clean against ``sha256``."""
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     if identity in _SEEN:
@@ -96,13 +87,7 @@ def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> boo
 
 
 def record_verified(path: str, sha256: str, st: os.stat_result | None = None) -> None:
-    """Record that ``path`` (as it is now) hashed clean against ``sha256`` (the caller hashed it).
-
-    Args:
-        path: the file.
-        sha256: its digest.
-        st: its ``os.stat`` result, when the caller has it.
-    """
+    """Record that ``path`` (as it is now; ``st`` its stat) hashed clean against ``sha256``."""
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     _SEEN.add(identity)
@@ -115,17 +100,9 @@ def record_verified(path: str, sha256: str, st: os.stat_result | None = None) ->
 
 
 def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> bool:
-    """Check a cache file against its manifest entry; the sha256 at most once per file version.
-
-    Args:
-        path: the file.
-        entry: its manifest entry (``bytes``, ``sha256``).
-        what: what the file is, for messages ("shard", "length index").
-        checksum: as for :func:`checksums_enabled`.
-
-    Returns:
-        True when the sha256 was confirmed (now or by an earlier record), False when it was
-        not checked (checksums off, or an entry without one).
+    """Check a cache file against its manifest ``entry`` (``bytes``, ``sha256``); ``what`` names
+    it in messages, ``checksum`` as for :func:`checksums_enabled`. True when the sha256 was
+    confirmed (now or by an earlier record), False when not checked.
 
     Raises:
         CorruptShardError: the file is missing, or its size or sha256 differs.

@@ -167,17 +167,9 @@ def _short(value: Any, limit: int) -> str:
 def compare(
     expected: CacheKey, actual: CacheKey, strict: bool = False, skip: tuple[str, ...] = ()
 ) -> KeyComparison:
-    """Compare two keys component by component.
-
-    Args:
-        expected: the key the caller expects (current configuration or lock file).
-        actual: the cache's key.
-        strict: a version difference is an error even when the behaviour probe agrees.
-        skip: components not compared.
-
-    Returns:
-        The per-component status and the differences.
-    """
+    """Compare the ``expected`` key (current configuration or lock file) with a cache's
+    ``actual`` one, component by component (``skip``: not compared; ``strict``: a version
+    difference is an error even when the behaviour probe agrees)."""
     result = KeyComparison(expected, actual)
     behaviour_same = canonical_json(expected.components.get("behaviour")) == canonical_json(
         actual.components.get("behaviour")
@@ -269,11 +261,8 @@ def register_options_resolver(resolver: Callable[[Mapping[str, Any]], CacheKey])
 
 
 def expected_key(expect: Any) -> CacheKey:
-    """``expect`` as a key.
-
-    Args:
-        expect: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer, template
-            and truncation options (as in a recipe: ``tokenizer``, ``max_length``, ...).
+    """``expect`` as a key: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer,
+    template and truncation options (as in a recipe).
 
     Raises:
         ConfigError: ``expect`` is none of those, or no resolver of options is registered.
@@ -297,15 +286,8 @@ def expected_key(expect: Any) -> CacheKey:
 
 
 def verify_manifest_key(manifest: Mapping[str, Any], expect: Any, where: str) -> CacheKey:
-    """Check a cache's key against ``expect``; components ``expect`` lacks (e.g. data) are skipped.
-
-    Args:
-        manifest: the cache's manifest.
-        expect: as for :func:`expected_key`.
-        where: the cache's path (for messages).
-
-    Returns:
-        The cache's key.
+    """Check a cache's key against ``expect`` (as for :func:`expected_key`; components it lacks,
+    e.g. data, are skipped) and return it; ``where`` names the cache.
 
     Raises:
         CacheKeyMismatch: the keys differ (the fields are listed).

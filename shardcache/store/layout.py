@@ -49,56 +49,23 @@ def _refuse(field: str, value: object, expected: str) -> CacheError:
 
 
 def check_shard_name(name: object, field: str = "shard name") -> str:
-    """Check that a manifest's shard name is one the writer makes.
-
-    Args:
-        name: the name.
-        field: the manifest field it came from (for the message).
-
-    Returns:
-        ``name``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """``name`` when it is a shard name the writer makes, else a CacheError naming ``field``."""
     if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
         raise _refuse(field, name, "expected a shard name like 'p00000-b00-00000.arrow'")
     return name
 
 
 def check_digest(digest: object, field: str = "sha256") -> str:
-    """Check that a manifest's digest is a sha256 hex digest (64 lowercase hex).
-
-    Args:
-        digest: the digest.
-        field: the manifest field it came from (for the message).
-
-    Returns:
-        ``digest``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """``digest`` when it is a sha256 hex digest (64 lowercase hex), else a CacheError naming
+    ``field``."""
     if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         raise _refuse(field, digest, "expected 64 lowercase hex characters")
     return digest
 
 
 def check_relative_name(name: object, field: str = "name") -> str:
-    """Check that a name is a relative ``/``-separated path of plain components.
-
-    Components are letters, digits and ``._-``, never ``.`` or ``..``.
-
-    Args:
-        name: the name.
-        field: where it came from (for the message).
-
-    Returns:
-        ``name``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """``name`` when it is a relative ``/``-separated path of plain components (letters, digits,
+    ``._-``, never ``.`` or ``..``), else a CacheError naming ``field``."""
     if not isinstance(name, str) or not name:
         raise _refuse(field, name, "expected a non-empty relative name")
     parts = name.split("/")
@@ -113,18 +80,8 @@ def cache_path(root: str, *names: str) -> str:
 
 
 def shard_path(root: str, name: str) -> str:
-    """The path of a shard listed in the manifest.
-
-    Args:
-        root: the cache folder.
-        name: the shard's name.
-
-    Returns:
-        ``root/shards/name``.
-
-    Raises:
-        CacheError: the writer does not make such names.
-    """
+    """``root/shards/name`` of a shard listed in the manifest (CacheError: not a name the writer
+    makes)."""
     return cache_path(root, SHARD_DIR, check_shard_name(name))
 
 

@@ -47,14 +47,8 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_manifest_text(text: str, where: str) -> dict[str, Any]:
-    """Parse a manifest's JSON, guarded against pathological input.
-
-    Args:
-        text: the JSON.
-        where: the manifest's path or URL (for messages).
-
-    Returns:
-        The JSON object.
+    """A manifest's JSON object, parsed with a guard against pathological input (``where``
+    names it in messages).
 
     Raises:
         CorruptShardError: not a JSON object (NaN, Infinity, nesting that exhausts the parser).
@@ -130,19 +124,9 @@ class _Check:
 
 
 def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
-    """Check everything a reader takes from a manifest.
-
-    Checked: ``format_version``, ``kind``, ``dtype``, the tokenizer's ids, the bucket ranges,
-    every shard entry (name, bucket, partition and source or a merged shard's ``sources``,
-    counts, sha256), the index and quarantine entries, ``totals``, the option, stats and input
-    shapes ``info`` reads, and ``key`` when present.
-
-    Args:
-        manifest: the parsed JSON.
-        where: the manifest's path or URL (for messages).
-
-    Returns:
-        ``manifest``.
+    """Check everything a reader takes from a manifest and return it: ``format_version``,
+    ``kind``, ``dtype``, the tokenizer's ids, the bucket ranges, every shard entry, the index
+    and quarantine entries, ``totals``, what ``info`` reads, and ``key`` when present.
 
     Raises:
         CorruptShardError: naming the first bad field and its value.
@@ -280,13 +264,7 @@ def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read and validate a cache's ``manifest.json``.
-
-    Args:
-        cache_dir: the cache folder.
-
-    Returns:
-        The manifest (:func:`validate_manifest` passed).
+    """Read and validate (:func:`validate_manifest`) the ``manifest.json`` of ``cache_dir``.
 
     Raises:
         CacheNotFoundError: the folder holds no committed cache.

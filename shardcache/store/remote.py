@@ -1,15 +1,10 @@
 """Caches and inputs in object storage (``s3://``, ``gs://``, ``file://`` ...) through fsspec.
 
-Every URL goes through ``fsspec.core.url_to_fs`` (credentials and endpoints are the
-filesystem layer's settings; ``s3fs`` is the extra ``shardcache[s3]``). Reading a cache at a
-URL downloads its manifest (each open) and length index (once per content), and shards on
-demand into the content-addressed folder ``$SHARDCACHE_CACHE_DIR/objects/<sha256>``
-(:class:`ObjectStore`): downloads stream into a private ``*.tmp``, are checked against the
-manifest's sha256 and size, then renamed. Processes share the folder: a per-object ``flock``
-serializes the download and a shared lock holds an open shard; the folder is bounded
-(``SHARDCACHE_CACHE_SIZE``, default 64 GiB) by evicting the least recently opened objects
-that no process holds. The write side is :mod:`shardcache.store.storage`.
-"""
+A cache at a URL is read through local copies: its manifest (each open), its length index
+(once per content) and its shards on demand, in the content-addressed folder
+``$SHARDCACHE_CACHE_DIR/objects`` (:class:`ObjectStore`) that local processes share, bounded
+by ``SHARDCACHE_CACHE_SIZE`` (default 64 GiB). Downloads are checked against the manifest's
+sha256 and size before they are renamed into place."""
 
 from __future__ import annotations
 
@@ -65,13 +60,7 @@ def is_url(path: str | os.PathLike[str]) -> bool:
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of a URL.
-
-    Args:
-        url: ``scheme://...``.
-
-    Returns:
-        ``(filesystem, path inside it)``.
+    """``(fsspec filesystem, path inside it)`` of a URL.
 
     Raises:
         MissingDependencyError: the scheme's package is missing (names the pip command).
@@ -96,16 +85,8 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 def unreachable(err: BaseException, url: str) -> CacheError | None:
-    """The error to raise when ``err`` means the object store could not be reached.
-
-    Args:
-        err: an error from fsspec (builtin, botocore or aiohttp).
-        url: the URL that was read.
-
-    Returns:
-        A :class:`CacheError` naming the URL and what to check (connection refused, DNS,
-        timeout), or None for other errors.
-    """
+    """The :class:`CacheError` to raise when ``err`` (builtin, botocore or aiohttp) means the
+    object store at ``url`` could not be reached, naming what to check; None for other errors."""
     names = {t.__name__ for t in type(err).__mro__}
     network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                "ConnectionError", "TimeoutError", "ServerTimeoutError"}  # fmt: skip
@@ -120,11 +101,8 @@ def unreachable(err: BaseException, url: str) -> CacheError | None:
 
 
 def cache_size_bytes() -> int:
-    """The bound of the local shard cache in bytes (``SHARDCACHE_CACHE_SIZE``, default 64 GiB).
-
-    Raises:
-        ConfigError: the variable is not a size.
-    """
+    """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``, default 64 GiB; ConfigError:
+    not a size)."""
     value = os.environ.get(CACHE_SIZE_ENV)
     return parse_size(value, CACHE_SIZE_ENV) if value else DEFAULT_CACHE_SIZE_BYTES
 
@@ -142,16 +120,8 @@ def download(
     size: int | None,
     tmp: str | None = None,
 ) -> None:
-    """Stream a remote file into a local path (private tmp, checked, renamed).
-
-    Args:
-        fs: the filesystem.
-        rpath: the remote path.
-        local: the local path.
-        sha256: the expected digest, or None.
-        size: the expected size, or None.
-        tmp: an existing temporary file to write into without truncating it (its size is a
-            reservation others count: :class:`ObjectStore`).
+    """Stream ``rpath`` into ``local`` (a private tmp, checked against ``sha256`` and ``size`` when
+    given, renamed). ``tmp``: a file reserved at full size to write into (:class:`ObjectStore`).
 
     Raises:
         CorruptShardError: the download's size or sha256 is not the expected one.
@@ -236,15 +206,11 @@ class ObjectStore:
         info: dict[str, Any],
         shed: Callable[[], bool] | None = None,
     ) -> tuple[str, Callable[[], None]]:
-        """Download (if needed) the shard ``info``; returns its path and a release function
-        to call when done with it (until then a shared lock keeps it from eviction).
-
-        ``shed()``: close one shard the caller holds open but does not need now (False when
-        there is none); called when open objects leave no room for this one.
-
-        ``flock`` locks of two descriptors conflict even inside one process, so a process
-        takes each object's lock once and counts its users (``_HELD``).
-        """
+        """Download (if needed) the shard ``info``; returns its path and the release to call when
+        done (until then a shared lock keeps it from eviction). ``shed()`` closes one shard the
+        caller holds open but does not need (False: none), asked when open objects leave no room.
+        A process takes each object's lock once and counts its users (``_HELD``): ``flock`` locks
+        of two descriptors conflict even inside one process."""
         sha = check_digest(info["sha256"], "shard sha256")  # it names files here
         size = int(info["bytes"])
         path = self.path(sha)
@@ -312,8 +278,8 @@ class ObjectStore:
             os.close(fd)
 
     def _usage(self) -> int:
-        """Bytes of the objects plus the reservations of downloads in flight; removes the
-        temporary files of downloads that died (their fetch lock is free)."""
+        """Bytes of the objects plus the reservations of downloads in flight (leftover temporary
+        files of dead downloads are removed)."""
         used = 0
         with os.scandir(self.folder) as it:
             entries = list(it)
@@ -329,8 +295,8 @@ class ObjectStore:
         return used
 
     def _evict(self, need: int, keep: str) -> int:
-        """Delete least-recently-opened objects no process holds open until ``need`` bytes
-        are freed (or none is left); returns the bytes freed."""
+        """Delete least-recently-opened objects no process holds until ``need`` bytes are freed;
+        returns the bytes freed."""
         if need <= 0:
             return 0
         entries = []
@@ -434,9 +400,6 @@ def _release(path: str) -> None:
 class RemoteCache:
     """A committed cache at a URL, seen through a local folder holding its manifest.
 
-    Args:
-        url: the cache's URL.
-
     Raises:
         CacheNotFoundError: no committed cache there.
         CacheError: the store cannot be reached.
@@ -485,16 +448,9 @@ class RemoteCache:
     def fetch_shard(
         self, info: dict[str, Any], *, background: bool = False
     ) -> tuple[str, Callable[[], None]]:
-        """Download (if needed) and hold one shard (:meth:`ObjectStore.acquire`).
-
-        Args:
-            info: the shard's manifest entry.
-            background: called from another thread than the reader's: its open shards are
-                never closed for room (``shed`` is the reader thread's alone).
-
-        Returns:
-            The local path and the release to call when done with it.
-        """
+        """Download (if needed) and hold one shard: its local path and release
+        (:meth:`ObjectStore.acquire`). ``background``: called off the reader's thread, so the
+        reader's open shards are never closed for room."""
         name = check_shard_name(info["name"], "shard name")
         shed = None if background else self.shed
         return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=shed)

@@ -1,13 +1,10 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
-A shard is an Arrow IPC file with the schema ``tokens: list<uint16|uint32>, record: int64,
-piece: int32`` (chat caches add ``mask: list<bool>``): sequences of one bucket, in input
-order, cut into record batches of about ``RECORD_BATCH_BYTES`` token bytes, so where shards
-and record batches split depends only on the sequence lengths. :class:`BucketWriter` writes
-them (tmp + fsync + rename), :func:`merge_shards` joins partial shards at commit, and
-:class:`ShardReader` reads one through pyarrow: uncompressed record batches zero-copy from the
-memory map, compressed ones into a byte-bounded LRU (:class:`DecodedBatches`).
-"""
+Schema ``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add
+``mask: list<bool>``): sequences of one bucket in input order, cut into record batches of
+about ``RECORD_BATCH_BYTES`` token bytes, so split points depend only on the lengths.
+Uncompressed record batches are read zero-copy from the memory map, compressed ones into a
+byte-bounded LRU (:class:`DecodedBatches`)."""
 
 from __future__ import annotations
 
@@ -32,15 +29,7 @@ from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
-    """The Arrow schema of a shard.
-
-    Args:
-        dtype: the token type (uint16 or uint32).
-        with_mask: add the chat loss mask (``list<bool>``, 1 = the token has a loss).
-
-    Returns:
-        ``tokens``, ``record``, ``piece`` (and ``mask``).
-    """
+    """The Arrow schema of a shard of ``dtype`` tokens (and the loss mask if ``with_mask``)."""
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
         pa.field("tokens", pa.list_(value_type), nullable=False),
@@ -63,17 +52,8 @@ _ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
 
 
 def numpy_arrow(array: np.ndarray) -> pa.Array:
-    """A zero-copy Arrow array over a 1-d numpy integer or bool array (no nulls).
-
-    What ``pa.array(array)`` gives, without the pandas import ``pa.array`` makes where pandas
-    is installed.
-
-    Args:
-        array: the values.
-
-    Returns:
-        The Arrow array (bool arrays are bit-packed, so that one is a copy).
-    """
+    """A zero-copy Arrow array over a 1-d numpy integer or bool array (bools are bit-packed: a
+    copy), without the pandas import ``pa.array`` makes where pandas is installed."""
     array = np.ascontiguousarray(array)
     if array.dtype == np.bool_:
         bits = np.packbits(array, bitorder="little")
@@ -83,17 +63,8 @@ def numpy_arrow(array: np.ndarray) -> pa.Array:
 
 
 def arrow_numpy(array: pa.Array) -> np.ndarray:
-    """A read-only, zero-copy numpy view of a primitive Arrow integer array without nulls.
-
-    ``pa.Array.to_numpy`` imports pandas where it is installed, in every fresh reader process;
-    the read paths use this instead. Other arrays (nulls, other types) take ``to_numpy``.
-
-    Args:
-        array: the Arrow array.
-
-    Returns:
-        The values as numpy.
-    """
+    """A read-only, zero-copy numpy view of a primitive Arrow integer array without nulls (others
+    take ``to_numpy``), without the pandas import ``pa.Array.to_numpy`` makes."""
     dtype = _NUMPY_OF_ARROW.get(array.type)
     data = array.buffers()[1] if dtype is not None and not array.null_count else None
     if data is None:
@@ -105,13 +76,10 @@ def arrow_numpy(array: pa.Array) -> np.ndarray:
 
 @dataclass
 class ShardInfo:
-    """One shard's manifest entry.
-
-    A partition's shard has its ``partition`` and ``source`` (input file); a partition's shard
-    holding rows of several files has ``sources`` instead of ``source``, and a merged shard
-    (:func:`merge_shards`) has ``sources`` alone: in row order, ``{"partition", "source",
-    "rows"}`` runs.
-    """
+    """One shard's manifest entry: a partition's shard has ``partition`` and ``source`` (input
+    file), or ``sources`` instead of ``source`` when it holds rows of several files; a merged
+    shard (:func:`merge_shards`) has ``sources`` alone (in row order, ``{"partition",
+    "source", "rows"}`` runs)."""
 
     name: str
     bucket: int
@@ -137,25 +105,12 @@ class ShardInfo:
 
 
 class BucketWriter:
-    """Writes the sequences of one (partition, bucket) into rotating shard files.
-
-    Sequences are buffered until :data:`RECORD_BATCH_BYTES` of tokens have accumulated and
-    written as one record batch; a shard closes after the batch that takes it to
-    ``shard_size_bytes``, so split points depend only on the sequence lengths.
-
-    Args:
-        cache_dir: the cache folder (shards go to its ``shards/``).
-        partition: the partition id (``p00042``), the first part of the shard names.
-        source: the input file of the sequences added next; :attr:`source` may change
-            between :meth:`add` calls (a partition of several files): a shard holding rows of
-            several files records their runs as ``sources``.
-        bucket: the length bucket.
-        dtype: the token type.
-        shard_size_bytes: the token bytes after which a shard closes.
-        compression: ``"none"`` or an Arrow IPC codec (``"zstd"``, ``"lz4"``).
-        with_mask: the sequences carry chat loss masks.
-        name: write one shard of this name, never rotated (:func:`merge_shards`).
-    """
+    """Writes the sequences of one (partition, bucket) into rotating shard files (tmp, fsync,
+    rename): a record batch every :data:`RECORD_BATCH_BYTES` of tokens, a new shard after the
+    batch that reaches ``shard_size_bytes`` (never with ``name``: one shard of that name).
+    :attr:`source` (the input file of the sequences added next) may change between
+    :meth:`add` calls: a shard holding rows of several files records their runs as
+    ``sources``."""
 
     def __init__(
         self,
@@ -206,15 +161,8 @@ class BucketWriter:
         pieces: np.ndarray,
         mask: np.ndarray | None = None,
     ) -> None:
-        """Append sequences in order.
-
-        Args:
-            tokens: the sequences' tokens, concatenated.
-            lengths: tokens of each sequence.
-            records: each sequence's record index in its input.
-            pieces: each sequence's piece index in its record.
-            mask: the loss masks, flat like ``tokens``: required exactly when the writer was made
-                ``with_mask``.
+        """Append sequences in order (``tokens`` and ``mask`` flat, ``lengths``, ``records`` and
+        ``pieces`` one per sequence).
 
         Raises:
             ValueError: ``mask`` given or missing against ``with_mask``.
@@ -342,24 +290,13 @@ def _finish_shard(cache_dir: str, name: str) -> tuple[int, str]:
 def merge_shards(
     cache_dir: str, members: list[ShardInfo], name: str, compression: str, shard_size_bytes: int
 ) -> ShardInfo:
-    """Join shards of one bucket into the new shard ``name``, as one writer would have written them.
-
-    Record batches are cut at the same token bytes as a partition's, not at the members' own
-    short last batches. Each member is checked against its sha256 first, so a damaged file is
-    refused, not hidden under a new digest; the members are left in place.
-
-    Args:
-        cache_dir: the cache folder.
-        members: the shards to join, in row order.
-        name: the merged shard's name.
-        compression: as for :class:`BucketWriter`.
-        shard_size_bytes: as for :class:`BucketWriter`.
-
-    Returns:
-        The merged shard's entry (with ``sources``).
+    """Join shards of one bucket, in row order, into the new shard ``name``, cut into record
+    batches as one writer would have cut them; returns its entry (with ``sources``). Members
+    are checked against their sha256 first (a damaged one is refused, not hidden under a new
+    digest) and left in place.
 
     Raises:
-        ValueError: members of several buckets.
+        ValueError: members of several buckets, or none.
         CorruptShardError: a member's sha256 or schema is not its entry's.
     """
     if len({m.bucket for m in members}) != 1:
@@ -421,32 +358,14 @@ DEFAULT_DECODE_BUDGET_BYTES = 64 << 20
 
 
 def decode_budget_bytes() -> int:
-    """The decode budget in bytes.
-
-    Returns:
-        ``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB.
-
-    Raises:
-        ConfigError: the variable is not a size.
-    """
+    """``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB (ConfigError: not a size)."""
     value = os.environ.get(DECODE_BUDGET_ENV)
     return parse_size(value, DECODE_BUDGET_ENV) if value else DEFAULT_DECODE_BUDGET_BYTES
 
 
 def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> bool:
-    """Check a shard file against its manifest entry (size, and sha256 once per file version).
-
-    Args:
-        path: the shard file.
-        info: its manifest entry (``bytes``, ``sha256``).
-        checksum: hash it; None reads ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips the hash).
-
-    Returns:
-        True when the sha256 was confirmed, False when it was skipped.
-
-    Raises:
-        CorruptShardError: the size or the sha256 differs.
-    """
+    """:func:`~shardcache.store.integrity.check_file` for a shard: True when the sha256 was
+    confirmed, False when skipped; CorruptShardError when the size or sha256 differs."""
     return check_file(path, info, "shard", checksum)
 
 
@@ -456,15 +375,7 @@ LONG_SEGMENT_TOKENS = 128
 
 
 def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)``, without a Python loop.
-
-    Args:
-        starts: first value of each range.
-        lengths: length of each range (>= 0).
-
-    Returns:
-        The int64 positions, ``lengths.sum()`` of them.
-    """
+    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)`` (int64), without a loop."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
@@ -504,15 +415,9 @@ class FlatRows:
 
 
 class DecodedBatches:
-    """An LRU of decoded record batches of compressed shards, bounded in bytes.
-
-    One belongs to each open :class:`~shardcache.store.cache.Cache` and is shared by its shard
-    readers; the batch just decoded is always kept. Not thread-safe: a cache is read by one
-    thread at a time.
-
-    Args:
-        budget_bytes: the bound; None reads :func:`decode_budget_bytes` at each insertion.
-    """
+    """An LRU of decoded record batches of compressed shards, bounded in bytes (``budget_bytes``,
+    None: :func:`decode_budget_bytes` at each insertion), shared by one cache's readers; the
+    batch just decoded is always kept. Not thread-safe: one thread reads a cache at a time."""
 
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
@@ -598,26 +503,14 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 
 
 class ShardReader:
-    """Random access to the sequences of one shard, through pyarrow's view of the file.
+    """Random access to the sequences of one shard, through pyarrow's view of its mapped file.
 
-    Opening checks the file against its manifest entry (size and sha256: see
-    :func:`check_shard_file`), its schema (columns, token type, loss mask) and its row and
-    token counts, without decoding anything. Record batches are decoded when first read: an
-    uncompressed shard zero-copy from its memory map, a compressed one into ``decoded``. A
-    decoded batch is checked when first read: offsets consistent, counts as in the header,
-    every id at most ``max_token_id`` (when given).
-
-    The reader owns the mapping of its file: :meth:`close` (or leaving a ``with`` block)
-    releases it, and views it handed out keep the pages mapped until they are dropped.
-
-    Args:
-        path: the shard file.
-        info: its manifest entry (``rows``, ``tokens``, ``bytes``, ``sha256``).
-        dtype: the cache's token type.
-        checksum: as for :func:`check_shard_file`.
-        max_token_id: the tokenizer's largest id, or None (not checked).
-        with_mask: whether the shard must have a loss mask column; None accepts either.
-        decoded: the LRU for decoded batches of a compressed shard (a new one by default).
+    Opening checks the file against its manifest entry ``info`` (size, sha256:
+    :func:`check_shard_file`), its schema and its row and token counts, decoding nothing. A
+    record batch is decoded when first read (zero-copy, or into ``decoded`` when compressed)
+    and checked then: offsets, counts, every id at most ``max_token_id`` when given.
+    ``with_mask`` None accepts a shard with or without a loss mask. :meth:`close` releases the
+    mapping; views handed out keep the pages mapped until dropped.
 
     Raises:
         CorruptShardError: the file is not the shard its entry describes.
@@ -769,23 +662,13 @@ class ShardReader:
         )
 
     def check_ids(self) -> None:
-        """Check every id of the shard against ``max_token_id``.
-
-        Raises:
-            CorruptShardError: an id is larger (the message names the record batch).
-        """
+        """Check every id against ``max_token_id`` (CorruptShardError names the record batch)."""
         for b in range(len(self._resident)):
             self._batch(b)
 
     def flat_rows(self) -> FlatRows | None:
-        """An uncompressed shard as one token array over its whole mapped file.
-
-        Lets a reader gather any rows with one index, whatever record batch they are in. Built
-        on each call (zero-copy tokens, O(rows) starts and lengths): the caller keeps what it
-        needs. The ids are not checked here: the caller checks those it reads.
-
-        Returns:
-            The rows, or None for a compressed shard.
+        """An uncompressed shard as one token array over its mapped file, with every row's start
+        and length (None when compressed); ids unchecked: the caller checks those it reads.
 
         Raises:
             CorruptShardError: a record batch's buffers lie outside the file or misaligned.
@@ -814,13 +697,8 @@ class ShardReader:
         )
 
     def mask_bit_starts(self) -> np.ndarray | None:
-        """Per row, where its loss mask starts in the mapped file, as a bit position.
-
-        Bit ``p`` is bit ``p & 7`` (least significant first) of byte ``p >> 3``, one bit per
-        token: a compiled reader reads a row's mask bits straight from the file.
-
-        Returns:
-            int64 bit positions, or None for a compressed shard or one without masks.
+        """Per row, the bit position of its loss mask in the mapped file (bit ``p & 7``, least
+        significant first, of byte ``p >> 3``); None when compressed or without masks.
 
         Raises:
             CorruptShardError: a record batch's mask does not line up with its tokens.
@@ -872,24 +750,14 @@ class ShardReader:
         mask_out: np.ndarray | None = None,
         full_lengths: np.ndarray | None = None,
     ) -> None:
-        """Copy segments of rows into output arrays, one index computation per record batch.
-
-        Segment ``k`` is tokens ``starts[k] : starts[k] + lengths[k]`` of row ``rows[k]``; it
-        goes to ``tokens_out[out_offsets[k]:]`` (its loss mask to ``mask_out``).
-
-        Args:
-            rows: row of each segment in this shard.
-            starts: first token of each segment in its row.
-            lengths: tokens of each segment.
-            out_offsets: where each segment goes in the outputs.
-            tokens_out: the tokens' destination (any integer type: the copy casts).
-            mask_out: the loss masks' destination (bool), or None.
-            full_lengths: the length index's entries of these rows, checked when given.
+        """Copy tokens ``starts[k] : starts[k] + lengths[k]`` of row ``rows[k]`` to
+        ``tokens_out[out_offsets[k]:]`` (the loss mask to ``mask_out``), one index computation per
+        record batch; ``full_lengths``, when given, are checked against the stored row lengths.
 
         Raises:
             IndexError: a row or a segment out of range.
-            CorruptShardError: a stored row length differs from ``full_lengths``, or the
-                shard is damaged.
+            CorruptShardError: a stored row length differs from ``full_lengths``, or the shard is
+                damaged.
         """
         rows = np.asarray(rows, dtype=np.int64)
         if not len(rows):
@@ -933,17 +801,7 @@ class ShardReader:
                 mask_out[dst] = batch.mask_at(src)
 
     def tokens(self, row: int) -> np.ndarray:
-        """The ids of one row.
-
-        Args:
-            row: the row in this shard.
-
-        Returns:
-            A read-only view into the decoded record batch.
-
-        Raises:
-            IndexError: ``row`` out of range.
-        """
+        """The ids of row ``row`` (a read-only view; IndexError out of range)."""
         b, r = self._locate(row)
         batch = self._batch(b)
         return batch.values[batch.offsets[r] : batch.offsets[r + 1]]

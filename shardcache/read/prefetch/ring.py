@@ -51,25 +51,26 @@ def _next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
+@dataclasses.dataclass
 class _Counters:
-    """Mutable counters shared by the consumer and packer threads (guarded by one lock)."""
+    """Counters shared by the consumer and packer threads (guarded by ``lock``): the
+    cumulative fields of :class:`PrefetchStats`, and the queue depths they derive from."""
 
-    def __init__(self) -> None:
-        self.lock = threading.Lock()
-        self.batches = 0
-        self.bytes_copied = 0
-        self.consumer_wait_s = 0.0
-        self.consumer_wait_max_s = 0.0
-        self.consumer_next_s = 0.0
-        self.source_wait_s = 0.0
-        self.pack_s = 0.0
-        self.slot_wait_s = 0.0
-        self.depth_sum = 0
-        self.depth_min = -1
-        self.copies_timed = 0
-        self.copy_s = 0.0
-        self.copy_bytes_timed = 0
-        self.slot_grows = 0
+    batches: int = 0
+    bytes_copied: int = 0
+    consumer_wait_s: float = 0.0
+    consumer_wait_max_s: float = 0.0
+    consumer_next_s: float = 0.0
+    source_wait_s: float = 0.0
+    pack_s: float = 0.0
+    slot_wait_s: float = 0.0
+    copies_timed: int = 0
+    copy_s: float = 0.0
+    copy_bytes_timed: int = 0
+    slot_grows: int = 0
+    depth_sum: int = 0
+    depth_min: int = -1
+    lock: threading.Lock = dataclasses.field(default_factory=threading.Lock)
 
 
 class _Slot:
@@ -131,15 +132,8 @@ class _Epoch:
 
 
 class Ring:
-    """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats.
-
-    Args:
-        iterable: the upstream, iterated once per epoch.
-        backend: the device backend; None is the synchronous pass-through.
-        depth: batches staged ahead.
-        cast: dtype conversions done on the device.
-        options: the prefetcher's options.
-    """
+    """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats
+    (``backend`` None: the synchronous pass-through)."""
 
     def __init__(
         self,
@@ -399,12 +393,8 @@ class Ring:
                 c.copy_bytes_timed += nbytes
 
     def next_batch(self, ep: _Epoch) -> Any:
-        """The next batch of ``ep`` on the device, ready on the current stream.
-
-        Raises:
-            StopIteration: the upstream is exhausted.
-            Exception: whatever the upstream raised (the same object).
-        """
+        """The next batch of ``ep`` on the device, ready on the current stream; raises what the
+        upstream raised (the same object)."""
         t0 = time.perf_counter()
         poll = self.options.poll_interval_s
         b = self.backend
@@ -494,22 +484,14 @@ class Ring:
             self._harvest()
         c = self.counters
         with c.lock:
+            counts = {
+                k: v for k, v in vars(c).items() if k not in ("lock", "depth_sum", "depth_min")
+            }
             return PrefetchStats(
                 passthrough=self.backend is None,
-                batches=c.batches,
-                bytes_copied=c.bytes_copied,
-                consumer_wait_s=c.consumer_wait_s,
-                consumer_wait_max_s=c.consumer_wait_max_s,
-                consumer_next_s=c.consumer_next_s,
-                source_wait_s=c.source_wait_s,
-                pack_s=c.pack_s,
-                slot_wait_s=c.slot_wait_s,
                 queue_depth_mean=c.depth_sum / c.batches if c.batches else 0.0,
                 queue_depth_min=max(c.depth_min, 0),
-                copies_timed=c.copies_timed,
-                copy_s=c.copy_s,
-                copy_bytes_timed=c.copy_bytes_timed,
                 pinned_bytes=sum(s.capacity for s in self.slots),
                 slots=len(self.slots),
-                slot_grows=c.slot_grows,
+                **counts,
             )

@@ -23,14 +23,8 @@ PACK_ALIGN = 256
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Where tensors go when packed one after another into one byte buffer.
-
-    Args:
-        tensors: the tensors.
-
-    Returns:
-        Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) and the bytes needed.
-    """
+    """Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) when packed one after another
+    into one byte buffer, and the bytes needed."""
     offsets = []
     used = 0
     for t in tensors:
@@ -50,15 +44,8 @@ def packed_view(
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
-    """A spec tree for ``obj``.
-
-    Args:
-        obj: a batch (any nesting of containers around tensors).
-        leaves: the tensors are appended here and referenced by index in the spec.
-
-    Returns:
-        The spec (for :func:`unflatten`).
-    """
+    """A spec tree for ``obj`` (for :func:`unflatten`); its tensors are appended to ``leaves`` and
+    referenced by index."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return ("t", len(leaves) - 1)
