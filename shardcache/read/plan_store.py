@@ -40,8 +40,7 @@ _FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_leng
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
-    """The name of a stored plan: a digest of everything the plan is a function of
-    (``data_identity`` "" when unknown)."""
+    """The name of a stored plan: a digest of everything the plan is a function of."""
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 
@@ -107,16 +106,9 @@ def _evict(root: str, keep: str) -> None:
 
 
 def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan]) -> EpochPlan:
-    """The plan named ``digest``, computed by one process per machine and mapped by the others.
-
-    Args:
-        digest: from :func:`plan_digest`.
-        num_sequences: the plan's size (small plans are computed in place, 0: never stored).
-        compute: computes the plan.
-
-    Returns:
-        The plan (memory-mapped when it was stored).
-    """
+    """The plan named ``digest`` (:func:`plan_digest`), computed by ``compute`` in one process per
+    machine and memory-mapped by the others; plans of fewer than :data:`SHARE_MIN_SEQUENCES`
+    ``num_sequences`` are computed in place."""
     if num_sequences < SHARE_MIN_SEQUENCES:
         return compute()
     try:

@@ -747,24 +747,18 @@ class ShardReader:
         lengths: np.ndarray,
         out_offsets: np.ndarray,
         tokens_out: np.ndarray,
-        mask_out: np.ndarray | None = None,
-        full_lengths: np.ndarray | None = None,
+        mask_out: np.ndarray | None,
+        full_lengths: np.ndarray,
     ) -> None:
         """Copy tokens ``starts[k] : starts[k] + lengths[k]`` of row ``rows[k]`` to
         ``tokens_out[out_offsets[k]:]`` (the loss mask to ``mask_out``), one index computation per
-        record batch; ``full_lengths``, when given, are checked against the stored row lengths.
+        record batch. The caller (:meth:`Cache.gather`) checked the rows and segments against
+        the length index's ``full_lengths``; these are checked against the stored rows.
 
         Raises:
-            IndexError: a row or a segment out of range.
             CorruptShardError: a stored row length differs from ``full_lengths``, or the shard is
                 damaged.
         """
-        rows = np.asarray(rows, dtype=np.int64)
-        if not len(rows):
-            return
-        if int(rows.min()) < 0 or int(rows.max()) >= self.rows:
-            bad = int(rows[(rows < 0) | (rows >= self.rows)][0])
-            raise IndexError(f"{self.path}: row {bad} out of range 0..{self.rows - 1}")
         which = np.searchsorted(self._starts, rows, side="right") - 1
         if len(self._starts) == 2:  # one record batch: no grouping
             groups = [(0, np.arange(len(rows)))]
@@ -778,7 +772,7 @@ class ShardReader:
             lo = batch.offsets[r].astype(np.int64)
             stored = batch.offsets[r + 1] - lo
             take = lengths[sel]
-            if full_lengths is not None and not np.array_equal(stored, full_lengths[sel]):
+            if not np.array_equal(stored, full_lengths[sel]):
                 k = int(np.flatnonzero(stored != full_lengths[sel])[0])
                 raise CorruptShardError(
                     f"{self.path}: row {int(rows[sel][k])} holds {int(stored[k])} tokens but "
@@ -786,8 +780,6 @@ class ShardReader:
                     "shards disagree: run `shardcache verify` and rebuild"
                 )
             first = starts[sel]
-            if np.any(first < 0) or np.any(first + take > stored):
-                raise IndexError(f"{self.path}: a segment reaches past the end of its row")
             if mask_out is None and int(take.sum()) >= LONG_SEGMENT_TOKENS * len(take):
                 values = batch.values
                 pairs = zip((lo + first).tolist(), out_offsets[sel].tolist(), take.tolist())

@@ -264,13 +264,8 @@ class FsspecStorage(Storage):
 
 
 def open_storage(location: str) -> Storage:
-    """The :class:`Storage` of a build output: a URL through fsspec, else a local folder.
-
-    Args:
-        location: ``--output``, a folder path or ``scheme://...``.
-
-    Returns:
-        A :class:`FsspecStorage` for a URL, else a :class:`LocalStorage`.
+    """The :class:`Storage` of ``--output`` ``location``: :class:`FsspecStorage` for a URL, else
+    :class:`LocalStorage`.
 
     Raises:
         MissingDependencyError: the URL's fsspec backend is not installed.
