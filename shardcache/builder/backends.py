@@ -19,11 +19,11 @@ import os
 import threading
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass, field
-from importlib import metadata
 from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from shardcache.builder.tokenizer_memo import library_versions
 from shardcache.errors import EncoderError, MissingDependencyError
 
 #: The accelerated backend's import name and its pip extra.
@@ -92,7 +92,7 @@ class FastBackend:
                 "it supports byte-level BPE and BPE tokenizers without Metaspace; build with "
                 "--encoder hf (or auto, which falls back by itself)"
             ) from err
-        self.version = fast_version()
+        self.version = library_versions((FAST_MODULE,))[FAST_MODULE]
 
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
@@ -245,14 +245,6 @@ def import_fast_module() -> Any:
             f"the fast encoder needs the optional package {FAST_MODULE!r}, which is not "
             f"installed ({err}); install it with {FAST_PIP}, or build with --encoder hf"
         ) from err
-
-
-def fast_version() -> str:
-    """The installed fast backend's version ("unknown" when missing)."""
-    try:
-        return metadata.version(FAST_MODULE)
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 @dataclass

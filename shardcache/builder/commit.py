@@ -122,7 +122,7 @@ def commit(
                 entry["sha256"] = entry["sha256"] or part["sha256"]
                 entry["documents"] += part["documents"]
                 entry["bad_records"] += part["bad_records"]
-        check_bad_records(plan, stats, bad)
+        _check_bad_records(plan, stats, bad)
         layout = options.layout
         groups = plan_compaction(out, results, layout.shard_size_bytes, encoder.dtype.itemsize)
         joining = [g for g in groups if g.name is not None]
@@ -250,12 +250,9 @@ def finish_committed(storage: Storage, manifest: Mapping[str, Any]) -> list[str]
 _NOT_RECORDS = ("blank_line",)
 
 
-def check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str, int]) -> None:
-    """Refuse a build that kept no document or has too many bad records (partitions stay).
-
-    Raises:
-        SourceError: no document was kept, or bad records exceed ``max_bad_fraction``.
-    """
+def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str, int]) -> None:
+    """SourceError when the build kept no document or has more bad records than
+    ``max_bad_fraction`` (the partitions stay)."""
     options = plan.options
     n_bad = sum(n for reason, n in bad.items() if reason not in _NOT_RECORDS)
     records = stats.documents + n_bad
@@ -298,15 +295,6 @@ def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
         "partitions_reencoded": sorted(r.partition for r in results if r.encoding.get("reencoded")),
         "mismatch_detail": [d for e in encodings for d in e["detail"]][:5],
     }
-
-
-def owners_of(counts: set[int], positions: list[int]) -> str:
-    """Which shares own the partitions at ``positions``, when the shares agree on N."""
-    if len(counts) == 1:
-        n = counts.pop()
-        owners = sorted({k % n for k in positions})
-        return f"; they belong to share(s) {', '.join(f'{i}/{n}' for i in owners)}: run those"
-    return "; partition index k belongs to share k % N of `--partition i/N`: run the missing shares"
 
 
 def commit_output(
@@ -368,13 +356,17 @@ def commit_output(
 def _incomplete(
     storage: Storage, plan: BuildPlan, missing: list[tuple[int, str]]
 ) -> IncompleteBuildError:
-    counts = set()
-    notes = [f"{SHARES_DIR}/{n}" for n in storage.sizes(SHARES_DIR) if n.endswith(".json")]
-    for name in notes:
-        data = storage.read_json(name)
+    counts = set()  # the N of the shares' notes: which share owns a partition, if they agree
+    for name in storage.sizes(SHARES_DIR):
+        data = storage.read_json(f"{SHARES_DIR}/{name}") if name.endswith(".json") else None
         if data and isinstance(data.get("shares"), int):
             counts.add(data["shares"])
-    hint = owners_of(counts, [m[0] for m in missing])
+    if len(counts) == 1:
+        n = counts.pop()
+        owners = ", ".join(f"{i}/{n}" for i in sorted({k % n for k, _ in missing}))
+        hint = f"; they belong to share(s) {owners}: run those"
+    else:
+        hint = "; partition k belongs to share k % N of `--partition i/N`: run the missing shares"
     ids = [m[1] for m in missing]
     shown = ", ".join(ids[:20]) + (f" ... ({len(ids)} in all)" if len(ids) > 20 else "")
     return IncompleteBuildError(

@@ -113,7 +113,7 @@ def build(
     # the key's tokenizer component: computed while the fast backend may still be loading
     precompute_tokenizer_component(encoder)
     with storage.lock(f"{SHARES_DIR}/{share.name}" if share is not None else ""):
-        manifest = already_committed(storage, options, inputs, share)
+        manifest = _already_committed(storage, options, inputs, share)
         if manifest is not None:
             return report_from_manifest(storage.location, manifest, 0.0, up_to_date=True)
         plan = plan_output(storage, options, inputs, share)
@@ -179,25 +179,12 @@ def build_cache(
     return build(options, None, progress, encoder_factory)
 
 
-def already_committed(
+def _already_committed(
     storage: Storage, options: BuildOptions, inputs: list[InputFile], share: Share | None
 ) -> dict[str, Any] | None:
-    """The one check of an output that holds a committed cache.
-
-    Args:
-        storage: the build output (its lock held).
-        options: the build's options.
-        inputs: the listed inputs.
-        share: the job-array share this process runs, if any.
-
-    Returns:
-        The (finished) manifest of a cache built with these options and inputs, or None
-        when there is none (``--force`` removes the manifest first).
-
-    Raises:
-        CacheError: a share has nothing to add to a committed cache; or the cache was built
-            with other options or inputs (naming what differs) and ``--force`` is not given.
-    """
+    """The one "already committed" check (lock held): the finished manifest of this very
+    build, or None (none, or ``--force`` removed it); CacheError for a share or a cache
+    built with other options or inputs (naming what differs)."""
     manifest = committed_manifest(storage)
     if manifest is None:
         return None

@@ -153,12 +153,8 @@ def _file_kind(mode: int) -> str:
     return "not a regular file"
 
 
-def check_regular_file(path: str) -> None:
-    """Refuse anything but (a link to) a regular file, which could block or never end.
-
-    Raises:
-        SourceError: ``path`` is missing, a broken link or loop, or not a regular file.
-    """
+def _check_regular_file(path: str) -> None:
+    """SourceError for anything but (a link to) a regular file, which could block or never end."""
     try:
         st = os.stat(path)
     except OSError as err:
@@ -204,7 +200,7 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
             parents = (os.path.dirname(m), os.path.dirname(os.path.dirname(m)))
             if os.path.isdir(m) or _excluded(m, exclude) or any(map(is_cache_folder, parents)):
                 continue
-            check_regular_file(m)
+            _check_regular_file(m)
             found.append(m)
         return found
     if os.path.isdir(spec):
@@ -219,7 +215,7 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
             ]
             for name in files:
                 if detect_format(name):
-                    check_regular_file(os.path.join(root, name))
+                    _check_regular_file(os.path.join(root, name))
                     found.append(os.path.join(root, name))
         if not found:
             raise SourceError(
@@ -227,7 +223,7 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
             )
         return found
     if os.path.lexists(spec):
-        check_regular_file(spec)
+        _check_regular_file(spec)
         return [spec]
     raise SourceError(f"input {spec!r}: no such file or folder")
 
@@ -554,7 +550,7 @@ _SPECIAL = re.compile(rb'["\\\[\]{},]')  # structure outside strings
 _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
-def record_layout(head: bytes) -> str:
+def _record_layout(head: bytes) -> str:
     """Record layout told from a file's first bytes: ``"array"`` (one top-level JSON array
     of objects), ``"cr"`` (lines ended by CR alone) or ``"lines"``."""
     body = head.removeprefix(BOM).lstrip(_WHITESPACE)
@@ -622,7 +618,7 @@ class _CrToLf(_Reader):
 
 def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
     """``(layout, raw records)`` of a line-based stream (layout told only ``at_start``)."""
-    layout = record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
+    layout = _record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
     if layout == "cr":
         return layout, iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
     return layout, array_items(stream) if layout == "array" else iter(stream)
@@ -831,7 +827,7 @@ def _iter_parquet(
         yield batch
 
 
-def sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
+def _sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
     """Field name -> type name over the first ``records`` records ({} if unreadable)."""
     fields: dict[str, str] = {}
     try:
@@ -861,7 +857,7 @@ def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
     """A hint naming the fields seen and the flag to pass when records lack ``field``."""
     fields: dict[str, str] = {}
     for file in files[:3]:
-        for name, type_name in sample_fields(file).items():
+        for name, type_name in _sample_fields(file).items():
             fields.setdefault(name, type_name)
     if not fields or field in fields:
         return ""
