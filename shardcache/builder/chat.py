@@ -432,6 +432,7 @@ class ChatEncoder:
         """
         limit = self.text.options.max_length
         strategy = self.text.options.truncation
+        from_left = self.options.truncation_side == "left"
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
         for i, sample in enumerate(samples):
             if sample.ids is None or sample.mask is None:  # a bad record, not a document
@@ -456,10 +457,8 @@ class ChatEncoder:
                     continue
                 stats.truncated_documents += 1
                 stats.lost_tokens += len(ids) - limit
-                if self.options.truncation_side == "left":
-                    ids, mask = ids[-limit:], mask[-limit:]
-                else:
-                    ids, mask = ids[:limit], mask[:limit]
+                keep = slice(-limit, None) if from_left else slice(limit)
+                ids, mask = ids[keep], mask[keep]
             if not mask.any():
                 stats.dropped_no_trainable += 1
                 stats.lost_tokens += len(ids)
@@ -473,11 +472,10 @@ class ChatEncoder:
         stats.sequences += len(lengths)
         stats.tokens += int(lengths.sum())
         stats.trainable_tokens += int(mask.sum())
-        encoded = Encoded(
+        return Encoded(
             tokens, lengths, np.asarray(doc_index, dtype=np.int64),
             np.zeros(len(lengths), dtype=np.int32), mask=mask, failed=failed,
         )  # fmt: skip
-        return encoded
 
     def _lint_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:
         bos = self.bos_id if self.bos_id is not None else getattr(self.hf, "bos_token_id", None)
