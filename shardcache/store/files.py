@@ -73,9 +73,12 @@ class HashingReader(io.RawIOBase):
 
     def drain(self) -> None:
         """Read (and hash) whatever is left, so the digest covers the whole file."""
-        buf = bytearray(READ_CHUNK)
-        while self.readinto(buf):
-            pass
+        # often nothing is left (a parser read to the end): a small buffer first, since a
+        # fresh READ_CHUNK one costs more than reading a tiny file
+        buf = bytearray(4096)
+        while n := self.readinto(buf):
+            if n == len(buf) and len(buf) < READ_CHUNK:
+                buf = bytearray(READ_CHUNK)
 
     def close(self) -> None:
         self._raw.close()
