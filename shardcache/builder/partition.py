@@ -33,6 +33,7 @@ from shardcache.builder.sources import (
     check_unchanged,
     input_changed,
     iter_text_batches,
+    join_batches,
     position_fields,
     record_position,
 )
@@ -248,6 +249,27 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
     return total.to_json()
 
 
+def add_rows(
+    writer: BucketWriter,
+    runs: list[tuple[str, int, int]],
+    tokens: np.ndarray,
+    lengths: np.ndarray,
+    records: np.ndarray,
+    pieces: np.ndarray,
+    mask: np.ndarray | None,
+) -> None:
+    """Append rows to ``writer``, each run ``(file, start, end)`` of rows under its file."""
+    ends = np.concatenate([[0], np.cumsum(lengths)]) if len(runs) > 1 else None
+    for source, start, end in runs:
+        writer.source = source
+        if ends is None:
+            writer.add(tokens, lengths, records, pieces, mask)
+            continue
+        t0, t1 = int(ends[start]), int(ends[end])
+        writer.add(tokens[t0:t1], lengths[start:end], records[start:end], pieces[start:end],
+                   None if mask is None else mask[t0:t1])  # fmt: skip
+
+
 def remove_partition_files(out: str, partition_id: str) -> None:
     """Remove what a failed attempt at ``partition_id`` wrote into the folder ``out``."""
     for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
@@ -289,7 +311,7 @@ def map_partition(
     formats = {f.relpath: f.format for f in partition.files}
 
     def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
-        record, relpath = int(batch.records[doc]), batch.source
+        record, relpath = int(batch.records[doc]), batch.source_of(doc)
         if options.source.on_error == "fail":
             raise BadRecordError(
                 f"{relpath}: {record_position(formats[relpath], record)} cannot be used "
@@ -300,8 +322,10 @@ def map_partition(
                                **position_fields(formats[relpath], record),
                                "reason": reason, "excerpt": detail})  # fmt: skip
 
+    order = {f.relpath: k for k, f in enumerate(partition.files)}
+
     def write_batch_failures() -> None:  # this thread: one batch's failures, in record order
-        for entry in sorted(batch_failures, key=lambda e: e["record"]):
+        for entry in sorted(batch_failures, key=lambda e: (order[e["source"]], e["record"])):
             template_bad.add(entry)
         batch_failures.clear()
 
@@ -361,16 +385,15 @@ def map_partition(
             times=times,
         )
 
-    batches = itertools.chain.from_iterable(
+    batches: Iterator[TextBatch] = itertools.chain.from_iterable(
         read(file, partition.span if k == 0 else InputSlice())
         for k, file in enumerate(partition.files)
     )
+    if partition.more:  # a group of small files: their batches joined into full ones
+        batches = join_batches(batches, options.batch_docs)
     try:
         for batch, ids in encode_ahead(encoder, batches, times=times):
             check_parent()
-            for writer in writers:  # the file of the rows added next
-                writer.source = batch.source
-            kept_before = stats.documents
             original = batch
             batch, ids, failures = drop_failures(batch, ids)
             for doc, detail in failures:  # records the tokenizer failed on alone
@@ -394,14 +417,19 @@ def map_partition(
                     groups.append((int(b), rows, token_rows))
             for b, rows, token_rows in groups:
                 with times.cpu("write"):
-                    writers[b].add(
+                    add_rows(
+                        writers[b],
+                        batch.runs(encoded.doc_index[rows]),
                         encoded.tokens[token_rows],
                         encoded.lengths[rows],
                         records[rows],
                         encoded.piece[rows],
                         None if encoded.mask is None else encoded.mask[token_rows],
                     )
-            documents[batch.source] += stats.documents - kept_before
+            kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
+            kept[[doc for doc, *_ in encoded.failed]] = 0
+            for source, start, end in batch.runs(np.arange(len(batch.texts))):
+                documents[source] += int(kept[start:end].sum())
             progress.update(len(batch.texts), int(encoded.lengths.sum()))
             fault_point("batch")
         with times.cpu("write"):

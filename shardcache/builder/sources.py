@@ -18,13 +18,14 @@ import glob
 import gzip
 import hashlib
 import io
+import itertools
 import json
 import os
 import re
 import stat
 import zlib
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, BinaryIO
 
 import numpy as np
@@ -473,11 +474,69 @@ class _RangeReader(_Reader):
 
 @dataclass
 class TextBatch:
-    """Up to ``batch_docs`` valid texts of one file with their record indices."""
+    """Up to ``batch_docs`` valid texts of one file with their record indices, or of several
+    consecutive files (:func:`join_batches`: ``files`` says each text's)."""
 
     texts: list[str]
     records: np.ndarray  # int64, record index of each text in its file
-    source: str = ""  # the file's path relative to the corpus root
+    source: str = ""  # the (first) file's path relative to the corpus root
+    #: Of a joined batch: each text's file, as a position in ``names`` (None: ``source``).
+    files: np.ndarray | None = None
+    names: tuple[str, ...] = ()
+
+    def take(self, keep: Any) -> TextBatch:
+        """The batch of the texts at positions ``keep`` (in that order)."""
+        keep = np.asarray(keep, dtype=np.int64)
+        files = None if self.files is None else self.files[keep]
+        return replace(self, texts=[self.texts[i] for i in keep],
+                       records=self.records[keep], files=files)  # fmt: skip
+
+    def source_of(self, doc: int) -> str:
+        """The file of text ``doc``."""
+        return self.source if self.files is None else self.names[int(self.files[doc])]
+
+    def runs(self, docs: np.ndarray) -> list[tuple[str, int, int]]:
+        """``(file, start, end)``: the runs of ``docs`` (text positions, in file order) that
+        come from one file, as ``docs[start:end]``."""
+        if self.files is None or not len(docs):
+            return [(self.source, 0, len(docs))]
+        files = self.files[docs]
+        bounds = [0, *(np.flatnonzero(files[1:] != files[:-1]) + 1).tolist(), len(docs)]
+        return [(self.names[int(files[a])], a, b) for a, b in itertools.pairwise(bounds)]
+
+
+def join_batches(batches: Iterable[TextBatch], batch_docs: int) -> Iterator[TextBatch]:
+    """Consecutive one-file batches joined up to ``batch_docs`` texts and
+    :data:`MAX_BATCH_CHARS` characters: the batches of many small files then make a few
+    large ones (a batch's cost is mostly per batch when its texts are few)."""
+    pending: list[TextBatch] = []
+    docs = chars = 0
+    for batch in batches:
+        size = sum(map(_text_chars, batch.texts))
+        if pending and (docs + len(batch.texts) > batch_docs or chars + size > MAX_BATCH_CHARS):
+            yield _joined(pending)
+            pending, docs, chars = [], 0, 0
+        pending.append(batch)
+        docs += len(batch.texts)
+        chars += size
+    if pending:
+        yield _joined(pending)
+
+
+def _joined(batches: list[TextBatch]) -> TextBatch:
+    if len(batches) == 1:
+        return batches[0]
+    names = tuple(dict.fromkeys(b.source for b in batches))  # the files, in order
+    position = {name: k for k, name in enumerate(names)}
+    files = np.concatenate([np.full(len(b.texts), position[b.source], np.int32) for b in batches])
+    texts = [t for b in batches for t in b.texts]
+    records = np.concatenate([b.records for b in batches])
+    return TextBatch(texts, records, names[0], files, names)
+
+
+def _text_chars(text: Any) -> int:
+    """Characters of a text, or of a conversation's contents."""
+    return len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
 
 
 def _excerpt(data: bytes | str, limit: int = 120) -> str:
@@ -684,7 +743,7 @@ class _Batcher:
     def add(self, index: int, text: Any) -> list[TextBatch]:
         """Add one text or conversation; returns the batches that became full."""
         full = []
-        size = len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+        size = _text_chars(text)
         if self.texts and self.chars + size > MAX_BATCH_CHARS:
             full.append(self.flush())  # a huge text does not join (and inflate) a batch
         self.texts.append(text)

@@ -654,9 +654,7 @@ def drop_failures(batch: Any, ids: Any) -> tuple[Any, Any, list[tuple[int, str]]
     keep = [i for i, x in enumerate(ids) if not isinstance(x, EncodeFailure)]
     kept_ids = [ids[i] for i in keep]
     if failed:
-        batch = dataclasses.replace(
-            batch, texts=[batch.texts[i] for i in keep], records=batch.records[keep]
-        )
+        batch = batch.take(keep)
     if kept_ids and all(isinstance(x, np.ndarray) for x in kept_ids):
         lengths = np.fromiter(map(len, kept_ids), dtype=np.int64, count=len(kept_ids))
         return (

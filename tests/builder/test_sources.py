@@ -266,3 +266,29 @@ def test_orjson_and_json_read_the_same_records_and_reasons(tmp_path, monkeypatch
     assert fast == reference
     if kind == "text":
         assert len(fast[0]) >= 6 and len(fast[2]) >= 10  # both kinds of line are there
+
+
+def test_batches_of_small_files_join_up_to_the_batch_size_with_each_texts_file():
+    import numpy as np
+
+    from shardcache.builder.sources import TextBatch, join_batches
+
+    batches = [TextBatch([f"t{k}.{i}" for i in range(n)], np.arange(n, dtype=np.int64), f"f{k}")
+               for k, n in enumerate([1, 2, 1, 3, 1])]  # fmt: skip
+    joined = list(join_batches(batches, batch_docs=4))
+    assert [b.texts for b in joined] == [
+        ["t0.0", "t1.0", "t1.1", "t2.0"],
+        ["t3.0", "t3.1", "t3.2", "t4.0"],
+    ]
+    first = joined[0]
+    assert first.records.tolist() == [0, 0, 1, 0]
+    assert [first.source_of(d) for d in range(4)] == ["f0", "f1", "f1", "f2"]
+    assert first.runs(np.array([0, 1, 2, 3])) == [("f0", 0, 1), ("f1", 1, 3), ("f2", 3, 4)]
+    assert first.runs(np.array([1, 3])) == [("f1", 0, 1), ("f2", 1, 2)]
+    kept = first.take([1, 3])  # e.g. without records the tokenizer failed on
+    assert kept.texts == ["t1.0", "t2.0"] and [kept.source_of(d) for d in (0, 1)] == ["f1", "f2"]
+    # a batch that is full already passes alone, unchanged
+    [alone] = join_batches([batches[3]], batch_docs=2)
+    assert (
+        alone is batches[3] and alone.files is None and alone.runs(np.arange(3)) == [("f3", 0, 3)]
+    )
