@@ -555,7 +555,7 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     default="1/64",
     show_default=True,
     help="With --tokens: share of each input's records to re-tokenize (chosen by a fixed "
-    "hash of the record index), e.g. 0.1, 1/64 or 1 for all.",
+    "hash of the input's name and the record index), e.g. 0.1, 1/64 or 1 for all.",
 )
 @click.option("--input", "-i", "inputs", multiple=True, help="With --tokens: the inputs, "
               "when they moved since the build (default: the paths in the manifest).")  # fmt: skip

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder.audit_pool import encode_in_order
+from shardcache.builder.backends import sampled, source_salt
 from shardcache.builder.build_plan import options_from_json
 from shardcache.builder.encoders import make_encoder
 from shardcache.builder.key_computation import compute_key, precompute_tokenizer_component
@@ -34,21 +35,6 @@ from shardcache.store.summary import sample_bound
 
 #: Key components that must be equal for the audit to mean anything.
 AUDITED_COMPONENTS = ("tokenizer", "special_tokens", "template", "truncation")
-_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
-
-
-def sampled(records: np.ndarray, fraction: float) -> np.ndarray:
-    """Which record indices the audit checks: a fixed hash of the index below ``fraction``."""
-    if fraction >= 1:
-        return np.ones(len(records), dtype=bool)
-    with np.errstate(over="ignore"):
-        mixed = (records.astype(np.uint64) + np.uint64(1)) * _GOLDEN
-    return (mixed >> np.uint64(11)).astype(np.float64) < fraction * 2.0**53
-
-
-def is_sampled(record: int, fraction: float) -> bool:
-    """:func:`sampled` for one record index."""
-    return fraction >= 1 or (((record + 1) * int(_GOLDEN)) % 2**64) >> 11 < fraction * 2.0**53
 
 
 @dataclass
@@ -187,9 +173,12 @@ def audit_tokens(
 
     # a digest per sampled sequence, not its ids: memory stays small for a full audit
     stored: dict[tuple[str, int, int], tuple[int, bytes, bytes]] = {}
+    salts: dict[str, int] = {}  # per input: a sample of files of one record each is a sample
     for seq in cache.iter_sequences():
         p = seq.provenance
-        if is_sampled(p.record, fraction):
+        if p.source not in salts:
+            salts[p.source] = source_salt(p.source)
+        if fraction >= 1 or sampled(np.array([p.record]), fraction, salts[p.source])[0]:
             stored[(p.source, p.record, p.piece)] = (seq.sample_id, *_digests(seq.ids, seq.mask))
 
     recorded = {f["relpath"]: f for f in manifest["inputs"]}
@@ -210,7 +199,7 @@ def audit_tokens(
                                            batch_docs=options.batch_docs, on_error="skip",
                                            on_bytes=progress.advance, digest=digests[relpath],
                                            on_corrupt=lambda *a: None, kind=kind):  # fmt: skip
-                pick = np.flatnonzero(sampled(batch.records, fraction))
+                pick = np.flatnonzero(sampled(batch.records, fraction, source_salt(relpath)))
                 if len(pick):
                     yield (relpath, batch.records[pick]), [batch.texts[i] for i in pick]
 

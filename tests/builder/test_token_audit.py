@@ -11,7 +11,7 @@ from click.testing import CliRunner
 from conftest import make_conversations, make_texts, write_records
 from shardcache.builder.backends import FastBackend
 from shardcache.builder.run import build_cache as run_build
-from shardcache.builder.token_audit import audit_tokens, is_sampled, sampled
+from shardcache.builder.token_audit import audit_tokens
 from shardcache.cli import main
 from shardcache.config import build_options_from_mapping
 from shardcache.errors import CacheKeyMismatch
@@ -31,13 +31,18 @@ def _build(inputs: str, tokenizer: str, out: str, **options) -> str:
     return out
 
 
-def test_sample_is_deterministic_and_about_the_fraction():
-    records = np.arange(100_000, dtype=np.int64)
-    chosen = sampled(records, 1 / 64)
-    assert abs(chosen.mean() - 1 / 64) < 0.002
-    assert chosen.tolist() == sampled(records, 1 / 64).tolist()
-    assert [is_sampled(int(r), 1 / 64) for r in records[:5000]] == chosen[:5000].tolist()
-    assert sampled(records[:10], 1.0).all()
+def test_a_sample_of_one_record_files_is_a_sample_of_them(tmp_path, tokenizer_dir):
+    """The sample hashes the input's name with the record index: of 200 one-record files
+    about a quarter are checked at --fraction 1/4 (every record 0 was left out before)."""
+    folder = tmp_path / "tiny"
+    folder.mkdir()
+    for k, text in enumerate(make_texts(200, seed=8, max_words=10)):
+        write_records(str(folder / f"f{k:03d}.jsonl"), [{"text": text}], "jsonl")
+    out = _build(str(folder), tokenizer_dir, str(tmp_path / "cache"))
+    audit = audit_tokens(out, 0.25)
+    assert audit.ok and 25 <= audit.documents <= 75, audit.to_json()
+    assert audit.sequences == audit.documents
+    assert audit_tokens(out, 0.25).to_json() == audit.to_json()  # a fixed sample
 
 
 @pytest.mark.parametrize("encoder", ["hf", "auto"])
