@@ -329,15 +329,16 @@ def run_in_process(
         return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
     locked = _LockedProgress(progress)
     started = time.process_time()
-    with ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shardcache-partition") as pool:
+    pool = ThreadPoolExecutor(IN_FLIGHT, thread_name_prefix="shardcache-partition")
+    try:
         futures = [pool.submit(build_partition, plan, p, encoder.for_partition(), locked)
                    for p in pending]  # fmt: skip
         done, _ = wait(futures, return_when=FIRST_EXCEPTION)
         failed = [f for f in futures if f in done and f.exception() is not None]
         if failed:
-            for future in futures:
-                future.cancel()  # the partition still running finishes (and is kept)
             raise failed[0].exception()  # type: ignore[misc]
+    finally:  # on an error or Ctrl-C no other partition starts; one running finishes (kept)
+        pool.shutdown(wait=False, cancel_futures=True)
     results = {p.id: f.result() for p, f in zip(pending, futures)}
     apportion_process_cpu(list(results.values()), time.process_time() - started)
     return results
