@@ -404,6 +404,26 @@ def source_salt(name: str) -> int:
     return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
 
 
+def build_draw_keys(
+    records: np.ndarray, files: np.ndarray | None, names: tuple[str, ...]
+) -> np.ndarray:
+    """Each text's key for the build's verification sample (:func:`sampled` with salt 0):
+    its record index plus its file's salt, drawn apart from ``verify --tokens``' sample.
+
+    Args:
+        records: each text's record index in its file.
+        files: each text's file as a position in ``names`` (None: all of ``names[0]``).
+        names: the files' paths relative to the corpus root.
+
+    Returns:
+        The keys (uint64).
+    """
+    salts = np.array([source_salt("build:" + n) for n in names or ("",)], dtype=np.uint64)
+    per_text = salts[files] if files is not None else salts[0]
+    with np.errstate(over="ignore"):
+        return records.astype(np.uint64) + per_text
+
+
 def sampled(records: np.ndarray, rate: float, salt: int) -> np.ndarray:
     """Which records are in the verification sample: a bool per record.
 

@@ -371,10 +371,10 @@ class ChatEncoder:
         return rendered.text if rendered.error is None else f"<render failed: {rendered.error}>"
 
     def encode_texts(
-        self, conversations: list[list[dict[str, Any]]], records: np.ndarray | None = None
+        self, conversations: list[list[dict[str, Any]]], keys: np.ndarray | None = None
     ) -> list[ChatSample]:
         """Render + tokenize a batch (runs in the encode thread; encode_batch drops the GIL);
-        ``records`` is unused: HF alone encodes chat data, so nothing is verified."""
+        ``keys`` is unused: HF alone encodes chat data, so nothing is verified."""
         rendered = self.renderer.render(conversations)
         good = [r for r in rendered if r.error is None]
         encodings = self.backend.encode_batch([r.text for r in good], add_special_tokens=False)

@@ -19,7 +19,6 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.builder.backends import source_salt
 from shardcache.builder.bucket import assign_buckets
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
@@ -198,7 +197,6 @@ def _map_verified(
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     times = StageTimes()
     text.stage_times = times
-    text.verify_salt = source_salt(partition.file.relpath)
     started = time.process_time()
     used = encoder
     try:

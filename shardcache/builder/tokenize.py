@@ -33,6 +33,7 @@ from shardcache.builder.backends import (
     HFBackend,
     VerifyCounts,
     adopt_early,
+    build_draw_keys,
     load_fast_ahead,
     sampled,
     verify_sample,
@@ -327,10 +328,8 @@ class TextEncoder:
         self.fast: FastBackend | None = None
         self.selection = EncoderSelection("hf", self.reference.name, self.reference.version,
                                           "the gate did not run (HF by default)")  # fmt: skip
-        #: The share of documents verified (:func:`~shardcache.builder.backends.verify_rate`)
-        #: and the salt of the input whose records are encoded (set per partition).
+        #: The share of documents verified (:func:`~shardcache.builder.backends.verify_rate`).
         self.verify_fraction = DEFAULT_VERIFY_FRACTION
-        self.verify_salt = 0
         self.verify = VerifyCounts()
         self._verifying: list[Ahead[VerifyCounts]] = []  # per batch, in order (background)
         #: The partition's stage times (set per partition): the verification's seconds.
@@ -402,23 +401,24 @@ class TextEncoder:
             "append_eos": self.options.append_eos,
         }
 
-    def encode_texts(self, texts: list[str], records: np.ndarray | None = None) -> FlatIds:
+    def encode_texts(self, texts: list[str], keys: np.ndarray | None = None) -> FlatIds:
         """Raw ids of a batch.
 
         With the fast backend the documents of the verification sample (:func:`sampled` of
-        ``records``) are re-encoded with HF in the background; :meth:`check_verified` reports
+        ``keys``) are re-encoded with HF in the background; :meth:`check_verified` reports
         a difference. Huge documents are always encoded by HF (in exact pieces where possible).
 
         Args:
             texts: the batch's texts.
-            records: their record indices in their input (None: nothing is verified).
+            keys: their :func:`~shardcache.builder.backends.build_draw_keys` (None: nothing is
+                verified).
 
         Returns:
             The ids of every text.
         """
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
-            return self._encode_flat(texts, records)
+            return self._encode_flat(texts, keys)
         out: list[Any] = [None] * len(texts)
         for i in huge:
             ids = self._encode_huge(texts[i])
@@ -426,21 +426,19 @@ class TextEncoder:
                 ids = self.reference.encode_flat([texts[i]], self.add_special_tokens)[0]
             out[i] = ids
         small = [i for i in range(len(texts)) if out[i] is None]
-        rest = self._encode_flat(
-            [texts[i] for i in small], None if records is None else records[small]
-        )
+        rest = self._encode_flat([texts[i] for i in small], None if keys is None else keys[small])
         for i, ids in zip(small, np.split(rest.tokens, np.cumsum(rest.lengths)[:-1])):
             out[i] = ids
         lengths = np.fromiter(map(len, out), dtype=np.int64, count=len(out))
         return FlatIds(np.concatenate(out).astype(np.uint32, copy=False), lengths)
 
-    def _encode_flat(self, texts: list[str], records: np.ndarray | None) -> FlatIds:
+    def _encode_flat(self, texts: list[str], keys: np.ndarray | None) -> FlatIds:
         if self.fast is None:
             return FlatIds(*self.reference.encode_flat(texts, self.add_special_tokens))
         tokens, lengths = self.fast.encode_flat(texts, self.add_special_tokens)
-        if records is None or self.verify_fraction <= 0:
+        if keys is None or self.verify_fraction <= 0:
             return FlatIds(tokens, lengths)
-        positions = np.flatnonzero(sampled(records, self.verify_fraction, self.verify_salt))
+        positions = np.flatnonzero(sampled(keys, self.verify_fraction, 0))
         if len(positions) == 0:
             return FlatIds(tokens, lengths)
         tokens.flags.writeable = False  # the verification below reads them in a thread
@@ -612,13 +610,13 @@ class EncodeFailure:
     detail: str
 
 
-def encode_isolating(encoder: Any, texts: list[Any], records: np.ndarray | None = None) -> Any:
+def encode_isolating(encoder: Any, texts: list[Any], keys: np.ndarray | None = None) -> Any:
     """Encode ``texts``, isolating a failure to its record.
 
     Args:
         encoder: the encoder.
         texts: the batch's texts.
-        records: their record indices (the verification sample's draw).
+        keys: their verification sample draw keys.
 
     Returns:
         The batch's :class:`FlatIds`, or, when the batch failed, a list with each text's ids
@@ -628,7 +626,7 @@ def encode_isolating(encoder: Any, texts: list[Any], records: np.ndarray | None 
         EncodingMismatch: the fast backend disagreed with HF (the partition's, not a record's).
     """
     try:
-        return encoder.encode_texts(texts, records)
+        return encoder.encode_texts(texts, keys)
     except EncodingMismatch:
         raise
     except Exception as err:  # re-tried one by one below
@@ -636,7 +634,7 @@ def encode_isolating(encoder: Any, texts: list[Any], records: np.ndarray | None 
             return [EncodeFailure(f"{type(err).__name__}: {err}"[:300])]
     out: list[Any] = []
     for i, text in enumerate(texts):
-        one = None if records is None else records[i : i + 1]
+        one = None if keys is None else keys[i : i + 1]
         out += list(encode_isolating(encoder, [text], one))
     return out
 
@@ -745,7 +743,10 @@ def encode_ahead(
                 if stop.is_set():
                     return
                 with times.busy("encode_busy") if times is not None else contextlib.nullcontext():
-                    ids = encode_isolating(encoder, batch.texts, batch.records)
+                    keys = build_draw_keys(
+                        batch.records, batch.files, batch.names or (batch.source,)
+                    )
+                    ids = encode_isolating(encoder, batch.texts, keys)
                 if not put((batch, ids)):
                     return
             put(_DONE)

@@ -19,6 +19,7 @@ from shardcache.builder.backends import (
     EarlyLoad,
     FastBackend,
     adopt_early,
+    build_draw_keys,
     flatten_ids,
     ids_content,
     load_fast_early,
@@ -283,6 +284,19 @@ def test_the_verification_sample_is_random_and_independent_of_batching():
     assert sampled(records[:5], 1.0, salt).all() and not sampled(records, 0.0, salt).any()
 
 
+def test_the_build_draws_by_file_and_record_apart_from_the_audit():
+    """A batch joining small files draws each text by its own file and record (the keys
+    of the files' own batches), and the build's draw is not ``verify --tokens``' one."""
+    a, b = np.arange(3, dtype=np.int64), np.arange(2, dtype=np.int64)
+    joined = build_draw_keys(np.concatenate([a, b]), np.array([0, 0, 0, 1, 1]), ("a", "b"))
+    apart = np.concatenate([build_draw_keys(a, None, ("a",)), build_draw_keys(b, None, ("b",))])
+    assert np.array_equal(joined, apart) and len(set(joined.tolist())) == 5
+    records = np.arange(100_000, dtype=np.int64)
+    build = sampled(build_draw_keys(records, None, ("a.jsonl",)), 0.01, 0)
+    audit = sampled(records, 0.01, source_salt("a.jsonl"))
+    assert (build & audit).sum() < 0.1 * build.sum()  # independent draws: about 1% overlap
+
+
 def test_the_verification_rate_covers_a_floor_of_the_input():
     assert verify_rate(1 / 1000, 10**9) == 1 / 1000
     assert verify_rate(1 / 1000, 10 * VERIFY_FLOOR_BYTES) == 0.1  # a small corpus: more
@@ -434,14 +448,15 @@ def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir
 
     batches = [make_texts(40, seed=s) for s in range(5)]
     records = [np.arange(40 * k, 40 * (k + 1), dtype=np.int64) for k in range(5)]
+    records = [build_draw_keys(rec, None, ("a.jsonl",)) for rec in records]  # draw keys
     encoder = _fast_encoder(tokenizer_dir)
     assert encoder is not None
-    encoder.verify_fraction, encoder.verify_salt = 1 / 4, source_salt("a.jsonl")
+    encoder.verify_fraction = 1 / 4
     for batch, rec in zip(batches, records):
         encoder.encode_texts(batch, rec)
     encoder.check_verified()
     clean = encoder.take_verify()
-    expected = [int(sampled(rec, 1 / 4, encoder.verify_salt).sum()) for rec in records]
+    expected = [int(sampled(rec, 1 / 4, 0).sum()) for rec in records]
     assert clean.mismatches == 0 and clean.documents == sum(expected) and all(expected)
     assert clean.tokens > clean.documents
 

@@ -8,6 +8,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, TokenizerError
+from shardcache.builder.sources import TextBatch
 from shardcache.builder.tokenize import (
     TextEncoder,
     TruncationStats,
@@ -189,8 +190,7 @@ def test_encode_ahead_reads_ahead_in_order_and_reraises_upstream_errors(tokenize
     def batches(n: int, fail: bool = False):
         for i in range(n):
             readers.add(threading.current_thread().name)
-            yield types.SimpleNamespace(texts=[f"data {i}", "w7 café"],
-                                        records=np.arange(2 * i, 2 * i + 2))  # fmt: skip
+            yield TextBatch([f"data {i}", "w7 café"], np.arange(2 * i, 2 * i + 2), "a.jsonl")
         if fail:
             raise OSError("disk gone")
 
@@ -215,20 +215,22 @@ def test_a_build_interrupted_mid_encode_waits_for_it_at_exit(tokenizer_dir, tmp_
     import sys
 
     script = f"""
-import threading, time, types
+import threading, time
+import numpy as np
+from shardcache.builder.sources import TextBatch
 from shardcache.builder.tokenize import TextEncoder, encode_ahead
 from shardcache.config import TokenizeOptions
 encoder = TextEncoder(TokenizeOptions({tokenizer_dir!r}))
 encode = encoder.encode_texts
 started = threading.Event()
-def slow(texts, records):
+def slow(texts, keys):
     started.set()
     time.sleep(0.5)  # an encode still running when the consumer gives up
-    return encode(texts, records)
+    return encode(texts, keys)
 encoder.encode_texts = slow
 def batches():
     for i in range(100):
-        yield types.SimpleNamespace(texts=[f"data {{i}}"], records=None)
+        yield TextBatch([f"data {{i}}"], np.arange(i, i + 1), "a.jsonl")
 stream = encode_ahead(encoder, batches())
 try:
     next(stream)
