@@ -14,6 +14,7 @@ import contextlib
 import dataclasses
 import glob
 import hashlib
+import itertools
 import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from shardcache.builder.key_computation import compute_key, precompute_tokenizer
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
 from shardcache.errors import CacheKeyMismatch, SourceError
-from shardcache.store.cache import Cache, open_cache
+from shardcache.store.cache import Cache, Sequence, open_cache
 from shardcache.store.check import cache_key, compare_keys
 from shardcache.store.summary import sample_bound
 
@@ -173,13 +174,22 @@ def audit_tokens(
 
     # a digest per sampled sequence, not its ids: memory stays small for a full audit
     stored: dict[tuple[str, int, int], tuple[int, bytes, bytes]] = {}
-    salts: dict[str, int] = {}  # per input: a sample of files of one record each is a sample
-    for seq in cache.iter_sequences():
-        p = seq.provenance
-        if p.source not in salts:
-            salts[p.source] = source_salt(p.source)
-        if fraction >= 1 or sampled(np.array([p.record]), fraction, salts[p.source])[0]:
+
+    def keep_sampled(run: list[Sequence]) -> None:  # sequences of one input
+        source = run[0].provenance.source
+        records = np.fromiter((seq.provenance.record for seq in run), np.int64, len(run))
+        for seq in itertools.compress(run, sampled(records, fraction, source_salt(source))):
+            p = seq.provenance
             stored[(p.source, p.record, p.piece)] = (seq.sample_id, *_digests(seq.ids, seq.mask))
+
+    run: list[Sequence] = []
+    for seq in cache.iter_sequences():
+        if run and (seq.provenance.source != run[0].provenance.source or len(run) >= 4096):
+            keep_sampled(run)
+            run = []
+        run.append(seq)
+    if run:
+        keep_sampled(run)
 
     recorded = {f["relpath"]: f for f in manifest["inputs"]}
     found = {}
