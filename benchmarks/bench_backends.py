@@ -12,6 +12,8 @@ families:
 * ``llama``: SentencePiece-style BPE, Metaspace pre-tokenizer, ``byte_fallback`` with the 256
   ``<0xNN>`` tokens in the vocabulary (Llama-2 / Mistral style), a small alphabet so rare
   characters fall back to bytes;
+* ``llama-norm``: the same in Llama-2's own layout: no pre-tokenizer, a Prepend + Replace
+  normalizer writing the ``▁``;
 * ``gemma``: Metaspace BPE without byte fallback (unknown characters become ``<unk>``), the
   nearest to Gemma that ``tokenizers`` trains;
 * ``wordpiece``: BERT normalizer, pre-tokenizer and WordPiece;
@@ -52,7 +54,7 @@ from typing import Any
 import numpy as np
 from results import record_result
 
-FAMILIES = ("bytelevel", "llama", "gemma", "wordpiece", "unigram")
+FAMILIES = ("bytelevel", "llama", "llama-norm", "gemma", "wordpiece", "unigram")
 CANDIDATES = ("hf", "fastokens", "gigatoken", "kitoken")
 
 #: Texts that tell an exact backend from a nearly exact one; the tokenizer's added and
@@ -108,9 +110,11 @@ def byte_tokens() -> list[str]:
     return [f"<0x{b:02X}>" for b in range(256)]
 
 
-def with_byte_fallback_vocab(tok: Any, leading: list[str]) -> Any:
+def with_byte_fallback_vocab(tok: Any, leading: list[str], normalizer_form: bool) -> Any:
     """``tok`` (a trained BPE) with the 256 ``<0xNN>`` tokens in the model's vocabulary right
-    after ``leading`` (the special tokens), as a SentencePiece conversion has them."""
+    after ``leading`` (the special tokens), as a SentencePiece conversion has them;
+    ``normalizer_form``: the Metaspace pre-tokenizer replaced by the Prepend + Replace
+    normalizer, no pre-tokenizer and the matching decoder, as Llama-2's own tokenizer.json."""
     from tokenizers import Tokenizer
 
     data = json.loads(tok.to_str())
@@ -120,6 +124,24 @@ def with_byte_fallback_vocab(tok: Any, leading: list[str]) -> Any:
     data["model"]["vocab"] = {t: i for i, t in enumerate(order)}
     for added in data["added_tokens"]:
         added["id"] = data["model"]["vocab"][added["content"]]
+    if normalizer_form:
+        data["pre_tokenizer"] = None
+        data["normalizer"] = {
+            "type": "Sequence",
+            "normalizers": [
+                {"type": "Prepend", "prepend": "\u2581"},
+                {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"},
+            ],
+        }
+        data["decoder"] = {
+            "type": "Sequence",
+            "decoders": [
+                {"type": "Replace", "pattern": {"String": "\u2581"}, "content": " "},
+                {"type": "ByteFallback"},
+                {"type": "Fuse"},
+                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
+            ],
+        }
     return Tokenizer.from_str(json.dumps(data))
 
 
@@ -150,9 +172,9 @@ def train_family(family: str, texts: list[str], vocab_size: int, folder: str) ->
         )
         tok.train_from_iterator(texts, trainer)
         special = {"eos_token": "<|endoftext|>", "additional_special_tokens": specials[1:]}
-    elif family in ("llama", "gemma"):
+    elif family in ("llama", "llama-norm", "gemma"):
         specials = ["<unk>", "<s>", "</s>"]
-        fallback = family == "llama"
+        fallback = family != "gemma"
         tok = Tokenizer(models.BPE(unk_token="<unk>", fuse_unk=True, byte_fallback=fallback))
         scheme = "first" if fallback else "always"
         tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme, split=not fallback)
@@ -162,7 +184,7 @@ def train_family(family: str, texts: list[str], vocab_size: int, folder: str) ->
         )
         tok.train_from_iterator(texts, trainer)
         if fallback:
-            tok = with_byte_fallback_vocab(tok, specials)
+            tok = with_byte_fallback_vocab(tok, specials, normalizer_form=family == "llama-norm")
         tok.post_processor = processors.TemplateProcessing(
             single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)]
         )
