@@ -83,7 +83,17 @@ class FastBackend:
     def __init__(self, serialized: str):
         module = import_fast_module()
         try:
-            self.tokenizer = module.Tokenizer.from_json_str(serialized)
+            try:
+                self.tokenizer = module.Tokenizer.from_json_str(serialized)
+            except Exception:  # retried without the decoder, else reported below
+                # Only ids are read from this backend, and a decoder never changes them: a
+                # decoder fastokens does not implement (e.g. Metaspace) must not refuse it.
+                data = json.loads(serialized)
+                if data.get("decoder") is None:
+                    raise
+                self.tokenizer = module.Tokenizer.from_json_str(
+                    json.dumps({**data, "decoder": None})
+                )
             self.tokenizer.no_truncation()
             self.tokenizer.no_padding()
         except Exception as err:  # fastokens raises ValueError for what it does not implement

@@ -113,10 +113,14 @@ def _byte_level(folder: str, normalized: bool) -> str:
     return _save(tok, folder, eos_token="<eos>", pad_token="<pad>", bos_token="<bos>")
 
 
-def _metaspace_byte_fallback(folder: str, pre_tokenizer: bool = False) -> str:
+def _metaspace_byte_fallback(
+    folder: str, pre_tokenizer: bool = False, metaspace_decoder: bool = False
+) -> str:
     """Llama-2 style: BPE with byte fallback, the "▁" space marker written by the normalizer
     (Prepend + Replace), <s> added by the post-processor; ``pre_tokenizer``: Mistral / newer
-    Llama style, the marker written by a Metaspace pre-tokenizer instead."""
+    Llama style, the marker written by a Metaspace pre-tokenizer instead;
+    ``metaspace_decoder``: a Metaspace decoder (as some conversions write), which fastokens
+    refuses although a decoder never changes ids."""
     from tokenizers import (
         Tokenizer,
         decoders,
@@ -137,6 +141,8 @@ def _metaspace_byte_fallback(folder: str, pre_tokenizer: bool = False) -> str:
     tok.decoder = decoders.Sequence(
         [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
     )
+    if metaspace_decoder:
+        tok.decoder = decoders.Metaspace(prepend_scheme="always")
     trainer = trainers.BpeTrainer(
         vocab_size=700,
         special_tokens=["<unk>", "<s>", "</s>"],
@@ -192,12 +198,21 @@ FAMILIES = {
     "byte_level_bpe_nfc_split": lambda folder: _byte_level(folder, normalized=True),
     "metaspace_bpe_byte_fallback": _metaspace_byte_fallback,
     "metaspace_pretokenizer_bpe_byte_fallback": lambda f: _metaspace_byte_fallback(f, True),
+    "metaspace_decoder_bpe_byte_fallback": lambda f: _metaspace_byte_fallback(
+        f, metaspace_decoder=True
+    ),
     "unigram": _unigram,
     "wordpiece": _wordpiece,
 }
-#: The families fastokens 0.3.5 loads; it refuses the others at load (Metaspace
-#: pre-tokenizer, NFKC, BertNormalizer), and the gate then keeps HF.
-FAST_FAMILIES = {"byte_level_bpe", "byte_level_bpe_nfc_split", "metaspace_bpe_byte_fallback"}
+#: The families fastokens 0.3.5 loads (a decoder it does not implement is dropped first: a
+#: decoder never changes ids); it refuses the others at load (Metaspace pre-tokenizer, NFKC,
+#: BertNormalizer), and the gate then keeps HF.
+FAST_FAMILIES = {
+    "byte_level_bpe",
+    "byte_level_bpe_nfc_split",
+    "metaspace_bpe_byte_fallback",
+    "metaspace_decoder_bpe_byte_fallback",
+}
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
