@@ -315,6 +315,19 @@ def test_spawned_workers_read_the_same_stream(caches):
     assert [_key(b) for b in loader] == inline
 
 
+def _assert_same_epochs(compiled: ShardDataset, numpy_path: ShardDataset) -> None:
+    """Two epochs of the compiled reader equal the numpy path's, batch for batch."""
+    from conftest import assert_batches_equal
+
+    for epoch in range(2):
+        compiled.set_epoch(epoch)
+        numpy_path.set_epoch(epoch)
+        got, want = _batches(compiled), _batches(numpy_path)
+        assert len(got) == len(want) > 0
+        for a, b in zip(got, want):
+            assert_batches_equal(a, b)
+
+
 def _batches(ds) -> list:
     return [{k: v.clone() if torch.is_tensor(v) else v for k, v in b.items()} for b in ds]
 
@@ -326,7 +339,6 @@ def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
 ):
     """One table over every source's shards: the same batches as the numpy path, also when
     each source keeps one shard open (shards close and reopen between and inside batches)."""
-    from conftest import assert_batches_equal
     from shardcache.read import dataset as dataset_module
 
     monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
@@ -335,13 +347,7 @@ def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
     numpy_path = ShardDataset(_sources(caches), 256, seed=5, **extra)
     numpy_path.kernels = False
     assert not numpy_path.reads_compiled
-    for epoch in range(2):
-        compiled.set_epoch(epoch)
-        numpy_path.set_epoch(epoch)
-        got, want = _batches(compiled), _batches(numpy_path)
-        assert len(got) == len(want) > 0
-        for a, b in zip(got, want):
-            assert_batches_equal(a, b)
+    _assert_same_epochs(compiled, numpy_path)
 
 
 @pytest.mark.parametrize("extra", [{}, PACKED, CONCAT], ids=["pad", "best_fit", "concat"])
@@ -425,7 +431,6 @@ def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(chat_and_text
 def test_chat_and_plain_text_sources_give_the_numpy_paths_batches_compiled(
     chat_and_text, extra, open_shards, monkeypatch
 ):
-    from conftest import assert_batches_equal
     from shardcache.read import dataset as dataset_module
 
     monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
@@ -434,13 +439,7 @@ def test_chat_and_plain_text_sources_give_the_numpy_paths_batches_compiled(
     numpy_path = ShardDataset(sources, 256, seed=6, **extra)
     numpy_path.kernels = False
     assert compiled.reads_compiled
-    for epoch in range(2):
-        compiled.set_epoch(epoch)
-        numpy_path.set_epoch(epoch)
-        got, want = _batches(compiled), _batches(numpy_path)
-        assert len(got) == len(want) > 0
-        for a, b in zip(got, want):
-            assert_batches_equal(a, b)
+    _assert_same_epochs(compiled, numpy_path)
 
 
 def test_a_closed_mixture_forgets_its_shards_and_the_dataset_reopens_it(caches):
