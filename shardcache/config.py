@@ -113,6 +113,11 @@ def check_int(field: str, value: object, low: int, high: int | None = None, unit
 def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
     """Check that ``value`` is one of ``valid``.
 
+    Args:
+        field: the option's name (for the message).
+        value: its value.
+        valid: the allowed values.
+
     Raises:
         ConfigError: naming the field, the value, the choices and the closest one.
     """
@@ -125,6 +130,10 @@ def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
 
 def check_fraction(field: str, value: object) -> None:
     """Check that ``value`` is a number in ``[0, 1]``.
+
+    Args:
+        field: the option's name (for the message).
+        value: its value.
 
     Raises:
         ConfigError: naming the field and the value.
@@ -160,7 +169,11 @@ def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str
 
 
 def default_workers() -> int:
-    """The CPU cores this process may use (the default ``--workers``)."""
+    """The CPU cores this process may use (the default ``--workers``).
+
+    Returns:
+        The count, at least 1.
+    """
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
@@ -322,7 +335,25 @@ class LayoutOptions:
 
 @dataclass(frozen=True)
 class BuildOptions:
-    """Everything one build needs (the fields are documented where they are declared).
+    """Everything one build needs.
+
+    Args:
+        source: where the records come from.
+        tokenize: how text becomes ids (part of the cache key).
+        output: the cache folder (local path or URL).
+        layout: how sequences are laid out on disk.
+        batch_docs: documents handed to the tokenizer per encode call.
+        force: rebuild even when an up-to-date cache is at ``output``.
+        data_version: replaces the file hashes in the cache key's data part (None: hash).
+        workers: processes that run partitions (None: the usable cores); never changes the
+            output bytes and is not recorded in the manifest.
+        partition_size_bytes: uncompressed jsonl / parquet inputs larger than this are split
+            into partitions of about this size.
+        chat: chat data (conversations rendered with a template, loss masks); None: text.
+        strict_lint: fail the build (no manifest) when the chat lint counts anything.
+        max_bad_fraction: fail the build (no manifest) when more than this fraction of the
+            records is bad; a build that keeps no document always fails.
+        encoding: encoder backend and its in-build verification (never changes the bytes).
 
     Raises:
         ConfigError: a field is invalid.
@@ -332,22 +363,14 @@ class BuildOptions:
     tokenize: TokenizeOptions
     output: str
     layout: LayoutOptions = field(default_factory=LayoutOptions)
-    batch_docs: int = 1024  # documents handed to the tokenizer per encode_batch call
+    batch_docs: int = 1024
     force: bool = False
-    data_version: str | None = None  # replaces the file hashes in the cache key's data part
-    #: Processes that run partitions; None = the cores this process may use. Never changes
-    #: the output bytes (and is not recorded in the manifest).
+    data_version: str | None = None
     workers: int | None = None
-    #: Split uncompressed jsonl / parquet inputs larger than this (bytes) into partitions.
     partition_size_bytes: int = DEFAULT_PARTITION_SIZE_BYTES
-    #: Chat data (conversations rendered with a template, loss masks); None = plain text.
     chat: ChatOptions | None = None
-    #: Fail the build (no manifest) when the chat lint counts anything suspicious.
     strict_lint: bool = False
-    #: Fail the build (no manifest) when more than this fraction of the records is bad (a
-    #: build that keeps no document always fails). Decides only whether to commit.
     max_bad_fraction: float = DEFAULT_MAX_BAD_FRACTION
-    #: Encoder backend and its in-build verification (never changes the bytes).
     encoding: EncodingOptions = field(default_factory=EncodingOptions)
 
     def __post_init__(self) -> None:
@@ -377,7 +400,11 @@ class BuildOptions:
         return self.workers if self.workers is not None else default_workers()
 
     def to_json(self) -> dict[str, Any]:
-        """The options as plain JSON (recorded in the manifest)."""
+        """The options as plain JSON (recorded in the manifest).
+
+        Returns:
+            A dict of JSON values, nested per option group.
+        """
         return dataclasses.asdict(self)
 
 
@@ -387,6 +414,9 @@ def parse_size(value: str | int, name: str = "shard_size") -> int:
     Args:
         value: the size.
         name: the option's name (for the message).
+
+    Returns:
+        The size in bytes (an int is returned as given).
 
     Raises:
         ConfigError: not a size.
@@ -416,6 +446,12 @@ def parse_size(value: str | int, name: str = "shard_size") -> int:
 def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
     """Bucket edges from ``"128,512,2048"`` (or a list of ints).
 
+    Args:
+        value: comma-separated integers, or a sequence of ints.
+
+    Returns:
+        The edges as given (not yet checked; :class:`LayoutOptions` does that).
+
     Raises:
         ConfigError: not comma-separated integers.
     """
@@ -442,8 +478,13 @@ CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
 
 
 def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
-    """Chat options from flat recipe/CLI values when ``chat = true`` or any chat option is given,
-    else None.
+    """Chat options from flat recipe/CLI values.
+
+    Args:
+        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
+
+    Returns:
+        The options when ``chat`` is true or any chat option is given, else None.
 
     Raises:
         ConfigError: a value is invalid.
@@ -463,6 +504,12 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
     ``append_eos`` defaults to True for text and False for chat data (chat templates write their
     own end-of-turn markers).
+
+    Args:
+        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
+
+    Returns:
+        The options.
 
     Raises:
         ConfigError: a value is missing or invalid.
@@ -488,6 +535,12 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
     """:class:`BuildOptions` from flat recipe/CLI values.
+
+    Args:
+        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
+
+    Returns:
+        The options.
 
     Raises:
         ConfigError: an unknown key, or a missing or invalid value.
@@ -541,6 +594,12 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
 def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
     """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be ``"1/64"``).
 
+    Args:
+        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
+
+    Returns:
+        The options (defaults for values not given).
+
     Raises:
         ConfigError: a value is invalid.
     """
@@ -554,6 +613,13 @@ def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
 
 def parse_fraction(value: str, name: str = "verify_fraction") -> float:
     """``"0.02"`` or ``"1/64"`` as a float.
+
+    Args:
+        value: a decimal or ``numerator/denominator``.
+        name: the option's name (for the message).
+
+    Returns:
+        The value (its range is checked by the options that take it).
 
     Raises:
         ConfigError: not a fraction.

@@ -20,7 +20,17 @@ PATH_KEYS = ("input", "tokenizer", "output", "chat_template")
 
 
 def load_recipe(path: str) -> dict[str, Any]:
-    """Read a recipe, check its keys and resolve its relative paths."""
+    """Read a recipe, check its keys and resolve its relative paths.
+
+    Args:
+        path: the TOML file.
+
+    Returns:
+        Its keys and values, with paths made relative to the recipe's folder absolute.
+
+    Raises:
+        ConfigError: the file cannot be read, is not TOML, or has an unknown key.
+    """
     data = read_toml(path, "recipe")
     unknown = sorted(set(data) - RECIPE_KEYS)
     if unknown:
@@ -43,7 +53,15 @@ def _resolve(value: Any, base: str) -> Any:
 
 
 def merge(recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Recipe values overridden by every override that is not None (or an empty tuple)."""
+    """Recipe values overridden by every override that is not None (or an empty tuple).
+
+    Args:
+        recipe: the recipe's values.
+        overrides: CLI values by recipe key; tuples become lists.
+
+    Returns:
+        A new dict; neither argument is changed.
+    """
     merged = dict(recipe)
     for key, value in overrides.items():
         if value is None or value == ():
