@@ -86,7 +86,6 @@ PENDING: frozenset[str] = frozenset(
         "shardcache/read/prefetch/tree.py",
         "shardcache/read/readahead.py",
         "shardcache/store/build_lock.py",
-        "shardcache/store/cache.py",
         "shardcache/store/check.py",
         "shardcache/store/files.py",
         "shardcache/store/integrity.py",

@@ -31,9 +31,17 @@ def _no_release() -> None:
 
 
 class ShardCache:
-    """An LRU of at most ``size`` open :class:`~shardcache.store.shards.ShardReader` s that owns
-    them; ``fetch`` gives a shard's file and its release (a remote download is held under a
-    shared lock until released), ``on_close`` is told each shard closed."""
+    """An LRU of open :class:`~shardcache.store.shards.ShardReader` s that owns them.
+
+    Args:
+        shards: the manifest's shard entries.
+        dtype: the stored token type.
+        size: the most readers open at once (at least 1).
+        fetch: a shard's local file and its release (a remote download stays held under a
+            shared lock until released).
+        reader_options: keyword arguments for every reader.
+        on_close: told the index of each shard closed.
+    """
 
     def __init__(
         self,
@@ -57,6 +65,12 @@ class ShardCache:
 
     def get(self, index: int) -> ShardReader:
         """The reader of shard ``index``, opened (another closed for room) when needed.
+
+        Args:
+            index: the shard's position in the manifest.
+
+        Returns:
+            The open reader, owned by this LRU (valid until it is closed for room).
 
         Raises:
             ValueError: the cache is closed.
@@ -82,7 +96,11 @@ class ShardCache:
         return reader
 
     def close_next(self, index: int) -> None:
-        """Mark an open shard as the next one closed for room."""
+        """Mark an open shard as the next one closed for room.
+
+        Args:
+            index: the shard (ignored when it is not open).
+        """
         if index in self._open:
             self._open.move_to_end(index, last=False)
 
@@ -99,15 +117,26 @@ class ShardCache:
             release()
 
     def shed(self) -> bool:
-        """Close the least recently used open shard; False when none is open."""
+        """Close the least recently used open shard.
+
+        Returns:
+            False when none was open.
+        """
         if not self._open:
             return False
         self._close_one()
         return True
 
     def close_idle(self, keep: Container[int], room: int) -> int:
-        """Close least recently used open shards outside ``keep`` until those left outside it hold
-        at most ``room`` bytes (the manifest's sizes); returns those bytes."""
+        """Close least recently used open shards outside ``keep`` to fit ``room``.
+
+        Args:
+            keep: shards that stay open.
+            room: the most bytes (the manifest's sizes) the open shards outside ``keep`` hold.
+
+        Returns:
+            The bytes the open shards outside ``keep`` hold afterwards.
+        """
         idle = [index for index in self._open if index not in keep]
         used = sum(int(self.shards[index]["bytes"]) for index in idle)
         for index in idle:  # least recently used first
@@ -126,8 +155,13 @@ class ShardCache:
 
 @dataclass(frozen=True)
 class Gathered:
-    """Segments read by :meth:`Cache.gather`: ``tokens`` (concatenated or laid out), ``offsets``
-    (int64, ``len + 1``) of their lengths, ``mask`` (bool per token) if asked."""
+    """Segments read by :meth:`Cache.gather`.
+
+    Attributes:
+        tokens: the segments' tokens, concatenated or laid out.
+        offsets: int64, one more than the segments: cumulative sums of their lengths.
+        mask: bool per token of ``tokens`` when asked, else None.
+    """
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -156,26 +190,45 @@ class MappedTable:
     once per batch and stamps ``last_used[s]`` for every shard it reads (the LRU closes the
     least recently stamped) and checks the ids it copies against ``max_id``. An address is
     valid until the next :meth:`Cache.open_mapped` or close: no Python code may run between
-    reading and copying."""
+    reading and copying.
 
-    addresses: np.ndarray  # int64, one per shard
-    sizes: np.ndarray  # int64, one per shard
-    last_used: np.ndarray  # int64, one per shard
-    clock: np.ndarray  # int64, one: the current stamp
-    shard_starts: np.ndarray  # int64, one per shard + 1
-    file_starts: np.ndarray  # uint32 or int64, one per sample
-    lengths: np.ndarray  # the length index, one per sample
+    Attributes:
+        addresses: int64 per shard.
+        sizes: int64 per shard.
+        last_used: int64 per shard.
+        clock: int64, one value: the current stamp.
+        shard_starts: int64, one per shard plus one.
+        file_starts: uint32 or int64 per sample.
+        lengths: the length index, one per sample.
+        dtype: the stored token type.
+        max_id: the tokenizer's largest id.
+        mask_starts: int64 per sample of a chat cache, else empty.
+    """
+
+    addresses: np.ndarray
+    sizes: np.ndarray
+    last_used: np.ndarray
+    clock: np.ndarray
+    shard_starts: np.ndarray
+    file_starts: np.ndarray
+    lengths: np.ndarray
     dtype: np.dtype
     max_id: int
-    mask_starts: np.ndarray  # int64, one per sample of a chat cache, else empty
+    mask_starts: np.ndarray
 
 
 @dataclass(frozen=True)
 class Provenance:
-    """Where a sequence came from: input file (relative path), record index, piece index."""
+    """Where a sequence came from.
+
+    Attributes:
+        source: the input file, relative to the build's input root.
+        record: the record's 0-based index in that file.
+        piece: the piece of the record (0 unless ``truncation="split"`` cut it).
+    """
 
     source: str
-    record: int  # 0-based, as stored
+    record: int
     piece: int
 
     @property
@@ -186,12 +239,19 @@ class Provenance:
 
 @dataclass(frozen=True)
 class Sequence:
-    """One stored sequence with its sample id, provenance and (chat data) loss mask."""
+    """One stored sequence.
+
+    Attributes:
+        sample_id: its global row number.
+        ids: its token ids.
+        provenance: where it came from.
+        mask: bool per token, True where the token has a loss (chat caches; else None).
+    """
 
     sample_id: int
     ids: np.ndarray
     provenance: Provenance
-    mask: np.ndarray | None = None  # bool per token, True where the token has a loss
+    mask: np.ndarray | None = None
 
 
 def _forget_in(addresses: np.ndarray, mapped: dict[int, np.ndarray]) -> Callable[[int], None]:
@@ -211,8 +271,16 @@ SHARD_SHARE_OF_FILE_LIMIT = 4
 
 
 def shards_within_file_limit(requested: int, caches: int = 1) -> int:
-    """How many shards each of ``caches`` caches may keep open in this process: at most
-    ``requested``, and together at most a quarter of the soft open-file limit (at least 4)."""
+    """How many shards each of ``caches`` caches may keep open in this process.
+
+    Args:
+        requested: the most wanted per cache.
+        caches: caches open at once in this process.
+
+    Returns:
+        At most ``requested``, and together at most a quarter of the soft open-file limit
+        (at least 4).
+    """
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -337,7 +405,11 @@ class Cache:
         return self.manifest.get("kind") == "chat"
 
     def buckets(self) -> np.ndarray:
-        """Bucket index of every sample id (int32), derived from the shard table."""
+        """Bucket index of every sample id, derived from the shard table.
+
+        Returns:
+            int32, one per sample id.
+        """
         return np.repeat(self.shard_buckets, np.diff(self.shard_starts))
 
     def _locate(self, sample_id: int) -> tuple[int, int]:
@@ -433,8 +505,12 @@ class Cache:
         return Gathered(tokens, offsets, mask)
 
     def mapped_table(self) -> MappedTable | None:
-        """The table of memory-mapped shards for compiled readers: one for the cache's life (its
-        arrays change as shards open and close), or None for a compressed cache."""
+        """The table of memory-mapped shards for compiled readers.
+
+        Returns:
+            One table for the cache's life (its arrays change as shards open and close), or
+            None for a compressed cache.
+        """
         layout = (self.manifest.get("options") or {}).get("layout") or {}
         if layout.get("compression", "none") != "none":
             return None  # (a cache resumed under another compression: open_mapped says so)
@@ -454,8 +530,15 @@ class Cache:
         return self._table
 
     def open_mapped(self, index: int) -> bool:
-        """Open shard ``index`` for :meth:`mapped_table` readers (checked like any open; the shard
-        closed for room is the least recently stamped); False when it is compressed.
+        """Open shard ``index`` for :meth:`mapped_table` readers.
+
+        It is checked like any open; the shard closed for room is the least recently stamped.
+
+        Args:
+            index: the shard's position in the manifest.
+
+        Returns:
+            False when the shard (or the cache) is compressed.
 
         Raises:
             CorruptShardError: the shard is damaged or disagrees with the length index.
@@ -511,26 +594,61 @@ class Cache:
         return self._file_starts
 
     def close_idle(self, keep: Container[int], room: int) -> int:
-        """:meth:`ShardCache.close_idle` (a reader making room in a bounded local shard cache)."""
+        """Close idle shards to make room in a bounded local shard cache.
+
+        Args:
+            keep: shards that stay open.
+            room: the most bytes the open shards outside ``keep`` may hold.
+
+        Returns:
+            The bytes they hold afterwards (see :meth:`ShardCache.close_idle`).
+        """
         return self._shards.close_idle(keep, room)
 
     def check_ids(self, index: int) -> None:
-        """Check every id of shard ``index`` against the tokenizer's largest (CorruptShardError)."""
+        """Check every id of shard ``index`` against the tokenizer's largest.
+
+        Args:
+            index: the shard's position in the manifest.
+
+        Raises:
+            CorruptShardError: an id is larger, or the shard is damaged.
+        """
         self._shards.get(index).check_ids()
 
     def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:
-        """The ids of several sequences, in the order given (copies; see :meth:`gather`)."""
+        """The ids of several sequences, in the order given.
+
+        Args:
+            sample_ids: their global row numbers.
+
+        Returns:
+            One array per sequence (copies; errors as :meth:`gather`).
+        """
         got = self.gather(sample_ids)
         return np.split(got.tokens, got.offsets[1:-1])
 
     def read_masks(self, sample_ids: np.ndarray) -> list[np.ndarray]:
-        """The loss masks of several sequences (all True for plain-text caches)."""
+        """The loss masks of several sequences.
+
+        Args:
+            sample_ids: their global row numbers.
+
+        Returns:
+            One bool array per sequence (all True for plain-text caches).
+        """
         got = self.gather(sample_ids, with_mask=True)
         assert got.mask is not None
         return np.split(got.mask, got.offsets[1:-1])
 
     def lookup(self, sample_id: int) -> Provenance:
-        """The input file, record index and piece index a sample id came from.
+        """Where a sample id came from.
+
+        Args:
+            sample_id: its global row number.
+
+        Returns:
+            Its input file, record index and piece index.
 
         Raises:
             IndexError: ``sample_id`` out of range.
@@ -540,7 +658,11 @@ class Cache:
         return Provenance(source_of_row(self.shards[shard], row), record, piece)
 
     def iter_sequences(self) -> Iterator[Sequence]:
-        """Every sequence in sample-id order, with provenance (one shard open at a time)."""
+        """Every sequence in sample-id order.
+
+        Yields:
+            Each sequence with its provenance (and mask for chat caches).
+        """
         sample_id = 0
         for index, info in enumerate(self.shards):
             reader = self._shards.get(index)
@@ -556,8 +678,14 @@ class Cache:
 
 
 def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
-    """``(input file, rows)`` in row order of a shard: its ``source``, or a merged shard's
-    ``sources``."""
+    """The input files of a shard's rows, in row order.
+
+    Args:
+        info: the shard's manifest entry.
+
+    Returns:
+        ``(input file, rows)`` runs: its ``source``, or a merged shard's ``sources``.
+    """
     runs = info.get("sources")
     if runs is None:
         return [(str(info["source"]), int(info["rows"]))]
@@ -565,8 +693,18 @@ def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
 
 
 def source_of_row(info: dict[str, Any], row: int) -> str:
-    """The input file of row ``row`` of the shard whose manifest entry is ``info`` (IndexError:
-    no such row)."""
+    """The input file of one row of a shard.
+
+    Args:
+        info: the shard's manifest entry.
+        row: the row in the shard.
+
+    Returns:
+        The input file's relative path.
+
+    Raises:
+        IndexError: the shard has no such row.
+    """
     for source, rows in shard_runs(info):
         if row < rows:
             return source
