@@ -68,8 +68,15 @@ logger = logging.getLogger("shardcache")
 
 
 def cache_digest(manifest: dict[str, Any]) -> str:
-    """The identity of a cache's data that a reader state refers to: the cache-key digest, or
-    (a cache without a key) the sha256 of its shard list as canonical JSON."""
+    """The identity of a cache's data that a reader state refers to.
+
+    Args:
+        manifest: the cache's manifest.
+
+    Returns:
+        The cache-key digest, or (a cache without a key) the sha256 of its shard list as
+        canonical JSON.
+    """
     digest = manifest.get("key", {}).get("digest")
     if digest:
         return str(digest)
@@ -346,8 +353,16 @@ class ShardDataset(IterableDataset):
         self._generation = generation
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of ``epoch`` (default the current one) for all ranks, computed once
-        per machine and epoch (plan_store.py) and kept for the last epoch asked."""
+        """The global batch plan of an epoch for all ranks.
+
+        Computed once per machine and epoch (plan_store.py) and kept for the last epoch asked.
+
+        Args:
+            epoch: the epoch (None: the current one).
+
+        Returns:
+            The plan.
+        """
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
             options = json.dumps(self.options.to_json(), sort_keys=True)
@@ -361,13 +376,26 @@ class ShardDataset(IterableDataset):
         return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
-        """How the global batches of ``epoch`` (default the current one) go to ranks, dealt from the
-        global cursor ``start``: an :class:`EpochSplit`."""
+        """How the global batches of an epoch go to ranks.
+
+        Args:
+            epoch: the epoch (None: the current one).
+            start: the global cursor the batches are dealt from.
+
+        Returns:
+            The split.
+        """
         return split_epoch(len(self.plan(epoch)), self.world_size, start, self.options.tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
-        """How many batches every rank yields in a whole ``epoch`` (default the current one; for LR
-        schedulers)."""
+        """How many batches every rank yields in a whole epoch (for LR schedulers).
+
+        Args:
+            epoch: the epoch (None: the current one).
+
+        Returns:
+            The count, the same on every rank.
+        """
         return self.split(epoch).batches_per_rank
 
     def _pass_start(self, cursor: int) -> int:
@@ -397,8 +425,15 @@ class ShardDataset(IterableDataset):
             )
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
-        """The batches, segments and tokens a whole ``epoch`` (default the current one) drops
-        (``tail="drop"``) or repeats (``"wrap"``) to even out the ranks."""
+        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) to even out ranks.
+
+        Args:
+            epoch: the epoch (None: the current one).
+
+        Returns:
+            The tail mode, world size, global and per-rank batches, and the batches, segments
+            and tokens dropped and repeated, as a JSON-able dict.
+        """
         plan = self.plan(epoch)
         split = self.split(epoch)
 
@@ -751,7 +786,14 @@ class ShardDataset(IterableDataset):
         return self._batch_kernels
 
     def collate(self, sample_ids: np.ndarray) -> Batch:
-        """Read sequences ``sample_ids`` and pad them into one batch, one per row (pad mode)."""
+        """Read sequences and pad them into one batch, one per row (pad mode).
+
+        Args:
+            sample_ids: the sequences' global row numbers, one per row.
+
+        Returns:
+            The batch, rows padded to the longest (rounded up to ``pad_to_multiple_of``).
+        """
         sample_ids = np.asarray(sample_ids)
         width = int(self.options.padded(int(self._index()[0][sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
@@ -847,8 +889,14 @@ def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | No
 
 
 def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int = 0) -> int:
-    """The global cursor (``start + world_size * batches taken``) of one rank's DataLoader worker
-    states taken together, ``steps_since_snapshot`` batches after they were taken.
+    """The global cursor of one rank's DataLoader worker states taken together.
+
+    Args:
+        workers: the states of every worker of the loader.
+        steps_since_snapshot: batches the loader yielded after the states were taken.
+
+    Returns:
+        ``start + world_size * batches taken``.
 
     Raises:
         StateError: the states do not belong to one loader's checkpoint.
@@ -936,8 +984,14 @@ def _rebuild_batch(
 
 
 def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
-    """``batch`` without its ``"meta"`` (a new dict): the keyword arguments of a model that
-    rejects unknown ones."""
+    """The keyword arguments of a model that rejects unknown ones.
+
+    Args:
+        batch: a batch of :class:`ShardDataset`.
+
+    Returns:
+        A new dict: ``batch`` without its ``"meta"``.
+    """
     return {k: v for k, v in batch.items() if k != "meta"}
 
 

@@ -37,9 +37,13 @@ class ShardLoader:
     :class:`DevicePrefetcher`), with an exact resumable position.
 
     Built by :func:`loader`. ``for batch in loader`` runs one pass over the current epoch; a
-    pass left early and iterated again continues after the last batch handed out.
-    ``dataset``, ``dataloader`` and ``prefetcher`` (None without ``device=``) are the parts. A
-    context manager: :meth:`close` stops the prefetcher and closes the dataset.
+    pass left early and iterated again continues after the last batch handed out. A context
+    manager: :meth:`close` stops the prefetcher and closes the dataset.
+
+    Args:
+        dataset: the dataset; the loader owns it.
+        dataloader: the DataLoader over ``dataset`` (``batch_size=None``).
+        prefetcher: the prefetcher over ``dataloader``, or None (no ``device=``).
     """
 
     def __init__(
@@ -88,7 +92,11 @@ class ShardLoader:
         self._base = None
 
     def state_dict(self) -> dict[str, Any]:
-        """The reader position after the batches this loader handed out (JSON-able)."""
+        """The reader position after the batches this loader handed out.
+
+        Returns:
+            A JSON-able state for :meth:`load_state_dict` (any world size or workers).
+        """
         if self._base is None:
             return self.dataset.state_dict(steps=0)
         state = dict(self._base)
