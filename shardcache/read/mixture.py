@@ -118,8 +118,13 @@ class Source:
 
 
 def as_sources(value: Any) -> tuple[Source, ...]:
-    """``value`` (a list of :class:`Source`, paths, or ``{"path": ..., ...}`` mappings) as
-    sources with unique labels.
+    """A mixture's sources from what a user passed.
+
+    Args:
+        value: a list of :class:`Source`, paths, or ``{"path": ..., ...}`` mappings.
+
+    Returns:
+        The sources, whose labels are unique.
 
     Raises:
         ConfigError: an empty list, an entry of another type, or two sources with one label.
@@ -165,10 +170,17 @@ def as_sources(value: Any) -> tuple[Source, ...]:
 class SourceShare:
     """One source's row of a :class:`MixtureTable` (see the module docstring).
 
-    ``documents`` / ``tokens``: what the cache holds; ``share``: the normalised weight;
-    ``tokens_per_epoch``: the target tokens of an epoch; ``repetitions``:
-    ``tokens_per_epoch / tokens`` (below 1: a subsample that changes every epoch; above 1:
-    upsampled).
+    Attributes:
+        name: the source's label.
+        path: its cache.
+        documents: the sequences the cache holds.
+        tokens: the tokens the cache holds.
+        weight: the weight given.
+        share: the weight normalised over the sources.
+        max_repetitions: the most times an epoch may use each of its tokens.
+        tokens_per_epoch: the tokens it gives an epoch.
+        repetitions: ``tokens_per_epoch / tokens`` (below 1: a subsample that changes every
+            epoch; above 1: upsampled).
     """
 
     name: str
@@ -182,24 +194,43 @@ class SourceShare:
     repetitions: float
 
     def to_json(self) -> dict[str, Any]:
+        """The row as a JSON-able dict.
+
+        Returns:
+            The fields by name.
+        """
         return dict(self.__dict__)
 
 
 @dataclass(frozen=True)
 class MixtureTable:
-    """Per-source targets of a mixture and the epoch size they add up to."""
+    """Per-source targets of a mixture and the epoch size they add up to.
+
+    Attributes:
+        sources: a row per source, in the mixture's order.
+        tokens_per_epoch: the tokens of an epoch.
+    """
 
     sources: tuple[SourceShare, ...]
     tokens_per_epoch: int
 
     def to_json(self) -> dict[str, Any]:
+        """The table as a JSON-able dict (what ``shardcache mix --json`` prints).
+
+        Returns:
+            ``tokens_per_epoch`` and the rows as ``sources``.
+        """
         return {
             "tokens_per_epoch": self.tokens_per_epoch,
             "sources": [s.to_json() for s in self.sources],
         }
 
     def format(self) -> str:
-        """The table as aligned text (what ``shardcache mix`` prints)."""
+        """The table as aligned text (what ``shardcache mix`` prints).
+
+        Returns:
+            A header, a line per source and the epoch size, without a final newline.
+        """
         head = ("source", "documents", "tokens", "share", "tokens/epoch", "repetitions", "max")
         rows = [
             (
@@ -305,8 +336,17 @@ def solve_mixture(
 
 
 def source_seed(digest: str) -> int:
-    """A 64-bit integer from a source's key digest: its permutation does not depend on its
-    place in the list, so adding or reordering sources leaves the others' windows alone."""
+    """A source's permutation key, from its cache-key digest.
+
+    It does not depend on the source's place in the list, so adding or reordering sources
+    leaves the others' windows alone.
+
+    Args:
+        digest: the source's cache-key digest.
+
+    Returns:
+        A 64-bit unsigned integer.
+    """
     return int.from_bytes(hashlib.sha256(digest.encode()).digest()[:8], "little")
 
 
@@ -361,19 +401,37 @@ def epoch_documents(
 
 @dataclass(frozen=True)
 class MixtureIndex:
-    """The mixture id space: source ``s`` holds mixture ids ``offsets[s] : offsets[s + 1]``."""
+    """The mixture id space: source ``s`` holds mixture ids ``offsets[s] : offsets[s + 1]``.
 
-    offsets: np.ndarray  # int64, one per source + 1
+    Attributes:
+        offsets: int64, one per source plus one.
+    """
+
+    offsets: np.ndarray
 
     @classmethod
     def of(cls, documents: list[int]) -> MixtureIndex:
+        """The id space of sources holding these many sequences.
+
+        Args:
+            documents: per source, the sequences its cache holds.
+
+        Returns:
+            The index, sources in the order given.
+        """
         offsets = np.zeros(len(documents) + 1, dtype=np.int64)
         np.cumsum(np.asarray(documents, dtype=np.int64), out=offsets[1:])
         return cls(offsets)
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(source, local id)`` of mixture ids (int64 each); a negative id (padding) gives
-        ``(-1, -1)``."""
+        """Where mixture ids are.
+
+        Args:
+            ids: mixture ids; negative for padding.
+
+        Returns:
+            ``(source, local id)``, int64 each; a negative id gives ``(-1, -1)``.
+        """
         ids = np.asarray(ids, dtype=np.int64)
         source = self.offsets.searchsorted(ids, side="right")
         source -= 1
@@ -470,17 +528,38 @@ class Mixture:
     tokens_per_epoch: int | None = None
 
     def documents(self, lengths: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-        """The mixture ids ``epoch`` plans over (:func:`mixture_documents`)."""
+        """The mixture ids an epoch plans over (:func:`mixture_documents`).
+
+        Args:
+            lengths: the length of every mixture id.
+            seed: the plan's seed.
+            epoch: the epoch.
+
+        Returns:
+            int64 mixture ids, one per use of a document.
+        """
         keys = tuple(source_seed(d) for d in self.digests)
         return mixture_documents(lengths, self.index, self.table, keys, seed, epoch)
 
     def plan(
         self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
     ) -> EpochPlan:
-        """The global batches of ``epoch`` (:func:`mixture_epoch_plan`); sample ids are
-        mixture ids. An epoch of at least :data:`LOG_MIN_DOCUMENTS` documents logs its
-        planning and shows a progress bar (a step per source, then one for the batches) when
-        stderr is a terminal."""
+        """The global batches of an epoch (:func:`mixture_epoch_plan`).
+
+        An epoch of at least :data:`LOG_MIN_DOCUMENTS` documents logs its planning and shows
+        a progress bar (a step per source, then one for the batches) when stderr is a
+        terminal.
+
+        Args:
+            lengths: the length of every mixture id.
+            buckets: the bucket of every mixture id.
+            options: the batch options.
+            seed: the plan's seed.
+            epoch: the epoch.
+
+        Returns:
+            The plan; its sample ids are mixture ids.
+        """
         started = time.perf_counter()
         expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
         loud = expected >= LOG_MIN_DOCUMENTS
@@ -508,7 +587,12 @@ class Mixture:
         return plan
 
     def state(self) -> dict[str, Any]:
-        """What a reader state records of the mixture (JSON-able)."""
+        """What a reader state records of the mixture.
+
+        Returns:
+            A JSON-able dict: the epoch size asked for and each source's label, digest, weight
+            and ``max_repetitions``.
+        """
         return {
             "tokens_per_epoch": self.tokens_per_epoch,
             "sources": [

@@ -19,27 +19,121 @@ from shardcache.errors import ConfigError, ShardcacheError
 class DeviceBackend(Protocol):
     """The only place device APIs are touched. Streams and events are opaque to the prefetcher.
 
-    ``alloc_device`` must allocate on the *current* stream of the calling thread (the caching
-    allocator ties the block to it). ``copy_async`` enqueues ``dst.copy_(src)`` on ``stream``
-    without blocking the host; the copy may read ``src`` at any time until an event recorded on
-    ``stream`` after it completes. ``wait(stream, event)`` orders future work on ``stream`` after
-    ``event`` without blocking the host; ``synchronize(event)`` blocks the calling thread.
+    Attributes:
+        device: the device copies go to.
     """
 
     device: torch.device
 
-    def current_stream(self) -> Any: ...
-    def new_stream(self, priority: int) -> Any: ...
-    def new_event(self, timing: bool) -> Any: ...
-    def record(self, event: Any, stream: Any) -> None: ...
-    def wait(self, stream: Any, event: Any) -> None: ...
-    def query(self, event: Any) -> bool: ...
-    def synchronize(self, event: Any) -> None: ...
-    def elapsed_ms(self, start: Any, end: Any) -> float: ...
-    def alloc_pinned(self, nbytes: int) -> torch.Tensor: ...
-    def alloc_device(self, nbytes: int) -> torch.Tensor: ...
-    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None: ...
-    def init_thread(self) -> None: ...
+    def current_stream(self) -> Any:
+        """The calling thread's current stream on :attr:`device`.
+
+        Returns:
+            The stream.
+        """
+
+    def new_stream(self, priority: int) -> Any:
+        """A new stream on :attr:`device`.
+
+        Args:
+            priority: the stream priority (lower runs first).
+
+        Returns:
+            The stream.
+        """
+
+    def new_event(self, timing: bool) -> Any:
+        """A new event.
+
+        Args:
+            timing: whether :meth:`elapsed_ms` may measure it (sync-only events are cheaper).
+
+        Returns:
+            The event.
+        """
+
+    def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream`` after the work enqueued so far.
+
+        Args:
+            event: the event.
+            stream: the stream.
+        """
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Order future work on ``stream`` after ``event``, without blocking the host.
+
+        Args:
+            stream: the stream.
+            event: the event.
+        """
+
+    def query(self, event: Any) -> bool:
+        """Whether an event has completed.
+
+        Args:
+            event: the event.
+
+        Returns:
+            True when the work before it has completed (never blocks).
+        """
+
+    def synchronize(self, event: Any) -> None:
+        """Block the calling thread until ``event`` has completed.
+
+        Args:
+            event: the event.
+        """
+
+    def elapsed_ms(self, start: Any, end: Any) -> float:
+        """The device time between two events.
+
+        Args:
+            start: a completed timing event.
+            end: a later completed timing event.
+
+        Returns:
+            Milliseconds.
+        """
+
+    def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory.
+
+        Args:
+            nbytes: the size.
+
+        Returns:
+            A pinned uint8 host tensor.
+
+        Raises:
+            ShardcacheError: the memory returned is not pinned.
+        """
+
+    def alloc_device(self, nbytes: int) -> torch.Tensor:
+        """Device memory, allocated on the calling thread's *current* stream.
+
+        The caching allocator ties the block to that stream.
+
+        Args:
+            nbytes: the size.
+
+        Returns:
+            A uint8 tensor on :attr:`device`.
+        """
+
+    def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream`` without blocking the host.
+
+        The copy may read ``src`` until an event recorded on ``stream`` after it completes.
+
+        Args:
+            dst: the device tensor.
+            src: the pinned host tensor.
+            stream: the copy stream.
+        """
+
+    def init_thread(self) -> None:
+        """Make :attr:`device` current in the calling thread (the packer's)."""
 
 
 def _has_generic_api() -> bool:
@@ -56,6 +150,12 @@ def _has_generic_api() -> bool:
 def parse_device(device: object) -> torch.device:
     """The ``device=`` argument as a ``torch.device``.
 
+    Args:
+        device: what the user passed (a string, an index or a device).
+
+    Returns:
+        The device.
+
     Raises:
         ConfigError: torch does not understand it (the message names the accepted forms).
     """
@@ -69,7 +169,11 @@ def parse_device(device: object) -> torch.device:
 
 
 def default_device() -> torch.device:
-    """The current accelerator device, or CPU when there is none."""
+    """The device a prefetcher copies to by default.
+
+    Returns:
+        The current accelerator device, or CPU when there is none.
+    """
     if _has_generic_api() and torch.accelerator.is_available():
         acc = torch.accelerator.current_accelerator()
         if acc is not None:
@@ -80,7 +184,8 @@ def default_device() -> torch.device:
 
 
 class TorchDeviceBackend:
-    """The real backend: ``torch.accelerator`` / ``Stream`` / ``Event``, else ``torch.cuda``.
+    """The real :class:`DeviceBackend`: ``torch.accelerator`` / ``Stream`` / ``Event``, else
+    ``torch.cuda``.
 
     Args:
         device: the accelerator device.

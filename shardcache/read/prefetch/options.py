@@ -62,10 +62,27 @@ class PrefetchOptions:
 class PrefetchStats:
     """A snapshot of the prefetcher's counters (cumulative since construction).
 
-    Times are host seconds unless named otherwise. ``consumer_wait_s`` is the stall: time
-    ``next()`` waited for the packer; ``consumer_next_s`` all host time in ``next()``. ``copy_s``
-    and ``copy_bytes_timed`` cover the copies whose timing events had completed when last looked
-    at (``copies_timed``), so they lag a few batches behind ``batches``.
+    Times are host seconds. The ``copy_*`` counters cover the copies whose timing events had
+    completed when last looked at, so they lag a few batches behind ``batches``.
+
+    Attributes:
+        passthrough: no accelerator: batches pass through unchanged.
+        batches: batches handed out.
+        bytes_copied: bytes copied to the device.
+        consumer_wait_s: the stall: time ``next()`` waited for the packer.
+        consumer_wait_max_s: the longest such wait.
+        consumer_next_s: all host time in ``next()``.
+        source_wait_s: time the packer waited for the upstream iterator.
+        pack_s: time the packer spent copying batches into pinned slots.
+        slot_wait_s: time the packer waited for a free slot.
+        queue_depth_mean: batches ready ahead of the consumer, on average per ``next()``.
+        queue_depth_min: the fewest ready ahead at a ``next()`` (0: it starved).
+        copies_timed: copies whose device time is counted in ``copy_s``.
+        copy_s: device time of those copies.
+        copy_bytes_timed: their bytes.
+        pinned_bytes: pinned host memory held by the slots now.
+        slots: pinned slots now.
+        slot_grows: times a slot was (re)allocated larger.
     """
 
     passthrough: bool

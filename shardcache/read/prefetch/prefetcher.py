@@ -123,7 +123,11 @@ class DevicePrefetcher:
         return len(self._ring.iterable)  # type: ignore[arg-type]
 
     def stats(self) -> PrefetchStats:
-        """A snapshot of the metrics; never synchronises the device."""
+        """A snapshot of the metrics; never synchronises the device.
+
+        Returns:
+            The counters since construction.
+        """
         return self._ring.stats()
 
     def close(self) -> None:

@@ -132,8 +132,15 @@ class _Epoch:
 
 
 class Ring:
-    """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats
-    (``backend`` None: the synchronous pass-through)."""
+    """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats.
+
+    Args:
+        iterable: the upstream batches.
+        backend: the device backend (None: the synchronous pass-through).
+        depth: batches staged ahead of the consumer.
+        cast: dtype conversions applied on the device.
+        options: the rest of the prefetcher's options.
+    """
 
     def __init__(
         self,
@@ -167,7 +174,11 @@ class Ring:
             self.slots = [_Slot() for _ in range(self.depth + 1)]
 
     def start_epoch(self) -> _Epoch:
-        """Start an epoch (stopping an unfinished one): its packer thread runs from here."""
+        """Start an epoch (stopping an unfinished one): its packer thread runs from here.
+
+        Returns:
+            The epoch's state, for :meth:`next_batch` and :meth:`stop_epoch`.
+        """
         with self.lock:
             if self.epoch is not None:
                 self._stop_epoch(self.epoch)
@@ -186,7 +197,11 @@ class Ring:
             ep.thread.start()
 
     def stop_epoch(self, ep: _Epoch) -> None:
-        """Stop an epoch's packer thread and drop its staged batches once their copies completed."""
+        """Stop an epoch's packer thread and drop its staged batches once their copies completed.
+
+        Args:
+            ep: the epoch (stopping it twice does nothing).
+        """
         with self.lock:
             self._stop_epoch(ep)
 
@@ -393,8 +408,17 @@ class Ring:
                 c.copy_bytes_timed += nbytes
 
     def next_batch(self, ep: _Epoch) -> Any:
-        """The next batch of ``ep`` on the device, ready on the current stream; raises what the
-        upstream raised (the same object)."""
+        """The next batch of an epoch on the device, ready on the current stream.
+
+        Args:
+            ep: the epoch.
+
+        Returns:
+            The batch, or the end marker when the epoch is over or stopped.
+
+        Raises:
+            Exception: what the upstream iterator or the packer raised (the same object).
+        """
         t0 = time.perf_counter()
         poll = self.options.poll_interval_s
         b = self.backend
@@ -445,7 +469,14 @@ class Ring:
         return out
 
     def passthrough_next(self, ep: _Epoch) -> Any:
-        """The next upstream batch as it is (no accelerator)."""
+        """The next upstream batch as it is (no accelerator), cast when asked.
+
+        Args:
+            ep: the epoch.
+
+        Returns:
+            The batch, or the end marker when the upstream is exhausted.
+        """
         t0 = time.perf_counter()
         try:
             batch = next(ep.source)  # type: ignore[arg-type]
@@ -465,7 +496,11 @@ class Ring:
         return batch
 
     def run(self) -> Iterator[Any]:
-        """One epoch's iterator: starts it, yields its batches, stops it on exit."""
+        """One epoch's iterator: starts it, yields its batches, stops it on exit.
+
+        Yields:
+            The epoch's batches (on the device unless passing through).
+        """
         ep = self.start_epoch()
         step = self.next_batch if self.backend is not None else self.passthrough_next
         try:
@@ -479,7 +514,11 @@ class Ring:
             self.stop_epoch(ep)
 
     def stats(self) -> PrefetchStats:
-        """A snapshot of the counters (never synchronises the device)."""
+        """A snapshot of the counters (never synchronises the device).
+
+        Returns:
+            The counters since construction.
+        """
         if self.backend is not None and self.options.timing:
             self._harvest()
         c = self.counters

@@ -23,8 +23,14 @@ PACK_ALIGN = 256
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) when packed one after another
-    into one byte buffer, and the bytes needed."""
+    """Where tensors go when packed one after another into one byte buffer.
+
+    Args:
+        tensors: the tensors, in packing order.
+
+    Returns:
+        Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) and the bytes needed.
+    """
     offsets = []
     used = 0
     for t in tensors:
@@ -36,16 +42,31 @@ def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 def packed_view(
     buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
-    """The tensor of ``dtype`` and ``shape`` packed at byte ``offset`` of the uint8 ``buffer``
-    (a view: writing it writes the buffer).
+    """A tensor packed into a byte buffer.
+
+    Args:
+        buffer: the uint8 buffer.
+        offset: the tensor's first byte.
+        dtype: its type.
+        shape: its shape.
+
+    Returns:
+        A view: writing it writes ``buffer``.
     """
     nbytes = math.prod(shape) * dtype.itemsize
     return buffer[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
-    """A spec tree for ``obj`` (for :func:`unflatten`); its tensors are appended to ``leaves`` and
-    referenced by index."""
+    """A batch's structure, without its tensors.
+
+    Args:
+        obj: the batch (or a part of it).
+        leaves: its tensors are appended here, in order.
+
+    Returns:
+        A spec tree for :func:`unflatten` that refers to the tensors by index in ``leaves``.
+    """
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return ("t", len(leaves) - 1)
@@ -64,7 +85,15 @@ def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
 
 
 def unflatten(spec: tuple, leaves: list[Any]) -> Any:
-    """The batch described by ``spec`` (from :func:`flatten`) around new ``leaves``."""
+    """A batch rebuilt around new tensors.
+
+    Args:
+        spec: what :func:`flatten` returned.
+        leaves: a tensor (or any value) for each index of ``spec``.
+
+    Returns:
+        A new batch of the same types; non-tensor values are the same objects.
+    """
     kind = spec[0]
     if kind == "t":
         return leaves[spec[1]]
@@ -96,7 +125,15 @@ def unflatten(spec: tuple, leaves: list[Any]) -> Any:
 
 
 def cast_tree(batch: Any, cast: Mapping[torch.dtype, torch.dtype]) -> Any:
-    """``batch`` with every tensor whose dtype is a key of ``cast`` converted to its value."""
+    """A batch with some tensor types converted.
+
+    Args:
+        batch: the batch.
+        cast: dtype to convert from -> dtype to convert to.
+
+    Returns:
+        A new batch; the tensors of other types are the same objects.
+    """
     leaves: list[torch.Tensor] = []
     spec = flatten(batch, leaves)
     return unflatten(spec, [t.to(cast[t.dtype]) if t.dtype in cast else t for t in leaves])
