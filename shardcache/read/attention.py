@@ -30,6 +30,12 @@ def segment_starts(position_ids: np.ndarray) -> np.ndarray:
 
     Args:
         position_ids: ``R x L`` positions restarting at 0 at every segment.
+
+    Returns:
+        int64, ``R x L``.
+
+    Raises:
+        ConfigError: ``position_ids`` is not 2-D.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
@@ -53,6 +59,9 @@ def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.
 
     Returns:
         The mask, ``R * L * L * itemsize`` bytes.
+
+    Raises:
+        ConfigError: ``position_ids`` is not 2-D.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:

@@ -49,7 +49,14 @@ def _compiled() -> Any | None:
 
 
 def available(dtype: np.dtype) -> bool:
-    """Whether the kernels can read shards of token type ``dtype`` (numba installed)."""
+    """Whether the kernels can read shards of a token type.
+
+    Args:
+        dtype: the stored token type.
+
+    Returns:
+        True for uint16 or uint32 when numba is installed.
+    """
     return np.dtype(dtype).name in ("uint16", "uint32") and _compiled() is not None
 
 

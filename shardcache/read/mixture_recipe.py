@@ -24,15 +24,25 @@ DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch")
 
 @dataclass(frozen=True)
 class MixtureRecipe:
-    """A loaded mixture recipe: its sources, ``tokens_per_epoch`` and the other
-    ``ShardDataset`` keywords (batch options, ``seed``, ``attention``, ``ids_dtype``)."""
+    """A loaded mixture recipe.
+
+    Attributes:
+        sources: the ``[[source]]`` tables, paths resolved.
+        tokens_per_epoch: the epoch size (None: the largest that fits).
+        options: the other ``ShardDataset`` keywords (batch options, ``seed``,
+            ``attention``, ``ids_dtype``).
+    """
 
     sources: tuple[Source, ...]
     tokens_per_epoch: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def dataset_options(self) -> dict[str, Any]:
-        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``."""
+        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``.
+
+        Returns:
+            ``options`` and ``tokens_per_epoch`` in a new dict.
+        """
         return {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
 
 
@@ -45,7 +55,13 @@ def _resolve(path: Any, base: str, where: str) -> str:
 
 
 def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
-    """Read and check the mixture recipe at ``path`` (see the module docstring).
+    """Read and check a mixture recipe (see the module docstring).
+
+    Args:
+        path: the TOML file; relative source paths are relative to its folder.
+
+    Returns:
+        The recipe.
 
     Raises:
         ConfigError: the file cannot be read or parsed, a key is unknown, a value is out of

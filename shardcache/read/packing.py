@@ -28,10 +28,18 @@ JIT_MIN_SEQUENCES = 100_000
 def best_fit_bins(
     sizes: np.ndarray, bounds: np.ndarray, capacity: int, method: str = "auto"
 ) -> np.ndarray:
-    """Every item's best-fit-decreasing row, numbered from 0 in each window ``k`` of items
-    ``sizes[bounds[k] : bounds[k + 1]]`` (sorted decreasing, each ``<= capacity``). ``method``:
-    ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed and there are at
-    least :data:`JIT_MIN_SEQUENCES` items).
+    """Every item's best-fit-decreasing row, numbered from 0 in each window.
+
+    Args:
+        sizes: item sizes; window ``k`` is ``sizes[bounds[k] : bounds[k + 1]]``, sorted
+            decreasing, each ``<= capacity``.
+        bounds: the windows' boundaries, from 0 to ``len(sizes)``.
+        capacity: the size of a row.
+        method: ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed
+            and there are at least :data:`JIT_MIN_SEQUENCES` items).
+
+    Returns:
+        int64, each item's row within its window.
 
     Raises:
         ConfigError: an unknown ``method``.
@@ -89,6 +97,13 @@ def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
     """``np.argsort(keys, kind="stable")`` for integer keys in ``[0, num_keys)``.
 
     A counting sort (numba) when the kernel is available, else numpy's stable sort.
+
+    Args:
+        keys: the keys.
+        num_keys: one more than the largest key.
+
+    Returns:
+        int64 indices that sort ``keys``, ties in index order.
     """
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     compiled = _compiled_counting() if len(keys) >= JIT_MIN_SEQUENCES else None
@@ -113,8 +128,19 @@ def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None: 
 
 
 def cut_batches(padded: np.ndarray, window_ends: np.ndarray, max_tokens: int) -> np.ndarray:
-    """The first row of every pad-mode batch of windows (ending at ``window_ends``) of rows sorted
-    longest first: a batch takes ``max_tokens // L`` rows, ``L`` its first row's padded length."""
+    """Cut windows of rows into pad-mode batches.
+
+    A batch takes ``max_tokens // L`` rows, ``L`` its first row's padded length, and never
+    crosses a window's end.
+
+    Args:
+        padded: each row's padded length, sorted longest first within each window.
+        window_ends: the end of each window (the last is ``len(padded)``).
+        max_tokens: the token budget of a batch.
+
+    Returns:
+        int64, the first row of every batch.
+    """
     padded = np.ascontiguousarray(padded, dtype=np.int64)
     ends = np.ascontiguousarray(window_ends, dtype=np.int64)
     compiled = _jit(_cut_kernel) if len(padded) >= JIT_MIN_SEQUENCES else None
