@@ -168,9 +168,15 @@ class MixedCache:
         return self._lengths
 
     def buckets(self) -> np.ndarray:
-        """Every mixture id's bucket. Sources with the same bucket edges keep their ids (the
-        pad planner then sorts documents of all sources into one bucket's windows); with other
-        edges, every length is bucketed again by the union of the sources' edges."""
+        """Every mixture id's bucket.
+
+        Sources with the same bucket edges keep their ids (the pad planner then sorts
+        documents of all sources into one bucket's windows); with other edges, every length
+        is bucketed again by the union of the sources' edges.
+
+        Returns:
+            int32, one per mixture id.
+        """
         ranges = [c.manifest.get("buckets", {}).get("ranges") for c in self.caches]
         if all(r == ranges[0] for r in ranges):
             return np.concatenate([c.buckets() for c in self.caches])
@@ -178,15 +184,25 @@ class MixedCache:
         return np.searchsorted(np.asarray(edges, dtype=np.int64), self.lengths).astype(np.int32)
 
     def table(self, tokens_per_epoch: int | None = None) -> MixtureTable:
-        """The per-source targets (:func:`~shardcache.read.mixture.solve_mixture`)."""
+        """The per-source targets (:func:`~shardcache.read.mixture.solve_mixture`).
+
+        Args:
+            tokens_per_epoch: the epoch size (None: the largest every share fits in).
+
+        Returns:
+            The table.
+        """
         documents = [c.num_sequences for c in self.caches]
         tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
         return solve_mixture(self.sources, documents, tokens, tokens_per_epoch)
 
     def mapped_table(self) -> MappedTable | None:
-        """One table over every source's memory-mapped shards (see the module docstring), or
-        None when the numpy path must read (a compressed source, sources of other token
-        types). The same object for the cache's life."""
+        """One table over every source's memory-mapped shards (see the module docstring).
+
+        Returns:
+            The same object for the cache's life, or None when the numpy path must read (a
+            compressed source, sources of other token types).
+        """
         if self._table is not None:
             return self._table
         tables = [c.mapped_table() for c in self.caches]
@@ -239,9 +255,16 @@ class MixedCache:
             self._copied[lo + shard] = True
 
     def open_mapped(self, index: int) -> bool:
-        """Open shard ``index`` of the combined table (:meth:`Cache.open_mapped` of its
-        source, whose least recently stamped shard may close for it); False when it cannot be
-        mapped (read it through :meth:`gather`)."""
+        """Open a shard of the combined table (:meth:`Cache.open_mapped` of its source).
+
+        The source's least recently stamped shard may close for it.
+
+        Args:
+            index: the shard in the combined table.
+
+        Returns:
+            False when it cannot be mapped (read it through :meth:`gather`).
+        """
         table = self.mapped_table()
         if table is None:
             return False
@@ -259,6 +282,9 @@ class MixedCache:
         """Check every id of shard ``index`` of the combined table (its source's
         :meth:`Cache.check_ids`).
 
+        Args:
+            index: the shard in the combined table.
+
         Raises:
             CorruptShardError: an id is larger than the tokenizer's largest.
         """
@@ -268,6 +294,10 @@ class MixedCache:
     def close_idle(self, keep: list[set[int] | None], room: int) -> int:
         """:meth:`Cache.close_idle` over the sources (``keep[s]``: shards of source ``s``
         to leave open; None: leave the source alone), the combined table kept in step.
+
+        Args:
+            keep: per source, the shards that stay open (None: leave the source alone).
+            room: the most bytes the open shards outside ``keep`` may hold, all sources.
 
         Returns:
             The bytes the open shards outside ``keep`` hold afterwards.
@@ -295,8 +325,26 @@ class MixedCache:
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
     ) -> Gathered:
-        """:meth:`Cache.gather` over mixture ids: each source's segments are gathered from
-        its cache in one call and placed where the combined result puts them."""
+        """:meth:`Cache.gather` over mixture ids.
+
+        Each source's segments are gathered from its cache in one call and placed where the
+        combined result puts them.
+
+        Args:
+            sample_ids: mixture id of each segment.
+            starts: first token of each segment (default 0).
+            lengths: tokens of each segment (default: the rest of the sequence).
+            with_mask: also gather the loss masks (all True for plain-text sources).
+            dtype: type of the returned tokens (default: one that holds every source's).
+            layout: ``(dst, size)``: segment ``k`` at ``dst[k]`` of a ``size``-token array.
+            fill: the value of the slots ``layout`` leaves empty.
+
+        Returns:
+            As :meth:`Cache.gather`.
+
+        Raises:
+            IndexError: a mixture id out of range (and what :meth:`Cache.gather` raises).
+        """
         ids = np.asarray(sample_ids, dtype=np.int64)
         source, local = self.index.locate(ids)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):

@@ -104,17 +104,38 @@ class PlanOptions:
         return None if self.seq_len is None else self.max_tokens // self.seq_len
 
     def padded(self, length: np.ndarray | int) -> np.ndarray | int:
-        """``length`` rounded up to a multiple of ``pad_to_multiple_of``."""
+        """A length rounded up to a multiple of ``pad_to_multiple_of``.
+
+        Args:
+            length: a length or an array of them.
+
+        Returns:
+            The same type as ``length``.
+        """
         m = self.pad_to_multiple_of
         return -(-length // m) * m
 
     def to_json(self) -> dict[str, Any]:
-        """The options as a JSON-able dict."""
+        """The options as a JSON-able dict.
+
+        Returns:
+            The fields by name.
+        """
         return asdict(self)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PlanOptions:
-        """The options :meth:`to_json` gave."""
+        """The options :meth:`to_json` gave.
+
+        Args:
+            data: the fields by name.
+
+        Returns:
+            The options, checked.
+
+        Raises:
+            ConfigError: an unknown field, or an invalid value.
+        """
         names = {f.name for f in fields(cls)}
         unknown = sorted(set(data) - names)
         if unknown:
@@ -128,38 +149,70 @@ class PlanOptions:
 class EpochPlan:
     """Global batches of one epoch as CSR arrays over segments.
 
-    Batch ``i`` holds segments ``batch_offsets[i] : batch_offsets[i + 1]`` (``sample_ids``, one
-    per segment). ``row_offsets`` (segments, global) cuts them into rows (None: one segment per
-    row); ``seg_starts`` / ``seg_lengths`` give the token range a segment takes from its sequence
-    (None: the whole sequence).
+    Attributes:
+        batch_offsets: int64, one per batch plus one: batch ``i`` holds segments
+            ``batch_offsets[i] : batch_offsets[i + 1]``.
+        sample_ids: int64, the sequence of each segment.
+        row_offsets: int64, one per row plus one, into segments (global); None: one segment
+            per row.
+        seg_starts: int64, each segment's first token in its sequence (None: 0).
+        seg_lengths: int64, tokens each segment takes (None: the whole sequence).
     """
 
-    batch_offsets: np.ndarray  # int64, len = num_batches + 1, into segments
-    sample_ids: np.ndarray  # int64, one per segment
-    row_offsets: np.ndarray | None = None  # int64, len = num_rows + 1, into segments
-    seg_starts: np.ndarray | None = None  # int64 token offset inside the sequence
-    seg_lengths: np.ndarray | None = None  # int64 tokens taken
+    batch_offsets: np.ndarray
+    sample_ids: np.ndarray
+    row_offsets: np.ndarray | None = None
+    seg_starts: np.ndarray | None = None
+    seg_lengths: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.batch_offsets) - 1
 
     def batch(self, index: int) -> np.ndarray:
-        """Sample ids of batch ``index``, one per segment (a view)."""
+        """The sample ids of one batch.
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            One per segment (a view).
+        """
         return self.sample_ids[self.batch_offsets[index] : self.batch_offsets[index + 1]]
 
     def segments(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``(sample_ids, starts, lengths)`` of batch ``index``'s segments; ``lengths`` is
-        ``None`` when every segment is a whole sequence."""
+        """The segments of one batch.
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            ``(sample_ids, starts, lengths)``; ``lengths`` is None when every segment is a
+            whole sequence.
+        """
         return self.packed_segments(index)[:3]
 
     def row_bounds(self, index: int) -> np.ndarray:
-        """Segment offsets of batch ``index``'s rows, relative to its first segment."""
+        """Where the rows of one batch begin.
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            int64 segment offsets, one per row plus one, relative to its first segment.
+        """
         return self.packed_segments(index)[3]
 
     def packed_segments(
         self, index: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-        """:meth:`segments` and :meth:`row_bounds` of batch ``index`` in one call."""
+        """:meth:`segments` and :meth:`row_bounds` of one batch in one call.
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            ``(sample_ids, starts, lengths, row_bounds)``.
+        """
         lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
         if self.seg_starts is None:
             starts = np.zeros(hi - lo, dtype=np.int64)
@@ -174,7 +227,15 @@ class EpochPlan:
         return self.sample_ids[lo:hi], starts, lengths, bounds
 
     def token_count(self, lengths: np.ndarray, index: int) -> int:
-        """Real (non-padding) tokens of batch ``index``."""
+        """The real (non-padding) tokens of one batch.
+
+        Args:
+            lengths: the length of every sample id.
+            index: the global batch.
+
+        Returns:
+            The count.
+        """
         ids, _, taken = self.segments(index)
         return int(lengths[ids].sum()) if taken is None else int(taken.sum())
 
@@ -404,6 +465,13 @@ class EpochSplit:
 
     ``dropped`` lists the global batches no rank delivers (``tail="drop"``); ``repeated`` the ones
     delivered a second time to fill the last step (``tail="wrap"``).
+
+    Attributes:
+        num_batches: global batches in the epoch.
+        world_size: ranks.
+        start: the global cursor dealing starts from.
+        tail: ``"drop"`` or ``"wrap"``.
+        batches_per_rank: batches every rank yields.
     """
 
     num_batches: int
@@ -413,7 +481,17 @@ class EpochSplit:
     batches_per_rank: int
 
     def for_rank(self, rank: int) -> np.ndarray:
-        """The global batch indices rank ``rank`` yields, in order."""
+        """The global batches one rank yields.
+
+        Args:
+            rank: the rank.
+
+        Returns:
+            int64 global batch indices, in order.
+
+        Raises:
+            ConfigError: ``rank`` is not in ``[0, world_size)``.
+        """
         if not 0 <= rank < self.world_size:
             raise ConfigError(
                 f"rank: got {rank}, expected 0 <= rank < world_size={self.world_size}"
@@ -447,8 +525,16 @@ class EpochSplit:
 def split_epoch(
     num_batches: int, world_size: int, start: int = 0, tail: str = "drop"
 ) -> EpochSplit:
-    """Deal ``num_batches`` global batches from cursor ``start`` to ``world_size`` ranks, each the
-    same count (``tail``: ``"drop"`` the remainder or ``"wrap"`` around to the first batches).
+    """Deal an epoch's global batches to ranks, each the same count.
+
+    Args:
+        num_batches: global batches in the epoch.
+        world_size: ranks.
+        start: the global cursor to deal from.
+        tail: ``"drop"`` the remainder or ``"wrap"`` around to the first batches.
+
+    Returns:
+        The split.
 
     Raises:
         ConfigError: an argument out of range.
@@ -463,8 +549,19 @@ def split_epoch(
 
 
 def worker_batches(rank_batches: np.ndarray, worker_id: int, num_workers: int) -> np.ndarray:
-    """Every ``num_workers``-th batch of a rank's batches from ``worker_id``: a DataLoader worker's
-    part, in the order the DataLoader collects in."""
+    """A DataLoader worker's part of a rank's batches, in the order the DataLoader collects in.
+
+    Args:
+        rank_batches: the rank's global batches.
+        worker_id: the worker.
+        num_workers: the DataLoader's workers.
+
+    Returns:
+        Every ``num_workers``-th batch from ``worker_id`` (a view).
+
+    Raises:
+        ConfigError: ``worker_id`` is not in ``[0, num_workers)``.
+    """
     if not 0 <= worker_id < num_workers:
         raise ConfigError(
             f"worker_id: got {worker_id}, expected 0 <= worker_id < num_workers={num_workers}"

@@ -40,7 +40,17 @@ _FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_leng
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
-    """The name of a stored plan: a digest of everything the plan is a function of."""
+    """The name of a stored plan: a digest of everything the plan is a function of.
+
+    Args:
+        data_identity: the cache(s) and mixture the plan is over.
+        options_json: the plan options as canonical JSON.
+        seed: the plan's seed.
+        epoch: the epoch.
+
+    Returns:
+        A hex sha256.
+    """
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 
@@ -106,9 +116,17 @@ def _evict(root: str, keep: str) -> None:
 
 
 def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan]) -> EpochPlan:
-    """The plan named ``digest`` (:func:`plan_digest`), computed by ``compute`` in one process per
-    machine and memory-mapped by the others; plans of fewer than :data:`SHARE_MIN_SEQUENCES`
-    ``num_sequences`` are computed in place."""
+    """A plan computed by one process per machine and memory-mapped by the others.
+
+    Args:
+        digest: the plan's name (:func:`plan_digest`).
+        num_sequences: the sequences planned over; fewer than :data:`SHARE_MIN_SEQUENCES`
+            are planned in place, as is any plan when no folder is writable.
+        compute: makes the plan.
+
+    Returns:
+        The plan.
+    """
     if num_sequences < SHARE_MIN_SEQUENCES:
         return compute()
     try:
