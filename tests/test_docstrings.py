@@ -68,7 +68,6 @@ PENDING: frozenset[str] = frozenset(
         "shardcache/builder/tokenizer_memo.py",
         "shardcache/cli.py",
         "shardcache/read/kernels_jit.py",
-        "shardcache/read/readahead.py",
         "shardcache/store/build_lock.py",
         "shardcache/store/check.py",
         "shardcache/store/files.py",

@@ -77,8 +77,18 @@ class ReadAheadOptions:
 
 
 def readahead_options(value: Any) -> ReadAheadOptions:
-    """``ShardDataset(readahead=...)`` as options: a :class:`ReadAheadOptions`, an int (the shards
-    ahead; 0: on demand), or None (the defaults); ConfigError for anything else."""
+    """``ShardDataset(readahead=...)`` as options.
+
+    Args:
+        value: a :class:`ReadAheadOptions`, an int (the shards ahead; 0: on demand only), or
+            None (the defaults).
+
+    Returns:
+        The options.
+
+    Raises:
+        ConfigError: ``value`` is of another type.
+    """
     if value is None:
         return ReadAheadOptions()
     if isinstance(value, ReadAheadOptions):
@@ -95,15 +105,27 @@ def readahead_options(value: Any) -> ReadAheadOptions:
 class ReadStats:
     """What a reader of object storage waited for and downloaded (this process).
 
-    Waits are the consumer's time inside :meth:`ReadAhead.ready`: the first batch's apart,
-    and the others against the time since the first batch was ready.
+    Waits are the consumer's time inside :meth:`ReadAhead.ready`, in seconds.
+
+    Attributes:
+        batches: batches made ready.
+        first_wait_s: the wait for the first batch of each pass.
+        wait_s: the waits for the other batches.
+        longest_wait_s: the longest of those.
+        elapsed_s: from the first batch ready to the last one ready.
+        bytes_ahead: bytes downloaded ahead of the consumer.
+        bytes_on_demand: bytes downloaded while the consumer waited for them.
+        shards_ahead: shards downloaded ahead.
+        shards_on_demand: shards downloaded on demand.
+        retried: downloads retried in the consumer's thread after failing.
+        warned: the slow-download warning was logged.
     """
 
     batches: int = 0
     first_wait_s: float = 0.0
-    wait_s: float = 0.0  # after the first batch
-    longest_wait_s: float = 0.0  # after the first batch
-    elapsed_s: float = 0.0  # from the first batch ready to the last one ready
+    wait_s: float = 0.0
+    longest_wait_s: float = 0.0
+    elapsed_s: float = 0.0
     bytes_ahead: int = 0
     bytes_on_demand: int = 0
     shards_ahead: int = 0
@@ -113,13 +135,23 @@ class ReadStats:
     _first_ready: float | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """The figures as a JSON-able dict (with ``wait_share``)."""
+        """The figures as a JSON-able dict.
+
+        Returns:
+            The fields, and ``wait_share``: ``wait_s / elapsed_s`` (0 before a second batch).
+        """
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         out["wait_share"] = self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
         return out
 
     def waited(self, first: bool, seconds: float, now: float) -> None:
-        """Count one batch's wait ending at ``now`` (``first``: the pass's first batch)."""
+        """Count one batch's wait.
+
+        Args:
+            first: the batch is its pass's first.
+            seconds: how long the consumer waited.
+            now: when the wait ended (``time.perf_counter()``).
+        """
         self.batches += 1
         if first or self._first_ready is None:
             self.first_wait_s += seconds
@@ -130,7 +162,12 @@ class ReadStats:
         self.elapsed_s = now - self._first_ready
 
     def check(self, options: ReadAheadOptions, where: str) -> None:
-        """Warn once when the waits exceed ``options.warn_share`` of the time."""
+        """Log a warning once when the waits exceed ``options.warn_share`` of the time.
+
+        Args:
+            options: the read-ahead options (named in the warning).
+            where: what the warning names as the reader.
+        """
         if self.warned or self.batches <= WARN_AFTER_BATCHES or self.elapsed_s <= 0:
             return
         share = self.wait_s / self.elapsed_s
@@ -168,11 +205,23 @@ class ReadAhead:
 
     The consumer calls :meth:`ready` with each position ``0 .. count - 1`` before reading its
     batch, and :meth:`close` when the pass ends or stops; everything but the downloads runs in
-    the consumer's thread. The cache is seen through callables: ``needs(position)`` (a batch's
-    shard keys), ``size(key)``, ``fetch(key, background)`` (download if needed and hold: returns
-    the release), ``present(key)`` (already local), ``trim(keep, room)`` (close the consumer's
-    open shards outside ``keep`` until the others hold ``room`` bytes) and ``describe(key)``
-    (for messages); ``cache_bound`` is the local shard cache's bound in bytes."""
+    the consumer's thread. The cache is seen through callables.
+
+    Args:
+        count: the batches of the pass.
+        needs: a position's shard keys.
+        size: a shard's bytes.
+        fetch: ``fetch(key, background)`` downloads a shard if needed and holds it; returns
+            the release.
+        present: whether a shard is already local.
+        options: how far ahead and with how many threads.
+        stats: the counters to add to.
+        cache_bound: the local shard cache's bound in bytes.
+        trim: ``trim(keep, room)`` closes the consumer's open shards outside ``keep`` until
+            the others hold ``room`` bytes (None: nothing to close).
+        describe: a shard key for messages.
+        where: the reader, for messages.
+    """
 
     def __init__(
         self,
@@ -210,6 +259,9 @@ class ReadAhead:
     def ready(self, position: int) -> None:
         """Make the shards of the batch at ``position`` local and pinned; then top up the
         window ahead of it.
+
+        Args:
+            position: the batch's position in the pass, ``0 .. count - 1``, in order.
 
         Raises:
             CacheError: a shard could not be downloaded, even retried now (names the object
@@ -366,8 +418,15 @@ class ReadAhead:
 
 
 def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
-    """The shards (``shard_starts``: first sample id of each, plus the total) holding sample ids
-    ``ids``, in order of first use."""
+    """The shards holding some sample ids.
+
+    Args:
+        shard_starts: the first sample id of each shard, plus the total.
+        ids: the sample ids.
+
+    Returns:
+        The shards, in order of first use.
+    """
     shards = np.searchsorted(shard_starts, np.asarray(ids, dtype=np.int64), side="right") - 1
     _, first = np.unique(shards, return_index=True)
     return [int(s) for s in shards[np.sort(first)]]
@@ -381,9 +440,19 @@ def cache_readahead(
     stats: ReadStats,
     where: str,
 ) -> ReadAhead | None:
-    """A :class:`ReadAhead` over the shards in object storage of ``cache`` (or of a mixture's
-    sources at URLs) for this reader's global ``batches`` of ``plan``, in that order; None when
-    no shard is in object storage."""
+    """A :class:`ReadAhead` over the shards in object storage of a cache or mixture.
+
+    Args:
+        cache: the cache, or the mixture (its sources at URLs are read ahead).
+        plan: the epoch's plan.
+        batches: this reader's global batches, in reading order.
+        options: how far ahead and with how many threads.
+        stats: the counters to add to.
+        where: the reader, for messages.
+
+    Returns:
+        The read-ahead, or None when no shard is in object storage.
+    """
     mixed = isinstance(cache, MixedCache)
     caches = cache.caches if isinstance(cache, MixedCache) else [cache]
     remotes = [c.remote for c in caches]
