@@ -50,7 +50,14 @@ TAKEOVER_NAME = ".lock.takeover"
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether process ``pid`` exists on this host."""
+    """Whether a process exists on this host.
+
+    Args:
+        pid: its process id.
+
+    Returns:
+        True when it exists, also when another user owns it.
+    """
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -66,8 +73,16 @@ SCRATCH_PREFIXES = ("shardcache-commit-", "shardcache-part-", "shardcache-pool-"
 
 
 def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES) -> list[str]:
-    """Remove what processes killed on this host left in ``folder``: the entries named
-    ``<prefix><pid>-...`` (files or folders) whose pid is no longer alive; returns their paths."""
+    """Remove what processes killed on this host left in a folder.
+
+    Args:
+        folder: the folder (missing: nothing to do).
+        prefixes: the entries named ``<prefix><pid>-...`` (files or folders) whose pid is no
+            longer alive are removed.
+
+    Returns:
+        Their paths.
+    """
     removed = []
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
         for entry in entries:
@@ -87,7 +102,15 @@ def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES
 
 
 def read_owner(path: str) -> dict[str, Any] | None:
-    """The lock's content; None when there is no lock; {} when it cannot be parsed."""
+    """Who holds a build lock.
+
+    Args:
+        path: the lock file.
+
+    Returns:
+        Its content (``pid``, ``host``, ``started``); None when there is no lock; {} when it
+        cannot be parsed.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -114,7 +137,11 @@ def _lock_guard(path: str) -> int:
 
 
 class BuildLock:
-    """``with BuildLock(output):`` holds ``output/.lock`` for the duration of a build."""
+    """``with BuildLock(output):`` holds ``output/.lock`` for the duration of a build.
+
+    Args:
+        output: the build's output folder (created if needed).
+    """
 
     def __init__(self, output: str):
         self.output = output
@@ -122,6 +149,12 @@ class BuildLock:
         self.held = False
 
     def acquire(self) -> None:
+        """Take the lock, taking over one left by a dead process on this host.
+
+        Raises:
+            BuildLockedError: a live build holds it (naming its pid, host and start), or it
+                cannot be read.
+        """
         os.makedirs(self.output, exist_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -206,6 +239,7 @@ class BuildLock:
             os.close(guard)
 
     def release(self) -> None:
+        """Remove the lock if this process holds it (idempotent)."""
         if not self.held:
             return
         holder = read_owner(self.path)
@@ -245,6 +279,10 @@ def refuse_colliding_builds(root: str, name: str) -> None:
     """Refuse to run beside a live build of ``root`` that this one, holding the lock ``name``
     (``""``: a full build or commit; ``.shares/share-i-of-N``: a job-array share), would collide
     with.
+
+    Args:
+        root: the output folder.
+        name: the lock this build holds, relative to ``root``.
 
     Raises:
         BuildLockedError: a full build runs beside a share, or shares of different N run

@@ -14,6 +14,12 @@ from shardcache.store.remote import RemoteCache, is_url
 def read_any_manifest(path: str) -> dict:
     """The manifest of a cache folder or URL (reads only the manifest).
 
+    Args:
+        path: the cache folder or URL.
+
+    Returns:
+        The validated manifest.
+
     Raises:
         CacheNotFoundError: no committed cache there.
         CorruptShardError: the manifest is malformed.
@@ -22,14 +28,28 @@ def read_any_manifest(path: str) -> dict:
 
 
 def compare_keys(old: CacheKey, new: CacheKey, strict: bool) -> KeyComparison:
-    """:func:`~shardcache.store.key.compare` of a recorded key with the current configuration's
-    (``strict``: library version differences are errors too; data skipped when ``new`` has none)."""
+    """Compare a recorded key with the current configuration's.
+
+    Args:
+        old: the recorded key.
+        new: the current key; its data part is skipped when it has none.
+        strict: library version differences are errors too.
+
+    Returns:
+        The comparison (:func:`~shardcache.store.key.compare`).
+    """
     skip = ("data",) if new.components.get("data") is None else ()
     return compare(old, new, strict=strict, skip=skip)
 
 
 def cache_key(path: str) -> CacheKey:
-    """The key recorded in a cache's manifest (reads only the manifest; folder or URL).
+    """The key recorded in a cache's manifest (reads only the manifest).
+
+    Args:
+        path: the cache folder or URL.
+
+    Returns:
+        The key.
 
     Raises:
         CacheNotFoundError: no committed cache there.

@@ -34,7 +34,14 @@ _SEEN: set[str] = set()
 
 
 def checksums_enabled(checksum: bool | None = None) -> bool:
-    """``checksum``, or when None ``SHARDCACHE_SHARD_CHECKSUMS`` (``0`` skips checksums)."""
+    """Whether shard reads check sha256 sums.
+
+    Args:
+        checksum: the caller's choice (None: ``SHARDCACHE_SHARD_CHECKSUMS``; ``0`` skips).
+
+    Returns:
+        True to check.
+    """
     if checksum is not None:
         return checksum
     return os.environ.get(CHECKSUMS_ENV, "1").lower() not in ("0", "false", "no")
@@ -73,8 +80,16 @@ def _marker(identity: str, create: bool = True) -> str | None:
 
 
 def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> bool:
-    """Whether ``path``, in its current version (``st``: its stat, when the caller has it), was
-    hashed clean against ``sha256``."""
+    """Whether a file, in its current version, was hashed clean before.
+
+    Args:
+        path: the file.
+        sha256: the digest it must have.
+        st: its stat, when the caller has it.
+
+    Returns:
+        True when this process or an earlier one recorded it (:func:`record_verified`).
+    """
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     if identity in _SEEN:
@@ -87,7 +102,13 @@ def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> boo
 
 
 def record_verified(path: str, sha256: str, st: os.stat_result | None = None) -> None:
-    """Record that ``path`` (as it is now; ``st`` its stat) hashed clean against ``sha256``."""
+    """Record that a file, as it is now, hashed clean (for this and later processes).
+
+    Args:
+        path: the file.
+        sha256: its digest.
+        st: its stat, when the caller has it.
+    """
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     _SEEN.add(identity)
@@ -100,9 +121,17 @@ def record_verified(path: str, sha256: str, st: os.stat_result | None = None) ->
 
 
 def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> bool:
-    """Check a cache file against its manifest ``entry`` (``bytes``, ``sha256``); ``what`` names
-    it in messages, ``checksum`` as for :func:`checksums_enabled`. True when the sha256 was
-    confirmed (now or by an earlier record), False when not checked.
+    """Check a cache file against its manifest entry.
+
+    Args:
+        path: the file.
+        entry: its manifest entry (``bytes``, ``sha256``).
+        what: what messages call it.
+        checksum: check the sha256 (None: :func:`checksums_enabled`).
+
+    Returns:
+        True when the sha256 was confirmed (now or by an earlier record), False when not
+        checked.
 
     Raises:
         CorruptShardError: the file is missing, or its size or sha256 differs.

@@ -49,23 +49,54 @@ def _refuse(field: str, value: object, expected: str) -> CacheError:
 
 
 def check_shard_name(name: object, field: str = "shard name") -> str:
-    """``name`` when it is a shard name the writer makes, else a CacheError naming ``field``."""
+    """Check that a name is a shard name the writer makes.
+
+    Args:
+        name: the name.
+        field: what the message calls it.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
         raise _refuse(field, name, "expected a shard name like 'p00000-b00-00000.arrow'")
     return name
 
 
 def check_digest(digest: object, field: str = "sha256") -> str:
-    """``digest`` when it is a sha256 hex digest (64 lowercase hex), else a CacheError naming
-    ``field``."""
+    """Check that a value is a sha256 hex digest (64 lowercase hex).
+
+    Args:
+        digest: the value.
+        field: what the message calls it.
+
+    Returns:
+        ``digest``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         raise _refuse(field, digest, "expected 64 lowercase hex characters")
     return digest
 
 
 def check_relative_name(name: object, field: str = "name") -> str:
-    """``name`` when it is a relative ``/``-separated path of plain components (letters, digits,
-    ``._-``, never ``.`` or ``..``), else a CacheError naming ``field``."""
+    """Check that a name is a relative ``/``-separated path of plain components.
+
+    Args:
+        name: the name; components of letters, digits and ``._-``, never ``.`` or ``..``.
+        field: what the message calls it.
+
+    Returns:
+        ``name``.
+
+    Raises:
+        CacheError: it is not.
+    """
     if not isinstance(name, str) or not name:
         raise _refuse(field, name, "expected a non-empty relative name")
     parts = name.split("/")
@@ -75,28 +106,69 @@ def check_relative_name(name: object, field: str = "name") -> str:
 
 
 def cache_path(root: str, *names: str) -> str:
-    """The path of a file of the cache folder ``root`` (``root/names...``)."""
+    """The path of a file of a cache folder.
+
+    Args:
+        root: the cache folder.
+        *names: the path's components inside it.
+
+    Returns:
+        ``root/names...``.
+    """
     return os.path.join(root, *names)
 
 
 def shard_path(root: str, name: str) -> str:
-    """``root/shards/name`` of a shard listed in the manifest (CacheError: not a name the writer
-    makes)."""
+    """The path of a shard listed in the manifest.
+
+    Args:
+        root: the cache folder.
+        name: the shard's name.
+
+    Returns:
+        ``root/shards/name``.
+
+    Raises:
+        CacheError: ``name`` is not a name the writer makes.
+    """
     return cache_path(root, SHARD_DIR, check_shard_name(name))
 
 
 def merged_shard_name(bucket: int, number: int) -> str:
-    """The name of the ``number``-th merged shard of ``bucket`` (see :data:`SHARD_NAME`)."""
+    """The name of a merged shard (see :data:`SHARD_NAME`).
+
+    Args:
+        bucket: its bucket.
+        number: its position among the bucket's merged shards.
+
+    Returns:
+        The file name.
+    """
     return f"{MERGED_OWNER}-b{bucket:02d}-{number:05d}.arrow"
 
 
 def share_name(index: int, count: int) -> str:
-    """``share-i-of-N``: a job-array share's lock folder and note under :data:`SHARES_DIR`."""
+    """The name of a job-array share's lock folder and note under :data:`SHARES_DIR`.
+
+    Args:
+        index: the share, from 0.
+        count: the shares.
+
+    Returns:
+        ``share-i-of-N``.
+    """
     return f"share-{index}-of-{count}"
 
 
 def parse_share_name(name: str) -> tuple[int, int] | None:
-    """``(i, N)`` of a :func:`share_name`; None for any other name."""
+    """Read a :func:`share_name`.
+
+    Args:
+        name: a file name.
+
+    Returns:
+        ``(i, N)``, or None for any other name.
+    """
     parts = name.split("-")
     if len(parts) != 4 or parts[0] != "share" or parts[2] != "of":
         return None

@@ -47,8 +47,14 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_manifest_text(text: str, where: str) -> dict[str, Any]:
-    """A manifest's JSON object, parsed with a guard against pathological input (``where``
-    names it in messages).
+    """A manifest's JSON object, parsed with a guard against pathological input.
+
+    Args:
+        text: the file's text.
+        where: what messages call it.
+
+    Returns:
+        The object (not yet validated).
 
     Raises:
         CorruptShardError: not a JSON object (NaN, Infinity, nesting that exhausts the parser).
@@ -127,6 +133,13 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
     """Check everything a reader takes from a manifest and return it: ``format_version``,
     ``kind``, ``dtype``, the tokenizer's ids, the bucket ranges, every shard entry, the index
     and quarantine entries, ``totals``, what ``info`` reads, and ``key`` when present.
+
+    Args:
+        manifest: the parsed manifest.
+        where: what messages call it.
+
+    Returns:
+        ``manifest``.
 
     Raises:
         CorruptShardError: naming the first bad field and its value.
@@ -264,7 +277,13 @@ def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read and validate (:func:`validate_manifest`) the ``manifest.json`` of ``cache_dir``.
+    """Read and validate (:func:`validate_manifest`) a cache's ``manifest.json``.
+
+    Args:
+        cache_dir: the cache folder.
+
+    Returns:
+        The manifest.
 
     Raises:
         CacheNotFoundError: the folder holds no committed cache.
