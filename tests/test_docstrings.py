@@ -70,9 +70,7 @@ PENDING: frozenset[str] = frozenset(
         "shardcache/read/kernels_jit.py",
         "shardcache/store/files.py",
         "shardcache/store/key.py",
-        "shardcache/store/remote.py",
         "shardcache/store/shards.py",
-        "shardcache/store/storage.py",
         "shardcache/store/summary.py",
         "shardcache/store/verify.py",
     }

@@ -55,12 +55,25 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
-    """True for ``scheme://...`` (object stores, ``file://``); plain paths are local."""
+    """Whether a location is a URL.
+
+    Args:
+        path: a folder path or a URL.
+
+    Returns:
+        True for ``scheme://...`` (object stores, ``file://``); False for plain paths.
+    """
     return bool(_URL.match(os.fspath(path)))
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """``(fsspec filesystem, path inside it)`` of a URL.
+    """The fsspec filesystem of a URL.
+
+    Args:
+        url: the URL.
+
+    Returns:
+        ``(filesystem, path inside it)``, the path without a trailing ``/``.
 
     Raises:
         MissingDependencyError: the scheme's package is missing (names the pip command).
@@ -85,8 +98,15 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 def unreachable(err: BaseException, url: str) -> CacheError | None:
-    """The :class:`CacheError` to raise when ``err`` (builtin, botocore or aiohttp) means the
-    object store at ``url`` could not be reached, naming what to check; None for other errors."""
+    """The error to raise when an exception means the object store could not be reached.
+
+    Args:
+        err: the exception (builtin, botocore or aiohttp).
+        url: the store's URL.
+
+    Returns:
+        A :class:`CacheError` naming what to check, or None for other errors.
+    """
     names = {t.__name__ for t in type(err).__mro__}
     network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
                "ConnectionError", "TimeoutError", "ServerTimeoutError"}  # fmt: skip
@@ -101,14 +121,27 @@ def unreachable(err: BaseException, url: str) -> CacheError | None:
 
 
 def cache_size_bytes() -> int:
-    """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``, default 64 GiB; ConfigError:
-    not a size)."""
+    """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``).
+
+    Returns:
+        Bytes; :data:`DEFAULT_CACHE_SIZE_BYTES` when the variable is unset.
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
     value = os.environ.get(CACHE_SIZE_ENV)
     return parse_size(value, CACHE_SIZE_ENV) if value else DEFAULT_CACHE_SIZE_BYTES
 
 
 def url_digest(text: str) -> str:
-    """A short stable folder name for a URL (or any text)."""
+    """A short stable folder name for a URL (or any text).
+
+    Args:
+        text: the URL.
+
+    Returns:
+        20 hex characters of its sha256.
+    """
     return sha256_text(text)[:20]
 
 
@@ -120,8 +153,16 @@ def download(
     size: int | None,
     tmp: str | None = None,
 ) -> None:
-    """Stream ``rpath`` into ``local`` (a private tmp, checked against ``sha256`` and ``size`` when
-    given, renamed). ``tmp``: a file reserved at full size to write into (:class:`ObjectStore`).
+    """Stream an object into a local file: a private tmp, checked, then renamed.
+
+    Args:
+        fs: the fsspec filesystem.
+        rpath: the object's path in it.
+        local: the local file to write.
+        sha256: the digest it must have (None: not checked).
+        size: the bytes it must have (None: not checked).
+        tmp: a file reserved at full size to write into (:class:`ObjectStore`); None: a
+            private tmp beside ``local``.
 
     Raises:
         CorruptShardError: the download's size or sha256 is not the expected one.
@@ -188,6 +229,10 @@ class ObjectStore:
     alone exceed the bound, :meth:`acquire` first asks its caller to close idle ones
     (``shed``), and if they still do not fit it says so once (a warning on the ``shardcache``
     logger with the numbers) and goes over the bound rather than failing the reader.
+
+    Args:
+        folder: the folder (created if needed).
+        size_bytes: the bound.
     """
 
     def __init__(self, folder: str, size_bytes: int):
@@ -196,7 +241,17 @@ class ObjectStore:
         os.makedirs(folder, exist_ok=True)
 
     def path(self, sha256: str) -> str:
-        """The local path of the object with digest ``sha256``."""
+        """The local path of an object.
+
+        Args:
+            sha256: its digest.
+
+        Returns:
+            The path (whether or not the object is there).
+
+        Raises:
+            CacheError: ``sha256`` is not a hex digest.
+        """
         return os.path.join(self.folder, f"{check_digest(sha256, 'shard sha256')}.arrow")
 
     def acquire(
@@ -206,11 +261,22 @@ class ObjectStore:
         info: dict[str, Any],
         shed: Callable[[], bool] | None = None,
     ) -> tuple[str, Callable[[], None]]:
-        """Download (if needed) the shard ``info``; returns its path and the release to call when
-        done (until then a shared lock keeps it from eviction). ``shed()`` closes one shard the
-        caller holds open but does not need (False: none), asked when open objects leave no room.
-        A process takes each object's lock once and counts its users (``_HELD``): ``flock`` locks
-        of two descriptors conflict even inside one process."""
+        """Download a shard if needed and hold it.
+
+        A process takes each object's lock once and counts its users: ``flock`` locks of two
+        descriptors conflict even inside one process.
+
+        Args:
+            fs: the fsspec filesystem.
+            rpath: the object's path in it.
+            info: the shard's manifest entry (``sha256``, ``bytes``).
+            shed: closes one shard the caller holds open but does not need (False: none);
+                asked when open objects leave no room.
+
+        Returns:
+            Its local path and the release to call when done; until then a shared lock keeps
+            it from eviction.
+        """
         sha = check_digest(info["sha256"], "shard sha256")  # it names files here
         size = int(info["bytes"])
         path = self.path(sha)
@@ -400,6 +466,9 @@ def _release(path: str) -> None:
 class RemoteCache:
     """A committed cache at a URL, seen through a local folder holding its manifest.
 
+    Args:
+        url: the cache's URL.
+
     Raises:
         CacheNotFoundError: no committed cache there.
         CacheError: the store cannot be reached.
@@ -448,17 +517,38 @@ class RemoteCache:
     def fetch_shard(
         self, info: dict[str, Any], *, background: bool = False
     ) -> tuple[str, Callable[[], None]]:
-        """Download (if needed) and hold one shard: its local path and release
-        (:meth:`ObjectStore.acquire`). ``background``: called off the reader's thread, so the
-        reader's open shards are never closed for room."""
+        """Download a shard if needed and hold it (:meth:`ObjectStore.acquire`).
+
+        Args:
+            info: the shard's manifest entry.
+            background: called off the reader's thread, so the reader's open shards are never
+                closed for room.
+
+        Returns:
+            Its local path and the release to call when done.
+        """
         name = check_shard_name(info["name"], "shard name")
         shed = None if background else self.shed
         return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=shed)
 
     def has_shard(self, info: dict[str, Any]) -> bool:
-        """Whether the local shard cache holds a complete copy of a shard (no download)."""
+        """Whether the local shard cache holds a complete copy of a shard (no download).
+
+        Args:
+            info: the shard's manifest entry.
+
+        Returns:
+            True when a file of the right size is there.
+        """
         return _complete(self.store.path(info["sha256"]), int(info["bytes"]))
 
     def shard_url(self, info: dict[str, Any]) -> str:
-        """The URL of a shard's object in the store."""
+        """The URL of a shard's object in the store.
+
+        Args:
+            info: the shard's manifest entry.
+
+        Returns:
+            The URL, with the scheme.
+        """
         return str(self.fs.unstrip_protocol(f"{self.root}/{SHARD_DIR}/{info['name']}"))

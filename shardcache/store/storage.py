@@ -47,38 +47,85 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def exists(self, name: str) -> bool:
-        """Whether ``name`` exists (listings are fresh: another machine may have written)."""
+        """Whether a file exists (listings are fresh: another machine may have written).
+
+        Args:
+            name: relative to the output.
+
+        Returns:
+            True when it exists.
+        """
 
     @abc.abstractmethod
     def read_json(self, name: str) -> dict[str, Any] | None:
-        """The JSON object ``name``; None when it is missing or not a whole JSON object."""
+        """Read a JSON file.
+
+        Args:
+            name: relative to the output.
+
+        Returns:
+            The object; None when it is missing or not a whole JSON object.
+        """
 
     @abc.abstractmethod
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
-        """Several small files at once; None for a missing one."""
+        """Read several small files at once.
+
+        Args:
+            names: relative to the output.
+
+        Returns:
+            Each name's bytes; None for a missing one.
+        """
 
     @abc.abstractmethod
     def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
-        """Write ``obj`` as ``name``, whole or not at all (the format of
-        :func:`~shardcache.store.files.write_json_atomic`; ``private``: a temporary name of
-        this process's own, for a file several processes may write at once)."""
+        """Write a JSON file, whole or not at all.
+
+        Args:
+            name: relative to the output.
+            obj: the value (the format of :func:`~shardcache.store.files.write_json_atomic`).
+            private: a temporary name of this process's own, for a file several processes
+                may write at once.
+        """
 
     @abc.abstractmethod
     def sizes(self, folder: str) -> dict[str, int]:
-        """Every file under ``folder`` (one listing): name relative to it -> size in bytes."""
+        """Every file under a folder (one listing).
+
+        Args:
+            folder: relative to the output.
+
+        Returns:
+            Name relative to ``folder`` -> size in bytes (empty when it is missing).
+        """
 
     @abc.abstractmethod
     def remove(self, names: list[str]) -> None:
-        """Delete files (missing ones are fine)."""
+        """Delete files (missing ones are fine).
+
+        Args:
+            names: relative to the output.
+        """
 
     @abc.abstractmethod
     def remove_folders(self, folders: list[str]) -> None:
-        """Delete folders and everything in them (missing ones are fine)."""
+        """Delete folders and everything in them (missing ones are fine).
+
+        Args:
+            folders: relative to the output.
+        """
 
     @abc.abstractmethod
     def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
         """Hold the exclusive build lock of ``name`` (the output itself by default; a share's
         is ``.shares/share-i-of-N``).
+
+        Args:
+            name: the lock's folder, relative to the output (``""``: the output).
+
+        Returns:
+            A context manager that holds it.
 
         Raises:
             BuildLockedError: another live build holds it, or runs beside it that it would
@@ -88,25 +135,45 @@ class Storage(abc.ABC):
 
     @abc.abstractmethod
     def staging(self, label: str) -> contextlib.AbstractContextManager[str]:
-        """A local folder (with :data:`STAGED_FOLDERS`) where files are written before they
-        are published; ``label`` names a temporary one (``shardcache-<label>-...``)."""
+        """A local folder where files are written before they are published.
+
+        Args:
+            label: names a temporary folder (``shardcache-<label>-...``).
+
+        Returns:
+            A context manager giving the folder, with :data:`STAGED_FOLDERS` made.
+        """
 
     @abc.abstractmethod
     def publish(self, staged: str, names: list[str]) -> None:
-        """Make the files ``names`` written under ``staged`` part of the output, in order."""
+        """Make files written under ``staged`` part of the output, in order.
+
+        Args:
+            staged: the staging folder.
+            names: the files, relative to it and to the output.
+        """
 
     @abc.abstractmethod
     def fetch(self, staged: str, names: list[str]) -> None:
-        """Copy the files ``names`` of the output into ``staged`` (a no-op in place)."""
+        """Copy files of the output into ``staged`` (a no-op in place).
+
+        Args:
+            staged: the staging folder.
+            names: the files, relative to the output and to it.
+        """
 
 
 class LocalStorage(Storage):
-    """A local folder: staged in place, locked with ``<folder>/.lock``."""
+    """A local folder: staged in place, locked with ``<folder>/.lock``.
+
+    Args:
+        folder: the output folder (made when first written).
+
+    Raises:
+        CacheError: ``folder`` exists and is not a folder.
+    """
 
     def __init__(self, folder: str):
-        """Raises:
-        CacheError: ``folder`` exists and is not a folder.
-        """
         if os.path.exists(folder) and not os.path.isdir(folder):
             raise CacheError(f"--output {folder!r} exists and is not a folder; choose another path")
         self.location = folder
@@ -175,8 +242,18 @@ class LocalStorage(Storage):
 
 
 class FsspecStorage(Storage):
-    """An output at a URL, through fsspec; every listing is fresh (the filesystem's listing
-    cache is dropped first) and every name is checked to stay under the output."""
+    """An output at a URL, through fsspec.
+
+    Every listing is fresh (the filesystem's listing cache is dropped first) and every name is
+    checked to stay under the output.
+
+    Args:
+        url: the output's URL.
+
+    Raises:
+        MissingDependencyError: the URL's fsspec backend is not installed.
+        ConfigError: fsspec cannot open the URL.
+    """
 
     def __init__(self, url: str):
         self.location = url.rstrip("/")
@@ -264,8 +341,13 @@ class FsspecStorage(Storage):
 
 
 def open_storage(location: str) -> Storage:
-    """The :class:`Storage` of ``--output`` ``location``: :class:`FsspecStorage` for a URL, else
-    :class:`LocalStorage`.
+    """The :class:`Storage` of an ``--output``.
+
+    Args:
+        location: a folder path or a URL.
+
+    Returns:
+        :class:`FsspecStorage` for a URL, else :class:`LocalStorage`.
 
     Raises:
         MissingDependencyError: the URL's fsspec backend is not installed.
