@@ -15,7 +15,14 @@ from shardcache.store.cache import Cache
 
 
 def human_bytes(n: float) -> str:
-    """``n`` bytes as a short human string (``1.5 GiB``)."""
+    """A byte count as a short human string (``1.5 GiB``).
+
+    Args:
+        n: the bytes.
+
+    Returns:
+        The string, in binary units up to TiB.
+    """
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -28,6 +35,9 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
 
     Args:
         cache: the open cache.
+
+    Returns:
+        A JSON-able dict (reads the manifest and the length index, never a shard).
     """
     m = cache.manifest
     lengths = np.asarray(cache.lengths, dtype=np.int64)
@@ -75,6 +85,9 @@ def encoder_lines(encoder: dict[str, Any]) -> list[str]:
 
     Args:
         encoder: the manifest's ``encoder`` record (empty for older caches).
+
+    Returns:
+        The lines (none without a record).
     """
     if not encoder or not encoder.get("versions"):
         return []
@@ -132,6 +145,9 @@ def chat_lines(stats: dict[str, Any]) -> list[str]:
 
     Args:
         stats: the manifest's ``stats``.
+
+    Returns:
+        The lines.
     """
     lint = stats.get("lint") or {}
     if not lint and not stats.get("trainable_tokens"):
@@ -158,7 +174,14 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    """The human form of :func:`cache_summary`'s result."""
+    """The human form of a cache summary (what ``shardcache info`` prints).
+
+    Args:
+        s: what :func:`cache_summary` returned.
+
+    Returns:
+        Aligned lines and a per-bucket table, without a final newline.
+    """
     t = s["totals"]
     st = s["stats"]
     tok = s["tokenizer"]

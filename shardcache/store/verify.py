@@ -31,20 +31,39 @@ from shardcache.store.shards import arrow_numpy
 
 @dataclass
 class Problem:
-    """One damaged or missing file: its path relative to the cache, a kind, the details."""
+    """One damaged or missing file.
+
+    Attributes:
+        file: its path relative to the cache.
+        kind: ``missing``, ``size``, ``checksum``, ``structure``, ``index``, ``quarantine``,
+            ``manifest``, ``totals`` or ``not_a_cache``.
+        message: the details.
+    """
 
     file: str
-    kind: str  # missing | size | checksum | structure | index | quarantine | manifest | totals
+    kind: str
     message: str
 
     def to_json(self) -> dict[str, str]:
-        """The problem as JSON."""
+        """The problem as JSON.
+
+        Returns:
+            ``file``, ``kind`` and ``message``.
+        """
         return {"file": self.file, "kind": self.kind, "message": self.message}
 
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_cache`; ``ok`` when no problem was found."""
+    """The outcome of :func:`verify_cache`; ``ok`` when no problem was found.
+
+    Attributes:
+        cache: the cache's folder or URL.
+        files_checked: files hashed.
+        bytes_checked: their bytes.
+        problems: what is damaged or missing.
+        extra_files: shard files the manifest does not list (ignored by readers).
+    """
 
     cache: str
     files_checked: int = 0
@@ -58,11 +77,21 @@ class VerifyReport:
         return not self.problems
 
     def add(self, file: str, kind: str, message: str) -> None:
-        """Record a problem of ``file`` (relative to the cache) of ``kind`` with ``message``."""
+        """Record a problem.
+
+        Args:
+            file: the file, relative to the cache.
+            kind: the kind (see :class:`Problem`).
+            message: the details.
+        """
         self.problems.append(Problem(file, kind, message))
 
     def to_json(self) -> dict[str, Any]:
-        """The report as JSON (``shardcache verify --json``)."""
+        """The report as JSON (``shardcache verify --json``).
+
+        Returns:
+            The fields, ``ok`` and the problems as dicts.
+        """
         return {
             "cache": self.cache,
             "ok": self.ok,
@@ -304,6 +333,12 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
 def verify_remote(url: str) -> VerifyReport:
     """:func:`verify_cache` for a URL: every listed file downloaded into a temporary folder first.
 
+    Args:
+        url: the cache's URL.
+
+    Returns:
+        The report; a missing or unreadable manifest is a problem, not an error.
+
     Raises:
         CacheError: the store cannot be reached.
     """
@@ -346,7 +381,14 @@ def verify_remote(url: str) -> VerifyReport:
 
 
 def format_verify(report: VerifyReport) -> str:
-    """Human-readable lines of a report: one per problem, then a summary line."""
+    """A report as text.
+
+    Args:
+        report: the report.
+
+    Returns:
+        A line per problem and per extra file, then a summary line.
+    """
     lines = [
         f"NOT A CACHE  {p.message}" if p.kind == "not_a_cache" else
         f"CORRUPT  {p.file}: {p.kind}: {p.message}"
