@@ -39,6 +39,9 @@ def interruptible(what: str) -> Iterator[None]:
 
     Args:
         what: what to do after an interruption (e.g. "rerun the same command to resume").
+
+    Yields:
+        None, once: the block runs with the handler installed.
     """
     if (
         threading.current_thread() is not threading.main_thread()
@@ -65,6 +68,12 @@ def translate_errors(func: F) -> F:
     """Wrap a command: :class:`ConfigError` becomes a usage error (exit 2), any other
     :class:`ShardcacheError` a ``click.ClickException`` (exit 1); anything else keeps its
     traceback.
+
+    Args:
+        func: the command's callback.
+
+    Returns:
+        The wrapped callback.
     """
 
     @functools.wraps(func)
@@ -145,7 +154,14 @@ class _BarProgress:
 
 
 def key_options(func: F) -> F:
-    """The flags that decide the cache key (shared by build, check and lock)."""
+    """The flags that decide the cache key (shared by build, check and lock).
+
+    Args:
+        func: the command's callback.
+
+    Returns:
+        It, with the options added.
+    """
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,

@@ -32,8 +32,15 @@ _WORKER: dict[str, Encoder] = {}
 
 
 def encode_batch(encoder: Encoder, texts: list[Any]) -> Encoded:
-    """The sequences the build stores for ``texts`` (ids, pieces, chat masks), encoded by
-    ``encoder`` under the cache's options."""
+    """Encode texts as the build stores them.
+
+    Args:
+        encoder: the encoder, under the cache's options.
+        texts: the records' texts (or conversations).
+
+    Returns:
+        The sequences (ids, pieces, chat masks).
+    """
     return encoder.finish(encoder.encode_texts(texts), TruncationStats())
 
 

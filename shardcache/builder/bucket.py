@@ -12,7 +12,15 @@ import numpy as np
 
 
 def effective_edges(edges: tuple[int, ...], max_length: int | None) -> tuple[int, ...]:
-    """The edges actually used for a build with the given ``max_length`` (if any)."""
+    """The bucket edges a build uses.
+
+    Args:
+        edges: the edges asked for, increasing.
+        max_length: the longest sequence (None: no limit).
+
+    Returns:
+        The edges below ``max_length``, then ``max_length`` itself; ``edges`` without one.
+    """
     if max_length is None:
         return tuple(edges)
     kept = tuple(e for e in edges if e < max_length)
@@ -20,7 +28,15 @@ def effective_edges(edges: tuple[int, ...], max_length: int | None) -> tuple[int
 
 
 def bucket_ranges(edges: tuple[int, ...], max_length: int | None) -> list[tuple[int, int | None]]:
-    """Inclusive ``(min_length, max_length)`` per bucket; ``None`` = unbounded."""
+    """The length range of every bucket.
+
+    Args:
+        edges: the edges used (:func:`effective_edges`).
+        max_length: the longest sequence (None: a last, open-ended bucket).
+
+    Returns:
+        Inclusive ``(min_length, max_length)`` per bucket; None: unbounded.
+    """
     ranges: list[tuple[int, int | None]] = []
     low = 1
     for edge in edges:
@@ -32,5 +48,13 @@ def bucket_ranges(edges: tuple[int, ...], max_length: int | None) -> list[tuple[
 
 
 def assign_buckets(lengths: np.ndarray, edges: tuple[int, ...]) -> np.ndarray:
-    """Bucket index for each length: the first bucket whose upper edge is >= the length."""
+    """The bucket of every length: the first whose upper edge is >= the length.
+
+    Args:
+        lengths: sequence lengths.
+        edges: the edges used.
+
+    Returns:
+        int32 bucket indices.
+    """
     return np.searchsorted(np.asarray(edges, dtype=np.int64), lengths, side="left").astype(np.int32)

@@ -22,6 +22,10 @@ hook: Callable[[str], None] | None = None
 
 
 def fault_point(event: str) -> None:
-    """Pass the named point: call :data:`hook` with ``event`` when one is installed."""
+    """Pass a named point: call :data:`hook` with it when one is installed.
+
+    Args:
+        event: the point's name.
+    """
     if hook is not None:
         hook(event)

@@ -22,13 +22,27 @@ class Progress:
     """
 
     def start(self, total_bytes: int, files: int) -> None:
-        """Called once before any partition runs (bytes still to read, input files)."""
+        """Called once before any partition runs.
+
+        Args:
+            total_bytes: input bytes still to read.
+            files: input files.
+        """
 
     def advance(self, n_bytes: int) -> None:
-        """Raw input bytes consumed."""
+        """Called as raw input is consumed.
+
+        Args:
+            n_bytes: bytes consumed since the last call.
+        """
 
     def update(self, documents: int, tokens: int) -> None:
-        """Documents and tokens just written."""
+        """Called as sequences are written.
+
+        Args:
+            documents: documents just written.
+            tokens: tokens just written.
+        """
 
     def close(self) -> None:
         """Called once at the end (also on failure)."""
@@ -85,7 +99,17 @@ class BuildReport:
 def report_from_manifest(
     output: str, manifest: Mapping[str, Any], seconds: float, up_to_date: bool = False
 ) -> BuildReport:
-    """The report of a committed cache, from its manifest (no partition ran)."""
+    """The report of a committed cache, from its manifest (no partition ran).
+
+    Args:
+        output: the cache folder or URL.
+        manifest: its manifest.
+        seconds: wall-clock seconds of this run.
+        up_to_date: the output already held this build.
+
+    Returns:
+        The report (``workers`` 0: none ran).
+    """
     totals, stats = manifest["totals"], dict(manifest["stats"])
     bad, corrupt = stats.pop("bad_records"), stats.pop("corrupt_files")
     return BuildReport(
@@ -99,7 +123,14 @@ def report_from_manifest(
 
 
 def report_json(report: BuildReport) -> dict[str, Any]:
-    """The report as plain JSON (``build --json``)."""
+    """The report as plain JSON (``build --json``).
+
+    Args:
+        report: the report.
+
+    Returns:
+        Its fields and ``tokens_per_second``, seconds rounded.
+    """
     return {
         **asdict(report),
         "seconds": round(report.seconds, 3),
@@ -108,7 +139,14 @@ def report_json(report: BuildReport) -> dict[str, Any]:
 
 
 def format_report(report: BuildReport) -> str:
-    """The report as the text ``build`` prints."""
+    """The report as the text ``build`` prints.
+
+    Args:
+        report: the report.
+
+    Returns:
+        Aligned lines, without a final newline.
+    """
     st = report.stats
     secs = max(report.seconds, 1e-9)
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"

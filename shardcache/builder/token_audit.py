@@ -40,23 +40,41 @@ AUDITED_COMPONENTS = ("tokenizer", "special_tokens", "template", "truncation")
 
 @dataclass
 class TokenAudit:
-    """What ``verify --tokens`` found."""
+    """What ``verify --tokens`` found.
+
+    Attributes:
+        path: the cache.
+        fraction: the share of documents sampled.
+        documents: sampled records encoded again.
+        sequences: stored sequences compared.
+        mismatches: per mismatch, ``source``, ``record``, ``piece`` and ``detail``.
+        changed_inputs: inputs whose sha256 differs from the manifest.
+        missing_inputs: inputs not found.
+        warnings: other things the audit could not check.
+        total_documents: documents the cache holds (the manifest's count).
+    """
 
     path: str
     fraction: float
-    documents: int = 0  # sampled records encoded again
-    sequences: int = 0  # stored sequences compared
+    documents: int = 0
+    sequences: int = 0
     mismatches: list[dict[str, Any]] = field(default_factory=list)
-    changed_inputs: list[str] = field(default_factory=list)  # sha256 differs from the manifest
+    changed_inputs: list[str] = field(default_factory=list)
     missing_inputs: list[str] = field(default_factory=list)
     warnings: list[str] = field(default_factory=list)
-    total_documents: int | None = None  # documents the cache holds (the manifest's count)
+    total_documents: int | None = None
 
     @property
     def ok(self) -> bool:
         return not (self.mismatches or self.changed_inputs or self.missing_inputs)
 
     def to_json(self) -> dict[str, Any]:
+        """The audit as JSON (``verify --tokens --json``).
+
+        Returns:
+            Its fields (the first 100 mismatches), ``ok``, ``mismatch_count`` and
+            ``sample_bound``.
+        """
         return {
             "path": self.path,
             "ok": self.ok,
@@ -75,7 +93,14 @@ class TokenAudit:
 
 
 def format_token_audit(audit: TokenAudit) -> str:
-    """The audit as the text ``verify --tokens`` prints."""
+    """The audit as the text ``verify --tokens`` prints.
+
+    Args:
+        audit: the audit.
+
+    Returns:
+        Aligned lines (the first 20 mismatches), without a final newline.
+    """
     lines = [
         f"cache        {audit.path}",
         f"tokens       {audit.documents:,} documents re-encoded with HF (fraction "
