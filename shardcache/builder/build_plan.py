@@ -47,9 +47,18 @@ GROUP_SPREAD = 64
 
 
 def group_bytes(inputs: list[InputFile], partition_size_bytes: int) -> int:
-    """The most bytes consecutive small files gathered into one partition hold (a file of at
-    least this size is never grouped): ``partition_size / GROUP_DIVISOR``, or less so that
-    the files under that size make about :data:`GROUP_SPREAD` partitions."""
+    """The most bytes consecutive small files gathered into one partition hold.
+
+    A file of at least this size is never grouped.
+
+    Args:
+        inputs: the input files.
+        partition_size_bytes: the build's partition size.
+
+    Returns:
+        ``partition_size_bytes // GROUP_DIVISOR``, or less so that the files under that size
+        make about :data:`GROUP_SPREAD` partitions.
+    """
     cap = partition_size_bytes // GROUP_DIVISOR
     small = sum(f.size for f in inputs if f.size < cap)
     return min(cap, small // GROUP_SPREAD)
@@ -58,13 +67,21 @@ def group_bytes(inputs: list[InputFile], partition_size_bytes: int) -> int:
 @dataclass(frozen=True)
 class Partition:
     """A unit of map work with a stable id: one input file, a slice of one, or consecutive
-    small whole files (``file`` then ``more``, read in that order)."""
+    small whole files.
+
+    Attributes:
+        id: the stable id (``p00042``).
+        file: the (first) input file.
+        span: the slice of ``file`` read (the default: all of it).
+        nbytes: input bytes it reads (progress, scheduling).
+        more: further whole files read after ``file`` (a group).
+    """
 
     id: str
     file: InputFile
     span: InputSlice = field(default_factory=InputSlice)
-    nbytes: int = 0  # input bytes it reads (progress, scheduling)
-    more: tuple[InputFile, ...] = ()  # further whole files after ``file`` (a group)
+    nbytes: int = 0
+    more: tuple[InputFile, ...] = ()
 
     @property
     def files(self) -> tuple[InputFile, ...]:
@@ -72,6 +89,11 @@ class Partition:
         return (self.file, *self.more)
 
     def to_json(self) -> dict[str, Any]:
+        """The partition as recorded in ``parts/build.json``.
+
+        Returns:
+            ``id``, ``source``, ``nbytes``, the span, and a group's ``sources``.
+        """
         data = {"id": self.id, "source": self.file.relpath, "nbytes": self.nbytes,
                 **self.span.to_json()}  # fmt: skip
         if self.more:
@@ -81,14 +103,21 @@ class Partition:
 
 @dataclass
 class BuildPlan:
-    """What a build does: its options, inputs, partitions (in id order) and bucket edges;
-    ``fingerprint`` identifies the options and inputs (resume refuses another one)."""
+    """What a build does.
+
+    Attributes:
+        options: the build's options.
+        inputs: the input files, in order.
+        partitions: in id order.
+        edges: the bucket edges used.
+        file_sha256: sha256 of the input files that were split (hashed by the plan pass).
+        fingerprint: identifies the options and inputs (resume refuses another one).
+    """
 
     options: BuildOptions
     inputs: list[InputFile]
     partitions: list[Partition]
     edges: tuple[int, ...]
-    #: sha256 of the input files that were split (hashed by the plan pass)
     file_sha256: dict[str, str] = field(default_factory=dict)
     fingerprint: str = ""
 
@@ -98,6 +127,10 @@ class Share:
     """Share ``index`` of ``count`` in a job array: partitions ``k`` with ``k % count == index``.
 
     Round-robin, so every share gets large and small files alike when sizes follow names.
+
+    Attributes:
+        index: the share, from 0.
+        count: the shares.
 
     Raises:
         ConfigError: ``count < 1`` or ``index`` outside ``0 .. count - 1``.
@@ -117,6 +150,12 @@ class Share:
     def parse(cls, text: str) -> Share:
         """The share written ``i/N``.
 
+        Args:
+            text: ``i/N``.
+
+        Returns:
+            The share.
+
         Raises:
             ConfigError: ``text`` is not ``i/N``.
         """
@@ -134,47 +173,85 @@ class Share:
         return share_name(self.index, self.count)
 
     def owns(self, position: int) -> bool:
-        """Whether the partition at ``position`` of the plan is this share's."""
+        """Whether a partition is this share's.
+
+        Args:
+            position: its position in the plan.
+
+        Returns:
+            True when it is.
+        """
         return position % self.count == self.index
 
     def select(self, partitions: list[Partition]) -> list[Partition]:
-        """This share's partitions, in plan order."""
+        """This share's partitions.
+
+        Args:
+            partitions: the plan's, in order.
+
+        Returns:
+            This share's, in plan order.
+        """
         return [p for k, p in enumerate(partitions) if self.owns(k)]
 
 
 @dataclass
 class PartitionResult:
-    """What one partition produced (also persisted as ``parts/<id>.json``)."""
+    """What one partition produced (also persisted as ``parts/<id>.json``).
+
+    Attributes:
+        partition: its id.
+        source: its (first) input file.
+        sha256: of the whole input file for a whole-file partition, else ``""``.
+        shards: the shards it wrote.
+        stats: its truncation counters.
+        bad_records: skipped records by reason.
+        corrupt: damaged inputs and where their loss begins.
+        lint: chat lint counts.
+        encoding: its encoder backend and in-build verification counts.
+        timings: CPU seconds per stage: reported, never recorded (bytes never depend on
+            timing).
+        files: a group's input files in order, each ``{"source", "sha256", "documents",
+            "bad_records"}`` (empty for a one-file partition).
+    """
 
     partition: str
     source: str
-    sha256: str  # of the whole input file for a whole-file partition, else ""
+    sha256: str
     shards: list[ShardInfo]
     stats: TruncationStats
     bad_records: dict[str, int]
     corrupt: list[dict[str, Any]] = field(default_factory=list)
-    lint: dict[str, int] = field(default_factory=dict)  # chat lint counts of this partition
-    #: The partition's encoder backend and its in-build verification counts.
+    lint: dict[str, int] = field(default_factory=dict)
     encoding: dict[str, Any] = field(default_factory=dict)
-    #: CPU seconds per stage: reported, never recorded (bytes never depend on timing).
     timings: dict[str, float] = field(default_factory=dict)
-    #: A group's input files in order, each ``{"source", "sha256", "documents",
-    #: "bad_records"}`` (empty for a one-file partition: ``source`` and ``sha256`` say it).
     files: list[dict[str, Any]] = field(default_factory=list)
 
     def per_file(self) -> list[dict[str, Any]]:
-        """Each input file's ``{"source", "sha256", "documents", "bad_records"}``, in order."""
+        """What each input file of the partition gave.
+
+        Returns:
+            ``{"source", "sha256", "documents", "bad_records"}`` per file, in order.
+        """
         if self.files:
             return self.files
         return [{"source": self.source, "sha256": self.sha256, "documents": self.stats.documents,
                  "bad_records": sum(self.bad_records.values())}]  # fmt: skip
 
     def to_message(self) -> dict[str, Any]:
-        """:meth:`to_json` with the timings (what a worker sends back to the build)."""
+        """What a worker sends back to the build.
+
+        Returns:
+            :meth:`to_json` with the timings.
+        """
         return {**self.to_json(), "timings": self.timings}
 
     def to_json(self) -> dict[str, Any]:
-        """The completion record ``parts/<id>.json`` (without timings)."""
+        """The completion record ``parts/<id>.json``.
+
+        Returns:
+            The fields as JSON, without the timings.
+        """
         data = {
             "partition": self.partition,
             "source": self.source,
@@ -192,6 +269,14 @@ class PartitionResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PartitionResult:
+        """The result :meth:`to_json` or :meth:`to_message` recorded.
+
+        Args:
+            data: the record.
+
+        Returns:
+            The result.
+        """
         return cls(
             partition=data["partition"],
             source=data["source"],
@@ -209,8 +294,15 @@ class PartitionResult:
 
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
-    """Options as recorded in the manifest (plain JSON), without those that cannot change
-    the bytes (``strict_lint``, ``max_bad_fraction``, ``encoding``)."""
+    """Options as recorded in the manifest.
+
+    Args:
+        options: the build's options.
+
+    Returns:
+        Plain JSON, without those that cannot change the bytes (``force``, ``workers``,
+        ``output``, ``strict_lint``, ``max_bad_fraction``, ``encoding``).
+    """
     data = options.to_json()
     for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
@@ -218,7 +310,14 @@ def options_json(options: BuildOptions) -> dict[str, Any]:
 
 
 def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
-    """The inputs as recorded in the plan: path, size, format and mtime of each."""
+    """The inputs as recorded in the plan.
+
+    Args:
+        inputs: the input files.
+
+    Returns:
+        ``relpath``, ``size``, ``format`` and ``mtime_ns`` of each.
+    """
     return [
         {"relpath": f.relpath, "size": f.size, "format": f.format,
          "mtime_ns": f.mtime_ns if f.mtime_ns is not None else os.stat(f.path).st_mtime_ns}
@@ -227,15 +326,31 @@ def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
 
 
 def fingerprint_of(options: BuildOptions, inputs: list[InputFile]) -> str:
-    """The sha256 of the recorded options and inputs; another fingerprint cannot resume."""
+    """The fingerprint of a build: another one cannot resume it.
+
+    Args:
+        options: the build's options.
+        inputs: the input files.
+
+    Returns:
+        The hex sha256 of the recorded options and inputs.
+    """
     blob = json.dumps({"options": options_json(options), "inputs": inputs_json(inputs)},
                       sort_keys=True)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def what_changed(state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]) -> str:
-    """The recorded options and inputs (``parts/build.json``) that differ from these, at most
-    8 differences joined by ``"; "`` (empty when none is found)."""
+    """What differs between a recorded build and this one.
+
+    Args:
+        state: the recorded plan (``parts/build.json``).
+        options: this build's options.
+        inputs: this build's input files.
+
+    Returns:
+        At most 8 differences joined by ``"; "`` (empty when none is found).
+    """
     changes = differences(state.get("options"), options_json(options))
     changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
     return "; ".join(changes[:8])
@@ -301,7 +416,14 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
 
 
 def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
-    """The plan as recorded in ``parts/build.json``."""
+    """The plan as recorded in ``parts/build.json``.
+
+    Args:
+        plan: the plan.
+
+    Returns:
+        Plain JSON.
+    """
     return {
         "fingerprint": plan.fingerprint,
         "options": options_json(plan.options),
@@ -314,7 +436,15 @@ def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
 def plan_from_json(
     state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]
 ) -> BuildPlan:
-    """The plan recorded as ``state`` (:func:`plan_to_json`), over ``inputs``.
+    """A recorded plan.
+
+    Args:
+        state: what :func:`plan_to_json` returned.
+        options: the build's options.
+        inputs: the input files.
+
+    Returns:
+        The plan.
 
     Raises:
         KeyError: a recorded partition's source is not among ``inputs``.
@@ -331,7 +461,16 @@ def plan_from_json(
 
 
 def differences(old: Any, new: Any, path: str = "") -> list[str]:
-    """``"field.path: old -> new"`` for every leaf that differs between two JSON values."""
+    """The leaves that differ between two JSON values.
+
+    Args:
+        old: the recorded value.
+        new: the current value.
+        path: the dotted path of both (for nested calls).
+
+    Returns:
+        ``"field.path: old -> new"`` per differing leaf.
+    """
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
         for key in sorted(set(old) | set(new)):
@@ -341,7 +480,15 @@ def differences(old: Any, new: Any, path: str = "") -> list[str]:
 
 
 def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
-    """The inputs removed, added or changed (size/mtime) between two :func:`inputs_json`."""
+    """The inputs removed, added or changed (size/mtime).
+
+    Args:
+        old: the recorded :func:`inputs_json`.
+        new: the current one.
+
+    Returns:
+        A line per difference.
+    """
     a = {f["relpath"]: f for f in old}
     b = {f["relpath"]: f for f in new}
     out = [f"input {p}: removed" for p in sorted(set(a) - set(b))]
@@ -435,7 +582,15 @@ def plan_output(
 
 
 def options_from_json(data: Mapping[str, Any], output: str) -> BuildOptions:
-    """Rebuild :class:`BuildOptions` from the options recorded in ``parts/build.json``."""
+    """Rebuild :class:`BuildOptions` from the options recorded in ``parts/build.json``.
+
+    Args:
+        data: the recorded options (:func:`options_json`).
+        output: the output folder or URL (not recorded).
+
+    Returns:
+        The options; those not recorded take their defaults.
+    """
 
     def make(cls: type, values: Mapping[str, Any]) -> Any:
         hints = typing.get_type_hints(cls)
