@@ -47,7 +47,6 @@ PENDING: frozenset[str] = frozenset(
     {
         "shardcache/builder/backend_gate.py",
         "shardcache/builder/backends.py",
-        "shardcache/builder/chat.py",
         "shardcache/builder/chunking.py",
         "shardcache/builder/commit.py",
         "shardcache/builder/compact.py",

@@ -96,8 +96,16 @@ _WATCHDOG = _Watchdog()
 
 @dataclass
 class ChatLint:
-    """Counts of suspicious samples (double BOS, missing end of turn, unknown tokens, tokens
-    straddling a span boundary, template mismatches)."""
+    """Counts of suspicious samples.
+
+    Attributes:
+        double_bos: samples starting with two BOS.
+        missing_end_of_turn: samples whose last trainable token is not EOS or end of turn.
+        unknown_tokens: unknown-token ids in the samples.
+        boundary_tokens: tokens straddling a trainable span's boundary.
+        template_mismatch: samples whose ids differ from ``apply_chat_template``'s.
+        template_checked: samples compared with ``apply_chat_template``.
+    """
 
     double_bos: int = 0
     missing_end_of_turn: int = 0
@@ -107,11 +115,24 @@ class ChatLint:
     template_checked: int = 0
 
     def to_json(self) -> dict[str, int]:
+        """The counts as JSON.
+
+        Returns:
+            The fields by name.
+        """
         return asdict(self)
 
 
 def validate_messages(value: Any) -> str | None:
-    """None for a usable conversation, else the bad-record reason."""
+    """Check a record's messages field.
+
+    Args:
+        value: the field's value.
+
+    Returns:
+        None for a usable conversation (a non-empty list of ``role``/``content`` strings),
+        else the bad-record reason.
+    """
     if value is None:
         return "no_messages_field"
     if not isinstance(value, list):
@@ -176,7 +197,14 @@ class _FastRender:
 
 @dataclass
 class Rendered:
-    """A rendered conversation: its text and trainable character spans (or a failure)."""
+    """A rendered conversation, or a failure.
+
+    Attributes:
+        text: the rendered text.
+        spans: the trainable character spans, ``[start, end)``.
+        error: why rendering failed (``template_error: ...``, ``template_budget: ...``), or
+            None.
+    """
 
     text: str = ""
     spans: list[tuple[int, int]] = field(default_factory=list)
@@ -184,7 +212,15 @@ class Rendered:
 
 
 class ChatRenderer:
-    """Renders conversations and finds the trainable character spans."""
+    """Renders conversations and finds the trainable character spans.
+
+    Args:
+        hf: the transformers tokenizer.
+        options: the chat options (a template file, or the tokenizer's template).
+
+    Raises:
+        TokenizerError: no template is given and the tokenizer has no usable one.
+    """
 
     def __init__(self, hf: Any, options: ChatOptions):
         self.hf = hf
@@ -216,10 +252,26 @@ class ChatRenderer:
             self._fast = None
 
     def render_texts(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
+        """The full texts of conversations, without spans or budgets.
+
+        Args:
+            conversations: valid conversations.
+
+        Returns:
+            One text per conversation.
+        """
         return _render_batch(conversations, self.template, self.variables, False)
 
     def render(self, conversations: Sequence[list[dict[str, Any]]]) -> list[Rendered]:
-        """Full texts and trainable spans for a batch of valid conversations."""
+        """Full texts and trainable spans for a batch of valid conversations.
+
+        Args:
+            conversations: valid conversations.
+
+        Returns:
+            One per conversation; a template that raises or exceeds the budget gives an
+            ``error`` instead.
+        """
         out: list[Rendered] = []
         for messages in conversations:
             try:
@@ -268,7 +320,16 @@ class ChatRenderer:
 def encoding_mask(
     encoding: Any, n_tokens: int, spans: list[tuple[int, int]]
 ) -> tuple[np.ndarray, int]:
-    """:func:`token_mask` through the encoding's char -> token map."""
+    """:func:`token_mask` through the encoding's char -> token map.
+
+    Args:
+        encoding: a ``tokenizers.Encoding``.
+        n_tokens: its tokens.
+        spans: the trainable character spans.
+
+    Returns:
+        Trainable flags per token, and how many tokens straddle a span boundary.
+    """
     mask = np.zeros(n_tokens, dtype=bool)
     straddle = 0
     for lo, hi in spans:
@@ -289,8 +350,15 @@ def encoding_mask(
 
 
 def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """Trainable flags for tokens with character ``offsets`` (n x 2), and how many tokens
-    straddle a span boundary."""
+    """Trainable flags for tokens from their character offsets.
+
+    Args:
+        offsets: ``n x 2`` character ``[start, end)`` per token.
+        spans: the trainable character spans.
+
+    Returns:
+        Trainable flags per token, and how many tokens straddle a span boundary.
+    """
     starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(offsets), dtype=bool)
     straddle = 0
@@ -303,7 +371,14 @@ def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.nd
 
 @dataclass
 class ChatSample:
-    """One conversation after rendering and tokenization (or why it failed)."""
+    """One conversation after rendering and tokenization, or why it failed.
+
+    Attributes:
+        ids: its ids (None: failed).
+        mask: trainable flags per id (None: failed).
+        error: why it failed, or None.
+        straddle: tokens straddling a span boundary.
+    """
 
     ids: np.ndarray | None = None
     mask: np.ndarray | None = None
@@ -314,6 +389,10 @@ class ChatSample:
 class ChatEncoder:
     """The chat counterpart of :class:`~shardcache.builder.tokenize.TextEncoder`, with the
     same build interface (``encode_texts``, ``finish``).
+
+    Args:
+        text: the text encoder whose tokenizer and options it uses.
+        options: the chat options.
 
     Raises:
         TokenizerError: the tokenizer has no usable chat template and none was given.
@@ -339,9 +418,19 @@ class ChatEncoder:
         self._checked = 0
 
     def describe(self) -> dict[str, Any]:
+        """Facts about the tokenizer recorded in the manifest.
+
+        Returns:
+            The text encoder's, with ``chat_template``: where the template came from.
+        """
         return {**self.text.describe(), "chat_template": self.renderer.template_kind}
 
     def template_component(self) -> dict[str, Any]:
+        """The template part of the cache key.
+
+        Returns:
+            The template's source and options, ``train_on`` and the BOS/EOS policy.
+        """
         return {
             "kind": "chat",
             "source": self.renderer.template,
@@ -353,7 +442,14 @@ class ChatEncoder:
         }
 
     def probe_chat(self) -> str:
-        """A rendered conversation for the behaviour probe of the cache key."""
+        """A rendered conversation for the behaviour probe of the cache key.
+
+        Returns:
+            A demo conversation's text, or ``<render failed: ...>``.
+
+        Raises:
+            TokenizerError: the template exceeds the render budget.
+        """
         demo = [
             {"role": "system", "content": "You are terse."},
             {"role": "user", "content": "2+2?"},
@@ -373,8 +469,15 @@ class ChatEncoder:
     def encode_texts(
         self, conversations: list[list[dict[str, Any]]], keys: np.ndarray | None = None
     ) -> list[ChatSample]:
-        """Render + tokenize a batch (runs in the encode thread; encode_batch drops the GIL);
-        ``keys`` is unused: HF alone encodes chat data, so nothing is verified."""
+        """Render and tokenize a batch (runs in the encode thread; encode_batch drops the GIL).
+
+        Args:
+            conversations: the records' conversations.
+            keys: unused: HF alone encodes chat data, so nothing is verified.
+
+        Returns:
+            One sample per conversation.
+        """
         rendered = self.renderer.render(conversations)
         good = [r for r in rendered if r.error is None]
         encodings = self.backend.encode_batch([r.text for r in good], add_special_tokens=False)
@@ -417,7 +520,11 @@ class ChatEncoder:
                 self.lint.template_mismatch += 1
 
     def take_lint(self) -> dict[str, int]:
-        """The lint counts gathered since the last call (one partition's), then reset."""
+        """The lint counts gathered since the last call (one partition's), then reset.
+
+        Returns:
+            The counts by name.
+        """
         counts = self.lint.to_json()
         self.lint = ChatLint()
         self._checked = 0
@@ -425,6 +532,10 @@ class ChatEncoder:
 
     def finish(self, samples: list[ChatSample], stats: Any) -> Any:
         """Truncate, drop samples with no trainable token, and lint.
+
+        Args:
+            samples: what :meth:`encode_texts` returned.
+            stats: the partition's truncation counters (updated).
 
         Returns:
             An :class:`~shardcache.builder.tokenize.Encoded` with ``mask``, and ``failed``
