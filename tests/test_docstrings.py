@@ -59,7 +59,6 @@ PENDING: frozenset[str] = frozenset(
         "shardcache/builder/stage_times.py",
         "shardcache/builder/tokenize.py",
         "shardcache/builder/tokenizer_memo.py",
-        "shardcache/read/kernels_jit.py",
         "shardcache/store/files.py",
         "shardcache/store/key.py",
         "shardcache/store/shards.py",

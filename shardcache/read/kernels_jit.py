@@ -265,13 +265,45 @@ def pack(
     offset_out: np.ndarray,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Packed batch ``index`` of the plan (``batch_offsets``, ``sample_ids``, ``seg_starts`` /
-    ``seg_lengths`` / ``row_offsets``, each empty when the plan has none) in rows of
-    ``seq_len`` slots (``wide``: uint32 shards, else uint16; ``mask_starts`` empty, or a chat
-    cache's loss masks: labels -100 where the bit is 0, none for a sequence at ``NO_MASK``;
-    ``source_offsets`` empty, or a mixture's: ``sample_out`` / ``source_out`` as
-    :func:`_write_sample` writes them). Returns 0 with ``info`` = (rows, segments including
-    padding runs, longest segment, -, tokens copied), NEED_SHARD, or an error code."""
+    """Write packed batch ``index`` of the plan in rows of ``seq_len`` slots.
+
+    Args:
+        wide: uint32 shards, else uint16.
+        addresses: :class:`~shardcache.store.cache.MappedTable` fields (the reader stamps
+            ``last_used`` with ``stamp``).
+        sizes: as ``addresses``.
+        last_used: as ``addresses``.
+        stamp: the current clock value.
+        shard_starts: as ``addresses``.
+        file_starts: as ``addresses``.
+        lengths: as ``addresses``.
+        mask_starts: empty, or a chat cache's: labels -100 where the mask bit is 0, none for
+            a sequence at ``NO_MASK``.
+        batch_offsets: the plan's (:class:`~shardcache.read.plan.EpochPlan`).
+        sample_ids: the plan's.
+        seg_starts: the plan's, or empty when it has none.
+        seg_lengths: the plan's, or empty.
+        row_offsets: the plan's, or empty.
+        source_offsets: empty, or a mixture's: source ``s`` holds ids
+            ``source_offsets[s] : source_offsets[s + 1]``.
+        index: the global batch.
+        seq_len: slots per row.
+        pad_id: the padding id.
+        max_id: the tokenizer's largest id.
+        ids_out: ``input_ids``, flat, at least ``rows * seq_len``.
+        labels_out: ``labels``, like ``ids_out``.
+        positions_out: ``position_ids``, like ``ids_out``.
+        cu_out: ``cu_seqlens``, one per segment (padding runs included) plus one.
+        sample_out: per segment, its sample id (in a mixture: within its source); -1 for
+            padding.
+        source_out: per segment, its source in a mixture (-1 for padding).
+        offset_out: per segment, its first token in its sequence (-1 for padding).
+        info: ``info[3]`` names the shard to open on :data:`NEED_SHARD`; on success (rows,
+            segments including padding runs, longest segment, -, tokens copied).
+
+    Returns:
+        0, :data:`NEED_SHARD` (open the shard and call again) or an error code below 0.
+    """
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     if len(row_offsets):
@@ -403,11 +435,39 @@ def pad(
     source_out: np.ndarray,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
-    longest rounded up to ``multiple`` (``wide``: uint32 shards; ``mask_starts``,
-    ``source_offsets``, ``sample_out`` and ``source_out``: as for :func:`pack`, one per row).
-    Returns 0 with ``info`` = (rows, width, tokens copied), NEED_SHARD, or an
-    error code."""
+    """Write pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
+    longest rounded up to ``multiple``.
+
+    Args:
+        wide: uint32 shards, else uint16.
+        addresses: :class:`~shardcache.store.cache.MappedTable` fields (the reader stamps
+            ``last_used`` with ``stamp``).
+        sizes: as ``addresses``.
+        last_used: as ``addresses``.
+        stamp: the current clock value.
+        shard_starts: as ``addresses``.
+        file_starts: as ``addresses``.
+        lengths: as ``addresses``.
+        mask_starts: empty, or a chat cache's: labels -100 where the mask bit is 0, none for
+            a sequence at ``NO_MASK``.
+        batch_offsets: the plan's (:class:`~shardcache.read.plan.EpochPlan`).
+        sample_ids: the plan's.
+        source_offsets: as for :func:`pack`.
+        index: the global batch.
+        multiple: rows are padded to a multiple of this.
+        pad_id: the padding id.
+        max_id: the tokenizer's largest id.
+        ids_out: ``input_ids``, flat, at least ``rows * width``.
+        mask_out: ``attention_mask``, like ``ids_out``.
+        labels_out: ``labels``, like ``ids_out``.
+        sample_out: per row, as for :func:`pack`.
+        source_out: per row, as for :func:`pack`.
+        info: ``info[3]`` names the shard to open on :data:`NEED_SHARD`; on success (rows,
+            width, tokens copied).
+
+    Returns:
+        0, :data:`NEED_SHARD` (open the shard and call again) or an error code below 0.
+    """
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
     num_rows = hi - lo
