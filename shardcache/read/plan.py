@@ -27,9 +27,8 @@ from shardcache.errors import ConfigError
 from shardcache.read.packing import best_fit_bins, cut_batches, stable_order
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
-#: padding in pad mode, tighter rows in best_fit) but mix the order less. On the 20k-document
-#: benchmark corpus (4096 max length, max_tokens 16384) 4096 gives 0.997 pad and 0.999
-#: best_fit efficiency; see benchmarks/bench_read.py.
+#: padding in pad mode, tighter rows in best_fit) but mix the order less;
+#: benchmarks/bench_read.py measures the efficiency a window size gives.
 DEFAULT_WINDOW_SIZE = 4096
 MODES = ("pad", "pack")
 PACKINGS = ("best_fit", "concat")
