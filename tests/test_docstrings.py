@@ -47,7 +47,6 @@ PENDING: frozenset[str] = frozenset(
     {
         "shardcache/builder/backend_gate.py",
         "shardcache/builder/backends.py",
-        "shardcache/builder/chunking.py",
         "shardcache/builder/commit.py",
         "shardcache/builder/compact.py",
         "shardcache/builder/encoders.py",
@@ -56,7 +55,6 @@ PENDING: frozenset[str] = frozenset(
         "shardcache/builder/pool.py",
         "shardcache/builder/run.py",
         "shardcache/builder/sources.py",
-        "shardcache/builder/stage_times.py",
         "shardcache/builder/tokenize.py",
         "shardcache/builder/tokenizer_memo.py",
         "shardcache/store/files.py",

@@ -58,9 +58,18 @@ _SPACELESS_PROBE = (
 def split_points(
     text: str, piece_chars: int = PIECE_CHARS, fallback: CutFinder | None = None
 ) -> list[int] | None:
-    """Cut positions (each at a space with non-space characters on both sides, else where
-    ``fallback`` finds one) giving pieces of about ``piece_chars``; None when some stretch
-    has no cut."""
+    """Where to cut a text into pieces of about ``piece_chars`` characters.
+
+    Args:
+        text: the text.
+        piece_chars: the piece size aimed at.
+        fallback: ``fallback(text, start, target)`` finds a cut where no space does (None:
+            only spaces).
+
+    Returns:
+        Cut positions, each at a space with non-space characters on both sides or where
+        ``fallback`` finds one; None when some stretch has no cut.
+    """
     cuts = []
     start = 0
     while len(text) - start > piece_chars:
@@ -76,8 +85,17 @@ def split_points(
 
 
 def pretokenizer_cut(backend: Any, text: str, start: int, target: int) -> int | None:
-    """The cut in ``(start, target]`` closest to ``target`` where ``backend``'s pre-tokenizer
-    splits and the ids are the same encoded together or apart; None if none."""
+    """A cut where the pre-tokenizer splits and the ids are the same encoded together or apart.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer``.
+        text: the text.
+        start: the current piece's start.
+        target: where the piece should end.
+
+    Returns:
+        The cut in ``(start, target]`` closest to ``target``, or None if none.
+    """
     pre = backend.pre_tokenizer
     if pre is None:
         return None
@@ -108,8 +126,15 @@ def _cut_is_invisible(backend: Any, text: str, pos: int) -> bool:
 
 
 def special_wrapping(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-    """(prefix, suffix) ids the post-processor puts around a text, or None when it does
-    something else than wrapping."""
+    """The ids the post-processor puts around a text.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer``.
+        add_special_tokens: as the build encodes.
+
+    Returns:
+        ``(prefix, suffix)`` ids, or None when it does something else than wrapping.
+    """
     plain = backend.encode("x", add_special_tokens=False).ids
     full = backend.encode("x", add_special_tokens=add_special_tokens).ids
     for i in range(len(full) - len(plain) + 1):
@@ -121,7 +146,17 @@ def special_wrapping(backend: Any, add_special_tokens: bool) -> tuple[list[int],
 def encode_in_pieces(
     backend: Any, text: str, wrapping: tuple[list[int], list[int]], piece_chars: int = PIECE_CHARS
 ) -> np.ndarray | None:
-    """The ids of ``text`` encoded piecewise (int64), or None if it cannot be cut."""
+    """Encode a text piecewise.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer``.
+        text: the text.
+        wrapping: ``(prefix, suffix)`` ids (:func:`special_wrapping`).
+        piece_chars: the piece size aimed at.
+
+    Returns:
+        The ids (int64), or None if the text cannot be cut.
+    """
     cuts = split_points(
         text, piece_chars, lambda t, start, target: pretokenizer_cut(backend, t, start, target)
     )
@@ -155,8 +190,16 @@ def _encode_pieces(backend: Any, pieces: list[str]) -> list[np.ndarray]:
 
 
 def chunking_is_exact(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-    """The special-token wrapping if piecewise encoding gives the whole-text ids on the probe
-    texts, else None (then huge documents are encoded whole)."""
+    """Whether piecewise encoding gives the whole-text ids for this tokenizer.
+
+    Args:
+        backend: the ``tokenizers.Tokenizer``.
+        add_special_tokens: as the build encodes.
+
+    Returns:
+        The special-token wrapping when it does on the probe texts, else None (then huge
+        documents are encoded whole).
+    """
     wrapping = special_wrapping(backend, add_special_tokens)
     if wrapping is None:
         return None

@@ -38,18 +38,34 @@ class StageTimes:
         self.seconds: dict[str, float] = {}
 
     def add(self, stage: str, seconds: float) -> None:
-        """Add ``seconds`` to ``stage``."""
+        """Add time to a stage (thread-safe).
+
+        Args:
+            stage: the stage's name.
+            seconds: the time.
+        """
         with self._lock:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def merge(self, other: Mapping[str, float]) -> None:
-        """Add every stage of ``other`` (a :meth:`to_json` of another partition)."""
+        """Add every stage of another partition's times.
+
+        Args:
+            other: its :meth:`to_json`.
+        """
         for stage, seconds in other.items():
             self.add(stage, float(seconds))
 
     @contextlib.contextmanager
     def cpu(self, stage: str) -> Iterator[None]:
-        """Add the calling thread's CPU seconds spent in the ``with`` block to ``stage``."""
+        """Add the calling thread's CPU seconds spent in the ``with`` block to a stage.
+
+        Args:
+            stage: the stage's name.
+
+        Yields:
+            None, once.
+        """
         start = time.thread_time()
         try:
             yield
@@ -58,8 +74,16 @@ class StageTimes:
 
     @contextlib.contextmanager
     def busy(self, stage: str) -> Iterator[None]:
-        """Add the wall-clock seconds of the ``with`` block to ``stage`` (calls whose CPU is
-        spent in native threads)."""
+        """Add the wall-clock seconds of the ``with`` block to a stage.
+
+        For calls whose CPU is spent in native threads.
+
+        Args:
+            stage: the stage's name.
+
+        Yields:
+            None, once.
+        """
         start = time.perf_counter()
         try:
             yield
@@ -67,7 +91,11 @@ class StageTimes:
             self.add(stage, time.perf_counter() - start)
 
     def to_json(self) -> dict[str, float]:
-        """``{stage: seconds}`` in :data:`STAGES` order (then any other), rounded to ms."""
+        """The times as JSON.
+
+        Returns:
+            ``{stage: seconds}`` in :data:`STAGES` order (then any other), rounded to ms.
+        """
         with self._lock:
             order = [s for s in STAGES if s in self.seconds]
             order += sorted(s for s in self.seconds if s not in STAGES)
@@ -75,7 +103,14 @@ class StageTimes:
 
 
 def format_stages(seconds: Mapping[str, float]) -> list[str]:
-    """The build report's line (none when nothing ran): CPU seconds and share per stage."""
+    """The build report's line: CPU seconds and share per stage.
+
+    Args:
+        seconds: ``{stage: seconds}``.
+
+    Returns:
+        The line, or none when nothing ran.
+    """
     shown = ("startup", "read", "parse", "tokenizer", "bucket", "write", "commit")
     total = sum(seconds.get(s, 0.0) for s in shown)
     if total <= 0:
