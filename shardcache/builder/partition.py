@@ -38,6 +38,7 @@ from shardcache.builder.sources import (
 )
 from shardcache.builder.stage_times import StageTimes
 from shardcache.builder.tokenize import (
+    Encoded,
     EncodingMismatch,
     TruncationStats,
     drop_failures,
@@ -247,6 +248,64 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
     return total.to_json()
 
 
+@dataclasses.dataclass
+class BucketRows:
+    """The sequences of one bucket of a batch, in input order: flat ``tokens`` (and
+    ``mask``), one ``lengths``, ``records``, ``piece`` and ``doc_index`` entry per sequence."""
+
+    tokens: np.ndarray
+    lengths: np.ndarray
+    records: np.ndarray
+    piece: np.ndarray
+    doc_index: np.ndarray
+    mask: np.ndarray | None
+
+
+def by_bucket(
+    encoded: Encoded, records: np.ndarray, edges: tuple[int, ...]
+) -> list[tuple[int, BucketRows]]:
+    """A batch's sequences grouped by length bucket (buckets in order, rows in input order
+    within each): one stable sort of the rows by bucket, then each bucket's tokens copied
+    into an array of its own, a run of rows adjacent in the batch as one slice.
+
+    Args:
+        encoded: the batch's sequences.
+        records: the record index of each document of the batch.
+        edges: the bucket edges.
+
+    Returns:
+        ``(bucket, rows)`` for each bucket that holds sequences.
+    """
+    n = len(encoded.lengths)
+    if not n:
+        return []
+    buckets = assign_buckets(encoded.lengths, edges)
+    order = np.argsort(buckets, kind="stable")
+    row_bounds = np.concatenate([[0], np.cumsum(np.bincount(buckets, minlength=len(edges) + 1))])
+    starts_run = np.zeros(n + 1, dtype=bool)  # sorted rows that start a run, then the end
+    starts_run[1:n] = np.diff(order) != 1
+    starts_run[row_bounds] = True  # a run never crosses buckets
+    run_rows = np.flatnonzero(starts_run)
+    ends = np.cumsum(encoded.lengths)
+    run_starts = (ends - encoded.lengths)[order[run_rows[:-1]]].tolist()
+    run_ends = ends[order[run_rows[1:] - 1]].tolist()
+    first_run = np.searchsorted(run_rows, row_bounds).tolist()
+
+    def gather(flat: np.ndarray, b: int) -> np.ndarray:
+        runs = range(first_run[b], first_run[b + 1])
+        return np.concatenate([flat[run_starts[k] : run_ends[k]] for k in runs])
+
+    lengths, doc_index = encoded.lengths[order], encoded.doc_index[order]
+    piece, rows_records = encoded.piece[order], records[doc_index]
+    groups = []
+    for b in np.flatnonzero(np.diff(row_bounds)).tolist():
+        rows = slice(int(row_bounds[b]), int(row_bounds[b + 1]))
+        mask = None if encoded.mask is None else gather(encoded.mask, b)
+        groups.append((b, BucketRows(gather(encoded.tokens, b), lengths[rows], rows_records[rows],
+                                     piece[rows], doc_index[rows], mask)))  # fmt: skip
+    return groups
+
+
 def add_rows(
     writer: BucketWriter,
     runs: list[tuple[str, int, int]],
@@ -406,24 +465,11 @@ def map_partition(
                 batch_bad(batch, doc, reason, detail)
             write_batch_failures()
             with times.cpu("bucket"):
-                records = batch.records[encoded.doc_index]
-                buckets = assign_buckets(encoded.lengths, plan.edges)
-                groups = []
-                for b in np.unique(buckets):
-                    rows = buckets == b
-                    token_rows = np.repeat(rows, encoded.lengths)
-                    groups.append((int(b), rows, token_rows))
-            for b, rows, token_rows in groups:
-                with times.cpu("write"):
-                    add_rows(
-                        writers[b],
-                        batch.runs(encoded.doc_index[rows]),
-                        encoded.tokens[token_rows],
-                        encoded.lengths[rows],
-                        records[rows],
-                        encoded.piece[rows],
-                        None if encoded.mask is None else encoded.mask[token_rows],
-                    )
+                groups = by_bucket(encoded, batch.records, plan.edges)
+            with times.cpu("write"):
+                for b, group in groups:
+                    add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
+                             group.lengths, group.records, group.piece, group.mask)  # fmt: skip
             kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
             kept[[doc for doc, *_ in encoded.failed]] = 0
             for source, start, end in batch.runs(np.arange(len(batch.texts))):

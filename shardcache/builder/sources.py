@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import functools
 import glob
 import gzip
 import hashlib
@@ -564,38 +565,68 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
     return text, None
 
 
-class _ZstdReader(_Reader):
-    """Decompresses concatenated zstd frames; ending inside a frame raises ``ZstdError``
-    (zstandard's own stream_reader ends silently there)."""
+def _zstd_blocks(raw: io.RawIOBase) -> Iterator[bytes]:
+    """The decompressed bytes of concatenated zstd frames, a block per compressed chunk read;
+    ending inside a frame raises ``ZstdError`` (zstandard's own stream_reader ends silently
+    there)."""
+    dctx = zstandard.ZstdDecompressor()
+    obj = dctx.decompressobj()
+    in_frame = False
+    while chunk := raw.read(READ_CHUNK):
+        out = []
+        while chunk:
+            in_frame = True
+            out.append(obj.decompress(chunk))
+            if obj.eof:
+                chunk = obj.unused_data
+                obj = dctx.decompressobj()
+                in_frame = False
+            else:
+                chunk = b""
+        block = b"".join(out)
+        if block:
+            yield block
+    if in_frame:
+        raise zstandard.ZstdError("input ends inside a zstd frame (truncated file)")
 
-    def __init__(self, raw: io.RawIOBase):
-        self._raw = raw
-        self._dctx = zstandard.ZstdDecompressor()
-        self._obj = self._dctx.decompressobj()
-        self._in_frame = False
-        self._pending = memoryview(b"")
+
+class _BlockStream(_Reader):
+    """A raw stream over the decoded ``blocks`` of an input, whose CPU time is the ``read``
+    stage of ``times``; :meth:`next_block` hands the next block over without a copy."""
+
+    def __init__(self, blocks: Iterator[bytes], times: StageTimes | None = None):
+        self._blocks = blocks
+        self._times = times
+        self._pending = b""  # the block being read; _pending[:_offset] is read
+        self._offset = 0
+
+    def _next(self) -> bytes:
+        if self._times is None:
+            return next(self._blocks, b"")
+        with self._times.cpu("read"):
+            return next(self._blocks, b"")
+
+    def peek(self, size: int) -> bytes:
+        """At least ``size`` unread bytes (fewer at the end), read ahead but not consumed."""
+        while len(self._pending) - self._offset < size and (block := self._next()):
+            self._pending = self._pending[self._offset :] + block
+            self._offset = 0
+        return self._pending[self._offset :]
+
+    def next_block(self) -> bytes:
+        """The next unread bytes, a block or what is left of one (b"" at the end)."""
+        if self._offset < len(self._pending):
+            block = self._pending[self._offset :] if self._offset else self._pending
+            self._pending, self._offset = b"", 0
+            return block
+        return self._next()
 
     def readinto(self, buffer: Any) -> int:
-        while not self._pending:
-            chunk = self._raw.read(READ_CHUNK)
-            if not chunk:
-                if self._in_frame:
-                    raise zstandard.ZstdError("input ends inside a zstd frame (truncated file)")
-                return 0
-            out = []
-            while chunk:
-                self._in_frame = True
-                out.append(self._obj.decompress(chunk))
-                if self._obj.eof:
-                    chunk = self._obj.unused_data
-                    self._obj = self._dctx.decompressobj()
-                    self._in_frame = False
-                else:
-                    chunk = b""
-            self._pending = memoryview(b"".join(out))
-        n = min(len(buffer), len(self._pending))
-        buffer[:n] = self._pending[:n]
-        self._pending = self._pending[n:]
+        if self._offset >= len(self._pending):
+            self._pending, self._offset = self._next(), 0
+        n = min(len(buffer), len(self._pending) - self._offset)
+        buffer[:n] = memoryview(self._pending)[self._offset : self._offset + n]
+        self._offset += n
         return n
 
 
@@ -675,12 +706,52 @@ class _CrToLf(_Reader):
         return len(data)
 
 
+def _line_spans(stream: _BlockStream) -> Iterator[tuple[bytes, int, int]]:
+    """``(data, start, end)``: the lines of ``stream`` in order, as the LF-ended lines of
+    ``data[start:end]`` (the last one may lack its LF). A line longer than a block is
+    joined once it ends, and comes alone."""
+    rest: list[bytes] = []  # pieces of the line the last block ended inside
+    while block := stream.next_block():
+        first = block.find(b"\n")
+        if first < 0:
+            rest.append(block)
+            continue
+        last = block.rfind(b"\n")
+        start = 0
+        if rest:
+            rest.append(block[:first])
+            line = b"".join(rest)
+            yield line, 0, len(line)
+            rest, start = [], first + 1
+        if start <= last:
+            yield block, start, last + 1
+        if last + 1 < len(block):
+            rest = [block[last + 1 :]]
+    if rest:
+        line = b"".join(rest)
+        yield line, 0, len(line)
+
+
 def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
     """``(layout, raw records)`` of a line-based stream (layout told only ``at_start``)."""
-    layout = _record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
+    layout = _stream_layout(stream, at_start)
+    return layout, _records_of(stream, layout)
+
+
+def _stream_layout(stream: Any, at_start: bool) -> str:
+    """:func:`_record_layout` of a stream's first bytes (``"lines"`` unless ``at_start``)."""
+    return _record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
+
+
+def _records_of(stream: Any, layout: str) -> Iterator[bytes]:
+    """The raw records of a stream of that layout."""
     if layout == "cr":
-        return layout, iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
-    return layout, array_items(stream) if layout == "array" else iter(stream)
+        return iter(io.BufferedReader(_CrToLf(stream), buffer_size=READ_CHUNK))
+    if layout == "array":
+        return array_items(stream)
+    if isinstance(stream, _BlockStream):
+        return iter(io.BufferedReader(stream, buffer_size=READ_CHUNK))
+    return iter(stream)
 
 
 class _TimedReader(_Reader):
@@ -695,13 +766,14 @@ class _TimedReader(_Reader):
             return self._raw.readinto(buffer)
 
 
-def _open_lines(raw: HashingReader, fmt: str, times: StageTimes | None = None) -> io.BufferedIOBase:
-    source: Any = _ZstdReader(raw) if fmt == "jsonl.zst" else raw
-    if times is not None:
-        source = _TimedReader(source, times)
+def _open_lines(raw: HashingReader, fmt: str, times: StageTimes | None = None) -> Any:
+    """The decoded bytes of a line-based input: a :class:`_BlockStream`, or a ``GzipFile``."""
     if fmt == "json.gz":  # gzip reads the raw stream itself: its decompression counts as "parse"
-        return gzip.GzipFile(fileobj=source, mode="rb")  # type: ignore[return-value]
-    return io.BufferedReader(source, buffer_size=READ_CHUNK)
+        source = raw if times is None else _TimedReader(raw, times)
+        return gzip.GzipFile(fileobj=source, mode="rb")
+    if fmt == "jsonl.zst":
+        return _BlockStream(_zstd_blocks(raw), times)
+    return _BlockStream(iter(functools.partial(raw.read, READ_CHUNK), b""), times)
 
 
 @dataclass
@@ -740,6 +812,92 @@ class _Batcher:
             ) from err
         self.on_corrupt(index, offset, message)
 
+    def parse(self, index: int, line: bytes, text_field: str) -> Any | None:
+        """The text (or conversation) of record ``index``, ``line`` with or without its
+        newline; None once it is reported as bad."""
+        if index == 0 and line.startswith(BOM):
+            line = line[len(BOM) :]
+        if not line or line.isspace():  # what strip() empties, without a copy
+            self.bad(index, "blank_line", line)
+            return None
+        text = _fast_text(line, text_field, self.kind)
+        if text is not None:
+            return text
+        try:
+            decoded = line.decode("utf-8")
+        except UnicodeDecodeError:
+            self.bad(index, "invalid_utf8", line)
+            return None
+        try:
+            obj = json.loads(decoded)
+        except RecursionError:
+            self.bad(index, "too_deep", decoded)
+            return None
+        except ValueError:  # JSONDecodeError, or an integer beyond int_max_str_digits
+            self.bad(index, "not_json", decoded)
+            return None
+        text, reason = _validate(obj, text_field, self.kind)
+        if reason is None and "\\u" in decoded and has_lone_surrogate(text):
+            reason = "invalid_unicode"  # only an escape can make one: checked only then
+        if reason is not None:
+            self.bad(index, reason, decoded)
+            return None
+        return text
+
+    def add_span(
+        self, index: int, data: bytes, start: int, end: int, text_field: str
+    ) -> tuple[list[TextBatch], int]:
+        """Add the records of the lines of ``data[start:end]`` (:func:`_line_spans`), the
+        first being record ``index + 1``; returns the batches that became full and the last
+        record's index. A valid text record nested no deeper than :data:`FAST_MAX_DEPTH` is
+        taken in line; any other goes through :meth:`parse`."""
+        full: list[TextBatch] = []
+        loads = _orjson_loads if self.kind == "text" else None
+        texts, records, chars = self.texts, self.records, self.chars
+        limit, docs = MAX_BATCH_CHARS, self.batch_docs
+        flat = _CONTAINERS.isdisjoint
+        view, find, pos = memoryview(data), data.find, start
+        while pos < end:
+            stop = find(b"\n", pos, end)
+            if stop < 0:
+                stop = end
+            line = view[pos:stop]
+            pos = stop + 1
+            index += 1
+            text = None
+            if loads is not None:
+                try:
+                    obj = loads(line)
+                except ValueError:  # orjson.JSONDecodeError: parse() classifies the line
+                    obj = None
+                if type(obj) is dict:
+                    text = obj.get(text_field)
+                    shallow = flat(map(type, obj.values())) or _shallow(obj)
+                    if type(text) is not str or not text or not shallow:
+                        text = None
+            if text is None:
+                text = self.parse(index, bytes(line), text_field)
+                if text is None:
+                    continue
+                size = _text_chars(text)
+            else:
+                size = len(text)
+            if texts and chars + size > limit:  # a huge text does not join (and inflate) a batch
+                full.append(self._flush_lists(texts, records))
+                texts, records, chars = self.texts, self.records, 0
+            texts.append(text)
+            records.append(index)
+            chars += size
+            if len(texts) >= docs or chars >= limit:
+                full.append(self._flush_lists(texts, records))
+                texts, records, chars = self.texts, self.records, 0
+        self.chars = chars
+        return full, index
+
+    def _flush_lists(self, texts: list[Any], records: list[int]) -> TextBatch:
+        self.texts, self.records, self.chars = [], [], 0
+        return TextBatch(texts, np.asarray(records, dtype=np.int64), self.relpath)
+
     def add(self, index: int, text: Any) -> list[TextBatch]:
         """Add one text or conversation; returns the batches that became full."""
         full = []
@@ -756,14 +914,35 @@ class _Batcher:
     def flush(self) -> TextBatch | None:
         if not self.texts:
             return None
-        batch = TextBatch(self.texts, np.asarray(self.records, dtype=np.int64), self.relpath)
-        self.texts, self.records, self.chars = [], [], 0
-        return batch
+        return self._flush_lists(self.texts, self.records)
 
 
-#: Most brackets a line may hold for orjson: deeper lines take the ``json`` path, whose
-#: recursion limit decides ``too_deep``.
-FAST_MAX_BRACKETS = 256
+#: Deepest nesting a record may have to be taken from orjson: deeper records take the
+#: ``json`` path, whose recursion limit decides ``too_deep``.
+FAST_MAX_DEPTH = 256
+_CONTAINERS = frozenset((dict, list))
+
+
+def _nesting(value: Any, limit: int) -> int:
+    """Levels of nested lists and objects in ``value`` (1 for a flat object), counted up to
+    ``limit + 1`` at most."""
+    depth, level = 0, [value]
+    while level and depth <= limit:
+        depth += 1
+        inner = []
+        for container in level:
+            items = container.values() if type(container) is dict else container
+            inner += [v for v in items if type(v) is dict or type(v) is list]
+        level = inner
+    return depth
+
+
+def _shallow(obj: dict[str, Any]) -> bool:
+    """True when ``obj`` nests at most :data:`FAST_MAX_DEPTH` levels (json parses it without
+    reaching its recursion limit); a flat object is told without walking it."""
+    if _CONTAINERS.isdisjoint(map(type, obj.values())):
+        return True
+    return _nesting(obj, FAST_MAX_DEPTH) <= FAST_MAX_DEPTH
 
 
 def _fast_text(line: bytes, text_field: str, kind: str) -> Any | None:
@@ -776,7 +955,7 @@ def _fast_text(line: bytes, text_field: str, kind: str) -> Any | None:
         obj = _orjson_loads(line)
     except ValueError:  # orjson.JSONDecodeError
         return None
-    if line.count(b"[") + line.count(b"{") > FAST_MAX_BRACKETS:
+    if isinstance(obj, dict) and not _shallow(obj):
         return None
     text, reason = _validate(obj, text_field, kind)
     return text if reason is None else None
@@ -793,41 +972,20 @@ def _iter_lines(
     stream: Any = _open_lines(raw, file.format, times)
     index = first_record - 1
     try:
-        layout, records = _raw_records(stream, first_record == 0)
+        layout = _stream_layout(stream, first_record == 0)
         if layout == "array":  # records are array elements: "item N" in messages
             batcher.format = ARRAY_LAYOUT
             if batcher.on_layout is not None:
                 batcher.on_layout(ARRAY_LAYOUT)
-        for index, line in enumerate(records, first_record):
-            if index == 0 and line.startswith(BOM):
-                line = line[len(BOM) :]
-            if not line or line.isspace():  # what strip() empties, without a copy
-                batcher.bad(index, "blank_line", line)
-                continue
-            text = _fast_text(line, text_field, batcher.kind)
-            if text is not None:
-                yield from batcher.add(index, text)
-                continue
-            try:
-                decoded = line.decode("utf-8")
-            except UnicodeDecodeError:
-                batcher.bad(index, "invalid_utf8", line)
-                continue
-            try:
-                obj = json.loads(decoded)
-            except RecursionError:
-                batcher.bad(index, "too_deep", decoded)
-                continue
-            except ValueError:  # JSONDecodeError, or an integer beyond int_max_str_digits
-                batcher.bad(index, "not_json", decoded)
-                continue
-            text, reason = _validate(obj, text_field, batcher.kind)
-            if reason is None and "\\u" in decoded and has_lone_surrogate(text):
-                reason = "invalid_unicode"  # only an escape can make one: checked only then
-            if reason is not None:
-                batcher.bad(index, reason, decoded)
-                continue
-            yield from batcher.add(index, text)  # type: ignore[arg-type]
+        if layout == "lines" and isinstance(stream, _BlockStream):  # whole blocks at a time
+            for data, start, end in _line_spans(stream):
+                full, index = batcher.add_span(index, data, start, end, text_field)
+                yield from full
+        else:
+            for index, line in enumerate(_records_of(stream, layout), first_record):
+                text = batcher.parse(index, line, text_field)
+                if text is not None:
+                    yield from batcher.add(index, text)
     except (zstandard.ZstdError, OSError, EOFError, zlib.error) as err:
         message = (
             f"{file.relpath}: cannot decompress {file.format} data after line {index + 1} "

@@ -7,10 +7,16 @@ import json
 import os
 import textwrap
 
+import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from conftest import CHATML_TEMPLATE, make_conversations
+from shardcache.builder.bucket import assign_buckets
+from shardcache.builder.partition import by_bucket
 from shardcache.builder.run import build_cache
+from shardcache.builder.tokenize import Encoded
 from shardcache.config import build_options_from_mapping
 
 # A template that refuses conversations whose user says BOOM (a template-side bad record).
@@ -196,3 +202,32 @@ def test_an_input_changed_between_plan_and_read_fails(corpus, tokenizer_dir, tmp
     _rewrite(path, how)
     with pytest.raises(SourceError, match=r"part-00\.jsonl.*changed"):
         build_partition(plan, plan.partitions[1], encoder_for(options, None), Progress())
+
+
+@settings(max_examples=80, deadline=None)
+@given(lengths=st.lists(st.integers(1, 200), max_size=40), with_mask=st.booleans())
+def test_rows_grouped_by_bucket_are_each_buckets_rows_in_input_order(lengths, with_mask):
+    edges = (4, 16, 64)
+    lengths = np.asarray(lengths, dtype=np.int64)
+    n = len(lengths)
+    tokens = np.arange(int(lengths.sum()), dtype=np.uint32)
+    mask = tokens % 3 == 0 if with_mask else None
+    doc_index = np.arange(n, dtype=np.int64) // 2  # two pieces a document
+    piece = (np.arange(n) % 2).astype(np.int32)
+    records = np.arange(n // 2 + 1, dtype=np.int64) * 10 + 7
+    encoded = Encoded(tokens, lengths, doc_index, piece, mask)
+    groups = by_bucket(encoded, records, edges)
+    buckets = assign_buckets(lengths, edges)
+    assert [b for b, _ in groups] == sorted(set(buckets.tolist()))
+    for b, got in groups:
+        rows = buckets == b
+        token_rows = np.repeat(rows, lengths)
+        assert np.array_equal(got.tokens, tokens[token_rows])
+        assert got.tokens.base is None or got.tokens.base is not tokens  # a copy of its own
+        assert np.array_equal(got.lengths, lengths[rows])
+        assert np.array_equal(got.doc_index, doc_index[rows])
+        assert np.array_equal(got.piece, piece[rows])
+        assert np.array_equal(got.records, records[doc_index[rows]])
+        assert (got.mask is None) == (mask is None)
+        if mask is not None:
+            assert np.array_equal(got.mask, mask[token_rows])

@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import hashlib
 import itertools
+import json
 import os
+from types import SimpleNamespace
 
 import pytest
 from hypothesis import given, settings
@@ -292,3 +294,71 @@ def test_batches_of_small_files_join_up_to_the_batch_size_with_each_texts_file()
     assert (
         alone is batches[3] and alone.files is None and alone.runs(np.arange(3)) == [("f3", 0, 3)]
     )
+
+
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.zst"])
+@pytest.mark.parametrize("chunk", [5, 64, 1 << 20])
+def test_lines_across_read_blocks_read_as_line_by_line(tmp_path, monkeypatch, fmt, chunk):
+    """Records are cut from whole blocks of decoded bytes: a line split over blocks (or
+    longer than many), blank and CRLF lines, a BOM and a last line without its newline read
+    as the line-by-line ``json`` path reads them."""
+    import zstandard
+
+    import shardcache.builder.sources as sources
+
+    pytest.importorskip("orjson")
+    long = b'{"text": "' + b"long line " * 300 + b'"}'
+    lines = [b'\xef\xbb\xbf{"text": "after a BOM"}', long, b"", b'{"text": "crlf"}\r', b"\r"]
+    lines += [*ORJSON_EDGE_LINES, long, b'{"text": "meta", "m": {"a": [1, {"b": 2}]}}']
+    raw = b"\n".join(lines) + b'\n{"text": "no newline at the end"}'
+    path = tmp_path / f"blocks.{fmt}"
+    path.write_bytes(zstandard.ZstdCompressor().compress(raw) if fmt == "jsonl.zst" else raw)
+    (file,) = list_inputs([str(path)])
+    # the reference: each line read alone from a file of its own
+    alone: tuple[list, list, list] = ([], [], [])
+    for i, line in enumerate(raw.split(b"\n")):
+        one = tmp_path / f"line{i}.jsonl"
+        one.write_bytes(line + b"\n")
+        texts, _, bad = _collect(list_inputs([str(one)])[0])
+        alone[0].extend(texts)
+        alone[1].extend([i] * len(texts))
+        alone[2].extend((i, reason, excerpt) for _, reason, excerpt in bad)
+    monkeypatch.setattr(sources, "READ_CHUNK", chunk)
+    digest = FileDigest()
+    fast = _collect(file, digest=digest, batch_docs=4)
+    assert digest.sha256 == hashlib.sha256(path.read_bytes()).hexdigest()
+    assert fast == alone
+    monkeypatch.setattr(sources, "_orjson_loads", None)
+    assert _collect(file, batch_docs=4) == alone
+    texts, records, bad = fast
+    assert texts[0] == "after a BOM" and texts[-1] == "no newline at the end"
+    assert records[-1] == len(lines) and (2, "blank_line") in [b[:2] for b in bad]
+
+
+def test_nesting_deeper_than_the_fast_limit_takes_the_json_path(tmp_path, monkeypatch):
+    """orjson's records are taken only up to FAST_MAX_DEPTH levels (json decides deeper
+    ones); a text between brackets is not nesting."""
+    import shardcache.builder.sources as sources
+
+    pytest.importorskip("orjson")
+    limit = sources.FAST_MAX_DEPTH
+    deep = {"text": "deep", "m": []}
+    for _ in range(limit - 2):
+        deep["m"] = [deep["m"]]
+    assert sources._nesting(deep, limit) == limit
+    deeper = {"text": "deeper", "m": [deep]}
+    assert sources._nesting(deeper, limit) == limit + 1
+    lines = [json.dumps(r).encode() for r in (deep, deeper, {"text": "[" * 400 + "{" * 400})]
+    path = tmp_path / "deep.jsonl"
+    path.write_bytes(b"\n".join(lines) + b"\n")
+    (file,) = list_inputs([str(path)])
+    parsed_by_json = []
+
+    def loads(text):
+        parsed_by_json.append(text)
+        return json.loads(text)
+
+    monkeypatch.setattr(sources, "json", SimpleNamespace(loads=loads))
+    texts, records, bad = _collect(file)
+    assert texts == ["deep", "deeper", "[" * 400 + "{" * 400] and records == [0, 1, 2] and not bad
+    assert [json.loads(s)["text"] for s in parsed_by_json] == ["deeper"]
