@@ -24,7 +24,7 @@ from shardcache.builder.build_plan import (
     options_json,
     plan_from_json,
 )
-from shardcache.builder.compact import Compacted, compact, plan_compaction
+from shardcache.builder.compact import MAX_MERGE_THREADS, Compacted, compact, plan_compaction
 from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
 from shardcache.builder.fault_points import fault_point
 from shardcache.builder.key_computation import (
@@ -127,7 +127,8 @@ def commit(
         groups = plan_compaction(out, results, layout.shard_size_bytes, encoder.dtype.itemsize)
         joining = [g for g in groups if g.name is not None]
         storage.fetch(out, [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members])
-        compacted = compact(out, groups, layout.compression, layout.shard_size_bytes)
+        threads = min(options.num_workers, MAX_MERGE_THREADS)
+        compacted = compact(out, groups, layout.compression, layout.shard_size_bytes, threads)
         lengths_path = os.path.join(out, LENGTHS_FILE)
         write_npy_concat_atomic(lengths_path, compacted.lengths)
         fault_point("commit")

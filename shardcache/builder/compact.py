@@ -11,11 +11,16 @@ from __future__ import annotations
 
 import os
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 from shardcache.builder.build_plan import PartitionResult
 from shardcache.store.layout import PARTS_DIR, merged_shard_name
 from shardcache.store.shards import ShardInfo, merge_shards
+
+#: Merged shards written at once at most: each thread holds about a member shard in memory,
+#: and beyond a few the merge is bound by memory bandwidth and the disk.
+MAX_MERGE_THREADS = 4
 
 #: A slice of a partition's ``parts/<id>.lengths.npy``: the lengths of one shard's rows.
 LengthSlice = tuple[str, int, int]
@@ -91,17 +96,50 @@ def plan_compaction(
     return groups
 
 
-def compact(out: str, groups: list[Group], compression: str, shard_size_bytes: int) -> Compacted:
+def compact(
+    out: str, groups: list[Group], compression: str, shard_size_bytes: int, threads: int = 1
+) -> Compacted:
     """Write the merged shards of ``groups`` into the cache folder ``out`` (whose shards
     folder holds their members; ``compression`` and ``shard_size_bytes`` the build's); the kept
-    shards are not touched."""
+    shards are not touched.
+
+    Args:
+        out: the cache folder (staged).
+        groups: :func:`plan_compaction`'s groups.
+        compression: the shards' compression.
+        shard_size_bytes: the shard size.
+        threads: merged shards written at once (hashing, Arrow and file I/O release the GIL);
+            each holds about one member shard in memory. The result is the same for any
+            number.
+
+    Returns:
+        The cache's shards, in the groups' order.
+
+    Raises:
+        CorruptShardError: a member is damaged (see :func:`merge_shards`): the error of the
+            first such group in group order; merges not started by then are cancelled.
+    """
+    joins = [g for g in groups if g.name is not None]
+
+    def merge(group: Group) -> ShardInfo:
+        assert group.name is not None
+        return merge_shards(out, group.members, group.name, compression, shard_size_bytes)
+
+    if threads <= 1 or len(joins) <= 1:
+        merged = [merge(g) for g in joins]
+    else:
+        pool = ThreadPoolExecutor(min(threads, len(joins)), thread_name_prefix="compact")
+        try:
+            merged = list(pool.map(merge, joins))
+        finally:
+            pool.shutdown(wait=True, cancel_futures=True)
+    by_name = {m.name: m for m in merged}
     compacted = Compacted([], [], [])
     for group in groups:
         if group.name is None:
             compacted.shards.extend(group.members)
         else:
-            merged = merge_shards(out, group.members, group.name, compression, shard_size_bytes)
-            compacted.shards.append(merged)
+            compacted.shards.append(by_name[group.name])
             compacted.joined.extend(m.name for m in group.members)
         compacted.lengths.extend(group.lengths)
     return compacted

@@ -49,6 +49,11 @@ def sha256_text(text: str) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
+def sha256_bytes(data: Any) -> str:
+    """sha256 hex digest of a bytes-like object (large ones hashed without holding the GIL)."""
+    return hashlib.sha256(data).hexdigest()
+
+
 class HashingReader(io.RawIOBase):
     """A raw reader that hashes (sha256) and counts every byte read through it."""
 
@@ -83,6 +88,46 @@ class HashingReader(io.RawIOBase):
     def close(self) -> None:
         self._raw.close()
         super().close()
+
+
+class HashingWriter(io.RawIOBase):
+    """A new file (created or truncated at ``path``) that hashes (sha256) and counts every byte
+    written through it, so its digest needs no second read; :meth:`close` flushes and fsyncs
+    first, so the digest is of the bytes on disk. Every :meth:`write` writes all of its bytes
+    (or raises OSError naming ``path``)."""
+
+    def __init__(self, path: str):
+        self.path = path
+        self._file = open(path, "wb")  # noqa: SIM115 (closed by close())
+        self.sha256 = hashlib.sha256()
+        self.bytes_written = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, data: Any) -> int:
+        view = memoryview(data)
+        # hashed as passed and written whole (BufferedWriter): the digest is of what the file holds
+        self.sha256.update(view)
+        try:
+            self._file.write(view)
+        except OSError as err:  # name the file: a person needs it
+            if err.filename is None:
+                err.filename = self.path
+            raise
+        self.bytes_written += view.nbytes
+        return view.nbytes
+
+    def close(self) -> None:
+        """Flush, fsync and close (idempotent)."""
+        if self.closed:
+            return
+        try:
+            self._file.flush()
+            os.fsync(self._file.fileno())
+        finally:
+            self._file.close()
+            super().close()
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
@@ -230,24 +275,44 @@ def write_npy_atomic(path: str, array: np.ndarray) -> None:
 
 def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
     """Write the concatenation of 1-d ``.npy`` files (one dtype), or of ``(file, start, stop)``
-    slices of them, as one ``.npy`` (the bytes of ``np.save``), one source in memory at a time."""
+    slices of them, as one ``.npy`` (the bytes of ``np.save``), one slice in memory at a time;
+    each file's header is parsed once however many slices it gives.
+
+    Raises:
+        CorruptShardError: the files disagree on the dtype, or one is shorter than a slice.
+    """
+    layouts: dict[str, tuple[np.dtype, int, int]] = {}  # file: dtype, elements, data offset
     pieces = []
     for source in sources:
         name, start, stop = (source, 0, None) if isinstance(source, str) else source
-        arr = np.load(name, mmap_mode="r", allow_pickle=False)
-        pieces.append((name, arr.dtype, start, arr.shape[0] if stop is None else stop))
-    dtype = pieces[0][1] if pieces else np.dtype(np.uint32)
-    if any(d != dtype for _, d, _, _ in pieces):
+        if name not in layouts:
+            arr = np.load(name, mmap_mode="r", allow_pickle=False)
+            layouts[name] = (arr.dtype, arr.shape[0], arr.offset)
+            del arr  # its mapping holds a descriptor: never one per file at once
+        dtype, count, _ = layouts[name]
+        pieces.append((name, start, count if stop is None else stop))
+    dtype = layouts[pieces[0][0]][0] if pieces else np.dtype(np.uint32)
+    if any(d != dtype for d, _, _ in layouts.values()):
         raise CorruptShardError(f"{path}: the partition length files disagree on the dtype")
-    total = sum(stop - start for _, _, start, stop in pieces)
+    total = sum(stop - start for _, start, stop in pieces)
     with atomic_file(path) as f:
         header = {"descr": np.lib.format.dtype_to_descr(np.dtype(dtype)),
                   "fortran_order": False, "shape": (total,)}  # fmt: skip
         np.lib.format.write_array_header_1_0(f, header)
-        for name, _, start, stop in pieces:
-            if stop > start:
-                arr = np.load(name, mmap_mode="r", allow_pickle=False)
-                f.write(np.ascontiguousarray(arr[start:stop]).tobytes())
+        for name, start, stop in pieces:
+            if stop <= start:
+                continue
+            _, count, offset = layouts[name]
+            want = (stop - start) * dtype.itemsize
+            with open(name, "rb", buffering=0) as src:
+                src.seek(offset + start * dtype.itemsize)
+                data = src.read(want) if stop <= count else b""
+            if len(data) != want:
+                raise CorruptShardError(
+                    f"{name}: holds {count} lengths, fewer than the {stop} its record lists; "
+                    "delete that partition's files under parts/ and rerun the build"
+                )
+            f.write(data)
 
 
 def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:

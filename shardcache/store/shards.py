@@ -23,7 +23,7 @@ import pyarrow as pa
 
 from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
-from shardcache.store.files import resource_limit_error, sha256_file
+from shardcache.store.files import HashingWriter, resource_limit_error, sha256_bytes
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
@@ -140,7 +140,7 @@ class BucketWriter:
         self._pending: list[tuple[np.ndarray, ...]] = []
         self._pending_bytes = 0
         self._writer: pa.ipc.RecordBatchFileWriter | None = None
-        self._sink: pa.NativeFile | None = None
+        self._sink: HashingWriter | None = None
         self._shard_rows = 0
         self._shard_tokens = 0
         self._shard_token_bytes = 0
@@ -216,9 +216,11 @@ class BucketWriter:
         path = shard_path(self.cache_dir, self._shard_name()) + ".tmp"
         try:
             if self._writer is None:
-                self._sink = pa.OSFile(path, "wb")
+                self._sink = HashingWriter(path)
                 options = pa.ipc.IpcWriteOptions(compression=self.compression)
-                self._writer = pa.ipc.new_file(self._sink, self.schema, options=options)
+                self._writer = pa.ipc.new_file(
+                    pa.PythonFile(self._sink, mode="w"), self.schema, options=options
+                )
             self._writer.write_batch(batch)
         except OSError as err:  # Arrow's write errors do not name the file: a person needs it
             if err.filename is None:
@@ -236,9 +238,8 @@ class BucketWriter:
             return
         assert self._sink is not None
         self._writer.close()
-        self._sink.close()
         name = self._shard_name()
-        size, sha256 = _finish_shard(self.cache_dir, name)
+        size, sha256 = _finish_shard(self.cache_dir, name, self._sink)
         runs, self._shard_runs = self._shard_runs, []
         self.shards.append(
             ShardInfo(
@@ -277,45 +278,48 @@ def _add_run(runs: list[list[Any]], source: str, rows: int) -> None:
         runs.append([source, rows])
 
 
-def _finish_shard(cache_dir: str, name: str) -> tuple[int, str]:
-    """Make the written ``<name>.tmp`` the shard ``name`` (fsync, rename); its size and sha256."""
+def _finish_shard(cache_dir: str, name: str, sink: HashingWriter) -> tuple[int, str]:
+    """Make ``<name>.tmp``, written through ``sink``, the shard ``name`` (fsync, rename); its
+    size and sha256, hashed as it was written."""
     final = shard_path(cache_dir, name)
-    tmp = final + ".tmp"
-    with open(tmp, "rb+") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, final)
-    return os.path.getsize(final), sha256_file(final)
+    sink.close()  # flushes and fsyncs
+    os.replace(final + ".tmp", final)
+    return sink.bytes_written, sink.sha256.hexdigest()
 
 
 def merge_shards(
     cache_dir: str, members: list[ShardInfo], name: str, compression: str, shard_size_bytes: int
 ) -> ShardInfo:
     """Join shards of one bucket, in row order, into the new shard ``name``, cut into record
-    batches as one writer would have cut them; returns its entry (with ``sources``). Members
-    are checked against their sha256 first (a damaged one is refused, not hidden under a new
-    digest) and left in place.
+    batches as one writer would have cut them; returns its entry (with ``sources``). Each
+    member is read once into memory and checked against its sha256 before it is parsed (a
+    damaged one is refused, not hidden under a new digest); members are left in place. Holds
+    one member and one record batch being written at a time; safe to run for several shards
+    at once in threads.
 
     Raises:
         ValueError: members of several buckets, or none.
         CorruptShardError: a member's sha256 or schema is not its entry's.
+        OSError: a member cannot be read or the shard written (the message names the file).
     """
     if len({m.bucket for m in members}) != 1:
         raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
     writer: BucketWriter | None = None
     for member in members:
         source = shard_path(cache_dir, member.name)
-        if sha256_file(source) != member.sha256:
+        # read whole and closed at once (a member is smaller than a shard): a merge of
+        # thousands of small shards never holds more than one of them open, and what is
+        # merged is exactly what was hashed
+        with open(source, "rb", buffering=0) as f:
+            data = f.read()
+        if sha256_bytes(data) != member.sha256:
             raise CorruptShardError(
                 f"{source}: its sha256 is not the one its partition recorded, so it "
                 "was not merged; delete that partition's files under parts/ and "
                 "rerun the build to rebuild it"
             )
-        # read into memory and closed at once (a member is smaller than a shard): a merge
-        # of thousands of small shards never holds more than one of them open
-        with pa.OSFile(source) as f:
-            reader = pa.ipc.open_file(f)
-            schema = reader.schema
-            batches = [reader.get_batch(b) for b in range(reader.num_record_batches)]
+        reader = pa.ipc.open_file(pa.BufferReader(data))
+        schema = reader.schema
         field = schema.field("tokens").type.value_type
         with_mask = "mask" in schema.names
         if writer is None:
@@ -326,7 +330,8 @@ def merge_shards(
                 f"{source}: its schema {schema} is not a shard's of this cache "
                 f"({writer.schema}); rebuild the cache"
             )
-        for batch in batches:
+        for b in range(reader.num_record_batches):
+            batch = reader.get_batch(b)
             tokens = batch.column(0)
             offsets = arrow_numpy(tokens.offsets)
             values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]

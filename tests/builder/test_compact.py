@@ -3,6 +3,7 @@ partitions joined into full ones, the rest kept; the content, provenance and mas
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -151,6 +152,41 @@ def test_a_many_file_build_keeps_one_partial_shard_per_bucket_and_every_document
     assert len(lengths) == sum(s["rows"] for s in manifest["shards"])
 
 
+def _file_sha256(path: str) -> str:
+    with open(path, "rb") as f:
+        return hashlib.sha256(f.read()).hexdigest()
+
+
+@pytest.mark.parametrize("compression", ["none", "zstd"])
+def test_every_recorded_digest_is_the_sha256_of_the_file_on_disk(
+    many_files, tokenizer_dir, tmp_path, compression
+):
+    """Shards are hashed as they are written (partition shards and merged ones, several
+    merges at once): every size and sha256 the manifest and the partitions' records list is
+    that of the bytes on disk."""
+    folder, _ = many_files
+    path = _build(folder, tokenizer_dir, str(tmp_path / "cache"), workers=3,
+                  compression=compression)  # fmt: skip
+    manifest = open_cache(path).manifest
+    merged = [s for s in manifest["shards"] if "sources" in s]
+    assert len(merged) >= 2 and len({s["bucket"] for s in manifest["shards"]}) >= 2
+    for entry in manifest["shards"]:
+        file = os.path.join(path, "shards", entry["name"])
+        assert (os.path.getsize(file), _file_sha256(file)) == (entry["bytes"], entry["sha256"])
+    # the partitions' own shards: the kept ones are still on disk, the joined ones were
+    # checked against their records when merged (a mismatch fails the build)
+    kept = 0
+    for k in range(manifest["partitions"]):
+        for entry in _record(path, f"p{k:05d}")["shards"]:
+            file = os.path.join(path, "shards", entry["name"])
+            if os.path.exists(file):
+                kept += 1
+                assert _file_sha256(file) == entry["sha256"]
+    assert kept
+    lengths = os.path.join(path, "index", "lengths.npy")
+    assert _file_sha256(lengths) == manifest["index"]["lengths"]["sha256"]
+
+
 def test_compressed_and_chat_shards_merge_with_their_masks(tokenizer_dir, tmp_path):
     folder = tmp_path / "chat"
     folder.mkdir()
@@ -170,15 +206,16 @@ def test_compressed_and_chat_shards_merge_with_their_masks(tokenizer_dir, tmp_pa
     assert all(mask is not None and not all(mask) for _, mask in got.values())
 
 
+@pytest.mark.parametrize("workers", [1, 3])
 def test_a_damaged_partial_shard_is_refused_at_commit_not_merged(
-    many_files, tokenizer_dir, tmp_path
+    many_files, tokenizer_dir, tmp_path, workers
 ):
     """A job array's shares wrote the partitions; a byte of one partial shard flipped before
     `shardcache commit`: the merge refuses it (naming it) instead of hashing the damage into
-    a new shard, and nothing is committed."""
+    a new shard, and nothing is committed (``workers`` > 1: merges run in threads)."""
     folder, _ = many_files
     out = str(tmp_path / "array")
-    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": workers,
               "shard_size": SHARD, "buckets": "16,64"}  # fmt: skip
     for i in range(2):
         build(build_options_from_mapping(values), EngineOptions(share=Share(i, 2)))
