@@ -17,7 +17,7 @@ import itertools
 import json
 import os
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
@@ -26,9 +26,16 @@ import numpy as np
 from shardcache.builder.tokenizer_memo import library_versions
 from shardcache.errors import EncoderError, MissingDependencyError
 
-#: The accelerated backend's import name and its pip extra.
+#: The first accelerated library tried (any tokenizer), and the pip extra of all of them.
 FAST_MODULE = "fastokens"
 FAST_PIP = "pip install 'shardcache[fast]'"
+
+#: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer:
+#: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that family
+#: (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to HF's.
+#: kitoken is exact on WordPiece too, but crashed the process inside ``encode_all`` in threaded
+#: builds, so WordPiece and Unigram (no exact candidate) build with HF.
+FALLBACK_MODULES: dict[str, tuple[str, ...]] = {"BPE": ("gigatoken",)}
 
 #: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,
 #: since every partition is verified during the build anyway.
@@ -70,49 +77,220 @@ class HFBackend:
         return flatten_ids([e.ids for e in encodings])
 
 
+#: ``(texts, add_special_tokens) -> (tokens uint32, lengths int64)``, flat.
+EncodeFlat = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
+
+
 class FastBackend:
-    """fastokens over the same ``tokenizer.json`` (truncation and padding off, as HF's).
+    """An accelerated library over the same ``tokenizer.json`` (truncation and padding off, as
+    HF's): fastokens, else the library :data:`FALLBACK_MODULES` names for the tokenizer's model.
+
+    Args:
+        serialized: the backend JSON (tokenizer.json's content).
+
+    Attributes:
+        name: the library used (its import name).
+        version: its version.
 
     Raises:
-        MissingDependencyError: fastokens is not installed.
-        EncoderError: fastokens refuses the tokenizer.
+        MissingDependencyError: no library for this tokenizer is installed.
+        EncoderError: every installed library for it refuses the tokenizer.
     """
 
-    name = FAST_MODULE
-
     def __init__(self, serialized: str):
-        module = import_fast_module()
-        try:
+        refusals: list[str] = []
+        missing: list[str] = []
+        for name in itertools.chain((FAST_MODULE,), _fallbacks(serialized, refusals)):
             try:
-                self.tokenizer = module.Tokenizer.from_json_str(serialized)
-            except Exception:  # retried without the decoder, else reported below
-                # Only ids are read from this backend, and a decoder never changes them: a
-                # decoder fastokens does not implement (e.g. Metaspace) must not refuse it.
-                data = json.loads(serialized)
-                if data.get("decoder") is None:
-                    raise
-                self.tokenizer = module.Tokenizer.from_json_str(
-                    json.dumps({**data, "decoder": None})
-                )
-            self.tokenizer.no_truncation()
-            self.tokenizer.no_padding()
-        except Exception as err:  # fastokens raises ValueError for what it does not implement
-            raise EncoderError(
-                f"{FAST_MODULE} cannot load this tokenizer ({type(err).__name__}: {err}); "
-                "it supports byte-level BPE and BPE tokenizers without Metaspace; build with "
-                "--encoder hf (or auto, which falls back by itself)"
-            ) from err
-        self.version = library_versions((FAST_MODULE,))[FAST_MODULE]
+                module = importlib.import_module(name)
+            except ImportError:
+                missing.append(name)
+                continue
+            try:
+                self._encode = _LOADERS[name](module, serialized)
+            except Exception as err:  # each library raises its own types for what it lacks
+                refusals.append(f"{name}: {type(err).__name__}: {err}")
+                continue
+            self.name = name
+            self.version = library_versions((name,))[name]
+            return
+        if not refusals:
+            raise MissingDependencyError(
+                f"the fast encoder needs the optional package {' or '.join(map(repr, missing))}, "
+                f"which is not installed; install it with {FAST_PIP}, or build with --encoder hf"
+            )
+        raise EncoderError(
+            f"the fast libraries cannot load this tokenizer ({'; '.join(refusals)}"
+            f"{'; not installed: ' + ', '.join(missing) if missing else ''}); byte-level BPE "
+            "and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken; build "
+            "with --encoder hf (or auto, which falls back by itself)"
+        )
 
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        ids, offsets = self.tokenizer.encode_batch_flat(
-            texts, add_special_tokens=add_special_tokens
-        )
+        """Encode ``texts`` as HF's ``encode_batch`` would.
+
+        Args:
+            texts: the documents.
+            add_special_tokens: add the post-processor's special tokens (e.g. BOS).
+
+        Returns:
+            ``(tokens uint32, lengths int64)``, flat.
+
+        Raises:
+            EncoderError: the library cannot add this tokenizer's special tokens.
+        """
+        return self._encode(texts, add_special_tokens)
+
+
+def _fallbacks(serialized: str, refusals: list[str]) -> Iterator[str]:
+    """The :data:`FALLBACK_MODULES` of the tokenizer's model type (parsed only when asked)."""
+    try:
+        model = json.loads(serialized).get("model") or {}
+    except ValueError as err:
+        refusals.append(f"tokenizer.json: {err}")
+        return
+    yield from FALLBACK_MODULES.get(model.get("type", ""), ())
+
+
+def _without_settings(serialized: str) -> dict[str, Any]:
+    data = json.loads(serialized)
+    data["truncation"] = data["padding"] = None  # as HF encodes for the build
+    return data
+
+
+def _load_fastokens(module: Any, serialized: str) -> EncodeFlat:
+    try:
+        tokenizer = module.Tokenizer.from_json_str(serialized)
+    except Exception:  # retried without the decoder, else reported by the caller
+        # Only ids are read from this backend, and a decoder never changes them: a decoder
+        # fastokens does not implement (e.g. Metaspace) must not refuse it.
+        data = json.loads(serialized)
+        if data.get("decoder") is None:
+            raise
+        tokenizer = module.Tokenizer.from_json_str(json.dumps({**data, "decoder": None}))
+    tokenizer.no_truncation()
+    tokenizer.no_padding()
+
+    def encode(texts: list[str], add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        ids, offsets = tokenizer.encode_batch_flat(texts, add_special_tokens=add_special_tokens)
         tokens = np.frombuffer(ids, dtype="<u4")
-        lengths = np.diff(np.frombuffer(offsets, dtype="<u8")).astype(np.int64)
-        return tokens, lengths
+        return tokens, np.diff(np.frombuffer(offsets, dtype="<u8")).astype(np.int64)
+
+    return encode
+
+
+def _load_gigatoken(module: Any, serialized: str) -> EncodeFlat:
+    data = _without_settings(serialized)
+    tokenizer = module.Tokenizer.from_json(json.dumps(data))
+    specials = SpecialTokens.of(data.get("post_processor"))
+
+    def encode(texts: list[str], add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        layout = tokenizer.encode_batch(texts).layout
+        offsets = np.asarray(layout.offsets.data)
+        tokens = np.asarray(layout.content.data)[offsets[0] : offsets[-1]].astype(np.uint32)
+        lengths = np.diff(offsets).astype(np.int64)
+        return specials.add(tokens, lengths) if add_special_tokens else (tokens, lengths)
+
+    return encode
+
+
+_LOADERS: dict[str, Callable[[Any, str], EncodeFlat]] = {
+    "fastokens": _load_fastokens,
+    "gigatoken": _load_gigatoken,
+}
+
+
+@dataclass(frozen=True)
+class SpecialTokens:
+    """The ids a post-processor puts around one sequence, for libraries that encode without
+    them. ``error`` is set for a post-processor this does not model (then only
+    ``add_special_tokens=False`` builds can use the library).
+
+    Attributes:
+        before: ids written before each sequence.
+        after: ids written after it.
+        error: why the post-processor cannot be applied, or None.
+    """
+
+    before: tuple[int, ...] = ()
+    after: tuple[int, ...] = ()
+    error: str | None = None
+
+    @classmethod
+    def of(cls, processor: Mapping[str, Any] | None) -> SpecialTokens:
+        """The special tokens of a tokenizer.json ``post_processor`` (None: none).
+
+        Args:
+            processor: the ``post_processor`` object, or None.
+
+        Returns:
+            Its ids for a single sequence, or an instance whose ``error`` says why not.
+        """
+        if processor is None:
+            return cls()
+        kind = processor.get("type")
+        if kind == "ByteLevel":  # offsets only
+            return cls()
+        if kind in ("BertProcessing", "RobertaProcessing"):
+            return cls((int(processor["cls"][1]),), (int(processor["sep"][1]),))
+        if kind == "Sequence":
+            parts = [cls.of(p) for p in processor.get("processors") or []]
+            errors = [p.error for p in parts if p.error]
+            if errors:
+                return cls(error=errors[0])
+            added = [p for p in parts if p.before or p.after]
+            return added[0] if len(added) == 1 else cls() if not added else cls(error="several")
+        if kind == "TemplateProcessing":
+            before: list[int] = []
+            after: list[int] = []
+            side = before
+            for piece in processor.get("single") or []:
+                if "Sequence" in piece:
+                    if side is after:
+                        return cls(error="a template with the sequence twice")
+                    side = after
+                    continue
+                name = piece.get("SpecialToken", {}).get("id")
+                ids = (processor.get("special_tokens") or {}).get(name, {}).get("ids")
+                if ids is None:
+                    return cls(error=f"template token {name!r} without ids")
+                side.extend(int(i) for i in ids)
+            return cls(tuple(before), tuple(after))
+        return cls(error=f"post-processor {kind!r}")
+
+    def add(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(tokens, lengths)`` with :attr:`before` and :attr:`after` around every sequence.
+
+        Args:
+            tokens: flat ids, uint32.
+            lengths: ids per sequence.
+
+        Returns:
+            The flat ids and lengths with the special tokens.
+
+        Raises:
+            EncoderError: the post-processor is not modelled (:attr:`error`).
+        """
+        if self.error is not None:
+            raise EncoderError(f"cannot add this tokenizer's special tokens: {self.error}")
+        if not self.before and not self.after:
+            return tokens, lengths
+        nb, na = len(self.before), len(self.after)
+        out_lengths = lengths + nb + na
+        starts = np.cumsum(out_lengths) - out_lengths
+        out = np.empty(int(out_lengths.sum()), dtype=np.uint32)
+        body = np.ones(len(out), dtype=bool)
+        for k, token in enumerate(self.before):
+            out[starts + k] = token
+            body[starts + k] = False
+        for k, token in enumerate(self.after):
+            at = starts + out_lengths - na + k
+            out[at] = token
+            body[at] = False
+        out[body] = tokens
+        return out, out_lengths
 
 
 T = TypeVar("T")
@@ -344,8 +522,8 @@ def select_backend(
 
     if chat:
         return refuse(
-            f"chat builds need character offsets (char -> token) for the loss masks, which "
-            f"{FAST_MODULE} does not provide; the Hugging Face tokenizer encodes chat data"
+            "chat builds need character offsets (char -> token) for the loss masks, which "
+            "the fast libraries do not provide; the Hugging Face tokenizer encodes chat data"
         )
     loading = loading or load_fast_ahead(serialized)
     expected = None
@@ -360,13 +538,13 @@ def select_backend(
     try:
         candidate = fast.encode_flat(texts, add_special_tokens)
     except Exception as err:  # an encode failure is a refusal, never a crash of the build
-        return refuse(f"{FAST_MODULE} failed on the gate sample ({type(err).__name__}: {err})")
+        return refuse(f"{fast.name} failed on the gate sample ({type(err).__name__}: {err})")
     if expected is None:
         expected = flatten_ids(reference.encode_lists(texts, add_special_tokens))
     diff = first_difference(texts, expected, candidate)
     if diff is not None:
         return refuse(
-            f"{FAST_MODULE} {fast.version} and HF disagree on the gate sample ({len(texts)} "
+            f"{fast.name} {fast.version} and HF disagree on the gate sample ({len(texts)} "
             f"texts: the key's probe set and {corpus_documents} corpus documents): {diff}"
         )
     return fast, EncoderSelection(

@@ -18,6 +18,7 @@ from shardcache.builder.backends import (
     Ahead,
     EarlyLoad,
     FastBackend,
+    SpecialTokens,
     adopt_early,
     build_draw_keys,
     flatten_ids,
@@ -204,14 +205,16 @@ FAMILIES = {
     "unigram": _unigram,
     "wordpiece": _wordpiece,
 }
-#: The families fastokens 0.3.5 loads (a decoder it does not implement is dropped first: a
-#: decoder never changes ids); it refuses the others at load (Metaspace pre-tokenizer, NFKC,
-#: BertNormalizer), and the gate then keeps HF.
+#: The library that loads each family (fastokens 0.3.5 drops a decoder it does not implement
+#: first: a decoder never changes ids); fastokens refuses the Metaspace pre-tokenizer, NFKC and
+#: BertNormalizer at load, then gigatoken takes Metaspace BPE; nothing loads WordPiece or
+#: Unigram with NFKC, and the gate keeps HF.
 FAST_FAMILIES = {
-    "byte_level_bpe",
-    "byte_level_bpe_nfc_split",
-    "metaspace_bpe_byte_fallback",
-    "metaspace_decoder_bpe_byte_fallback",
+    "byte_level_bpe": "fastokens",
+    "byte_level_bpe_nfc_split": "fastokens",
+    "metaspace_bpe_byte_fallback": "fastokens",
+    "metaspace_decoder_bpe_byte_fallback": "fastokens",
+    "metaspace_pretokenizer_bpe_byte_fallback": "gigatoken",
 }
 
 
@@ -267,14 +270,98 @@ def test_hf_build_ids_equal_tokenizer_call_for_every_family(family_dir):
         assert flat[i].tolist() == tok(text)["input_ids"], (name, text[:40])
 
 
-def test_families_fastokens_supports_and_refuses(family_dir):
-    """Which families the fast path covers today (fastokens 0.3.5): a new release that
-    supports more shows up here, and a tokenizer it refuses is refused at load (so the gate
-    falls back to HF instead of failing mid-build)."""
-    pytest.importorskip("fastokens")
+def test_families_each_library_supports_and_refuses(family_dir):
+    """Which library takes each family today: a new release that supports more shows up
+    here, and a tokenizer every library refuses is refused at load (so the gate falls back
+    to HF instead of failing mid-build)."""
     name, folder = family_dir
-    supported = _fast_encoder(folder) is not None
-    assert supported == (name in FAST_FAMILIES), name
+    library = FAST_FAMILIES.get(name)
+    pytest.importorskip(library or "fastokens")
+    encoder = _fast_encoder(folder)
+    assert (encoder.fast.name if encoder is not None else None) == library, name
+
+
+def test_fast_ids_without_special_tokens_equal_the_tokenizer_call(family_dir):
+    """``add_special_tokens=False`` (a recipe key): the libraries that add the
+    post-processor's tokens themselves must then add none."""
+    from transformers import AutoTokenizer
+
+    name, folder = family_dir
+    pytest.importorskip(FAST_FAMILIES.get(name) or "fastokens")
+    if name not in FAST_FAMILIES:
+        return  # refused at load: see test_families_each_library_supports_and_refuses
+    fast = FastBackend(TextEncoder(TokenizeOptions(folder)).backend.to_str())
+    texts = _texts()
+    tokens, lengths = fast.encode_flat(texts, False)
+    expected = AutoTokenizer.from_pretrained(folder)(texts, add_special_tokens=False)
+    for text, got, want in zip(texts, np.split(tokens, np.cumsum(lengths)[:-1]),
+                               expected["input_ids"]):  # fmt: skip
+        assert got.tolist() == want, (name, text[:40])
+
+
+@pytest.mark.parametrize(
+    ("processor", "before", "after"),
+    [
+        (None, (), ()),
+        ({"type": "ByteLevel", "trim_offsets": True}, (), ()),
+        ({"type": "BertProcessing", "sep": ["[SEP]", 3], "cls": ["[CLS]", 2]}, (2,), (3,)),
+        ({"type": "RobertaProcessing", "sep": ["</s>", 2], "cls": ["<s>", 0]}, (0,), (2,)),
+        (
+            {
+                "type": "TemplateProcessing",
+                "single": [
+                    {"SpecialToken": {"id": "<s>", "type_id": 0}},
+                    {"SpecialToken": {"id": "<x>", "type_id": 0}},
+                    {"Sequence": {"id": "A", "type_id": 0}},
+                    {"SpecialToken": {"id": "</s>", "type_id": 0}},
+                ],
+                "special_tokens": {
+                    "<s>": {"ids": [1]},
+                    "<x>": {"ids": [7, 8]},
+                    "</s>": {"ids": [2]},
+                },
+            },
+            (1, 7, 8),
+            (2,),
+        ),
+        (
+            {
+                "type": "Sequence",
+                "processors": [
+                    {"type": "ByteLevel"},
+                    {
+                        "type": "TemplateProcessing",
+                        "single": [
+                            {"SpecialToken": {"id": "<s>", "type_id": 0}},
+                            {"Sequence": {"id": "A", "type_id": 0}},
+                        ],
+                        "special_tokens": {"<s>": {"ids": [5]}},
+                    },
+                ],
+            },
+            (5,),
+            (),
+        ),
+    ],
+)
+def test_special_tokens_of_a_post_processor_surround_every_sequence(processor, before, after):
+    specials = SpecialTokens.of(processor)
+    assert (specials.before, specials.after, specials.error) == (before, after, None)
+    tokens = np.arange(100, 106, dtype=np.uint32)
+    lengths = np.array([2, 0, 4], dtype=np.int64)
+    out, out_lengths = specials.add(tokens, lengths)
+    pieces = [[100, 101], [], [102, 103, 104, 105]]
+    expected = [[*before, *piece, *after] for piece in pieces]
+    assert out_lengths.tolist() == [len(e) for e in expected]
+    assert out.dtype == np.uint32 and out.tolist() == [i for e in expected for i in e]
+
+
+def test_an_unmodelled_post_processor_refuses_special_tokens_only():
+    specials = SpecialTokens.of({"type": "SomethingNew"})
+    assert "SomethingNew" in str(specials.error)
+    tokens, lengths = np.arange(3, dtype=np.uint32), np.array([3], dtype=np.int64)
+    with pytest.raises(EncoderError, match="cannot add this tokenizer's special tokens"):
+        specials.add(tokens, lengths)
 
 
 def test_flatten_ids():
@@ -351,17 +438,30 @@ def _build(corpus: str, tokenizer: str, out: str, **options) -> dict:
         return json.load(f)
 
 
-def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_dir, tmp_path):
-    pytest.importorskip("fastokens")
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory) -> str:
+    """Mistral style: BPE with byte fallback under a Metaspace pre-tokenizer, <s> added."""
+    return _metaspace_byte_fallback(str(tmp_path_factory.mktemp("tok-mistral")), True)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "library"),
+    [("tokenizer_dir", "fastokens"), ("mistral_dir", "gigatoken")],
+)
+def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer, library, tmp_path,
+                                                       request):  # fmt: skip
+    """Each library's build stores exactly the HF build's bytes."""
+    pytest.importorskip(library)
     from transformers import AutoTokenizer
 
-    fast = _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
-    hf = _build(hard_corpus, tokenizer_dir, str(tmp_path / "hf"), encoder="hf")
+    folder = request.getfixturevalue(tokenizer)
+    fast = _build(hard_corpus, folder, str(tmp_path / "fast"), encoder="fast")
+    hf = _build(hard_corpus, folder, str(tmp_path / "hf"), encoder="hf")
     assert cache_data_files(str(tmp_path / "fast")) == cache_data_files(str(tmp_path / "hf"))
     assert fast["key"] == hf["key"]  # the key does not depend on the backend
     enc = fast["encoder"]
-    assert enc["partitions_by_backend"] == {"fastokens": 2}
-    assert enc["versions"][0].startswith("fastokens ")
+    assert enc["partitions_by_backend"] == {library: 2}
+    assert enc["versions"][0].startswith(f"{library} ")
     assert enc["mismatches"] == 0 and enc["partitions_reencoded"] == []
     # a corpus this small is verified whole (the sample's floor)
     assert enc["verify_fraction"] == 1.0
@@ -370,7 +470,9 @@ def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_di
     assert "ids equal to HF on the gate sample" in enc["gate"][0]
     assert hf["encoder"]["partitions_by_backend"] == {"hf": 2}
     assert hf["encoder"]["gate"] == ["hf: --encoder hf"]
-    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    if library != "fastokens":
+        return  # the ids: as the HF build's (above), whose ids the family tests check
+    tok = AutoTokenizer.from_pretrained(folder)
     texts = _texts()
     for seq in open_cache(str(tmp_path / "fast")).iter_sequences():
         offset = 0 if seq.provenance.source == "a.jsonl" else 70
@@ -380,7 +482,8 @@ def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer_di
 
 def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir, tmp_path,
                                                      monkeypatch):  # fmt: skip
-    monkeypatch.setitem(sys.modules, "fastokens", None)  # `import fastokens` raises
+    for module in ("fastokens", "gigatoken"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import fastokens` raises
     manifest = _build(hard_corpus, tokenizer_dir, str(tmp_path / "auto"))
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
     [reason] = manifest["encoder"]["gate"]
@@ -389,15 +492,28 @@ def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir,
         _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
 
 
-def test_gate_falls_back_when_fastokens_refuses_the_tokenizer(hard_corpus, wordpiece_dir,
-                                                              tmp_path):  # fmt: skip
+def test_gate_falls_back_when_every_library_refuses_the_tokenizer(
+    hard_corpus, wordpiece_dir, tmp_path
+):
+    """fastokens refuses BertNormalizer, and no other library is tried for WordPiece."""
     pytest.importorskip("fastokens")
     manifest = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
-    assert "cannot load this tokenizer" in manifest["encoder"]["gate"][0]
-    assert "BertNormalizer" in manifest["encoder"]["gate"][0]
+    [reason] = manifest["encoder"]["gate"]
+    assert "cannot load this tokenizer" in reason and "BertNormalizer" in reason
     with pytest.raises(EncoderError, match="cannot load this tokenizer"):
         _build(hard_corpus, wordpiece_dir, str(tmp_path / "fast"), encoder="fast")
+
+
+def test_gigatoken_is_tried_only_when_fastokens_refuses(hard_corpus, mistral_dir, tmp_path,
+                                                       monkeypatch):  # fmt: skip
+    """Without gigatoken a Mistral-style tokenizer builds with HF, saying what is missing."""
+    pytest.importorskip("fastokens")
+    monkeypatch.setitem(sys.modules, "gigatoken", None)  # `import gigatoken` raises
+    manifest = _build(hard_corpus, mistral_dir, str(tmp_path / "auto"))
+    assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
+    [reason] = manifest["encoder"]["gate"]
+    assert "Metaspace" in reason and "not installed: gigatoken" in reason
 
 
 def _inject_wrong_id(monkeypatch, when) -> None:
