@@ -291,6 +291,8 @@ def load_candidate(name: str, folder: str) -> Encode:
             if type(err).__name__ == "MissingDependencyError":
                 raise ImportError("not installed") from err
             raise
+        if fast.name != "fastokens":  # fastokens refused it; the build would use another
+            raise ValueError(f"fastokens refuses it (a build uses {fast.name})")
         return lambda texts: fast.encode_flat(texts, False)
     if name == "gigatoken":
         giga = importlib.import_module("gigatoken").Tokenizer.from_json(serialized)
