@@ -374,46 +374,70 @@ def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class EarlyLoad:
-    """A fast backend loaded from a folder's tokenizer.json before transformers ran: the
-    file's :func:`ids_content`, and the ``backend`` or the refusal ``error``."""
+    """A fast backend loaded from a folder's tokenizer.json before the tokenizer was resolved:
+    the file's ``text`` (kept until adopted), and the ``backend`` or the refusal ``error``."""
 
-    content: dict[str, Any] | None
+    text: str | None
     backend: FastBackend | None = None
     error: EncoderError | MissingDependencyError | None = None
 
+    def take(self) -> FastBackend:
+        """The backend (the text is freed), or its refusal raised."""
+        self.text = None
+        if self.error is not None:
+            raise self.error
+        return self.backend  # type: ignore[return-value]
 
-def _load_early(path: str) -> EarlyLoad:
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
-    early = EarlyLoad(None)
+
+def _load_early(path: str, text: str | None, entered: threading.Event) -> EarlyLoad:
+    entered.set()
+    if text is None:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    early = EarlyLoad(text)
     try:
         early.backend = FastBackend(text)
     except (EncoderError, MissingDependencyError) as err:
         early.error = err
-    early.content = ids_content(json.loads(text))
     return early
 
 
-def load_fast_early(folder: str) -> Ahead[EarlyLoad] | None:
+def load_fast_early(folder: str, text: str | None = None) -> Ahead[EarlyLoad] | None:
     """Start loading the fast backend from ``folder/tokenizer.json`` in a thread (None if the
-    folder has none); :func:`adopt_early` decides whether it is used."""
+    folder has none); :func:`adopt_early` or :func:`adopt_agreed` decides whether it is used.
+
+    Args:
+        folder: the tokenizer folder.
+        text: the file's text when the caller has read it (the load starts from it).
+
+    Returns:
+        The load in progress, or None.
+    """
     path = os.path.join(folder, "tokenizer.json")
-    return Ahead(_load_early, path) if os.path.isfile(path) else None
+    if text is None and not os.path.isfile(path):
+        return None
+    with contextlib.suppress(MissingDependencyError):  # the thread reports it
+        import_fast_module()
+    entered = threading.Event()
+    ahead = Ahead(_load_early, path, text, entered)
+    entered.wait(timeout=1.0)  # running before the caller takes the GIL for long
+    return ahead
 
 
 def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized: str) -> Any:
     try:
         loaded = early.result()
-    except (OSError, ValueError):  # file unreadable or not JSON: load transformers' JSON
+    except (OSError, ValueError):  # file unreadable: load transformers' JSON
         return FastBackend(serialized)
-    same = loaded.content == ids_content(backend_json)
-    loaded.content = None  # the parsed file (large for a big vocabulary) goes now
+    text, loaded.text = loaded.text, None  # the file (large for a big vocabulary) goes now
+    try:
+        same = ids_content(json.loads(text or "")) == ids_content(backend_json)
+    except (ValueError, RecursionError):  # not JSON: load transformers' JSON
+        same = False
     if not same:
         loaded.backend = None
         return FastBackend(serialized)
-    if loaded.error is not None:
-        raise loaded.error
-    return loaded.backend
+    return loaded.take()
 
 
 def adopt_early(
@@ -422,6 +446,17 @@ def adopt_early(
     """The early fast backend when its file has the same :func:`ids_content` as
     ``backend_json``, else one loading from ``serialized`` in the background."""
     return Ahead(_adopt, early, backend_json, serialized)
+
+
+def adopt_agreed(early: Ahead[EarlyLoad]) -> Ahead[FastBackend]:
+    """The early fast backend as it is, for a caller that has checked that the text it was
+    loaded from agrees, in every part that decides ids, with the tokenizer the build uses
+    (:func:`~shardcache.builder.tokenizer_memo.read_resolved` does, for the memo)."""
+    return Ahead(_take, early)
+
+
+def _take(early: Ahead[EarlyLoad]) -> FastBackend:
+    return early.result().take()
 
 
 def import_fast_module() -> Any:

@@ -13,10 +13,10 @@ import json
 from collections.abc import Callable
 from typing import Any, Union
 
-from shardcache.builder.backends import EncoderSelection, load_fast_early
+from shardcache.builder.backends import EncoderSelection, adopt_agreed, load_fast_early
 from shardcache.builder.chat import ChatEncoder
 from shardcache.builder.tokenize import TextEncoder
-from shardcache.builder.tokenizer_memo import read_resolved
+from shardcache.builder.tokenizer_memo import read_resolved, tokenizer_json_text
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
 
 Encoder = Union[TextEncoder, ChatEncoder]  # noqa: UP007 - a runtime alias
@@ -33,15 +33,22 @@ def make_encoder(
     """A TextEncoder, or for chat data a ChatEncoder wrapping one.
 
     Text is built from the tokenizer memo when it agrees with the folder, else through
-    transformers; ``preload_fast`` starts loading the fast backend for the gate; ``audit``
-    never reads the memo."""
+    transformers; ``audit`` never reads the memo. ``preload_fast`` starts loading the fast
+    backend for the gate from tokenizer.json first thing, so the load overlaps resolving the
+    tokenizer; it is used when the memo agrees with that very text, or when its content
+    equals what transformers resolved."""
     if chat is not None:
         return ChatEncoder(TextEncoder(tokenize), chat)
-    resolved = None if audit else read_resolved(tokenize.tokenizer)
-    if resolved is not None:
-        return TextEncoder.from_resolved(tokenize, resolved, preload_fast)
-    early = load_fast_early(tokenize.tokenizer) if preload_fast else None
-    return TextEncoder(tokenize, preload_fast=preload_fast, early=early)
+    folder = tokenize.tokenizer
+    saved = tokenizer_json_text(folder) if preload_fast or not audit else None
+    early = load_fast_early(folder, saved) if preload_fast and saved is not None else None
+    resolved = None if audit else read_resolved(folder, saved)
+    if resolved is None:
+        return TextEncoder(tokenize, preload_fast=preload_fast, early=early)
+    encoder = TextEncoder.from_resolved(tokenize, resolved, preload_fast and early is None)
+    if early is not None:  # the memo agreed with the text it loads
+        encoder.fast_loading = adopt_agreed(early)
+    return encoder
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:

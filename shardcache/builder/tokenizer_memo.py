@@ -160,8 +160,26 @@ def folder_digest(folder: str) -> str | None:
     return sha256_text(canonical_json(head))
 
 
-def read_resolved(folder: str) -> ResolvedTokenizer | None:
-    """The memoised record of ``folder``, or None on any miss (damaged, absent, disabled)."""
+def tokenizer_json_text(folder: str) -> str | None:
+    """The text of ``folder/tokenizer.json``, or None when it cannot be read."""
+    try:
+        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+            return f.read()
+    except (OSError, ValueError):  # absent, unreadable or not UTF-8
+        return None
+
+
+def read_resolved(folder: str, saved: str | None = None) -> ResolvedTokenizer | None:
+    """The memoised record of ``folder``, or None on any miss (damaged, absent, disabled).
+
+    Args:
+        folder: the tokenizer folder.
+        saved: the text of its tokenizer.json when the caller has read it: the record is then
+            checked against that very text (default: the file is read).
+
+    Returns:
+        The record, or None.
+    """
     if memo_disabled():  # not even the digest
         return None
     digest = folder_digest(folder)
@@ -174,7 +192,7 @@ def read_resolved(folder: str) -> ResolvedTokenizer | None:
         resolved = ResolvedTokenizer.from_json(value)
     except (ValueError, TypeError):
         return None
-    return resolved if agrees_with_files(resolved, folder) else None
+    return resolved if agrees_with_files(resolved, folder, saved) else None
 
 
 #: The parts of a tokenizer.json that decide which ids a text gets.
@@ -185,22 +203,25 @@ PIPELINE_PARTS = ("model", "normalizer", "pre_tokenizer", "post_processor", "dec
 SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
-def agrees_with_files(resolved: ResolvedTokenizer, folder: str) -> bool:
+def agrees_with_files(resolved: ResolvedTokenizer, folder: str, text: str | None = None) -> bool:
     """Whether every part of ``resolved`` that decides ids agrees with ``folder``'s files
     (False when that cannot be told).
 
     Args:
         resolved: a record read from the memo.
         folder: the tokenizer folder it claims to describe.
+        text: the text of its tokenizer.json, when already read (default: the file is read).
 
     Returns:
         True when the record can be used instead of resolving through transformers.
     """
+    text = text if text is not None else tokenizer_json_text(folder)
+    if text is None:
+        return False
     try:
-        with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
-            saved = json.load(f)
+        saved = json.loads(text)
         backend = json.loads(resolved.backend)
-    except (OSError, ValueError, RecursionError):
+    except (ValueError, RecursionError):
         return False
     if not isinstance(saved, dict) or not isinstance(backend, dict):
         return False

@@ -19,6 +19,7 @@ from shardcache.builder.backends import (
     EarlyLoad,
     FastBackend,
     SpecialTokens,
+    adopt_agreed,
     adopt_early,
     build_draw_keys,
     flatten_ids,
@@ -695,7 +696,7 @@ def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp
     assert early is not None and load_fast_early(str(tmp_path)) is None
     loaded = early.result()
     adopted = adopt_early(early, encoder.backend_json, serialized).result()
-    assert adopted is loaded.backend and loaded.content is None  # the parsed file is freed
+    assert adopted is loaded.backend and loaded.text is None  # the file's text is freed
     changed = json.loads(serialized)
     vocab = changed["model"]["vocab"]
     vocab["a"], vocab["b"] = vocab["b"], vocab["a"]  # what transformers' JSON would change
@@ -704,8 +705,7 @@ def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp
     assert reloaded is not early.result().backend
     assert reloaded.encode_flat(["a"], False)[0].tolist() == [vocab["a"]]
     # a refusal of the same content is the refusal; an unreadable file is not
-    refusal = Ahead(lambda: EarlyLoad(ids_content(encoder.backend_json), None,
-                                      EncoderError("refused")))  # fmt: skip
+    refusal = Ahead(lambda: EarlyLoad(serialized, None, EncoderError("refused")))
     with pytest.raises(EncoderError, match="refused"):
         adopt_early(refusal, encoder.backend_json, serialized).result()
 
@@ -714,12 +714,32 @@ def test_early_fast_load_is_adopted_only_for_the_same_content(tokenizer_dir, tmp
 
     fallback = adopt_early(Ahead(unreadable), encoder.backend_json, serialized).result()
     assert isinstance(fallback, FastBackend)
+    not_json = Ahead(lambda: EarlyLoad("{not json", None, EncoderError("refused")))
+    assert isinstance(adopt_early(not_json, encoder.backend_json, serialized).result(), FastBackend)
+
+
+def test_early_fast_load_from_given_text_is_adopted_as_agreed(tokenizer_dir):
+    """A load started from text the caller read is that text's backend; adopt_agreed hands it
+    over as it is (the text freed) or raises its refusal."""
+    pytest.importorskip("fastokens")
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+        text = f.read()
+    changed = json.loads(text)
+    vocab = changed["model"]["vocab"]
+    vocab["a"], vocab["b"] = vocab["b"], vocab["a"]
+    early = load_fast_early("/no/such/folder", json.dumps(changed))  # the text, not the file
+    assert early is not None and early.result().text is not None
+    fast = adopt_agreed(early).result()
+    assert fast.encode_flat(["a"], False)[0].tolist() == [vocab["a"]]
+    assert early.result().text is None
+    refusal = Ahead(lambda: EarlyLoad(text, None, EncoderError("refused")))
+    with pytest.raises(EncoderError, match="refused"):
+        adopt_agreed(refusal).result()
 
 
 def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, monkeypatch):
-    """A default build loads the fast backend once: from tokenizer.json when transformers
-    resolves the tokenizer (no memo), from the memo's backend JSON otherwise; its cache equals
-    the HF build's either way."""
+    """A default build loads the fast backend once, from tokenizer.json, whether transformers
+    (no memo) or the memo resolves the tokenizer; its cache equals the HF build's either way."""
     pytest.importorskip("fastokens")
     loads = []
     real = FastBackend.__init__
@@ -741,6 +761,7 @@ def test_fast_build_adopts_the_early_load(hard_corpus, tokenizer_dir, tmp_path, 
     monkeypatch.delenv("SHARDCACHE_NO_MEMO")
     loads.clear()
     _build(hard_corpus, tokenizer_dir, str(tmp_path / "warm"))
-    resolved = read_resolved(tokenizer_dir)
-    assert resolved is not None and loads == [resolved.backend]
+    assert read_resolved(tokenizer_dir) is not None  # the memo resolved it
+    with open(os.path.join(tokenizer_dir, "tokenizer.json"), encoding="utf-8") as f:
+        assert loads == [f.read()]
     assert cache_data_files(str(tmp_path / "warm")) == cache_data_files(hf_out)

@@ -338,3 +338,17 @@ def test_audits_never_read_the_memo(corpus, tokenizer_dir, tmp_path):
     written = runner.invoke(main, ["lock", "-t", tokenizer_dir, "-i", folder, "-o", lock])
     assert written.exit_code == 0, written.output
     assert runner.invoke(main, ["check", out, "--lock", lock]).exit_code == 0
+
+
+def test_the_memo_is_checked_against_the_tokenizer_json_text_given(tokenizer_dir):
+    """``read_resolved(folder, saved)`` uses the record only when it agrees with ``saved``, the
+    text the build's early fast load starts from (not another read of the file)."""
+    make_encoder(TokenizeOptions(tokenizer_dir), None)  # writes the memo
+    text = resolved.tokenizer_json_text(tokenizer_dir)
+    assert text is not None and read_resolved(tokenizer_dir, text) is not None
+    other = json.loads(text)
+    vocab = other["model"]["vocab"]
+    a, b = sorted(vocab)[:2]
+    vocab[a], vocab[b] = vocab[b], vocab[a]
+    assert read_resolved(tokenizer_dir, json.dumps(other)) is None
+    assert resolved.tokenizer_json_text(os.path.join(tokenizer_dir, "absent")) is None
