@@ -3,7 +3,7 @@
 :class:`HFBackend` (``tokenizers``) is the reference; :class:`FastBackend` (fastokens,
 ``shardcache[fast]``) is used only when :func:`select_backend` finds it encodes the key's
 probe and a corpus sample to exactly HF's ids; a random sample of the documents it encodes is
-then re-checked (:func:`sampled`, :func:`verify_sample`). Either returns ``(tokens uint32,
+then re-checked (:func:`sampled`, :class:`SampleVerifier`). Either returns ``(tokens uint32,
 lengths int64)`` flat arrays. The cache key never depends on the backend. User-facing rules:
 docs/guide/building.md.
 """
@@ -672,31 +672,134 @@ def sampled(records: np.ndarray, rate: float, salt: int) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) < rate * 2.0**53
 
 
-def verify_sample(
-    texts: list[str],
-    tokens: np.ndarray,
-    lengths: np.ndarray,
-    positions: np.ndarray,
-    reference: HFBackend,
-    add_special_tokens: bool,
-    counts: VerifyCounts,
-) -> None:
-    """Re-encode ``texts[positions]`` with HF as an HF build does and compare with the fast
-    ids; each differing document adds a mismatch and its description to ``counts``."""
-    if len(positions) == 0:
-        return
-    ends = np.cumsum(lengths)
-    picked = [texts[i] for i in positions]
-    ref_tokens, ref_lengths = reference.encode_flat(picked, add_special_tokens)
-    ref_ends = np.cumsum(ref_lengths)
-    counts.documents += len(positions)
-    counts.tokens += int(ref_lengths.sum())
-    for j, i in enumerate(positions):
+#: Characters of sampled documents one background HF call verifies: the samples of many
+#: batches go in one call, since every call also pays a thread start, GIL hand-overs and the
+#: wake-up of HF's thread pool, which in a busy build outweigh encoding a few documents.
+VERIFY_GROUP_CHARS = 64 * 1024
+
+#: Groups whose verification may still run in the background while the encoder goes on.
+VERIFY_AHEAD = 2
+
+
+@dataclass
+class SampledBatch:
+    """One batch's verification sample: the documents' ``positions`` in the batch, their
+    ``texts`` and their fast ids (``tokens`` flat, ``lengths`` per document), copied."""
+
+    positions: np.ndarray
+    texts: list[str]
+    tokens: np.ndarray
+    lengths: np.ndarray
+
+    @classmethod
+    def of(
+        cls, texts: list[str], tokens: np.ndarray, lengths: np.ndarray, positions: np.ndarray
+    ) -> SampledBatch:
+        """The sample ``positions`` of a batch (``texts`` and its flat fast ids)."""
+        ends = np.cumsum(lengths)
+        starts = ends - lengths
+        picked = [tokens[starts[i] : ends[i]] for i in positions]
+        flat = np.concatenate(picked) if picked else np.zeros(0, dtype=tokens.dtype)
+        return cls(positions, [texts[i] for i in positions], flat, lengths[positions].copy())
+
+
+def verify_group(
+    group: list[SampledBatch], reference: HFBackend, add_special_tokens: bool
+) -> list[VerifyCounts]:
+    """Re-encode the samples of ``group`` with HF in one call, as an HF build does, and
+    compare with the fast ids.
+
+    Args:
+        group: consecutive batches' samples, in order.
+        reference: the HF backend.
+        add_special_tokens: as the build encodes.
+
+    Returns:
+        Each batch's counts: a differing document adds a mismatch and its description; an HF
+        failure is a difference of the batch it fails on.
+    """
+    try:
+        ref_tokens, ref_lengths = reference.encode_flat(
+            [text for batch in group for text in batch.texts], add_special_tokens
+        )
+    except Exception as err:  # any HF failure is the batch's
+        if len(group) > 1:  # find the batch it fails on
+            return [c for batch in group for c in verify_group([batch], reference,
+                                                               add_special_tokens)]  # fmt: skip
+        detail = f"HF failed on the verification sample ({type(err).__name__}: {err})"[:300]
+        return [VerifyCounts(mismatches=1, detail=[detail])]
+    out = []
+    docs = np.cumsum([0, *(len(batch.texts) for batch in group)])
+    ends = np.cumsum(ref_lengths)
+    for batch, first, last in zip(group, docs[:-1], docs[1:]):
+        start = int(ends[first - 1]) if first else 0
+        end = int(ends[last - 1]) if last else 0
+        out.append(_compare_sample(batch, ref_tokens[start:end], ref_lengths[first:last]))
+    return out
+
+
+def _compare_sample(
+    batch: SampledBatch, ref_tokens: np.ndarray, ref_lengths: np.ndarray
+) -> VerifyCounts:
+    counts = VerifyCounts(documents=len(batch.texts), tokens=int(ref_lengths.sum()))
+    if np.array_equal(ref_lengths, batch.lengths) and np.array_equal(ref_tokens, batch.tokens):
+        return counts
+    ref_ends, ends = np.cumsum(ref_lengths), np.cumsum(batch.lengths)
+    for j, i in enumerate(batch.positions):
         expected = ref_tokens[ref_ends[j] - ref_lengths[j] : ref_ends[j]]
-        got = tokens[ends[i] - lengths[i] : ends[i]]
+        got = batch.tokens[ends[j] - batch.lengths[j] : ends[j]]
         if len(got) == len(expected) and np.array_equal(got, expected):
             continue
         counts.mismatches += 1
         a, b = expected, got
-        diff = first_difference([texts[i]], (a, np.asarray([len(a)])), (b, np.asarray([len(b)])))
+        text = batch.texts[j]
+        diff = first_difference([text], (a, np.asarray([len(a)])), (b, np.asarray([len(b)])))
         counts.detail.append(f"document {int(i)} of the batch: {diff}")
+    return counts
+
+
+class SampleVerifier:
+    """The in-build verification of an encoder's batches: each batch's sample is queued, and
+    every :data:`VERIFY_GROUP_CHARS` of it is verified by :func:`verify_group` in a background
+    thread (at most :data:`VERIFY_AHEAD` behind); :meth:`settle` verifies the rest."""
+
+    def __init__(self) -> None:
+        self._queued: list[SampledBatch] = []
+        self._chars = 0
+        self._jobs: list[Ahead[list[VerifyCounts]]] = []
+        self._how: tuple[Any, ...] = ()
+
+    def add(
+        self,
+        sample: SampledBatch,
+        reference: HFBackend,
+        add_special_tokens: bool,
+        times: Any = None,
+    ) -> None:
+        """Queue one batch's sample; ``times`` (a ``StageTimes``) takes the verification's
+        wall seconds as ``verify_busy``."""
+        self._queued.append(sample)
+        self._chars += sum(map(len, sample.texts))
+        self._how = (reference, add_special_tokens, times)
+        if self._chars >= VERIFY_GROUP_CHARS:
+            self._start()
+
+    def _start(self) -> None:
+        if len(self._jobs) >= VERIFY_AHEAD:  # backpressure
+            self._jobs[-VERIFY_AHEAD].result()
+        group, self._queued, self._chars = self._queued, [], 0
+        self._jobs.append(Ahead(_verify_timed, group, *self._how))
+
+    def settle(self) -> list[VerifyCounts]:
+        """Verify what is queued and wait for every group: each batch's counts, in order."""
+        if self._queued:
+            self._start()
+        jobs, self._jobs = self._jobs, []
+        return [counts for job in jobs for counts in job.result()]
+
+
+def _verify_timed(
+    group: list[SampledBatch], reference: HFBackend, add_special_tokens: bool, times: Any
+) -> list[VerifyCounts]:
+    with times.busy("verify_busy") if times is not None else contextlib.nullcontext():
+        return verify_group(group, reference, add_special_tokens)

@@ -31,12 +31,13 @@ from shardcache.builder.backends import (
     EncoderSelection,
     FastBackend,
     HFBackend,
+    SampledBatch,
+    SampleVerifier,
     VerifyCounts,
     adopt_early,
     build_draw_keys,
     load_fast_ahead,
     sampled,
-    verify_sample,
 )
 from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
 from shardcache.builder.stage_times import StageTimes
@@ -331,7 +332,7 @@ class TextEncoder:
         #: The share of documents verified (:func:`~shardcache.builder.backends.verify_rate`).
         self.verify_fraction = DEFAULT_VERIFY_FRACTION
         self.verify = VerifyCounts()
-        self._verifying: list[Ahead[VerifyCounts]] = []  # per batch, in order (background)
+        self._verifying = SampleVerifier()  # the batches' samples, verified in the background
         #: The partition's stage times (set per partition): the verification's seconds.
         self.stage_times: StageTimes | None = None
 
@@ -353,7 +354,7 @@ class TextEncoder:
         """A copy for one partition (partitions may run at once in threads): the same
         backends, its own verification counts and stage times."""
         clone = copy.copy(self)
-        clone.verify, clone._verifying, clone.stage_times = VerifyCounts(), [], None
+        clone.verify, clone._verifying, clone.stage_times = VerifyCounts(), SampleVerifier(), None
         return clone
 
     def take_verify(self) -> VerifyCounts:
@@ -441,11 +442,8 @@ class TextEncoder:
         positions = np.flatnonzero(sampled(keys, self.verify_fraction, 0))
         if len(positions) == 0:
             return FlatIds(tokens, lengths)
-        tokens.flags.writeable = False  # the verification below reads them in a thread
-        if len(self._verifying) >= VERIFY_AHEAD:  # backpressure: at most this many behind
-            self._verifying[-VERIFY_AHEAD].result()
-        job = (texts, tokens, lengths, positions, self.reference, self.add_special_tokens)
-        self._verifying.append(Ahead(_verify_batch, *job, self.stage_times))
+        sample = SampledBatch.of(texts, tokens, lengths, positions)
+        self._verifying.add(sample, self.reference, self.add_special_tokens, self.stage_times)
         return FlatIds(tokens, lengths)
 
     def check_verified(self) -> None:
@@ -464,9 +462,7 @@ class TextEncoder:
     def _settle_verify(self) -> None:
         """Add the background verifications' counts in batch order, up to the first batch
         with a difference, so counts never depend on thread timing."""
-        pending, self._verifying = self._verifying, []
-        for job in pending:
-            counts = job.result()
+        for counts in self._verifying.settle():
             if self.verify.mismatches:
                 continue
             self.verify.documents += counts.documents
@@ -492,33 +488,6 @@ class TextEncoder:
         stats.sequences += len(encoded.lengths)
         stats.tokens += int(encoded.lengths.sum())
         return encoded
-
-
-#: Batches whose HF verification may still run in the background while the next encode.
-VERIFY_AHEAD = 2
-
-
-def _verify_batch(
-    texts: list[str],
-    tokens: np.ndarray,
-    lengths: np.ndarray,
-    positions: np.ndarray,
-    reference: HFBackend,
-    add_special_tokens: bool,
-    times: StageTimes | None = None,
-) -> VerifyCounts:
-    """:func:`verify_sample` of one batch in a background thread; an HF failure on a sampled
-    text counts as a difference."""
-    counts = VerifyCounts()
-    try:
-        with times.busy("verify_busy") if times is not None else contextlib.nullcontext():
-            verify_sample(texts, tokens, lengths, positions, reference, add_special_tokens,
-                          counts)  # fmt: skip
-    except Exception as err:  # any HF failure is the partition's
-        counts.mismatches += 1
-        counts.detail.append(f"HF failed on the verification sample ({type(err).__name__}: "
-                             f"{err})"[:300])  # fmt: skip
-    return counts
 
 
 def _plain(value: Any) -> Any:

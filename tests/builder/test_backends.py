@@ -613,6 +613,49 @@ def test_background_verification_counts_up_to_the_first_difference(tokenizer_dir
     assert encoder.take_verify().mismatches == 1
 
 
+@pytest.mark.parametrize("group_chars", [None, 1])
+def test_the_samples_of_many_batches_are_verified_in_few_hf_calls(tokenizer_dir, monkeypatch,
+                                                                 group_chars):  # fmt: skip
+    """The batches' samples are re-encoded with HF a group at a time (one call for all five
+    batches here), with the counts of a check batch by batch; a difference in a batch of a
+    group still ends the counts at that batch."""
+    pytest.importorskip("fastokens")
+    from shardcache.builder import backends
+    from shardcache.builder.tokenize import EncodingMismatch
+
+    if group_chars is not None:  # every batch its own group
+        monkeypatch.setattr(backends, "VERIFY_GROUP_CHARS", group_chars)
+    batches = [make_texts(40, seed=s) for s in range(5)]
+    records = [build_draw_keys(np.arange(40 * k, 40 * (k + 1)), None, ("a.jsonl",))
+               for k in range(5)]  # fmt: skip
+    expected = [int(sampled(rec, 1 / 4, 0).sum()) for rec in records]
+    encoder = _fast_encoder(tokenizer_dir)
+    assert encoder is not None
+    encoder.verify_fraction = 1 / 4
+    calls = []
+    real = encoder.reference.encode_flat
+
+    def counting(texts, add_special_tokens):
+        calls.append(len(texts))
+        return real(texts, add_special_tokens)
+
+    monkeypatch.setattr(encoder.reference, "encode_flat", counting)
+    for batch, rec in zip(batches, records):
+        encoder.encode_texts(batch, rec)
+    encoder.check_verified()
+    clean = encoder.take_verify()
+    assert clean.documents == sum(expected) and clean.mismatches == 0
+    assert calls == ([sum(expected)] if group_chars is None else expected)
+    wrong_batch = batches[3]
+    _inject_wrong_id(monkeypatch, lambda text, call: text in wrong_batch)
+    for batch, rec in zip(batches, records):
+        encoder.encode_texts(batch, rec)
+    with pytest.raises(EncodingMismatch, match="of the batch: text 0"):
+        encoder.check_verified()
+    counts = encoder.take_verify()
+    assert counts.documents == sum(expected[:4]) and counts.mismatches == expected[3]
+
+
 def test_chat_builds_use_hf_and_say_why(tmp_path, chatml_tokenizer_dir):
     convs = make_conversations(30, seed=4)
     convs[0][-1]["content"] += " 東京 🙂 e\u0301  <|im_end|>"
