@@ -23,7 +23,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
-from shardcache.builder.tokenizer_memo import library_versions
+from shardcache.builder.tokenizer_memo import library_versions, parse_tokenizer_json
 from shardcache.errors import EncoderError, MissingDependencyError
 
 #: The first accelerated library tried (any tokenizer), and the pip extra of all of them.
@@ -431,7 +431,7 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
         return FastBackend(serialized)
     text, loaded.text = loaded.text, None  # the file (large for a big vocabulary) goes now
     try:
-        same = ids_content(json.loads(text or "")) == ids_content(backend_json)
+        same = ids_content(parse_tokenizer_json(text or "")) == ids_content(backend_json)
     except (ValueError, RecursionError):  # not JSON: load transformers' JSON
         same = False
     if not same:

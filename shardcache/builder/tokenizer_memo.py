@@ -12,6 +12,7 @@ chat builds and audits never use it.
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 from dataclasses import dataclass, fields
@@ -160,6 +161,32 @@ def folder_digest(folder: str) -> str | None:
     return sha256_text(canonical_json(head))
 
 
+def parse_tokenizer_json(text: str) -> Any:
+    """``json.loads(text)`` with the cyclic garbage collector paused.
+
+    A tokenizer's JSON holds hundreds of thousands of containers (vocabulary, merges), none
+    in a cycle; the collections their allocation would trigger traverse all of them and
+    everything else alive, to free nothing.
+
+    Args:
+        text: a tokenizer.json (or transformers' backend JSON).
+
+    Returns:
+        The parsed value.
+
+    Raises:
+        ValueError: ``text`` is not JSON.
+        RecursionError: it nests too deep.
+    """
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        return json.loads(text)
+    finally:
+        if enabled:
+            gc.enable()
+
+
 def tokenizer_json_text(folder: str) -> str | None:
     """The text of ``folder/tokenizer.json``, or None when it cannot be read."""
     try:
@@ -219,8 +246,8 @@ def agrees_with_files(resolved: ResolvedTokenizer, folder: str, text: str | None
     if text is None:
         return False
     try:
-        saved = json.loads(text)
-        backend = json.loads(resolved.backend)
+        saved = parse_tokenizer_json(text)
+        backend = parse_tokenizer_json(resolved.backend)
     except (ValueError, RecursionError):
         return False
     if not isinstance(saved, dict) or not isinstance(backend, dict):

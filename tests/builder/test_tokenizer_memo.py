@@ -352,3 +352,26 @@ def test_the_memo_is_checked_against_the_tokenizer_json_text_given(tokenizer_dir
     vocab[a], vocab[b] = vocab[b], vocab[a]
     assert read_resolved(tokenizer_dir, json.dumps(other)) is None
     assert resolved.tokenizer_json_text(os.path.join(tokenizer_dir, "absent")) is None
+
+
+def test_parse_tokenizer_json_pauses_the_collector_and_restores_it(tokenizer_dir, monkeypatch):
+    """The parse equals json.loads, runs with the collector off, and leaves it as it was,
+    on an error too."""
+    import gc
+
+    text = resolved.tokenizer_json_text(tokenizer_dir)
+    seen = []
+    real = json.loads
+    monkeypatch.setattr(json, "loads", lambda value: seen.append(gc.isenabled()) or real(value))
+    assert resolved.parse_tokenizer_json(text) == real(text) and seen == [False]
+    monkeypatch.undo()
+    assert gc.isenabled()
+    with pytest.raises(ValueError):
+        resolved.parse_tokenizer_json("{not json")
+    assert gc.isenabled()
+    gc.disable()
+    try:
+        resolved.parse_tokenizer_json("[]")
+        assert not gc.isenabled()
+    finally:
+        gc.enable()
