@@ -451,7 +451,14 @@ def adopt_early(
 def adopt_agreed(early: Ahead[EarlyLoad]) -> Ahead[FastBackend]:
     """The early fast backend as it is, for a caller that has checked that the text it was
     loaded from agrees, in every part that decides ids, with the tokenizer the build uses
-    (:func:`~shardcache.builder.tokenizer_memo.read_resolved` does, for the memo)."""
+    (:func:`~shardcache.builder.tokenizer_memo.read_resolved` does, for the memo).
+
+    Args:
+        early: a :func:`load_fast_early` started from that text.
+
+    Returns:
+        The backend, waited for in the background (its refusal re-raised by ``result``).
+    """
     return Ahead(_take, early)
 
 
@@ -776,8 +783,14 @@ class SampleVerifier:
         add_special_tokens: bool,
         times: Any = None,
     ) -> None:
-        """Queue one batch's sample; ``times`` (a ``StageTimes``) takes the verification's
-        wall seconds as ``verify_busy``."""
+        """Queue one batch's sample.
+
+        Args:
+            sample: the batch's sampled documents.
+            reference: the HF backend that verifies them.
+            add_special_tokens: as the build encodes.
+            times: a ``StageTimes`` taking the verification's wall seconds (``verify_busy``).
+        """
         self._queued.append(sample)
         self._chars += sum(map(len, sample.texts))
         self._how = (reference, add_special_tokens, times)
@@ -791,7 +804,11 @@ class SampleVerifier:
         self._jobs.append(Ahead(_verify_timed, group, *self._how))
 
     def settle(self) -> list[VerifyCounts]:
-        """Verify what is queued and wait for every group: each batch's counts, in order."""
+        """Verify what is queued and wait for every group.
+
+        Returns:
+            Each queued batch's counts, in order.
+        """
         if self._queued:
             self._start()
         jobs, self._jobs = self._jobs, []
