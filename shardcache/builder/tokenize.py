@@ -41,7 +41,12 @@ from shardcache.builder.backends import (
 )
 from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
 from shardcache.builder.stage_times import StageTimes
-from shardcache.builder.tokenizer_memo import ResolvedTokenizer, folder_digest, write_resolved
+from shardcache.builder.tokenizer_memo import (
+    ResolvedTokenizer,
+    folder_digest,
+    parse_tokenizer_json,
+    write_resolved,
+)
 from shardcache.config import DEFAULT_VERIFY_FRACTION, TokenizeOptions
 from shardcache.errors import ConfigError, EncoderError, TokenizerError
 from shardcache.store.files import memo_disabled
@@ -220,7 +225,7 @@ class TextEncoder:
         truncation, padding = _plain(source.truncation), _plain(source.padding)
         serialized = source.to_str()
         fast_loading = load_fast_ahead(serialized) if preload_fast and early is None else None
-        backend_json = json.loads(serialized)
+        backend_json = parse_tokenizer_json(serialized)
         if preload_fast and early is not None:
             fast_loading = adopt_early(early, backend_json, serialized)
         # A tokenizer loaded here is this encoder's alone, so its backend is used as is (its
@@ -292,7 +297,7 @@ class TextEncoder:
     @functools.cached_property
     def backend_json(self) -> dict[str, Any]:
         """The backend as loaded, parsed (only when needed: it is large for a big vocabulary)."""
-        return json.loads(self.serialized)
+        return parse_tokenizer_json(self.serialized)
 
     def spec(self) -> dict[str, Any]:
         """Plain-JSON state from which :meth:`from_spec` rebuilds this encoder in a worker."""
