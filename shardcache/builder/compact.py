@@ -2,9 +2,9 @@
 
 Each bucket's shards are walked in partition order: a full shard is kept as it is,
 consecutive partial ones are merged until they reach ``--shard-size``. The output is a pure
-function of the records. Merged shards are written before the manifest and the shards they
-replace removed after it, so a killed commit leaves every partition whole and a reader
-never sees a shard missing.
+function of the records, whatever the number of threads merging independent groups at once.
+Merged shards are written before the manifest and the shards they replace removed after it,
+so a killed commit leaves every partition whole and a reader never sees a shard missing.
 """
 
 from __future__ import annotations
@@ -113,11 +113,13 @@ def compact(
             number.
 
     Returns:
-        The cache's shards, in the groups' order.
+        The cache's shards and their length slices in sample-id order (the groups' order),
+        and the members the merged shards replace.
 
     Raises:
         CorruptShardError: a member is damaged (see :func:`merge_shards`): the error of the
-            first such group in group order; merges not started by then are cancelled.
+            first failing group in group order; merges not started by then are cancelled.
+        OSError: a member cannot be read or a merged shard written (naming the file).
     """
     joins = [g for g in groups if g.name is not None]
 

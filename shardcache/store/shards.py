@@ -309,9 +309,9 @@ def merge_shards(
         source = shard_path(cache_dir, member.name)
         # read whole and closed at once (a member is smaller than a shard): a merge of
         # thousands of small shards never holds more than one of them open, and what is
-        # merged is exactly what was hashed
-        with open(source, "rb", buffering=0) as f:
-            data = f.read()
+        # merged is exactly what was hashed; Arrow's pool reuses its pages from member to member
+        with pa.OSFile(source) as f:
+            data = f.read_buffer()
         if sha256_bytes(data) != member.sha256:
             raise CorruptShardError(
                 f"{source}: its sha256 is not the one its partition recorded, so it "
