@@ -106,28 +106,43 @@ class HashingWriter(io.RawIOBase):
         return True
 
     def write(self, data: Any) -> int:
+        """Hash ``data`` (a contiguous bytes-like object) and write all of it; its size.
+
+        Raises:
+            OSError: the write failed (``filename`` is the file's path).
+        """
         view = memoryview(data)
         # hashed as passed and written whole (BufferedWriter): the digest is of what the file holds
         self.sha256.update(view)
-        try:
+        with self._named_errors():
             self._file.write(view)
-        except OSError as err:  # name the file: a person needs it
-            if err.filename is None:
-                err.filename = self.path
-            raise
         self.bytes_written += view.nbytes
         return view.nbytes
 
     def close(self) -> None:
-        """Flush, fsync and close (idempotent)."""
+        """Flush, fsync and close (idempotent).
+
+        Raises:
+            OSError: the flush or fsync failed (``filename`` is the file's path).
+        """
         if self.closed:
             return
         try:
-            self._file.flush()
-            os.fsync(self._file.fileno())
+            with self._named_errors():
+                self._file.flush()
+                os.fsync(self._file.fileno())
         finally:
             self._file.close()
             super().close()
+
+    @contextlib.contextmanager
+    def _named_errors(self) -> Iterator[None]:
+        try:
+            yield
+        except OSError as err:  # the OS leaves the name out: a person needs it
+            if err.filename is None:
+                err.filename = self.path
+            raise
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
