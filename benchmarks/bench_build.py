@@ -130,13 +130,15 @@ def run_measured(cmd: list[str], env: dict[str, str]) -> tuple[float, float, str
     return wall, peak / 1024, out
 
 
-def build(corpus: str, tokenizer: str, out: str, workers: int, env_extra: dict[str, str],
+def build(corpus: str, tokenizer: str, out: str, workers: int | None, env_extra: dict[str, str],
           batch_docs: int, extra: tuple[str, ...] = ()) -> tuple[dict, float, float]:  # fmt: skip
+    """One ``shardcache build`` process (``workers`` None: the build's own default)."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": REPO, **env_extra}
     cmd = [sys.executable, "-m", "shardcache.cli", "build", "-i", corpus, "-t", tokenizer,
-           "-o", out, "-q", "--json", "--workers", str(workers), "--batch-docs",
-           str(batch_docs), *extra]  # fmt: skip
+           "-o", out, "-q", "--json", "--batch-docs", str(batch_docs), *extra]  # fmt: skip
+    if workers is not None:
+        cmd += ["--workers", str(workers)]
     wall, rss, stdout = run_measured(cmd, env)
     return json.loads(stdout), wall, rss
 
@@ -259,7 +261,7 @@ def compare_fast(args: argparse.Namespace) -> None:
             seconds, tokens = fast_alone_seconds(texts, args.tokenizer, args.batch_docs)
             fast_s = min(fast_s, seconds)
             out = os.path.join(work, "c")
-            report, wall, rss = build(args.corpus, args.tokenizer, out, 1, {}, args.batch_docs)
+            report, wall, rss = build(args.corpus, args.tokenizer, out, None, {}, args.batch_docs)
             if report["seconds"] < build_s:
                 build_s, best = report["seconds"], (wall, rss, report)
     finally:
