@@ -12,7 +12,7 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from conftest import CHATML_TEMPLATE, make_conversations, write_records
+from conftest import CHATML_TEMPLATE, cache_data_files, make_conversations, write_records
 from shardcache import CorruptShardError, open_cache
 from shardcache.builder.commit import commit_output
 from shardcache.builder.compact import plan_groups
@@ -185,6 +185,10 @@ def test_every_recorded_digest_is_the_sha256_of_the_file_on_disk(
     assert kept
     lengths = os.path.join(path, "index", "lengths.npy")
     assert _file_sha256(lengths) == manifest["index"]["lengths"]["sha256"]
+    # merged one at a time, the same bytes
+    alone = _build(folder, tokenizer_dir, str(tmp_path / "alone"), workers=1,
+                   compression=compression)  # fmt: skip
+    assert cache_data_files(alone) == cache_data_files(path)
 
 
 def test_compressed_and_chat_shards_merge_with_their_masks(tokenizer_dir, tmp_path):
