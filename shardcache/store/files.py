@@ -29,8 +29,10 @@ NO_MEMO_ENV = "SHARDCACHE_NO_MEMO"
 
 
 def cache_root() -> str:
-    """The local folder for downloads, plans and integrity records (``SHARDCACHE_CACHE_DIR``,
-    default ``~/.cache/shardcache``).
+    """The local folder for downloads, plans and integrity records.
+
+    Returns:
+        ``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache`` (created if missing).
     """
     root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "shardcache"
@@ -45,17 +47,36 @@ _ROOTS: set[str] = set()  # roots made (a stat then, not a mkdir: readers ask on
 
 
 def sha256_text(text: str) -> str:
-    """sha256 hex digest of a string's UTF-8 bytes."""
+    """The sha256 of a string's UTF-8 bytes.
+
+    Args:
+        text: the string.
+
+    Returns:
+        The hex digest.
+    """
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def sha256_bytes(data: Any) -> str:
-    """sha256 hex digest of a bytes-like object (large ones hashed without holding the GIL)."""
+    """The sha256 of a bytes-like object (large ones hashed without holding the GIL).
+
+    Args:
+        data: the bytes.
+
+    Returns:
+        The hex digest.
+    """
     return hashlib.sha256(data).hexdigest()
 
 
 class HashingReader(io.RawIOBase):
-    """A raw reader that hashes (sha256) and counts every byte read through it."""
+    """A raw reader that hashes (sha256) and counts every byte read through it.
+
+    Args:
+        raw: the file read.
+        on_bytes: told the size of every chunk read (progress); None: nobody.
+    """
 
     def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None = None):
         self._raw = raw
@@ -64,9 +85,22 @@ class HashingReader(io.RawIOBase):
         self.bytes_read = 0
 
     def readable(self) -> bool:
+        """Whether it can be read (``io.RawIOBase``).
+
+        Returns:
+            True.
+        """
         return True
 
     def readinto(self, buffer: Any) -> int:
+        """Read into a buffer, hashing and counting what was read (``io.RawIOBase``).
+
+        Args:
+            buffer: a writable buffer.
+
+        Returns:
+            The bytes read, 0 at the end.
+        """
         n = self._raw.readinto(buffer)
         if n:
             view = memoryview(buffer)[:n]
@@ -86,6 +120,7 @@ class HashingReader(io.RawIOBase):
                 buf = bytearray(READ_CHUNK)
 
     def close(self) -> None:
+        """Close the reader and the file under it."""
         self._raw.close()
         super().close()
 
@@ -94,7 +129,11 @@ class HashingWriter(io.RawIOBase):
     """A new file (created or truncated at ``path``) that hashes (sha256) and counts every byte
     written through it, so its digest needs no second read; :meth:`close` flushes and fsyncs
     first, so the digest is of the bytes on disk. Every :meth:`write` writes all of its bytes
-    (or raises OSError naming ``path``)."""
+    (or raises OSError naming ``path``).
+
+    Args:
+        path: the file.
+    """
 
     def __init__(self, path: str):
         self.path = path
@@ -103,10 +142,21 @@ class HashingWriter(io.RawIOBase):
         self.bytes_written = 0
 
     def writable(self) -> bool:
+        """Whether it can be written (``io.RawIOBase``).
+
+        Returns:
+            True.
+        """
         return True
 
     def write(self, data: Any) -> int:
-        """Hash ``data`` (a contiguous bytes-like object) and write all of it; its size.
+        """Hash some bytes and write all of them.
+
+        Args:
+            data: a contiguous bytes-like object.
+
+        Returns:
+            Its size.
 
         Raises:
             OSError: the write failed (``filename`` is the file's path).
@@ -146,7 +196,15 @@ class HashingWriter(io.RawIOBase):
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
-    """The sha256 hex digest of a file (``on_bytes`` is told every chunk read: progress)."""
+    """The sha256 of a file.
+
+    Args:
+        path: the file.
+        on_bytes: told the size of every chunk read (progress).
+
+    Returns:
+        The hex digest.
+    """
     with open(path, "rb") as f:
         reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
         reader.drain()
@@ -154,8 +212,16 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str
 
 
 def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
-    """Copy ``src`` to ``dst`` feeding ``digest`` (a ``hashlib`` object); the bytes and the
-    newlines copied."""
+    """Copy a file, hashing what is copied.
+
+    Args:
+        src: read to its end.
+        dst: written.
+        digest: a ``hashlib`` object fed every chunk.
+
+    Returns:
+        The bytes and the newlines copied.
+    """
     size = lines = 0
     while chunk := src.read(READ_CHUNK):
         dst.write(chunk)
@@ -166,15 +232,30 @@ def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
 
 
 def private_tmp(path: str) -> str:
-    """A temporary name for ``path`` no other process uses (pid + random suffix)."""
+    """A temporary name for a file that no other process uses.
+
+    Args:
+        path: the file.
+
+    Returns:
+        ``path`` with the pid, a random suffix and ``.tmp``.
+    """
     return f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
 
 
 @contextlib.contextmanager
 def exclusive_lock(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on the lock file ``path`` (created if missing) for the block:
-    one process computes, the others wait, then find the result. Yields False, holding nothing,
-    when the lock file cannot be opened (a read-only folder)."""
+    """Hold an exclusive ``flock`` on a lock file for the block.
+
+    One process computes, the others wait, then find the result.
+
+    Args:
+        path: the lock file (created if missing).
+
+    Yields:
+        True while holding it; False, holding nothing, when the lock file cannot be opened
+        (a read-only folder).
+    """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     except OSError:
@@ -188,7 +269,11 @@ def exclusive_lock(path: str) -> Iterator[bool]:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a folder, so a rename in it survives a power cut (a no-op where unsupported)."""
+    """fsync a folder, so a rename in it survives a power cut.
+
+    Args:
+        path: the folder.
+    """
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -226,19 +311,38 @@ def atomic_file(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
 
 
 def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
-    """Write ``data`` to ``path`` through :func:`atomic_file`."""
+    """Write a file whole or not at all (:func:`atomic_file`).
+
+    Args:
+        path: the file.
+        data: its bytes.
+        private: a temporary name of this process's own.
+    """
     with atomic_file(path, private=private) as f:
         f.write(data)
 
 
 def write_json_atomic(path: str, obj: Any, *, private: bool = False) -> None:
-    """:func:`write_bytes_atomic` of ``obj`` as JSON."""
+    """Write a JSON file whole or not at all (:func:`write_bytes_atomic`).
+
+    Args:
+        path: the file.
+        obj: the value (indented, keys sorted, a final newline).
+        private: a temporary name of this process's own.
+    """
     data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
     write_bytes_atomic(path, data, private=private)
 
 
 def read_json_or_none(path: str) -> dict[str, Any] | None:
-    """A JSON object from ``path``; None when it is missing, unreadable or not an object."""
+    """Read a JSON object.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The object; None when the file is missing, unreadable or not an object.
+    """
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -248,15 +352,25 @@ def read_json_or_none(path: str) -> dict[str, Any] | None:
 
 
 def memo_disabled() -> bool:
-    """True when ``$SHARDCACHE_NO_MEMO`` is set to something other than empty or 0."""
+    """Whether memos are off.
+
+    Returns:
+        True when ``$SHARDCACHE_NO_MEMO`` is set to something other than empty or 0.
+    """
     return os.environ.get(NO_MEMO_ENV, "") not in ("", "0")
 
 
 def read_memo(kind: str, digest: str) -> Any | None:
-    """A value :func:`write_memo` remembered under ``kind`` (a folder of :func:`cache_root`) and
-    ``digest`` (of everything the value depends on); None when memos are off
-    (:data:`NO_MEMO_ENV`) or it is missing, unreadable or of another digest. A memo only saves
-    work: the caller validates it."""
+    """A value :func:`write_memo` remembered. A memo only saves work: the caller validates it.
+
+    Args:
+        kind: a folder of :func:`cache_root`.
+        digest: of everything the value depends on.
+
+    Returns:
+        The value; None when memos are off (:data:`NO_MEMO_ENV`) or it is missing,
+        unreadable or of another digest.
+    """
     if memo_disabled():
         return None
     try:
@@ -269,8 +383,14 @@ def read_memo(kind: str, digest: str) -> Any | None:
 
 
 def write_memo(kind: str, digest: str, value: Any) -> None:
-    """Remember ``value`` as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically); an
-    ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time.
+    """Remember a value as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically).
+
+    An ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time.
+
+    Args:
+        kind: a folder of :func:`cache_root`.
+        digest: of everything the value depends on.
+        value: a JSON value.
     """
     if memo_disabled():
         return
@@ -283,7 +403,12 @@ def write_memo(kind: str, digest: str, value: Any) -> None:
 
 
 def write_npy_atomic(path: str, array: np.ndarray) -> None:
-    """Write ``array`` as ``.npy`` to ``path`` through :func:`atomic_file`."""
+    """Write an array as ``.npy`` whole or not at all (:func:`atomic_file`).
+
+    Args:
+        path: the file.
+        array: the array (no pickles).
+    """
     with atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
 
@@ -292,6 +417,10 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
     """Write the concatenation of 1-d ``.npy`` files (one dtype), or of ``(file, start, stop)``
     slices of them, as one ``.npy`` (the bytes of ``np.save``), one slice in memory at a time;
     each file's header is parsed once however many slices it gives.
+
+    Args:
+        path: the file written.
+        sources: ``.npy`` files of one dtype, or ``(file, start, stop)`` slices of them.
 
     Raises:
         CorruptShardError: the files disagree on the dtype, or one is shorter than a slice.
@@ -333,6 +462,10 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
 def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
     """Concatenate files into ``path`` through :func:`atomic_file`.
 
+    Args:
+        path: the file written.
+        sources: the files, in order.
+
     Returns:
         The bytes, sha256 and lines written.
     """
@@ -359,8 +492,16 @@ _DISK_ERRORS = {
 
 
 def disk_error(err: OSError, output: str) -> CacheError | None:
-    """The :class:`CacheError` to raise when ``err``, writing ``output``, is a disk-full, quota,
-    file-size, read-only or permission error (naming the path and what to do); None otherwise."""
+    """The error to raise when a write failed for lack of room or rights.
+
+    Args:
+        err: the error.
+        output: the build's output, named when ``err`` has no file name.
+
+    Returns:
+        A :class:`CacheError` naming the path and what to do for a disk-full, quota,
+        file-size, read-only or permission error; None otherwise.
+    """
     known = _DISK_ERRORS.get(err.errno or 0)
     if known is None:
         return None
@@ -373,9 +514,16 @@ def disk_error(err: OSError, output: str) -> CacheError | None:
 
 
 def resource_limit_error(err: OSError, path: str) -> CacheError | None:
-    """The :class:`CacheError` to raise when opening or mapping ``path`` failed for lack of a
-    process or system resource (naming the limit, its value and what to do), not because the
-    file is damaged; None for other errors."""
+    """The error to raise when opening or mapping a file failed for lack of a resource.
+
+    Args:
+        err: the error.
+        path: the file.
+
+    Returns:
+        A :class:`CacheError` naming the limit, its value and what to do when a process or
+        system limit was reached (the file is not damaged); None for other errors.
+    """
     import resource
 
     if err.errno == errno.EMFILE:

@@ -30,12 +30,26 @@ INLINE_LIMIT = 2048
 
 
 def canonical_json(value: Any) -> str:
-    """``value`` as canonical JSON (sorted keys, no whitespace): what digests are taken of."""
+    """A value as canonical JSON: what digests are taken of.
+
+    Args:
+        value: a JSON value.
+
+    Returns:
+        Its JSON with sorted keys and no whitespace.
+    """
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def inline_value(value: Any) -> Any:
-    """The value itself when small, else its digest and size."""
+    """A value as a key component records it.
+
+    Args:
+        value: a JSON value.
+
+    Returns:
+        The value itself when its canonical JSON is small, else ``{"sha256", "bytes"}`` of it.
+    """
     text = canonical_json(value)
     if len(text) <= INLINE_LIMIT:
         return value
@@ -44,22 +58,38 @@ def inline_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Difference:
-    """One changed field: ``component.field`` went from ``old`` to ``new``."""
+    """One changed field: ``component.field`` went from ``old`` to ``new``.
+
+    Attributes:
+        component: the key component.
+        field: the field's dotted path inside it (``""``: the whole component).
+        old: the expected value.
+        new: the cache's value.
+        severity: ``"changed"`` (incompatible) or ``"warning"``.
+    """
 
     component: str
     field: str
     old: Any
     new: Any
-    severity: str  # "changed" (incompatible) or "warning"
+    severity: str
 
     def to_json(self) -> dict[str, Any]:
-        """The difference as JSON."""
+        """The difference as JSON.
+
+        Returns:
+            ``field``, ``old``, ``new`` and ``severity``.
+        """
         return {"field": self.field, "old": self.old, "new": self.new, "severity": self.severity}
 
 
 @dataclass(frozen=True)
 class CacheKey:
-    """Named components (JSON objects) and their digest."""
+    """Named components (JSON objects) and their digest.
+
+    Attributes:
+        components: component name -> JSON value (None: not known).
+    """
 
     components: Mapping[str, Any]
 
@@ -70,7 +100,11 @@ class CacheKey:
         return sha256_text(canonical_json({"key_version": KEY_VERSION, **hard}))
 
     def to_json(self) -> dict[str, Any]:
-        """The key as stored in a manifest or lock file."""
+        """The key as stored in a manifest or lock file.
+
+        Returns:
+            ``key_version``, ``digest`` and every component.
+        """
         return {
             "key_version": KEY_VERSION,
             "digest": self.digest,
@@ -79,7 +113,17 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CacheKey:
-        """The key :meth:`to_json` gave."""
+        """The key :meth:`to_json` gave.
+
+        Args:
+            data: the stored key.
+
+        Returns:
+            The key.
+
+        Raises:
+            ConfigError: not a stored key, or of another key version.
+        """
         if not isinstance(data, Mapping) or "components" not in data:
             raise ConfigError("cache key: expected an object with 'components'; got something else")
         if data.get("key_version", KEY_VERSION) != KEY_VERSION:
@@ -90,7 +134,15 @@ class CacheKey:
         return cls(dict(data["components"]))
 
     def with_component(self, name: str, value: Any) -> CacheKey:
-        """A copy with component ``name`` set to ``value``."""
+        """A copy with one component replaced.
+
+        Args:
+            name: the component.
+            value: its new value.
+
+        Returns:
+            The new key.
+        """
         return CacheKey({**self.components, name: value})
 
 
@@ -119,7 +171,14 @@ def _component_diff(name: str, old: Any, new: Any, severity: str) -> list[Differ
 
 @dataclass
 class KeyComparison:
-    """Per-component status: "same", "changed", "warning" or "skipped"."""
+    """How two keys compare.
+
+    Attributes:
+        expected: the key asked for.
+        actual: the cache's key.
+        status: per component, ``"same"``, ``"changed"``, ``"warning"`` or ``"skipped"``.
+        differences: every changed field.
+    """
 
     expected: CacheKey
     actual: CacheKey
@@ -132,7 +191,11 @@ class KeyComparison:
         return all(s != "changed" for s in self.status.values())
 
     def to_json(self) -> dict[str, Any]:
-        """The comparison as JSON (``shardcache check --json``)."""
+        """The comparison as JSON (``shardcache check --json``).
+
+        Returns:
+            ``compatible``, both digests, and per component its status and differences.
+        """
         return {
             "compatible": self.compatible,
             "expected_digest": self.expected.digest,
@@ -147,7 +210,14 @@ class KeyComparison:
         }
 
     def describe(self, limit: int = 160) -> str:
-        """A short human diff: one line per changed field, ``old -> new``."""
+        """A short human diff.
+
+        Args:
+            limit: the most characters shown of a value.
+
+        Returns:
+            One line per changed field, ``old -> new``, and one naming skipped components.
+        """
         lines = []
         for d in self.differences:
             where = f"{d.component}.{d.field}" if d.field else d.component
@@ -167,9 +237,17 @@ def _short(value: Any, limit: int) -> str:
 def compare(
     expected: CacheKey, actual: CacheKey, strict: bool = False, skip: tuple[str, ...] = ()
 ) -> KeyComparison:
-    """Compare the ``expected`` key (current configuration or lock file) with a cache's
-    ``actual`` one, component by component (``skip``: not compared; ``strict``: a version
-    difference is an error even when the behaviour probe agrees)."""
+    """Compare two keys component by component.
+
+    Args:
+        expected: the key asked for (current configuration or lock file).
+        actual: the cache's key.
+        strict: a version difference is an error even when the behaviour probe agrees.
+        skip: components not compared.
+
+    Returns:
+        The comparison.
+    """
     result = KeyComparison(expected, actual)
     behaviour_same = canonical_json(expected.components.get("behaviour")) == canonical_json(
         actual.components.get("behaviour")
@@ -194,12 +272,23 @@ def compare(
 
 
 def write_lock(path: str, key: CacheKey) -> None:
-    """Write ``key`` as a lock file at ``path`` (atomically)."""
+    """Write a lock file (atomically).
+
+    Args:
+        path: the file.
+        key: the key it records.
+    """
     write_json_atomic(path, {"shardcache_lock": LOCK_VERSION, "key": key.to_json()})
 
 
 def read_lock(path: str) -> CacheKey:
     """The key a lock file records.
+
+    Args:
+        path: the lock file.
+
+    Returns:
+        The key.
 
     Raises:
         SourceError: the file cannot be read.
@@ -223,6 +312,13 @@ def read_lock(path: str) -> CacheKey:
 def manifest_key(manifest: Mapping[str, Any], where: str) -> CacheKey:
     """The key a manifest records.
 
+    Args:
+        manifest: the manifest.
+        where: the cache, for the message.
+
+    Returns:
+        The key.
+
     Raises:
         ConfigError: the manifest has none (``where`` names the cache).
     """
@@ -233,6 +329,10 @@ def manifest_key(manifest: Mapping[str, Any], where: str) -> CacheKey:
 
 def raise_if_mismatch(comparison: KeyComparison, where: str) -> None:
     """Raise unless a comparison is compatible.
+
+    Args:
+        comparison: the comparison.
+        where: the cache, for the message.
 
     Raises:
         CacheKeyMismatch: listing the changed fields, ``where`` naming the cache.
@@ -255,14 +355,24 @@ _OPTIONS_RESOLVER: Callable[[Mapping[str, Any]], CacheKey] | None = None
 
 
 def register_options_resolver(resolver: Callable[[Mapping[str, Any]], CacheKey]) -> None:
-    """Set how :func:`expected_key` turns a mapping of build options into a key."""
+    """Set how :func:`expected_key` turns a mapping of build options into a key.
+
+    Args:
+        resolver: the builder's function (it loads the tokenizer).
+    """
     global _OPTIONS_RESOLVER
     _OPTIONS_RESOLVER = resolver
 
 
 def expected_key(expect: Any) -> CacheKey:
-    """``expect`` as a key: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer,
-    template and truncation options (as in a recipe).
+    """The key a reader's ``expect=`` names.
+
+    Args:
+        expect: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer,
+            template and truncation options (as in a recipe).
+
+    Returns:
+        The key.
 
     Raises:
         ConfigError: ``expect`` is none of those, or no resolver of options is registered.
@@ -286,8 +396,15 @@ def expected_key(expect: Any) -> CacheKey:
 
 
 def verify_manifest_key(manifest: Mapping[str, Any], expect: Any, where: str) -> CacheKey:
-    """Check a cache's key against ``expect`` (as for :func:`expected_key`; components it lacks,
-    e.g. data, are skipped) and return it; ``where`` names the cache.
+    """Check a cache's key against what a reader expects.
+
+    Args:
+        manifest: the cache's manifest.
+        expect: as for :func:`expected_key`; components it lacks (e.g. data) are skipped.
+        where: the cache, for the message.
+
+    Returns:
+        The cache's key.
 
     Raises:
         CacheKeyMismatch: the keys differ (the fields are listed).

@@ -29,7 +29,15 @@ from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
-    """The Arrow schema of a shard of ``dtype`` tokens (and the loss mask if ``with_mask``)."""
+    """The Arrow schema of a shard.
+
+    Args:
+        dtype: the token type (uint16, else uint32).
+        with_mask: add the loss-mask column.
+
+    Returns:
+        ``tokens``, ``record``, ``piece`` (and ``mask``).
+    """
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
         pa.field("tokens", pa.list_(value_type), nullable=False),
@@ -52,8 +60,14 @@ _ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
 
 
 def numpy_arrow(array: np.ndarray) -> pa.Array:
-    """A zero-copy Arrow array over a 1-d numpy integer or bool array (bools are bit-packed: a
-    copy), without the pandas import ``pa.array`` makes where pandas is installed."""
+    """An Arrow array over a numpy one, without the pandas import ``pa.array`` makes.
+
+    Args:
+        array: 1-d integers or bools.
+
+    Returns:
+        A zero-copy array (bools are bit-packed: a copy).
+    """
     array = np.ascontiguousarray(array)
     if array.dtype == np.bool_:
         bits = np.packbits(array, bitorder="little")
@@ -63,8 +77,15 @@ def numpy_arrow(array: np.ndarray) -> pa.Array:
 
 
 def arrow_numpy(array: pa.Array) -> np.ndarray:
-    """A read-only, zero-copy numpy view of a primitive Arrow integer array without nulls (others
-    take ``to_numpy``), without the pandas import ``pa.Array.to_numpy`` makes."""
+    """A numpy view of an Arrow array, without the pandas import ``to_numpy`` makes.
+
+    Args:
+        array: the Arrow array.
+
+    Returns:
+        A read-only, zero-copy view for a primitive integer array without nulls; others
+        through ``to_numpy``.
+    """
     dtype = _NUMPY_OF_ARROW.get(array.type)
     data = array.buffers()[1] if dtype is not None and not array.null_count else None
     if data is None:
@@ -78,8 +99,21 @@ def arrow_numpy(array: pa.Array) -> np.ndarray:
 class ShardInfo:
     """One shard's manifest entry: a partition's shard has ``partition`` and ``source`` (input
     file), or ``sources`` instead of ``source`` when it holds rows of several files; a merged
-    shard (:func:`merge_shards`) has ``sources`` alone (in row order, ``{"partition",
-    "source", "rows"}`` runs)."""
+    shard (:func:`merge_shards`) has ``sources`` alone.
+
+    Attributes:
+        name: the file name under ``shards/``.
+        bucket: its bucket.
+        partition: the partition that wrote it (None: merged).
+        source: the input file of all its rows (None: several).
+        rows: sequences.
+        tokens: tokens.
+        bytes: file size.
+        sha256: file digest.
+        layout: written by older versions; ignored, never written.
+        sources: ``{"partition", "source", "rows"}`` runs in row order, when its rows come
+            from several files.
+    """
 
     name: str
     bucket: int
@@ -89,16 +123,23 @@ class ShardInfo:
     tokens: int
     bytes: int
     sha256: str
-    #: written by older versions (where the token buffers lie); ignored, never written
     layout: dict[str, Any] | None = None
     sources: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest entry (fields that are None left out)."""
+        """The manifest entry.
+
+        Returns:
+            The fields that are not None.
+        """
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
     def runs(self) -> list[dict[str, Any]]:
-        """Where the rows came from: ``sources``, or one run of the shard's own partition."""
+        """Where the rows came from.
+
+        Returns:
+            ``sources``, or one run of the shard's own partition.
+        """
         if self.sources is not None:
             return self.sources
         return [{"partition": self.partition, "source": self.source, "rows": self.rows}]
@@ -110,7 +151,19 @@ class BucketWriter:
     batch that reaches ``shard_size_bytes`` (never with ``name``: one shard of that name).
     :attr:`source` (the input file of the sequences added next) may change between
     :meth:`add` calls: a shard holding rows of several files records their runs as
-    ``sources``."""
+    ``sources``.
+
+    Args:
+        cache_dir: the folder whose ``shards/`` it writes.
+        partition: the partition writing.
+        source: the input file of the first sequences added.
+        bucket: the bucket.
+        dtype: the token type.
+        shard_size_bytes: token bytes after which a shard is closed.
+        compression: ``"none"`` or ``"zstd"``.
+        with_mask: sequences carry a loss mask.
+        name: write one shard of this name, never rotated (:func:`merge_shards`).
+    """
 
     def __init__(
         self,
@@ -161,8 +214,14 @@ class BucketWriter:
         pieces: np.ndarray,
         mask: np.ndarray | None = None,
     ) -> None:
-        """Append sequences in order (``tokens`` and ``mask`` flat, ``lengths``, ``records`` and
-        ``pieces`` one per sequence).
+        """Append sequences in order.
+
+        Args:
+            tokens: their ids, flat.
+            lengths: tokens per sequence.
+            records: per sequence, its record's index in the input file.
+            pieces: per sequence, its piece of the record.
+            mask: trainable flags, flat like ``tokens`` (only with ``with_mask``).
 
         Raises:
             ValueError: ``mask`` given or missing against ``with_mask``.
@@ -297,6 +356,16 @@ def merge_shards(
     one member and one record batch being written at a time; safe to run for several shards
     at once in threads.
 
+    Args:
+        cache_dir: the cache folder.
+        members: the shards, in row order.
+        name: the new shard's name.
+        compression: ``"none"`` or ``"zstd"``.
+        shard_size_bytes: the build's shard size (sets the record-batch cut).
+
+    Returns:
+        The new shard's entry (with ``sources``).
+
     Raises:
         ValueError: members of several buckets, or none.
         CorruptShardError: a member's sha256 or schema is not its entry's.
@@ -363,14 +432,32 @@ DEFAULT_DECODE_BUDGET_BYTES = 64 << 20
 
 
 def decode_budget_bytes() -> int:
-    """``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB (ConfigError: not a size)."""
+    """The bytes of decoded record batches a cache keeps.
+
+    Returns:
+        ``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB.
+
+    Raises:
+        ConfigError: the variable is not a size.
+    """
     value = os.environ.get(DECODE_BUDGET_ENV)
     return parse_size(value, DECODE_BUDGET_ENV) if value else DEFAULT_DECODE_BUDGET_BYTES
 
 
 def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> bool:
-    """:func:`~shardcache.store.integrity.check_file` for a shard: True when the sha256 was
-    confirmed, False when skipped; CorruptShardError when the size or sha256 differs."""
+    """:func:`~shardcache.store.integrity.check_file` for a shard.
+
+    Args:
+        path: the shard file.
+        info: its manifest entry.
+        checksum: check the sha256 (None: the environment decides).
+
+    Returns:
+        True when the sha256 was confirmed, False when skipped.
+
+    Raises:
+        CorruptShardError: the size or sha256 differs.
+    """
     return check_file(path, info, "shard", checksum)
 
 
@@ -380,7 +467,15 @@ LONG_SEGMENT_TOKENS = 128
 
 
 def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)`` (int64), without a loop."""
+    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)``, without a loop.
+
+    Args:
+        starts: the ranges' starts.
+        lengths: their lengths.
+
+    Returns:
+        int64 indices.
+    """
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
@@ -411,8 +506,13 @@ class _Batch:
 
 @dataclass
 class FlatRows:
-    """An uncompressed shard's tokens as one array (the mapped file viewed as the token type)
-    and per row its start in that array and its length (int64)."""
+    """An uncompressed shard's tokens as one array.
+
+    Attributes:
+        tokens: the mapped file viewed as the token type.
+        starts: int64, each row's start in ``tokens``.
+        lengths: int64, each row's length.
+    """
 
     tokens: np.ndarray
     starts: np.ndarray
@@ -420,9 +520,14 @@ class FlatRows:
 
 
 class DecodedBatches:
-    """An LRU of decoded record batches of compressed shards, bounded in bytes (``budget_bytes``,
-    None: :func:`decode_budget_bytes` at each insertion), shared by one cache's readers; the
-    batch just decoded is always kept. Not thread-safe: one thread reads a cache at a time."""
+    """An LRU of decoded record batches of compressed shards, bounded in bytes.
+
+    Shared by one cache's readers; the batch just decoded is always kept. Not thread-safe:
+    one thread reads a cache at a time.
+
+    Args:
+        budget_bytes: the bound (None: :func:`decode_budget_bytes` at each insertion).
+    """
 
     def __init__(self, budget_bytes: int | None = None) -> None:
         self.budget_bytes = budget_bytes
@@ -431,18 +536,34 @@ class DecodedBatches:
         self.nbytes = 0
 
     def new_owner(self) -> int:
-        """A key for one reader's batches."""
+        """A key for one reader's batches.
+
+        Returns:
+            A number no other reader of this LRU has.
+        """
         return next(self._owners)
 
     def get(self, key: tuple[int, int]) -> _Batch | None:
-        """The batch ``(owner, index)`` if kept (then the most recently used), else None."""
+        """A kept batch, which becomes the most recently used.
+
+        Args:
+            key: ``(owner, record batch index)``.
+
+        Returns:
+            The batch, or None.
+        """
         batch = self._entries.get(key)
         if batch is not None:
             self._entries.move_to_end(key)
         return batch
 
     def put(self, key: tuple[int, int], batch: _Batch) -> None:
-        """Keep ``batch`` under ``key``, dropping the least recently used over the budget."""
+        """Keep a batch, dropping the least recently used over the budget.
+
+        Args:
+            key: ``(owner, record batch index)``.
+            batch: the decoded batch.
+        """
         budget = decode_budget_bytes() if self.budget_bytes is None else self.budget_bytes
         old = self._entries.pop(key, None)
         if old is not None:
@@ -454,7 +575,11 @@ class DecodedBatches:
             self.nbytes -= evicted.nbytes
 
     def drop(self, owner: int) -> None:
-        """Forget the batches of reader ``owner``."""
+        """Forget one reader's batches.
+
+        Args:
+            owner: its key (:meth:`new_owner`).
+        """
         for key in [k for k in self._entries if k[0] == owner]:
             self.nbytes -= self._entries.pop(key).nbytes
 
@@ -516,6 +641,15 @@ class ShardReader:
     and checked then: offsets, counts, every id at most ``max_token_id`` when given.
     ``with_mask`` None accepts a shard with or without a loss mask. :meth:`close` releases the
     mapping; views handed out keep the pages mapped until dropped.
+
+    Args:
+        path: the shard file.
+        info: its manifest entry.
+        dtype: the cache's token type.
+        checksum: check the sha256 (None: the environment decides).
+        max_token_id: the largest id a row may hold (None: not checked).
+        with_mask: whether the shard must have a loss mask (None: either).
+        decoded: the LRU of decoded batches to share (None: its own).
 
     Raises:
         CorruptShardError: the file is not the shard its entry describes.
@@ -672,8 +806,12 @@ class ShardReader:
             self._batch(b)
 
     def flat_rows(self) -> FlatRows | None:
-        """An uncompressed shard as one token array over its mapped file, with every row's start
-        and length (None when compressed); ids unchecked: the caller checks those it reads.
+        """An uncompressed shard as one token array over its mapped file.
+
+        Ids are not checked: the caller checks those it reads.
+
+        Returns:
+            The array with every row's start and length, or None when compressed.
 
         Raises:
             CorruptShardError: a record batch's buffers lie outside the file or misaligned.
@@ -702,8 +840,11 @@ class ShardReader:
         )
 
     def mask_bit_starts(self) -> np.ndarray | None:
-        """Per row, the bit position of its loss mask in the mapped file (bit ``p & 7``, least
-        significant first, of byte ``p >> 3``); None when compressed or without masks.
+        """Where each row's loss mask lies in the mapped file.
+
+        Returns:
+            Per row, the bit position ``p`` (bit ``p & 7``, least significant first, of byte
+            ``p >> 3``); None when compressed or without masks.
 
         Raises:
             CorruptShardError: a record batch's mask does not line up with its tokens.
@@ -760,6 +901,15 @@ class ShardReader:
         record batch. The caller (:meth:`Cache.gather`) checked the rows and segments against
         the length index's ``full_lengths``; these are checked against the stored rows.
 
+        Args:
+            rows: the rows, in the shard.
+            starts: each segment's first token in its row.
+            lengths: each segment's tokens.
+            out_offsets: where each segment goes in ``tokens_out``.
+            tokens_out: written.
+            mask_out: written like ``tokens_out`` (None: masks not wanted).
+            full_lengths: each row's length in the length index.
+
         Raises:
             CorruptShardError: a stored row length differs from ``full_lengths``, or the shard is
                 damaged.
@@ -798,17 +948,41 @@ class ShardReader:
                 mask_out[dst] = batch.mask_at(src)
 
     def tokens(self, row: int) -> np.ndarray:
-        """The ids of row ``row`` (a read-only view; IndexError out of range)."""
+        """The ids of one row.
+
+        Args:
+            row: the row, in the shard.
+
+        Returns:
+            A read-only view.
+
+        Raises:
+            IndexError: ``row`` out of range.
+        """
         b, r = self._locate(row)
         batch = self._batch(b)
         return batch.values[batch.offsets[r] : batch.offsets[r + 1]]
 
     def tokens_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The ids of several rows (views, as :meth:`tokens`)."""
+        """The ids of several rows.
+
+        Args:
+            rows: the rows, in the shard.
+
+        Returns:
+            Read-only views, as :meth:`tokens`.
+        """
         return [self.tokens(row) for row in rows]
 
     def masks_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The loss masks (bool per token) of several rows; all True without stored masks."""
+        """The loss masks of several rows.
+
+        Args:
+            rows: the rows, in the shard.
+
+        Returns:
+            Bool per token; all True without stored masks.
+        """
         out = []
         for row in rows:
             b, r = self._locate(row)
@@ -818,13 +992,24 @@ class ShardReader:
         return out
 
     def provenance(self, row: int) -> tuple[int, int]:
-        """``(record index in the source file, piece index)`` of one row."""
+        """Where one row came from.
+
+        Args:
+            row: the row, in the shard.
+
+        Returns:
+            ``(record index in the source file, piece index)``.
+        """
         b, r = self._locate(row)
         batch = self._batch(b)
         return int(batch.records[r]), int(batch.pieces[r])
 
     def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
-        """Every row in order as ``(ids, record, piece)``, one record batch decoded at a time."""
+        """Every row in order, one record batch decoded at a time.
+
+        Yields:
+            ``(ids, record, piece)``.
+        """
         for b in range(len(self._batch_rows)):
             batch = self._batch(b)
             values, offsets = batch.values, batch.offsets
