@@ -34,34 +34,10 @@ import ast
 import os
 import re
 
-import pytest
-
 import shardcache
 
 PACKAGE = os.path.dirname(os.path.abspath(shardcache.__file__))
 ROOT = os.path.dirname(PACKAGE)
-
-#: Modules whose docstrings are not filled in yet (issue 30): the checks skip them. This list
-#: only shrinks; test_pending_modules_still_need_work fails on an entry with nothing missing.
-PENDING: frozenset[str] = frozenset(
-    {
-        "shardcache/builder/backend_gate.py",
-        "shardcache/builder/backends.py",
-        "shardcache/builder/commit.py",
-        "shardcache/builder/compact.py",
-        "shardcache/builder/encoders.py",
-        "shardcache/builder/key_computation.py",
-        "shardcache/builder/partition.py",
-        "shardcache/builder/pool.py",
-        "shardcache/builder/run.py",
-        "shardcache/builder/sources.py",
-        "shardcache/builder/tokenize.py",
-        "shardcache/builder/tokenizer_memo.py",
-        "shardcache/store/files.py",
-        "shardcache/store/key.py",
-        "shardcache/store/shards.py",
-    }
-)
 
 PROPERTY_DECORATORS = {"property", "cached_property", "setter", "getter", "deleter"}
 CLICK_DECORATORS = {"command", "group"}
@@ -326,17 +302,11 @@ def _problems(rel: str) -> list[str]:
 
 
 def test_public_docstrings_state_contracts() -> None:
-    problems = [p for rel in MODULES if rel not in PENDING for p in _problems(rel)]
+    problems = [p for rel in MODULES for p in _problems(rel)]
     assert not problems, (
         f"{len(problems)} public functions/classes miss docstring sections (Google style):\n"
         + "\n".join(problems)
     )
-
-
-@pytest.mark.parametrize("rel", sorted(PENDING))
-def test_pending_modules_still_need_work(rel: str) -> None:
-    assert rel in MODULES, f"{rel} is in PENDING but no longer exists: remove it"
-    assert _problems(rel), f"{rel} has nothing missing: remove it from PENDING"
 
 
 def test_the_checker_reads_google_sections() -> None:

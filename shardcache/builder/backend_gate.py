@@ -34,8 +34,17 @@ GATE_PARTITIONS = 8
 def corpus_sample(
     plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
 ) -> list[str]:
-    """Up to ``limit`` texts (about ``max_chars`` characters): the first valid documents of
-    partitions spread over the plan, huge ones skipped."""
+    """The texts the gate compares: the first valid documents of partitions spread over the
+    plan, huge ones skipped.
+
+    Args:
+        plan: the build plan.
+        limit: the most texts.
+        max_chars: about the most characters in all.
+
+    Returns:
+        The texts.
+    """
     partitions = plan.partitions
     if not partitions or limit <= 0:
         return []
@@ -79,8 +88,16 @@ def corpus_sample(
 
 
 def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
-    """The fast backend's background load when the build may use it (the encoder's, else
-    one started now), for :func:`gate_encoder`."""
+    """The fast backend's background load, for :func:`gate_encoder`.
+
+    Args:
+        encoder: the build's encoder.
+        options: the build's options.
+
+    Returns:
+        The encoder's load, else one started now; None when the build may not use the fast
+        backend (``--encoder hf``, chat data).
+    """
     if options.encoding.encoder == "hf" or options.chat is not None:
         return None
     text = getattr(encoder, "text", encoder)
@@ -91,6 +108,14 @@ def gate_encoder(
     encoder: Any, plan: BuildPlan, loading: Ahead[FastBackend] | None = None
 ) -> EncoderSelection:
     """Run the gate; ``encoder`` then encodes with the chosen backend.
+
+    Args:
+        encoder: the build's encoder.
+        plan: the build plan (the corpus sample comes from it).
+        loading: the fast backend's background load (:func:`start_loading`).
+
+    Returns:
+        The selection.
 
     Raises:
         EncoderError: ``--encoder fast`` cannot be honoured.

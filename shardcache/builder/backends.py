@@ -44,7 +44,14 @@ GATE_SAMPLE_CHARS = 256 * 1024
 
 
 def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Per-text id lists -> (uint32 tokens, int64 lengths), without a per-text array."""
+    """Flatten per-text id lists, without a per-text array.
+
+    Args:
+        ids: one id list per text.
+
+    Returns:
+        ``(uint32 tokens, int64 lengths)``.
+    """
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     tokens = np.fromiter(
         itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())
@@ -53,7 +60,11 @@ def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class HFBackend:
-    """The Hugging Face ``tokenizers`` backend: the reference."""
+    """The Hugging Face ``tokenizers`` backend: the reference.
+
+    Args:
+        tokenizer: a ``tokenizers.Tokenizer`` (the fast tokenizer's ``backend_tokenizer``).
+    """
 
     name = "hf"
 
@@ -64,14 +75,30 @@ class HFBackend:
         self.version = tokenizers.__version__
 
     def encode_lists(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """``encode_batch``: exactly ``tokenizer(text)["input_ids"]`` (the reference)."""
+        """``encode_batch``: exactly ``tokenizer(text)["input_ids"]`` (the reference).
+
+        Args:
+            texts: the texts.
+            add_special_tokens: let the tokenizer add its special tokens.
+
+        Returns:
+            One id list per text.
+        """
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The build's ids through ``encode_batch_fast`` (no character offsets, same ids)."""
+        """The build's ids through ``encode_batch_fast`` (no character offsets, same ids).
+
+        Args:
+            texts: the texts.
+            add_special_tokens: let the tokenizer add its special tokens.
+
+        Returns:
+            ``(uint32 tokens, int64 lengths)``.
+        """
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         encodings = encode(texts, add_special_tokens=add_special_tokens)
         return flatten_ids([e.ids for e in encodings])
@@ -297,8 +324,12 @@ T = TypeVar("T")
 
 
 class Ahead(Generic[T]):
-    """``fn(*args)`` run in a background thread; :meth:`result` waits and returns it (or
-    re-raises its exception)."""
+    """``fn(*args)`` run in a background thread (not a daemon).
+
+    Args:
+        fn: the function.
+        *args: its arguments.
+    """
 
     def __init__(self, fn: Callable[..., T], *args: Any):
         self._value: T | None = None
@@ -316,10 +347,22 @@ class Ahead(Generic[T]):
             self._error = err
 
     def done(self) -> bool:
-        """True once ``fn`` has returned or raised (:meth:`result` then does not wait)."""
+        """Whether ``fn`` has finished.
+
+        Returns:
+            True once it has returned or raised (:meth:`result` then does not wait).
+        """
         return not self._thread.is_alive()
 
     def result(self) -> T:
+        """Wait for ``fn``.
+
+        Returns:
+            What it returned.
+
+        Raises:
+            BaseException: what it raised (the same object).
+        """
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -327,8 +370,17 @@ class Ahead(Generic[T]):
 
 
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
-    """Load a :class:`FastBackend` in a background thread; fastokens is imported before
-    returning, so the thread does not wait on the GIL the caller holds next."""
+    """Load a :class:`FastBackend` in a background thread.
+
+    fastokens is imported before returning, so the thread does not wait on the GIL the caller
+    holds next.
+
+    Args:
+        serialized: the tokenizer's JSON.
+
+    Returns:
+        The load; its :meth:`Ahead.result` raises what :class:`FastBackend` raises.
+    """
     with contextlib.suppress(MissingDependencyError):  # the thread reports it
         import_fast_module()
     entered = threading.Event()
@@ -348,11 +400,18 @@ IDS_IRRELEVANT_KEYS = ("decoder", "truncation", "padding")
 
 
 def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
-    """``backend_json`` without what cannot change ids (:data:`IDS_IRRELEVANT_KEYS`, ByteLevel
-    ``trim_offsets``): equal contents encode every text to the same ids.
+    """A tokenizer's JSON without what cannot change ids.
 
     transformers rewrites parts of tokenizer.json as it loads it; this comparison lets a fast
-    backend loaded from the file stand in for one loaded from transformers' JSON."""
+    backend loaded from the file stand in for one loaded from transformers' JSON.
+
+    Args:
+        backend_json: the tokenizer's JSON, parsed.
+
+    Returns:
+        A copy without :data:`IDS_IRRELEVANT_KEYS` and ByteLevel ``trim_offsets``: equal
+        contents encode every text to the same ids.
+    """
 
     def strip(value: Any) -> Any:
         if isinstance(value, dict):
@@ -374,15 +433,28 @@ def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class EarlyLoad:
-    """A fast backend loaded from a folder's tokenizer.json before the tokenizer was resolved:
-    the file's ``text`` (kept until adopted), and the ``backend`` or the refusal ``error``."""
+    """A fast backend loaded from a folder's tokenizer.json before the tokenizer was resolved.
+
+    Attributes:
+        text: the file's text (kept until adopted).
+        backend: the backend, or None when refused.
+        error: why it was refused, or None.
+    """
 
     text: str | None
     backend: FastBackend | None = None
     error: EncoderError | MissingDependencyError | None = None
 
     def take(self) -> FastBackend:
-        """The backend (the text is freed), or its refusal raised."""
+        """The backend; the text is freed.
+
+        Returns:
+            The backend.
+
+        Raises:
+            EncoderError: every fast library refused the tokenizer (the same object).
+            MissingDependencyError: no fast library is installed (the same object).
+        """
         self.text = None
         if self.error is not None:
             raise self.error
@@ -443,8 +515,17 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
 def adopt_early(
     early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized: str
 ) -> Ahead[FastBackend]:
-    """The early fast backend when its file has the same :func:`ids_content` as
-    ``backend_json``, else one loading from ``serialized`` in the background."""
+    """The fast backend a build uses, given an early load.
+
+    Args:
+        early: the early load (:func:`load_fast_early`).
+        backend_json: the tokenizer's JSON as transformers loaded it.
+        serialized: the same, serialized.
+
+    Returns:
+        The early backend when its file has the same :func:`ids_content` as
+        ``backend_json``, else one loading from ``serialized``, in the background.
+    """
     return Ahead(_adopt, early, backend_json, serialized)
 
 
@@ -467,7 +548,14 @@ def _take(early: Ahead[EarlyLoad]) -> FastBackend:
 
 
 def import_fast_module() -> Any:
-    """The fastokens module, or :class:`MissingDependencyError` naming the pip command."""
+    """Import fastokens.
+
+    Returns:
+        The module.
+
+    Raises:
+        MissingDependencyError: it is not installed (naming the pip command).
+    """
     try:
         return importlib.import_module(FAST_MODULE)
     except ImportError as err:
@@ -479,15 +567,28 @@ def import_fast_module() -> Any:
 
 @dataclass
 class EncoderSelection:
-    """Which backend a build uses and why (the manifest's soft ``encoder`` field)."""
+    """Which backend a build uses and why (the manifest's soft ``encoder`` field).
 
-    requested: str  # auto | hf | fast
-    backend: str  # "hf" or the fast backend's name
+    Attributes:
+        requested: ``auto``, ``hf`` or ``fast``.
+        backend: ``hf`` or the fast backend's name.
+        version: the backend library's version.
+        reason: why it was chosen.
+        gate_documents: corpus documents the gate compared.
+    """
+
+    requested: str
+    backend: str
     version: str
     reason: str
-    gate_documents: int = 0  # corpus documents the gate compared
+    gate_documents: int = 0
 
     def to_json(self) -> dict[str, Any]:
+        """The selection as JSON.
+
+        Returns:
+            The fields by name.
+        """
         return asdict(self)
 
 
@@ -496,8 +597,16 @@ def first_difference(
     reference: tuple[np.ndarray, np.ndarray],
     candidate: tuple[np.ndarray, np.ndarray],
 ) -> str | None:
-    """None when both ``(tokens, lengths)`` are equal, else a description of the first
-    differing text."""
+    """Where two encodings of the same texts first differ.
+
+    Args:
+        texts: the texts.
+        reference: HF's ``(tokens, lengths)``.
+        candidate: the fast backend's ``(tokens, lengths)``.
+
+    Returns:
+        None when they are equal, else a description of the first differing text.
+    """
     ref_tokens, ref_lengths = reference
     tokens, lengths = candidate
     if np.array_equal(ref_lengths, lengths) and np.array_equal(ref_tokens, tokens):
@@ -601,10 +710,17 @@ def select_backend(
 
 @dataclass
 class VerifyCounts:
-    """In-build verification of one partition (fast backend only)."""
+    """In-build verification of one partition (fast backend only).
 
-    documents: int = 0  # documents re-encoded with HF and compared
-    tokens: int = 0  # HF's ids of those documents
+    Attributes:
+        documents: documents re-encoded with HF and compared.
+        tokens: HF's ids of those documents.
+        mismatches: documents whose ids differ.
+        detail: a description of each mismatch.
+    """
+
+    documents: int = 0
+    tokens: int = 0
     mismatches: int = 0
     detail: list[str] = field(default_factory=list)
 
@@ -630,7 +746,14 @@ def verify_rate(fraction: float, input_bytes: int) -> float:
 
 
 def source_salt(name: str) -> int:
-    """The 64-bit salt :func:`sampled` uses for the records of input ``name``."""
+    """The salt :func:`sampled` uses for the records of an input.
+
+    Args:
+        name: the input's relative path.
+
+    Returns:
+        A 64-bit unsigned integer.
+    """
     return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
 
 
@@ -690,8 +813,14 @@ VERIFY_AHEAD = 2
 
 @dataclass
 class SampledBatch:
-    """One batch's verification sample: the documents' ``positions`` in the batch, their
-    ``texts`` and their fast ids (``tokens`` flat, ``lengths`` per document), copied."""
+    """One batch's verification sample, copied.
+
+    Attributes:
+        positions: the documents' positions in the batch.
+        texts: their texts.
+        tokens: their fast ids, flat.
+        lengths: ids per document.
+    """
 
     positions: np.ndarray
     texts: list[str]
@@ -702,7 +831,17 @@ class SampledBatch:
     def of(
         cls, texts: list[str], tokens: np.ndarray, lengths: np.ndarray, positions: np.ndarray
     ) -> SampledBatch:
-        """The sample ``positions`` of a batch (``texts`` and its flat fast ids)."""
+        """The sample of a batch.
+
+        Args:
+            texts: the batch's texts.
+            tokens: its fast ids, flat.
+            lengths: ids per text.
+            positions: the sampled texts.
+
+        Returns:
+            The sample (copies).
+        """
         ends = np.cumsum(lengths)
         starts = ends - lengths
         picked = [tokens[starts[i] : ends[i]] for i in positions]

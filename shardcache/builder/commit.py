@@ -227,6 +227,12 @@ def _remove_unlisted(storage: Storage, results: list[PartitionResult], merged: s
 def committed_manifest(storage: Storage) -> dict[str, Any] | None:
     """The output's committed manifest, or None when it has none.
 
+    Args:
+        storage: the output.
+
+    Returns:
+        The parsed manifest (not validated), or None.
+
     Raises:
         CorruptShardError: the manifest is not a JSON object.
     """
@@ -237,8 +243,17 @@ def committed_manifest(storage: Storage) -> dict[str, Any] | None:
 
 
 def finish_committed(storage: Storage, manifest: Mapping[str, Any]) -> list[str]:
-    """Finish a committed cache: remove the shard files its manifest does not list (left when
-    a commit died after its manifest); call it holding the build lock. Returns their names."""
+    """Finish a committed cache: remove the shard files its manifest does not list.
+
+    They are left when a commit died after its manifest; call it holding the build lock.
+
+    Args:
+        storage: the output.
+        manifest: its committed manifest.
+
+    Returns:
+        The names removed.
+    """
     listed = {entry["name"] for entry in manifest["shards"]}
     stray = sorted(
         n for n in storage.sizes(SHARD_DIR) if SHARD_NAME.fullmatch(n) and n not in listed
@@ -281,7 +296,14 @@ def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str
 
 
 def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
-    """The manifest's ``encoder`` field, from the partitions' records alone."""
+    """The manifest's ``encoder`` field, from the partitions' records alone.
+
+    Args:
+        results: every partition's result.
+
+    Returns:
+        The backends requested and used, the gate's decisions, and the verification counts.
+    """
     encodings = [r.encoding for r in results if r.encoding]
     backends = Counter(e["backend"] for e in encodings)
     return {

@@ -28,30 +28,48 @@ LengthSlice = tuple[str, int, int]
 
 @dataclass
 class Group:
-    """Shards of one bucket that become one shard of the cache: one kept as it is, or
-    several joined into the merged shard ``name``."""
+    """Shards of one bucket that become one shard of the cache.
+
+    Attributes:
+        bucket: the bucket.
+        members: the partitions' shards, in row order.
+        lengths: the slices of the partitions' length files that hold their lengths.
+        name: the merged shard's name; None: the one member is kept as it is.
+    """
 
     bucket: int
     members: list[ShardInfo]
-    #: the slices of the partitions' length files that hold the members' lengths
     lengths: list[LengthSlice]
     name: str | None = None
 
 
 @dataclass
 class Compacted:
-    """The cache's shards after :func:`compact`, in manifest (sample-id) order."""
+    """The cache's shards after :func:`compact`.
+
+    Attributes:
+        shards: in manifest (sample-id) order.
+        lengths: the slices of the partitions' length files, in sample-id order.
+        joined: the partitions' shards that merged shards replace (removed after the
+            manifest).
+    """
 
     shards: list[ShardInfo]
-    #: the slices of the partitions' length files, in sample-id order
     lengths: list[LengthSlice]
-    #: the partitions' shards that merged shards replace (removed after the manifest)
     joined: list[str]
 
 
 def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
-    """Group indices into one bucket's ``shards``: a shard of ``target_tokens`` or more alone,
-    consecutive smaller ones together until they reach it."""
+    """Group one bucket's shards.
+
+    Args:
+        shards: the bucket's shards, in row order.
+        target_tokens: the tokens of a full shard.
+
+    Returns:
+        Index groups: a shard of ``target_tokens`` or more alone, consecutive smaller ones
+        together until they reach it.
+    """
     groups: list[list[int]] = []
     open_group: list[int] | None = None
     joined = 0
@@ -72,8 +90,17 @@ def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
 def plan_compaction(
     out: str, results: list[PartitionResult], target_bytes: int, itemsize: int
 ) -> list[Group]:
-    """The cache's shards as groups of the partitions' shards, bucket by bucket, where
-    ``target_bytes`` of tokens make a full shard."""
+    """The cache's shards as groups of the partitions' shards, bucket by bucket.
+
+    Args:
+        out: the cache folder.
+        results: the partitions' results, in plan order.
+        target_bytes: token bytes of a full shard.
+        itemsize: bytes per token.
+
+    Returns:
+        The groups, merged ones named.
+    """
     by_bucket: dict[int, list[tuple[ShardInfo, LengthSlice]]] = defaultdict(list)
     for result in results:
         path = os.path.join(out, PARTS_DIR, f"{result.partition}.lengths.npy")

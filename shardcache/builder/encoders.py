@@ -36,7 +36,17 @@ def make_encoder(
     transformers; ``audit`` never reads the memo. ``preload_fast`` starts loading the fast
     backend for the gate from tokenizer.json first thing, so the load overlaps resolving the
     tokenizer; it is used when the memo agrees with that very text, or when its content
-    equals what transformers resolved."""
+    equals what transformers resolved.
+
+    Args:
+        tokenize: the tokenizer options.
+        chat: the chat options (None: text).
+        preload_fast: start loading the fast backend for the gate.
+        audit: never read the memo.
+
+    Returns:
+        The encoder.
+    """
     if chat is not None:
         return ChatEncoder(TextEncoder(tokenize), chat)
     folder = tokenize.tokenizer
@@ -52,8 +62,14 @@ def make_encoder(
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
-    """Plain-JSON description from which a worker rebuilds the encoder (text without
-    importing transformers)."""
+    """What a worker rebuilds an encoder from (text without importing transformers).
+
+    Args:
+        encoder: the encoder.
+
+    Returns:
+        A plain-JSON description.
+    """
     if isinstance(encoder, ChatEncoder):
         return {
             "kind": "chat",
@@ -107,14 +123,29 @@ def reference_only(encoder: Encoder) -> Encoder:
 
 
 def take_lint(encoder: Encoder) -> dict[str, int]:
-    """The lint counts gathered since the last call (per partition), then reset."""
+    """The lint counts gathered since the last call (per partition), then reset.
+
+    Args:
+        encoder: the encoder.
+
+    Returns:
+        The counts by name (empty for text).
+    """
     if not isinstance(encoder, ChatEncoder):
         return {}
     return encoder.take_lint()
 
 
 def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) -> Encoder:
-    """The encoder of a build: ``factory(options)`` when given (tests), else the default."""
+    """The encoder of a build.
+
+    Args:
+        options: the build's options.
+        factory: makes it instead (tests); None: the default.
+
+    Returns:
+        The encoder.
+    """
     if factory is not None:
         return factory(options)
     preload = options.encoding.encoder != "hf" and options.chat is None

@@ -38,8 +38,16 @@ PROBES: dict[str, str] = {
 
 
 def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, padding: Any) -> dict:
-    """Canonical content of a backend tokenizer (parsed tokenizer.json) plus its saved
-    truncation/padding settings as they were when loaded."""
+    """The tokenizer component of the cache key.
+
+    Args:
+        backend_json: the backend tokenizer (parsed tokenizer.json).
+        truncation: its saved truncation setting, as it was when loaded.
+        padding: its saved padding setting, as it was when loaded.
+
+    Returns:
+        Its canonical content: large parts as digests (:func:`inline_value`).
+    """
     model = backend_json.get("model") or {}
     vocab = model.get("vocab")
     added = [
@@ -70,8 +78,15 @@ def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, paddin
 
 
 def probe_set(encoder: Any) -> dict[str, str]:
-    """The behaviour probe texts by name: :data:`PROBES`, the special tokens written in text,
-    and a rendered conversation for chat builds."""
+    """The behaviour probe texts of an encoder's key.
+
+    Args:
+        encoder: a text or chat encoder.
+
+    Returns:
+        By name: :data:`PROBES`, the special tokens written in text, and a rendered
+        conversation for chat builds.
+    """
     specials = getattr(encoder, "text", encoder).resolved.all_special
     probes = dict(PROBES)
     if specials:
@@ -82,13 +97,27 @@ def probe_set(encoder: Any) -> dict[str, str]:
 
 
 def probe_texts(encoder: Any) -> list[str]:
-    """The behaviour probe texts of ``encoder``'s key (the encoder gate encodes them too)."""
+    """The behaviour probe texts of an encoder's key (the encoder gate encodes them too).
+
+    Args:
+        encoder: a text or chat encoder.
+
+    Returns:
+        The texts of :func:`probe_set`, in name order.
+    """
     probes = probe_set(encoder)
     return [probes[n] for n in sorted(probes)]
 
 
 def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
-    """Files keyed by relative path, so a diff names the file that was edited/added/removed."""
+    """The data component of a corpus named by its files.
+
+    Args:
+        files: per file, ``relpath``, ``size`` and ``sha256``.
+
+    Returns:
+        The files keyed by relative path, so a diff names the file edited, added or removed.
+    """
     return {
         "mode": "files",
         "files": {f["relpath"]: {"size": f["size"], "sha256": f["sha256"]} for f in files},
@@ -96,7 +125,14 @@ def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
 
 
 def data_component_from_version(version: str) -> dict:
-    """The data component of a corpus named by a version string instead of its files."""
+    """The data component of a corpus named by a version string instead of its files.
+
+    Args:
+        version: the ``--data-version``.
+
+    Returns:
+        The component.
+    """
     return {"mode": "version", "version": str(version)}
 
 
@@ -113,8 +149,19 @@ def memoised_tokenizer_component(
     truncation: Any,
     padding: Any,
 ) -> dict:
-    """:func:`tokenizer_component`, remembered in ``$SHARDCACHE_CACHE_DIR/components/`` by
-    the sha256 of its whole input (any memo problem only means computing it again)."""
+    """:func:`tokenizer_component`, remembered by the sha256 of its whole input.
+
+    Any memo problem only means computing it again.
+
+    Args:
+        serialized: the tokenizer's JSON.
+        backend_json: gives it parsed (called only when the memo misses).
+        truncation: its saved truncation setting.
+        padding: its saved padding setting.
+
+    Returns:
+        The component.
+    """
     head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
     digest = sha256_text(head + "\n" + serialized)
     saved = read_memo(COMPONENTS_DIR, digest)
@@ -126,15 +173,26 @@ def memoised_tokenizer_component(
 
 
 def text_component(text: Any) -> dict:
-    """The tokenizer component of a text encoder (memoised)."""
+    """The tokenizer component of a text encoder (memoised).
+
+    Args:
+        text: the text encoder.
+
+    Returns:
+        The component.
+    """
     return memoised_tokenizer_component(
         text.serialized, lambda: text.backend_json, text.backend_truncation, text.backend_padding
     )
 
 
 def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
-    """Compute the key's tokenizer component now (through the memo unless ``use_memo`` is
-    False) and keep it on the encoder for :func:`compute_key`."""
+    """Compute the key's tokenizer component now and keep it on the encoder.
+
+    Args:
+        encoder: a text or chat encoder; :func:`compute_key` uses what is kept.
+        use_memo: read and write the memo.
+    """
     text = getattr(encoder, "text", encoder)
     if use_memo:
         text.tokenizer_component = text_component(text)
@@ -196,7 +254,13 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
 
 @dataclass
 class DataHashing:
-    """Files, bytes and seconds spent hashing the data component."""
+    """What hashing the data component cost.
+
+    Attributes:
+        files: files hashed.
+        bytes: their bytes.
+        seconds: wall-clock seconds.
+    """
 
     files: int = 0
     bytes: int = 0
@@ -208,7 +272,15 @@ class DataHashing:
 
 
 def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, Any] | None:
-    """The data component of the current configuration, or None when it is not given."""
+    """The data component of the current configuration.
+
+    Args:
+        values: recipe and flag values (``data_version``, ``input``).
+        hashing: the counters the hashing adds to.
+
+    Returns:
+        The component, or None when neither is given.
+    """
     if values.get("data_version") is not None:
         return data_component_from_version(values["data_version"])
     inputs = values.get("input")
@@ -224,7 +296,15 @@ def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, A
 
 
 def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
-    """The key the current configuration (recipe values + flags) would build."""
+    """The key the current configuration would build (no memo is read).
+
+    Args:
+        values: recipe and flag values.
+        hashing: the counters the data hashing adds to.
+
+    Returns:
+        The key.
+    """
     encoder = make_encoder(
         tokenize_options_from_mapping(values), chat_options_from_mapping(values), audit=True
     )

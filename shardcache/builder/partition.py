@@ -63,13 +63,21 @@ _PARENT_PID: int | None = None  # set in worker processes
 
 
 def set_parent_pid(pid: int) -> None:
-    """In a worker process: the build process to die with (see :func:`check_parent`)."""
+    """In a worker process: set the build process to die with (see :func:`check_parent`).
+
+    Args:
+        pid: the build process's pid.
+    """
     global _PARENT_PID
     _PARENT_PID = pid
 
 
 def build_pid() -> int:
-    """The pid of the build process: this one, or the parent of this pool worker."""
+    """The pid of the build process.
+
+    Returns:
+        This process's, or in a pool worker its parent's.
+    """
     return _PARENT_PID if _PARENT_PID is not None else os.getpid()
 
 
@@ -103,7 +111,13 @@ class _BadLog:
 def merge_bad_logs(path: str, logs: list[str], sources: list[str] | None = None) -> None:
     """Merge quarantine logs ordered by (file in ``sources``, record) into ``path`` in that
     order (streaming; the logs are removed). A record is in at most one log, so the order is
-    total. ``sources``: the partition's files in order (default: entries of one file)."""
+    total.
+
+    Args:
+        path: the merged log written.
+        logs: the logs, each ordered.
+        sources: the partition's files in order (None: entries of one file).
+    """
     order = {source: k for k, source in enumerate(sources or [])}
 
     def lines(log: str) -> Iterator[tuple[tuple[int, int], str]]:
@@ -124,6 +138,12 @@ def merge_bad_logs(path: str, logs: list[str], sources: list[str] | None = None)
 def check_read(plan: BuildPlan, file: InputFile, span: InputSlice, digest: FileDigest) -> None:
     """Check that a partition read the bytes the plan described of ``file`` (size, mtime,
     ``span`` and, when the plan hashed them, sha256).
+
+    Args:
+        plan: the build plan.
+        file: the input file.
+        span: the part of it the partition read.
+        digest: what the read measured.
 
     Raises:
         SourceError: the input changed since it was planned.
@@ -235,8 +255,16 @@ def _map_verified(
 
 
 def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]:
-    """The partition's stage times, with ``parse`` (reading thread beyond ``read``) and
-    ``tokenizer`` (process CPU beyond the Python-side stages) derived."""
+    """A partition's stage times, with ``parse`` and ``tokenizer`` derived.
+
+    Args:
+        times: the stages the partition timed.
+        process_cpu: the process's CPU seconds during the partition.
+
+    Returns:
+        The stage times, with ``parse`` (reading thread beyond ``read``), ``tokenizer``
+        (process CPU beyond the Python-side stages) and ``process``.
+    """
     seconds = dict(times.to_json())
     reader = seconds.pop("reader", 0.0)
     seconds["parse"] = max(0.0, reader - seconds.get("read", 0.0))
@@ -250,8 +278,16 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
 
 @dataclasses.dataclass
 class BucketRows:
-    """The sequences of one bucket of a batch, in input order: flat ``tokens`` (and
-    ``mask``), one ``lengths``, ``records``, ``piece`` and ``doc_index`` entry per sequence."""
+    """The sequences of one bucket of a batch, in input order.
+
+    Attributes:
+        tokens: their ids, flat.
+        lengths: tokens per sequence.
+        records: per sequence, its record index.
+        piece: per sequence, its piece index.
+        doc_index: per sequence, its document's position in the batch.
+        mask: trainable flags, flat like ``tokens`` (None: text).
+    """
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -315,7 +351,17 @@ def add_rows(
     pieces: np.ndarray,
     mask: np.ndarray | None,
 ) -> None:
-    """Append rows to ``writer``, each run ``(file, start, end)`` of rows under its file."""
+    """Append rows to a writer, each run of rows under its input file.
+
+    Args:
+        writer: the bucket's writer.
+        runs: ``(file, start, end)``: rows ``start:end`` come from ``file``.
+        tokens: the rows' ids, flat.
+        lengths: tokens per row.
+        records: per row, its record index.
+        pieces: per row, its piece index.
+        mask: trainable flags, flat (None: text).
+    """
     ends = np.concatenate([[0], np.cumsum(lengths)]) if len(runs) > 1 else None
     for source, start, end in runs:
         writer.source = source
@@ -328,7 +374,12 @@ def add_rows(
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
-    """Remove what a failed attempt at ``partition_id`` wrote into the folder ``out``."""
+    """Remove what a failed attempt at a partition wrote.
+
+    Args:
+        out: the output folder.
+        partition_id: the partition.
+    """
     for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
         folder = os.path.join(out, sub)
         for name in os.listdir(folder):
@@ -344,7 +395,14 @@ def map_partition(
     times: StageTimes | None = None,
 ) -> PartitionResult:
     """Read, encode and write one partition's files into ``plan.options.output`` (not its
-    completion record). ``times`` receives the CPU seconds of its stages.
+    completion record).
+
+    Args:
+        plan: the build plan.
+        partition: the partition.
+        encoder: the build's encoder.
+        progress: receives the bytes read and the documents written.
+        times: receives the CPU seconds of its stages (None: not timed).
 
     Returns:
         The partition's result (its ``encoding`` left empty).

@@ -122,8 +122,11 @@ def _drain(queue: Any, progress: Progress) -> None:
 
 
 def unimportable_main() -> str | None:
-    """The path of ``__main__`` when spawned children cannot re-import it (read from stdin);
-    None when they can or need not."""
+    """Whether spawned children can re-import ``__main__``.
+
+    Returns:
+        Its path when they cannot (read from stdin); None when they can or need not.
+    """
     main = sys.modules.get("__main__")
     if getattr(getattr(main, "__spec__", None), "name", None):
         return None  # imported by module name
@@ -345,9 +348,13 @@ def run_in_process(
 
 
 def apportion_process_cpu(results: list[PartitionResult], process_cpu: float) -> None:
-    """Partitions that ran at once each timed the whole process's CPU: give each a share of
-    ``process_cpu`` by its encode time (``process``), the part beyond its Python-side stages
-    being its ``tokenizer`` time."""
+    """Share a process's CPU among partitions that ran at once (each timed all of it).
+
+    Args:
+        results: the partitions; each gets ``process``, its share by encode time, and
+            ``tokenizer``, the part beyond its Python-side stages, in its timings.
+        process_cpu: the process's CPU seconds.
+    """
     busy = [r.timings.get("encode_busy", 0.0) for r in results]
     total = sum(busy)
     for r, seconds in zip(results, busy):

@@ -46,8 +46,17 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def errors_explained(func: F) -> F:
-    """Turn an unreachable store or a write error on ``options.output`` (full disk, quota,
-    read-only, permissions) into a :class:`CacheError` naming the place and what to do."""
+    """Explain the errors of a build function whose first argument is its options.
+
+    An unreachable store, or a write error on ``options.output`` (full disk, quota,
+    read-only, permissions), becomes a :class:`CacheError` naming the place and what to do.
+
+    Args:
+        func: the function.
+
+    Returns:
+        The wrapped function.
+    """
 
     @functools.wraps(func)
     def wrapper(options: BuildOptions, *args: Any, **kwargs: Any) -> Any:
@@ -214,8 +223,17 @@ FAST_BYTES_PER_WORKER = 256 * 1024 * 1024
 
 
 def fast_workers(encoder: Encoder, pending: list[Partition], workers: int) -> int:
-    """The default worker count, reduced for the fast backend to one process per
-    :data:`FAST_BYTES_PER_WORKER` of pending input (never below 1; HF: unchanged)."""
+    """The default worker count of a build.
+
+    Args:
+        encoder: the build's encoder.
+        pending: the partitions still to run.
+        workers: the usable cores.
+
+    Returns:
+        ``workers`` for HF; for the fast backend one process per
+        :data:`FAST_BYTES_PER_WORKER` of pending input, at least 1.
+    """
     if getattr(getattr(encoder, "text", encoder), "fast", None) is None:
         return workers
     nbytes = sum(p.nbytes for p in pending)

@@ -83,17 +83,40 @@ def _position_name(fmt: str) -> str:
 
 
 def record_position(fmt: str, index: int) -> str:
-    """Human position of 0-based record ``index``: "line 4", "row 4" or "item 4" (1-based)."""
+    """The human position of a record.
+
+    Args:
+        fmt: the input format.
+        index: the 0-based record index.
+
+    Returns:
+        ``"line 4"``, ``"row 4"`` or ``"item 4"`` (1-based).
+    """
     return f"{_position_name(fmt)} {index + 1}"
 
 
 def position_fields(fmt: str, index: int) -> dict[str, int]:
-    """The 1-based position stored next to the 0-based ``record`` in quarantine entries."""
+    """The 1-based position stored next to the 0-based ``record`` in quarantine entries.
+
+    Args:
+        fmt: the input format.
+        index: the 0-based record index.
+
+    Returns:
+        ``{"line"|"row"|"item": index + 1}``.
+    """
     return {_position_name(fmt): index + 1}
 
 
 def has_lone_surrogate(value: Any) -> bool:
-    """True when a string (or any string nested in ``value``) holds a lone surrogate."""
+    """Whether a value holds a lone surrogate (which UTF-8 cannot encode).
+
+    Args:
+        value: a string, or lists and dicts of them.
+
+    Returns:
+        True when a string in it does.
+    """
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -109,8 +132,16 @@ def has_lone_surrogate(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class InputFile:
-    """One listed input: path or URL, path relative to the corpus root, size, format, and
-    the mtime seen at listing (None: unknown), checked again by :func:`check_unchanged`."""
+    """One listed input.
+
+    Attributes:
+        path: its path or URL.
+        relpath: its path relative to the corpus root.
+        size: bytes.
+        format: ``jsonl``, ``json``, ``parquet`` ... (:func:`detect_format`).
+        mtime_ns: the mtime seen at listing (None: unknown), checked again by
+            :func:`check_unchanged`.
+    """
 
     path: str
     relpath: str
@@ -120,7 +151,14 @@ class InputFile:
 
 
 def open_input(file: InputFile) -> BinaryIO:
-    """Open an input for binary reading (a URL is streamed by range requests, never staged)."""
+    """Open an input for binary reading (a URL is streamed by range requests, never staged).
+
+    Args:
+        file: the input.
+
+    Returns:
+        The open file; the caller closes it.
+    """
     if is_url(file.path):
         fs, path = filesystem(file.path)
         handle: BinaryIO = fs.open(path, "rb", block_size=URL_BLOCK_BYTES, cache_type="readahead")
@@ -129,7 +167,14 @@ def open_input(file: InputFile) -> BinaryIO:
 
 
 def sha256_input(file: InputFile) -> str:
-    """sha256 of an input's bytes (streamed for a URL)."""
+    """The sha256 of an input's bytes (streamed for a URL).
+
+    Args:
+        file: the input.
+
+    Returns:
+        The hex digest.
+    """
     if not is_url(file.path):
         return sha256_file(file.path)
     with HashingReader(open_input(file)) as reader:  # type: ignore[arg-type]
@@ -138,7 +183,14 @@ def sha256_input(file: InputFile) -> str:
 
 
 def detect_format(path: str) -> str | None:
-    """The input format implied by a file name, or None for files that are not inputs."""
+    """The input format a file name implies.
+
+    Args:
+        path: the file.
+
+    Returns:
+        The format, or None for files that are not inputs.
+    """
     name = os.path.basename(path).lower()
     for suffix in sorted(_SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
@@ -181,7 +233,14 @@ def _check_regular_file(path: str) -> None:
 
 
 def is_cache_folder(path: str) -> bool:
-    """True for a folder holding a manifest or build state: output, never input."""
+    """Whether a folder is a build's output (never an input).
+
+    Args:
+        path: the folder.
+
+    Returns:
+        True when it holds a manifest or build state.
+    """
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(
         os.path.join(path, PARTS_DIR, BUILD_STATE)
     )
@@ -327,9 +386,15 @@ def _list_url_inputs(specs: list[str]) -> list[InputFile]:
 
 @dataclass(frozen=True)
 class InputSlice:
-    """The part of one input a partition reads: a byte range ``[start, end)`` (jsonl) or
-    parquet ``row_groups`` (None: all), the index of its first record, and the range's
-    sha256 when the plan cut it ("" = unknown)."""
+    """The part of one input a partition reads.
+
+    Attributes:
+        start: the byte range's start (jsonl).
+        end: its end (None: the end of the file).
+        first_record: the index of its first record.
+        row_groups: the parquet row groups (None: all).
+        sha256: the range's sha256 when the plan cut it (``""``: unknown).
+    """
 
     start: int = 0
     end: int | None = None
@@ -342,11 +407,24 @@ class InputSlice:
         return self.start == 0 and self.end is None and self.row_groups is None
 
     def to_json(self) -> dict[str, Any]:
+        """The slice as JSON.
+
+        Returns:
+            The fields by name.
+        """
         groups = list(self.row_groups) if self.row_groups is not None else None
         return {**asdict(self), "row_groups": groups}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InputSlice:
+        """The slice :meth:`to_json` recorded.
+
+        Args:
+            data: the record.
+
+        Returns:
+            The slice.
+        """
         groups = data.get("row_groups")
         return cls(
             int(data["start"]),
@@ -475,30 +553,57 @@ class _RangeReader(_Reader):
 
 @dataclass
 class TextBatch:
-    """Up to ``batch_docs`` valid texts of one file with their record indices, or of several
-    consecutive files (:func:`join_batches`: ``files`` says each text's)."""
+    """Valid texts of one file, or of several consecutive files (:func:`join_batches`).
+
+    Attributes:
+        texts: the texts.
+        records: int64, each text's record index in its file.
+        source: the (first) file's path relative to the corpus root.
+        files: of a joined batch, each text's file as a position in ``names`` (None: all
+            ``source``).
+        names: a joined batch's files.
+    """
 
     texts: list[str]
-    records: np.ndarray  # int64, record index of each text in its file
-    source: str = ""  # the (first) file's path relative to the corpus root
-    #: Of a joined batch: each text's file, as a position in ``names`` (None: ``source``).
+    records: np.ndarray
+    source: str = ""
     files: np.ndarray | None = None
     names: tuple[str, ...] = ()
 
     def take(self, keep: Any) -> TextBatch:
-        """The batch of the texts at positions ``keep`` (in that order)."""
+        """Some of the texts.
+
+        Args:
+            keep: their positions, in the order wanted.
+
+        Returns:
+            A new batch.
+        """
         keep = np.asarray(keep, dtype=np.int64)
         files = None if self.files is None else self.files[keep]
         return replace(self, texts=[self.texts[i] for i in keep],
                        records=self.records[keep], files=files)  # fmt: skip
 
     def source_of(self, doc: int) -> str:
-        """The file of text ``doc``."""
+        """The file of one text.
+
+        Args:
+            doc: its position in the batch.
+
+        Returns:
+            The file's relative path.
+        """
         return self.source if self.files is None else self.names[int(self.files[doc])]
 
     def runs(self, docs: np.ndarray) -> list[tuple[str, int, int]]:
-        """``(file, start, end)``: the runs of ``docs`` (text positions, in file order) that
-        come from one file, as ``docs[start:end]``."""
+        """The runs of texts that come from one file.
+
+        Args:
+            docs: text positions, in file order.
+
+        Returns:
+            ``(file, start, end)``: ``docs[start:end]`` come from ``file``.
+        """
         if self.files is None or not len(docs):
             return [(self.source, 0, len(docs))]
         files = self.files[docs]
@@ -507,9 +612,16 @@ class TextBatch:
 
 
 def join_batches(batches: Iterable[TextBatch], batch_docs: int) -> Iterator[TextBatch]:
-    """Consecutive one-file batches joined up to ``batch_docs`` texts and
-    :data:`MAX_BATCH_CHARS` characters: the batches of many small files then make a few
-    large ones (a batch's cost is mostly per batch when its texts are few)."""
+    """Join consecutive one-file batches: many small files then make a few large batches.
+
+    Args:
+        batches: one-file batches, in order.
+        batch_docs: the most texts of a joined batch (and at most :data:`MAX_BATCH_CHARS`
+            characters).
+
+    Yields:
+        The joined batches.
+    """
     pending: list[TextBatch] = []
     docs = chars = 0
     for batch in batches:
@@ -652,8 +764,15 @@ def _record_layout(head: bytes) -> str:
 
 
 def array_items(stream: Any) -> Iterator[bytes]:
-    """Stream the elements of the top-level JSON array(s) in ``stream`` as bytes, holding
-    one element and one chunk; trailing non-array bytes are yielded as one (bad) element."""
+    """Stream the elements of the top-level JSON array(s) of a file, holding one element and
+    one chunk.
+
+    Args:
+        stream: the file, read in chunks.
+
+    Yields:
+        Each element's bytes; trailing non-array bytes come as one (bad) element.
+    """
     buf, pos, depth, elem_from = b"", 0, 0, 0
     while True:
         m = _SPECIAL.search(buf, pos)
@@ -1071,7 +1190,16 @@ def _sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
 
 
 def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
-    """A hint naming the fields seen and the flag to pass when records lack ``field``."""
+    """A hint for records that lack a field.
+
+    Args:
+        files: the inputs (the first records of the first three are sampled).
+        field: the field asked for.
+        kind: ``"text"`` or ``"chat"``.
+
+    Returns:
+        The fields seen and the flag to pass, or ``""`` when the field was seen.
+    """
     fields: dict[str, str] = {}
     for file in files[:3]:
         for name, type_name in _sample_fields(file).items():
@@ -1096,16 +1224,25 @@ def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
 
 @dataclass
 class FileDigest:
-    """Filled once a file or slice is read to the end: a whole file's sha256, and the raw
-    bytes read with their sha256 (0 for parquet)."""
+    """Filled once a file or slice is read to the end.
+
+    Attributes:
+        sha256: a whole file's sha256.
+        bytes_read: the raw bytes read (0 for parquet).
+        read_sha256: of the bytes read (the slice's range, or the whole file).
+    """
 
     sha256: str = ""
     bytes_read: int = 0
-    read_sha256: str = ""  # of the bytes read (the slice's range, or the whole file)
+    read_sha256: str = ""
 
 
 def check_unchanged(file: InputFile, when: str) -> None:
-    """Check that ``file`` still has the size and mtime it was listed with.
+    """Check that an input still has the size and mtime it was listed with.
+
+    Args:
+        file: the input.
+        when: at which step, for the message.
 
     Raises:
         SourceError: the file disappeared or changed (``when`` says at which step).
@@ -1130,7 +1267,16 @@ def check_unchanged(file: InputFile, when: str) -> None:
 
 
 def input_changed(file: InputFile, when: str, detail: str) -> SourceError:
-    """The error for an input that changed since it was listed (``when``: at which step)."""
+    """The error for an input that changed since it was listed.
+
+    Args:
+        file: the input.
+        when: at which step.
+        detail: what changed.
+
+    Returns:
+        The error, saying what to do.
+    """
     return SourceError(
         f"{file.relpath}: the input changed {when} ({detail}); the bytes read are not the "
         "ones the build planned and hashed, so nothing was committed for them. Stop whatever "

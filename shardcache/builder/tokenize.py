@@ -54,24 +54,36 @@ from shardcache.store.files import memo_disabled
 
 @dataclass
 class Encoded:
-    """Sequences of one batch as flat arrays; ``doc_index[i]`` is sequence ``i``'s document
-    (position in the batch) and ``piece[i]`` its piece number (0 unless split)."""
+    """Sequences of one batch as flat arrays.
+
+    Attributes:
+        tokens: the ids, flat.
+        lengths: int64 tokens per sequence.
+        doc_index: int64, each sequence's document (position in the batch).
+        piece: int32, each sequence's piece number (0 unless split).
+        mask: bool per token, trainable (chat data); None: all.
+        failed: ``(doc, reason, detail)`` of the documents that could not be encoded.
+    """
 
     tokens: np.ndarray
-    lengths: np.ndarray  # int64
-    doc_index: np.ndarray  # int64
-    piece: np.ndarray  # int32
-    mask: np.ndarray | None = None  # bool per token: trainable (chat data); None = all
-    failed: list[tuple[int, str, str]] = field(default_factory=list)  # (doc, reason, detail)
+    lengths: np.ndarray
+    doc_index: np.ndarray
+    piece: np.ndarray
+    mask: np.ndarray | None = None
+    failed: list[tuple[int, str, str]] = field(default_factory=list)
 
 
 @dataclass
 class FlatIds:
-    """Raw ids of one encode batch: every text's ids concatenated (uint32) and the number
-    of ids per text. ``ids[i]`` is text ``i``'s ids (a view)."""
+    """Raw ids of one encode batch. ``ids[i]`` is text ``i``'s ids (a view).
+
+    Attributes:
+        tokens: every text's ids concatenated (uint32).
+        lengths: int64 ids per text.
+    """
 
     tokens: np.ndarray
-    lengths: np.ndarray  # int64
+    lengths: np.ndarray
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -87,29 +99,59 @@ class EncodingMismatch(EncoderError):
 
 @dataclass
 class TruncationStats:
-    """Counts that go into the manifest and the build report."""
+    """Counts that go into the manifest and the build report.
+
+    Attributes:
+        documents: documents encoded.
+        sequences: sequences stored.
+        tokens: tokens stored.
+        truncated_documents: documents cut to ``max_length``.
+        dropped_documents: documents dropped for their length.
+        split_documents: documents split into pieces.
+        empty_documents: documents tokenized to zero tokens (not stored).
+        lost_tokens: tokens removed by truncate / drop.
+        dropped_no_trainable: chat: documents with no trainable token left.
+        trainable_tokens: chat: tokens with a loss (text: not counted).
+    """
 
     documents: int = 0
     sequences: int = 0
-    tokens: int = 0  # tokens stored
+    tokens: int = 0
     truncated_documents: int = 0
     dropped_documents: int = 0
     split_documents: int = 0
-    empty_documents: int = 0  # tokenized to zero tokens; not stored
-    lost_tokens: int = 0  # tokens removed by truncate / drop
-    dropped_no_trainable: int = 0  # chat: no trainable token left (after truncation)
-    trainable_tokens: int = 0  # chat: tokens with loss (text: not counted)
+    empty_documents: int = 0
+    lost_tokens: int = 0
+    dropped_no_trainable: int = 0
+    trainable_tokens: int = 0
 
     def add(self, other: TruncationStats) -> None:
+        """Add another partition's counts.
+
+        Args:
+            other: its counts.
+        """
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_json(self) -> dict[str, int]:
+        """The counts as JSON.
+
+        Returns:
+            The fields by name.
+        """
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def token_dtype(max_token_id: int) -> np.dtype:
-    """uint16 when every id the tokenizer can emit fits, else uint32."""
+    """The token type of a cache.
+
+    Args:
+        max_token_id: the largest id the tokenizer can emit.
+
+    Returns:
+        uint16 when it fits, else uint32.
+    """
     return np.dtype(np.uint16) if max_token_id < 65536 else np.dtype(np.uint32)
 
 
@@ -117,6 +159,7 @@ def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
     """The largest id ``backend`` can emit (vocabulary and added tokens).
 
     Args:
+        backend_json: its JSON, parsed.
         backend: a ``tokenizers.Tokenizer``.
 
     Returns:
@@ -134,7 +177,18 @@ def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
 
 
 def load_hf_tokenizer(path: str) -> Any:
-    """Load a tokenizer from a local folder; refuse slow-only tokenizers."""
+    """Load a tokenizer from a local folder; refuse slow-only tokenizers.
+
+    Args:
+        path: the folder.
+
+    Returns:
+        The transformers tokenizer (a fast one).
+
+    Raises:
+        TokenizerError: no such folder, no tokenizer files, transformers cannot load it, or
+            it is slow-only.
+    """
     if not os.path.isdir(path):
         raise TokenizerError(
             f"tokenizer {path!r}: no such folder; pass --tokenizer with a local folder holding "
@@ -167,9 +221,14 @@ def load_hf_tokenizer(path: str) -> Any:
 
 
 def named_tokenizer_class(path: str) -> Any | None:
-    """The class tokenizer_config.json names, if transformers exports it, else None.
+    """The class tokenizer_config.json names: what AutoTokenizer would pick, without torch.
 
-    It is what AutoTokenizer would pick, without importing torch.
+    Args:
+        path: the tokenizer folder.
+
+    Returns:
+        The class (or the one without the ``Fast`` suffix), or None when the file names
+        none that transformers exports.
     """
     config = os.path.join(path, "tokenizer_config.json")
     try:
@@ -190,7 +249,15 @@ def named_tokenizer_class(path: str) -> Any | None:
 
 
 def ensure_fast(tok: Any, path: str) -> None:
-    """Raise :class:`TokenizerError` unless ``tok`` has a Rust (fast) backend."""
+    """Check that a tokenizer has a Rust (fast) backend.
+
+    Args:
+        tok: the transformers tokenizer.
+        path: its folder, for the message.
+
+    Raises:
+        TokenizerError: it is a slow (Python) tokenizer.
+    """
     if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
         raise TokenizerError(
             f"tokenizer {path!r} ({type(tok).__name__}) is a slow (Python) tokenizer; shardcache "
@@ -203,7 +270,18 @@ class TextEncoder:
     """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`.
 
     :attr:`resolved` holds all it takes from transformers; :attr:`hf` is the transformers
-    tokenizer, or None when built by :meth:`from_resolved`."""
+    tokenizer, or None when built by :meth:`from_resolved`.
+
+    Args:
+        options: the tokenizer options.
+        hf_tokenizer: a transformers tokenizer to use, never mutated (None: loaded from
+            ``options.tokenizer``, and what it resolved memoised).
+        preload_fast: start loading the fast backend for the gate.
+        early: a fast backend loaded early, adopted when it loaded the same content.
+
+    Raises:
+        TokenizerError: the tokenizer cannot be loaded or is slow-only.
+    """
 
     def __init__(
         self,
@@ -212,9 +290,6 @@ class TextEncoder:
         preload_fast: bool = False,
         early: Ahead[EarlyLoad] | None = None,
     ):
-        """Load the tokenizer through transformers (or take ``hf_tokenizer``, never mutated)
-        and memoise what it resolved; ``preload_fast`` starts loading the fast backend (or
-        adopts ``early`` when it loaded the same content)."""
         from tokenizers import Tokenizer
 
         owned = hf_tokenizer is None
@@ -300,7 +375,11 @@ class TextEncoder:
         return parse_tokenizer_json(self.serialized)
 
     def spec(self) -> dict[str, Any]:
-        """Plain-JSON state from which :meth:`from_spec` rebuilds this encoder in a worker."""
+        """What :meth:`from_spec` rebuilds this encoder from in a worker.
+
+        Returns:
+            Plain JSON.
+        """
         return {
             "options": dataclasses.asdict(self.options),
             "resolved": self.resolved.to_json(),
@@ -312,7 +391,14 @@ class TextEncoder:
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> TextEncoder:
-        """The encoder described by :meth:`spec` (``hf`` is None: only encoding works)."""
+        """The encoder :meth:`spec` described (``hf`` is None: only encoding works).
+
+        Args:
+            spec: what :meth:`spec` returned.
+
+        Returns:
+            The encoder, with the same fast backend when the parent used one.
+        """
         # the parent's gate passed: load the same fast backend (in a thread, overlapping the
         # reference's load), or fail loudly
         self = cls.from_resolved(
@@ -344,32 +430,56 @@ class TextEncoder:
     def use_fast(
         self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
     ) -> None:
-        """Encode with ``fast`` (None: HF) from now on; ``selection`` says why (the gate)."""
+        """Choose the backend from now on.
+
+        Args:
+            fast: the fast backend (None: HF).
+            selection: why (the gate).
+            verify_fraction: the share of documents re-encoded with HF.
+        """
         self.fast = fast
         self.selection = selection
         self.verify_fraction = verify_fraction
 
     def reference_only(self) -> TextEncoder:
-        """A copy that encodes with the HF reference alone; this one is unchanged."""
+        """A copy that encodes with the HF reference alone; this one is unchanged.
+
+        Returns:
+            The copy.
+        """
         clone = self.for_partition()
         clone.use_fast(None, self.selection, self.verify_fraction)
         return clone
 
     def for_partition(self) -> TextEncoder:
-        """A copy for one partition (partitions may run at once in threads): the same
-        backends, its own verification counts and stage times."""
+        """A copy for one partition (partitions may run at once in threads).
+
+        Returns:
+            The copy: the same backends, its own verification counts and stage times.
+        """
         clone = copy.copy(self)
         clone.verify, clone._verifying, clone.stage_times = VerifyCounts(), SampleVerifier(), None
         return clone
 
     def take_verify(self) -> VerifyCounts:
-        """The verification counts since the last call, then reset (waits for running ones)."""
+        """The verification counts since the last call, then reset (waits for running ones).
+
+        Returns:
+            The counts.
+        """
         self._settle_verify()
         counts, self.verify = self.verify, VerifyCounts()
         return counts
 
     def encode_reference(self, texts: list[str]) -> list[list[int]]:
-        """Ids per text from the HF backend (the cache key's behaviour probe, audits)."""
+        """Ids per text from the HF backend (the cache key's behaviour probe, audits).
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            One id list per text.
+        """
         return self.reference.encode_lists(texts, self.add_special_tokens)
 
     def _end_token_id(self) -> int | None:
@@ -385,7 +495,12 @@ class TextEncoder:
         return None
 
     def describe(self) -> dict[str, Any]:
-        """Facts about the tokenizer recorded in the manifest."""
+        """Facts about the tokenizer recorded in the manifest.
+
+        Returns:
+            Its path, class, vocabulary size, largest id, token type, special ids and saved
+            backend settings.
+        """
         return {
             "path": self.options.tokenizer,
             "class": self.hf_class,
@@ -400,7 +515,11 @@ class TextEncoder:
         }
 
     def template_component(self) -> dict[str, Any]:
-        """The template part of the cache key (plain text: the special-token policy)."""
+        """The template part of the cache key.
+
+        Returns:
+            For plain text, the special-token policy.
+        """
         return {
             "kind": "text",
             "add_special_tokens": self.add_special_tokens,
@@ -483,7 +602,15 @@ class TextEncoder:
         return encode_in_pieces(self.backend, text, self._wrapping)
 
     def finish(self, ids: FlatIds, stats: TruncationStats) -> Encoded:
-        """EOS and truncation over a batch's flat ids; updates ``stats``."""
+        """EOS and truncation over a batch's flat ids.
+
+        Args:
+            ids: what :meth:`encode_texts` returned.
+            stats: the partition's counters (updated).
+
+        Returns:
+            The sequences to store.
+        """
         lengths = ids.lengths
         tokens = ids.tokens.astype(self.dtype, copy=False)
         stats.documents += len(lengths)
@@ -506,7 +633,16 @@ def _plain(value: Any) -> Any:
 def append_end_token(
     tokens: np.ndarray, lengths: np.ndarray, end_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Append ``end_id`` to every sequence that does not already end with it."""
+    """Append an end token to every sequence that does not already end with it.
+
+    Args:
+        tokens: the ids, flat.
+        lengths: tokens per sequence.
+        end_id: the end token.
+
+    Returns:
+        The new ``(tokens, lengths)`` (the same arrays when none needed it).
+    """
     ends = np.cumsum(lengths)
     nonempty = lengths > 0
     last = np.full(len(lengths), -1, dtype=np.int64)
@@ -525,7 +661,18 @@ def apply_truncation(
     end_id: int | None,
     stats: TruncationStats,
 ) -> Encoded:
-    """Apply ``options.truncation`` at ``options.max_length``; counts go to ``stats``."""
+    """Apply ``options.truncation`` at ``options.max_length``.
+
+    Args:
+        tokens: the ids, flat.
+        lengths: tokens per document.
+        options: the tokenizer options.
+        end_id: the end token a truncated sequence keeps last when it ended with it.
+        stats: the counters (updated).
+
+    Returns:
+        The sequences; empty documents are left out.
+    """
     n_docs = len(lengths)
     doc_index = np.arange(n_docs, dtype=np.int64)
     piece = np.zeros(n_docs, dtype=np.int32)
@@ -579,7 +726,11 @@ _DONE = object()
 
 @dataclass(frozen=True)
 class EncodeFailure:
-    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`)."""
+    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`).
+
+    Attributes:
+        detail: the error.
+    """
 
     detail: str
 
@@ -615,6 +766,10 @@ def encode_isolating(encoder: Any, texts: list[Any], keys: np.ndarray | None = N
 
 def drop_failures(batch: Any, ids: Any) -> tuple[Any, Any, list[tuple[int, str]]]:
     """Remove a batch's :class:`EncodeFailure` s.
+
+    Args:
+        batch: the batch.
+        ids: what :func:`encode_isolating` returned for it.
 
     Returns:
         The batch and its ids (:class:`FlatIds`) without them, and ``(doc, detail)`` for

@@ -43,7 +43,14 @@ RESOLVER_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "protobuf", 
 
 
 def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) -> dict[str, str]:
-    """Installed versions by package name from package metadata ("unknown" when missing)."""
+    """Installed versions of packages, from their metadata.
+
+    Args:
+        names: the packages.
+
+    Returns:
+        Version by name (``"unknown"`` when missing).
+    """
     out = {}
     for name in names:
         try:
@@ -55,25 +62,49 @@ def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) ->
 
 @dataclass(frozen=True)
 class ResolvedTokenizer:
-    """What a text build takes from a transformers tokenizer, as plain JSON-able values."""
+    """What a text build takes from a transformers tokenizer, as plain JSON-able values.
 
-    class_name: str  # type(hf).__name__, e.g. Qwen2Tokenizer
-    backend: str  # hf.backend_tokenizer.to_str(): the backend JSON transformers holds
-    truncation: dict[str, Any] | None  # the backend's saved settings, as loaded
+    Attributes:
+        class_name: ``type(hf).__name__``, e.g. ``Qwen2Tokenizer``.
+        backend: ``hf.backend_tokenizer.to_str()``: the backend JSON transformers holds.
+        truncation: the backend's saved truncation setting, as loaded.
+        padding: the backend's saved padding setting, as loaded.
+        max_token_id: the largest id the backend can emit.
+        eos_token_id: the tokenizer's.
+        sep_token_id: the tokenizer's.
+        pad_token_id: the tokenizer's.
+        named_special: name (:data:`SPECIAL_NAMES`) -> ``[token, id]``.
+        additional_special: sorted ``additional_special_tokens``.
+        all_special: ``all_special_tokens``, in transformers' order.
+    """
+
+    class_name: str
+    backend: str
+    truncation: dict[str, Any] | None
     padding: dict[str, Any] | None
-    max_token_id: int  # the largest id the backend can emit
+    max_token_id: int
     eos_token_id: int | None
     sep_token_id: int | None
     pad_token_id: int | None
-    named_special: dict[str, list[Any]]  # name (SPECIAL_NAMES) -> [token, id]
-    additional_special: list[str]  # sorted additional_special_tokens
-    all_special: list[str]  # all_special_tokens, in transformers' order
+    named_special: dict[str, list[Any]]
+    additional_special: list[str]
+    all_special: list[str]
 
     @classmethod
     def from_hf(cls, hf: Any, backend: str, truncation: Any, padding: Any,
                 max_token_id: int) -> ResolvedTokenizer:  # fmt: skip
-        """The record of the transformers tokenizer ``hf`` (whose backend, as loaded, is
-        ``backend`` with the saved ``truncation`` / ``padding``)."""
+        """The record of a transformers tokenizer.
+
+        Args:
+            hf: the tokenizer.
+            backend: its backend JSON, as loaded.
+            truncation: the backend's saved truncation setting.
+            padding: the backend's saved padding setting.
+            max_token_id: the largest id the backend can emit.
+
+        Returns:
+            The record.
+        """
         named = {}
         for name in SPECIAL_NAMES:
             token = getattr(hf, name, None)
@@ -96,11 +127,22 @@ class ResolvedTokenizer:
         )
 
     def to_json(self) -> dict[str, Any]:
+        """The record as JSON.
+
+        Returns:
+            The fields by name.
+        """
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_json(cls, value: Any) -> ResolvedTokenizer:
         """The record saved by :meth:`to_json`.
+
+        Args:
+            value: the saved JSON.
+
+        Returns:
+            The record.
 
         Raises:
             ValueError: a field has the wrong shape (names it).
@@ -147,7 +189,15 @@ def _is_str_list(value: Any) -> bool:
 
 
 def folder_digest(folder: str) -> str | None:
-    """The memo digest of a tokenizer folder, or None when a file cannot be read."""
+    """The memo digest of a tokenizer folder.
+
+    Args:
+        folder: the tokenizer folder.
+
+    Returns:
+        A digest of its files and the resolving packages' versions, or None when a file
+        cannot be read.
+    """
     try:
         entries = sorted(
             (e.name, e.path)
@@ -188,7 +238,14 @@ def parse_tokenizer_json(text: str) -> Any:
 
 
 def tokenizer_json_text(folder: str) -> str | None:
-    """The text of ``folder/tokenizer.json``, or None when it cannot be read."""
+    """The text of a folder's tokenizer.json.
+
+    Args:
+        folder: the tokenizer folder.
+
+    Returns:
+        The text, or None when it is absent, unreadable or not UTF-8.
+    """
     try:
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
             return f.read()
@@ -314,7 +371,12 @@ def _declared_special(folder: str) -> dict[str, str] | None:
 
 
 def write_resolved(digest: str | None, resolved: ResolvedTokenizer) -> None:
-    """Remember ``resolved`` under ``digest``, taken before transformers read the folder
-    (None: nothing is written)."""
+    """Remember a record.
+
+    Args:
+        digest: the folder's digest, taken before transformers read it (None: nothing is
+            written).
+        resolved: the record.
+    """
     if digest is not None:
         write_memo(RESOLVED_DIR, digest, resolved.to_json())
