@@ -11,6 +11,7 @@ docs/guide/building.md.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import importlib
 import itertools
@@ -127,14 +128,16 @@ class FastBackend:
     def __init__(self, serialized: str):
         refusals: list[str] = []
         missing: list[str] = []
-        for name in itertools.chain((FAST_MODULE,), _fallbacks(serialized, refusals)):
+        # parsed once, and only when fastokens cannot take the text as it is
+        parsed = functools.cache(lambda: parse_tokenizer_json(serialized))
+        for name in itertools.chain((FAST_MODULE,), _fallbacks(parsed, refusals)):
             try:
                 module = importlib.import_module(name)
             except ImportError:
                 missing.append(name)
                 continue
             try:
-                self._encode = _LOADERS[name](module, serialized)
+                self._encode = _LOADERS[name](module, serialized, parsed)
             except Exception as err:  # each library raises its own types for what it lacks
                 refusals.append(f"{name}: {type(err).__name__}: {err}")
                 continue
@@ -171,29 +174,23 @@ class FastBackend:
         return self._encode(texts, add_special_tokens)
 
 
-def _fallbacks(serialized: str, refusals: list[str]) -> Iterator[str]:
+def _fallbacks(parsed: Callable[[], Any], refusals: list[str]) -> Iterator[str]:
     """The :data:`FALLBACK_MODULES` of the tokenizer's model type (parsed only when asked)."""
     try:
-        model = json.loads(serialized).get("model") or {}
+        model = parsed().get("model") or {}
     except ValueError as err:
         refusals.append(f"tokenizer.json: {err}")
         return
     yield from FALLBACK_MODULES.get(model.get("type", ""), ())
 
 
-def _without_settings(serialized: str) -> dict[str, Any]:
-    data = json.loads(serialized)
-    data["truncation"] = data["padding"] = None  # as HF encodes for the build
-    return data
-
-
-def _load_fastokens(module: Any, serialized: str) -> EncodeFlat:
+def _load_fastokens(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
     try:
         tokenizer = module.Tokenizer.from_json_str(serialized)
     except Exception:  # retried without the decoder, else reported by the caller
         # Only ids are read from this backend, and a decoder never changes them: a decoder
         # fastokens does not implement (e.g. Metaspace) must not refuse it.
-        data = json.loads(serialized)
+        data = parsed()
         if data.get("decoder") is None:
             raise
         tokenizer = module.Tokenizer.from_json_str(json.dumps({**data, "decoder": None}))
@@ -208,8 +205,8 @@ def _load_fastokens(module: Any, serialized: str) -> EncodeFlat:
     return encode
 
 
-def _load_gigatoken(module: Any, serialized: str) -> EncodeFlat:
-    data = _without_settings(serialized)
+def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+    data = {**parsed(), "truncation": None, "padding": None}  # as HF encodes for the build
     tokenizer = module.Tokenizer.from_json(json.dumps(data))
     specials = SpecialTokens.of(data.get("post_processor"))
 
@@ -223,7 +220,7 @@ def _load_gigatoken(module: Any, serialized: str) -> EncodeFlat:
     return encode
 
 
-_LOADERS: dict[str, Callable[[Any, str], EncodeFlat]] = {
+_LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], EncodeFlat]] = {
     "fastokens": _load_fastokens,
     "gigatoken": _load_gigatoken,
 }
