@@ -242,8 +242,9 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "--workers",
     "-w",
     type=click.IntRange(min=1),
-    help="Processes that build partitions (1: in this process). Never changes the output "
-    "bytes.  [default: the machine's cores]",
+    help="CPU cores that build partitions: processes, except that a text build on the fast "
+    "backend runs up to 2 in this process, in threads sharing one tokenizer (1: in this "
+    "process). Never changes the output bytes.  [default: the machine's cores]",
 )
 @click.option(
     "--partition-size",

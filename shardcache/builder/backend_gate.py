@@ -30,6 +30,9 @@ from shardcache.errors import SourceError
 #: Partitions the corpus sample is drawn from (evenly spaced over the plan).
 GATE_PARTITIONS = 8
 
+#: Raw bytes the sample decodes at a time: a partition gives only its first few documents.
+SAMPLE_CHUNK_BYTES = 64 * 1024
+
 
 def corpus_sample(
     plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
@@ -64,6 +67,7 @@ def corpus_sample(
                 on_error="skip",
                 part=partition.span if k == 0 else InputSlice(),
                 on_corrupt=lambda *args: None,
+                chunk_bytes=SAMPLE_CHUNK_BYTES,
             )
             try:
                 for batch in batches:

@@ -1,11 +1,12 @@
 """The local engine: partitions in this process, or in a ``spawn`` process pool.
 
-One worker (or one pending partition) runs in this process, text partitions two at a time
-in threads. Otherwise a ``spawn`` pool (fork after the tokenizer's Rayon pool started would
-deadlock) runs partitions largest first; each worker builds its encoder from a spec read
-from a private payload file (never the spawn pipe, which blocks on a child that died), splits
-the cores with the others, and dies with the parent. A ``__main__`` read from stdin cannot
-be re-imported by children, so such a build is refused before any worker starts.
+One worker, one pending partition, or a fast-backend text build on at most two workers runs
+in this process, text partitions two at a time in threads. Otherwise a ``spawn`` pool (fork
+after the tokenizer's Rayon pool started would deadlock) runs partitions largest first; each
+worker builds its encoder from a spec read from a private payload file (never the spawn
+pipe, which blocks on a child that died), splits the cores with the others, and dies with
+the parent. A ``__main__`` read from stdin cannot be re-imported by children, so such a
+build is refused before any worker starts.
 """
 
 from __future__ import annotations
@@ -269,14 +270,19 @@ def run_local(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    """The local engine: in this process for one worker or one partition, else the pool.
+    """The local engine: in this process for one worker, one partition, or a text build on
+    the fast backend with at most :data:`IN_FLIGHT` workers; else the pool.
+
+    A fast-backend text build runs :data:`IN_FLIGHT` partitions at once in threads that share
+    one tokenizer, so up to that many workers a process pool would only add a start-up and a
+    tokenizer load per worker.
 
     Args:
         plan: the build plan.
         pending: the partitions to run.
         encoder: the build's encoder, after the gate.
         progress: receives the workers' progress events.
-        workers: processes at most.
+        workers: the cores to use (processes at most).
 
     Returns:
         Partition id -> result, for every partition of ``pending``.
@@ -284,7 +290,8 @@ def run_local(
     Raises:
         ShardcacheError: a worker process died (completed partitions are kept).
     """
-    if workers == 1 or len(pending) <= 1:
+    threaded = isinstance(encoder, TextEncoder) and encoder.fast is not None
+    if workers == 1 or len(pending) <= 1 or (threaded and workers <= IN_FLIGHT):
         return run_in_process(plan, pending, encoder, progress)
     return run_pool(plan, pending, encoder, progress, min(workers, len(pending)))
 

@@ -25,7 +25,7 @@ import os
 import re
 import stat
 import zlib
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Generator, Iterable, Iterator
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, BinaryIO
 
@@ -677,14 +677,14 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
     return text, None
 
 
-def _zstd_blocks(raw: io.RawIOBase) -> Iterator[bytes]:
-    """The decompressed bytes of concatenated zstd frames, a block per compressed chunk read;
-    ending inside a frame raises ``ZstdError`` (zstandard's own stream_reader ends silently
-    there)."""
+def _zstd_blocks(raw: io.RawIOBase, chunk_bytes: int = READ_CHUNK) -> Iterator[bytes]:
+    """The decompressed bytes of concatenated zstd frames, a block per compressed chunk of
+    ``chunk_bytes`` read; ending inside a frame raises ``ZstdError`` (zstandard's own
+    stream_reader ends silently there)."""
     dctx = zstandard.ZstdDecompressor()
     obj = dctx.decompressobj()
     in_frame = False
-    while chunk := raw.read(READ_CHUNK):
+    while chunk := raw.read(chunk_bytes):
         out = []
         while chunk:
             in_frame = True
@@ -885,14 +885,17 @@ class _TimedReader(_Reader):
             return self._raw.readinto(buffer)
 
 
-def _open_lines(raw: HashingReader, fmt: str, times: StageTimes | None = None) -> Any:
-    """The decoded bytes of a line-based input: a :class:`_BlockStream`, or a ``GzipFile``."""
+def _open_lines(
+    raw: HashingReader, fmt: str, times: StageTimes | None = None, chunk_bytes: int = READ_CHUNK
+) -> Any:
+    """The decoded bytes of a line-based input: a :class:`_BlockStream` (``chunk_bytes`` of
+    raw input a block), or a ``GzipFile``."""
     if fmt == "json.gz":  # gzip reads the raw stream itself: its decompression counts as "parse"
         source = raw if times is None else _TimedReader(raw, times)
         return gzip.GzipFile(fileobj=source, mode="rb")
     if fmt == "jsonl.zst":
-        return _BlockStream(_zstd_blocks(raw), times)
-    return _BlockStream(iter(functools.partial(raw.read, READ_CHUNK), b""), times)
+        return _BlockStream(_zstd_blocks(raw, chunk_bytes), times)
+    return _BlockStream(iter(functools.partial(raw.read, chunk_bytes), b""), times)
 
 
 @dataclass
@@ -965,12 +968,12 @@ class _Batcher:
 
     def add_span(
         self, index: int, data: bytes, start: int, end: int, text_field: str
-    ) -> tuple[list[TextBatch], int]:
+    ) -> Generator[TextBatch, None, int]:
         """Add the records of the lines of ``data[start:end]`` (:func:`_line_spans`), the
-        first being record ``index + 1``; returns the batches that became full and the last
+        first being record ``index + 1``; yields each batch as it becomes full (a reader that
+        wants a few documents stops without parsing the rest of a block) and returns the last
         record's index. A valid text record nested no deeper than :data:`FAST_MAX_DEPTH` is
         taken in line; any other goes through :meth:`parse`."""
-        full: list[TextBatch] = []
         loads = _orjson_loads if self.kind == "text" else None
         texts, records, chars = self.texts, self.records, self.chars
         limit, docs = MAX_BATCH_CHARS, self.batch_docs
@@ -1002,16 +1005,18 @@ class _Batcher:
             else:
                 size = len(text)
             if texts and chars + size > limit:  # a huge text does not join (and inflate) a batch
-                full.append(self._flush_lists(texts, records))
+                batch = self._flush_lists(texts, records)
                 texts, records, chars = self.texts, self.records, 0
+                yield batch
             texts.append(text)
             records.append(index)
             chars += size
             if len(texts) >= docs or chars >= limit:
-                full.append(self._flush_lists(texts, records))
+                batch = self._flush_lists(texts, records)
                 texts, records, chars = self.texts, self.records, 0
+                yield batch
         self.chars = chars
-        return full, index
+        return index
 
     def _flush_lists(self, texts: list[Any], records: list[int]) -> TextBatch:
         self.texts, self.records, self.chars = [], [], 0
@@ -1087,8 +1092,9 @@ def _iter_lines(
     text_field: str,
     first_record: int,
     times: StageTimes | None = None,
+    chunk_bytes: int = READ_CHUNK,
 ) -> Iterator[TextBatch]:
-    stream: Any = _open_lines(raw, file.format, times)
+    stream: Any = _open_lines(raw, file.format, times, chunk_bytes)
     index = first_record - 1
     try:
         layout = _stream_layout(stream, first_record == 0)
@@ -1098,8 +1104,7 @@ def _iter_lines(
                 batcher.on_layout(ARRAY_LAYOUT)
         if layout == "lines" and isinstance(stream, _BlockStream):  # whole blocks at a time
             for data, start, end in _line_spans(stream):
-                full, index = batcher.add_span(index, data, start, end, text_field)
-                yield from full
+                index = yield from batcher.add_span(index, data, start, end, text_field)
         else:
             for index, line in enumerate(_records_of(stream, layout), first_record):
                 text = batcher.parse(index, line, text_field)
@@ -1298,6 +1303,7 @@ def iter_text_batches(
     kind: str = "text",
     on_layout: Callable[[str], None] | None = None,
     times: StageTimes | None = None,
+    chunk_bytes: int = READ_CHUNK,
 ) -> Iterator[TextBatch]:
     """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
 
@@ -1314,6 +1320,9 @@ def iter_text_batches(
         kind: ``"text"`` or ``"chat"``.
         on_layout: called with :data:`ARRAY_LAYOUT` before a JSON array file's first record.
         times: takes the CPU time of reading a line-based file (``read`` stage).
+        chunk_bytes: raw (compressed) bytes of a ``.jsonl``/``.jsonl.zst`` file decoded at a
+            time. A damaged zstd file loses the lines of the chunk the damage is in, so the
+            build keeps the default; a reader that wants a few documents reads less.
 
     Yields:
         Batches of valid texts with their record indices.
@@ -1339,7 +1348,9 @@ def iter_text_batches(
     source: Any = handle if part.whole else _RangeReader(handle, part.start, part.end)
     raw = HashingReader(source, on_bytes)
     try:
-        yield from _iter_lines(file, raw, batcher, text_field, part.first_record, times)
+        yield from _iter_lines(
+            file, raw, batcher, text_field, part.first_record, times, chunk_bytes
+        )
         if digest is not None:
             digest.bytes_read = raw.bytes_read
             digest.read_sha256 = raw.sha256.hexdigest()

@@ -463,7 +463,7 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 3}}\n"
         "build_cache(build_options_from_mapping(values))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -479,6 +479,41 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
     assert result.returncode == 1
     assert "if __name__ == '__main__':" in result.stderr
     assert "ShardcacheError" in result.stderr
+
+
+def test_two_workers_on_the_fast_backend_need_no_worker_processes(tmp_path, tokenizer_dir):
+    # up to two workers, a fast-backend text build runs its partitions in threads of this
+    # process: a script on stdin (which spawned workers cannot re-import) builds
+    import subprocess
+    import sys
+
+    pytest.importorskip("fastokens")
+    for f in range(3):
+        write_records(str(tmp_path / f"{f}.jsonl"), _records(20, seed=f), "jsonl")
+    script = (
+        "import multiprocessing\n"
+        "from shardcache.builder.run import build_cache\n"
+        "from shardcache.config import build_options_from_mapping\n"
+        f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
+        "report = build_cache(build_options_from_mapping(values))\n"
+        "print(report.workers, report.partitions, *report.encoder['partitions_by_backend'],\n"
+        "      len(multiprocessing.active_children()))\n"
+    )
+    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    result = subprocess.run(
+        [sys.executable, "-"],
+        input=script,
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        env={**os.environ, "PYTHONPATH": repo},
+        timeout=120,
+    )  # fmt: skip  (timeout: a hang guard)
+    assert result.returncode == 0, result.stderr[-3000:]
+    workers, partitions, encoder, children = result.stdout.split()
+    assert (workers, partitions, children) == ("2", "3", "0")
+    assert encoder == "fastokens"
 
 
 # --- 11. disk errors ------------------------------------------------------------------------
@@ -559,7 +594,7 @@ def test_lock_with_a_runaway_template_fails_cleanly(tmp_path, chatml_tokenizer_d
 
 
 def _run_build_script(tmp_path, tokenizer: str, how: str):
-    """Run a build_cache(workers=2) script as ``python -`` (how="stdin") or as a script file
+    """Run a build_cache(workers=3) script as ``python -`` (how="stdin") or as a script file
     without the ``__main__`` guard (how="file"); a timeout only guards against a hang."""
     import subprocess
     import sys
@@ -570,7 +605,7 @@ def _run_build_script(tmp_path, tokenizer: str, how: str):
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': 3}}\n"
         "build_cache(build_options_from_mapping(values))\n"
     )
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))

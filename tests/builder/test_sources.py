@@ -128,6 +128,22 @@ def test_batches_respect_batch_docs(tmp_path):
     assert os.path.getsize(path) == file.size
 
 
+@pytest.mark.parametrize("fmt", ["jsonl", "jsonl.zst"])
+def test_a_reader_that_stops_after_one_batch_parses_no_further(tmp_path, fmt):
+    # the gate's sample takes a few documents per file: the rest of the read block (a bad
+    # record here) is neither parsed nor reported
+    records: list = [{"text": f"doc {i}"} for i in range(5)] + ["not json"] + [{"text": "x"}]
+    path = write_records(str(tmp_path / f"a.{fmt}"), records, fmt)
+    [file] = list_inputs([path])
+    bad: list = []
+    batches = iter_text_batches(file, batch_docs=2, on_bad=lambda *a: bad.append(a))
+    first = next(batches)
+    batches.close()
+    assert first.texts == ["doc 0", "doc 1"] and bad == []
+    _, records_read, bad_all = _collect(file, batch_docs=2)
+    assert records_read == [0, 1, 2, 3, 4, 6] and len(bad_all) == 1
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     lines=st.lists(st.one_of(st.just(""), st.text(alphabet="ab\u00e9 ", max_size=40)), max_size=60),
