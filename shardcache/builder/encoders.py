@@ -61,6 +61,19 @@ def make_encoder(
     return encoder
 
 
+def encodes_fast(encoder: Encoder) -> bool:
+    """Whether a build's encoder is a text encoder on the fast backend, whose encode calls
+    release the GIL (partitions may then share one process, in threads).
+
+    Args:
+        encoder: the build's encoder, after the gate.
+
+    Returns:
+        True for a text encoder with a fast backend; False for HF and chat encoders.
+    """
+    return isinstance(encoder, TextEncoder) and encoder.fast is not None
+
+
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
     """What a worker rebuilds an encoder from (text without importing transformers).
 

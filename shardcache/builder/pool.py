@@ -31,7 +31,7 @@ from concurrent.futures import (
 from typing import Any
 
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
-from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec
+from shardcache.builder.encoders import Encoder, encoder_in_worker, encoder_spec, encodes_fast
 from shardcache.builder.partition import build_partition, check_parent, set_parent_pid
 from shardcache.builder.report import Progress
 from shardcache.builder.tokenize import TextEncoder
@@ -290,8 +290,7 @@ def run_local(
     Raises:
         ShardcacheError: a worker process died (completed partitions are kept).
     """
-    threaded = isinstance(encoder, TextEncoder) and encoder.fast is not None
-    if workers == 1 or len(pending) <= 1 or (threaded and workers <= IN_FLIGHT):
+    if workers == 1 or len(pending) <= 1 or (encodes_fast(encoder) and workers <= IN_FLIGHT):
         return run_in_process(plan, pending, encoder, progress)
     return run_pool(plan, pending, encoder, progress, min(workers, len(pending)))
 

@@ -28,7 +28,7 @@ from shardcache.builder.build_plan import (
     what_changed,
 )
 from shardcache.builder.commit import commit, committed_manifest, finish_committed
-from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for
+from shardcache.builder.encoders import Encoder, EncoderFactory, encoder_for, encodes_fast
 from shardcache.builder.engines import ENGINES, EngineOptions
 from shardcache.builder.key_computation import precompute_tokenizer_component
 from shardcache.builder.report import BuildReport, Progress, report_from_manifest
@@ -234,7 +234,7 @@ def fast_workers(encoder: Encoder, pending: list[Partition], workers: int) -> in
         ``workers`` for HF; for the fast backend one process per
         :data:`FAST_BYTES_PER_WORKER` of pending input, at least 1.
     """
-    if getattr(getattr(encoder, "text", encoder), "fast", None) is None:
+    if not encodes_fast(encoder):
         return workers
     nbytes = sum(p.nbytes for p in pending)
     return max(1, min(workers, -(-nbytes // FAST_BYTES_PER_WORKER)))

@@ -453,21 +453,24 @@ def test_a_second_ctrl_c_exits_at_once():
 # --- 9. workers that cannot start -----------------------------------------------------------
 
 
-def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_path, tokenizer_dir):
+def _build_from_stdin(tmp_path, tokenizer_dir, workers: int, files: int, after: str = ""):
+    """Run ``build_cache(workers=...)`` over ``files`` small jsonl files as a script read
+    from stdin (``python -``), then ``after``; a timeout only guards against a hang."""
     import subprocess
     import sys
 
-    for f in range(2):
+    for f in range(files):
         write_records(str(tmp_path / f"{f}.jsonl"), _records(20, seed=f), "jsonl")
     script = (
+        "import multiprocessing\n"
         "from shardcache.builder.run import build_cache\n"
         "from shardcache.config import build_options_from_mapping\n"
         f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 3}}\n"
-        "build_cache(build_options_from_mapping(values))\n"
-    )
+        f"'output': {str(tmp_path / 'out')!r}, 'workers': {workers}}}\n"
+        "report = build_cache(build_options_from_mapping(values))\n"
+    ) + after
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run(
+    return subprocess.run(
         [sys.executable, "-"],
         input=script,
         capture_output=True,
@@ -475,7 +478,11 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
         cwd=tmp_path,
         env={**os.environ, "PYTHONPATH": repo},
         timeout=120,
-    )  # fmt: skip  (timeout: a hang guard)
+    )
+
+
+def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_path, tokenizer_dir):
+    result = _build_from_stdin(tmp_path, tokenizer_dir, workers=3, files=2)
     assert result.returncode == 1
     assert "if __name__ == '__main__':" in result.stderr
     assert "ShardcacheError" in result.stderr
@@ -484,32 +491,12 @@ def test_a_script_on_stdin_with_workers_fails_fast_with_the_guard_advice(tmp_pat
 def test_two_workers_on_the_fast_backend_need_no_worker_processes(tmp_path, tokenizer_dir):
     # up to two workers, a fast-backend text build runs its partitions in threads of this
     # process: a script on stdin (which spawned workers cannot re-import) builds
-    import subprocess
-    import sys
-
     pytest.importorskip("fastokens")
-    for f in range(3):
-        write_records(str(tmp_path / f"{f}.jsonl"), _records(20, seed=f), "jsonl")
-    script = (
-        "import multiprocessing\n"
-        "from shardcache.builder.run import build_cache\n"
-        "from shardcache.config import build_options_from_mapping\n"
-        f"values = {{'input': {str(tmp_path)!r}, 'tokenizer': {tokenizer_dir!r}, "
-        f"'output': {str(tmp_path / 'out')!r}, 'workers': 2}}\n"
-        "report = build_cache(build_options_from_mapping(values))\n"
+    after = (
         "print(report.workers, report.partitions, *report.encoder['partitions_by_backend'],\n"
         "      len(multiprocessing.active_children()))\n"
     )
-    repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    result = subprocess.run(
-        [sys.executable, "-"],
-        input=script,
-        capture_output=True,
-        text=True,
-        cwd=tmp_path,
-        env={**os.environ, "PYTHONPATH": repo},
-        timeout=120,
-    )  # fmt: skip  (timeout: a hang guard)
+    result = _build_from_stdin(tmp_path, tokenizer_dir, workers=2, files=3, after=after)
     assert result.returncode == 0, result.stderr[-3000:]
     workers, partitions, encoder, children = result.stdout.split()
     assert (workers, partitions, children) == ("2", "3", "0")
