@@ -34,8 +34,9 @@ FAST_PIP = "pip install 'shardcache[fast]'"
 #: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer:
 #: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that family
 #: (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to HF's.
-#: kitoken is exact on WordPiece too, but crashed the process inside ``encode_all`` in threaded
-#: builds, so WordPiece and Unigram (no exact candidate) build with HF.
+#: kitoken is not used: on WordPiece it lowercases a word-final Σ to ς (HF: σ) and drops code
+#: points its Unicode tables lack (HF: [UNK]), rare enough to pass a gate sample. WordPiece and
+#: Unigram (no exact candidate) build with HF.
 FALLBACK_MODULES: dict[str, tuple[str, ...]] = {"BPE": ("gigatoken",)}
 
 #: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,

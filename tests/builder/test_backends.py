@@ -56,6 +56,10 @@ HARD_TEXTS = [
     "trailing space ",
     "x" * 3000,
     "Мама мыла раму. Ελληνικά. עברית. العربية",
+    # a word-final capital sigma (lowercased per character by HF: σ, not ς), a letter of
+    # Unicode 16 and unassigned code points (kept by HF, an [UNK] for WordPiece)
+    "ΟΔΥΣΣΕΥΣ [ΛΠΣ] ΣΣ Σ",
+    '(0xA7CE, "M", "\ua7cf") \U000e0080 x\U0010fffdy \u0378',
 ]
 
 
