@@ -25,6 +25,7 @@ from typing import Any, Generic, TypeVar
 import numpy as np
 
 from shardcache.builder.tokenizer_memo import library_versions, parse_tokenizer_json
+from shardcache.builder.wordpiece import AsciiWordPiece
 from shardcache.errors import EncoderError, MissingDependencyError
 
 #: The first accelerated library tried (any tokenizer), and the pip extra of all of them.
@@ -34,10 +35,14 @@ FAST_PIP = "pip install 'shardcache[fast]'"
 #: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer:
 #: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that family
 #: (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to HF's.
-#: kitoken is not used: on WordPiece it lowercases a word-final Σ to ς (HF: σ) and drops code
-#: points its Unicode tables lack (HF: [UNK]), rare enough to pass a gate sample. WordPiece and
-#: Unigram (no exact candidate) build with HF.
-FALLBACK_MODULES: dict[str, tuple[str, ...]] = {"BPE": ("gigatoken",)}
+#: BERT-style WordPiece gets this package's own :mod:`~shardcache.builder.wordpiece` (ASCII
+#: documents in Python, the rest through HF). kitoken is not used: on WordPiece it lowercases a
+#: word-final Σ to ς (HF: σ) and drops code points its Unicode tables lack (HF: [UNK]), rare
+#: enough to pass a gate sample. Unigram (no exact candidate) builds with HF.
+FALLBACK_MODULES: dict[str, tuple[str, ...]] = {
+    "BPE": ("gigatoken",),
+    "WordPiece": ("shardcache.builder.wordpiece",),
+}
 
 #: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,
 #: since every partition is verified during the build anyway.
@@ -142,8 +147,9 @@ class FastBackend:
             except Exception as err:  # each library raises its own types for what it lacks
                 refusals.append(f"{name}: {type(err).__name__}: {err}")
                 continue
-            self.name = name
-            self.version = library_versions((name,))[name]
+            self.name = getattr(module, "BACKEND_NAME", name)
+            own = getattr(module, "BACKEND_VERSION", None)  # this package's own backends
+            self.version = own or library_versions((name,))[name]
             return
         if not refusals:
             raise MissingDependencyError(
@@ -221,9 +227,27 @@ def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> 
     return encode
 
 
+def _load_wordpiece(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+    import tokenizers
+
+    data = parsed()
+    reference = tokenizers.Tokenizer.from_str(serialized)
+    reference.no_truncation()
+    reference.no_padding()
+    encoder = AsciiWordPiece(data, reference)
+    specials = SpecialTokens.of(data.get("post_processor"))
+
+    def encode(texts: list[str], add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
+        tokens, lengths = encoder.encode_flat(texts)
+        return specials.add(tokens, lengths) if add_special_tokens else (tokens, lengths)
+
+    return encode
+
+
 _LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], EncodeFlat]] = {
     "fastokens": _load_fastokens,
     "gigatoken": _load_gigatoken,
+    "shardcache.builder.wordpiece": _load_wordpiece,
 }
 
 

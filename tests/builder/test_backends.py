@@ -183,11 +183,11 @@ def _unigram(folder: str) -> str:
     return _save(tok, folder, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
-def _wordpiece(folder: str) -> str:
+def _wordpiece(folder: str, lowercase: bool = False) -> str:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
     tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
-    tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+    tok.normalizer = normalizers.BertNormalizer(lowercase=lowercase)
     tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
     trainer = trainers.WordPieceTrainer(
         vocab_size=500, special_tokens=["[PAD]", "[UNK]", "[CLS]", "[SEP]"], show_progress=False
@@ -210,18 +210,28 @@ FAMILIES = {
     ),
     "unigram": _unigram,
     "wordpiece": _wordpiece,
+    "wordpiece_uncased": lambda folder: _wordpiece(folder, lowercase=True),
 }
 #: The library that loads each family (fastokens 0.3.5 drops a decoder it does not implement
 #: first: a decoder never changes ids); fastokens refuses the Metaspace pre-tokenizer, NFKC and
-#: BertNormalizer at load, then gigatoken takes Metaspace BPE; nothing loads WordPiece or
-#: Unigram with NFKC, and the gate keeps HF.
+#: BertNormalizer at load, then gigatoken takes Metaspace BPE and this package's own backend
+#: BERT-style WordPiece; nothing loads Unigram with NFKC, and the gate keeps HF.
 FAST_FAMILIES = {
     "byte_level_bpe": "fastokens",
     "byte_level_bpe_nfc_split": "fastokens",
     "metaspace_bpe_byte_fallback": "fastokens",
     "metaspace_decoder_bpe_byte_fallback": "fastokens",
     "metaspace_pretokenizer_bpe_byte_fallback": "gigatoken",
+    "wordpiece": "shardcache-wordpiece",
+    "wordpiece_uncased": "shardcache-wordpiece",
 }
+
+
+def _importorskip(library: str | None) -> None:
+    """Skip unless ``library`` (a backend's name; None: fastokens) can be imported; this
+    package's own backends always can."""
+    if library != "shardcache-wordpiece":
+        pytest.importorskip(library or "fastokens")
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
@@ -242,10 +252,10 @@ def _fast_encoder(folder: str) -> TextEncoder | None:
 
 
 def test_fast_ids_equal_tokenizer_call_for_every_family(family_dir):
-    pytest.importorskip("fastokens")
     from transformers import AutoTokenizer
 
     name, folder = family_dir
+    _importorskip(FAST_FAMILIES.get(name))
     encoder = _fast_encoder(folder)
     if encoder is None:  # refused at load: the gate keeps HF and says why
         reference = TextEncoder(TokenizeOptions(folder))
@@ -282,7 +292,7 @@ def test_families_each_library_supports_and_refuses(family_dir):
     to HF instead of failing mid-build)."""
     name, folder = family_dir
     library = FAST_FAMILIES.get(name)
-    pytest.importorskip(library or "fastokens")
+    _importorskip(library)
     encoder = _fast_encoder(folder)
     assert (encoder.fast.name if encoder is not None else None) == library, name
 
@@ -293,7 +303,7 @@ def test_fast_ids_without_special_tokens_equal_the_tokenizer_call(family_dir):
     from transformers import AutoTokenizer
 
     name, folder = family_dir
-    pytest.importorskip(FAST_FAMILIES.get(name) or "fastokens")
+    _importorskip(FAST_FAMILIES.get(name))
     if name not in FAST_FAMILIES:
         return  # refused at load: see test_families_each_library_supports_and_refuses
     fast = FastBackend(TextEncoder(TokenizeOptions(folder)).backend.to_str())
@@ -472,7 +482,7 @@ def test_every_code_point_encodes_as_hf(family_dir):
     name, folder = family_dir
     if name not in FAST_FAMILIES:
         return  # built with HF
-    pytest.importorskip(FAST_FAMILIES[name])
+    _importorskip(FAST_FAMILIES[name])
     encoder = TextEncoder(TokenizeOptions(folder))
     fast = FastBackend(encoder.backend.to_str())
     scalars = _code_points()
@@ -492,12 +502,16 @@ def mistral_dir(tmp_path_factory) -> str:
 
 @pytest.mark.parametrize(
     ("tokenizer", "library"),
-    [("tokenizer_dir", "fastokens"), ("mistral_dir", "gigatoken")],
+    [
+        ("tokenizer_dir", "fastokens"),
+        ("mistral_dir", "gigatoken"),
+        ("wordpiece_dir", "shardcache-wordpiece"),
+    ],
 )
 def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer, library, tmp_path,
                                                        request):  # fmt: skip
     """Each library's build stores exactly the HF build's bytes."""
-    pytest.importorskip(library)
+    _importorskip(library)
     from transformers import AutoTokenizer
 
     folder = request.getfixturevalue(tokenizer)
@@ -538,17 +552,30 @@ def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir,
         _build(hard_corpus, tokenizer_dir, str(tmp_path / "fast"), encoder="fast")
 
 
-def test_gate_falls_back_when_every_library_refuses_the_tokenizer(
-    hard_corpus, wordpiece_dir, tmp_path
-):
-    """fastokens refuses BertNormalizer, and no other library is tried for WordPiece."""
+def test_gate_falls_back_when_every_library_refuses_the_tokenizer(hard_corpus, tmp_path):
+    """fastokens refuses a Unigram tokenizer's NFKC normalizer, and no other library is tried
+    for Unigram."""
     pytest.importorskip("fastokens")
-    manifest = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
+    folder = _unigram(str(tmp_path / "tok-unigram"))
+    manifest = _build(hard_corpus, folder, str(tmp_path / "auto"))
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
     [reason] = manifest["encoder"]["gate"]
-    assert "cannot load this tokenizer" in reason and "BertNormalizer" in reason
+    assert "cannot load this tokenizer" in reason and "fastokens:" in reason
     with pytest.raises(EncoderError, match="cannot load this tokenizer"):
-        _build(hard_corpus, wordpiece_dir, str(tmp_path / "fast"), encoder="fast")
+        _build(hard_corpus, folder, str(tmp_path / "fast"), encoder="fast")
+
+
+def test_wordpiece_builds_with_its_own_backend_without_the_fast_extra(
+    hard_corpus, wordpiece_dir, tmp_path, monkeypatch
+):
+    """The WordPiece backend is this package's: a build takes it with no fast library
+    installed, and stores the HF build's bytes."""
+    for module in ("fastokens", "gigatoken"):
+        monkeypatch.setitem(sys.modules, module, None)  # `import fastokens` raises
+    fast = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
+    hf = _build(hard_corpus, wordpiece_dir, str(tmp_path / "hf"), encoder="hf")
+    assert fast["encoder"]["partitions_by_backend"] == {"shardcache-wordpiece": 2}
+    assert cache_data_files(str(tmp_path / "auto")) == cache_data_files(str(tmp_path / "hf"))
 
 
 def test_gigatoken_is_tried_only_when_fastokens_refuses(hard_corpus, mistral_dir, tmp_path,
