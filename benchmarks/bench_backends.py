@@ -24,8 +24,9 @@ that stress exactness (CJK, emoji and ZWJ sequences, combining marks, long white
 code, the tokenizer's added/special tokens written in the text). The reference ids are
 transformers' ``tokenizer(texts, add_special_tokens=False)["input_ids"]``. Per family and
 backend (``hf``: ``tokenizers`` ``encode_batch_fast`` of the same tokenizer; ``fastokens``,
-loaded as shardcache's fast backend; ``gigatoken``; ``kitoken``; each from the folder's
-``tokenizer.json``, without special tokens added):
+loaded as shardcache's fast backend; ``gigatoken``; ``kitoken``; ``shardcache-wordpiece``,
+shardcache's own BERT-style WordPiece (one thread: it holds the GIL for its ASCII chunks);
+each from the folder's ``tokenizer.json``, without special tokens added):
 
 * ``load``: whether the backend loads the tokenizer (else the error, or "not installed");
 * ``corpus`` / ``stress``: documents whose ids equal the reference, of the total;
@@ -55,7 +56,7 @@ import numpy as np
 from results import record_result
 
 FAMILIES = ("bytelevel", "llama", "llama-norm", "gemma", "wordpiece", "unigram")
-CANDIDATES = ("hf", "fastokens", "gigatoken", "kitoken")
+CANDIDATES = ("hf", "fastokens", "gigatoken", "kitoken", "shardcache-wordpiece")
 
 #: Texts that tell an exact backend from a nearly exact one; the tokenizer's added and
 #: special tokens written in text are appended per tokenizer (:func:`stress_texts`).
@@ -307,6 +308,13 @@ def load_candidate(name: str, folder: str) -> Encode:
     if name == "kitoken":
         kit = importlib.import_module("kitoken").Kitoken.from_tokenizers(serialized.encode())
         return lambda texts: flat(kit.encode_all(texts, True))
+    if name == "shardcache-wordpiece":
+        from tokenizers import Tokenizer
+
+        from shardcache.builder.wordpiece import AsciiWordPiece
+
+        wordpiece = AsciiWordPiece(data, Tokenizer.from_str(serialized))
+        return wordpiece.encode_flat
     raise ValueError(name)
 
 

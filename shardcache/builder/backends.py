@@ -123,8 +123,10 @@ class FastBackend:
         serialized: the backend JSON (tokenizer.json's content).
 
     Attributes:
-        name: the library used (its import name).
+        name: the library used (its import name, or this package's backend's name).
         version: its version.
+        releases_gil: whether its encode calls let other threads run (not so for a backend
+            written in Python).
 
     Raises:
         MissingDependencyError: no library for this tokenizer is installed.
@@ -150,6 +152,7 @@ class FastBackend:
             self.name = getattr(module, "BACKEND_NAME", name)
             own = getattr(module, "BACKEND_VERSION", None)  # this package's own backends
             self.version = own or library_versions((name,))[name]
+            self.releases_gil = getattr(module, "RELEASES_GIL", True)
             return
         if not refusals:
             raise MissingDependencyError(

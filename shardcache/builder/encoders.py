@@ -62,16 +62,19 @@ def make_encoder(
 
 
 def encodes_fast(encoder: Encoder) -> bool:
-    """Whether a build's encoder is a text encoder on the fast backend, whose encode calls
+    """Whether a build's encoder is a text encoder on a fast backend whose encode calls
     release the GIL (partitions may then share one process, in threads).
 
     Args:
         encoder: the build's encoder, after the gate.
 
     Returns:
-        True for a text encoder with a fast backend; False for HF and chat encoders.
+        True for a text encoder with such a backend; False for HF and chat encoders and for a
+        backend that encodes in Python (its partitions need processes to use every core).
     """
-    return isinstance(encoder, TextEncoder) and encoder.fast is not None
+    return (
+        isinstance(encoder, TextEncoder) and encoder.fast is not None and encoder.fast.releases_gil
+    )
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:

@@ -31,7 +31,11 @@ from shardcache.version import __version__ as BACKEND_VERSION
 #: Name of this backend in a build's ``encoder`` selection and report (its version is
 #: :data:`BACKEND_VERSION`, the package's).
 BACKEND_NAME = "shardcache-wordpiece"
-__all__ = ["BACKEND_NAME", "BACKEND_VERSION", "AsciiWordPiece"]
+__all__ = ["BACKEND_NAME", "BACKEND_VERSION", "RELEASES_GIL", "AsciiWordPiece"]
+
+#: The ASCII chunks are encoded in Python, holding the GIL: a build runs its partitions in
+#: processes to use every core.
+RELEASES_GIL = False
 
 #: Distinct chunks one thread remembers before it starts again (memory stays bounded: about
 #: 100-150 bytes per chunk).
@@ -81,6 +85,9 @@ class AsciiWordPiece:
         self.longest = max(map(len, self.vocab), default=0)
         self.reference = reference
         self.table, space, punct = _ascii_tables(reference)
+        kept = {code: out for code, out in self.table.items() if out}
+        self.byte_table = bytes.maketrans(bytes(kept), "".join(kept.values()).encode())
+        self.byte_deletes = bytes(code for code, out in self.table.items() if not out)
         # within a chunk (no whitespace): each punctuation character alone, runs of the rest
         self.piece_re = re.compile(
             f"[{re.escape(punct)}]|[^{re.escape(punct)}]+" if punct else ".+", re.DOTALL
@@ -117,6 +124,15 @@ class AsciiWordPiece:
         words = [w for w, _ in self.reference.pre_tokenizer.pre_tokenize_str(normalized)]
         if words != self._pieces(normalized):
             raise ValueError("the pre-tokenizer splits ASCII text otherwise than per character")
+
+    def _normalize(self, text: str) -> str:
+        """The ASCII characters of ``text`` mapped by :attr:`table` (the others unchanged)."""
+        if text.isascii():
+            return text.translate(self.table)
+        # str.translate looks every character up; on UTF-8 bytes (where an ASCII byte is
+        # always its own character) one table does it at memory speed
+        raw = text.encode("utf-8", "surrogatepass")
+        return raw.translate(self.byte_table, self.byte_deletes).decode("utf-8", "surrogatepass")
 
     def _pieces(self, normalized: str) -> list[str]:
         return [p for chunk in normalized.split() for p in self.piece_re.findall(chunk)]
@@ -166,7 +182,7 @@ class AsciiWordPiece:
             if not any(a in text for a in self.raw_added) and (
                 not self.normalized_added or text.isascii()
             ):
-                n = text.translate(self.table)
+                n = self._normalize(text)
                 if any(a in n for a in self.normalized_added):
                     n = None
             normalized.append(n)

@@ -772,6 +772,30 @@ def test_default_workers_shrink_for_the_fast_backend(tokenizer_dir):
     assert fast_workers(encoder, big, 8) == 3
 
 
+def test_a_backend_holding_the_gil_keeps_one_process_per_core(wordpiece_dir, tmp_path):
+    """The WordPiece backend encodes in Python: its builds keep the HF worker count and run
+    partitions in processes, and 1 and 2 workers store the same bytes."""
+    from types import SimpleNamespace
+
+    from shardcache.builder.encoders import encodes_fast
+    from shardcache.builder.run import fast_workers
+
+    encoder = TextEncoder(TokenizeOptions(wordpiece_dir))
+    encoder.use_fast(FastBackend(encoder.serialized), encoder.selection, 1 / 64)
+    assert encoder.fast.name == "shardcache-wordpiece" and not encoder.fast.releases_gil
+    assert not encodes_fast(encoder)
+    assert fast_workers(encoder, [SimpleNamespace(nbytes=1000)] * 4, 4) == 4
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    write_records(str(corpus / "a.jsonl"), [{"text": t} for t in _texts()], "jsonl")
+    one, two = str(tmp_path / "one"), str(tmp_path / "two")
+    a = _build(str(corpus), wordpiece_dir, one, partition_size="4KiB", workers=1)
+    b = _build(str(corpus), wordpiece_dir, two, partition_size="4KiB", workers=2)
+    assert a["encoder"]["partitions_by_backend"] == b["encoder"]["partitions_by_backend"]
+    assert set(b["encoder"]["partitions_by_backend"]) == {"shardcache-wordpiece"}
+    assert cache_data_files(one) == cache_data_files(two)
+
+
 def test_ids_content_ignores_only_what_cannot_change_ids():
     base = {
         "model": {"type": "BPE", "vocab": {"a": 0}},
