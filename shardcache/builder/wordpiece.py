@@ -1,19 +1,22 @@
-"""BERT-style WordPiece ids for ASCII documents, in Python; every other document through HF.
+"""BERT-style WordPiece ids: ASCII text in Python, the rest through HF, equal to HF's.
 
 For a tokenizer whose normalizer is ``BertNormalizer`` (or none), pre-tokenizer
-``BertPreTokenizer`` and model ``WordPiece``, everything HF does to an ASCII text is per
+``BertPreTokenizer`` and model ``WordPiece``, everything HF does to ASCII text is per
 character: the normalizer maps each character to at most one character, the pre-tokenizer
 splits on whitespace (dropped) and punctuation (kept alone), and WordPiece matches the longest
 vocabulary entry from the left within each word. :class:`AsciiWordPiece` learns the
 per-character tables from the HF tokenizer itself at load (so a normalizer option changes them
-as it changes HF's ids) and checks them on every ASCII character before it is used. A text
-with a non-ASCII character, or one containing an added token, goes to HF unchanged: Unicode
-tables differ between libraries, and added tokens are matched before normalization.
+as it changes HF's ids) and checks them on every ASCII character before it is used.
 
-Words repeat, so each whitespace-delimited chunk is encoded once and its ids looked up after
-(per thread, bounded by :data:`CACHE_CHUNKS`); a batch is split, looked up and gathered with
-C-level ``map`` and numpy, without a Python loop per token. Ids come without the
-post-processor's special tokens; the caller adds them.
+A text is split into chunks at ASCII whitespace; nothing HF does crosses one (normalization is
+per character there, and a word never spans a space). A chunk of ASCII text is encoded in
+Python, a chunk with any other character by HF on its own (Unicode tables differ between
+libraries), and a text containing an added token by HF whole (added tokens are matched before
+normalization). Words repeat, so each chunk is encoded once and its ids looked up after (per
+thread, bounded by :data:`CACHE_CHUNKS`); a batch is split, looked up and gathered with C-level
+``map`` and numpy, without a Python loop per token. A new ASCII chunk costs less in Python than
+one more text in an HF batch. Ids come without the post-processor's special tokens; the caller
+adds them.
 """
 
 from __future__ import annotations
