@@ -162,8 +162,9 @@ class FastBackend:
         raise EncoderError(
             f"the fast libraries cannot load this tokenizer ({'; '.join(refusals)}"
             f"{'; not installed: ' + ', '.join(missing) if missing else ''}); byte-level BPE "
-            "and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken; build "
-            "with --encoder hf (or auto, which falls back by itself)"
+            "and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken, BERT-style "
+            "WordPiece with shardcache's own; build with --encoder hf (or auto, which falls "
+            "back by itself)"
         )
 
     def encode_flat(
