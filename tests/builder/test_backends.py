@@ -575,6 +575,7 @@ def test_wordpiece_builds_with_its_own_backend_without_the_fast_extra(
     fast = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
     hf = _build(hard_corpus, wordpiece_dir, str(tmp_path / "hf"), encoder="hf")
     assert fast["encoder"]["partitions_by_backend"] == {"shardcache-wordpiece": 2}
+    assert hf["encoder"]["partitions_by_backend"] == {"hf": 2}
     assert cache_data_files(str(tmp_path / "auto")) == cache_data_files(str(tmp_path / "hf"))
 
 
