@@ -311,9 +311,10 @@ def load_candidate(name: str, folder: str) -> Encode:
     if name == "shardcache-wordpiece":
         from tokenizers import Tokenizer
 
+        from shardcache.builder.backends import HFBackend
         from shardcache.builder.wordpiece import AsciiWordPiece
 
-        wordpiece = AsciiWordPiece(data, Tokenizer.from_str(serialized))
+        wordpiece = AsciiWordPiece(data, HFBackend(Tokenizer.from_str(serialized)))
         return wordpiece.encode_flat
     raise ValueError(name)
 

@@ -36,7 +36,7 @@ FAST_PIP = "pip install 'shardcache[fast]'"
 #: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that family
 #: (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to HF's.
 #: BERT-style WordPiece gets this package's own :mod:`~shardcache.builder.wordpiece` (ASCII
-#: documents in Python, the rest through HF). kitoken is not used: on WordPiece it lowercases a
+#: chunks in Python, the rest through HF). kitoken is not used: on WordPiece it lowercases a
 #: word-final Σ to ς (HF: σ) and drops code points its Unicode tables lack (HF: [UNK]), rare
 #: enough to pass a gate sample. Unigram (no exact candidate) builds with HF.
 FALLBACK_MODULES: dict[str, tuple[str, ...]] = {
@@ -238,7 +238,7 @@ def _load_wordpiece(module: Any, serialized: str, parsed: Callable[[], Any]) -> 
     reference = tokenizers.Tokenizer.from_str(serialized)
     reference.no_truncation()
     reference.no_padding()
-    encoder = AsciiWordPiece(data, reference)
+    encoder = AsciiWordPiece(data, HFBackend(reference))
     specials = SpecialTokens.of(data.get("post_processor"))
 
     def encode(texts: list[str], add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:

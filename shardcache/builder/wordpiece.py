@@ -59,8 +59,9 @@ class AsciiWordPiece:
 
     Args:
         data: the tokenizer.json content, parsed.
-        reference: a ``tokenizers.Tokenizer`` for the same JSON, truncation and padding off;
-            it encodes the texts this class does not, and the per-character tables come from it.
+        reference: the HF backend of the same JSON (``tokenizer``, truncation and padding off,
+            and ``encode_flat``): it encodes the texts and chunks this class does not, and the
+            per-character tables come from it.
 
     Raises:
         ValueError: the tokenizer is not BERT-style WordPiece, or its ASCII behaviour is not
@@ -87,7 +88,8 @@ class AsciiWordPiece:
         # no match is longer than the longest entry: the search starts there, not at the end
         self.longest = max(map(len, self.vocab), default=0)
         self.reference = reference
-        self.table, space, punct = _ascii_tables(reference)
+        self.tokenizer = tokenizer = reference.tokenizer
+        self.table, space, punct = _ascii_tables(tokenizer)
         kept = {code: out for code, out in self.table.items() if out}
         self.byte_table = bytes.maketrans(bytes(kept), "".join(kept.values()).encode())
         self.byte_deletes = bytes(code for code, out in self.table.items() if not out)
@@ -98,7 +100,7 @@ class AsciiWordPiece:
         self._check_tables(space)
         added = [t for t in data.get("added_tokens") or [] if t.get("content")]
         self.raw_added = tuple(t["content"] for t in added if not t.get("normalized", False))
-        normalize = reference.normalizer.normalize_str if reference.normalizer else str
+        normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else str
         self.normalized_added = tuple(
             normalize(t["content"]) for t in added if t.get("normalized", False)
         )
@@ -121,10 +123,10 @@ class AsciiWordPiece:
             raise ValueError("the normalizer changes its own output on ASCII text")
         text = " ".join(f"a{c}b{c}{c}Z" for c in ASCII)
         normalized = text.translate(self.table)
-        normalizer = self.reference.normalizer
+        normalizer = self.tokenizer.normalizer
         if normalizer is not None and normalizer.normalize_str(text) != normalized:
             raise ValueError("the normalizer is not per character on ASCII text")
-        words = [w for w, _ in self.reference.pre_tokenizer.pre_tokenize_str(normalized)]
+        words = [w for w, _ in self.tokenizer.pre_tokenizer.pre_tokenize_str(normalized)]
         if words != self._pieces(normalized):
             raise ValueError("the pre-tokenizer splits ASCII text otherwise than per character")
 
@@ -194,13 +196,7 @@ class AsciiWordPiece:
             return self._encode_normalized(normalized)  # type: ignore[arg-type]
         mine = [i for i, n in enumerate(normalized) if n is not None]
         a = self._encode_normalized([normalized[i] for i in mine])  # type: ignore[misc]
-        encode = getattr(self.reference, "encode_batch_fast", self.reference.encode_batch)
-        encodings = encode([texts[i] for i in other], add_special_tokens=False)
-        b_ids = [e.ids for e in encodings]
-        b = (
-            np.fromiter(itertools.chain.from_iterable(b_ids), dtype=np.uint32),
-            np.fromiter(map(len, b_ids), dtype=np.int64, count=len(b_ids)),
-        )
+        b = self.reference.encode_flat([texts[i] for i in other], False)
         return _interleave(
             len(texts),
             (np.asarray(mine, dtype=np.int64), a),
@@ -267,7 +263,7 @@ class _ChunkCache(dict):
             pieces = self.encoder.piece_re.findall(chunk)
             self.new_ids.extend(itertools.chain.from_iterable(map(self.words.__getitem__, pieces)))
         else:  # HF, on the chunk alone: normalization and words never cross an ASCII space
-            encoding = self.encoder.reference.encode(chunk, add_special_tokens=False)
+            encoding = self.encoder.tokenizer.encode(chunk, add_special_tokens=False)
             self.new_ids.extend(encoding.ids)
         self.new_lens.append(len(self.new_ids) - before)
         entry = self.count
@@ -302,7 +298,7 @@ class _WordCache(dict):
         return ids
 
 
-def _ascii_tables(reference: Any) -> tuple[dict[int, str], str, str]:
+def _ascii_tables(tokenizer: Any) -> tuple[dict[int, str], str, str]:
     """Per ASCII character, from HF: the normalizer's output (a translate table), the
     characters the pre-tokenizer drops as whitespace and those it isolates as punctuation.
 
@@ -312,7 +308,7 @@ def _ascii_tables(reference: Any) -> tuple[dict[int, str], str, str]:
     """
     table: dict[int, str] = {}
     space, punct = [], []
-    normalizer = reference.normalizer
+    normalizer = tokenizer.normalizer
     for code in range(128):
         c = chr(code)
         out = normalizer.normalize_str(c) if normalizer is not None else c
@@ -321,7 +317,7 @@ def _ascii_tables(reference: Any) -> tuple[dict[int, str], str, str]:
         if out != c:
             table[code] = out
     for c in sorted(set(ASCII.translate(table))):
-        parts = [w for w, _ in reference.pre_tokenizer.pre_tokenize_str(f"a{c}b")]
+        parts = [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str(f"a{c}b")]
         if parts == [f"a{c}b"]:
             continue
         if parts == ["a", "b"]:

@@ -15,6 +15,7 @@ import pytest
 
 from conftest import make_texts
 from shardcache.builder import wordpiece
+from shardcache.builder.backends import HFBackend
 from shardcache.builder.wordpiece import AsciiWordPiece
 
 CODE = [
@@ -47,7 +48,7 @@ def tok(request):
 
 
 def _backend(tok) -> AsciiWordPiece:
-    return AsciiWordPiece(json.loads(tok.to_str()), tok)
+    return AsciiWordPiece(json.loads(tok.to_str()), HFBackend(tok))
 
 
 def _hf(tok, texts: list[str]) -> list[list[int]]:
@@ -96,7 +97,7 @@ def test_every_vocabulary_entry_encodes_as_hf(tok):
     texts = [e[2:] if e.startswith("##") else e for e in vocab]
     texts += [f"a{e[2:]} the{e[2:]}x" for e in vocab if e.startswith("##")]
     texts += [longest, longest + "silicovolcanoconiosis", "x" + longest, longest[:-1], longest * 3]
-    _assert_equal(tok, AsciiWordPiece(data, tok), texts)
+    _assert_equal(tok, AsciiWordPiece(data, HFBackend(tok)), texts)
 
 
 def test_non_ascii_text_encodes_as_hf(tok):
@@ -181,4 +182,4 @@ def test_refuses_a_tokenizer_it_cannot_follow(change, message):
         data["model"]["type"] = "BPE"
         tok = Tokenizer(models.BPE())
     with pytest.raises(ValueError, match=message):
-        AsciiWordPiece(data, tok)
+        AsciiWordPiece(data, HFBackend(tok))
