@@ -12,11 +12,10 @@ A text is split into chunks at ASCII whitespace; nothing HF does crosses one (no
 per character there, and a word never spans a space). A chunk of ASCII text is encoded in
 Python, a chunk with any other character by HF on its own (Unicode tables differ between
 libraries), and a text containing an added token by HF whole (added tokens are matched before
-normalization). Words repeat, so each chunk is encoded once and its ids looked up after (per
-thread, bounded by :data:`CACHE_CHUNKS`); a batch is split, looked up and gathered with C-level
-``map`` and numpy, without a Python loop per token. A new ASCII chunk costs less in Python than
-one more text in an HF batch. Ids come without the post-processor's special tokens; the caller
-adds them.
+normalization). Words repeat, so each chunk is encoded once and its ids looked up after
+(:class:`~shardcache.builder.chunk_cache.ChunkCache`). A new ASCII chunk costs less in Python
+than one more text in an HF batch. Ids come without the post-processor's special tokens; the
+caller adds them.
 """
 
 from __future__ import annotations
@@ -24,11 +23,13 @@ from __future__ import annotations
 import itertools
 import re
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import numpy as np
 
+from shardcache.builder import chunk_cache
+from shardcache.builder.chunk_cache import AddedTokens, ChunkCache
 from shardcache.version import __version__ as BACKEND_VERSION
 
 #: Name of this backend in a build's ``encoder`` selection and report (its version is
@@ -39,17 +40,6 @@ __all__ = ["BACKEND_NAME", "BACKEND_VERSION", "RELEASES_GIL", "AsciiWordPiece"]
 #: The ASCII chunks are encoded in Python, holding the GIL: a build runs its partitions in
 #: processes to use every core.
 RELEASES_GIL = False
-
-#: Distinct chunks one thread remembers before it starts again (memory stays bounded: about
-#: 100-150 bytes per chunk).
-CACHE_CHUNKS = 1 << 19
-
-#: Ids one thread's chunk cache holds before it starts again (long chunks are encoded once
-#: but their ids are written there too).
-CACHE_IDS = 1 << 24
-
-#: Chunks longer than this are encoded each time (one huge run of characters is not kept).
-CACHED_CHUNK_CHARS = 128
 
 ASCII = "".join(map(chr, range(128)))
 
@@ -98,12 +88,11 @@ class AsciiWordPiece:
             f"[{re.escape(punct)}]|[^{re.escape(punct)}]+" if punct else ".+", re.DOTALL
         )
         self._check_tables(space)
-        added = [t for t in data.get("added_tokens") or [] if t.get("content")]
-        self.raw_added = tuple(t["content"] for t in added if not t.get("normalized", False))
-        normalize = tokenizer.normalizer.normalize_str if tokenizer.normalizer else str
-        self.normalized_added = tuple(
-            normalize(t["content"]) for t in added if t.get("normalized", False)
+        normalizer = tokenizer.normalizer
+        self.added = AddedTokens(
+            data.get("added_tokens") or [], normalizer.normalize_str if normalizer else None
         )
+        self.cache = ChunkCache(self._encode_chunk)
         self._local = threading.local()
 
     def _check_tables(self, space: str) -> None:
@@ -179,109 +168,38 @@ class AsciiWordPiece:
         Returns:
             ``(uint32 tokens, int64 lengths)``, flat, in text order.
         """
-        normalized: list[str | None] = []
+        chunk_lists: list[list[str] | None] = []
         for text in texts:
-            n = None
+            chunks = None
             # an added token is matched in the raw text (a normalized one in HF's normalized
             # text, known here for ASCII only) before anything else: HF encodes those texts
-            if not any(a in text for a in self.raw_added) and (
-                not self.normalized_added or text.isascii()
-            ):
+            if not self.added.in_raw(text) and (not self.added.normalized or text.isascii()):
                 n = self._normalize(text)
-                if any(a in n for a in self.normalized_added):
-                    n = None
-            normalized.append(n)
-        other = [i for i, n in enumerate(normalized) if n is None]
-        if not other:
-            return self._encode_normalized(normalized)  # type: ignore[arg-type]
-        mine = [i for i, n in enumerate(normalized) if n is not None]
-        a = self._encode_normalized([normalized[i] for i in mine])  # type: ignore[misc]
-        b = self.reference.encode_flat([texts[i] for i in other], False)
-        return _interleave(
-            len(texts),
-            (np.asarray(mine, dtype=np.int64), a),
-            (np.asarray(other, dtype=np.int64), b),
+                if not self.added.in_normalized(n):
+                    # split at ASCII whitespace only: other whitespace is left to HF in its chunk
+                    chunks = n.split() if n.isascii() else n.split(" ")
+            chunk_lists.append(chunks)
+        out = self.cache.encode_or_whole(
+            texts, chunk_lists, lambda whole: self.reference.encode_flat(whole, False)
         )
+        if len(self._words()) > chunk_cache.CACHE_CHUNKS:
+            self._local.words = None  # start again when full
+        return out
 
-    def _encode_normalized(self, normalized: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        cache = self._cache()
-        # split at ASCII whitespace only: other whitespace is left to HF inside its chunk
-        chunks = [n.split() if n.isascii() else n.split(" ") for n in normalized]
-        counts = np.fromiter(map(len, chunks), dtype=np.int64, count=len(chunks))
-        entries = np.fromiter(
-            map(cache.__getitem__, itertools.chain.from_iterable(chunks)),
-            dtype=np.int64,
-            count=int(counts.sum()),
-        )
-        cache.flush()
-        starts, lens = cache.starts[entries], cache.lens[entries]
-        total = int(lens.sum())
-        ends = np.cumsum(lens)
-        # every id of every chunk, in order: chunk k's ids are ids[starts[k] : starts[k] + lens[k]]
-        tokens = cache.ids[np.repeat(starts - (ends - lens), lens) + np.arange(total)]
-        chunk_ends = np.concatenate(([0], ends))
-        doc_ends = np.cumsum(counts)
-        lengths = chunk_ends[doc_ends] - chunk_ends[doc_ends - counts]
-        # start again when full; words outlive chunks (there are fewer)
-        if cache.count > CACHE_CHUNKS or len(cache.ids) > CACHE_IDS:
-            self._local.cache = None
-            if len(cache.words) > CACHE_CHUNKS:
-                self._local.words = None
-        return tokens.astype(np.uint32, copy=False), lengths
-
-    def _cache(self) -> _ChunkCache:
-        cache = getattr(self._local, "cache", None)
-        if cache is None:
-            words = getattr(self._local, "words", None)
-            if words is None:
-                words = self._local.words = _WordCache(self)
-            cache = self._local.cache = _ChunkCache(self, words)
-        return cache
-
-
-class _ChunkCache(dict):
-    """Chunk -> entry number; entry ``k``'s ids are ``ids[starts[k] : starts[k] + lens[k]]``
-    once :meth:`flush` has run. One thread's: entries are only appended, so numbers stay
-    valid until the cache is dropped. Chunks over :data:`CACHED_CHUNK_CHARS` get an entry but
-    no key."""
-
-    def __init__(self, encoder: AsciiWordPiece, words: _WordCache):
-        super().__init__()
-        self.encoder = encoder
-        self.words = words
-        self.starts = np.zeros(0, dtype=np.int64)
-        self.lens = np.zeros(0, dtype=np.int64)
-        self.ids = np.zeros(0, dtype=np.uint32)
-        self.count = 0
-        # entries added since the last flush (a Python list appends faster than numpy writes)
-        self.new_lens: list[int] = []
-        self.new_ids: list[int] = []
-
-    def __missing__(self, chunk: str) -> int:
-        before = len(self.new_ids)
+    def _encode_chunk(self, chunk: str) -> Iterable[int]:
         if chunk.isascii():
-            pieces = self.encoder.piece_re.findall(chunk)
-            self.new_ids.extend(itertools.chain.from_iterable(map(self.words.__getitem__, pieces)))
-        else:  # HF, on the chunk alone: normalization and words never cross an ASCII space
-            encoding = self.encoder.tokenizer.encode(chunk, add_special_tokens=False)
-            self.new_ids.extend(encoding.ids)
-        self.new_lens.append(len(self.new_ids) - before)
-        entry = self.count
-        self.count += 1
-        if len(chunk) <= CACHED_CHUNK_CHARS:
-            self[chunk] = entry
-        return entry
+            words = self._words()
+            return itertools.chain.from_iterable(
+                map(words.__getitem__, self.piece_re.findall(chunk))
+            )
+        # HF, on the chunk alone: normalization and words never cross an ASCII space
+        return self.tokenizer.encode(chunk, add_special_tokens=False).ids
 
-    def flush(self) -> None:
-        """Move the entries added since the last call into the arrays."""
-        if not self.new_lens:
-            return
-        lens = np.asarray(self.new_lens, dtype=np.int64)
-        first = len(self.ids)
-        self.starts = np.concatenate((self.starts, first + np.cumsum(lens) - lens))
-        self.lens = np.concatenate((self.lens, lens))
-        self.ids = np.concatenate((self.ids, np.asarray(self.new_ids, dtype=np.uint32)))
-        self.new_lens, self.new_ids = [], []
+    def _words(self) -> _WordCache:
+        words = getattr(self._local, "words", None)
+        if words is None:
+            words = self._local.words = _WordCache(self)
+        return words
 
 
 class _WordCache(dict):
@@ -293,7 +211,7 @@ class _WordCache(dict):
 
     def __missing__(self, word: str) -> tuple[int, ...]:
         ids = self.encoder.word_ids(word)
-        if len(word) <= CACHED_CHUNK_CHARS:
+        if len(word) <= chunk_cache.CACHED_CHUNK_CHARS:
             self[word] = ids
         return ids
 
@@ -327,27 +245,3 @@ def _ascii_tables(tokenizer: Any) -> tuple[dict[int, str], str, str]:
         else:
             raise ValueError(f"the pre-tokenizer splits 'a{c}b' into {parts}")
     return table, "".join(space), "".join(punct)
-
-
-def _interleave(
-    n: int, *groups: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]
-) -> tuple[np.ndarray, np.ndarray]:
-    """Merge flat encodings of disjoint sets of positions into one in position order.
-
-    Args:
-        n: the number of positions.
-        *groups: ``(positions, (tokens, lengths))``, each encoding in its positions' order.
-
-    Returns:
-        ``(tokens, lengths)`` over positions ``0..n-1``.
-    """
-    lengths = np.zeros(n, dtype=np.int64)
-    for positions, (_, group_lengths) in groups:
-        lengths[positions] = group_lengths
-    out_starts = np.cumsum(lengths) - lengths
-    tokens = np.empty(int(lengths.sum()), dtype=np.uint32)
-    for positions, (group_tokens, group_lengths) in groups:
-        src_starts = np.cumsum(group_lengths) - group_lengths
-        shift = np.repeat(out_starts[positions] - src_starts, group_lengths)
-        tokens[shift + np.arange(len(group_tokens))] = group_tokens
-    return tokens, lengths

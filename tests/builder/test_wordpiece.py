@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from conftest import make_texts
-from shardcache.builder import wordpiece
+from shardcache.builder import chunk_cache
 from shardcache.builder.backends import HFBackend
 from shardcache.builder.wordpiece import AsciiWordPiece
 
@@ -136,8 +136,8 @@ def test_added_tokens_in_text_encode_as_hf():
 def test_bounded_cache_and_threads_encode_as_hf(tok, monkeypatch):
     """With caches a few chunks long (emptied between batches) and two threads sharing the
     backend, every batch still encodes as HF."""
-    monkeypatch.setattr(wordpiece, "CACHE_CHUNKS", 8)
-    monkeypatch.setattr(wordpiece, "CACHE_IDS", 64)
+    monkeypatch.setattr(chunk_cache, "CACHE_CHUNKS", 8)
+    monkeypatch.setattr(chunk_cache, "CACHE_IDS", 64)
     backend = _backend(tok)
     texts = [*make_texts(300, seed=4), *CODE * 5, "über naïve"]
     batches = [texts[i : i + 16] for i in range(0, len(texts), 16)]

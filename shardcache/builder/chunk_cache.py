@@ -1,0 +1,199 @@
+"""Ids of texts split into chunks that encode independently, each distinct chunk encoded once.
+
+The backends that encode in this package (:mod:`~shardcache.builder.wordpiece`,
+:mod:`~shardcache.builder.split_words`) split a text where nothing the tokenizer does crosses
+(whitespace), so a text's ids are its chunks' ids in order. Words repeat: :class:`ChunkCache`
+encodes each chunk once per thread and gathers a batch's ids with C-level ``map`` and numpy
+fancy indexing, without a Python loop per token. Memory stays bounded (:data:`CACHE_CHUNKS`,
+:data:`CACHE_IDS`). :class:`AddedTokens` finds the texts that must go to HF whole, and
+:func:`interleave` merges the two groups back in order.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "CACHED_CHUNK_CHARS",
+    "CACHE_CHUNKS",
+    "CACHE_IDS",
+    "AddedTokens",
+    "ChunkCache",
+    "interleave",
+]
+
+#: Distinct chunks one thread remembers before it starts again (about 100-150 bytes each).
+CACHE_CHUNKS = 1 << 19
+
+#: Ids one thread's cache holds before it starts again (long chunks are encoded once but
+#: their ids are written there too).
+CACHE_IDS = 1 << 24
+
+#: Chunks longer than this are encoded each time (one huge run of characters is not kept).
+CACHED_CHUNK_CHARS = 128
+
+
+class ChunkCache:
+    """Chunk lists to flat ids, each distinct chunk encoded by ``encode_chunk`` once per
+    thread (until the thread's cache is full and starts again).
+
+    Args:
+        encode_chunk: one chunk's ids (exactly what the tokenizer gives that chunk inside any
+            text).
+    """
+
+    def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
+        self.encode_chunk = encode_chunk
+        self._local = threading.local()
+
+    def encode(self, chunk_lists: Sequence[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of texts given as their chunks.
+
+        Args:
+            chunk_lists: per text, its chunks in order.
+
+        Returns:
+            ``(uint32 tokens, int64 lengths)``, flat, one length per text.
+        """
+        table = getattr(self._local, "table", None)
+        if table is None:
+            table = self._local.table = _Table(self.encode_chunk)
+        counts = np.fromiter(map(len, chunk_lists), dtype=np.int64, count=len(chunk_lists))
+        entries = np.fromiter(
+            map(table.__getitem__, itertools.chain.from_iterable(chunk_lists)),
+            dtype=np.int64,
+            count=int(counts.sum()),
+        )
+        table.flush()
+        starts, lens = table.starts[entries], table.lens[entries]
+        total = int(lens.sum())
+        ends = np.cumsum(lens)
+        # every id of every chunk, in order: chunk k's ids are ids[starts[k] : starts[k] + lens[k]]
+        tokens = table.ids[np.repeat(starts - (ends - lens), lens) + np.arange(total)]
+        chunk_ends = np.concatenate(([0], ends))
+        text_ends = np.cumsum(counts)
+        lengths = chunk_ends[text_ends] - chunk_ends[text_ends - counts]
+        if table.count > CACHE_CHUNKS or len(table.ids) > CACHE_IDS:
+            self._local.table = None  # start again when full
+        return tokens.astype(np.uint32, copy=False), lengths
+
+    def encode_or_whole(
+        self,
+        texts: list[str],
+        chunk_lists: Sequence[list[str] | None],
+        whole: Callable[[list[str]], tuple[np.ndarray, np.ndarray]],
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of texts, each through its chunks or, where it has none, by ``whole``.
+
+        Args:
+            texts: the texts.
+            chunk_lists: per text, its chunks, or None to encode it with ``whole``.
+            whole: encodes texts whole (HF), as ``(uint32 tokens, int64 lengths)``.
+
+        Returns:
+            ``(uint32 tokens, int64 lengths)`` in text order.
+        """
+        other = [i for i, chunks in enumerate(chunk_lists) if chunks is None]
+        if not other:
+            return self.encode(chunk_lists)  # type: ignore[arg-type]
+        mine = [i for i, chunks in enumerate(chunk_lists) if chunks is not None]
+        return interleave(
+            len(texts),
+            (np.asarray(mine, dtype=np.int64), self.encode([chunk_lists[i] for i in mine])),  # type: ignore[misc]
+            (np.asarray(other, dtype=np.int64), whole([texts[i] for i in other])),
+        )
+
+
+class _Table(dict):
+    """Chunk -> entry number; entry ``k``'s ids are ``ids[starts[k] : starts[k] + lens[k]]``
+    once :meth:`flush` has run. One thread's: entries are only appended, so numbers stay
+    valid until the table is dropped. Chunks over :data:`CACHED_CHUNK_CHARS` get an entry but
+    no key."""
+
+    def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
+        super().__init__()
+        self.encode_chunk = encode_chunk
+        self.starts = np.zeros(0, dtype=np.int64)
+        self.lens = np.zeros(0, dtype=np.int64)
+        self.ids = np.zeros(0, dtype=np.uint32)
+        self.count = 0
+        # entries added since the last flush (a Python list appends faster than numpy writes)
+        self.new_lens: list[int] = []
+        self.new_ids: list[int] = []
+
+    def __missing__(self, chunk: str) -> int:
+        before = len(self.new_ids)
+        self.new_ids.extend(self.encode_chunk(chunk))
+        self.new_lens.append(len(self.new_ids) - before)
+        entry = self.count
+        self.count += 1
+        if len(chunk) <= CACHED_CHUNK_CHARS:
+            self[chunk] = entry
+        return entry
+
+    def flush(self) -> None:
+        """Move the entries added since the last call into the arrays."""
+        if not self.new_lens:
+            return
+        lens = np.asarray(self.new_lens, dtype=np.int64)
+        first = len(self.ids)
+        self.starts = np.concatenate((self.starts, first + np.cumsum(lens) - lens))
+        self.lens = np.concatenate((self.lens, lens))
+        self.ids = np.concatenate((self.ids, np.asarray(self.new_ids, dtype=np.uint32)))
+        self.new_lens, self.new_ids = [], []
+
+
+class AddedTokens:
+    """The tokenizer's added tokens (``[CLS]``, ``<|im_start|>``, a user's): HF matches them
+    before anything else, across any chunk boundary, so a text holding one is encoded by HF
+    whole.
+
+    Args:
+        added: tokenizer.json's ``added_tokens``.
+        normalize: HF's normalizer (``normalize_str``), which a ``normalized`` token is
+            matched after; None: the tokenizer has none.
+    """
+
+    def __init__(self, added: Iterable[Mapping[str, Any]], normalize: Callable[[str], str] | None):
+        added = [t for t in added if t.get("content")]
+        self.raw = tuple(t["content"] for t in added if not t.get("normalized", False))
+        self.normalized = tuple(
+            (normalize or str)(t["content"]) for t in added if t.get("normalized", False)
+        )
+
+    def in_raw(self, text: str) -> bool:
+        """Whether ``text`` (as given) holds a token matched before normalization."""
+        return any(a in text for a in self.raw)
+
+    def in_normalized(self, normalized: str) -> bool:
+        """Whether HF's normalized text holds a token matched after normalization."""
+        return any(a in normalized for a in self.normalized)
+
+
+def interleave(
+    n: int, *groups: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]
+) -> tuple[np.ndarray, np.ndarray]:
+    """Merge flat encodings of disjoint sets of positions into one in position order.
+
+    Args:
+        n: the number of positions.
+        *groups: ``(positions, (tokens, lengths))``, each encoding in its positions' order.
+
+    Returns:
+        ``(tokens, lengths)`` over positions ``0..n-1``.
+    """
+    lengths = np.zeros(n, dtype=np.int64)
+    for positions, (_, group_lengths) in groups:
+        lengths[positions] = group_lengths
+    out_starts = np.cumsum(lengths) - lengths
+    tokens = np.empty(int(lengths.sum()), dtype=np.uint32)
+    for positions, (group_tokens, group_lengths) in groups:
+        src_starts = np.cumsum(group_lengths) - group_lengths
+        shift = np.repeat(out_starts[positions] - src_starts, group_lengths)
+        tokens[shift + np.arange(len(group_tokens))] = group_tokens
+    return tokens, lengths
