@@ -24,6 +24,7 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from shardcache.builder.split_words import SplitWords
 from shardcache.builder.tokenizer_memo import library_versions, parse_tokenizer_json
 from shardcache.builder.wordpiece import AsciiWordPiece
 from shardcache.errors import EncoderError, MissingDependencyError
@@ -32,17 +33,23 @@ from shardcache.errors import EncoderError, MissingDependencyError
 FAST_MODULE = "fastokens"
 FAST_PIP = "pip install 'shardcache[fast]'"
 
-#: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer:
-#: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that family
-#: (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to HF's.
-#: BERT-style WordPiece gets this package's own :mod:`~shardcache.builder.wordpiece` (ASCII
-#: chunks in Python, the rest through HF). kitoken is not used: on WordPiece it lowercases a
-#: word-final Σ to ς (HF: σ) and drops code points its Unicode tables lack (HF: [UNK]), rare
-#: enough to pass a gate sample. Unigram (no exact candidate) builds with HF.
+#: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer, in
+#: order: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that
+#: family (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to
+#: HF's. BERT-style WordPiece gets this package's own :mod:`~shardcache.builder.wordpiece`
+#: (ASCII chunks in Python, the rest through HF). A tokenizer whose pre-tokenizer first splits
+#: at whitespace (T5's Unigram) gets :mod:`~shardcache.builder.split_words` (HF's normalizer on
+#: whole texts, HF's pre-tokenizer and model once per distinct word). kitoken is not used: on
+#: WordPiece it lowercases a word-final Σ to ς (HF: σ) and drops code points its Unicode tables
+#: lack (HF: [UNK]), rare enough to pass a gate sample.
 FALLBACK_MODULES: dict[str, tuple[str, ...]] = {
-    "BPE": ("gigatoken",),
-    "WordPiece": ("shardcache.builder.wordpiece",),
+    "BPE": ("gigatoken", "shardcache.builder.split_words"),
+    "WordPiece": ("shardcache.builder.wordpiece", "shardcache.builder.split_words"),
+    "Unigram": ("shardcache.builder.split_words",),
 }
+
+#: The import names of this package's own backends start so.
+OWN_PREFIX = "shardcache."
 
 #: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,
 #: since every partition is verified during the build anyway.
@@ -154,17 +161,20 @@ class FastBackend:
             self.version = own or library_versions((name,))[name]
             self.releases_gil = getattr(module, "RELEASES_GIL", True)
             return
-        if not refusals:
+        # this package's own backends are always there: when only they refused, installing a
+        # library is what helps
+        if missing and all(r.startswith(OWN_PREFIX) for r in refusals):
             raise MissingDependencyError(
                 f"the fast encoder needs the optional package {' or '.join(map(repr, missing))}, "
                 f"which is not installed; install it with {FAST_PIP}, or build with --encoder hf"
+                + (f" (shardcache's own: {'; '.join(refusals)})" if refusals else "")
             )
         raise EncoderError(
             f"the fast libraries cannot load this tokenizer ({'; '.join(refusals)}"
             f"{'; not installed: ' + ', '.join(missing) if missing else ''}); byte-level BPE "
             "and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken, BERT-style "
-            "WordPiece with shardcache's own; build with --encoder hf (or auto, which falls "
-            "back by itself)"
+            "WordPiece and tokenizers that split at whitespace first (T5) with shardcache's own; "
+            "build with --encoder hf (or auto, which falls back by itself)"
         )
 
     def encode_flat(
@@ -232,13 +242,26 @@ def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> 
 
 
 def _load_wordpiece(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+    return _load_own(AsciiWordPiece, serialized, parsed)
+
+
+def _load_split_words(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+    return _load_own(SplitWords, serialized, parsed)
+
+
+def _load_own(
+    backend: Callable[[Any, HFBackend], Any], serialized: str, parsed: Callable[[], Any]
+) -> EncodeFlat:
+    """One of this package's backends (``backend(data, reference)``, with ``encode_flat``
+    without special tokens) over an HF tokenizer of ``serialized``, truncation and padding
+    off."""
     import tokenizers
 
     data = parsed()
     reference = tokenizers.Tokenizer.from_str(serialized)
     reference.no_truncation()
     reference.no_padding()
-    encoder = AsciiWordPiece(data, HFBackend(reference))
+    encoder = backend(data, HFBackend(reference))
     specials = SpecialTokens.of(data.get("post_processor"))
 
     def encode(texts: list[str], add_special_tokens: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -252,6 +275,7 @@ _LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], EncodeFlat]] = {
     "fastokens": _load_fastokens,
     "gigatoken": _load_gigatoken,
     "shardcache.builder.wordpiece": _load_wordpiece,
+    "shardcache.builder.split_words": _load_split_words,
 }
 
 

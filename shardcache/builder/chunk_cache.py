@@ -3,7 +3,7 @@
 The backends that encode in this package (:mod:`~shardcache.builder.wordpiece`,
 :mod:`~shardcache.builder.split_words`) split a text where nothing the tokenizer does crosses
 (whitespace), so a text's ids are its chunks' ids in order. Words repeat: :class:`ChunkCache`
-encodes each chunk once per thread and gathers a batch's ids with C-level ``map`` and numpy
+encodes each chunk once and gathers a batch's ids with C-level ``map`` and numpy
 fancy indexing, without a Python loop per token. Memory stays bounded (:data:`CACHE_CHUNKS`,
 :data:`CACHE_IDS`). :class:`AddedTokens` finds the texts that must go to HF whole, and
 :func:`interleave` merges the two groups back in order.
@@ -27,10 +27,10 @@ __all__ = [
     "interleave",
 ]
 
-#: Distinct chunks one thread remembers before it starts again (about 100-150 bytes each).
+#: Distinct chunks the cache remembers before it starts again (about 100-150 bytes each).
 CACHE_CHUNKS = 1 << 19
 
-#: Ids one thread's cache holds before it starts again (long chunks are encoded once but
+#: Ids the cache holds before it starts again (long chunks are encoded once but
 #: their ids are written there too).
 CACHE_IDS = 1 << 24
 
@@ -39,8 +39,12 @@ CACHED_CHUNK_CHARS = 128
 
 
 class ChunkCache:
-    """Chunk lists to flat ids, each distinct chunk encoded by ``encode_chunk`` once per
-    thread (until the thread's cache is full and starts again).
+    """Chunk lists to flat ids, each distinct chunk encoded by ``encode_chunk`` once (until
+    the cache is full and starts again).
+
+    One cache serves every thread (a build encodes each partition in a new thread: a cache
+    per thread would start cold for each); a lock makes a batch's lookups one step. The work
+    under it holds the GIL anyway.
 
     Args:
         encode_chunk: one chunk's ids (exactly what the tokenizer gives that chunk inside any
@@ -49,7 +53,8 @@ class ChunkCache:
 
     def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
         self.encode_chunk = encode_chunk
-        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._table: _Table | None = None
 
     def encode(self, chunk_lists: Sequence[list[str]]) -> tuple[np.ndarray, np.ndarray]:
         """The ids of texts given as their chunks.
@@ -60,9 +65,13 @@ class ChunkCache:
         Returns:
             ``(uint32 tokens, int64 lengths)``, flat, one length per text.
         """
-        table = getattr(self._local, "table", None)
+        with self._lock:
+            return self._encode(chunk_lists)
+
+    def _encode(self, chunk_lists: Sequence[list[str]]) -> tuple[np.ndarray, np.ndarray]:
+        table = self._table
         if table is None:
-            table = self._local.table = _Table(self.encode_chunk)
+            table = self._table = _Table(self.encode_chunk)
         counts = np.fromiter(map(len, chunk_lists), dtype=np.int64, count=len(chunk_lists))
         entries = np.fromiter(
             map(table.__getitem__, itertools.chain.from_iterable(chunk_lists)),
@@ -79,7 +88,7 @@ class ChunkCache:
         text_ends = np.cumsum(counts)
         lengths = chunk_ends[text_ends] - chunk_ends[text_ends - counts]
         if table.count > CACHE_CHUNKS or len(table.ids) > CACHE_IDS:
-            self._local.table = None  # start again when full
+            self._table = None  # start again when full
         return tokens.astype(np.uint32, copy=False), lengths
 
     def encode_or_whole(
@@ -111,9 +120,9 @@ class ChunkCache:
 
 class _Table(dict):
     """Chunk -> entry number; entry ``k``'s ids are ``ids[starts[k] : starts[k] + lens[k]]``
-    once :meth:`flush` has run. One thread's: entries are only appended, so numbers stay
-    valid until the table is dropped. Chunks over :data:`CACHED_CHUNK_CHARS` get an entry but
-    no key."""
+    once :meth:`flush` has run. Used under the cache's lock: entries are only appended, so
+    numbers stay valid until the table is dropped. Chunks over :data:`CACHED_CHUNK_CHARS` get
+    an entry but no key."""
 
     def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
         super().__init__()

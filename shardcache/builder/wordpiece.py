@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import itertools
 import re
-import threading
 from collections.abc import Iterable, Mapping
 from typing import Any
 
@@ -93,7 +92,8 @@ class AsciiWordPiece:
             data.get("added_tokens") or [], normalizer.normalize_str if normalizer else None
         )
         self.cache = ChunkCache(self._encode_chunk)
-        self._local = threading.local()
+        # word -> ids, shared by every thread (a lost entry is only computed again)
+        self.words = _WordCache(self)
 
     def _check_tables(self, space: str) -> None:
         """The splitting this class does (``str.split`` on whitespace, then punctuation)
@@ -182,24 +182,18 @@ class AsciiWordPiece:
         out = self.cache.encode_or_whole(
             texts, chunk_lists, lambda whole: self.reference.encode_flat(whole, False)
         )
-        if len(self._words()) > chunk_cache.CACHE_CHUNKS:
-            self._local.words = None  # start again when full
+        if len(self.words) > chunk_cache.CACHE_CHUNKS:
+            self.words = _WordCache(self)  # start again when full
         return out
 
     def _encode_chunk(self, chunk: str) -> Iterable[int]:
         if chunk.isascii():
-            words = self._words()
+            words = self.words
             return itertools.chain.from_iterable(
                 map(words.__getitem__, self.piece_re.findall(chunk))
             )
         # HF, on the chunk alone: normalization and words never cross an ASCII space
         return self.tokenizer.encode(chunk, add_special_tokens=False).ids
-
-    def _words(self) -> _WordCache:
-        words = getattr(self._local, "words", None)
-        if words is None:
-            words = self._local.words = _WordCache(self)
-        return words
 
 
 class _WordCache(dict):

@@ -183,6 +183,37 @@ def _unigram(folder: str) -> str:
     return _save(tok, folder, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
 
 
+def _unigram_t5(folder: str) -> str:
+    """T5's shape: Unigram under NFKC and a Replace, WhitespaceSplit then a Metaspace that
+    prepends to every word, </s> added by the post-processor."""
+    from tokenizers import (
+        Regex,
+        Tokenizer,
+        models,
+        normalizers,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
+
+    tok = Tokenizer(models.Unigram())
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
+    )
+    trainer = trainers.UnigramTrainer(
+        vocab_size=500, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
+        show_progress=False,
+    )  # fmt: skip
+    tok.train_from_iterator(_train_texts(), trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="$A </s>", special_tokens=[("</s>", tok.token_to_id("</s>"))]
+    )
+    return _save(tok, folder, eos_token="</s>", pad_token="<pad>", unk_token="<unk>")
+
+
 def _wordpiece(folder: str, lowercase: bool = False) -> str:
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, processors, trainers
 
@@ -209,28 +240,33 @@ FAMILIES = {
         f, metaspace_decoder=True
     ),
     "unigram": _unigram,
+    "unigram_t5": _unigram_t5,
     "wordpiece": _wordpiece,
     "wordpiece_uncased": lambda folder: _wordpiece(folder, lowercase=True),
 }
 #: The library that loads each family (fastokens 0.3.5 drops a decoder it does not implement
 #: first: a decoder never changes ids); fastokens refuses the Metaspace pre-tokenizer, NFKC and
-#: BertNormalizer at load, then gigatoken takes Metaspace BPE and this package's own backend
-#: BERT-style WordPiece; nothing loads Unigram with NFKC, and the gate keeps HF.
+#: BertNormalizer at load, then gigatoken takes Metaspace BPE and this package's own backends
+#: BERT-style WordPiece and T5-style Unigram (split at whitespace first); nothing loads Unigram
+#: under a Metaspace pre-tokenizer alone, and the gate keeps HF.
 FAST_FAMILIES = {
     "byte_level_bpe": "fastokens",
     "byte_level_bpe_nfc_split": "fastokens",
     "metaspace_bpe_byte_fallback": "fastokens",
     "metaspace_decoder_bpe_byte_fallback": "fastokens",
     "metaspace_pretokenizer_bpe_byte_fallback": "gigatoken",
+    "unigram_t5": "shardcache-words",
     "wordpiece": "shardcache-wordpiece",
     "wordpiece_uncased": "shardcache-wordpiece",
 }
+#: The backends of this package (always importable).
+OWN_BACKENDS = ("shardcache-wordpiece", "shardcache-words")
 
 
 def _importorskip(library: str | None) -> None:
     """Skip unless ``library`` (a backend's name; None: fastokens) can be imported; this
     package's own backends always can."""
-    if library != "shardcache-wordpiece":
+    if library not in OWN_BACKENDS:
         pytest.importorskip(library or "fastokens")
 
 
@@ -500,12 +536,19 @@ def mistral_dir(tmp_path_factory) -> str:
     return _metaspace_byte_fallback(str(tmp_path_factory.mktemp("tok-mistral")), True)
 
 
+@pytest.fixture(scope="module")
+def t5_dir(tmp_path_factory) -> str:
+    """T5 style: Unigram, split at whitespace first."""
+    return _unigram_t5(str(tmp_path_factory.mktemp("tok-t5")))
+
+
 @pytest.mark.parametrize(
     ("tokenizer", "library"),
     [
         ("tokenizer_dir", "fastokens"),
         ("mistral_dir", "gigatoken"),
         ("wordpiece_dir", "shardcache-wordpiece"),
+        ("t5_dir", "shardcache-words"),
     ],
 )
 def test_fast_build_equals_hf_build_and_tokenizer_call(hard_corpus, tokenizer, library, tmp_path,
@@ -553,28 +596,30 @@ def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir,
 
 
 def test_gate_falls_back_when_every_library_refuses_the_tokenizer(hard_corpus, tmp_path):
-    """fastokens refuses a Unigram tokenizer's NFKC normalizer, and no other library is tried
-    for Unigram."""
+    """fastokens refuses a Unigram tokenizer's NFKC normalizer, and this package's backend its
+    pre-tokenizer (Metaspace alone does not split at every whitespace): the gate keeps HF and
+    says why for each."""
     pytest.importorskip("fastokens")
     folder = _unigram(str(tmp_path / "tok-unigram"))
     manifest = _build(hard_corpus, folder, str(tmp_path / "auto"))
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
     [reason] = manifest["encoder"]["gate"]
     assert "cannot load this tokenizer" in reason and "fastokens:" in reason
+    assert "shardcache.builder.split_words: ValueError: pre-tokenizer 'Metaspace'" in reason
     with pytest.raises(EncoderError, match="cannot load this tokenizer"):
         _build(hard_corpus, folder, str(tmp_path / "fast"), encoder="fast")
 
 
-def test_wordpiece_builds_with_its_own_backend_without_the_fast_extra(
-    hard_corpus, wordpiece_dir, tmp_path, monkeypatch
-):
-    """The WordPiece backend is this package's: a build takes it with no fast library
-    installed, and stores the HF build's bytes."""
+@pytest.mark.parametrize("family", ["wordpiece", "unigram_t5"])
+def test_own_backends_build_without_the_fast_extra(hard_corpus, family, tmp_path, monkeypatch):
+    """The WordPiece and split-at-whitespace backends are this package's: a build takes them
+    with no fast library installed, and stores the HF build's bytes."""
     for module in ("fastokens", "gigatoken"):
         monkeypatch.setitem(sys.modules, module, None)  # `import fastokens` raises
-    fast = _build(hard_corpus, wordpiece_dir, str(tmp_path / "auto"))
-    hf = _build(hard_corpus, wordpiece_dir, str(tmp_path / "hf"), encoder="hf")
-    assert fast["encoder"]["partitions_by_backend"] == {"shardcache-wordpiece": 2}
+    folder = FAMILIES[family](str(tmp_path / "tok"))
+    fast = _build(hard_corpus, folder, str(tmp_path / "auto"))
+    hf = _build(hard_corpus, folder, str(tmp_path / "hf"), encoder="hf")
+    assert fast["encoder"]["partitions_by_backend"] == {FAST_FAMILIES[family]: 2}
     assert hf["encoder"]["partitions_by_backend"] == {"hf": 2}
     assert cache_data_files(str(tmp_path / "auto")) == cache_data_files(str(tmp_path / "hf"))
 

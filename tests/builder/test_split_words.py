@@ -1,0 +1,245 @@
+"""The split-at-whitespace backend: HF's ids (without special tokens) for every text, for each
+pre-tokenizer it takes.
+
+Tokenizers are trained in-process; each test compares with the same tokenizer's
+``encode_batch``. The gate and builds are tested in test_backends.py."""
+
+from __future__ import annotations
+
+import json
+import random
+import sys
+import threading
+
+import numpy as np
+import pytest
+
+from conftest import make_texts
+from shardcache.builder import chunk_cache
+from shardcache.builder.backends import HFBackend
+from shardcache.builder.split_words import SplitWords, words
+
+CODE = [
+    "def f(x):\n    return {'k': [x ** 2, x // 3]}  # comment\r\n\tif a != b: pass",
+    "for (int i = 0; i < n; ++i) { s += a[i] >> 2; }  /* ok */ $HOME ~user `x` 2024-12-03",
+]
+TRAIN = [*make_texts(300, seed=3), *CODE * 20, "Ünïcödé café naïve 東京 数据处理 ▁x"]
+
+#: Every character Python or HF counts as whitespace, the separators HF keeps in a word, the
+#: Metaspace marker, combining marks, CJK, emoji, fullwidth, compatibility characters.
+HARD = [
+    "".join(f"a{chr(c)}b " for c in range(sys.maxunicode + 1) if chr(c).isspace()),
+    "x\x1cy\x1dz\x1e w\x1f v \x1c \x85a\u00a0b\u3000c\u2028d\u1680e\u180ef\u200bg",
+    "a▁b ▁ ▁▁ c▁ ▁d naïve CAFÉ cafe\u0301 e\x00\u0301 \u0301start end\u0301 ΟΔΥΣΣΕΥΣ Σ",
+    "abc東京def 数据处理 ｆｕｌｌｗｉｄｔｈ ﬁ Ⅻ ① 🙂👍🏽 \U000e0080 \u0378 \ufffd",
+    "many     spaces\n\n\n\t\t  and\r\n\r\nlines   ",
+    "   ",
+    "",
+    "x" * 3000 + " " + "東" * 500,
+    *CODE,
+]
+
+
+def _train(tok, model_kind: str):
+    from tokenizers import trainers
+
+    specials = ["<pad>", "</s>", "<unk>"]
+    if model_kind == "unigram":
+        trainer = trainers.UnigramTrainer(
+            vocab_size=600, special_tokens=specials, unk_token="<unk>", show_progress=False
+        )
+    elif model_kind == "wordpiece":
+        trainer = trainers.WordPieceTrainer(
+            vocab_size=600, special_tokens=specials, show_progress=False
+        )
+    else:
+        trainer = trainers.BpeTrainer(vocab_size=600, special_tokens=specials, show_progress=False)
+    tok.train_from_iterator(TRAIN, trainer)
+    return tok
+
+
+def _tokenizer(shape: str):
+    """A trained tokenizer of one of the shapes the backend takes."""
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    if shape == "t5":  # T5: NFKC and a Replace, WhitespaceSplit, Metaspace on every word
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
+        )
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
+        )
+        return _train(tok, "unigram")
+    if shape == "t5-no-split":  # Metaspace that does not split at its marker, no normalizer
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(split=False)]
+        )
+        return _train(tok, "unigram")
+    if shape == "whitespace-wordpiece":  # \w+|[^\w\s]+, lowercased
+        tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
+        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase()])
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        return _train(tok, "wordpiece")
+    if shape == "bert-unigram":  # BERT's normalizer and pre-tokenizer over Unigram
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.BertNormalizer(lowercase=True)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        return _train(tok, "unigram")
+    assert shape == "steps-bpe"  # per-piece steps after the split, no prefix
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.WhitespaceSplit(),
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.Punctuation(),
+            pre_tokenizers.Metaspace(prepend_scheme="never"),
+        ]
+    )
+    return _train(tok, "bpe")
+
+
+SHAPES = ["t5", "t5-no-split", "whitespace-wordpiece", "bert-unigram", "steps-bpe"]
+
+
+@pytest.fixture(scope="module", params=SHAPES)
+def tok(request):
+    return _tokenizer(request.param)
+
+
+def _backend(tok) -> SplitWords:
+    return SplitWords(json.loads(tok.to_str()), HFBackend(tok))
+
+
+def _hf(tok, texts: list[str]) -> list[list[int]]:
+    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+
+
+def _assert_equal(tok, backend: SplitWords, texts: list[str]) -> None:
+    tokens, lengths = backend.encode_flat(texts)
+    assert len(lengths) == len(texts)
+    got = np.split(tokens, np.cumsum(lengths)[:-1]) if len(texts) else []
+    for text, mine, want in zip(texts, got, _hf(tok, texts)):
+        assert mine.tolist() == want, text[:80]
+
+
+def test_hard_texts_encode_as_hf(tok):
+    """Every whitespace character, the separators HF keeps, the Metaspace marker inside words,
+    combining marks after a space, CJK, emoji, long words and runs of whitespace: equal to HF,
+    and again from the cache."""
+    backend = _backend(tok)
+    _assert_equal(tok, backend, HARD)
+    _assert_equal(tok, backend, HARD)
+
+
+def test_random_texts_encode_as_hf(tok):
+    """Generated documents, code, and random strings over an alphabet of troublemakers."""
+    rng = random.Random(11)
+    alphabet = [*"abc XYZ.,!1\t\n", "▁", "é", "ß", "İ", "Σ", "東", "\u0301", "\u00a0", "\x1c", "🙂"]
+    texts = [*make_texts(200, seed=8), *CODE]
+    texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(500)]
+    _assert_equal(tok, _backend(tok), texts)
+
+
+def test_words_split_where_hf_splits():
+    """Python's ``str.split`` also splits at U+001C..U+001F; :func:`words` does not."""
+    assert words("a b\u3000c\n") == ["a", "b", "c"]
+    assert words("a\x1cb c\x1f") == ["a\x1cb", "c\x1f"]
+    assert words("  ") == [] and words("") == []
+
+
+def test_added_tokens_in_text_encode_as_hf():
+    """A text holding an added token (matched raw, or after normalization) is HF's whole."""
+    from tokenizers import AddedToken
+
+    tok = _tokenizer("t5")
+    tok.add_special_tokens(["</s>", "<extra_id_0>"])
+    tok.add_tokens([AddedToken("Hello World", normalized=True)])
+    tok.add_tokens([AddedToken("<x>", normalized=False)])
+    backend = _backend(tok)
+    texts = ["a </s> b</s>c", "fill <extra_id_0> in", "Hello World and ｈｅｌｌｏ", "a<x>b", "<X>"]
+    texts += ["Ｈｅｌｌｏ Ｗｏｒｌｄ x"]  # NFKC makes the added token
+    _assert_equal(tok, backend, texts)
+    assert backend.encode_flat(["Hello World"])[0].tolist() == [tok.token_to_id("Hello World")]
+
+
+def test_bounded_cache_and_threads_encode_as_hf(monkeypatch):
+    """With a cache a few chunks long (emptied between batches) and two threads sharing the
+    backend, every batch still encodes as HF."""
+    monkeypatch.setattr(chunk_cache, "CACHE_CHUNKS", 8)
+    monkeypatch.setattr(chunk_cache, "CACHE_IDS", 64)
+    tok = _tokenizer("t5")
+    backend = _backend(tok)
+    texts = [*make_texts(300, seed=4), *CODE * 5, *HARD]
+    batches = [texts[i : i + 16] for i in range(0, len(texts), 16)]
+    want = [_hf(tok, b) for b in batches]
+    errors: list[str] = []
+
+    def run() -> None:
+        for batch, expected in zip(batches, want):
+            tokens, lengths = backend.encode_flat(batch)
+            if [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])] != expected:
+                errors.append(batch[0][:40])
+
+    threads = [threading.Thread(target=run) for _ in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert errors == []
+
+
+def test_cache_is_shared_by_threads():
+    """A build encodes each partition in a new thread: the second thread finds the first
+    one's words and encodes none again."""
+    backend = _backend(_tokenizer("t5"))
+    calls: list[str] = []
+    real = backend.cache.encode_chunk
+    backend.cache.encode_chunk = lambda word: calls.append(word) or real(word)
+    texts = make_texts(50, seed=6)
+    for _ in range(2):
+        thread = threading.Thread(target=backend.encode_flat, args=(texts,))
+        thread.start()
+        thread.join()
+    assert calls and len(calls) == len(set(calls))
+
+
+@pytest.mark.parametrize(
+    ("pre_tokenizer", "message"),
+    [
+        ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True},
+         "does not split at whitespace first"),
+        (None, "does not split at whitespace first"),
+        ({"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"},
+            {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True},
+        ]}, "first piece"),
+        ({"type": "Sequence", "pretokenizers": [
+            {"type": "WhitespaceSplit"},
+            {"type": "ByteLevel", "add_prefix_space": True, "trim_offsets": True,
+             "use_regex": True},
+        ]}, "'ByteLevel' may depend on other pieces"),
+    ],
+)  # fmt: skip
+def test_refuses_a_pre_tokenizer_that_does_not_split_at_whitespace_first(pre_tokenizer, message):
+    """Metaspace alone (a run of spaces is a word of its own), no pre-tokenizer, a Metaspace
+    that prepends to the first piece only, or a step it does not know: refused at load, so the
+    gate keeps HF."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(_tokenizer("t5").to_str())
+    data["pre_tokenizer"] = pre_tokenizer
+    tok = Tokenizer.from_str(json.dumps(data))
+    with pytest.raises(ValueError, match=message):
+        _backend(tok)
+
+
+def test_refuses_bpe_dropout():
+    """A model that drops merges at random has no single answer to cache."""
+    from tokenizers import Tokenizer
+
+    data = json.loads(_tokenizer("steps-bpe").to_str())
+    data["model"]["dropout"] = 0.1
+    with pytest.raises(ValueError, match="dropout"):
+        _backend(Tokenizer.from_str(json.dumps(data)))
