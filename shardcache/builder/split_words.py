@@ -17,8 +17,7 @@ without the post-processor's special tokens; the caller adds them.
 from __future__ import annotations
 
 import re
-import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
@@ -41,9 +40,24 @@ SPLITS_AT_WHITESPACE = frozenset({"WhitespaceSplit", "Whitespace", "BertPreToken
 #: Pre-tokenizers that work on each piece alone, allowed after the first.
 PER_PIECE = SPLITS_AT_WHITESPACE | {"Punctuation", "Digits", "Split", "Metaspace"}
 
+#: Normalizers that act on ASCII text one character at a time (Unicode normalization forms do
+#: nothing to it; Precompiled maps each grapheme, and an ASCII grapheme is one character or
+#: CR LF, checked at load).
+PER_CHARACTER = frozenset(
+    {"NFC", "NFD", "NFKC", "NFKD", "Lowercase", "StripAccents", "BertNormalizer", "Precompiled"}
+)
+
+#: ``Replace`` regexes that only turn a run of whitespace into whitespace (T5's converter
+#: writes the first): they change no word.
+WHITESPACE_RUNS = frozenset({" {2,}", " +", "\\s+", "\\s{2,}"})
+
 #: Whitespace to HF (Unicode White_Space: Rust's ``char::is_whitespace``); ``str.split`` also
 #: splits at the separators U+001C..U+001F, which HF keeps in a word.
-WHITESPACE = re.compile("[\t-\r \x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]+")
+HF_SPACES = (
+    "\t\n\x0b\x0c\r \x85\xa0\u1680\u2000\u2001\u2002\u2003\u2004\u2005\u2006\u2007\u2008\u2009"
+    "\u200a\u2028\u2029\u202f\u205f\u3000"
+)
+WHITESPACE = re.compile(f"[{HF_SPACES}]+")
 PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
 
 
@@ -96,6 +110,11 @@ class SplitWords:
         normalizer = tokenizer.normalizer
         self.normalize = normalizer.normalize_str if normalizer is not None else str
         self.added = AddedTokens(data.get("added_tokens") or [], self.normalize)
+        # ASCII text: the normalizer as a translate table when its words are HF's (a
+        # normalized added token may hold a space, which only HF's own output shows)
+        self.table = (
+            None if self.added.normalized else _ascii_table(data.get("normalizer"), self.normalize)
+        )
         self.cache = ChunkCache(self.encode_word)
         # T5's shape (WhitespaceSplit, then Metaspace that prepends to every piece): a word
         # without the marker is one piece, the marker and the word
@@ -105,7 +124,7 @@ class SplitWords:
     def _check_split(self) -> None:
         """HF's pre-tokenization of a text equals that of its :func:`words`, one by one, on a
         text holding every character either Python or HF counts as whitespace."""
-        spaces = [chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()]
+        spaces = [*HF_SPACES, *PYTHON_ONLY_SPACE]
         others = ["▁", ".", "-", "'", "1", "é", "中", "\u0301", "\u200b", "\u180e"]
         probe = " ".join(f"a{c}b{c}{c}1{c}" for c in [*spaces, *others]) + " \u3000end "
         normalized = self.normalize(probe)
@@ -113,6 +132,10 @@ class SplitWords:
         got = [piece for word in words(normalized) for piece, _ in self.pre_tokenize(word)]
         if got != want:
             raise ValueError("the pre-tokenizer splits the probe text otherwise than at words")
+        if self.table is not None:
+            ascii_probe = " ".join(f"a{chr(x)}{chr(y)}b" for x in range(128) for y in range(128))
+            if words(self.normalize(ascii_probe)) != words(ascii_probe.translate(self.table)):
+                raise ValueError("the normalizer's words of ASCII text are not per character")
         for word in words(normalized) if self.marker else ():
             if self.marker not in word and [p for p, _ in self.pre_tokenize(word)] != [
                 self.marker + word
@@ -145,7 +168,10 @@ class SplitWords:
         for text in texts:
             chunks = None
             if not self.added.in_raw(text):
-                normalized = self.normalize(text)
+                if self.table is not None and text.isascii():
+                    normalized = text.translate(self.table)
+                else:
+                    normalized = self.normalize(text)
                 if not self.added.in_normalized(normalized):
                     chunks = words(normalized)
             chunk_lists.append(chunks)
@@ -175,3 +201,58 @@ def _marker_only(steps: list[Mapping[str, Any]]) -> str:
     if scheme is None:  # before tokenizers 0.15: add_prefix_space
         scheme = "always" if metaspace.get("add_prefix_space", True) else "never"
     return str(metaspace.get("replacement", "\u2581")) if scheme == "always" else ""
+
+
+def _ascii_table(
+    normalizer: Mapping[str, Any] | None, normalize: Callable[[str], str]
+) -> dict[int, str] | None:
+    """HF's normalizer on ASCII text as a ``str.translate`` table, when that gives HF's words.
+
+    That holds when every step acts per character on ASCII (:data:`PER_CHARACTER`) or only
+    changes whitespace into whitespace (``Strip``, a ``Replace`` of :data:`WHITESPACE_RUNS`
+    with whitespace), and each whitespace character stays whitespace or goes. Each character's
+    output is read between two letters, where ``Strip`` does not reach.
+
+    Args:
+        normalizer: tokenizer.json's ``normalizer``, or None.
+        normalize: HF's ``normalize_str``.
+
+    Returns:
+        The table (code point -> output), or None when the normalizer has another step.
+    """
+    steps = _normalizer_steps(normalizer)
+    for step in steps:
+        kind = step.get("type")
+        if kind in PER_CHARACTER or kind == "Strip":
+            continue
+        pattern = step.get("pattern") or {}
+        content = str(step.get("content", ""))
+        if kind == "Replace" and pattern.get("Regex") in WHITESPACE_RUNS and content.isspace():
+            continue
+        return None
+    if normalize("ab") != "ab":
+        return None
+    table: dict[int, str] = {}
+    for code in range(128):
+        c = chr(code)
+        out = normalize(f"a{c}b")
+        if not (out.startswith("a") and out.endswith("b")):
+            return None
+        out = out[1:-1]
+        if c.isspace() and c not in PYTHON_ONLY_SPACE and words(out) != []:
+            return None  # whitespace must stay whitespace (or go), or a word is made of it
+        if out != c:
+            table[code] = out
+    crlf = normalize("a\r\nb")
+    if words(crlf) != words("a\r\nb".translate(table)):
+        return None
+    return table
+
+
+def _normalizer_steps(normalizer: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
+    """The normalizer's steps in order (a ``Sequence`` flattened)."""
+    if normalizer is None:
+        return []
+    if normalizer.get("type") == "Sequence":
+        return [s for n in normalizer.get("normalizers") or [] for s in _normalizer_steps(n)]
+    return [normalizer]

@@ -33,6 +33,7 @@ HARD = [
     "a▁b ▁ ▁▁ c▁ ▁d naïve CAFÉ cafe\u0301 e\x00\u0301 \u0301start end\u0301 ΟΔΥΣΣΕΥΣ Σ",
     "abc東京def 数据处理 ｆｕｌｌｗｉｄｔｈ ﬁ Ⅻ ① 🙂👍🏽 \U000e0080 \u0378 \ufffd",
     "many     spaces\n\n\n\t\t  and\r\n\r\nlines   ",
+    "a {2,}b  {2,} x{2,}",
     "   ",
     "",
     "x" * 3000 + " " + "東" * 500,
@@ -71,6 +72,15 @@ def _tokenizer(shape: str):
             [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
         )
         return _train(tok, "unigram")
+    if shape == "t5-literal-replace":  # the Replace's pattern a literal string
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.NFKC(), normalizers.Replace(" {2,}", " ")]
+        )
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
+        )
+        return _train(tok, "unigram")
     if shape == "t5-no-split":  # Metaspace that does not split at its marker, no normalizer
         tok = Tokenizer(models.Unigram())
         tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -79,7 +89,9 @@ def _tokenizer(shape: str):
         return _train(tok, "unigram")
     if shape == "whitespace-wordpiece":  # \w+|[^\w\s]+, lowercased
         tok = Tokenizer(models.WordPiece(unk_token="<unk>"))
-        tok.normalizer = normalizers.Sequence([normalizers.NFD(), normalizers.Lowercase()])
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.NFD(), normalizers.Lowercase(), normalizers.Strip()]
+        )
         tok.pre_tokenizer = pre_tokenizers.Whitespace()
         return _train(tok, "wordpiece")
     if shape == "bert-unigram":  # BERT's normalizer and pre-tokenizer over Unigram
@@ -100,7 +112,14 @@ def _tokenizer(shape: str):
     return _train(tok, "bpe")
 
 
-SHAPES = ["t5", "t5-no-split", "whitespace-wordpiece", "bert-unigram", "steps-bpe"]
+SHAPES = [
+    "t5",
+    "t5-literal-replace",
+    "t5-no-split",
+    "whitespace-wordpiece",
+    "bert-unigram",
+    "steps-bpe",
+]
 
 
 @pytest.fixture(scope="module", params=SHAPES)
@@ -142,8 +161,26 @@ def test_random_texts_encode_as_hf(tok):
     _assert_equal(tok, _backend(tok), texts)
 
 
+@pytest.mark.parametrize(
+    ("shape", "table"),
+    [("t5", True), ("t5-no-split", True), ("whitespace-wordpiece", True), ("bert-unigram", True),
+     ("t5-literal-replace", False)],
+)  # fmt: skip
+def test_ascii_text_is_normalized_by_a_table_only_where_that_is_exact(shape, table):
+    """Steps that act per character on ASCII, Strip and a whitespace-run Replace give a table;
+    a Replace of a literal string (which may span words) does not; ASCII texts are HF's either
+    way (the tests above)."""
+    backend = _backend(_tokenizer(shape))
+    assert (backend.table is not None) is table
+
+
 def test_words_split_where_hf_splits():
-    """Python's ``str.split`` also splits at U+001C..U+001F; :func:`words` does not."""
+    """Python's ``str.split`` also splits at U+001C..U+001F; :func:`words` does not. Every
+    character Python counts as whitespace is one of the two lists."""
+    from shardcache.builder.split_words import HF_SPACES, PYTHON_ONLY_SPACE
+
+    spaces = [chr(c) for c in range(sys.maxunicode + 1) if chr(c).isspace()]
+    assert sorted(spaces) == sorted(HF_SPACES + PYTHON_ONLY_SPACE)
     assert words("a b\u3000c\n") == ["a", "b", "c"]
     assert words("a\x1cb c\x1f") == ["a\x1cb", "c\x1f"]
     assert words("  ") == [] and words("") == []
