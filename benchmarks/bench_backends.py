@@ -17,7 +17,8 @@ families:
 * ``gemma``: Metaspace BPE without byte fallback (unknown characters become ``<unk>``), the
   nearest to Gemma that ``tokenizers`` trains;
 * ``wordpiece``: BERT normalizer, pre-tokenizer and WordPiece;
-* ``unigram``: T5-style Unigram with a Metaspace pre-tokenizer.
+* ``unigram``: T5-style Unigram: NFKC and ``Replace(" {2,}", " ")`` (T5's converter writes the
+  pattern as a regex, after its precompiled charsmap), WhitespaceSplit then Metaspace.
 
 The texts are the first ``--docs`` documents of ``--corpus`` plus a built-in list of strings
 that stress exactness (CJK, emoji and ZWJ sequences, combining marks, long whitespace runs,
@@ -25,7 +26,8 @@ code, the tokenizer's added/special tokens written in the text). The reference i
 transformers' ``tokenizer(texts, add_special_tokens=False)["input_ids"]``. Per family and
 backend (``hf``: ``tokenizers`` ``encode_batch_fast`` of the same tokenizer; ``fastokens``,
 loaded as shardcache's fast backend; ``gigatoken``; ``kitoken``; ``shardcache-wordpiece``,
-shardcache's own BERT-style WordPiece (one thread: it holds the GIL for its ASCII chunks);
+shardcache's own BERT-style WordPiece, and ``shardcache-words``, its own backend for
+tokenizers that split at whitespace first (one thread each: they hold the GIL);
 each from the folder's ``tokenizer.json``, without special tokens added):
 
 * ``load``: whether the backend loads the tokenizer (else the error, or "not installed");
@@ -56,7 +58,7 @@ import numpy as np
 from results import record_result
 
 FAMILIES = ("bytelevel", "llama", "llama-norm", "gemma", "wordpiece", "unigram")
-CANDIDATES = ("hf", "fastokens", "gigatoken", "kitoken", "shardcache-wordpiece")
+CANDIDATES = ("hf", "fastokens", "gigatoken", "kitoken", "shardcache-wordpiece", "shardcache-words")
 
 #: Texts that tell an exact backend from a nearly exact one; the tokenizer's added and
 #: special tokens written in text are appended per tokenizer (:func:`stress_texts`).
@@ -149,6 +151,7 @@ def with_byte_fallback_vocab(tok: Any, leading: list[str], normalizer_form: bool
 def train_family(family: str, texts: list[str], vocab_size: int, folder: str) -> None:
     """Train a ``family`` tokenizer on ``texts`` and save it as a fast tokenizer folder."""
     from tokenizers import (
+        Regex,
         Tokenizer,
         decoders,
         models,
@@ -217,7 +220,7 @@ def train_family(family: str, texts: list[str], vocab_size: int, folder: str) ->
         specials = ["<pad>", "</s>", "<unk>"]
         tok = Tokenizer(models.Unigram())
         tok.normalizer = normalizers.Sequence(
-            [normalizers.NFKC(), normalizers.Replace(" {2,}", " ")]
+            [normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " ")]
         )
         tok.pre_tokenizer = pre_tokenizers.Sequence(
             [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace()]
@@ -316,6 +319,13 @@ def load_candidate(name: str, folder: str) -> Encode:
 
         wordpiece = AsciiWordPiece(data, HFBackend(Tokenizer.from_str(serialized)))
         return wordpiece.encode_flat
+    if name == "shardcache-words":
+        from tokenizers import Tokenizer
+
+        from shardcache.builder.backends import HFBackend
+        from shardcache.builder.split_words import SplitWords
+
+        return SplitWords(data, HFBackend(Tokenizer.from_str(serialized))).encode_flat
     raise ValueError(name)
 
 

@@ -174,14 +174,29 @@ class AddedTokens:
         self.normalized = tuple(
             (normalize or str)(t["content"]) for t in added if t.get("normalized", False)
         )
+        # one scan per distinct two-character start, not per token (T5 has 100 <extra_id_N>)
+        self._raw_groups = _by_start(self.raw)
+        self._normalized_groups = _by_start(self.normalized)
 
     def in_raw(self, text: str) -> bool:
         """Whether ``text`` (as given) holds a token matched before normalization."""
-        return any(a in text for a in self.raw)
+        return _holds(text, self._raw_groups)
 
     def in_normalized(self, normalized: str) -> bool:
         """Whether HF's normalized text holds a token matched after normalization."""
-        return any(a in normalized for a in self.normalized)
+        return _holds(normalized, self._normalized_groups)
+
+
+def _by_start(tokens: tuple[str, ...]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``tokens`` grouped by their first two characters: ``(start, tokens)`` pairs."""
+    groups: dict[str, list[str]] = {}
+    for token in tokens:
+        groups.setdefault(token[:2], []).append(token)
+    return tuple((start, tuple(group)) for start, group in groups.items())
+
+
+def _holds(text: str, groups: tuple[tuple[str, tuple[str, ...]], ...]) -> bool:
+    return any(start in text and any(t in text for t in group) for start, group in groups)
 
 
 def interleave(

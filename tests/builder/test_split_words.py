@@ -191,11 +191,12 @@ def test_added_tokens_in_text_encode_as_hf():
     from tokenizers import AddedToken
 
     tok = _tokenizer("t5")
-    tok.add_special_tokens(["</s>", "<extra_id_0>"])
+    tok.add_special_tokens(["</s>", *(f"<extra_id_{i}>" for i in range(100))])  # as T5
     tok.add_tokens([AddedToken("Hello World", normalized=True)])
     tok.add_tokens([AddedToken("<x>", normalized=False)])
     backend = _backend(tok)
     texts = ["a </s> b</s>c", "fill <extra_id_0> in", "Hello World and ｈｅｌｌｏ", "a<x>b", "<X>"]
+    texts += ["<extra_id_57>", "x<extra_id_99>y <extra_id_ 5>", "<extra_id_100> <e<x"]
     texts += ["Ｈｅｌｌｏ Ｗｏｒｌｄ x"]  # NFKC makes the added token
     _assert_equal(tok, backend, texts)
     assert backend.encode_flat(["Hello World"])[0].tolist() == [tok.token_to_id("Hello World")]
