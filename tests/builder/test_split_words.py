@@ -6,6 +6,7 @@ Tokenizers are trained in-process; each test compares with the same tokenizer's
 
 from __future__ import annotations
 
+import io
 import json
 import random
 import sys
@@ -59,10 +60,43 @@ def _train(tok, model_kind: str):
     return tok
 
 
+def _t5_sentencepiece():
+    """T5 as its converter writes it, from a SentencePiece Unigram model trained here with T5's
+    normalization rule: the real precompiled charsmap (nmt_nfkc), then Replace(" {2,}", " ");
+    WhitespaceSplit and Metaspace; the 100 <extra_id_N>."""
+    spm = pytest.importorskip("sentencepiece")
+    pytest.importorskip("google.protobuf")
+    from sentencepiece import sentencepiece_model_pb2
+    from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
+
+    written = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TRAIN), model_writer=written, vocab_size=400, hard_vocab_limit=False,
+        model_type="unigram", normalization_rule_name="nmt_nfkc", pad_id=0, eos_id=1,
+        unk_id=2, bos_id=-1, minloglevel=2,
+    )  # fmt: skip
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(written.getvalue())
+    vocab = [(p.piece, p.score) for p in proto.pieces]
+    vocab += [(f"<extra_id_{i}>", 0.0) for i in range(99, -1, -1)]
+    tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
+    charsmap = proto.normalizer_spec.precompiled_charsmap
+    tok.normalizer = normalizers.Sequence(
+        [normalizers.Precompiled(charsmap), normalizers.Replace(Regex(" {2,}"), " ")]
+    )
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Metaspace(prepend_scheme="always")]
+    )
+    tok.add_special_tokens(["<pad>", "</s>", "<unk>", *(f"<extra_id_{i}>" for i in range(100))])
+    return tok
+
+
 def _tokenizer(shape: str):
     """A trained tokenizer of one of the shapes the backend takes."""
     from tokenizers import Regex, Tokenizer, models, normalizers, pre_tokenizers
 
+    if shape == "t5-sentencepiece":
+        return _t5_sentencepiece()
     if shape == "t5":  # T5: NFKC and a Replace, WhitespaceSplit, Metaspace on every word
         tok = Tokenizer(models.Unigram())
         tok.normalizer = normalizers.Sequence(
@@ -114,6 +148,7 @@ def _tokenizer(shape: str):
 
 SHAPES = [
     "t5",
+    "t5-sentencepiece",
     "t5-literal-replace",
     "t5-no-split",
     "whitespace-wordpiece",
@@ -163,8 +198,8 @@ def test_random_texts_encode_as_hf(tok):
 
 @pytest.mark.parametrize(
     ("shape", "table"),
-    [("t5", True), ("t5-no-split", True), ("whitespace-wordpiece", True), ("bert-unigram", True),
-     ("t5-literal-replace", False)],
+    [("t5", True), ("t5-sentencepiece", True), ("t5-no-split", True),
+     ("whitespace-wordpiece", True), ("bert-unigram", True), ("t5-literal-replace", False)],
 )  # fmt: skip
 def test_ascii_text_is_normalized_by_a_table_only_where_that_is_exact(shape, table):
     """Steps that act per character on ASCII, Strip and a whitespace-run Replace give a table;
