@@ -32,6 +32,19 @@ def make_texts(n: int, seed: int = 0, max_words: int = 120) -> list[str]:
     return texts
 
 
+def assert_same_ids_as_hf(tok: Any, backend: Any, texts: list[str]) -> None:
+    """``backend.encode_flat(texts)`` (flat ids, no special tokens) equals the ``tokenizers``
+    tokenizer ``tok``'s ``encode_batch`` of each text."""
+    import numpy as np
+
+    tokens, lengths = backend.encode_flat(texts)
+    assert len(lengths) == len(texts)
+    got = np.split(tokens, np.cumsum(lengths)[:-1]) if len(texts) else []
+    want = [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
+    for text, mine, ids in zip(texts, got, want):
+        assert mine.tolist() == ids, text[:80]
+
+
 def write_records(path: str, records: list[dict], fmt: str) -> str:
     """Write records as jsonl / jsonl.zst / json.gz / parquet; returns the path."""
     if fmt == "parquet":

@@ -24,6 +24,7 @@ __all__ = [
     "CACHE_IDS",
     "AddedTokens",
     "ChunkCache",
+    "ChunkedEncoder",
     "interleave",
 ]
 
@@ -155,6 +156,43 @@ class _Table(dict):
         self.lens = np.concatenate((self.lens, lens))
         self.ids = np.concatenate((self.ids, np.asarray(self.new_ids, dtype=np.uint32)))
         self.new_lens, self.new_ids = [], []
+
+
+class ChunkedEncoder:
+    """Base of this package's backends: a text's ids are its chunks' ids (:meth:`chunks`),
+    each distinct chunk encoded once by :meth:`encode_chunk`; a text without chunks is
+    encoded whole by the HF reference.
+
+    Args:
+        reference: the HF backend (``encode_flat(texts, add_special_tokens)``).
+    """
+
+    def __init__(self, reference: Any):
+        self.reference = reference
+        self.cache = ChunkCache(self.encode_chunk)
+
+    def chunks(self, text: str) -> list[str] | None:
+        """The chunks of ``text``, or None to encode it with HF whole."""
+        raise NotImplementedError
+
+    def encode_chunk(self, chunk: str) -> Iterable[int]:
+        """One chunk's ids."""
+        raise NotImplementedError
+
+    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Ids of ``texts`` without special tokens, as HF's ``encode_batch`` gives them.
+
+        Args:
+            texts: the texts.
+
+        Returns:
+            ``(uint32 tokens, int64 lengths)``, flat, in text order.
+        """
+        return self.cache.encode_or_whole(
+            texts,
+            [self.chunks(t) for t in texts],
+            lambda whole: self.reference.encode_flat(whole, False),
+        )
 
 
 class AddedTokens:

@@ -20,9 +20,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-import numpy as np
-
-from shardcache.builder.chunk_cache import AddedTokens, ChunkCache
+from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
 from shardcache.version import __version__ as BACKEND_VERSION
 
 #: Name of this backend in a build's ``encoder`` selection and report (its version is
@@ -75,7 +73,7 @@ def words(normalized: str) -> list[str]:
     return [w for w in WHITESPACE.split(normalized) if w]
 
 
-class SplitWords:
+class SplitWords(ChunkedEncoder):
     """Exact ids (without special tokens) for a tokenizer that first splits at whitespace.
 
     Args:
@@ -103,7 +101,6 @@ class SplitWords:
         model = data.get("model") or {}
         if model.get("dropout"):
             raise ValueError(f"the model drops merges at random (dropout {model['dropout']})")
-        self.reference = reference
         tokenizer = reference.tokenizer
         self.pre_tokenize = tokenizer.pre_tokenizer.pre_tokenize_str
         self.tokenize = tokenizer.model.tokenize
@@ -115,7 +112,7 @@ class SplitWords:
         self.table = (
             None if self.added.normalized else _ascii_table(data.get("normalizer"), self.normalize)
         )
-        self.cache = ChunkCache(self.encode_word)
+        super().__init__(reference)
         # T5's shape (WhitespaceSplit, then Metaspace that prepends to every piece): a word
         # without the marker is one piece, the marker and the word
         self.marker = _marker_only(steps)
@@ -142,7 +139,7 @@ class SplitWords:
             ]:
                 raise ValueError(f"the Metaspace step does not make {word!r} one piece")
 
-    def encode_word(self, word: str) -> list[int]:
+    def encode_chunk(self, word: str) -> list[int]:
         """HF's ids of one word of a normalized text (its pre-tokenizer, then its model).
 
         Args:
@@ -155,29 +152,15 @@ class SplitWords:
             return [t.id for t in self.tokenize(self.marker + word)]
         return [t.id for piece, _ in self.pre_tokenize(word) for t in self.tokenize(piece)]
 
-    def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of ``texts`` without special tokens, as HF's ``encode_batch`` gives them.
-
-        Args:
-            texts: the texts.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)``, flat, in text order.
-        """
-        chunk_lists: list[list[str] | None] = []
-        for text in texts:
-            chunks = None
-            if not self.added.in_raw(text):
-                if self.table is not None and text.isascii():
-                    normalized = text.translate(self.table)
-                else:
-                    normalized = self.normalize(text)
-                if not self.added.in_normalized(normalized):
-                    chunks = words(normalized)
-            chunk_lists.append(chunks)
-        return self.cache.encode_or_whole(
-            texts, chunk_lists, lambda whole: self.reference.encode_flat(whole, False)
-        )
+    def chunks(self, text: str) -> list[str] | None:
+        """The words of ``text`` normalized, or None when it holds an added token."""
+        if self.added.in_raw(text):
+            return None
+        if self.table is not None and text.isascii():
+            normalized = text.translate(self.table)
+        else:
+            normalized = self.normalize(text)
+        return None if self.added.in_normalized(normalized) else words(normalized)
 
 
 def _pre_tokenizer_steps(pre_tokenizer: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:

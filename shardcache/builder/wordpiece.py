@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder import chunk_cache
-from shardcache.builder.chunk_cache import AddedTokens, ChunkCache
+from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
 from shardcache.version import __version__ as BACKEND_VERSION
 
 #: Name of this backend in a build's ``encoder`` selection and report (its version is
@@ -43,7 +43,7 @@ RELEASES_GIL = False
 ASCII = "".join(map(chr, range(128)))
 
 
-class AsciiWordPiece:
+class AsciiWordPiece(ChunkedEncoder):
     """Exact WordPiece ids (without special tokens) for a BERT-style tokenizer.
 
     Args:
@@ -76,7 +76,7 @@ class AsciiWordPiece:
         self.max_chars = int(model.get("max_input_chars_per_word", 100))
         # no match is longer than the longest entry: the search starts there, not at the end
         self.longest = max(map(len, self.vocab), default=0)
-        self.reference = reference
+        super().__init__(reference)
         self.tokenizer = tokenizer = reference.tokenizer
         self.table, space, punct = _ascii_tables(tokenizer)
         kept = {code: out for code, out in self.table.items() if out}
@@ -91,7 +91,6 @@ class AsciiWordPiece:
         self.added = AddedTokens(
             data.get("added_tokens") or [], normalizer.normalize_str if normalizer else None
         )
-        self.cache = ChunkCache(self._encode_chunk)
         # word -> ids, shared by every thread (a lost entry is only computed again)
         self.words = _WordCache(self)
 
@@ -159,34 +158,27 @@ class AsciiWordPiece:
             start = end
         return tuple(out)
 
+    def chunks(self, text: str) -> list[str] | None:
+        """The chunks of ``text`` normalized, or None to encode it with HF whole."""
+        # an added token is matched in the raw text (a normalized one in HF's normalized text,
+        # known here for ASCII only) before anything else: HF encodes those texts
+        if self.added.in_raw(text) or (self.added.normalized and not text.isascii()):
+            return None
+        n = self._normalize(text)
+        if self.added.in_normalized(n):
+            return None
+        # split at ASCII whitespace only: other whitespace is left to HF in its chunk
+        return n.split() if n.isascii() else n.split(" ")
+
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of ``texts`` without special tokens, as HF's ``encode_batch`` gives them.
-
-        Args:
-            texts: the texts.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)``, flat, in text order.
-        """
-        chunk_lists: list[list[str] | None] = []
-        for text in texts:
-            chunks = None
-            # an added token is matched in the raw text (a normalized one in HF's normalized
-            # text, known here for ASCII only) before anything else: HF encodes those texts
-            if not self.added.in_raw(text) and (not self.added.normalized or text.isascii()):
-                n = self._normalize(text)
-                if not self.added.in_normalized(n):
-                    # split at ASCII whitespace only: other whitespace is left to HF in its chunk
-                    chunks = n.split() if n.isascii() else n.split(" ")
-            chunk_lists.append(chunks)
-        out = self.cache.encode_or_whole(
-            texts, chunk_lists, lambda whole: self.reference.encode_flat(whole, False)
-        )
+        """As :meth:`ChunkedEncoder.encode_flat`; the word memo starts again when full."""
+        out = super().encode_flat(texts)
         if len(self.words) > chunk_cache.CACHE_CHUNKS:
-            self.words = _WordCache(self)  # start again when full
+            self.words = _WordCache(self)
         return out
 
-    def _encode_chunk(self, chunk: str) -> Iterable[int]:
+    def encode_chunk(self, chunk: str) -> Iterable[int]:
+        """One chunk's ids: ASCII in Python, the rest by HF."""
         if chunk.isascii():
             words = self.words
             return itertools.chain.from_iterable(

@@ -10,13 +10,10 @@ import io
 import json
 import random
 import sys
-import threading
 
-import numpy as np
 import pytest
 
-from conftest import make_texts
-from shardcache.builder import chunk_cache
+from conftest import assert_same_ids_as_hf, make_texts
 from shardcache.builder.backends import HFBackend
 from shardcache.builder.split_words import SplitWords, words
 
@@ -166,25 +163,13 @@ def _backend(tok) -> SplitWords:
     return SplitWords(json.loads(tok.to_str()), HFBackend(tok))
 
 
-def _hf(tok, texts: list[str]) -> list[list[int]]:
-    return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
-
-
-def _assert_equal(tok, backend: SplitWords, texts: list[str]) -> None:
-    tokens, lengths = backend.encode_flat(texts)
-    assert len(lengths) == len(texts)
-    got = np.split(tokens, np.cumsum(lengths)[:-1]) if len(texts) else []
-    for text, mine, want in zip(texts, got, _hf(tok, texts)):
-        assert mine.tolist() == want, text[:80]
-
-
 def test_hard_texts_encode_as_hf(tok):
     """Every whitespace character, the separators HF keeps, the Metaspace marker inside words,
     combining marks after a space, CJK, emoji, long words and runs of whitespace: equal to HF,
     and again from the cache."""
     backend = _backend(tok)
-    _assert_equal(tok, backend, HARD)
-    _assert_equal(tok, backend, HARD)
+    assert_same_ids_as_hf(tok, backend, HARD)
+    assert_same_ids_as_hf(tok, backend, HARD)
 
 
 def test_random_texts_encode_as_hf(tok):
@@ -193,7 +178,7 @@ def test_random_texts_encode_as_hf(tok):
     alphabet = [*"abc XYZ.,!1\t\n", "▁", "é", "ß", "İ", "Σ", "東", "\u0301", "\u00a0", "\x1c", "🙂"]
     texts = [*make_texts(200, seed=8), *CODE]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(500)]
-    _assert_equal(tok, _backend(tok), texts)
+    assert_same_ids_as_hf(tok, _backend(tok), texts)
 
 
 @pytest.mark.parametrize(
@@ -233,49 +218,8 @@ def test_added_tokens_in_text_encode_as_hf():
     texts = ["a </s> b</s>c", "fill <extra_id_0> in", "Hello World and ｈｅｌｌｏ", "a<x>b", "<X>"]
     texts += ["<extra_id_57>", "x<extra_id_99>y <extra_id_ 5>", "<extra_id_100> <e<x"]
     texts += ["Ｈｅｌｌｏ Ｗｏｒｌｄ x"]  # NFKC makes the added token
-    _assert_equal(tok, backend, texts)
+    assert_same_ids_as_hf(tok, backend, texts)
     assert backend.encode_flat(["Hello World"])[0].tolist() == [tok.token_to_id("Hello World")]
-
-
-def test_bounded_cache_and_threads_encode_as_hf(monkeypatch):
-    """With a cache a few chunks long (emptied between batches) and two threads sharing the
-    backend, every batch still encodes as HF."""
-    monkeypatch.setattr(chunk_cache, "CACHE_CHUNKS", 8)
-    monkeypatch.setattr(chunk_cache, "CACHE_IDS", 64)
-    tok = _tokenizer("t5")
-    backend = _backend(tok)
-    texts = [*make_texts(300, seed=4), *CODE * 5, *HARD]
-    batches = [texts[i : i + 16] for i in range(0, len(texts), 16)]
-    want = [_hf(tok, b) for b in batches]
-    errors: list[str] = []
-
-    def run() -> None:
-        for batch, expected in zip(batches, want):
-            tokens, lengths = backend.encode_flat(batch)
-            if [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])] != expected:
-                errors.append(batch[0][:40])
-
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert errors == []
-
-
-def test_cache_is_shared_by_threads():
-    """A build encodes each partition in a new thread: the second thread finds the first
-    one's words and encodes none again."""
-    backend = _backend(_tokenizer("t5"))
-    calls: list[str] = []
-    real = backend.cache.encode_chunk
-    backend.cache.encode_chunk = lambda word: calls.append(word) or real(word)
-    texts = make_texts(50, seed=6)
-    for _ in range(2):
-        thread = threading.Thread(target=backend.encode_flat, args=(texts,))
-        thread.start()
-        thread.join()
-    assert calls and len(calls) == len(set(calls))
 
 
 @pytest.mark.parametrize(

@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import make_texts
+from conftest import assert_same_ids_as_hf, make_texts
 from shardcache.builder import chunk_cache
 from shardcache.builder.backends import HFBackend
 from shardcache.builder.wordpiece import AsciiWordPiece
@@ -55,21 +55,13 @@ def _hf(tok, texts: list[str]) -> list[list[int]]:
     return [e.ids for e in tok.encode_batch(texts, add_special_tokens=False)]
 
 
-def _assert_equal(tok, backend: AsciiWordPiece, texts: list[str]) -> None:
-    tokens, lengths = backend.encode_flat(texts)
-    assert len(lengths) == len(texts)
-    got = np.split(tokens, np.cumsum(lengths)[:-1]) if len(texts) else []
-    for text, mine, want in zip(texts, got, _hf(tok, texts)):
-        assert mine.tolist() == want, text[:80]
-
-
 def test_every_pair_of_ascii_characters_encodes_as_hf(tok):
     """Every ASCII character (controls, whitespace, punctuation) next to every other, alone
     and between words: the per-character tables are HF's."""
     backend = _backend(tok)
     pairs = [chr(a) + chr(b) for a in range(128) for b in range(128)]
     for context in ("{}", "the{}quick fox", "x {} Café"):
-        _assert_equal(tok, backend, [context.format(p) for p in pairs])
+        assert_same_ids_as_hf(tok, backend, [context.format(p) for p in pairs])
 
 
 def test_long_and_unknown_words_encode_as_hf(tok):
@@ -80,7 +72,7 @@ def test_long_and_unknown_words_encode_as_hf(tok):
     texts = ["a" * 99, "a" * 100, "a" * 101, "b" * 100 + "!" + "c" * 100, "x" * 5000]
     texts += ["".join(rng.choice(letters) for _ in range(rng.randint(1, 140))) for _ in range(300)]
     texts += ["...!!!???---___" * 10, "\x00\x01\x7f", "\t\n\r\x0b\x0c\x1c\x1d\x1e\x1f", ""]
-    _assert_equal(tok, _backend(tok), texts)
+    assert_same_ids_as_hf(tok, _backend(tok), texts)
 
 
 def test_every_vocabulary_entry_encodes_as_hf(tok):
@@ -97,7 +89,7 @@ def test_every_vocabulary_entry_encodes_as_hf(tok):
     texts = [e[2:] if e.startswith("##") else e for e in vocab]
     texts += [f"a{e[2:]} the{e[2:]}x" for e in vocab if e.startswith("##")]
     texts += [longest, longest + "silicovolcanoconiosis", "x" + longest, longest[:-1], longest * 3]
-    _assert_equal(tok, AsciiWordPiece(data, HFBackend(tok)), texts)
+    assert_same_ids_as_hf(tok, AsciiWordPiece(data, HFBackend(tok)), texts)
 
 
 def test_non_ascii_text_encodes_as_hf(tok):
@@ -114,8 +106,8 @@ def test_non_ascii_text_encodes_as_hf(tok):
     alphabet = [*"abc XYZ.,!\t\n", "é", "ß", "İ", "Σ", "東", "\u0301", "\u00a0", "\x85", "🙂"]
     texts += ["".join(rng.choice(alphabet) for _ in range(rng.randint(0, 60))) for _ in range(400)]
     backend = _backend(tok)
-    _assert_equal(tok, backend, texts)
-    _assert_equal(tok, backend, texts)  # from the cache
+    assert_same_ids_as_hf(tok, backend, texts)
+    assert_same_ids_as_hf(tok, backend, texts)  # from the cache
 
 
 def test_added_tokens_in_text_encode_as_hf():
@@ -129,7 +121,7 @@ def test_added_tokens_in_text_encode_as_hf():
     tok.add_tokens([AddedToken("<x>", normalized=False)])
     backend = _backend(tok)
     texts = ["a [CLS] b[SEP]c", "HELLO WORLD and hello world", "a<x>b", "Héllo World x", "<X>"]
-    _assert_equal(tok, backend, texts)
+    assert_same_ids_as_hf(tok, backend, texts)
     assert backend.encode_flat(["hello world"])[0].tolist() == [tok.token_to_id("Hello World")]
 
 
