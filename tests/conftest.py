@@ -45,6 +45,17 @@ def assert_same_ids_as_hf(tok: Any, backend: Any, texts: list[str]) -> None:
         assert mine.tolist() == ids, text[:80]
 
 
+def run_in_threads(target: Callable[[], None], count: int = 2) -> None:
+    """Run ``target`` in ``count`` threads at once and wait for all of them."""
+    import threading
+
+    threads = [threading.Thread(target=target) for _ in range(count)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+
+
 def write_records(path: str, records: list[dict], fmt: str) -> str:
     """Write records as jsonl / jsonl.zst / json.gz / parquet; returns the path."""
     if fmt == "parquet":

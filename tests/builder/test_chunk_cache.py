@@ -13,7 +13,7 @@ import threading
 import numpy as np
 import pytest
 
-from conftest import make_texts
+from conftest import make_texts, run_in_threads
 from shardcache.builder import chunk_cache
 from shardcache.builder.chunk_cache import AddedTokens, ChunkCache, interleave
 
@@ -63,11 +63,7 @@ def test_bounded_cache_and_threads_give_the_same_ids(monkeypatch):
             if _split(*cache.encode(batch)) != _expected(batch):
                 errors.append(k)
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run)
     assert errors == []
     distinct = {c for batch in texts for c in batch}
     assert len(calls) > len(distinct)  # the bound made it start again

@@ -8,12 +8,11 @@ from __future__ import annotations
 
 import json
 import random
-import threading
 
 import numpy as np
 import pytest
 
-from conftest import assert_same_ids_as_hf, make_texts
+from conftest import assert_same_ids_as_hf, make_texts, run_in_threads
 from shardcache.builder import chunk_cache
 from shardcache.builder.backends import HFBackend
 from shardcache.builder.wordpiece import AsciiWordPiece
@@ -142,11 +141,7 @@ def test_bounded_cache_and_threads_encode_as_hf(tok, monkeypatch):
             if [t.tolist() for t in np.split(tokens, np.cumsum(lengths)[:-1])] != expected:
                 errors.append(batch[0][:40])
 
-    threads = [threading.Thread(target=run) for _ in range(2)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
+    run_in_threads(run)
     assert errors == []
 
 
