@@ -18,7 +18,8 @@ families:
   nearest to Gemma that ``tokenizers`` trains;
 * ``wordpiece``: BERT normalizer, pre-tokenizer and WordPiece;
 * ``unigram``: T5-style Unigram: NFKC and ``Replace(" {2,}", " ")`` (T5's converter writes the
-  pattern as a regex, after its precompiled charsmap), WhitespaceSplit then Metaspace.
+  pattern as a regex, after its precompiled charsmap), WhitespaceSplit then Metaspace;
+  ``shardcache-words`` takes it, and ``gemma`` (a Metaspace alone that splits).
 
 The texts are the first ``--docs`` documents of ``--corpus`` plus a built-in list of strings
 that stress exactness (CJK, emoji and ZWJ sequences, combining marks, long whitespace runs,

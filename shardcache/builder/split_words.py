@@ -1,17 +1,22 @@
-"""Ids for tokenizers whose pre-tokenizer first splits at whitespace: HF's own parts, each
-distinct word encoded once.
+"""Ids for tokenizers whose pre-tokenizer splits a text into independent pieces: HF's own
+parts, each distinct piece encoded once.
 
-When the pre-tokenizer starts by splitting at whitespace and dropping it (``WhitespaceSplit``,
-``Whitespace``, ``BertPreTokenizer``) and every later step works on each piece alone
-(``Metaspace`` that prepends to every piece or to none, ``Punctuation``, ``Digits``,
-``Split``), the ids of a text are the ids of the words of its normalized text, in order. T5's
-Unigram tokenizer has this shape (a precompiled charsmap, then ``WhitespaceSplit`` and
-``Metaspace``). :class:`SplitWords` normalizes each text whole with HF's normalizer, splits it
-at whitespace as HF does (Rust's ``char::is_whitespace``), and encodes each distinct word once
-with HF's pre-tokenizer and model (:class:`~shardcache.builder.chunk_cache.ChunkCache`).
-Normalization and the model are HF's own; the split is this module's, and it is checked at load
-on every whitespace character. A text holding an added token goes to HF whole. Ids come
-without the post-processor's special tokens; the caller adds them.
+Two layouts qualify. (1) The pre-tokenizer starts by splitting at whitespace and dropping it
+(``WhitespaceSplit``, ``Whitespace``, ``BertPreTokenizer``) and every later step works on each
+piece alone (``Metaspace`` that prepends to every piece or to none, ``Punctuation``,
+``Digits``, ``Split``): the ids of a text are the ids of the words of its normalized text, in
+order. T5's Unigram tokenizer has this layout (a precompiled charsmap, then
+``WhitespaceSplit`` and ``Metaspace``). (2) A ``Metaspace`` alone that splits at its marker
+(what transformers' SentencePiece converter writes today; Gemma-like BPE): spaces become the
+marker and each piece runs from one marker to the next.
+
+:class:`SplitWords` normalizes each text whole with HF's normalizer, splits it as HF's
+pre-tokenizer does (at Unicode whitespace, Rust's ``char::is_whitespace``; or at the marker),
+and encodes each distinct piece once with HF's pre-tokenizer and model
+(:class:`~shardcache.builder.chunk_cache.ChunkCache`). Normalization and the model are HF's
+own; the split is this module's, and it is checked at load on every whitespace character, runs
+of spaces and the marker. A text holding an added token goes to HF whole. Ids come without the
+post-processor's special tokens; the caller adds them.
 """
 
 from __future__ import annotations
@@ -74,7 +79,8 @@ def words(normalized: str) -> list[str]:
 
 
 class SplitWords(ChunkedEncoder):
-    """Exact ids (without special tokens) for a tokenizer that first splits at whitespace.
+    """Exact ids (without special tokens) for a tokenizer that first splits at whitespace, or
+    whose pre-tokenizer is a Metaspace alone that splits at its marker.
 
     Args:
         data: the tokenizer.json content, parsed.
@@ -82,16 +88,23 @@ class SplitWords(ChunkedEncoder):
             and ``encode_flat``): its normalizer, pre-tokenizer and model do the work.
 
     Raises:
-        ValueError: the pre-tokenizer does not split at whitespace first, a later step may
-            depend on other pieces, the model is randomized, or the split differs from HF's on
-            the load-time probe (the message says which).
+        ValueError: the pre-tokenizer neither splits at whitespace first nor is a splitting
+            Metaspace alone, a later step may depend on other pieces, the model is randomized,
+            or the split differs from HF's on the load-time probe (the message says which).
     """
 
     def __init__(self, data: Mapping[str, Any], reference: Any):
         steps = _pre_tokenizer_steps(data.get("pre_tokenizer"))
-        if not steps or steps[0].get("type") not in SPLITS_AT_WHITESPACE:
+        # a Metaspace alone that splits at its marker: pieces start at each marker
+        self.metaspace = _metaspace_alone(steps)
+        if self.metaspace is None and (
+            not steps or steps[0].get("type") not in SPLITS_AT_WHITESPACE
+        ):
             first = steps[0].get("type") if steps else None
-            raise ValueError(f"pre-tokenizer {first!r} does not split at whitespace first")
+            raise ValueError(
+                f"pre-tokenizer {first!r} neither splits at whitespace first nor is a Metaspace "
+                "alone that splits at its marker"
+            )
         for step in steps[1:]:
             kind = step.get("type")
             if kind not in PER_PIECE:
@@ -109,8 +122,12 @@ class SplitWords(ChunkedEncoder):
         self.added = AddedTokens(data.get("added_tokens") or [], self.normalize)
         # ASCII text: the normalizer as a translate table when its words are HF's (a
         # normalized added token may hold a space, which only HF's own output shows)
+        # (pieces of a Metaspace alone depend on every space: only an exact table will do)
+        exact = self.metaspace is not None
         self.table = (
-            None if self.added.normalized else _ascii_table(data.get("normalizer"), self.normalize)
+            None
+            if self.added.normalized
+            else _ascii_table(data.get("normalizer"), self.normalize, exact)
         )
         super().__init__(reference)
         # T5's shape (WhitespaceSplit, then Metaspace that prepends to every piece): a word
@@ -119,20 +136,28 @@ class SplitWords(ChunkedEncoder):
         self._check_split()
 
     def _check_split(self) -> None:
-        """HF's pre-tokenization of a text equals that of its :func:`words`, one by one, on a
-        text holding every character either Python or HF counts as whitespace."""
+        """HF's pre-tokenization of a text equals that of its :meth:`chunks`, one by one, on
+        texts holding every character either Python or HF counts as whitespace, runs of spaces
+        and the Metaspace marker; the table's output equals HF's on every pair of ASCII
+        characters (for a Metaspace alone), or has the same words."""
         spaces = [*HF_SPACES, *PYTHON_ONLY_SPACE]
         others = ["▁", ".", "-", "'", "1", "é", "中", "\u0301", "\u200b", "\u180e"]
         probe = " ".join(f"a{c}b{c}{c}1{c}" for c in [*spaces, *others]) + " \u3000end "
-        normalized = self.normalize(probe)
-        want = [piece for piece, _ in self.pre_tokenize(normalized)]
-        got = [piece for word in words(normalized) for piece, _ in self.pre_tokenize(word)]
-        if got != want:
-            raise ValueError("the pre-tokenizer splits the probe text otherwise than at words")
+        for text in (probe, "", " ", "  a  b ", "▁", "▁▁x▁ y", "x▁", "\n x"):
+            normalized = self.normalize(text)
+            want = [piece for piece, _ in self.pre_tokenize(normalized)]
+            if self.metaspace is not None:
+                got = self._pieces(normalized)
+            else:
+                got = [p for word in words(normalized) for p, _ in self.pre_tokenize(word)]
+            if got != want:
+                raise ValueError(f"the pre-tokenizer splits {text[:40]!r} otherwise than here")
         if self.table is not None:
             ascii_probe = " ".join(f"a{chr(x)}{chr(y)}b" for x in range(128) for y in range(128))
-            if words(self.normalize(ascii_probe)) != words(ascii_probe.translate(self.table)):
-                raise ValueError("the normalizer's words of ASCII text are not per character")
+            hf, mine = self.normalize(ascii_probe), ascii_probe.translate(self.table)
+            if (hf != mine) if self.metaspace is not None else (words(hf) != words(mine)):
+                raise ValueError("the normalizer is not per character on ASCII text")
+        normalized = self.normalize(probe)
         for word in words(normalized) if self.marker else ():
             if self.marker not in word and [p for p, _ in self.pre_tokenize(word)] != [
                 self.marker + word
@@ -148,6 +173,8 @@ class SplitWords(ChunkedEncoder):
         Returns:
             Its ids.
         """
+        if self.metaspace is not None:  # a piece already
+            return [t.id for t in self.tokenize(word)]
         if self.marker and self.marker not in word:
             return [t.id for t in self.tokenize(self.marker + word)]
         return [t.id for piece, _ in self.pre_tokenize(word) for t in self.tokenize(piece)]
@@ -160,7 +187,18 @@ class SplitWords(ChunkedEncoder):
             normalized = text.translate(self.table)
         else:
             normalized = self.normalize(text)
-        return None if self.added.in_normalized(normalized) else words(normalized)
+        if self.added.in_normalized(normalized):
+            return None
+        return self._pieces(normalized) if self.metaspace is not None else words(normalized)
+
+    def _pieces(self, normalized: str) -> list[str]:
+        """Metaspace alone: spaces become the marker, which is put first (unless the scheme
+        is never), and each piece runs from a marker to the next."""
+        marker, prepend, pattern = self.metaspace  # type: ignore[misc]
+        text = normalized.replace(" ", marker)
+        if prepend and text and not text.startswith(marker):
+            text = marker + text
+        return pattern.findall(text)
 
 
 def _pre_tokenizer_steps(pre_tokenizer: Mapping[str, Any] | None) -> list[Mapping[str, Any]]:
@@ -174,20 +212,39 @@ def _pre_tokenizer_steps(pre_tokenizer: Mapping[str, Any] | None) -> list[Mappin
     return [pre_tokenizer]
 
 
+def _metaspace_alone(steps: list[Mapping[str, Any]]) -> tuple[str, bool, re.Pattern] | None:
+    """``(marker, prepends, piece pattern)`` when the only step is a Metaspace that splits at
+    its marker (``first`` prepends as ``always`` here: a text holding no added token is one
+    piece starting at offset 0), else None."""
+    if len(steps) != 1 or steps[0].get("type") != "Metaspace" or not steps[0].get("split", True):
+        return None
+    marker = str(steps[0].get("replacement", "\u2581"))
+    pattern = re.compile(f"{re.escape(marker)}[^{re.escape(marker)}]*|[^{re.escape(marker)}]+")
+    return marker, _prepend_scheme(steps[0]) != "never", pattern
+
+
+def _prepend_scheme(metaspace: Mapping[str, Any]) -> str:
+    scheme = metaspace.get("prepend_scheme")
+    if scheme is None:  # before tokenizers 0.15: add_prefix_space
+        scheme = "always" if metaspace.get("add_prefix_space", True) else "never"
+    return str(scheme)
+
+
 def _marker_only(steps: list[Mapping[str, Any]]) -> str:
     """The Metaspace marker when the steps are ``WhitespaceSplit`` then a ``Metaspace`` that
     prepends it to every piece (T5), else ``""``."""
     if [step.get("type") for step in steps] != ["WhitespaceSplit", "Metaspace"]:
         return ""
     metaspace = steps[1]
-    scheme = metaspace.get("prepend_scheme")
-    if scheme is None:  # before tokenizers 0.15: add_prefix_space
-        scheme = "always" if metaspace.get("add_prefix_space", True) else "never"
-    return str(metaspace.get("replacement", "\u2581")) if scheme == "always" else ""
+    return (
+        str(metaspace.get("replacement", "\u2581"))
+        if _prepend_scheme(metaspace) == "always"
+        else ""
+    )
 
 
 def _ascii_table(
-    normalizer: Mapping[str, Any] | None, normalize: Callable[[str], str]
+    normalizer: Mapping[str, Any] | None, normalize: Callable[[str], str], exact: bool
 ) -> dict[int, str] | None:
     """HF's normalizer on ASCII text as a ``str.translate`` table, when that gives HF's words.
 
@@ -199,6 +256,8 @@ def _ascii_table(
     Args:
         normalizer: tokenizer.json's ``normalizer``, or None.
         normalize: HF's ``normalize_str``.
+        exact: the table must give HF's output itself, not only its words (then every step
+            must act per character).
 
     Returns:
         The table (code point -> output), or None when the normalizer has another step.
@@ -206,11 +265,16 @@ def _ascii_table(
     steps = _normalizer_steps(normalizer)
     for step in steps:
         kind = step.get("type")
-        if kind in PER_CHARACTER or kind == "Strip":
+        if kind in PER_CHARACTER or (kind == "Strip" and not exact):
             continue
         pattern = step.get("pattern") or {}
         content = str(step.get("content", ""))
-        if kind == "Replace" and pattern.get("Regex") in WHITESPACE_RUNS and content.isspace():
+        if (
+            not exact
+            and kind == "Replace"
+            and pattern.get("Regex") in WHITESPACE_RUNS
+            and content.isspace()
+        ):
             continue
         return None
     if normalize("ab") != "ab":
@@ -226,8 +290,8 @@ def _ascii_table(
             return None  # whitespace must stay whitespace (or go), or a word is made of it
         if out != c:
             table[code] = out
-    crlf = normalize("a\r\nb")
-    if words(crlf) != words("a\r\nb".translate(table)):
+    crlf, mine = normalize("a\r\nb"), "a\r\nb".translate(table)
+    if (crlf != mine) if exact else (words(crlf) != words(mine)):
         return None
     return table
 

@@ -169,12 +169,13 @@ def _metaspace_byte_fallback(
     return _save(tok, folder, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
 
 
-def _unigram(folder: str) -> str:
+def _unigram(folder: str, split: bool = True) -> str:
+    """Unigram under NFKC and a Metaspace alone (``split``: at its marker)."""
     from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
 
     tok = Tokenizer(models.Unigram())
     tok.normalizer = normalizers.NFKC()
-    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(split=split)
     trainer = trainers.UnigramTrainer(
         vocab_size=500, special_tokens=["<pad>", "</s>", "<unk>"], unk_token="<unk>",
         show_progress=False,
@@ -247,14 +248,15 @@ FAMILIES = {
 #: The library that loads each family (fastokens 0.3.5 drops a decoder it does not implement
 #: first: a decoder never changes ids); fastokens refuses the Metaspace pre-tokenizer, NFKC and
 #: BertNormalizer at load, then gigatoken takes Metaspace BPE and this package's own backends
-#: BERT-style WordPiece and T5-style Unigram (split at whitespace first); nothing loads Unigram
-#: under a Metaspace pre-tokenizer alone, and the gate keeps HF.
+#: BERT-style WordPiece and Unigram (split at whitespace first, or by a Metaspace alone); a
+#: Metaspace that does not split is refused by all, and the gate keeps HF.
 FAST_FAMILIES = {
     "byte_level_bpe": "fastokens",
     "byte_level_bpe_nfc_split": "fastokens",
     "metaspace_bpe_byte_fallback": "fastokens",
     "metaspace_decoder_bpe_byte_fallback": "fastokens",
     "metaspace_pretokenizer_bpe_byte_fallback": "gigatoken",
+    "unigram": "shardcache-words",
     "unigram_t5": "shardcache-words",
     "wordpiece": "shardcache-wordpiece",
     "wordpiece_uncased": "shardcache-wordpiece",
@@ -597,10 +599,10 @@ def test_gate_falls_back_when_the_package_is_missing(hard_corpus, tokenizer_dir,
 
 def test_gate_falls_back_when_every_library_refuses_the_tokenizer(hard_corpus, tmp_path):
     """fastokens refuses a Unigram tokenizer's NFKC normalizer, and this package's backend its
-    pre-tokenizer (Metaspace alone does not split at every whitespace): the gate keeps HF and
-    says why for each."""
+    pre-tokenizer (a Metaspace that does not split makes a text one piece): the gate keeps HF
+    and says why for each."""
     pytest.importorskip("fastokens")
-    folder = _unigram(str(tmp_path / "tok-unigram"))
+    folder = _unigram(str(tmp_path / "tok-unigram"), split=False)
     manifest = _build(hard_corpus, folder, str(tmp_path / "auto"))
     assert manifest["encoder"]["partitions_by_backend"] == {"hf": 2}
     [reason] = manifest["encoder"]["gate"]

@@ -57,10 +57,12 @@ def _train(tok, model_kind: str):
     return tok
 
 
-def _t5_sentencepiece():
-    """T5 as its converter writes it, from a SentencePiece Unigram model trained here with T5's
+def _t5_sentencepiece(converter: str = "t5"):
+    """T5 as its converter wrote it, from a SentencePiece Unigram model trained here with T5's
     normalization rule: the real precompiled charsmap (nmt_nfkc), then Replace(" {2,}", " ");
-    WhitespaceSplit and Metaspace; the 100 <extra_id_N>."""
+    WhitespaceSplit and Metaspace; the 100 <extra_id_N>. ``converter="spm"``: as transformers'
+    SentencePiece converter writes it today: the charsmap, Strip right, Replace(" {2,}", "▁"),
+    a Metaspace alone."""
     spm = pytest.importorskip("sentencepiece")
     pytest.importorskip("google.protobuf")
     from sentencepiece import sentencepiece_model_pb2
@@ -78,6 +80,13 @@ def _t5_sentencepiece():
     vocab += [(f"<extra_id_{i}>", 0.0) for i in range(99, -1, -1)]
     tok = Tokenizer(models.Unigram(vocab, unk_id=2, byte_fallback=False))
     charsmap = proto.normalizer_spec.precompiled_charsmap
+    if converter == "spm":
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.Precompiled(charsmap), normalizers.Strip(left=False, right=True),
+             normalizers.Replace(Regex(" {2,}"), "▁")]
+        )  # fmt: skip
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        return tok
     tok.normalizer = normalizers.Sequence(
         [normalizers.Precompiled(charsmap), normalizers.Replace(Regex(" {2,}"), " ")]
     )
@@ -94,6 +103,21 @@ def _tokenizer(shape: str):
 
     if shape == "t5-sentencepiece":
         return _t5_sentencepiece()
+    if shape == "spm-converter":
+        return _t5_sentencepiece("spm")
+    if shape == "metaspace-collapse":  # runs of spaces collapsed before a Metaspace alone
+        tok = Tokenizer(models.Unigram())
+        tok.normalizer = normalizers.Sequence(
+            [normalizers.NFKC(), normalizers.Replace(Regex(" {2,}"), " "), normalizers.Strip()]
+        )
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        return _train(tok, "unigram")
+    if shape.startswith("metaspace-"):  # a Metaspace alone (Gemma-like BPE, Unigram)
+        scheme = shape.split("-")[1]
+        tok = Tokenizer(models.Unigram() if scheme != "always" else models.BPE(unk_token="<unk>"))
+        tok.normalizer = normalizers.NFKC() if scheme == "first" else None
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme=scheme)
+        return _train(tok, "unigram" if scheme != "always" else "bpe")
     if shape == "t5":  # T5: NFKC and a Replace, WhitespaceSplit, Metaspace on every word
         tok = Tokenizer(models.Unigram())
         tok.normalizer = normalizers.Sequence(
@@ -146,6 +170,11 @@ def _tokenizer(shape: str):
 SHAPES = [
     "t5",
     "t5-sentencepiece",
+    "spm-converter",
+    "metaspace-always",
+    "metaspace-first",
+    "metaspace-never",
+    "metaspace-collapse",
     "t5-literal-replace",
     "t5-no-split",
     "whitespace-wordpiece",
@@ -184,11 +213,14 @@ def test_random_texts_encode_as_hf(tok):
 @pytest.mark.parametrize(
     ("shape", "table"),
     [("t5", True), ("t5-sentencepiece", True), ("t5-no-split", True),
-     ("whitespace-wordpiece", True), ("bert-unigram", True), ("t5-literal-replace", False)],
+     ("whitespace-wordpiece", True), ("bert-unigram", True), ("t5-literal-replace", False),
+     ("metaspace-first", True), ("metaspace-always", True), ("spm-converter", False),
+     ("metaspace-collapse", False)],
 )  # fmt: skip
 def test_ascii_text_is_normalized_by_a_table_only_where_that_is_exact(shape, table):
     """Steps that act per character on ASCII, Strip and a whitespace-run Replace give a table;
-    a Replace of a literal string (which may span words) does not; ASCII texts are HF's either
+    a Replace of a literal string (which may span words) does not, nor do Strip and Replace
+    before a Metaspace alone (whose pieces depend on every space); ASCII texts are HF's either
     way (the tests above)."""
     backend = _backend(_tokenizer(shape))
     assert (backend.table is not None) is table
@@ -225,9 +257,9 @@ def test_added_tokens_in_text_encode_as_hf():
 @pytest.mark.parametrize(
     ("pre_tokenizer", "message"),
     [
-        ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "always", "split": True},
-         "does not split at whitespace first"),
-        (None, "does not split at whitespace first"),
+        ({"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": False},
+         "neither splits at whitespace first nor"),
+        (None, "neither splits at whitespace first nor"),
         ({"type": "Sequence", "pretokenizers": [
             {"type": "WhitespaceSplit"},
             {"type": "Metaspace", "replacement": "▁", "prepend_scheme": "first", "split": True},
@@ -240,9 +272,9 @@ def test_added_tokens_in_text_encode_as_hf():
     ],
 )  # fmt: skip
 def test_refuses_a_pre_tokenizer_that_does_not_split_at_whitespace_first(pre_tokenizer, message):
-    """Metaspace alone (a run of spaces is a word of its own), no pre-tokenizer, a Metaspace
-    that prepends to the first piece only, or a step it does not know: refused at load, so the
-    gate keeps HF."""
+    """A Metaspace that does not split (Mistral: a text is one piece), no pre-tokenizer, a
+    Metaspace after the split that prepends to the first piece only, or a step it does not
+    know: refused at load, so the gate keeps HF."""
     from tokenizers import Tokenizer
 
     data = json.loads(_tokenizer("t5").to_str())
