@@ -172,11 +172,25 @@ class ChunkedEncoder:
         self.cache = ChunkCache(self.encode_chunk)
 
     def chunks(self, text: str) -> list[str] | None:
-        """The chunks of ``text``, or None to encode it with HF whole."""
+        """Split a text where nothing the tokenizer does crosses.
+
+        Args:
+            text: a text.
+
+        Returns:
+            Its chunks in order, or None to encode it with HF whole.
+        """
         raise NotImplementedError
 
     def encode_chunk(self, chunk: str) -> Iterable[int]:
-        """One chunk's ids."""
+        """Encode one chunk.
+
+        Args:
+            chunk: a chunk :meth:`chunks` gave.
+
+        Returns:
+            Its ids, as the tokenizer gives them to that chunk inside any text.
+        """
         raise NotImplementedError
 
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
@@ -217,11 +231,25 @@ class AddedTokens:
         self._normalized_groups = _by_start(self.normalized)
 
     def in_raw(self, text: str) -> bool:
-        """Whether ``text`` (as given) holds a token matched before normalization."""
+        """Look for the tokens matched before normalization.
+
+        Args:
+            text: a text, as given.
+
+        Returns:
+            Whether it holds one.
+        """
         return _holds(text, self._raw_groups)
 
     def in_normalized(self, normalized: str) -> bool:
-        """Whether HF's normalized text holds a token matched after normalization."""
+        """Look for the tokens matched after normalization.
+
+        Args:
+            normalized: a text after HF's normalizer.
+
+        Returns:
+            Whether it holds one.
+        """
         return _holds(normalized, self._normalized_groups)
 
 
