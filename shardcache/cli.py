@@ -268,8 +268,8 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "--encoder",
     type=click.Choice(["auto", "hf", "fast"]),
     help="Tokenizer backend: auto uses a fast one (fastokens or gigatoken from pip install "
-    "'shardcache[fast]'; BERT-style WordPiece and T5-style tokenizers that split at "
-    "whitespace first: shardcache's own) when "
+    "'shardcache[fast]'; BERT-style WordPiece, and T5-style tokenizers that split at "
+    "whitespace or at a Metaspace marker: shardcache's own) when "
     "it supports the tokenizer and gives HF's exact ids on the probe set and a corpus "
     "sample, else HF (the reason is in the report); hf always HF; fast fails, saying why, "
     "when the fast one cannot be used or disagrees. Never changes the output bytes.  "
