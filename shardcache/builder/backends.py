@@ -28,6 +28,7 @@ from shardcache.builder.split_words import SplitWords
 from shardcache.builder.tokenizer_memo import library_versions, parse_tokenizer_json
 from shardcache.builder.wordpiece import AsciiWordPiece
 from shardcache.errors import EncoderError, MissingDependencyError
+from shardcache.version import __version__
 
 #: The first accelerated library tried (any tokenizer), and the pip extra of all of them.
 FAST_MODULE = "fastokens"
@@ -122,6 +123,36 @@ class HFBackend:
 EncodeFlat = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
 
 
+@dataclass(frozen=True)
+class Loaded:
+    """A fast backend a loader made: its encode function and what the report says of it.
+
+    Attributes:
+        encode: the encode function.
+        name: the library's import name, or this package's backend's name.
+        version: its version (the package's for its own backends).
+        releases_gil: whether its encode calls let other threads run.
+    """
+
+    encode: EncodeFlat
+    name: str
+    version: str
+    releases_gil: bool = True
+
+    @classmethod
+    def library(cls, encode: EncodeFlat, name: str) -> Loaded:
+        """A library's backend (its installed version).
+
+        Args:
+            encode: the encode function.
+            name: the library's import name.
+
+        Returns:
+            The description.
+        """
+        return cls(encode, name, library_versions((name,))[name])
+
+
 class FastBackend:
     """An accelerated library over the same ``tokenizer.json`` (truncation and padding off, as
     HF's): fastokens, else the library :data:`FALLBACK_MODULES` names for the tokenizer's model.
@@ -152,14 +183,13 @@ class FastBackend:
                 missing.append(name)
                 continue
             try:
-                self._encode = _LOADERS[name](module, serialized, parsed)
+                loaded = _LOADERS[name](module, serialized, parsed)
             except Exception as err:  # each library raises its own types for what it lacks
                 refusals.append(f"{name}: {type(err).__name__}: {err}")
                 continue
-            self.name = getattr(module, "BACKEND_NAME", name)
-            own = getattr(module, "BACKEND_VERSION", None)  # this package's own backends
-            self.version = own or library_versions((name,))[name]
-            self.releases_gil = getattr(module, "RELEASES_GIL", True)
+            self._encode = loaded.encode
+            self.name, self.version = loaded.name, loaded.version
+            self.releases_gil = loaded.releases_gil
             return
         # this package's own backends are always there: when only they refused, installing a
         # library is what helps
@@ -205,7 +235,7 @@ def _fallbacks(parsed: Callable[[], Any], refusals: list[str]) -> Iterator[str]:
     yield from FALLBACK_MODULES.get(model.get("type", ""), ())
 
 
-def _load_fastokens(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+def _load_fastokens(module: Any, serialized: str, parsed: Callable[[], Any]) -> Loaded:
     try:
         tokenizer = module.Tokenizer.from_json_str(serialized)
     except Exception:  # retried without the decoder, else reported by the caller
@@ -223,10 +253,10 @@ def _load_fastokens(module: Any, serialized: str, parsed: Callable[[], Any]) -> 
         tokens = np.frombuffer(ids, dtype="<u4")
         return tokens, np.diff(np.frombuffer(offsets, dtype="<u8")).astype(np.int64)
 
-    return encode
+    return Loaded.library(encode, "fastokens")
 
 
-def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> Loaded:
     data = {**parsed(), "truncation": None, "padding": None}  # as HF encodes for the build
     tokenizer = module.Tokenizer.from_json(json.dumps(data))
     specials = SpecialTokens.of(data.get("post_processor"))
@@ -238,23 +268,23 @@ def _load_gigatoken(module: Any, serialized: str, parsed: Callable[[], Any]) -> 
         lengths = np.diff(offsets).astype(np.int64)
         return specials.add(tokens, lengths) if add_special_tokens else (tokens, lengths)
 
-    return encode
+    return Loaded.library(encode, "gigatoken")
 
 
-def _load_wordpiece(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+def _load_wordpiece(module: Any, serialized: str, parsed: Callable[[], Any]) -> Loaded:
     return _load_own(AsciiWordPiece, serialized, parsed)
 
 
-def _load_split_words(module: Any, serialized: str, parsed: Callable[[], Any]) -> EncodeFlat:
+def _load_split_words(module: Any, serialized: str, parsed: Callable[[], Any]) -> Loaded:
     return _load_own(SplitWords, serialized, parsed)
 
 
 def _load_own(
     backend: Callable[[Any, HFBackend], Any], serialized: str, parsed: Callable[[], Any]
-) -> EncodeFlat:
+) -> Loaded:
     """One of this package's backends (``backend(data, reference)``, with ``encode_flat``
-    without special tokens) over an HF tokenizer of ``serialized``, truncation and padding
-    off."""
+    without special tokens, ``name`` and ``releases_gil``) over an HF tokenizer of
+    ``serialized``, truncation and padding off."""
     import tokenizers
 
     data = parsed()
@@ -268,10 +298,10 @@ def _load_own(
         tokens, lengths = encoder.encode_flat(texts)
         return specials.add(tokens, lengths) if add_special_tokens else (tokens, lengths)
 
-    return encode
+    return Loaded(encode, encoder.name, __version__, encoder.releases_gil)
 
 
-_LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], EncodeFlat]] = {
+_LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], Loaded]] = {
     "fastokens": _load_fastokens,
     "gigatoken": _load_gigatoken,
     "shardcache.builder.wordpiece": _load_wordpiece,

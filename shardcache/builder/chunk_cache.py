@@ -167,6 +167,10 @@ class ChunkedEncoder:
         reference: the HF backend (``encode_flat(texts, add_special_tokens)``).
     """
 
+    #: The split and the lookups run in Python, holding the GIL: a build runs its partitions
+    #: in processes to use every core.
+    releases_gil = False
+
     def __init__(self, reference: Any):
         self.reference = reference
         self.cache = ChunkCache(self.encode_chunk)

@@ -26,16 +26,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
-from shardcache.version import __version__ as BACKEND_VERSION
 
-#: Name of this backend in a build's ``encoder`` selection and report (its version is
-#: :data:`BACKEND_VERSION`, the package's).
-BACKEND_NAME = "shardcache-words"
-__all__ = ["BACKEND_NAME", "BACKEND_VERSION", "RELEASES_GIL", "SplitWords"]
-
-#: The split and the lookups run in Python, holding the GIL: a build runs its partitions in
-#: processes to use every core.
-RELEASES_GIL = False
+__all__ = ["SplitWords"]
 
 #: Pre-tokenizers that split at whitespace and drop it: one of them must come first.
 SPLITS_AT_WHITESPACE = frozenset({"WhitespaceSplit", "Whitespace", "BertPreTokenizer"})
@@ -92,6 +84,9 @@ class SplitWords(ChunkedEncoder):
             Metaspace alone, a later step may depend on other pieces, the model is randomized,
             or the split differs from HF's on the load-time probe (the message says which).
     """
+
+    #: The backend's name in a build's ``encoder`` selection and report.
+    name = "shardcache-words"
 
     def __init__(self, data: Mapping[str, Any], reference: Any):
         steps = _pre_tokenizer_steps(data.get("pre_tokenizer"))

@@ -29,16 +29,8 @@ import numpy as np
 
 from shardcache.builder import chunk_cache
 from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
-from shardcache.version import __version__ as BACKEND_VERSION
 
-#: Name of this backend in a build's ``encoder`` selection and report (its version is
-#: :data:`BACKEND_VERSION`, the package's).
-BACKEND_NAME = "shardcache-wordpiece"
-__all__ = ["BACKEND_NAME", "BACKEND_VERSION", "RELEASES_GIL", "AsciiWordPiece"]
-
-#: The ASCII chunks are encoded in Python, holding the GIL: a build runs its partitions in
-#: processes to use every core.
-RELEASES_GIL = False
+__all__ = ["AsciiWordPiece"]
 
 ASCII = "".join(map(chr, range(128)))
 
@@ -56,6 +48,9 @@ class AsciiWordPiece(ChunkedEncoder):
         ValueError: the tokenizer is not BERT-style WordPiece, or its ASCII behaviour is not
             per character (the message says which part).
     """
+
+    #: The backend's name in a build's ``encoder`` selection and report.
+    name = "shardcache-wordpiece"
 
     def __init__(self, data: Mapping[str, Any], reference: Any):
         model = data.get("model") or {}
