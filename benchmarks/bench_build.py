@@ -43,6 +43,19 @@ of each, fastokens ``encode_batch_flat`` over the texts preloaded in memory (bat
 build's CPU per stage::
 
     python benchmarks/bench_build.py --corpus CORPUS --tokenizer TOKDIR --vs-fast --repeat 3
+
+The floor of any Python build on this machine, ``--floor [--repeat 3]``: in one run,
+interleaved, best of each, fastokens alone (as ``--vs-fast``), the leanest pipeline a Python
+build could be, cut after each of its steps, and ``shardcache build`` with default options.
+The lean pipeline runs two input files at a time in threads (the build's partitions in
+flight); per file it stream-decompresses the ``.jsonl.zst`` (1 MiB reads), splits lines,
+takes each line's ``text`` with ``orjson``, encodes batches of ``--batch-docs`` with fastokens
+``encode_batch_flat``, appends one EOS per document (id 0: the value does not change the
+cost) in numpy as the store's dtype, and writes the ids through sha256 to one file, fsynced
+once. It has no verification, buckets, Arrow, tokenizer load, manifest or error handling, so
+no build that reads through Python strings can beat its last row::
+
+    python benchmarks/bench_build.py --corpus CORPUS --tokenizer TOKDIR --floor --repeat 3
 """
 
 from __future__ import annotations
@@ -298,6 +311,126 @@ def compare_fast(args: argparse.Namespace) -> None:
     }, args)  # fmt: skip
 
 
+#: The lean pipeline's steps (``--floor``), each row adding one to the ones before.
+FLOOR_STEPS = (
+    "decompress, split lines",
+    "+ orjson: each line's text",
+    "+ fastokens encode_batch_flat",
+    "+ EOS per document, store dtype",
+    "+ sha256, write, one fsync per file",
+)
+
+
+def _zst_lines(path: str):
+    """The lines of a ``.jsonl.zst`` file, decompressed 1 MiB of input at a time."""
+    import zstandard
+
+    with open(path, "rb") as f:
+        reader = zstandard.ZstdDecompressor().stream_reader(f, read_size=1 << 20)
+        rest = b""
+        while block := reader.read(1 << 22):
+            block = rest + block
+            cut = block.rfind(b"\n") + 1
+            rest = block[cut:]
+            yield from block[:cut].splitlines()
+        if rest:
+            yield rest
+
+
+def lean_pipeline_seconds(files: list[str], tok, dtype, steps: int, out: str,
+                          batch_docs: int) -> float:  # fmt: skip
+    """The lean pipeline (``--floor``) over ``files``, two at a time, up to step ``steps``
+    (1-based, :data:`FLOOR_STEPS`): wall seconds."""
+    import hashlib
+    from concurrent.futures import ThreadPoolExecutor
+
+    import numpy as np
+    import orjson
+
+    def one_file(path: str) -> int:
+        digest, stored = hashlib.sha256(), 0
+
+        def encode(texts: list[str]) -> int:
+            ids, offsets = tok.encode_batch_flat(texts, add_special_tokens=False)
+            if steps < 4:
+                return 0
+            ends = np.frombuffer(offsets, "<u8")[1:].astype(np.int64)
+            tokens = np.insert(np.frombuffer(ids, "<u4"), ends, 0).astype(dtype)
+            if steps >= 5:
+                digest.update(tokens)
+                f.write(tokens)
+            return len(tokens)
+
+        with open(os.path.join(out, os.path.basename(path) + ".ids"), "wb") as f:
+            texts: list[str] = []
+            for line in _zst_lines(path):
+                if steps < 2:
+                    continue
+                texts.append(orjson.loads(line)["text"])
+                if len(texts) == batch_docs:
+                    stored += encode(texts) if steps >= 3 else 0
+                    texts = []
+            if texts and steps >= 3:
+                stored += encode(texts)
+            f.flush()
+            os.fsync(f.fileno())
+        return stored
+
+    os.makedirs(out, exist_ok=True)
+    start = time.perf_counter()
+    with ThreadPoolExecutor(2) as pool:
+        sum(pool.map(one_file, files))
+    return time.perf_counter() - start
+
+
+def compare_floor(args: argparse.Namespace) -> None:
+    """fastokens alone, the lean pipeline step by step and a default build, interleaved, best
+    of ``--repeat`` (see above)."""
+    import fastokens
+    import numpy as np
+
+    files = sorted(os.path.join(args.corpus, f) for f in os.listdir(args.corpus)
+                   if f.endswith(".jsonl.zst"))  # fmt: skip
+    if not files:
+        raise SystemExit(f"--floor reads .jsonl.zst files; {args.corpus} has none")
+    texts = load_texts(args.corpus)
+    mb = sum(len(t.encode()) for t in texts) / 1e6
+    tok = fastokens.Tokenizer.from_file(os.path.join(args.tokenizer, "tokenizer.json"))
+    tok.no_truncation()
+    tok.no_padding()
+    dtype = np.uint16 if tok.vocab_size <= 65536 else np.uint32
+    best = {name: float("inf") for name in ("fast", *FLOOR_STEPS, "build")}
+    work = tempfile.mkdtemp(prefix="bench-floor-")
+    try:
+        for _ in range(args.repeat):
+            best["fast"] = min(best["fast"], fast_alone_seconds(texts, args.tokenizer,
+                                                                args.batch_docs)[0])  # fmt: skip
+            for k, name in enumerate(FLOOR_STEPS, start=1):
+                lean = os.path.join(work, "lean")
+                seconds = lean_pipeline_seconds(files, tok, dtype, k, lean, args.batch_docs)
+                shutil.rmtree(lean)
+                best[name] = min(best[name], seconds)
+            report, _, _ = build(args.corpus, args.tokenizer, os.path.join(work, "c"), None, {},
+                                 args.batch_docs)  # fmt: skip
+            best["build"] = min(best["build"], report["seconds"])
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"corpus {args.corpus}: {len(texts):,} documents, {mb:.1f} MB text, {len(files)} "
+          f"files; cores {os.cpu_count()}; best of {args.repeat}, interleaved")  # fmt: skip
+    print("| run | seconds | MB/s | x fastokens alone |")
+    print("|---|---:|---:|---:|")
+    rows = [("fastokens encode_batch_flat, texts preloaded", best["fast"])]
+    rows += [(f"lean pipeline: {name}", best[name]) for name in FLOOR_STEPS]
+    rows.append(("shardcache build (default options)", best["build"]))
+    for label, seconds in rows:
+        print(f"| {label} | {seconds:.2f} | {mb / seconds:.0f} | {best['fast'] / seconds:.2f} |")
+    record_result("bench_build --floor", {
+        "documents": len(texts), "text_mb": mb, "files": len(files),
+        "seconds": {label: seconds for label, seconds in rows},
+        "ratio_to_fast_alone": {label: best["fast"] / seconds for label, seconds in rows},
+    }, args)  # fmt: skip
+
+
 def print_stages(reports: dict[str, dict]) -> None:
     """Per-stage CPU seconds of each build (its report's ``stages``): where a build's CPU
     goes, a figure that stays meaningful on a loaded machine; ``share`` of the stages' sum."""
@@ -345,7 +478,7 @@ def main() -> None:
     ap.add_argument("--workers", default="1,2", help="worker counts to sweep (comma-separated)")
     ap.add_argument("--hf-python", help="python with `datasets` installed, for the HF row")
     ap.add_argument("--encoders", help="compare encoder backends instead, e.g. hf,fast")
-    ap.add_argument("--repeat", type=int, default=3, help="--encoders/--vs-fast: best of")
+    ap.add_argument("--repeat", type=int, default=3, help="--encoders/--vs-fast/--floor: best of")
     ap.add_argument(
         "--workers-encoders",
         type=int,
@@ -354,7 +487,13 @@ def main() -> None:
     )
     ap.add_argument("--profile", action="store_true", help="--encoders: profile a fast build")
     ap.add_argument("--vs-fast", action="store_true", help="a build against fastokens alone")
+    ap.add_argument(
+        "--floor", action="store_true", help="the lean pipeline and a build vs fastokens alone"
+    )
     args = ap.parse_args()
+    if args.floor:
+        compare_floor(args)
+        return
     if args.vs_fast:
         compare_fast(args)
         return
