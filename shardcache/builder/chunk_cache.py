@@ -5,8 +5,9 @@ The backends that encode in this package (:mod:`~shardcache.builder.wordpiece`,
 (whitespace), so a text's ids are its chunks' ids in order. Words repeat: :class:`ChunkCache`
 encodes each chunk once and gathers a batch's ids with C-level ``map`` and numpy
 fancy indexing, without a Python loop per token. Memory stays bounded (:data:`CACHE_CHUNKS`,
-:data:`CACHE_IDS`). :class:`AddedTokens` finds the texts that must go to HF whole, and
-:func:`interleave` merges the two groups back in order.
+:data:`CACHE_IDS`). :class:`AddedTokens` finds the texts that must go to HF whole,
+:func:`interleave` merges the two groups back in order, and :func:`ascii_table` learns what
+HF's normalizer does to each ASCII character (each backend checks it before using it).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ __all__ = [
     "AddedTokens",
     "ChunkCache",
     "ChunkedEncoder",
+    "ascii_table",
     "interleave",
 ]
 
@@ -291,3 +293,31 @@ def interleave(
         shift = np.repeat(out_starts[positions] - src_starts, group_lengths)
         tokens[shift + np.arange(len(group_tokens))] = group_tokens
     return tokens, lengths
+
+
+def ascii_table(normalize: Callable[[str], str]) -> dict[int, str] | None:
+    """What ``normalize`` does to each ASCII character, as a ``str.translate`` table.
+
+    Each character is read between two letters (``"a" + c + "b"``), where a step that acts
+    at the ends of a text (``Strip``) does not reach it. Whether the table gives HF's
+    output on whole texts is for the caller to check: it is exact only for a normalizer that
+    acts per character.
+
+    Args:
+        normalize: HF's ``normalize_str`` (``str`` for no normalizer).
+
+    Returns:
+        Code point -> output, for the characters it changes; None when the letters around a
+        character do not come out as they went in.
+    """
+    if normalize("ab") != "ab":
+        return None
+    table: dict[int, str] = {}
+    for code in range(128):
+        c = chr(code)
+        out = normalize(f"a{c}b")
+        if not (out.startswith("a") and out.endswith("b")):
+            return None
+        if out[1:-1] != c:
+            table[code] = out[1:-1]
+    return table

@@ -25,7 +25,7 @@ import re
 from collections.abc import Callable, Mapping
 from typing import Any
 
-from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
+from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder, ascii_table
 
 __all__ = ["SplitWords"]
 
@@ -245,8 +245,8 @@ def _ascii_table(
 
     That holds when every step acts per character on ASCII (:data:`PER_CHARACTER`) or only
     changes whitespace into whitespace (``Strip``, a ``Replace`` of :data:`WHITESPACE_RUNS`
-    with whitespace), and each whitespace character stays whitespace or goes. Each character's
-    output is read between two letters, where ``Strip`` does not reach.
+    with whitespace), and each whitespace character stays whitespace or goes (each character
+    read by :func:`~shardcache.builder.chunk_cache.ascii_table`).
 
     Args:
         normalizer: tokenizer.json's ``normalizer``, or None.
@@ -272,19 +272,13 @@ def _ascii_table(
         ):
             continue
         return None
-    if normalize("ab") != "ab":
+    table = ascii_table(normalize)
+    if table is None:
         return None
-    table: dict[int, str] = {}
-    for code in range(128):
+    for code, out in table.items():
         c = chr(code)
-        out = normalize(f"a{c}b")
-        if not (out.startswith("a") and out.endswith("b")):
-            return None
-        out = out[1:-1]
         if c.isspace() and c not in PYTHON_ONLY_SPACE and words(out) != []:
             return None  # whitespace must stay whitespace (or go), or a word is made of it
-        if out != c:
-            table[code] = out
     crlf, mine = normalize("a\r\nb"), "a\r\nb".translate(table)
     if (crlf != mine) if exact else (words(crlf) != words(mine)):
         return None

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder import chunk_cache
-from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder
+from shardcache.builder.chunk_cache import AddedTokens, ChunkedEncoder, ascii_table
 
 __all__ = ["AsciiWordPiece"]
 
@@ -205,16 +205,14 @@ def _ascii_tables(tokenizer: Any) -> tuple[dict[int, str], str, str]:
         ValueError: a character normalizes to more than one character or outside ASCII, or
             splits in a way other than these three.
     """
-    table: dict[int, str] = {}
-    space, punct = [], []
     normalizer = tokenizer.normalizer
-    for code in range(128):
-        c = chr(code)
-        out = normalizer.normalize_str(c) if normalizer is not None else c
+    table = ascii_table(normalizer.normalize_str if normalizer is not None else str)
+    if table is None:
+        raise ValueError("the normalizer changes the letters around an ASCII character")
+    for code, out in table.items():
         if len(out) > 1 or not out.isascii():
-            raise ValueError(f"the normalizer maps {c!r} to {out!r}")
-        if out != c:
-            table[code] = out
+            raise ValueError(f"the normalizer maps {chr(code)!r} to {out!r}")
+    space, punct = [], []
     for c in sorted(set(ASCII.translate(table))):
         parts = [w for w, _ in tokenizer.pre_tokenizer.pre_tokenize_str(f"a{c}b")]
         if parts == [f"a{c}b"]:

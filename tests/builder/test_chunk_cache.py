@@ -1,5 +1,6 @@
 """The chunk memo of this package's backends: ids in order, each chunk encoded once, bounded,
-shared by threads; the added-token check; the merge of two encodings.
+shared by threads; the added-token check; the merge of two encodings; the ASCII table learned
+from a normalizer.
 
 The chunk encoder here is a plain function of the chunk (its code points, and its length), so
 every expected id is computed independently of the cache. The backends over it are tested
@@ -15,7 +16,7 @@ import pytest
 
 from conftest import make_texts, run_in_threads
 from shardcache.builder import chunk_cache
-from shardcache.builder.chunk_cache import AddedTokens, ChunkCache, interleave
+from shardcache.builder.chunk_cache import AddedTokens, ChunkCache, ascii_table, interleave
 
 
 def _ids(chunk: str) -> list[int]:
@@ -132,3 +133,30 @@ def test_added_tokens_found_once_per_start(text, raw, normalized):
     assert tokens.normalized == ("hello world",)
     assert tokens.in_raw(text) is raw
     assert tokens.in_normalized(text) is normalized
+
+
+def test_ascii_table_reads_each_character_between_letters():
+    """A per-character normalizer gives its own map; a Strip-like step, which only acts at a
+    text's ends, does not touch a space between letters; a normalizer that changes the
+    letters around a character gives no table."""
+    assert ascii_table(str) == {}
+    assert ascii_table(str.lower) == {ord(c): c.lower() for c in map(chr, range(65, 91))}
+    assert ascii_table(lambda text: text.strip()) == {}
+    assert ascii_table(lambda text: text.replace("\t", "  ")) == {9: "  "}
+    assert ascii_table(str.upper) is None
+    assert ascii_table(lambda text: text.replace("ab", "x")) is None
+
+
+def test_ascii_table_of_hf_normalizers_is_their_per_character_output():
+    """HF's BertNormalizer (control characters dropped, whitespace to a space, lowercase)
+    and NFKC: the table equals each character normalized alone, and translating every ASCII
+    character equals HF's output of the same string."""
+    from tokenizers import normalizers
+
+    ascii_chars = "".join(map(chr, range(128)))
+    for normalizer in (normalizers.BertNormalizer(lowercase=True), normalizers.NFKC()):
+        table = ascii_table(normalizer.normalize_str)
+        assert table is not None
+        alone = {ord(c): normalizer.normalize_str(c) for c in ascii_chars}
+        assert table == {code: out for code, out in alone.items() if out != chr(code)}
+        assert ascii_chars.translate(table) == normalizer.normalize_str(ascii_chars)
