@@ -153,8 +153,7 @@ def __dir__() -> list[str]:
 
 
 def _key_of_options(options: Mapping[str, Any]) -> _key.CacheKey:
-    """``ShardDataset(expect={...options})``: the key those options build (loads the
-    tokenizer; the builder is imported here, on demand, never by the reader modules)."""
+    """Key that ``ShardDataset(expect={...})`` options build; imports the builder on demand."""
     from shardcache.builder.key_computation import DataHashing, current_key
 
     return current_key(options, DataHashing())

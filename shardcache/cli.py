@@ -1,8 +1,8 @@
 """The ``shardcache`` command line.
 
-Translates at the boundary: :class:`~shardcache.errors.ConfigError` becomes a
-usage error (exit 2), every other :class:`~shardcache.errors.ShardcacheError` a failure
-(exit 1) with its message; anything else is a bug and keeps its traceback.
+Translates errors at the boundary: ``ConfigError`` becomes a usage error (exit 2), every other
+``ShardcacheError`` a failure (exit 1) with its message; anything else is a bug and keeps its
+traceback.
 """
 
 from __future__ import annotations
@@ -31,18 +31,7 @@ def _exit_now(signum: int, frame: Any) -> None:
 
 @contextlib.contextmanager
 def interruptible(what: str) -> Iterator[None]:
-    """Ctrl-C handling for a long command, as a context manager.
-
-    The first SIGINT stops cleanly (exit 130, printing ``what`` to do next); a second one during
-    the cleanup exits at once. Left alone where SIGINT is ignored (a background job) or off the
-    main thread.
-
-    Args:
-        what: what to do after an interruption (e.g. "rerun the same command to resume").
-
-    Yields:
-        None, once: the block runs with the handler installed.
-    """
+    """Ctrl-C for a long command: exit 130 printing ``what`` to do; a second one exits at once."""
     if (
         threading.current_thread() is not threading.main_thread()
         or signal.getsignal(signal.SIGINT) is signal.SIG_IGN
@@ -65,16 +54,7 @@ def interruptible(what: str) -> Iterator[None]:
 
 
 def translate_errors(func: F) -> F:
-    """Wrap a command: :class:`ConfigError` becomes a usage error (exit 2), any other
-    :class:`ShardcacheError` a ``click.ClickException`` (exit 1); anything else keeps its
-    traceback.
-
-    Args:
-        func: the command's callback.
-
-    Returns:
-        The wrapped callback.
-    """
+    """Wrap a command's callback so shardcache errors exit 2 (``ConfigError``) or 1."""
 
     @functools.wraps(func)
     def wrapper(*args: Any, **kwargs: Any) -> Any:
@@ -105,12 +85,11 @@ def main() -> None:
 
     Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
     (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
-    """
+    """  # noqa: D301 - click's \b (keep this block unwrapped) must be a real backspace
 
 
 class _BarProgress:
-    """One tqdm bar over input bytes (so its ETA is the build's) with documents and tokens/s;
-    in a parallel build the workers' events arrive here through the parent."""
+    """One tqdm bar over input bytes (so its ETA is the build's), with documents and tokens/s."""
 
     def __init__(self, enabled: bool, label: str = "build"):
         self.enabled = enabled
@@ -154,14 +133,7 @@ class _BarProgress:
 
 
 def key_options(func: F) -> F:
-    """The flags that decide the cache key (shared by build, check and lock).
-
-    Args:
-        func: the command's callback.
-
-    Returns:
-        It, with the options added.
-    """
+    """Add the flags that decide the cache key (shared by build, check and lock)."""
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,
@@ -320,22 +292,20 @@ def build(
 ) -> None:
     """Tokenize a corpus into a cache (from a RECIPE file and/or flags).
 
-    Flags override the recipe. Relative paths in a recipe are relative to the recipe's
-    folder. The manifest is written last, so an interrupted build leaves no readable cache;
-    rerunning the same command resumes it from its completed partitions (same bytes as an
-    uninterrupted build). Bad records are skipped, counted and listed in quarantine.jsonl
-    unless --on-error fail.
+    Flags override the recipe; relative paths in a recipe are relative to its folder. The
+    manifest is written last, so an interrupted build leaves no readable cache; rerunning the
+    same command resumes it from its completed partitions (same bytes as an uninterrupted build).
 
     What transformers resolves from a text build's tokenizer folder (backend JSON, special
-    tokens) is remembered in $SHARDCACHE_CACHE_DIR/tokenizers/ (keyed by the folder's files
-    and the library versions, and used only when it agrees with them), so later builds skip
+    tokens) is remembered in $SHARDCACHE_CACHE_DIR/tokenizers/ (keyed by the folder's files and
+    the library versions, used only when it agrees with them), so later builds skip
     transformers; SHARDCACHE_NO_MEMO=1 bypasses it.
 
     \b
     Example:
       shardcache build --input corpus/ --tokenizer ./tok --output ./cache \\
           --max-length 2048 --truncation split --compression zstd --workers 8
-    """
+    """  # noqa: D301
     import dataclasses
 
     from shardcache.builder.engines import EngineOptions, Share
@@ -387,7 +357,7 @@ def commit_command(
     Example (SLURM):
       sbatch --array=0-7 --wrap 'shardcache build recipe.toml --partition $SLURM_ARRAY_TASK_ID/8'
       shardcache commit ./cache
-    """
+    """  # noqa: D301
     from shardcache.builder.commit import commit_output
     from shardcache.builder.report import format_report, report_json
 
@@ -419,17 +389,17 @@ def info(cache: str, as_json: bool) -> None:
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 @translate_errors
 def mix(recipe: str, as_json: bool) -> None:
-    """Show what each source of a mixture RECIPE gives an epoch: documents and tokens
-    available, share, tokens per epoch, repetitions (what ShardDataset(...).mixture says).
+    """Show what each source of a mixture RECIPE gives an epoch.
 
-    Reads the manifests and length indexes only, never a shard. A mixture recipe is a TOML
-    file with one [[source]] table (path, weight, max_repetitions, name) per cache plus the
-    batch options:
+    Per source: documents and tokens available, share, tokens per epoch and repetitions (what
+    ShardDataset(...).mixture says). Reads the manifests and length indexes only, never a shard.
+    A mixture recipe is a TOML file with one [[source]] table (path, weight, max_repetitions,
+    name) per cache plus the batch options:
 
     \b
       shardcache mix recipes/mixture.toml
       shardcache mix recipes/mixture.toml --json
-    """
+    """  # noqa: D301
     from shardcache.read.mixed_cache import MixedCache
     from shardcache.read.mixture_recipe import load_mixture_recipe
 
@@ -508,7 +478,7 @@ def check(targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ..
     part is compared only when inputs (--input or the recipe's) or --data-version are given.
     The tokenizer is resolved from its files (never from the memo a build keeps). Exit codes:
     0 compatible, 1 not compatible, 2 usage or I/O error.
-    """
+    """  # noqa: D301
     from shardcache.store.check import compare_keys
 
     try:
@@ -601,10 +571,9 @@ def verify(
 
     Checks every shard (size, sha256, Arrow structure, rows, offsets, token type, lengths
     inside the bucket ranges, token ids), the length index, the quarantine file and the
-    manifest totals. Names each corrupt or missing file. With --tokens, also re-tokenizes
-    a deterministic sample of the documents from the inputs with the Hugging Face tokenizer
-    and compares with the stored ids (whichever encoder built the cache), on every core,
-    with a progress bar on stderr when it is a terminal. Exit 0 when clean, 1 otherwise.
+    manifest totals, naming each corrupt or missing file. With --tokens, also re-tokenizes a
+    deterministic sample of the documents from their inputs with the Hugging Face tokenizer and
+    compares the stored ids (whichever encoder built the cache). Exit 0 when clean, 1 otherwise.
 
     \b
     Example:
@@ -612,7 +581,7 @@ def verify(
       shardcache verify ./cache --json
       shardcache verify ./cache --tokens --fraction 0.01
       shardcache verify ./cache --tokens --fraction 1      # every document
-    """
+    """  # noqa: D301
     from shardcache.config import default_workers, parse_fraction
     from shardcache.store.verify import format_verify, verify_cache
 

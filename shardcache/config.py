@@ -1,13 +1,8 @@
 """Build options: frozen dataclasses, validated at construction.
 
-The build is described by four small option groups instead of one long parameter list
-(a group per concern): where the records come from (:class:`SourceOptions`), how text becomes ids
-(:class:`TokenizeOptions`), how the ids are laid out on disk (:class:`LayoutOptions`), and the
-whole (:class:`BuildOptions`). A recipe (TOML) and the CLI flags both end up here, so every
-check lives in one place and every message names the field, the value and the allowed range.
-
-Only the tokenizer/truncation groups affect compatibility (the cache key); the layout group
-(bucket edges, shard size, compression) does not.
+A recipe (TOML) and the CLI flags both end up here, so every check lives in one place and
+every message names the field, the value and the allowed range. Only the tokenize and chat
+options (with the data) enter the cache key; layout and encoder choice never do.
 """
 
 from __future__ import annotations
@@ -30,18 +25,7 @@ else:  # pragma: no cover - exercised on 3.10 only
 
 
 def read_toml(path: str, what: str) -> dict[str, Any]:
-    """Read a TOML file (a build recipe, a mixture recipe).
-
-    Args:
-        path: the file.
-        what: how messages name it (e.g. ``"recipe"``).
-
-    Returns:
-        The parsed table.
-
-    Raises:
-        ConfigError: the file cannot be read or is not valid TOML.
-    """
+    """Parse a TOML file (a build or mixture recipe); ConfigError messages call it ``what``."""
     try:
         with open(path, "rb") as f:
             return tomllib.load(f)
@@ -87,18 +71,7 @@ DEFAULT_MAX_BAD_FRACTION = 0.1
 
 
 def check_int(field: str, value: object, low: int, high: int | None = None, unit: str = "") -> None:
-    """Check that ``value`` is an int (not a bool) in ``[low, high]``.
-
-    Args:
-        field: the option's name (for the message).
-        value: its value.
-        low: the smallest allowed.
-        high: the largest allowed (None: no bound).
-        unit: the unit named in the message.
-
-    Raises:
-        ConfigError: naming the field, the value and the range.
-    """
+    """Raise ConfigError unless ``value`` is an int (not a bool) in ``[low, high]``."""
     allowed = f"in [{low}, {high}]" if high is not None else f">= {low}"
     unit = f" {unit}" if unit else ""
     if (
@@ -111,16 +84,7 @@ def check_int(field: str, value: object, low: int, high: int | None = None, unit
 
 
 def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
-    """Check that ``value`` is one of ``valid``.
-
-    Args:
-        field: the option's name (for the message).
-        value: its value.
-        valid: the allowed values.
-
-    Raises:
-        ConfigError: naming the field, the value, the choices and the closest one.
-    """
+    """Raise ConfigError unless ``value`` is one of ``valid``, suggesting the closest."""
     if value in valid:
         return
     close = difflib.get_close_matches(str(value), list(valid), n=1)
@@ -129,31 +93,13 @@ def check_choice(field: str, value: object, valid: Sequence[str]) -> None:
 
 
 def check_fraction(field: str, value: object) -> None:
-    """Check that ``value`` is a number in ``[0, 1]``.
-
-    Args:
-        field: the option's name (for the message).
-        value: its value.
-
-    Raises:
-        ConfigError: naming the field and the value.
-    """
+    """Raise ConfigError unless ``value`` is a number (not a bool) in ``[0, 1]``."""
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(f"{field}: got {value!r}, expected a number in [0, 1] (a fraction)")
 
 
 def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str = "key") -> None:
-    """Check that every name in ``given`` is in ``valid``.
-
-    Args:
-        what: what the names are given to (for the message).
-        given: the names given.
-        valid: the names allowed.
-        noun: what a name is called in the message.
-
-    Raises:
-        ConfigError: naming the unknown names (each with the closest valid one) and the valid.
-    """
+    """Raise ConfigError naming each name of ``given`` not in ``valid``, with the closest."""
     valid = sorted(valid)
     unknown = sorted(set(given) - set(valid))
     if not unknown:
@@ -169,11 +115,7 @@ def check_known(what: str, given: Iterable[str], valid: Iterable[str], noun: str
 
 
 def default_workers() -> int:
-    """The CPU cores this process may use (the default ``--workers``).
-
-    Returns:
-        The count, at least 1.
-    """
+    """The CPU cores this process may use (its affinity on Linux): the default ``--workers``."""
     try:
         return max(1, len(os.sched_getaffinity(0)))
     except (AttributeError, OSError):  # not on Linux
@@ -182,18 +124,7 @@ def default_workers() -> int:
 
 @dataclass(frozen=True)
 class ChatOptions:
-    """How conversations are rendered and masked; all part of the cache key.
-
-    Args:
-        messages_field: the record field holding the messages.
-        template_path: a Jinja template file (None: the tokenizer's ``chat_template``).
-        train_on: which turns carry a loss (:data:`TRAIN_ON`).
-        truncation_side: which side a long conversation is cut from.
-        lint_sample: conversations per partition compared with ``apply_chat_template``.
-
-    Raises:
-        ConfigError: a field is invalid.
-    """
+    """How conversations are rendered and masked; all part of the cache key."""
 
     messages_field: str = "messages"
     template_path: str | None = None  # None: the tokenizer's own chat_template
@@ -219,9 +150,9 @@ class SourceOptions:
     """Where records come from.
 
     Args:
-        inputs: files, folders or globs (local or URLs).
+        inputs: files, folders or globs, local or URLs (one string is accepted).
         text_field: the record field holding the text.
-        on_error: ``"skip"`` bad records (reported) or ``"fail"``.
+        on_error: ``"skip"`` bad records (counted and quarantined) or ``"fail"``.
 
     Raises:
         ConfigError: a field is invalid.
@@ -248,9 +179,9 @@ class TokenizeOptions:
 
     Args:
         tokenizer: a tokenizer folder or hub name.
-        add_special_tokens: None: what the tokenizer does by default.
+        add_special_tokens: let the tokenizer add its special tokens (None: its default).
         append_eos: append the end-of-sequence id.
-        max_length: the longest sequence (None: no limit).
+        max_length: the longest sequence in tokens, at least 2 (None: no limit).
         truncation: ``"truncate"``, ``"drop"`` or ``"split"`` for longer documents.
 
     Raises:
@@ -278,16 +209,7 @@ class TokenizeOptions:
 
 @dataclass(frozen=True)
 class EncodingOptions:
-    """Which backend encodes and how much of its output is re-checked against the Hugging Face
-    tokenizer; never changes the bytes (ids are proven equal), so not in the cache key.
-
-    Args:
-        encoder: :data:`ENCODERS`.
-        verify_fraction: share of documents re-encoded with the Hugging Face tokenizer.
-
-    Raises:
-        ConfigError: a field is invalid.
-    """
+    """Encoder backend and its share re-checked with HF; never changes the bytes, not in the key."""
 
     encoder: str = "auto"
     verify_fraction: float = DEFAULT_VERIFY_FRACTION
@@ -308,9 +230,9 @@ class LayoutOptions:
     """How sequences are laid out on disk; not part of the cache key.
 
     Args:
-        bucket_edges: upper length of each bucket, increasing.
-        shard_size_bytes: token bytes per shard (>= 4096).
-        compression: :data:`COMPRESSIONS`.
+        bucket_edges: upper length of each bucket, strictly increasing.
+        shard_size_bytes: target token bytes per shard (at least 4096).
+        compression: ``"none"`` or ``"zstd"``.
 
     Raises:
         ConfigError: a field is invalid.
@@ -342,15 +264,15 @@ class BuildOptions:
         tokenize: how text becomes ids (part of the cache key).
         output: the cache folder (local path or URL).
         layout: how sequences are laid out on disk.
-        batch_docs: documents handed to the tokenizer per encode call.
-        force: rebuild even when an up-to-date cache is at ``output``.
-        data_version: replaces the file hashes in the cache key's data part (None: hash).
+        batch_docs: documents per tokenizer call.
+        force: start over, discarding a committed cache or an interrupted build at ``output``.
+        data_version: names the data in the cache key instead of the input files' hashes.
         workers: processes that run partitions (None: the usable cores); never changes the
             output bytes and is not recorded in the manifest.
         partition_size_bytes: uncompressed jsonl / parquet inputs larger than this are split
             into partitions of about this size.
-        chat: chat data (conversations rendered with a template, loss masks); None: text.
-        strict_lint: fail the build (no manifest) when the chat lint counts anything.
+        chat: chat data (rendered with a template, with loss masks); None: plain text.
+        strict_lint: fail the build (no manifest) when the chat lint finds any problem.
         max_bad_fraction: fail the build (no manifest) when more than this fraction of the
             records is bad; a build that keeps no document always fails.
         encoding: encoder backend and its in-build verification (never changes the bytes).
@@ -400,26 +322,14 @@ class BuildOptions:
         return self.workers if self.workers is not None else default_workers()
 
     def to_json(self) -> dict[str, Any]:
-        """The options as plain JSON (recorded in the manifest).
-
-        Returns:
-            A dict of JSON values, nested per option group.
-        """
+        """The options as plain JSON, nested per option group (recorded in the manifest)."""
         return dataclasses.asdict(self)
 
 
 def parse_size(value: str | int, name: str = "shard_size") -> int:
-    """A byte size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` in bytes.
+    """Bytes of a size such as ``4096``, ``64MB``, ``64MiB`` or ``1G`` (an int passes as is).
 
-    Args:
-        value: the size.
-        name: the option's name (for the message).
-
-    Returns:
-        The size in bytes (an int is returned as given).
-
-    Raises:
-        ConfigError: not a size.
+    ``k``/``m``/``g`` alone are binary (like ``KiB``); ``kb``/``mb``/``gb`` are decimal.
     """
     if isinstance(value, int):
         return value
@@ -444,17 +354,7 @@ def parse_size(value: str | int, name: str = "shard_size") -> int:
 
 
 def parse_buckets(value: str | Sequence[int]) -> tuple[int, ...]:
-    """Bucket edges from ``"128,512,2048"`` (or a list of ints).
-
-    Args:
-        value: comma-separated integers, or a sequence of ints.
-
-    Returns:
-        The edges as given (not yet checked; :class:`LayoutOptions` does that).
-
-    Raises:
-        ConfigError: not comma-separated integers.
-    """
+    """Bucket edges from ``"128,512,2048"`` or ints; ``LayoutOptions`` checks them."""
     if isinstance(value, str):
         try:
             return tuple(int(v) for v in value.replace(" ", "").split(",") if v)
@@ -478,17 +378,7 @@ CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
 
 
 def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
-    """Chat options from flat recipe/CLI values.
-
-    Args:
-        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
-
-    Returns:
-        The options when ``chat`` is true or any chat option is given, else None.
-
-    Raises:
-        ConfigError: a value is invalid.
-    """
+    """Chat options of flat recipe/CLI values; None unless ``chat`` or a chat option is given."""
     if not values.get("chat") and all(values.get(k) is None for k in CHAT_KEYS):
         return None
     return ChatOptions(
@@ -500,19 +390,10 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
 
 
 def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
-    """The tokenizer and truncation options of flat recipe/CLI values (for check, lock, expect).
+    """Tokenizer and truncation options of flat recipe/CLI values (for check, lock, expect).
 
     ``append_eos`` defaults to True for text and False for chat data (chat templates write their
     own end-of-turn markers).
-
-    Args:
-        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
-
-    Returns:
-        The options.
-
-    Raises:
-        ConfigError: a value is missing or invalid.
     """
     if values.get("tokenizer") in (None, ""):
         raise ConfigError("tokenizer: not given; pass --tokenizer FOLDER or a recipe with one")
@@ -534,17 +415,7 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
 
 
 def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
-    """:class:`BuildOptions` from flat recipe/CLI values.
-
-    Args:
-        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
-
-    Returns:
-        The options.
-
-    Raises:
-        ConfigError: an unknown key, or a missing or invalid value.
-    """
+    """``BuildOptions`` of flat recipe/CLI values (None: not given); unknown keys fail."""
     check_known("recipe", values, RECIPE_KEYS)
     missing = [k for k in ("input", "tokenizer", "output") if values.get(k) in (None, "", ())]
     if missing:
@@ -592,17 +463,7 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
 
 
 def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
-    """``encoder`` / ``verify_fraction`` of flat recipe/CLI values (a fraction may be ``"1/64"``).
-
-    Args:
-        values: recipe keys (:data:`RECIPE_KEYS`) to values; None means not given.
-
-    Returns:
-        The options (defaults for values not given).
-
-    Raises:
-        ConfigError: a value is invalid.
-    """
+    """Encoding options of flat recipe/CLI values (a fraction may be ``"1/64"``)."""
     fraction: Any = values.get("verify_fraction")
     if fraction is None:
         fraction = DEFAULT_VERIFY_FRACTION
@@ -612,18 +473,7 @@ def encoding_options_from_mapping(values: Mapping[str, Any]) -> EncodingOptions:
 
 
 def parse_fraction(value: str, name: str = "verify_fraction") -> float:
-    """``"0.02"`` or ``"1/64"`` as a float.
-
-    Args:
-        value: a decimal or ``numerator/denominator``.
-        name: the option's name (for the message).
-
-    Returns:
-        The value (its range is checked by the options that take it).
-
-    Raises:
-        ConfigError: not a fraction.
-    """
+    """``"0.02"`` or ``"1/64"`` as a float; the options that take it check the range."""
     text = value.strip()
     try:
         if "/" in text:

@@ -1,10 +1,7 @@
 """The shardcache exception tree.
 
-Every error a user can cause or meet derives from :class:`ShardcacheError`, so a caller can
-catch one type, and the CLI maps the whole tree to exit codes at the boundary (cli.py).
-Messages follow one template: what failed -> the values -> why -> what to do.
-
-::
+Every error a user can cause or meet derives from ``ShardcacheError``; the CLI maps the tree to
+exit codes. Messages say what failed -> the values -> why -> what to do.
 
     ShardcacheError
     ├── ConfigError (also ValueError)        bad option / recipe value; CLI exit 2
@@ -20,19 +17,17 @@ Messages follow one template: what failed -> the values -> why -> what to do.
     │   └── IncompleteBuildError             commit: partitions (job-array shares) missing
     ├── MissingDependencyError (ImportError) an optional extra is not installed (pip command)
     └── StateError (also ValueError)         a reader state that does not fit this cache/plan
-
-Only :class:`ConfigError` means "usage error" (exit 2); all others are failures (exit 1).
 """
 
 from __future__ import annotations
 
 
 class ShardcacheError(Exception):
-    """Root of every error raised by shardcache."""
+    """Root of every error raised by shardcache: catch it to catch them all."""
 
 
 class ConfigError(ShardcacheError, ValueError):
-    """An option, a recipe entry or an argument has an invalid value."""
+    """An option, a recipe entry or an argument has an invalid value: fix it (CLI exit 2)."""
 
 
 class SourceError(ShardcacheError):
@@ -40,37 +35,35 @@ class SourceError(ShardcacheError):
 
 
 class BadRecordError(SourceError):
-    """A single input record is malformed and the build runs with ``on_error='fail'``."""
+    """One input record is malformed under ``on_error='fail'``; ``'skip'`` quarantines it."""
 
 
 class TokenizerError(ShardcacheError):
-    """The tokenizer cannot be loaded or cannot be used the way the build needs."""
+    """The tokenizer cannot be loaded, or cannot be used the way the build needs."""
 
 
 class EncoderError(TokenizerError):
-    """The accelerated encoder was required (``--encoder fast``) but cannot be used for this
-    tokenizer / build, or produced ids that differ from the Hugging Face tokenizer's."""
+    """``--encoder fast`` cannot be used, or disagreed with HF: build with ``auto`` or ``hf``."""
 
 
 class CacheError(ShardcacheError):
-    """A problem with a cache directory on disk."""
+    """A problem with a cache folder on disk."""
 
 
 class CacheNotFoundError(CacheError):
-    """The path holds no committed cache (no manifest.json)."""
+    """The path holds no committed cache (no manifest.json): build or commit one."""
 
 
 class CorruptShardError(CacheError):
-    """A shard or index file fails a checksum or a structural check."""
+    """A shard, index or manifest fails a checksum or structural check: rebuild."""
 
 
 class CacheKeyMismatch(CacheError):
-    """The cache was built under a different cache key than the one expected.
+    """The cache was built under another cache key than the one expected: rebuild it.
 
     Args:
         message: what differs and what to do.
-        differences: the changed fields as ``(component, field, old, new)`` tuples (kept as
-            the attribute ``differences``).
+        differences: ``(component, field, old, new)`` per changed field (kept as ``differences``).
     """
 
     def __init__(self, message: str, differences: list[tuple[str, str, object, object]]):
@@ -79,15 +72,15 @@ class CacheKeyMismatch(CacheError):
 
 
 class BuildLockedError(CacheError):
-    """Another build that is still alive writes to the same output directory."""
+    """Another live build writes to the same output: wait for it, stop it, or use another."""
 
 
 class IncompleteBuildError(CacheError):
-    """``shardcache commit`` found partitions without a completion record.
+    """``shardcache commit`` found partitions without a completion record: run their shares.
 
     Args:
-        message: which and what to do.
-        missing: their ids (kept as the attribute ``missing``).
+        message: which partitions, and what to do.
+        missing: their ids (kept as ``missing``).
     """
 
     def __init__(self, message: str, missing: list[str]):
@@ -96,9 +89,8 @@ class IncompleteBuildError(CacheError):
 
 
 class MissingDependencyError(ShardcacheError, ImportError):
-    """An optional dependency (``shardcache[ray]``, ``shardcache[s3]``, ``shardcache[fast]``
-    for ``--encoder fast``) is not installed."""
+    """An optional extra (``shardcache[ray]``/``[s3]``/``[fast]``) is missing: install it."""
 
 
 class StateError(ShardcacheError, ValueError):
-    """A reader state that does not belong to this cache or these plan options."""
+    """A reader state saved for another cache or other plan options: resume with the same ones."""

@@ -1,10 +1,7 @@
-"""TOML recipes: the build configuration as a file, one key per CLI flag.
+"""TOML recipes: the build configuration as a file, one key per ``build`` flag (underscored).
 
-A recipe is a flat TOML table whose keys are the ``build`` flags with underscores
-(``input``, ``tokenizer``, ``output``, ``text_field``, ``max_length``, ``truncation``,
-``buckets``, ``shard_size``, ``compression``, ...). Relative paths in a recipe are relative
-to the recipe file's folder, so a recipe and the data beside it can move together. Flags
-given on the command line override recipe values.
+Relative paths in a recipe are relative to the recipe's folder, so a recipe and its data move
+together; command-line flags override recipe values.
 """
 
 from __future__ import annotations
@@ -20,17 +17,7 @@ PATH_KEYS = ("input", "tokenizer", "output", "chat_template")
 
 
 def load_recipe(path: str) -> dict[str, Any]:
-    """Read a recipe, check its keys and resolve its relative paths.
-
-    Args:
-        path: the TOML file.
-
-    Returns:
-        Its keys and values, with paths made relative to the recipe's folder absolute.
-
-    Raises:
-        ConfigError: the file cannot be read, is not TOML, or has an unknown key.
-    """
+    """Read a recipe, check its keys and make its relative paths absolute (ConfigError if bad)."""
     data = read_toml(path, "recipe")
     unknown = sorted(set(data) - RECIPE_KEYS)
     if unknown:
@@ -53,15 +40,7 @@ def _resolve(value: Any, base: str) -> Any:
 
 
 def merge(recipe: Mapping[str, Any], overrides: Mapping[str, Any]) -> dict[str, Any]:
-    """Recipe values overridden by every override that is not None (or an empty tuple).
-
-    Args:
-        recipe: the recipe's values.
-        overrides: CLI values by recipe key; tuples become lists.
-
-    Returns:
-        A new dict; neither argument is changed.
-    """
+    """Recipe values overridden by every override not None or ``()``; tuples become lists."""
     merged = dict(recipe)
     for key, value in overrides.items():
         if value is None or value == ():

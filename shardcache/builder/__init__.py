@@ -1,5 +1,4 @@
 """The builder layer: corpus -> cache, one pipeline. Imports the store, never the readers.
 
-``run`` is the pipeline (plan, filter, map, commit) over a :mod:`shardcache.store.storage`;
-docs/architecture.md maps the modules.
+``run`` is the pipeline (plan, filter, map, commit); docs/architecture.md maps the modules.
 """

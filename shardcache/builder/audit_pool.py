@@ -1,10 +1,9 @@
 """The reference encoding of ``verify --tokens``, on one core or all of them.
 
-Batches are encoded with the HF reference in this process or in a ``spawn`` process pool
-(fork after the tokenizer's Rayon pool started would deadlock); each worker resolves its own
-encoder from the tokenizer's files (never a memo) and takes an even share of the cores.
-Results come back in submission order, so an audit's outcome never depends on the number
-of workers; at most :data:`AHEAD_PER_WORKER` batches per worker are in flight.
+Batches are encoded with the HF reference here or in a ``spawn`` pool (fork after the
+tokenizer's Rayon pool started would deadlock); each worker builds its own encoder from the
+tokenizer's files (never a memo). Results come back in submission order, so an audit's outcome
+never depends on the number of workers.
 """
 
 from __future__ import annotations
@@ -32,15 +31,7 @@ _WORKER: dict[str, Encoder] = {}
 
 
 def encode_batch(encoder: Encoder, texts: list[Any]) -> Encoded:
-    """Encode texts as the build stores them.
-
-    Args:
-        encoder: the encoder, under the cache's options.
-        texts: the records' texts (or conversations).
-
-    Returns:
-        The sequences (ids, pieces, chat masks).
-    """
+    """Encode texts (or conversations) as the build stores them."""
     return encoder.finish(encoder.encode_texts(texts), TruncationStats())
 
 
@@ -63,19 +54,9 @@ def encode_in_order(
 ) -> Iterator[tuple[Key, Encoded]]:
     """Encode each job's texts; yield ``(key, encoded)`` in the order of ``jobs``.
 
-    Args:
-        encoder: the HF reference encoder of this process (used when ``workers`` is 1).
-        jobs: ``(key, texts)`` pairs, read lazily as workers free up.
-        workers: processes that encode (1, or a single batch: this process, its tokenizer
-            on every core).
-        tokenize: the cache's tokenization options (each worker's encoder).
-        chat: the cache's chat options, if any.
-
-    Yields:
-        Each job's key and its sequences.
-
-    Raises:
-        ShardcacheError: ``__main__`` cannot be imported by a worker, or a worker died.
+    ``encoder`` (this process's) serves one worker or a single batch; else each spawned worker
+    builds its own from ``tokenize``/``chat``. ``jobs`` is read lazily as workers free up.
+    Raises ``ShardcacheError`` if ``__main__`` is not importable or a worker died.
     """
     jobs = iter(jobs)
     head = list(itertools.islice(jobs, 2))

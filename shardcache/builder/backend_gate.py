@@ -1,9 +1,8 @@
 """The start-up gate of a build: which encoder backend it uses, decided once, with a reason.
 
-:func:`gate_encoder` compares the fast backend with HF on the key's behaviour probe and a
-corpus sample drawn over the plan; any difference, refusal or chat data means HF for the
-whole build. The reason goes to the manifest, the report and ``info``, and the decision
-reaches workers in the encoder's spec.
+``gate_encoder`` compares the fast backend with HF on the key's probe and a corpus sample drawn
+over the plan; any difference, refusal or chat data means HF for the whole build. The reason
+goes to the manifest, the report and ``info``; workers get the decision in the encoder's spec.
 """
 
 from __future__ import annotations
@@ -37,17 +36,7 @@ SAMPLE_CHUNK_BYTES = 64 * 1024
 def corpus_sample(
     plan: BuildPlan, limit: int = GATE_SAMPLE_DOCS, max_chars: int = GATE_SAMPLE_CHARS
 ) -> list[str]:
-    """The texts the gate compares: the first valid documents of partitions spread over the
-    plan, huge ones skipped.
-
-    Args:
-        plan: the build plan.
-        limit: the most texts.
-        max_chars: about the most characters in all.
-
-    Returns:
-        The texts.
-    """
+    """The gate's texts: the first documents of partitions over the plan, huge ones skipped."""
     partitions = plan.partitions
     if not partitions or limit <= 0:
         return []
@@ -92,16 +81,7 @@ def corpus_sample(
 
 
 def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | None:
-    """The fast backend's background load, for :func:`gate_encoder`.
-
-    Args:
-        encoder: the build's encoder.
-        options: the build's options.
-
-    Returns:
-        The encoder's load, else one started now; None when the build may not use the fast
-        backend (``--encoder hf``, chat data).
-    """
+    """The fast backend's background load (the encoder's, else new); None if it may not be used."""
     if options.encoding.encoder == "hf" or options.chat is not None:
         return None
     text = getattr(encoder, "text", encoder)
@@ -111,19 +91,7 @@ def start_loading(encoder: Any, options: BuildOptions) -> Ahead[FastBackend] | N
 def gate_encoder(
     encoder: Any, plan: BuildPlan, loading: Ahead[FastBackend] | None = None
 ) -> EncoderSelection:
-    """Run the gate; ``encoder`` then encodes with the chosen backend.
-
-    Args:
-        encoder: the build's encoder.
-        plan: the build plan (the corpus sample comes from it).
-        loading: the fast backend's background load (:func:`start_loading`).
-
-    Returns:
-        The selection.
-
-    Raises:
-        EncoderError: ``--encoder fast`` cannot be honoured.
-    """
+    """Run the gate; ``encoder`` then uses its choice (``EncoderError``: fast cannot be used)."""
     options = plan.options
     text = getattr(encoder, "text", encoder)
     requested = options.encoding.encoder

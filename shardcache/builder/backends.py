@@ -1,11 +1,10 @@
 """Encoder backends (``name``, ``version``, ``encode_flat``) and the gate that picks one.
 
-:class:`HFBackend` (``tokenizers``) is the reference; :class:`FastBackend` (fastokens,
-``shardcache[fast]``) is used only when :func:`select_backend` finds it encodes the key's
-probe and a corpus sample to exactly HF's ids; a random sample of the documents it encodes is
-then re-checked (:func:`sampled`, :class:`SampleVerifier`). Either returns ``(tokens uint32,
-lengths int64)`` flat arrays. The cache key never depends on the backend. User-facing rules:
-docs/guide/building.md.
+``HFBackend`` (``tokenizers``) is the reference. ``FastBackend`` (fastokens, else a fallback
+library or this package's own) is used only when ``select_backend`` finds it encodes the key's
+probe and a corpus sample to exactly HF's ids; a random sample of what it then encodes is
+re-checked against HF during the build (``sampled``, ``SampleVerifier``). Both give flat
+``(tokens uint32, lengths int64)``. The cache key never depends on the backend.
 """
 
 from __future__ import annotations
@@ -35,14 +34,11 @@ FAST_MODULE = "fastokens"
 FAST_PIP = "pip install 'shardcache[fast]'"
 
 #: Libraries tried, by the tokenizer's model type, when fastokens refuses the tokenizer, in
-#: order: gigatoken loads BPE with a Metaspace pre-tokenizer (Mistral), measured exact on that
-#: family (benchmarks/bench_backends.py); it is used only after the gate finds its ids equal to
-#: HF's. BERT-style WordPiece gets this package's own :mod:`~shardcache.builder.wordpiece`
-#: (ASCII chunks in Python, the rest through HF). A tokenizer whose pre-tokenizer first splits
-#: at whitespace (T5's Unigram) gets :mod:`~shardcache.builder.split_words` (HF's normalizer on
-#: whole texts, HF's pre-tokenizer and model once per distinct word). kitoken is not used: on
-#: WordPiece it lowercases a word-final Σ to ς (HF: σ) and drops code points its Unicode tables
-#: lack (HF: [UNK]), rare enough to pass a gate sample.
+#: order; each is used only after the gate finds its ids equal to HF's. gigatoken loads BPE with
+#: a Metaspace pre-tokenizer (Mistral). BERT-style WordPiece gets this package's ``wordpiece``;
+#: a tokenizer that first splits at whitespace (T5's Unigram) gets ``split_words``. kitoken is
+#: not used: on WordPiece it lowercases a word-final Σ to ς (HF: σ) and drops code points its
+#: Unicode tables lack (HF: [UNK]), rare enough to pass a gate sample.
 FALLBACK_MODULES: dict[str, tuple[str, ...]] = {
     "BPE": ("gigatoken", "shardcache.builder.split_words"),
     "WordPiece": ("shardcache.builder.wordpiece", "shardcache.builder.split_words"),
@@ -52,21 +48,14 @@ FALLBACK_MODULES: dict[str, tuple[str, ...]] = {
 #: The import names of this package's own backends start so.
 OWN_PREFIX = "shardcache."
 
-#: Most corpus documents (and :data:`GATE_SAMPLE_CHARS` characters) the gate compares; small,
+#: Most corpus documents (and ``GATE_SAMPLE_CHARS`` characters) the gate compares; small,
 #: since every partition is verified during the build anyway.
 GATE_SAMPLE_DOCS = 512
 GATE_SAMPLE_CHARS = 256 * 1024
 
 
 def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    """Flatten per-text id lists, without a per-text array.
-
-    Args:
-        ids: one id list per text.
-
-    Returns:
-        ``(uint32 tokens, int64 lengths)``.
-    """
+    """Flatten per-text id lists to ``(uint32 tokens, int64 lengths)``, no per-text array."""
     lengths = np.fromiter(map(len, ids), dtype=np.int64, count=len(ids))
     tokens = np.fromiter(
         itertools.chain.from_iterable(ids), dtype=np.uint32, count=int(lengths.sum())
@@ -75,11 +64,7 @@ def flatten_ids(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
 
 
 class HFBackend:
-    """The Hugging Face ``tokenizers`` backend: the reference.
-
-    Args:
-        tokenizer: a ``tokenizers.Tokenizer`` (the fast tokenizer's ``backend_tokenizer``).
-    """
+    """The reference backend over a ``tokenizers.Tokenizer`` (a ``backend_tokenizer``)."""
 
     name = "hf"
 
@@ -90,30 +75,14 @@ class HFBackend:
         self.version = tokenizers.__version__
 
     def encode_lists(self, texts: list[str], add_special_tokens: bool) -> list[list[int]]:
-        """``encode_batch``: exactly ``tokenizer(text)["input_ids"]`` (the reference).
-
-        Args:
-            texts: the texts.
-            add_special_tokens: let the tokenizer add its special tokens.
-
-        Returns:
-            One id list per text.
-        """
+        """Per-text ids from ``encode_batch``: exactly ``tokenizer(text)["input_ids"]``."""
         encodings = self.tokenizer.encode_batch(texts, add_special_tokens=add_special_tokens)
         return [e.ids for e in encodings]
 
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The build's ids through ``encode_batch_fast`` (no character offsets, same ids).
-
-        Args:
-            texts: the texts.
-            add_special_tokens: let the tokenizer add its special tokens.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)``.
-        """
+        """Flat ids through ``encode_batch_fast`` (the same ids, no character offsets)."""
         encode = getattr(self.tokenizer, "encode_batch_fast", self.tokenizer.encode_batch)
         encodings = encode(texts, add_special_tokens=add_special_tokens)
         return flatten_ids([e.ids for e in encodings])
@@ -125,14 +94,7 @@ EncodeFlat = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
 
 @dataclass(frozen=True)
 class Loaded:
-    """A fast backend a loader made: its encode function and what the report says of it.
-
-    Attributes:
-        encode: the encode function.
-        name: the library's import name, or this package's backend's name.
-        version: its version (the package's for its own backends).
-        releases_gil: whether its encode calls let other threads run.
-    """
+    """A fast backend a loader made: its encode function, name, version and ``releases_gil``."""
 
     encode: EncodeFlat
     name: str
@@ -141,34 +103,16 @@ class Loaded:
 
     @classmethod
     def library(cls, encode: EncodeFlat, name: str) -> Loaded:
-        """A library's backend (its installed version).
-
-        Args:
-            encode: the encode function.
-            name: the library's import name.
-
-        Returns:
-            The description.
-        """
+        """A library's backend, with the library's installed version."""
         return cls(encode, name, library_versions((name,))[name])
 
 
 class FastBackend:
-    """An accelerated library over the same ``tokenizer.json`` (truncation and padding off, as
-    HF's): fastokens, else the library :data:`FALLBACK_MODULES` names for the tokenizer's model.
+    """An accelerated library over the same ``tokenizer.json``, truncation and padding off.
 
-    Args:
-        serialized: the backend JSON (tokenizer.json's content).
-
-    Attributes:
-        name: the library used (its import name, or this package's backend's name).
-        version: its version.
-        releases_gil: whether its encode calls let other threads run (not so for a backend
-            written in Python).
-
-    Raises:
-        MissingDependencyError: no library for this tokenizer is installed.
-        EncoderError: every installed library for it refuses the tokenizer.
+    fastokens is tried first, then the ``FALLBACK_MODULES`` of the tokenizer's model type; the
+    first that loads is used. Raises ``MissingDependencyError`` when only installing a library
+    could help, else ``EncoderError`` when every installed one refuses the tokenizer.
     """
 
     def __init__(self, serialized: str):
@@ -210,23 +154,12 @@ class FastBackend:
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Encode ``texts`` as HF's ``encode_batch`` would.
-
-        Args:
-            texts: the documents.
-            add_special_tokens: add the post-processor's special tokens (e.g. BOS).
-
-        Returns:
-            ``(tokens uint32, lengths int64)``, flat.
-
-        Raises:
-            EncoderError: the library cannot add this tokenizer's special tokens.
-        """
+        """Encode as HF's ``encode_batch`` would; ``EncoderError`` if specials cannot be added."""
         return self._encode(texts, add_special_tokens)
 
 
 def _fallbacks(parsed: Callable[[], Any], refusals: list[str]) -> Iterator[str]:
-    """The :data:`FALLBACK_MODULES` of the tokenizer's model type (parsed only when asked)."""
+    """The ``FALLBACK_MODULES`` of the tokenizer's model; a JSON error is a refusal."""
     try:
         model = parsed().get("model") or {}
     except ValueError as err:
@@ -282,9 +215,11 @@ def _load_split_words(module: Any, serialized: str, parsed: Callable[[], Any]) -
 def _load_own(
     backend: Callable[[Any, HFBackend], Any], serialized: str, parsed: Callable[[], Any]
 ) -> Loaded:
-    """One of this package's backends (``backend(data, reference)``, with ``encode_flat``
-    without special tokens, ``name`` and ``releases_gil``) over an HF tokenizer of
-    ``serialized``, truncation and padding off."""
+    """Load one of this package's backends over an HF reference of ``serialized``.
+
+    ``backend(data, reference)`` gives ``encode_flat`` (without special tokens), ``name`` and
+    ``releases_gil``; the post-processor's special tokens are added here.
+    """
     import tokenizers
 
     data = parsed()
@@ -311,14 +246,10 @@ _LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], Loaded]] = {
 
 @dataclass(frozen=True)
 class SpecialTokens:
-    """The ids a post-processor puts around one sequence, for libraries that encode without
-    them. ``error`` is set for a post-processor this does not model (then only
-    ``add_special_tokens=False`` builds can use the library).
+    """The ids a post-processor puts around one sequence, for libraries that encode without them.
 
-    Attributes:
-        before: ids written before each sequence.
-        after: ids written after it.
-        error: why the post-processor cannot be applied, or None.
+    ``error`` is set for a post-processor this does not model: only builds with
+    ``add_special_tokens=False`` can then use the library.
     """
 
     before: tuple[int, ...] = ()
@@ -327,14 +258,7 @@ class SpecialTokens:
 
     @classmethod
     def of(cls, processor: Mapping[str, Any] | None) -> SpecialTokens:
-        """The special tokens of a tokenizer.json ``post_processor`` (None: none).
-
-        Args:
-            processor: the ``post_processor`` object, or None.
-
-        Returns:
-            Its ids for a single sequence, or an instance whose ``error`` says why not.
-        """
+        """The special tokens of a tokenizer.json ``post_processor`` (None: none)."""
         if processor is None:
             return cls()
         kind = processor.get("type")
@@ -368,18 +292,7 @@ class SpecialTokens:
         return cls(error=f"post-processor {kind!r}")
 
     def add(self, tokens: np.ndarray, lengths: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(tokens, lengths)`` with :attr:`before` and :attr:`after` around every sequence.
-
-        Args:
-            tokens: flat ids, uint32.
-            lengths: ids per sequence.
-
-        Returns:
-            The flat ids and lengths with the special tokens.
-
-        Raises:
-            EncoderError: the post-processor is not modelled (:attr:`error`).
-        """
+        """Put ``before``/``after`` around each sequence; ``EncoderError`` when ``error`` is set."""
         if self.error is not None:
             raise EncoderError(f"cannot add this tokenizer's special tokens: {self.error}")
         if not self.before and not self.after:
@@ -404,12 +317,7 @@ T = TypeVar("T")
 
 
 class Ahead(Generic[T]):
-    """``fn(*args)`` run in a background thread (not a daemon).
-
-    Args:
-        fn: the function.
-        *args: its arguments.
-    """
+    """``fn(*args)`` in a background non-daemon thread; ``result`` re-raises what it raised."""
 
     def __init__(self, fn: Callable[..., T], *args: Any):
         self._value: T | None = None
@@ -427,22 +335,11 @@ class Ahead(Generic[T]):
             self._error = err
 
     def done(self) -> bool:
-        """Whether ``fn`` has finished.
-
-        Returns:
-            True once it has returned or raised (:meth:`result` then does not wait).
-        """
+        """Whether ``fn`` has returned or raised (``result`` then does not wait)."""
         return not self._thread.is_alive()
 
     def result(self) -> T:
-        """Wait for ``fn``.
-
-        Returns:
-            What it returned.
-
-        Raises:
-            BaseException: what it raised (the same object).
-        """
+        """Wait for ``fn``; return its value or re-raise the very exception it raised."""
         self._thread.join()
         if self._error is not None:
             raise self._error
@@ -450,16 +347,10 @@ class Ahead(Generic[T]):
 
 
 def load_fast_ahead(serialized: str) -> Ahead[FastBackend]:
-    """Load a :class:`FastBackend` in a background thread.
+    """Load a ``FastBackend`` in a background thread; ``result`` raises what loading raised.
 
-    fastokens is imported before returning, so the thread does not wait on the GIL the caller
-    holds next.
-
-    Args:
-        serialized: the tokenizer's JSON.
-
-    Returns:
-        The load; its :meth:`Ahead.result` raises what :class:`FastBackend` raises.
+    fastokens is imported here and the thread is waited for until it runs, so it does not queue
+    on the GIL the caller holds next.
     """
     with contextlib.suppress(MissingDependencyError):  # the thread reports it
         import_fast_module()
@@ -480,17 +371,11 @@ IDS_IRRELEVANT_KEYS = ("decoder", "truncation", "padding")
 
 
 def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
-    """A tokenizer's JSON without what cannot change ids.
+    """A tokenizer's JSON without what cannot change ids: equal contents encode texts alike.
 
-    transformers rewrites parts of tokenizer.json as it loads it; this comparison lets a fast
-    backend loaded from the file stand in for one loaded from transformers' JSON.
-
-    Args:
-        backend_json: the tokenizer's JSON, parsed.
-
-    Returns:
-        A copy without :data:`IDS_IRRELEVANT_KEYS` and ByteLevel ``trim_offsets``: equal
-        contents encode every text to the same ids.
+    Drops ``IDS_IRRELEVANT_KEYS`` and ByteLevel ``trim_offsets``. transformers rewrites parts of
+    tokenizer.json as it loads it; this lets a backend loaded from the file stand in for one
+    loaded from transformers' JSON.
     """
 
     def strip(value: Any) -> Any:
@@ -513,28 +398,14 @@ def ids_content(backend_json: Mapping[str, Any]) -> dict[str, Any]:
 
 @dataclass
 class EarlyLoad:
-    """A fast backend loaded from a folder's tokenizer.json before the tokenizer was resolved.
-
-    Attributes:
-        text: the file's text (kept until adopted).
-        backend: the backend, or None when refused.
-        error: why it was refused, or None.
-    """
+    """A fast backend loaded from a folder's tokenizer.json before the tokenizer was resolved."""
 
     text: str | None
     backend: FastBackend | None = None
     error: EncoderError | MissingDependencyError | None = None
 
     def take(self) -> FastBackend:
-        """The backend; the text is freed.
-
-        Returns:
-            The backend.
-
-        Raises:
-            EncoderError: every fast library refused the tokenizer (the same object).
-            MissingDependencyError: no fast library is installed (the same object).
-        """
+        """The backend, freeing the text; re-raises the load's refusal (the same object)."""
         self.text = None
         if self.error is not None:
             raise self.error
@@ -555,15 +426,10 @@ def _load_early(path: str, text: str | None, entered: threading.Event) -> EarlyL
 
 
 def load_fast_early(folder: str, text: str | None = None) -> Ahead[EarlyLoad] | None:
-    """Start loading the fast backend from ``folder/tokenizer.json`` in a thread (None if the
-    folder has none); :func:`adopt_early` or :func:`adopt_agreed` decides whether it is used.
+    """Start loading the fast backend from ``folder/tokenizer.json`` (None: the folder has none).
 
-    Args:
-        folder: the tokenizer folder.
-        text: the file's text when the caller has read it (the load starts from it).
-
-    Returns:
-        The load in progress, or None.
+    ``text`` is the file's content when the caller has read it. ``adopt_early`` or
+    ``adopt_agreed`` decides whether the backend is used.
     """
     path = os.path.join(folder, "tokenizer.json")
     if text is None and not os.path.isfile(path):
@@ -595,30 +461,19 @@ def _adopt(early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized:
 def adopt_early(
     early: Ahead[EarlyLoad], backend_json: Mapping[str, Any], serialized: str
 ) -> Ahead[FastBackend]:
-    """The fast backend a build uses, given an early load.
+    """The build's fast backend from an early load, decided in the background.
 
-    Args:
-        early: the early load (:func:`load_fast_early`).
-        backend_json: the tokenizer's JSON as transformers loaded it.
-        serialized: the same, serialized.
-
-    Returns:
-        The early backend when its file has the same :func:`ids_content` as
-        ``backend_json``, else one loading from ``serialized``, in the background.
+    The early backend is kept only when its file has the same ``ids_content`` as
+    ``backend_json`` (transformers' JSON); otherwise a new one loads from ``serialized``.
     """
     return Ahead(_adopt, early, backend_json, serialized)
 
 
 def adopt_agreed(early: Ahead[EarlyLoad]) -> Ahead[FastBackend]:
-    """The early fast backend as it is, for a caller that has checked that the text it was
-    loaded from agrees, in every part that decides ids, with the tokenizer the build uses
-    (:func:`~shardcache.builder.tokenizer_memo.read_resolved` does, for the memo).
+    """The early backend as it is, waited for in the background (a refusal re-raised by ``result``).
 
-    Args:
-        early: a :func:`load_fast_early` started from that text.
-
-    Returns:
-        The backend, waited for in the background (its refusal re-raised by ``result``).
+    Only for a caller that has checked that the loaded text agrees, in every part that decides
+    ids, with the build's tokenizer (``tokenizer_memo.read_resolved`` does, for the memo).
     """
     return Ahead(_take, early)
 
@@ -628,14 +483,7 @@ def _take(early: Ahead[EarlyLoad]) -> FastBackend:
 
 
 def import_fast_module() -> Any:
-    """Import fastokens.
-
-    Returns:
-        The module.
-
-    Raises:
-        MissingDependencyError: it is not installed (naming the pip command).
-    """
+    """Import fastokens, or raise ``MissingDependencyError`` naming the pip command."""
     try:
         return importlib.import_module(FAST_MODULE)
     except ImportError as err:
@@ -647,15 +495,7 @@ def import_fast_module() -> Any:
 
 @dataclass
 class EncoderSelection:
-    """Which backend a build uses and why (the manifest's soft ``encoder`` field).
-
-    Attributes:
-        requested: ``auto``, ``hf`` or ``fast``.
-        backend: ``hf`` or the fast backend's name.
-        version: the backend library's version.
-        reason: why it was chosen.
-        gate_documents: corpus documents the gate compared.
-    """
+    """Which backend a build uses and why (the manifest's soft ``encoder`` field)."""
 
     requested: str
     backend: str
@@ -664,11 +504,7 @@ class EncoderSelection:
     gate_documents: int = 0
 
     def to_json(self) -> dict[str, Any]:
-        """The selection as JSON.
-
-        Returns:
-            The fields by name.
-        """
+        """The selection as JSON, fields by name."""
         return asdict(self)
 
 
@@ -677,16 +513,7 @@ def first_difference(
     reference: tuple[np.ndarray, np.ndarray],
     candidate: tuple[np.ndarray, np.ndarray],
 ) -> str | None:
-    """Where two encodings of the same texts first differ.
-
-    Args:
-        texts: the texts.
-        reference: HF's ``(tokens, lengths)``.
-        candidate: the fast backend's ``(tokens, lengths)``.
-
-    Returns:
-        None when they are equal, else a description of the first differing text.
-    """
+    """Where HF's ``reference`` and the ``candidate`` encoding first differ (None: equal)."""
     ref_tokens, ref_lengths = reference
     tokens, lengths = candidate
     if np.array_equal(ref_lengths, lengths) and np.array_equal(ref_tokens, tokens):
@@ -718,24 +545,12 @@ def select_backend(
     sample: list[str] | tuple[str, ...] = (),
     loading: Ahead[FastBackend] | None = None,
 ) -> tuple[FastBackend | None, EncoderSelection]:
-    """Decide the build's backend: fast only if it loads and encodes ``probes`` and
-    ``sample`` to exactly HF's ids.
+    """Decide the build's backend: fast only if it encodes ``probes`` and ``sample`` as HF does.
 
-    Args:
-        requested: ``"auto"``, ``"fast"`` or ``"hf"``.
-        serialized: the backend JSON.
-        reference: the HF backend.
-        add_special_tokens: as the build encodes.
-        probes: the cache key's behaviour probe texts.
-        chat: a chat build (always HF).
-        sample: corpus documents.
-        loading: a fast load started earlier.
-
-    Returns:
-        The fast backend or None, and the selection with its reason.
-
-    Raises:
-        EncoderError: ``requested == "fast"`` and the fast backend cannot be used.
+    Gives the fast backend (None: HF) and the selection with its reason. Any refusal (load or
+    encode failure, a differing id, chat data) means HF, except that ``requested == "fast"``
+    raises ``EncoderError`` (``MissingDependencyError`` when the library is not installed).
+    ``loading`` is a load started earlier; HF encodes the sample while it finishes.
     """
     texts = [*probes, *sample]
     corpus_documents = len(sample)
@@ -790,14 +605,7 @@ def select_backend(
 
 @dataclass
 class VerifyCounts:
-    """In-build verification of one partition (fast backend only).
-
-    Attributes:
-        documents: documents re-encoded with HF and compared.
-        tokens: HF's ids of those documents.
-        mismatches: documents whose ids differ.
-        detail: a description of each mismatch.
-    """
+    """In-build verification of one partition (fast backend only): counts and mismatches."""
 
     documents: int = 0
     tokens: int = 0
@@ -811,45 +619,24 @@ VERIFY_FLOOR_BYTES = 64 * 1024
 
 
 def verify_rate(fraction: float, input_bytes: int) -> float:
-    """The share of documents a build re-encodes with HF.
-
-    Args:
-        fraction: the requested share (``--verify-fraction``; 0 turns the sample off).
-        input_bytes: the bytes the build reads.
-
-    Returns:
-        ``fraction``, raised to cover :data:`VERIFY_FLOOR_BYTES` of the input, at most 1.
-    """
+    """The share re-checked with HF: ``fraction`` (0: none) raised to ``VERIFY_FLOOR_BYTES``."""
     if fraction <= 0:
         return 0.0
     return min(1.0, max(fraction, VERIFY_FLOOR_BYTES / max(1, input_bytes)))
 
 
 def source_salt(name: str) -> int:
-    """The salt :func:`sampled` uses for the records of an input.
-
-    Args:
-        name: the input's relative path.
-
-    Returns:
-        A 64-bit unsigned integer.
-    """
+    """The 64-bit salt ``sampled`` uses for the records of the input at path ``name``."""
     return int.from_bytes(hashlib.sha256(name.encode("utf-8")).digest()[:8], "little")
 
 
 def build_draw_keys(
     records: np.ndarray, files: np.ndarray | None, names: tuple[str, ...]
 ) -> np.ndarray:
-    """Each text's key for the build's verification sample (:func:`sampled` with salt 0):
-    its record index plus its file's salt, drawn apart from ``verify --tokens``' sample.
+    """Each text's key for the build's verification sample (``sampled`` with salt 0).
 
-    Args:
-        records: each text's record index in its file.
-        files: each text's file as a position in ``names`` (None: all of ``names[0]``).
-        names: the files' paths relative to the corpus root.
-
-    Returns:
-        The keys (uint64).
+    The key is the record index plus its file's salt, salted apart from ``verify --tokens``'
+    sample. ``files`` indexes ``names`` per text (None: all in ``names[0]``).
     """
     salts = np.array([source_salt("build:" + n) for n in names or ("",)], dtype=np.uint64)
     per_text = salts[files] if files is not None else salts[0]
@@ -860,17 +647,9 @@ def build_draw_keys(
 def sampled(records: np.ndarray, rate: float, salt: int) -> np.ndarray:
     """Which records are in the verification sample: a bool per record.
 
-    A record is in it when a hash (splitmix64) of ``salt`` and its index, read as a number in
-    [0, 1), is below ``rate``: independently, with probability ``rate``, for every record, and
-    the same whatever the batching, the number of processes or a resume.
-
-    Args:
-        records: record indices in their input (int64).
-        rate: the share of records sampled.
-        salt: the input's :func:`source_salt`.
-
-    Returns:
-        The mask.
+    A record is in when splitmix64 of ``salt`` and its index, read as a number in [0, 1), is
+    below ``rate``: independent per record, and the same whatever the batching, the number of
+    processes or a resume.
     """
     if rate >= 1:
         return np.ones(len(records), dtype=bool)
@@ -893,14 +672,7 @@ VERIFY_AHEAD = 2
 
 @dataclass
 class SampledBatch:
-    """One batch's verification sample, copied.
-
-    Attributes:
-        positions: the documents' positions in the batch.
-        texts: their texts.
-        tokens: their fast ids, flat.
-        lengths: ids per document.
-    """
+    """One batch's verification sample: positions in the batch, texts and fast ids, copied."""
 
     positions: np.ndarray
     texts: list[str]
@@ -911,17 +683,7 @@ class SampledBatch:
     def of(
         cls, texts: list[str], tokens: np.ndarray, lengths: np.ndarray, positions: np.ndarray
     ) -> SampledBatch:
-        """The sample of a batch.
-
-        Args:
-            texts: the batch's texts.
-            tokens: its fast ids, flat.
-            lengths: ids per text.
-            positions: the sampled texts.
-
-        Returns:
-            The sample (copies).
-        """
+        """The sample at ``positions`` of a batch, as copies."""
         ends = np.cumsum(lengths)
         starts = ends - lengths
         picked = [tokens[starts[i] : ends[i]] for i in positions]
@@ -932,17 +694,10 @@ class SampledBatch:
 def verify_group(
     group: list[SampledBatch], reference: HFBackend, add_special_tokens: bool
 ) -> list[VerifyCounts]:
-    """Re-encode the samples of ``group`` with HF in one call, as an HF build does, and
-    compare with the fast ids.
+    """Re-encode ``group``'s samples with HF in one call and compare with the fast ids.
 
-    Args:
-        group: consecutive batches' samples, in order.
-        reference: the HF backend.
-        add_special_tokens: as the build encodes.
-
-    Returns:
-        Each batch's counts: a differing document adds a mismatch and its description; an HF
-        failure is a difference of the batch it fails on.
+    Gives each batch's counts. An HF failure is a mismatch of the batch it fails on (a failing
+    group is re-run batch by batch to find it).
     """
     try:
         ref_tokens, ref_lengths = reference.encode_flat(
@@ -985,9 +740,11 @@ def _compare_sample(
 
 
 class SampleVerifier:
-    """The in-build verification of an encoder's batches: each batch's sample is queued, and
-    every :data:`VERIFY_GROUP_CHARS` of it is verified by :func:`verify_group` in a background
-    thread (at most :data:`VERIFY_AHEAD` behind); :meth:`settle` verifies the rest."""
+    """The in-build verification of an encoder's batches, in background threads.
+
+    Samples are queued; every ``VERIFY_GROUP_CHARS`` of them go to ``verify_group`` in one
+    thread, at most ``VERIFY_AHEAD`` groups behind the encoder. ``settle`` verifies the rest.
+    """
 
     def __init__(self) -> None:
         self._queued: list[SampledBatch] = []
@@ -1002,14 +759,7 @@ class SampleVerifier:
         add_special_tokens: bool,
         times: Any = None,
     ) -> None:
-        """Queue one batch's sample.
-
-        Args:
-            sample: the batch's sampled documents.
-            reference: the HF backend that verifies them.
-            add_special_tokens: as the build encodes.
-            times: a ``StageTimes`` taking the verification's wall seconds (``verify_busy``).
-        """
+        """Queue one batch's sample; ``times`` (a ``StageTimes``) gets ``verify_busy``."""
         self._queued.append(sample)
         self._chars += sum(map(len, sample.texts))
         self._how = (reference, add_special_tokens, times)
@@ -1023,11 +773,7 @@ class SampleVerifier:
         self._jobs.append(Ahead(_verify_timed, group, *self._how))
 
     def settle(self) -> list[VerifyCounts]:
-        """Verify what is queued and wait for every group.
-
-        Returns:
-            Each queued batch's counts, in order.
-        """
+        """Verify what is queued, wait for every group and give each batch's counts."""
         if self._queued:
             self._start()
         jobs, self._jobs = self._jobs, []

@@ -1,8 +1,7 @@
 """Length buckets (pure numpy).
 
-A bucket edge list ``(e0, e1, ..., ek)`` defines ``k + 2`` buckets: bucket 0 holds lengths
-``1..e0``, bucket ``i`` holds ``e(i-1)+1 .. e(i)``, and the last bucket holds everything above
-``ek``. When the build caps sequences at ``max_length``, edges at or above it are dropped and
+Edges ``(e0, ..., ek)`` define ``k + 2`` buckets: ``1..e0``, then ``e(i-1)+1 .. e(i)``, then
+everything above ``ek``. With a ``max_length`` cap, edges at or above it are dropped and
 ``max_length`` becomes the last edge, so no bucket is empty by construction.
 """
 
@@ -12,15 +11,7 @@ import numpy as np
 
 
 def effective_edges(edges: tuple[int, ...], max_length: int | None) -> tuple[int, ...]:
-    """The bucket edges a build uses.
-
-    Args:
-        edges: the edges asked for, increasing.
-        max_length: the longest sequence (None: no limit).
-
-    Returns:
-        The edges below ``max_length``, then ``max_length`` itself; ``edges`` without one.
-    """
+    """The edges a build uses: those below ``max_length``, then ``max_length`` if set."""
     if max_length is None:
         return tuple(edges)
     kept = tuple(e for e in edges if e < max_length)
@@ -28,15 +19,7 @@ def effective_edges(edges: tuple[int, ...], max_length: int | None) -> tuple[int
 
 
 def bucket_ranges(edges: tuple[int, ...], max_length: int | None) -> list[tuple[int, int | None]]:
-    """The length range of every bucket.
-
-    Args:
-        edges: the edges used (:func:`effective_edges`).
-        max_length: the longest sequence (None: a last, open-ended bucket).
-
-    Returns:
-        Inclusive ``(min_length, max_length)`` per bucket; None: unbounded.
-    """
+    """Inclusive ``(min, max)`` lengths of every bucket; max None for an open last one."""
     ranges: list[tuple[int, int | None]] = []
     low = 1
     for edge in edges:
@@ -48,13 +31,5 @@ def bucket_ranges(edges: tuple[int, ...], max_length: int | None) -> list[tuple[
 
 
 def assign_buckets(lengths: np.ndarray, edges: tuple[int, ...]) -> np.ndarray:
-    """The bucket of every length: the first whose upper edge is >= the length.
-
-    Args:
-        lengths: sequence lengths.
-        edges: the edges used.
-
-    Returns:
-        int32 bucket indices.
-    """
+    """The int32 bucket of every length: the first whose upper edge is >= the length."""
     return np.searchsorted(np.asarray(edges, dtype=np.int64), lengths, side="left").astype(np.int32)

@@ -1,7 +1,7 @@
 """The build plan: what a build will do, which part of it a process runs, what it did.
 
 Partitions have stable ids ``p00000``... in (file, position) order: a large file is cut into
-slices, consecutive small files are gathered into one partition; the plan, split files'
+slices, consecutive small files are gathered into one partition. The plan, split files'
 sha256 and an options/inputs fingerprint are written to ``parts/build.json`` before any
 partition runs. A recorded plan with the same fingerprint is resumed (completed partitions
 are kept); another fingerprint is refused unless ``--force``. Resume deletes nothing: the
@@ -47,17 +47,10 @@ GROUP_SPREAD = 64
 
 
 def group_bytes(inputs: list[InputFile], partition_size_bytes: int) -> int:
-    """The most bytes consecutive small files gathered into one partition hold.
+    """The most bytes of consecutive small files one partition gathers.
 
-    A file of at least this size is never grouped.
-
-    Args:
-        inputs: the input files.
-        partition_size_bytes: the build's partition size.
-
-    Returns:
-        ``partition_size_bytes // GROUP_DIVISOR``, or less so that the files under that size
-        make about :data:`GROUP_SPREAD` partitions.
+    A file of at least this size is never grouped: ``partition_size_bytes // GROUP_DIVISOR``, or
+    less so that the files under that size make about ``GROUP_SPREAD`` partitions.
     """
     cap = partition_size_bytes // GROUP_DIVISOR
     small = sum(f.size for f in inputs if f.size < cap)
@@ -66,15 +59,10 @@ def group_bytes(inputs: list[InputFile], partition_size_bytes: int) -> int:
 
 @dataclass(frozen=True)
 class Partition:
-    """A unit of map work with a stable id: one input file, a slice of one, or consecutive
-    small whole files.
+    """A unit of map work with a stable id (``p00042``): a file, a slice of one, or a group.
 
-    Attributes:
-        id: the stable id (``p00042``).
-        file: the (first) input file.
-        span: the slice of ``file`` read (the default: all of it).
-        nbytes: input bytes it reads (progress, scheduling).
-        more: further whole files read after ``file`` (a group).
+    It reads ``file`` over ``span``, then the whole files ``more`` (a group of small files);
+    ``nbytes`` is the input bytes it reads (progress, scheduling).
     """
 
     id: str
@@ -89,11 +77,7 @@ class Partition:
         return (self.file, *self.more)
 
     def to_json(self) -> dict[str, Any]:
-        """The partition as recorded in ``parts/build.json``.
-
-        Returns:
-            ``id``, ``source``, ``nbytes``, the span, and a group's ``sources``.
-        """
+        """The partition as recorded in ``parts/build.json``."""
         data = {"id": self.id, "source": self.file.relpath, "nbytes": self.nbytes,
                 **self.span.to_json()}  # fmt: skip
         if self.more:
@@ -103,15 +87,10 @@ class Partition:
 
 @dataclass
 class BuildPlan:
-    """What a build does.
+    """What a build does: its inputs, partitions in id order and bucket edges.
 
-    Attributes:
-        options: the build's options.
-        inputs: the input files, in order.
-        partitions: in id order.
-        edges: the bucket edges used.
-        file_sha256: sha256 of the input files that were split (hashed by the plan pass).
-        fingerprint: identifies the options and inputs (resume refuses another one).
+    ``file_sha256`` holds the files the plan pass split (and so hashed); ``fingerprint``
+    identifies the options and inputs: resume refuses another one.
     """
 
     options: BuildOptions
@@ -124,16 +103,10 @@ class BuildPlan:
 
 @dataclass(frozen=True)
 class Share:
-    """Share ``index`` of ``count`` in a job array: partitions ``k`` with ``k % count == index``.
+    """Share ``index`` of ``count`` in a job array: the partitions ``k % count == index``.
 
-    Round-robin, so every share gets large and small files alike when sizes follow names.
-
-    Attributes:
-        index: the share, from 0.
-        count: the shares.
-
-    Raises:
-        ConfigError: ``count < 1`` or ``index`` outside ``0 .. count - 1``.
+    Round-robin, so every share gets large and small files alike when sizes follow names. An
+    ``index`` outside ``0 .. count - 1`` raises ``ConfigError``.
     """
 
     index: int
@@ -148,17 +121,7 @@ class Share:
 
     @classmethod
     def parse(cls, text: str) -> Share:
-        """The share written ``i/N``.
-
-        Args:
-            text: ``i/N``.
-
-        Returns:
-            The share.
-
-        Raises:
-            ConfigError: ``text`` is not ``i/N``.
-        """
+        """The share written ``i/N``; ``ConfigError`` when ``text`` is not that."""
         try:
             i, n = (int(v) for v in str(text).split("/"))
         except ValueError:
@@ -173,25 +136,11 @@ class Share:
         return share_name(self.index, self.count)
 
     def owns(self, position: int) -> bool:
-        """Whether a partition is this share's.
-
-        Args:
-            position: its position in the plan.
-
-        Returns:
-            True when it is.
-        """
+        """Whether the partition at ``position`` in the plan is this share's."""
         return position % self.count == self.index
 
     def select(self, partitions: list[Partition]) -> list[Partition]:
-        """This share's partitions.
-
-        Args:
-            partitions: the plan's, in order.
-
-        Returns:
-            This share's, in plan order.
-        """
+        """This share's partitions, in plan order."""
         return [p for k, p in enumerate(partitions) if self.owns(k)]
 
 
@@ -199,20 +148,9 @@ class Share:
 class PartitionResult:
     """What one partition produced (also persisted as ``parts/<id>.json``).
 
-    Attributes:
-        partition: its id.
-        source: its (first) input file.
-        sha256: of the whole input file for a whole-file partition, else ``""``.
-        shards: the shards it wrote.
-        stats: its truncation counters.
-        bad_records: skipped records by reason.
-        corrupt: damaged inputs and where their loss begins.
-        lint: chat lint counts.
-        encoding: its encoder backend and in-build verification counts.
-        timings: CPU seconds per stage: reported, never recorded (bytes never depend on
-            timing).
-        files: a group's input files in order, each ``{"source", "sha256", "documents",
-            "bad_records"}`` (empty for a one-file partition).
+    ``sha256`` is the whole input file's for a whole-file partition, else ``""``. ``timings``
+    (CPU seconds per stage) are reported, never recorded: bytes never depend on timing. ``files``
+    lists a group's files in order (empty for a one-file partition).
     """
 
     partition: str
@@ -228,30 +166,18 @@ class PartitionResult:
     files: list[dict[str, Any]] = field(default_factory=list)
 
     def per_file(self) -> list[dict[str, Any]]:
-        """What each input file of the partition gave.
-
-        Returns:
-            ``{"source", "sha256", "documents", "bad_records"}`` per file, in order.
-        """
+        """``{"source", "sha256", "documents", "bad_records"}`` per input file, in order."""
         if self.files:
             return self.files
         return [{"source": self.source, "sha256": self.sha256, "documents": self.stats.documents,
                  "bad_records": sum(self.bad_records.values())}]  # fmt: skip
 
     def to_message(self) -> dict[str, Any]:
-        """What a worker sends back to the build.
-
-        Returns:
-            :meth:`to_json` with the timings.
-        """
+        """What a worker sends back to the build: the record and the timings."""
         return {**self.to_json(), "timings": self.timings}
 
     def to_json(self) -> dict[str, Any]:
-        """The completion record ``parts/<id>.json``.
-
-        Returns:
-            The fields as JSON, without the timings.
-        """
+        """The completion record ``parts/<id>.json`` (no timings)."""
         data = {
             "partition": self.partition,
             "source": self.source,
@@ -269,14 +195,7 @@ class PartitionResult:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PartitionResult:
-        """The result :meth:`to_json` or :meth:`to_message` recorded.
-
-        Args:
-            data: the record.
-
-        Returns:
-            The result.
-        """
+        """The result ``to_json`` or ``to_message`` recorded."""
         return cls(
             partition=data["partition"],
             source=data["source"],
@@ -294,15 +213,7 @@ class PartitionResult:
 
 
 def options_json(options: BuildOptions) -> dict[str, Any]:
-    """Options as recorded in the manifest.
-
-    Args:
-        options: the build's options.
-
-    Returns:
-        Plain JSON, without those that cannot change the bytes (``force``, ``workers``,
-        ``output``, ``strict_lint``, ``max_bad_fraction``, ``encoding``).
-    """
+    """Options as recorded in the manifest (plain JSON), less those that cannot change bytes."""
     data = options.to_json()
     for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
@@ -310,14 +221,7 @@ def options_json(options: BuildOptions) -> dict[str, Any]:
 
 
 def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
-    """The inputs as recorded in the plan.
-
-    Args:
-        inputs: the input files.
-
-    Returns:
-        ``relpath``, ``size``, ``format`` and ``mtime_ns`` of each.
-    """
+    """``relpath``, ``size``, ``format`` and ``mtime_ns`` of each input, as the plan records."""
     return [
         {"relpath": f.relpath, "size": f.size, "format": f.format,
          "mtime_ns": f.mtime_ns if f.mtime_ns is not None else os.stat(f.path).st_mtime_ns}
@@ -326,50 +230,25 @@ def inputs_json(inputs: list[InputFile]) -> list[dict[str, Any]]:
 
 
 def fingerprint_of(options: BuildOptions, inputs: list[InputFile]) -> str:
-    """The fingerprint of a build: another one cannot resume it.
-
-    Args:
-        options: the build's options.
-        inputs: the input files.
-
-    Returns:
-        The hex sha256 of the recorded options and inputs.
-    """
+    """The hex sha256 of a build's recorded options and inputs: another cannot resume it."""
     blob = json.dumps({"options": options_json(options), "inputs": inputs_json(inputs)},
                       sort_keys=True)  # fmt: skip
     return hashlib.sha256(blob.encode()).hexdigest()
 
 
 def what_changed(state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]) -> str:
-    """What differs between a recorded build and this one.
-
-    Args:
-        state: the recorded plan (``parts/build.json``).
-        options: this build's options.
-        inputs: this build's input files.
-
-    Returns:
-        At most 8 differences joined by ``"; "`` (empty when none is found).
-    """
+    """At most 8 differences between a recorded plan and this build, joined by ``"; "``."""
     changes = differences(state.get("options"), options_json(options))
     changes += input_differences(state.get("inputs") or [], inputs_json(inputs))
     return "; ".join(changes[:8])
 
 
 def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> BuildPlan:
-    """The plan of a build: its inputs listed and split into partitions.
+    """The plan of a build: its inputs listed (unless given) and split into partitions.
 
-    Args:
-        options: the build's options.
-        inputs: the listed inputs (default: listed from ``options``).
-
-    Returns:
-        The plan: files over ``partition_size`` cut into slices (each such file is read once,
-        to hash and cut it), consecutive files under :func:`group_bytes` gathered into
-        partitions of up to that many bytes, every other file a partition.
-
-    Raises:
-        SourceError: an input cannot be listed or read.
+    Files over ``partition_size`` are cut into slices (each read once, to hash and cut it);
+    consecutive files under ``group_bytes`` are gathered up to that many bytes; every other file
+    is a partition of its own.
     """
     inputs = (
         inputs
@@ -416,14 +295,7 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
 
 
 def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
-    """The plan as recorded in ``parts/build.json``.
-
-    Args:
-        plan: the plan.
-
-    Returns:
-        Plain JSON.
-    """
+    """The plan as recorded in ``parts/build.json``."""
     return {
         "fingerprint": plan.fingerprint,
         "options": options_json(plan.options),
@@ -436,19 +308,7 @@ def plan_to_json(plan: BuildPlan) -> dict[str, Any]:
 def plan_from_json(
     state: dict[str, Any], options: BuildOptions, inputs: list[InputFile]
 ) -> BuildPlan:
-    """A recorded plan.
-
-    Args:
-        state: what :func:`plan_to_json` returned.
-        options: the build's options.
-        inputs: the input files.
-
-    Returns:
-        The plan.
-
-    Raises:
-        KeyError: a recorded partition's source is not among ``inputs``.
-    """
+    """The plan ``plan_to_json`` recorded; KeyError if a source is not among ``inputs``."""
     by_path = {f.relpath: f for f in inputs}
     partitions = []
     for p in state["partitions"]:
@@ -461,16 +321,7 @@ def plan_from_json(
 
 
 def differences(old: Any, new: Any, path: str = "") -> list[str]:
-    """The leaves that differ between two JSON values.
-
-    Args:
-        old: the recorded value.
-        new: the current value.
-        path: the dotted path of both (for nested calls).
-
-    Returns:
-        ``"field.path: old -> new"`` per differing leaf.
-    """
+    """``"field.path: old -> new"`` per leaf that differs between two JSON values."""
     if isinstance(old, dict) and isinstance(new, dict):
         out: list[str] = []
         for key in sorted(set(old) | set(new)):
@@ -480,15 +331,7 @@ def differences(old: Any, new: Any, path: str = "") -> list[str]:
 
 
 def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> list[str]:
-    """The inputs removed, added or changed (size/mtime).
-
-    Args:
-        old: the recorded :func:`inputs_json`.
-        new: the current one.
-
-    Returns:
-        A line per difference.
-    """
+    """A line per input removed, added or changed (size/mtime)."""
     a = {f["relpath"]: f for f in old}
     b = {f["relpath"]: f for f in new}
     out = [f"input {p}: removed" for p in sorted(set(a) - set(b))]
@@ -498,16 +341,10 @@ def input_differences(old: list[dict[str, Any]], new: list[dict[str, Any]]) -> l
 
 
 def completed(storage: Storage, partitions: list[Partition]) -> dict[str, PartitionResult]:
-    """The partitions whose completion records are whole and whose files are all there at
-    their recorded sizes.
+    """Partition id -> result for each partition that is complete in ``storage``.
 
-    Args:
-        storage: the build output.
-        partitions: the partitions to look for.
-
-    Returns:
-        Partition id -> its result, for each completed one (one listing of ``parts/`` and
-        one of ``shards/``, the records read at once).
+    Complete: its record is whole and every file it lists is there at its recorded size. One
+    listing of ``parts/`` and one of ``shards/``; the records are read at once.
     """
     parts = storage.sizes(PARTS_DIR)
     shards = storage.sizes(SHARD_DIR)
@@ -551,21 +388,10 @@ def plan_output(
 ) -> BuildPlan:
     """The plan of a build into ``storage``: the one recorded there, or a new one written.
 
-    With ``--force`` (never a share) or no plan, the build's files are deleted (a share
-    deletes none) and a new plan is written. Call it with the committed manifest gone and,
-    locally, the build lock held.
-
-    Args:
-        storage: the build output.
-        options: the build's options.
-        inputs: the listed inputs.
-        share: the job-array share this process runs, if any.
-
-    Returns:
-        The plan; every share of a job array computes the same one.
-
-    Raises:
-        CacheError: the output holds a build with other options or inputs.
+    With ``--force`` (never a share) or no plan, the build's files are deleted (a share deletes
+    none) and a new plan is written; every share of a job array computes the same one. Call it
+    with the committed manifest gone and, locally, the build lock held. ``CacheError``: the
+    output holds a build with other options or inputs.
     """
     state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
     fingerprint = fingerprint_of(options, inputs)
@@ -582,15 +408,7 @@ def plan_output(
 
 
 def options_from_json(data: Mapping[str, Any], output: str) -> BuildOptions:
-    """Rebuild :class:`BuildOptions` from the options recorded in ``parts/build.json``.
-
-    Args:
-        data: the recorded options (:func:`options_json`).
-        output: the output folder or URL (not recorded).
-
-    Returns:
-        The options; those not recorded take their defaults.
-    """
+    """``BuildOptions`` rebuilt from ``parts/build.json``; unrecorded ones default."""
 
     def make(cls: type, values: Mapping[str, Any]) -> Any:
         hints = typing.get_type_hints(cls)

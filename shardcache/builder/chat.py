@@ -4,8 +4,7 @@ A conversation is rendered whole with the template (as transformers does); each 
 assistant turn is the character span between the renderings of its prefix with and
 without it, and a template whose prefix renderings are not prefixes of the full text is a
 bad record (``template_not_incremental``), never guessed. The text is tokenized once; a
-token is trainable when its first character lies in a trainable span. :class:`ChatLint`
-counts what looks wrong (see docs/guide/chat.md).
+token is trainable when its first character lies in a trainable span (docs/guide/chat.md).
 """
 
 from __future__ import annotations
@@ -48,8 +47,9 @@ class _Watchdog:
     """Stops a render past its deadline, in whatever thread it runs.
 
     Compiled template code never yields to us, so one daemon thread per process raises an
-    asynchronous exception (``PyThreadState_SetAsyncExc``) in a render past its deadline; a
-    render clears its deadline and any pending exception when done."""
+    asynchronous exception in a render past its deadline; a render clears its deadline and any
+    pending exception when done.
+    """
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -96,15 +96,10 @@ _WATCHDOG = _Watchdog()
 
 @dataclass
 class ChatLint:
-    """Counts of suspicious samples.
+    """Counts of suspicious samples (the ``template_*`` ones against ``apply_chat_template``).
 
-    Attributes:
-        double_bos: samples starting with two BOS.
-        missing_end_of_turn: samples whose last trainable token is not EOS or end of turn.
-        unknown_tokens: unknown-token ids in the samples.
-        boundary_tokens: tokens straddling a trainable span's boundary.
-        template_mismatch: samples whose ids differ from ``apply_chat_template``'s.
-        template_checked: samples compared with ``apply_chat_template``.
+    ``missing_end_of_turn``: the last trainable token is not EOS or an end-of-turn token;
+    ``boundary_tokens``: tokens straddling a trainable span's boundary.
     """
 
     double_bos: int = 0
@@ -115,23 +110,14 @@ class ChatLint:
     template_checked: int = 0
 
     def to_json(self) -> dict[str, int]:
-        """The counts as JSON.
-
-        Returns:
-            The fields by name.
-        """
+        """The counts by name."""
         return asdict(self)
 
 
 def validate_messages(value: Any) -> str | None:
-    """Check a record's messages field.
+    """The bad-record reason of a messages field; None for a usable conversation.
 
-    Args:
-        value: the field's value.
-
-    Returns:
-        None for a usable conversation (a non-empty list of ``role``/``content`` strings),
-        else the bad-record reason.
+    Usable: a non-empty list of dicts whose ``role`` and ``content`` are strings.
     """
     if value is None:
         return "no_messages_field"
@@ -166,9 +152,11 @@ def _render_batch(
 
 
 class _FastRender:
-    """The rendering of :func:`_render_batch`, converting each conversation's messages once
-    and rendering prefixes straight through the compiled template (unused when transformers
-    lacks the helpers)."""
+    """``_render_batch``'s rendering, each conversation's messages converted only once.
+
+    Prefixes render straight through the compiled template; unused when transformers lacks
+    the private helpers.
+    """
 
     def __init__(self, template: str, variables: dict[str, Any]):
         from transformers.utils import chat_template_utils as ctu
@@ -182,7 +170,7 @@ class _FastRender:
         return self.alias(self.plain(messages))
 
     def render(self, messages: list[dict[str, Any]], add_generation_prompt: bool) -> str:
-        """The rendered text; streamed so that an output over :data:`RENDER_CHARS` stops."""
+        """The rendered text; streamed so that an output over ``RENDER_CHARS`` stops."""
         parts, size = [], 0
         for part in self.compiled.generate(
             messages=messages, tools=None, documents=None,
@@ -197,14 +185,7 @@ class _FastRender:
 
 @dataclass
 class Rendered:
-    """A rendered conversation, or a failure.
-
-    Attributes:
-        text: the rendered text.
-        spans: the trainable character spans, ``[start, end)``.
-        error: why rendering failed (``template_error: ...``, ``template_budget: ...``), or
-            None.
-    """
+    """A rendered conversation with its trainable ``[start, end)`` spans, or an ``error``."""
 
     text: str = ""
     spans: list[tuple[int, int]] = field(default_factory=list)
@@ -214,12 +195,7 @@ class Rendered:
 class ChatRenderer:
     """Renders conversations and finds the trainable character spans.
 
-    Args:
-        hf: the transformers tokenizer.
-        options: the chat options (a template file, or the tokenizer's template).
-
-    Raises:
-        TokenizerError: no template is given and the tokenizer has no usable one.
+    Raises ``TokenizerError`` when no template file is given and the tokenizer has no usable one.
     """
 
     def __init__(self, hf: Any, options: ChatOptions):
@@ -252,25 +228,13 @@ class ChatRenderer:
             self._fast = None
 
     def render_texts(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
-        """The full texts of conversations, without spans or budgets.
-
-        Args:
-            conversations: valid conversations.
-
-        Returns:
-            One text per conversation.
-        """
+        """The full texts of valid conversations, without spans or budgets."""
         return _render_batch(conversations, self.template, self.variables, False)
 
     def render(self, conversations: Sequence[list[dict[str, Any]]]) -> list[Rendered]:
-        """Full texts and trainable spans for a batch of valid conversations.
+        """Full texts and trainable spans of valid conversations, under the render budget.
 
-        Args:
-            conversations: valid conversations.
-
-        Returns:
-            One per conversation; a template that raises or exceeds the budget gives an
-            ``error`` instead.
+        A template that raises or exceeds the budget gives that conversation an ``error``.
         """
         out: list[Rendered] = []
         for messages in conversations:
@@ -320,16 +284,7 @@ class ChatRenderer:
 def encoding_mask(
     encoding: Any, n_tokens: int, spans: list[tuple[int, int]]
 ) -> tuple[np.ndarray, int]:
-    """:func:`token_mask` through the encoding's char -> token map.
-
-    Args:
-        encoding: a ``tokenizers.Encoding``.
-        n_tokens: its tokens.
-        spans: the trainable character spans.
-
-    Returns:
-        Trainable flags per token, and how many tokens straddle a span boundary.
-    """
+    """``token_mask`` through a ``tokenizers.Encoding``'s char -> token map."""
     mask = np.zeros(n_tokens, dtype=bool)
     straddle = 0
     for lo, hi in spans:
@@ -350,15 +305,7 @@ def encoding_mask(
 
 
 def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
-    """Trainable flags for tokens from their character offsets.
-
-    Args:
-        offsets: ``n x 2`` character ``[start, end)`` per token.
-        spans: the trainable character spans.
-
-    Returns:
-        Trainable flags per token, and how many tokens straddle a span boundary.
-    """
+    """Trainable flags per token from ``n x 2`` character offsets, and the straddling count."""
     starts, ends = offsets[:, 0], offsets[:, 1]
     mask = np.zeros(len(offsets), dtype=bool)
     straddle = 0
@@ -371,14 +318,7 @@ def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.nd
 
 @dataclass
 class ChatSample:
-    """One conversation after rendering and tokenization, or why it failed.
-
-    Attributes:
-        ids: its ids (None: failed).
-        mask: trainable flags per id (None: failed).
-        error: why it failed, or None.
-        straddle: tokens straddling a span boundary.
-    """
+    """One conversation's ids and trainable mask, or (both None) the ``error`` it failed with."""
 
     ids: np.ndarray | None = None
     mask: np.ndarray | None = None
@@ -387,15 +327,10 @@ class ChatSample:
 
 
 class ChatEncoder:
-    """The chat counterpart of :class:`~shardcache.builder.tokenize.TextEncoder`, with the
-    same build interface (``encode_texts``, ``finish``).
+    """The chat counterpart of ``TextEncoder``, with the same ``encode_texts``/``finish``.
 
-    Args:
-        text: the text encoder whose tokenizer and options it uses.
-        options: the chat options.
-
-    Raises:
-        TokenizerError: the tokenizer has no usable chat template and none was given.
+    Wraps ``text`` (its tokenizer, backend and options). Raises ``TokenizerError`` when the
+    tokenizer has no usable chat template and none was given.
     """
 
     def __init__(self, text: Any, options: ChatOptions):
@@ -418,19 +353,11 @@ class ChatEncoder:
         self._checked = 0
 
     def describe(self) -> dict[str, Any]:
-        """Facts about the tokenizer recorded in the manifest.
-
-        Returns:
-            The text encoder's, with ``chat_template``: where the template came from.
-        """
+        """The manifest's tokenizer facts, with ``chat_template``: where the template came from."""
         return {**self.text.describe(), "chat_template": self.renderer.template_kind}
 
     def template_component(self) -> dict[str, Any]:
-        """The template part of the cache key.
-
-        Returns:
-            The template's source and options, ``train_on`` and the BOS/EOS policy.
-        """
+        """The template part of the cache key: source, options, ``train_on``, BOS/EOS policy."""
         return {
             "kind": "chat",
             "source": self.renderer.template,
@@ -442,13 +369,10 @@ class ChatEncoder:
         }
 
     def probe_chat(self) -> str:
-        """A rendered conversation for the behaviour probe of the cache key.
+        """A demo conversation's rendering for the key's behaviour probe.
 
-        Returns:
-            A demo conversation's text, or ``<render failed: ...>``.
-
-        Raises:
-            TokenizerError: the template exceeds the render budget.
+        A render failure is probed as ``<render failed: ...>``; exceeding the render budget
+        raises ``TokenizerError``.
         """
         demo = [
             {"role": "system", "content": "You are terse."},
@@ -471,12 +395,7 @@ class ChatEncoder:
     ) -> list[ChatSample]:
         """Render and tokenize a batch (runs in the encode thread; encode_batch drops the GIL).
 
-        Args:
-            conversations: the records' conversations.
-            keys: unused: HF alone encodes chat data, so nothing is verified.
-
-        Returns:
-            One sample per conversation.
+        ``keys`` is unused: HF alone encodes chat data, so nothing is verified.
         """
         rendered = self.renderer.render(conversations)
         good = [r for r in rendered if r.error is None]
@@ -520,26 +439,16 @@ class ChatEncoder:
                 self.lint.template_mismatch += 1
 
     def take_lint(self) -> dict[str, int]:
-        """The lint counts gathered since the last call (one partition's), then reset.
-
-        Returns:
-            The counts by name.
-        """
+        """The lint counts gathered since the last call (one partition's), then reset."""
         counts = self.lint.to_json()
         self.lint = ChatLint()
         self._checked = 0
         return counts
 
     def finish(self, samples: list[ChatSample], stats: Any) -> Any:
-        """Truncate, drop samples with no trainable token, and lint.
+        """Truncate, drop samples with no trainable token, and lint, counting into ``stats``.
 
-        Args:
-            samples: what :meth:`encode_texts` returned.
-            stats: the partition's truncation counters (updated).
-
-        Returns:
-            An :class:`~shardcache.builder.tokenize.Encoded` with ``mask``, and ``failed``
-            ``(doc index, reason)`` for conversations that could not be rendered.
+        The ``Encoded`` has a ``mask``, and ``failed`` entries for conversations not rendered.
         """
         limit = self.text.options.max_length
         strategy = self.text.options.truncation

@@ -1,13 +1,9 @@
-"""Ids of texts split into chunks that encode independently, each distinct chunk encoded once.
+"""Ids of texts split into independent chunks, each distinct chunk encoded once.
 
-The backends that encode in this package (:mod:`~shardcache.builder.wordpiece`,
-:mod:`~shardcache.builder.split_words`) split a text where nothing the tokenizer does crosses
-(whitespace), so a text's ids are its chunks' ids in order. Words repeat: :class:`ChunkCache`
-encodes each chunk once and gathers a batch's ids with C-level ``map`` and numpy
-fancy indexing, without a Python loop per token. Memory stays bounded (:data:`CACHE_CHUNKS`,
-:data:`CACHE_IDS`). :class:`AddedTokens` finds the texts that must go to HF whole,
-:func:`interleave` merges the two groups back in order, and :func:`ascii_table` learns what
-HF's normalizer does to each ASCII character (each backend checks it before using it).
+This package's own backends (``wordpiece``, ``split_words``) split a text where nothing the
+tokenizer does crosses, so a text's ids are its chunks' ids in order. ``ChunkCache`` gathers a
+batch's ids with C-level ``map`` and numpy indexing, with no Python loop per token; its memory
+is bounded by ``CACHE_CHUNKS`` and ``CACHE_IDS``.
 """
 
 from __future__ import annotations
@@ -42,16 +38,11 @@ CACHED_CHUNK_CHARS = 128
 
 
 class ChunkCache:
-    """Chunk lists to flat ids, each distinct chunk encoded by ``encode_chunk`` once (until
-    the cache is full and starts again).
+    """Chunk lists to flat ids, each distinct chunk encoded once by ``encode_chunk``.
 
-    One cache serves every thread (a build encodes each partition in a new thread: a cache
-    per thread would start cold for each); a lock makes a batch's lookups one step. The work
-    under it holds the GIL anyway.
-
-    Args:
-        encode_chunk: one chunk's ids (exactly what the tokenizer gives that chunk inside any
-            text).
+    ``encode_chunk`` must give exactly the ids the tokenizer gives that chunk inside any text.
+    One cache serves every thread (each partition runs in a new thread: per-thread caches would
+    start cold); a lock makes a batch's lookups one step, and that work holds the GIL anyway.
     """
 
     def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
@@ -60,14 +51,7 @@ class ChunkCache:
         self._table: _Table | None = None
 
     def encode(self, chunk_lists: Sequence[list[str]]) -> tuple[np.ndarray, np.ndarray]:
-        """The ids of texts given as their chunks.
-
-        Args:
-            chunk_lists: per text, its chunks in order.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)``, flat, one length per text.
-        """
+        """Flat ``(uint32 tokens, int64 lengths)`` of texts given as their chunks in order."""
         with self._lock:
             return self._encode(chunk_lists)
 
@@ -100,16 +84,7 @@ class ChunkCache:
         chunk_lists: Sequence[list[str] | None],
         whole: Callable[[list[str]], tuple[np.ndarray, np.ndarray]],
     ) -> tuple[np.ndarray, np.ndarray]:
-        """The ids of texts, each through its chunks or, where it has none, by ``whole``.
-
-        Args:
-            texts: the texts.
-            chunk_lists: per text, its chunks, or None to encode it with ``whole``.
-            whole: encodes texts whole (HF), as ``(uint32 tokens, int64 lengths)``.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)`` in text order.
-        """
+        """Ids of texts by their chunks, or by ``whole`` (HF) where ``chunk_lists`` has None."""
         other = [i for i, chunks in enumerate(chunk_lists) if chunks is None]
         if not other:
             return self.encode(chunk_lists)  # type: ignore[arg-type]
@@ -122,10 +97,12 @@ class ChunkCache:
 
 
 class _Table(dict):
-    """Chunk -> entry number; entry ``k``'s ids are ``ids[starts[k] : starts[k] + lens[k]]``
-    once :meth:`flush` has run. Used under the cache's lock: entries are only appended, so
-    numbers stay valid until the table is dropped. Chunks over :data:`CACHED_CHUNK_CHARS` get
-    an entry but no key."""
+    """Chunk -> entry number; entry ``k``'s ids are ``ids[starts[k] : starts[k] + lens[k]]``.
+
+    The arrays are valid once ``flush`` has run. Used under the cache's lock; entries are only
+    appended, so numbers stay valid until the table is dropped. Chunks over
+    ``CACHED_CHUNK_CHARS`` get an entry but no key.
+    """
 
     def __init__(self, encode_chunk: Callable[[str], Iterable[int]]):
         super().__init__()
@@ -161,12 +138,10 @@ class _Table(dict):
 
 
 class ChunkedEncoder:
-    """Base of this package's backends: a text's ids are its chunks' ids (:meth:`chunks`),
-    each distinct chunk encoded once by :meth:`encode_chunk`; a text without chunks is
-    encoded whole by the HF reference.
+    """Base of this package's backends: a text's ids are its ``chunks``' ids in order.
 
-    Args:
-        reference: the HF backend (``encode_flat(texts, add_special_tokens)``).
+    Each distinct chunk is encoded once by ``encode_chunk``; a text without chunks goes to the HF
+    ``reference`` whole.
     """
 
     #: The split and the lookups run in Python, holding the GIL: a build runs its partitions
@@ -178,36 +153,15 @@ class ChunkedEncoder:
         self.cache = ChunkCache(self.encode_chunk)
 
     def chunks(self, text: str) -> list[str] | None:
-        """Split a text where nothing the tokenizer does crosses.
-
-        Args:
-            text: a text.
-
-        Returns:
-            Its chunks in order, or None to encode it with HF whole.
-        """
+        """Split a text where nothing the tokenizer does crosses (None: HF encodes it whole)."""
         raise NotImplementedError
 
     def encode_chunk(self, chunk: str) -> Iterable[int]:
-        """Encode one chunk.
-
-        Args:
-            chunk: a chunk :meth:`chunks` gave.
-
-        Returns:
-            Its ids, as the tokenizer gives them to that chunk inside any text.
-        """
+        """One chunk's ids, exactly as the tokenizer gives them to it inside any text."""
         raise NotImplementedError
 
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """Ids of ``texts`` without special tokens, as HF's ``encode_batch`` gives them.
-
-        Args:
-            texts: the texts.
-
-        Returns:
-            ``(uint32 tokens, int64 lengths)``, flat, in text order.
-        """
+        """Flat ids of ``texts`` without special tokens, as HF's ``encode_batch`` gives."""
         return self.cache.encode_or_whole(
             texts,
             [self.chunks(t) for t in texts],
@@ -216,14 +170,10 @@ class ChunkedEncoder:
 
 
 class AddedTokens:
-    """The tokenizer's added tokens (``[CLS]``, ``<|im_start|>``, a user's): HF matches them
-    before anything else, across any chunk boundary, so a text holding one is encoded by HF
-    whole.
+    """The tokenizer's added tokens: a text holding one goes to HF whole.
 
-    Args:
-        added: tokenizer.json's ``added_tokens``.
-        normalize: HF's normalizer (``normalize_str``), which a ``normalized`` token is
-            matched after; None: the tokenizer has none.
+    HF matches them before anything else, across any chunk boundary. ``normalized`` tokens are
+    matched after HF's ``normalize`` (None: the tokenizer has no normalizer).
     """
 
     def __init__(self, added: Iterable[Mapping[str, Any]], normalize: Callable[[str], str] | None):
@@ -237,25 +187,11 @@ class AddedTokens:
         self._normalized_groups = _by_start(self.normalized)
 
     def in_raw(self, text: str) -> bool:
-        """Look for the tokens matched before normalization.
-
-        Args:
-            text: a text, as given.
-
-        Returns:
-            Whether it holds one.
-        """
+        """Whether ``text``, as given, holds a token matched before normalization."""
         return _holds(text, self._raw_groups)
 
     def in_normalized(self, normalized: str) -> bool:
-        """Look for the tokens matched after normalization.
-
-        Args:
-            normalized: a text after HF's normalizer.
-
-        Returns:
-            Whether it holds one.
-        """
+        """Whether ``normalized`` (HF's normalizer output) holds a normalized token."""
         return _holds(normalized, self._normalized_groups)
 
 
@@ -274,15 +210,7 @@ def _holds(text: str, groups: tuple[tuple[str, tuple[str, ...]], ...]) -> bool:
 def interleave(
     n: int, *groups: tuple[np.ndarray, tuple[np.ndarray, np.ndarray]]
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Merge flat encodings of disjoint sets of positions into one in position order.
-
-    Args:
-        n: the number of positions.
-        *groups: ``(positions, (tokens, lengths))``, each encoding in its positions' order.
-
-    Returns:
-        ``(tokens, lengths)`` over positions ``0..n-1``.
-    """
+    """Merge ``(positions, (tokens, lengths))`` groups of disjoint positions over ``0..n-1``."""
     lengths = np.zeros(n, dtype=np.int64)
     for positions, (_, group_lengths) in groups:
         lengths[positions] = group_lengths
@@ -298,17 +226,9 @@ def interleave(
 def ascii_table(normalize: Callable[[str], str]) -> dict[int, str] | None:
     """What ``normalize`` does to each ASCII character, as a ``str.translate`` table.
 
-    Each character is read between two letters (``"a" + c + "b"``), where a step that acts
-    at the ends of a text (``Strip``) does not reach it. Whether the table gives HF's
-    output on whole texts is for the caller to check: it is exact only for a normalizer that
-    acts per character.
-
-    Args:
-        normalize: HF's ``normalize_str`` (``str`` for no normalizer).
-
-    Returns:
-        Code point -> output, for the characters it changes; None when the letters around a
-        character do not come out as they went in.
+    Each character is read between two letters (``"a" + c + "b"``), out of reach of steps that act
+    at a text's ends (``Strip``). The table is exact only for a per-character normalizer, which the
+    caller checks on whole texts. None when the surrounding letters do not come out unchanged.
     """
     if normalize("ab") != "ab":
         return None

@@ -1,12 +1,11 @@
 """Encoding huge documents in pieces, exactly, with bounded memory.
 
-A document above :data:`HUGE_CHARS` is cut into pieces of about :data:`PIECE_CHARS`, each
-encoded without special tokens, and the post-processor's wrapping is put around the joined
-ids. Cuts are before a single space between non-space characters, or where the tokenizer's
-own pre-tokenizer splits and encoding across the cut gives the same ids
-(:func:`pretokenizer_cut`). :func:`chunking_is_exact` checks each tokenizer once; a
-tokenizer that fails it, or a stretch with no safe cut, is encoded whole: exact first,
-memory second.
+A document above ``HUGE_CHARS`` is cut into pieces of about ``PIECE_CHARS``, each encoded
+without special tokens, and the post-processor's wrapping is put around the joined ids. Cuts
+are before a single space between non-space characters, or where the tokenizer's own
+pre-tokenizer splits and encoding across the cut gives the same ids. ``chunking_is_exact``
+checks each tokenizer once; a tokenizer that fails it, or a stretch with no safe cut, is
+encoded whole: exact first, memory second.
 """
 
 from __future__ import annotations
@@ -21,7 +20,7 @@ import numpy as np
 HUGE_CHARS = 1 << 20
 #: Target piece size in characters.
 PIECE_CHARS = 1 << 18
-#: UTF-8 bytes of pieces encoded in one ``encode_batch`` call (see :func:`encode_in_pieces`).
+#: UTF-8 bytes of pieces encoded in one ``encode_batch`` call (see ``encode_in_pieces``).
 BATCH_BYTES = 1 << 20
 
 _PROBE_WORDS = (
@@ -58,17 +57,10 @@ _SPACELESS_PROBE = (
 def split_points(
     text: str, piece_chars: int = PIECE_CHARS, fallback: CutFinder | None = None
 ) -> list[int] | None:
-    """Where to cut a text into pieces of about ``piece_chars`` characters.
+    """Where to cut a text into pieces of about ``piece_chars``; None if a stretch has no cut.
 
-    Args:
-        text: the text.
-        piece_chars: the piece size aimed at.
-        fallback: ``fallback(text, start, target)`` finds a cut where no space does (None:
-            only spaces).
-
-    Returns:
-        Cut positions, each at a space with non-space characters on both sides or where
-        ``fallback`` finds one; None when some stretch has no cut.
+    A cut is at a space between non-space characters, else where ``fallback(text, start,
+    target)`` finds one (None: spaces only).
     """
     cuts = []
     start = 0
@@ -85,16 +77,10 @@ def split_points(
 
 
 def pretokenizer_cut(backend: Any, text: str, start: int, target: int) -> int | None:
-    """A cut where the pre-tokenizer splits and the ids are the same encoded together or apart.
+    """A pre-tokenizer split in ``(start, target]`` nearest ``target``, or None.
 
-    Args:
-        backend: the ``tokenizers.Tokenizer``.
-        text: the text.
-        start: the current piece's start.
-        target: where the piece should end.
-
-    Returns:
-        The cut in ``(start, target]`` closest to ``target``, or None if none.
+    Taken only when the text around it encodes to the same ids together and apart; gives up
+    after 8 rejected candidates.
     """
     pre = backend.pre_tokenizer
     if pre is None:
@@ -126,15 +112,7 @@ def _cut_is_invisible(backend: Any, text: str, pos: int) -> bool:
 
 
 def special_wrapping(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-    """The ids the post-processor puts around a text.
-
-    Args:
-        backend: the ``tokenizers.Tokenizer``.
-        add_special_tokens: as the build encodes.
-
-    Returns:
-        ``(prefix, suffix)`` ids, or None when it does something else than wrapping.
-    """
+    """``(prefix, suffix)`` ids the post-processor puts around a text; None if not a wrap."""
     plain = backend.encode("x", add_special_tokens=False).ids
     full = backend.encode("x", add_special_tokens=add_special_tokens).ids
     for i in range(len(full) - len(plain) + 1):
@@ -146,17 +124,7 @@ def special_wrapping(backend: Any, add_special_tokens: bool) -> tuple[list[int],
 def encode_in_pieces(
     backend: Any, text: str, wrapping: tuple[list[int], list[int]], piece_chars: int = PIECE_CHARS
 ) -> np.ndarray | None:
-    """Encode a text piecewise.
-
-    Args:
-        backend: the ``tokenizers.Tokenizer``.
-        text: the text.
-        wrapping: ``(prefix, suffix)`` ids (:func:`special_wrapping`).
-        piece_chars: the piece size aimed at.
-
-    Returns:
-        The ids (int64), or None if the text cannot be cut.
-    """
+    """The int64 ids of ``text`` encoded piecewise and wrapped; None if it cannot be cut."""
     cuts = split_points(
         text, piece_chars, lambda t, start, target: pretokenizer_cut(backend, t, start, target)
     )
@@ -190,15 +158,9 @@ def _encode_pieces(backend: Any, pieces: list[str]) -> list[np.ndarray]:
 
 
 def chunking_is_exact(backend: Any, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-    """Whether piecewise encoding gives the whole-text ids for this tokenizer.
+    """The wrapping when piecewise encoding gives the whole-text ids on probe texts, else None.
 
-    Args:
-        backend: the ``tokenizers.Tokenizer``.
-        add_special_tokens: as the build encodes.
-
-    Returns:
-        The special-token wrapping when it does on the probe texts, else None (then huge
-        documents are encoded whole).
+    None: never cut with this tokenizer (huge documents are encoded whole).
     """
     wrapping = special_wrapping(backend, add_special_tokens)
     if wrapping is None:

@@ -70,24 +70,11 @@ COMMIT_SCRATCH_PREFIX = "shardcache-commit-"
 def commit(
     storage: Storage, plan: BuildPlan, results: list[PartitionResult], encoder: Encoder
 ) -> dict[str, Any]:
-    """Join partial shards (:mod:`.compact`), write the length index, the quarantine file
-    and, last, the manifest; then remove the shards the merged ones replace.
+    """Join partial shards, write the length index, the quarantine file and, last, the manifest.
 
-    Files no record lists (a killed task's leftovers) and the shares' notes are deleted
-    before the manifest is published.
-
-    Args:
-        storage: the build output.
-        plan: the build plan.
-        results: every partition's result, in partition-id order.
-        encoder: the build's encoder (the manifest's tokenizer fields and the cache key).
-
-    Returns:
-        The manifest written.
-
-    Raises:
-        ShardcacheError: ``--strict-lint`` and the chat lint found problems.
-        SourceError: no document was kept, or more bad records than ``max_bad_fraction``.
+    Files no record lists (a killed task's leftovers) and the shares' notes are deleted before the
+    manifest is published; the shards that merged ones replace only after it, so partitions stay
+    whole until the commit point.
     """
     options = plan.options
     lint: Counter[str] = Counter()
@@ -160,7 +147,7 @@ def _manifest(
     bad: Mapping[str, int],
     lint: Mapping[str, int],
 ) -> dict[str, Any]:
-    """The manifest's fields (``index`` and ``quarantine`` are added by :func:`commit`)."""
+    """The manifest's fields (``commit`` adds ``index`` and ``quarantine``)."""
     options = plan.options
     shards = [s.to_json() for s in compacted.shards]
     inputs = [
@@ -214,8 +201,7 @@ def _manifest(
 
 
 def _remove_unlisted(storage: Storage, results: list[PartitionResult], merged: set[str]) -> None:
-    """Delete what no record lists (half-written leftovers of killed tasks and shares) and
-    the shares' notes; ``merged``: the merged shards this commit writes."""
+    """Delete files no record lists but ``merged`` (killed tasks' leftovers), and shares' notes."""
     listed = {s.name for r in results for s in r.shards} | merged
     storage.remove([f"{SHARD_DIR}/{n}" for n in storage.sizes(SHARD_DIR) if n not in listed])
     keep = {f"{r.partition}.{ext}" for r in results
@@ -225,17 +211,7 @@ def _remove_unlisted(storage: Storage, results: list[PartitionResult], merged: s
 
 
 def committed_manifest(storage: Storage) -> dict[str, Any] | None:
-    """The output's committed manifest, or None when it has none.
-
-    Args:
-        storage: the output.
-
-    Returns:
-        The parsed manifest (not validated), or None.
-
-    Raises:
-        CorruptShardError: the manifest is not a JSON object.
-    """
+    """The output's committed manifest (parsed, not validated), or None when it has none."""
     data = storage.read_many([MANIFEST])[MANIFEST]
     if data is None:
         return None
@@ -243,16 +219,9 @@ def committed_manifest(storage: Storage) -> dict[str, Any] | None:
 
 
 def finish_committed(storage: Storage, manifest: Mapping[str, Any]) -> list[str]:
-    """Finish a committed cache: remove the shard files its manifest does not list.
+    """Remove the shard files a committed manifest does not list; return their names.
 
-    They are left when a commit died after its manifest; call it holding the build lock.
-
-    Args:
-        storage: the output.
-        manifest: its committed manifest.
-
-    Returns:
-        The names removed.
+    A commit that died after its manifest leaves them; call it holding the build lock.
     """
     listed = {entry["name"] for entry in manifest["shards"]}
     stray = sorted(
@@ -267,8 +236,7 @@ _NOT_RECORDS = ("blank_line",)
 
 
 def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str, int]) -> None:
-    """SourceError when the build kept no document or has more bad records than
-    ``max_bad_fraction`` (the partitions stay)."""
+    """Raise SourceError when no document was kept or bad records exceed ``max_bad_fraction``."""
     options = plan.options
     n_bad = sum(n for reason, n in bad.items() if reason not in _NOT_RECORDS)
     records = stats.documents + n_bad
@@ -296,14 +264,7 @@ def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str
 
 
 def encoder_summary(results: list[PartitionResult]) -> dict[str, Any]:
-    """The manifest's ``encoder`` field, from the partitions' records alone.
-
-    Args:
-        results: every partition's result.
-
-    Returns:
-        The backends requested and used, the gate's decisions, and the verification counts.
-    """
+    """The manifest's ``encoder`` field, from the partitions' records alone."""
     encodings = [r.encoding for r in results if r.encoding]
     backends = Counter(e["backend"] for e in encodings)
     return {
@@ -328,22 +289,9 @@ def commit_output(
 ) -> BuildReport:
     """``shardcache commit OUTPUT``: write the manifest once every partition is present.
 
-    Idempotent: a committed output is finished (:func:`finish_committed`) and reported as
-    it is.
-
-    Args:
-        output: the folder or URL every share wrote to.
-        encoder_factory: builds the encoder from the recorded options (tests).
-        strict_lint: refuse, as ``build --strict-lint`` does, when the chat lint found any
-            problem in the shares' partitions.
-        max_bad_fraction: as ``build --max-bad-fraction`` (default: the recorded one).
-
-    Returns:
-        The build report of the committed cache.
-
-    Raises:
-        CacheError: the output holds no build (``parts/build.json`` is missing).
-        IncompleteBuildError: some partitions are not built yet (their ids and shares).
+    Idempotent: a committed output is finished (``finish_committed``) and reported up to date.
+    The options are the recorded ones, but for ``strict_lint`` and (when given)
+    ``max_bad_fraction``; IncompleteBuildError names the missing partitions and their shares.
     """
     started = time.perf_counter()
     storage = open_storage(output)

@@ -28,13 +28,9 @@ LengthSlice = tuple[str, int, int]
 
 @dataclass
 class Group:
-    """Shards of one bucket that become one shard of the cache.
+    """Shards of one bucket, in row order, that become one shard of the cache.
 
-    Attributes:
-        bucket: the bucket.
-        members: the partitions' shards, in row order.
-        lengths: the slices of the partitions' length files that hold their lengths.
-        name: the merged shard's name; None: the one member is kept as it is.
+    ``name`` is the merged shard's name; None keeps the one member as it is.
     """
 
     bucket: int
@@ -45,13 +41,9 @@ class Group:
 
 @dataclass
 class Compacted:
-    """The cache's shards after :func:`compact`.
+    """The cache's shards and length slices in sample-id order, after ``compact``.
 
-    Attributes:
-        shards: in manifest (sample-id) order.
-        lengths: the slices of the partitions' length files, in sample-id order.
-        joined: the partitions' shards that merged shards replace (removed after the
-            manifest).
+    ``joined`` names the partitions' shards that merged ones replace (removed after the manifest).
     """
 
     shards: list[ShardInfo]
@@ -60,15 +52,9 @@ class Compacted:
 
 
 def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
-    """Group one bucket's shards.
+    """Index groups of one bucket's shards: a full one alone, consecutive smaller ones joined.
 
-    Args:
-        shards: the bucket's shards, in row order.
-        target_tokens: the tokens of a full shard.
-
-    Returns:
-        Index groups: a shard of ``target_tokens`` or more alone, consecutive smaller ones
-        together until they reach it.
+    A group of small shards closes once it reaches ``target_tokens``.
     """
     groups: list[list[int]] = []
     open_group: list[int] | None = None
@@ -90,17 +76,7 @@ def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
 def plan_compaction(
     out: str, results: list[PartitionResult], target_bytes: int, itemsize: int
 ) -> list[Group]:
-    """The cache's shards as groups of the partitions' shards, bucket by bucket.
-
-    Args:
-        out: the cache folder.
-        results: the partitions' results, in plan order.
-        target_bytes: token bytes of a full shard.
-        itemsize: bytes per token.
-
-    Returns:
-        The groups, merged ones named.
-    """
+    """The cache's shards as groups of partition shards, bucket by bucket; merged ones named."""
     by_bucket: dict[int, list[tuple[ShardInfo, LengthSlice]]] = defaultdict(list)
     for result in results:
         path = os.path.join(out, PARTS_DIR, f"{result.partition}.lengths.npy")
@@ -126,27 +102,11 @@ def plan_compaction(
 def compact(
     out: str, groups: list[Group], compression: str, shard_size_bytes: int, threads: int = 1
 ) -> Compacted:
-    """Write the merged shards of ``groups`` into the cache folder ``out`` (whose shards
-    folder holds their members; ``compression`` and ``shard_size_bytes`` the build's); the kept
-    shards are not touched.
+    """Write the merged shards of ``groups`` into the staged cache ``out``; kept ones stay put.
 
-    Args:
-        out: the cache folder (staged).
-        groups: :func:`plan_compaction`'s groups.
-        compression: the shards' compression.
-        shard_size_bytes: the shard size.
-        threads: merged shards written at once (hashing, Arrow and file I/O release the GIL);
-            each holds about one member shard in memory. The result is the same for any
-            number.
-
-    Returns:
-        The cache's shards and their length slices in sample-id order (the groups' order),
-        and the members the merged shards replace.
-
-    Raises:
-        CorruptShardError: a member is damaged (see :func:`merge_shards`): the error of the
-            first failing group in group order; merges not started by then are cancelled.
-        OSError: a member cannot be read or a merged shard written (naming the file).
+    ``threads`` merges run at once (each holds about one member shard in memory); the result is
+    the same for any number. A damaged member raises the first failing group's
+    ``CorruptShardError`` in group order, and merges not started by then are cancelled.
     """
     joins = [g for g in groups if g.name is not None]
 

@@ -1,8 +1,7 @@
 """Encoders: how a build turns records into ids, chosen in one place.
 
-:class:`~shardcache.builder.tokenize.TextEncoder` (text) and
-:class:`~shardcache.builder.chat.ChatEncoder` (conversations) share the :data:`Encoder`
-protocol; :func:`encoder_spec` / :func:`encoder_in_worker` carry one to workers as JSON.
+``TextEncoder`` (text) and ``ChatEncoder`` (conversations) make up ``Encoder``;
+``encoder_spec`` and ``encoder_in_worker`` carry one to workers as JSON.
 """
 
 from __future__ import annotations
@@ -30,22 +29,12 @@ def make_encoder(
     *,
     audit: bool = False,
 ) -> Encoder:
-    """A TextEncoder, or for chat data a ChatEncoder wrapping one.
+    """A ``TextEncoder``, or for chat data a ``ChatEncoder`` wrapping one.
 
-    Text is built from the tokenizer memo when it agrees with the folder, else through
-    transformers; ``audit`` never reads the memo. ``preload_fast`` starts loading the fast
-    backend for the gate from tokenizer.json first thing, so the load overlaps resolving the
-    tokenizer; it is used when the memo agrees with that very text, or when its content
-    equals what transformers resolved.
-
-    Args:
-        tokenize: the tokenizer options.
-        chat: the chat options (None: text).
-        preload_fast: start loading the fast backend for the gate.
-        audit: never read the memo.
-
-    Returns:
-        The encoder.
+    Text comes from the tokenizer memo when it agrees with the folder, else from transformers;
+    ``audit`` never reads the memo. ``preload_fast`` starts loading the fast backend from
+    tokenizer.json first, overlapping the tokenizer's resolution; that load is used only when the
+    memo agreed with that very text or its content equals what transformers resolved.
     """
     if chat is not None:
         return ChatEncoder(TextEncoder(tokenize), chat)
@@ -62,15 +51,10 @@ def make_encoder(
 
 
 def encodes_fast(encoder: Encoder) -> bool:
-    """Whether a build's encoder is a text encoder on a fast backend whose encode calls
-    release the GIL (partitions may then share one process, in threads).
+    """Whether the encoder is text on a fast backend whose encode calls release the GIL.
 
-    Args:
-        encoder: the build's encoder, after the gate.
-
-    Returns:
-        True for a text encoder with such a backend; False for HF and chat encoders and for a
-        backend that encodes in Python (its partitions need processes to use every core).
+    Partitions may then share one process in threads; HF, chat and Python-written backends need
+    processes to use every core.
     """
     return (
         isinstance(encoder, TextEncoder) and encoder.fast is not None and encoder.fast.releases_gil
@@ -78,14 +62,7 @@ def encodes_fast(encoder: Encoder) -> bool:
 
 
 def encoder_spec(encoder: Encoder) -> dict[str, Any]:
-    """What a worker rebuilds an encoder from (text without importing transformers).
-
-    Args:
-        encoder: the encoder.
-
-    Returns:
-        A plain-JSON description.
-    """
+    """Plain JSON a worker rebuilds the encoder from (text without importing transformers)."""
     if isinstance(encoder, ChatEncoder):
         return {
             "kind": "chat",
@@ -100,14 +77,7 @@ _WORKER_ENCODERS: dict[str, Encoder] = {}
 
 
 def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
-    """The encoder of ``spec`` in a worker process (pool or Ray), built once per process.
-
-    Args:
-        spec: what :func:`encoder_spec` gave in the build process.
-
-    Returns:
-        The encoder, with the backend the build's gate chose.
-    """
+    """The encoder of ``spec`` in a worker, built once per process, on the gate's backend."""
     key = json.dumps(spec, sort_keys=True, default=str)
     if key not in _WORKER_ENCODERS:
         if spec["kind"] == "text":
@@ -120,14 +90,7 @@ def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
 
 
 def reference_only(encoder: Encoder) -> Encoder:
-    """``encoder`` encoding with the HF reference alone (``encoder`` is left as it is).
-
-    Args:
-        encoder: a build's encoder.
-
-    Returns:
-        ``encoder`` itself when it already uses HF, else a copy that does.
-    """
+    """``encoder`` on the HF reference alone: itself if it already is, else a copy."""
     text = encoder.text if isinstance(encoder, ChatEncoder) else encoder
     if text.fast is None:
         return encoder
@@ -139,29 +102,14 @@ def reference_only(encoder: Encoder) -> Encoder:
 
 
 def take_lint(encoder: Encoder) -> dict[str, int]:
-    """The lint counts gathered since the last call (per partition), then reset.
-
-    Args:
-        encoder: the encoder.
-
-    Returns:
-        The counts by name (empty for text).
-    """
+    """The chat lint counts gathered since the last call, then reset (empty for text)."""
     if not isinstance(encoder, ChatEncoder):
         return {}
     return encoder.take_lint()
 
 
 def encoder_for(options: BuildOptions, factory: EncoderFactory | None = None) -> Encoder:
-    """The encoder of a build.
-
-    Args:
-        options: the build's options.
-        factory: makes it instead (tests); None: the default.
-
-    Returns:
-        The encoder.
-    """
+    """The encoder of a build, made by ``factory`` when given (tests)."""
     if factory is not None:
         return factory(options)
     preload = options.encoding.encoder != "hf" and options.chat is None

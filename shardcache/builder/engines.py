@@ -2,9 +2,8 @@
 
 A partition's output is a pure function of its bytes and options, published with its record
 last, and the commit reads only records; so any engine produces the same bytes. ``local``
-(:mod:`shardcache.builder.pool`) runs in this process or a process pool; ``ray``
-(``shardcache[ray]``) runs one retried task per partition, largest first, on a local Ray
-(``num_cpus = --workers``) or the cluster at ``--ray-address`` (the output must then be
+(``shardcache.builder.pool``) runs here or in a process pool; ``ray`` runs one retried task
+per partition on a local Ray or the cluster at ``--ray-address`` (the output must then be
 reachable from every node).
 """
 
@@ -36,13 +35,8 @@ RAY_MAX_RETRIES = 3
 class EngineOptions:
     """Where partitions run and which of them (never changes the output bytes).
 
-    Attributes:
-        engine: a name of :data:`ENGINES`.
-        ray_address: an existing Ray cluster to join (``--engine ray`` only).
-        share: the job-array share this process runs; None runs every partition.
-
-    Raises:
-        ConfigError: an unknown engine, or ``ray_address`` without ``--engine ray``.
+    ``share`` is the job-array share this process runs (None: every partition). Raises
+    ``ConfigError`` for an unknown engine, or ``ray_address`` without ``--engine ray``.
     """
 
     engine: str = "local"
@@ -89,22 +83,11 @@ def run_ray(
     workers: int,
     address: str | None = None,
 ) -> dict[str, PartitionResult]:
-    """Run ``pending`` as Ray tasks; progress advances per finished partition.
+    """Run ``pending`` as Ray tasks, largest first; progress advances per finished partition.
 
-    Args:
-        plan: the build plan.
-        pending: the partitions to run.
-        encoder: the build's encoder, after the gate (sent to the tasks as its spec).
-        progress: advanced per finished partition.
-        workers: CPUs of the local Ray started when none is running and no address given.
-        address: an existing cluster to join.
-
-    Returns:
-        Partition id -> result, for every partition of ``pending``.
-
-    Raises:
-        MissingDependencyError: Ray is not installed.
-        CacheError: a task failed after its retries (completed partitions are kept).
+    ``workers`` sizes the local Ray started when none runs and no ``address`` is given.
+    Raises ``MissingDependencyError`` without Ray, and ``CacheError`` when a task fails after
+    its retries (completed partitions are kept).
     """
     ray = _import_ray()
     started = False

@@ -1,10 +1,9 @@
 """The cache key of a build configuration: components computed from the tokenizer itself.
 
-The key's structure and comparison are the store's (:mod:`shardcache.store.key`); computing
-one needs the tokenizer (the behaviour probe), so it lives here. Everything taken from
-transformers is read off the encoder's
-:class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`, so a key is byte-identical
-whether transformers or its memo resolved the folder.
+The key's structure and comparison are the store's (``shardcache.store.key``); computing one
+needs the tokenizer (the behaviour probe), so it lives here. Everything taken from transformers
+is read off the encoder's ``ResolvedTokenizer``, so a key is byte-identical whether
+transformers or its memo resolved the folder.
 """
 
 from __future__ import annotations
@@ -38,15 +37,9 @@ PROBES: dict[str, str] = {
 
 
 def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, padding: Any) -> dict:
-    """The tokenizer component of the cache key.
+    """The key's tokenizer component: parsed tokenizer.json's content, large parts as digests.
 
-    Args:
-        backend_json: the backend tokenizer (parsed tokenizer.json).
-        truncation: its saved truncation setting, as it was when loaded.
-        padding: its saved padding setting, as it was when loaded.
-
-    Returns:
-        Its canonical content: large parts as digests (:func:`inline_value`).
+    ``truncation`` and ``padding`` are the backend's saved settings as they were when loaded.
     """
     model = backend_json.get("model") or {}
     vocab = model.get("vocab")
@@ -78,15 +71,7 @@ def tokenizer_component(backend_json: Mapping[str, Any], truncation: Any, paddin
 
 
 def probe_set(encoder: Any) -> dict[str, str]:
-    """The behaviour probe texts of an encoder's key.
-
-    Args:
-        encoder: a text or chat encoder.
-
-    Returns:
-        By name: :data:`PROBES`, the special tokens written in text, and a rendered
-        conversation for chat builds.
-    """
+    """The probe texts by name: ``PROBES``, the special tokens as text, and a chat rendering."""
     specials = getattr(encoder, "text", encoder).resolved.all_special
     probes = dict(PROBES)
     if specials:
@@ -97,14 +82,7 @@ def probe_set(encoder: Any) -> dict[str, str]:
 
 
 def probe_texts(encoder: Any) -> list[str]:
-    """The behaviour probe texts of an encoder's key (the encoder gate encodes them too).
-
-    Args:
-        encoder: a text or chat encoder.
-
-    Returns:
-        The texts of :func:`probe_set`, in name order.
-    """
+    """The probe texts in name order (the encoder gate encodes them too)."""
     probes = probe_set(encoder)
     return [probes[n] for n in sorted(probes)]
 
@@ -112,11 +90,7 @@ def probe_texts(encoder: Any) -> list[str]:
 def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
     """The data component of a corpus named by its files.
 
-    Args:
-        files: per file, ``relpath``, ``size`` and ``sha256``.
-
-    Returns:
-        The files keyed by relative path, so a diff names the file edited, added or removed.
+    Keyed by relative path, so a key diff names the file edited, added or removed.
     """
     return {
         "mode": "files",
@@ -125,21 +99,14 @@ def data_component_from_files(files: list[Mapping[str, Any]]) -> dict:
 
 
 def data_component_from_version(version: str) -> dict:
-    """The data component of a corpus named by a version string instead of its files.
-
-    Args:
-        version: the ``--data-version``.
-
-    Returns:
-        The component.
-    """
+    """The data component of a corpus named by its ``--data-version`` instead of its files."""
     return {"mode": "version", "version": str(version)}
 
 
 #: Folder under ``$SHARDCACHE_CACHE_DIR`` of memoised tokenizer components.
 COMPONENTS_DIR = "components"
 
-#: Bump when :func:`tokenizer_component` changes what it returns for the same input.
+#: Bump when ``tokenizer_component`` changes what it returns for the same input.
 COMPONENT_MEMO_VERSION = 1
 
 
@@ -149,18 +116,10 @@ def memoised_tokenizer_component(
     truncation: Any,
     padding: Any,
 ) -> dict:
-    """:func:`tokenizer_component`, remembered by the sha256 of its whole input.
+    """``tokenizer_component``, remembered by the sha256 of its whole input.
 
-    Any memo problem only means computing it again.
-
-    Args:
-        serialized: the tokenizer's JSON.
-        backend_json: gives it parsed (called only when the memo misses).
-        truncation: its saved truncation setting.
-        padding: its saved padding setting.
-
-    Returns:
-        The component.
+    ``backend_json`` is called only when the memo misses; any memo problem only means computing
+    the component again.
     """
     head = canonical_json([COMPONENT_MEMO_VERSION, truncation, padding])
     digest = sha256_text(head + "\n" + serialized)
@@ -173,26 +132,14 @@ def memoised_tokenizer_component(
 
 
 def text_component(text: Any) -> dict:
-    """The tokenizer component of a text encoder (memoised).
-
-    Args:
-        text: the text encoder.
-
-    Returns:
-        The component.
-    """
+    """The tokenizer component of a text encoder (memoised)."""
     return memoised_tokenizer_component(
         text.serialized, lambda: text.backend_json, text.backend_truncation, text.backend_padding
     )
 
 
 def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
-    """Compute the key's tokenizer component now and keep it on the encoder.
-
-    Args:
-        encoder: a text or chat encoder; :func:`compute_key` uses what is kept.
-        use_memo: read and write the memo.
-    """
+    """Compute the key's tokenizer component now and keep it on the encoder for ``compute_key``."""
     text = getattr(encoder, "text", encoder)
     if use_memo:
         text.tokenizer_component = text_component(text)
@@ -203,15 +150,7 @@ def precompute_tokenizer_component(encoder: Any, use_memo: bool = True) -> None:
 
 
 def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
-    """The key of a configuration.
-
-    Args:
-        encoder: a :class:`~shardcache.builder.tokenize.TextEncoder` or chat encoder.
-        data: the data component, or None when unknown (then not compared).
-
-    Returns:
-        The cache key.
-    """
+    """The cache key of an encoder's configuration; ``data`` None: unknown, then not compared."""
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     resolved = text.resolved  # what transformers resolved (or its memo): never ``text.hf``
     options = text.options
@@ -254,13 +193,7 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
 
 @dataclass
 class DataHashing:
-    """What hashing the data component cost.
-
-    Attributes:
-        files: files hashed.
-        bytes: their bytes.
-        seconds: wall-clock seconds.
-    """
+    """What hashing the data component cost: files, bytes and wall-clock seconds."""
 
     files: int = 0
     bytes: int = 0
@@ -268,18 +201,14 @@ class DataHashing:
 
     @property
     def mb_per_second(self) -> float:
+        """Hashing throughput in MB/s (0 before any time is spent)."""
         return self.bytes / self.seconds / 1e6 if self.seconds > 0 else 0.0
 
 
 def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, Any] | None:
-    """The data component of the current configuration.
+    """The data component from ``data_version`` or the ``input`` files; None if neither is set.
 
-    Args:
-        values: recipe and flag values (``data_version``, ``input``).
-        hashing: the counters the hashing adds to.
-
-    Returns:
-        The component, or None when neither is given.
+    Hashing the files adds to ``hashing``'s counters.
     """
     if values.get("data_version") is not None:
         return data_component_from_version(values["data_version"])
@@ -296,15 +225,7 @@ def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, A
 
 
 def current_key(values: Mapping[str, Any], hashing: DataHashing) -> CacheKey:
-    """The key the current configuration would build (no memo is read).
-
-    Args:
-        values: recipe and flag values.
-        hashing: the counters the data hashing adds to.
-
-    Returns:
-        The key.
-    """
+    """The key the current recipe and flag values would build (no memo is read)."""
     encoder = make_encoder(
         tokenize_options_from_mapping(values), chat_options_from_mapping(values), audit=True
     )

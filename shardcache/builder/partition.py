@@ -63,21 +63,13 @@ _PARENT_PID: int | None = None  # set in worker processes
 
 
 def set_parent_pid(pid: int) -> None:
-    """In a worker process: set the build process to die with (see :func:`check_parent`).
-
-    Args:
-        pid: the build process's pid.
-    """
+    """In a worker process: set the build process to die with (see ``check_parent``)."""
     global _PARENT_PID
     _PARENT_PID = pid
 
 
 def build_pid() -> int:
-    """The pid of the build process.
-
-    Returns:
-        This process's, or in a pool worker its parent's.
-    """
+    """The build process's pid: this process's, or in a pool worker its parent's."""
     return _PARENT_PID if _PARENT_PID is not None else os.getpid()
 
 
@@ -109,14 +101,10 @@ class _BadLog:
 
 
 def merge_bad_logs(path: str, logs: list[str], sources: list[str] | None = None) -> None:
-    """Merge quarantine logs ordered by (file in ``sources``, record) into ``path`` in that
-    order (streaming; the logs are removed). A record is in at most one log, so the order is
-    total.
+    """Merge record-ordered quarantine logs into ``path``, streaming; the logs are removed.
 
-    Args:
-        path: the merged log written.
-        logs: the logs, each ordered.
-        sources: the partition's files in order (None: entries of one file).
+    Entries are ordered by (file position in ``sources``, record); a record is in at most one
+    log, so the order is total.
     """
     order = {source: k for k, source in enumerate(sources or [])}
 
@@ -136,17 +124,10 @@ def merge_bad_logs(path: str, logs: list[str], sources: list[str] | None = None)
 
 
 def check_read(plan: BuildPlan, file: InputFile, span: InputSlice, digest: FileDigest) -> None:
-    """Check that a partition read the bytes the plan described of ``file`` (size, mtime,
-    ``span`` and, when the plan hashed them, sha256).
+    """Raise ``SourceError`` unless a partition read the bytes the plan described.
 
-    Args:
-        plan: the build plan.
-        file: the input file.
-        span: the part of it the partition read.
-        digest: what the read measured.
-
-    Raises:
-        SourceError: the input changed since it was planned.
+    Compares ``file``'s size and mtime, the length of ``span`` and, where the plan hashed them,
+    the sha256.
     """
     check_unchanged(file, "while this partition read it")
     if file.format != "parquet":
@@ -175,22 +156,9 @@ def build_partition(
 ) -> PartitionResult:
     """Map one partition to shard files and its completion record, published to the output.
 
-    Files are written in the output's staging folder and published, the completion record
-    last. A fast-encoder difference from HF re-encodes the partition with HF.
-
-    Args:
-        plan: the build plan (its options name the output).
-        partition: the partition to build.
-        encoder: the build's encoder, after the gate.
-        progress: receives bytes read, documents and tokens.
-
-    Returns:
-        The partition's result (as recorded).
-
-    Raises:
-        EncoderError: under ``--encoder fast``, the fast encoder differed from HF.
-        SourceError: the input changed since it was planned, or a bad record under
-            ``--on-error fail``.
+    Files are written in the output's staging folder and published, the completion record last.
+    A fast-encoder difference from HF re-encodes the partition with HF (``EncoderError`` under
+    ``--encoder fast``).
     """
     storage = open_storage(plan.options.output)
     # the pid in the name lets a later run sweep what a killed one left (a URL's scratch)
@@ -212,8 +180,10 @@ def build_partition(
 def _map_verified(
     plan: BuildPlan, partition: Partition, encoder: Encoder, progress: Progress
 ) -> PartitionResult:
-    """:func:`map_partition`, redone with the HF reference alone on a fast-encoder difference
-    (an :class:`EncoderError` under ``--encoder fast``)."""
+    """``map_partition``, redone with the HF reference alone on a fast-encoder difference.
+
+    Under ``--encoder fast`` the difference raises ``EncoderError`` instead.
+    """
     text = getattr(encoder, "text", encoder)  # a ChatEncoder wraps a TextEncoder
     text.take_verify()  # counts are per partition (whatever ran before in this process)
     times = StageTimes()
@@ -255,15 +225,10 @@ def _map_verified(
 
 
 def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]:
-    """A partition's stage times, with ``parse`` and ``tokenizer`` derived.
+    """A partition's stage times, with ``parse``, ``tokenizer`` and ``process`` added.
 
-    Args:
-        times: the stages the partition timed.
-        process_cpu: the process's CPU seconds during the partition.
-
-    Returns:
-        The stage times, with ``parse`` (reading thread beyond ``read``), ``tokenizer``
-        (process CPU beyond the Python-side stages) and ``process``.
+    ``parse`` is the reading thread beyond ``read``; ``tokenizer`` the process CPU beyond the
+    Python-side stages.
     """
     seconds = dict(times.to_json())
     reader = seconds.pop("reader", 0.0)
@@ -280,13 +245,8 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
 class BucketRows:
     """The sequences of one bucket of a batch, in input order.
 
-    Attributes:
-        tokens: their ids, flat.
-        lengths: tokens per sequence.
-        records: per sequence, its record index.
-        piece: per sequence, its piece index.
-        doc_index: per sequence, its document's position in the batch.
-        mask: trainable flags, flat like ``tokens`` (None: text).
+    ``tokens`` and ``mask`` (None: text) are flat; the other arrays hold one entry per sequence
+    (``doc_index``: its document's position in the batch).
     """
 
     tokens: np.ndarray
@@ -300,17 +260,10 @@ class BucketRows:
 def by_bucket(
     encoded: Encoded, records: np.ndarray, edges: tuple[int, ...]
 ) -> list[tuple[int, BucketRows]]:
-    """A batch's sequences grouped by length bucket (buckets in order, rows in input order
-    within each): one stable sort of the rows by bucket, then each bucket's tokens copied
-    into an array of its own, a run of rows adjacent in the batch as one slice.
+    """``(bucket, rows)`` for every non-empty length bucket of a batch, rows in input order.
 
-    Args:
-        encoded: the batch's sequences.
-        records: the record index of each document of the batch.
-        edges: the bucket edges.
-
-    Returns:
-        ``(bucket, rows)`` for each bucket that holds sequences.
+    One stable sort of the rows by bucket; each bucket's tokens are copied into an array of its
+    own, a run of rows adjacent in the batch as one slice.
     """
     n = len(encoded.lengths)
     if not n:
@@ -351,17 +304,7 @@ def add_rows(
     pieces: np.ndarray,
     mask: np.ndarray | None,
 ) -> None:
-    """Append rows to a writer, each run of rows under its input file.
-
-    Args:
-        writer: the bucket's writer.
-        runs: ``(file, start, end)``: rows ``start:end`` come from ``file``.
-        tokens: the rows' ids, flat.
-        lengths: tokens per row.
-        records: per row, its record index.
-        pieces: per row, its piece index.
-        mask: trainable flags, flat (None: text).
-    """
+    """Append rows to a bucket's writer, each run ``(file, start, end)`` under its file."""
     ends = np.concatenate([[0], np.cumsum(lengths)]) if len(runs) > 1 else None
     for source, start, end in runs:
         writer.source = source
@@ -374,12 +317,7 @@ def add_rows(
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
-    """Remove what a failed attempt at a partition wrote.
-
-    Args:
-        out: the output folder.
-        partition_id: the partition.
-    """
+    """Remove what a failed attempt at a partition wrote into ``out``."""
     for sub, prefix in ((SHARD_DIR, f"{partition_id}-"), (PARTS_DIR, f"{partition_id}.")):
         folder = os.path.join(out, sub)
         for name in os.listdir(folder):
@@ -394,22 +332,9 @@ def map_partition(
     progress: Progress,
     times: StageTimes | None = None,
 ) -> PartitionResult:
-    """Read, encode and write one partition's files into ``plan.options.output`` (not its
-    completion record).
+    """Read, encode and write a partition's files into the output, not its completion record.
 
-    Args:
-        plan: the build plan.
-        partition: the partition.
-        encoder: the build's encoder.
-        progress: receives the bytes read and the documents written.
-        times: receives the CPU seconds of its stages (None: not timed).
-
-    Returns:
-        The partition's result (its ``encoding`` left empty).
-
-    Raises:
-        SourceError: the input changed since it was planned.
-        BadRecordError: a bad record under ``--on-error fail``.
+    The result's ``encoding`` is left empty for the caller.
     """
     for file in partition.files:
         check_unchanged(file, "between the plan and this partition's read")

@@ -1,12 +1,10 @@
 """The local engine: partitions in this process, or in a ``spawn`` process pool.
 
-One worker, one pending partition, or a fast-backend text build on at most two workers runs
-in this process, text partitions two at a time in threads. Otherwise a ``spawn`` pool (fork
-after the tokenizer's Rayon pool started would deadlock) runs partitions largest first; each
-worker builds its encoder from a spec read from a private payload file (never the spawn
-pipe, which blocks on a child that died), splits the cores with the others, and dies with
-the parent. A ``__main__`` read from stdin cannot be re-imported by children, so such a
-build is refused before any worker starts.
+The pool is ``spawn`` (fork after the tokenizer's Rayon pool started would deadlock); each
+worker reads its encoder spec from a private payload file (never the spawn pipe, which blocks
+on a child that died), takes an even share of the cores, and dies with the parent. A
+``__main__`` read from stdin cannot be re-imported by children, so such a build is refused
+before any worker starts.
 """
 
 from __future__ import annotations
@@ -123,11 +121,7 @@ def _drain(queue: Any, progress: Progress) -> None:
 
 
 def unimportable_main() -> str | None:
-    """Whether spawned children can re-import ``__main__``.
-
-    Returns:
-        Its path when they cannot (read from stdin); None when they can or need not.
-    """
+    """The path of a ``__main__`` spawned children cannot re-import; None if they can."""
     main = sys.modules.get("__main__")
     if getattr(getattr(main, "__spec__", None), "name", None):
         return None  # imported by module name
@@ -141,14 +135,7 @@ def unimportable_main() -> str | None:
 
 
 def check_main_importable(workers: int) -> None:
-    """Refuse a process pool whose children would die re-importing ``__main__``.
-
-    Args:
-        workers: the pool's size (for the message).
-
-    Raises:
-        ShardcacheError: ``__main__`` is not a file a child can import.
-    """
+    """Raise ``ShardcacheError`` for a pool whose children would die re-importing ``__main__``."""
     path = unimportable_main()
     if path is not None:
         raise ShardcacheError(
@@ -174,20 +161,10 @@ def run_pool(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    """Run ``pending`` in a ``spawn`` pool of ``workers`` processes.
+    """Run ``pending`` in a ``spawn`` pool of ``workers`` processes, largest partition first.
 
-    Args:
-        plan: the build plan.
-        pending: the partitions to run.
-        encoder: the build's encoder, after the gate (its fast backend is freed here).
-        progress: receives the workers' progress events.
-        workers: processes in the pool.
-
-    Returns:
-        Partition id -> result, for every partition of ``pending``.
-
-    Raises:
-        ShardcacheError: ``__main__`` cannot be re-imported by a child, or a worker died.
+    Frees ``encoder``'s fast backend here (workers load their own). Raises ``ShardcacheError``
+    when a child cannot re-import ``__main__`` or a worker died (completed partitions are kept).
     """
     check_main_importable(workers)
     ctx = multiprocessing.get_context("spawn")
@@ -270,25 +247,10 @@ def run_local(
     progress: Progress,
     workers: int,
 ) -> dict[str, PartitionResult]:
-    """The local engine: in this process for one worker, one partition, or a text build on
-    the fast backend with at most :data:`IN_FLIGHT` workers; else the pool.
+    """The local engine: ``pending`` in this process when a pool would not pay, else the pool.
 
-    A fast-backend text build runs :data:`IN_FLIGHT` partitions at once in threads that share
-    one tokenizer, so up to that many workers a process pool would only add a start-up and a
-    tokenizer load per worker.
-
-    Args:
-        plan: the build plan.
-        pending: the partitions to run.
-        encoder: the build's encoder, after the gate.
-        progress: receives the workers' progress events.
-        workers: the cores to use (processes at most).
-
-    Returns:
-        Partition id -> result, for every partition of ``pending``.
-
-    Raises:
-        ShardcacheError: a worker process died (completed partitions are kept).
+    In process: one worker, one partition, or a fast-backend text build on at most ``IN_FLIGHT``
+    workers, whose threads share one tokenizer (a pool would only add start-ups and loads).
     """
     if workers == 1 or len(pending) <= 1 or (encodes_fast(encoder) and workers <= IN_FLIGHT):
         return run_in_process(plan, pending, encoder, progress)
@@ -320,19 +282,10 @@ class _LockedProgress(Progress):
 def run_in_process(
     plan: BuildPlan, pending: list[Partition], encoder: Encoder, progress: Progress
 ) -> dict[str, PartitionResult]:
-    """Run ``pending`` in this process: text partitions :data:`IN_FLIGHT` at a time, each
-    with its own :meth:`~shardcache.builder.tokenize.TextEncoder.for_partition` copy (a
-    partition's files depend on its input alone, so the order they finish in does not
-    matter); chat partitions one after the other.
+    """Run ``pending`` here: text partitions ``IN_FLIGHT`` at a time, chat ones in turn.
 
-    Args:
-        plan: the build plan.
-        pending: the partitions to run.
-        encoder: the build's encoder, after the gate.
-        progress: receives bytes, documents and tokens.
-
-    Returns:
-        Partition id -> result, for every partition of ``pending``.
+    Each thread gets its own ``TextEncoder.for_partition`` copy; a partition's files depend on
+    its input alone, so the order they finish in does not matter.
     """
     if not isinstance(encoder, TextEncoder) or len(pending) <= 1:
         return {p.id: build_partition(plan, p, encoder, progress) for p in pending}
@@ -356,10 +309,8 @@ def run_in_process(
 def apportion_process_cpu(results: list[PartitionResult], process_cpu: float) -> None:
     """Share a process's CPU among partitions that ran at once (each timed all of it).
 
-    Args:
-        results: the partitions; each gets ``process``, its share by encode time, and
-            ``tokenizer``, the part beyond its Python-side stages, in its timings.
-        process_cpu: the process's CPU seconds.
+    Each result's timings get ``process``, its share by encode time, and ``tokenizer``, the
+    part of that beyond its Python-side stages.
     """
     busy = [r.timings.get("encode_busy", 0.0) for r in results]
     total = sum(busy)

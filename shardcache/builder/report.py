@@ -1,8 +1,4 @@
-"""What a build reports: progress events while it runs, the report when it ends.
-
-:class:`Progress` receives events (the CLI subclasses it with a bar); :class:`BuildReport` is
-what ``build`` / ``commit`` return and print (:func:`format_report`, :func:`report_json`).
-"""
+"""What a build reports: progress events while it runs (``Progress``), the report at the end."""
 
 from __future__ import annotations
 
@@ -15,37 +11,23 @@ from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
 class Progress:
-    """Receives build progress; the CLI subclasses it with a progress bar. No-op by default.
+    """Receives build progress; no-op by default (the CLI subclasses it with a bar).
 
-    In a parallel build the workers' events are forwarded to this object in the parent, so
-    one bar covers the whole build.
+    In a parallel build the workers' events are forwarded to this object in the parent, so one
+    bar covers the whole build.
     """
 
     def start(self, total_bytes: int, files: int) -> None:
-        """Called once before any partition runs.
-
-        Args:
-            total_bytes: input bytes still to read.
-            files: input files.
-        """
+        """Called once before any partition runs: input bytes still to read, input files."""
 
     def advance(self, n_bytes: int) -> None:
-        """Called as raw input is consumed.
-
-        Args:
-            n_bytes: bytes consumed since the last call.
-        """
+        """Called as raw input is consumed, with the bytes consumed since the last call."""
 
     def update(self, documents: int, tokens: int) -> None:
-        """Called as sequences are written.
-
-        Args:
-            documents: documents just written.
-            tokens: tokens just written.
-        """
+        """Called as sequences are written, with the documents and tokens just written."""
 
     def close(self) -> None:
-        """Called once at the end (also on failure)."""
+        """Called once at the end, also on failure."""
 
 
 @dataclass
@@ -69,7 +51,7 @@ class BuildReport:
         corrupt_files: damaged inputs and where their loss begins.
         up_to_date: nothing was done: the output already held this build, committed.
         encoder: the manifest's ``encoder`` field (backend chosen and its verification).
-        stages: CPU seconds per stage of this run (:mod:`~shardcache.builder.stage_times`).
+        stages: CPU seconds per stage of this run (see ``shardcache.builder.stage_times``).
     """
 
     output: str
@@ -99,17 +81,7 @@ class BuildReport:
 def report_from_manifest(
     output: str, manifest: Mapping[str, Any], seconds: float, up_to_date: bool = False
 ) -> BuildReport:
-    """The report of a committed cache, from its manifest (no partition ran).
-
-    Args:
-        output: the cache folder or URL.
-        manifest: its manifest.
-        seconds: wall-clock seconds of this run.
-        up_to_date: the output already held this build.
-
-    Returns:
-        The report (``workers`` 0: none ran).
-    """
+    """The report of a committed cache, from its manifest (``workers`` 0: none ran)."""
     totals, stats = manifest["totals"], dict(manifest["stats"])
     bad, corrupt = stats.pop("bad_records"), stats.pop("corrupt_files")
     return BuildReport(
@@ -123,14 +95,7 @@ def report_from_manifest(
 
 
 def report_json(report: BuildReport) -> dict[str, Any]:
-    """The report as plain JSON (``build --json``).
-
-    Args:
-        report: the report.
-
-    Returns:
-        Its fields and ``tokens_per_second``, seconds rounded.
-    """
+    """The report as plain JSON (``build --json``), with ``tokens_per_second``."""
     return {
         **asdict(report),
         "seconds": round(report.seconds, 3),
@@ -139,14 +104,7 @@ def report_json(report: BuildReport) -> dict[str, Any]:
 
 
 def format_report(report: BuildReport) -> str:
-    """The report as the text ``build`` prints.
-
-    Args:
-        report: the report.
-
-    Returns:
-        Aligned lines, without a final newline.
-    """
+    """The report as the aligned lines ``build`` prints, without a final newline."""
     st = report.stats
     secs = max(report.seconds, 1e-9)
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"

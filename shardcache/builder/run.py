@@ -1,10 +1,7 @@
 """The build's front door: one pipeline, plan -> map(partitions) -> commit.
 
-:func:`build` opens the output (local folder or URL) and holds its lock, makes the one
-"already committed" check, plans or resumes, filters the partitions (all, or a job-array
-share), gates the encoder once, maps the pending partitions with an engine and commits
-(except for a share). A partition's bytes never depend on scheduling or storage, so every
-kind of build is byte-identical to an uninterrupted single-process one.
+A partition's bytes never depend on scheduling or storage, so every kind of build (resumed,
+parallel, Ray, job-array shares) is byte-identical to an uninterrupted single-process one.
 """
 
 from __future__ import annotations
@@ -46,16 +43,10 @@ F = TypeVar("F", bound=Callable[..., Any])
 
 
 def errors_explained(func: F) -> F:
-    """Explain the errors of a build function whose first argument is its options.
+    """Wrap a build function (options first) so store and disk errors explain themselves.
 
-    An unreachable store, or a write error on ``options.output`` (full disk, quota,
-    read-only, permissions), becomes a :class:`CacheError` naming the place and what to do.
-
-    Args:
-        func: the function.
-
-    Returns:
-        The wrapped function.
+    An unreachable store or a write error on ``options.output`` (full disk, quota, read-only,
+    permissions) becomes a CacheError naming the place and what to do.
     """
 
     @functools.wraps(func)
@@ -81,25 +72,10 @@ def build(
     progress: Progress | None = None,
     encoder_factory: EncoderFactory | None = None,
 ) -> BuildReport:
-    """Build (or resume building) a cache, or one share of a job array, from ``options``.
+    """Build (or resume) a cache, or one job-array share of it (not committed), from ``options``.
 
-    Args:
-        options: what to build and where (a folder or a URL); inputs are files, folders,
-            globs or URLs.
-        engine: where partitions run (in-process / process pool, or Ray) and which of them
-            (all, or a job-array share); the default runs all of them locally.
-        progress: receives progress events.
-        encoder_factory: builds the encoder from the options (tests).
-
-    Returns:
-        The build report (a share's: its partitions only, nothing committed).
-
-    Raises:
-        ConfigError: ``--force`` with a share.
-        BuildLockedError: another live build holds the output (or the same share).
-        CacheError: the output holds a committed cache or an interrupted build with other
-            options or inputs, or cannot be written or reached.
-        SourceError: unreadable inputs, or too many bad records to commit.
+    Everything from the "already committed" check to the commit runs under the output's lock (a
+    share's own lock for a share).
     """
     engine = engine or EngineOptions()
     share = engine.share
@@ -170,20 +146,26 @@ def build_cache(
     progress: Progress | None = None,
     encoder_factory: EncoderFactory | None = None,
 ) -> BuildReport:
-    """:func:`build` with the default engine: every partition, on this machine.
+    """Build (or resume building) a cache from ``options``, every partition on this machine.
+
+    Rerunning an interrupted build resumes from its completed partitions, with the same bytes as
+    an uninterrupted build; an output already committed with these options and inputs is
+    reported as up to date.
 
     Args:
-        options: what to build and where.
-        progress: receives progress events.
-        encoder_factory: builds the encoder from the options (tests).
+        options: what to build and where (a folder or a URL).
+        progress: a ``shardcache.builder.report.Progress`` receiving events (default: none).
+        encoder_factory: builds the encoder from the options (for tests).
 
     Returns:
-        The build report.
+        The [`BuildReport`][shardcache.BuildReport].
 
     Raises:
         BuildLockedError: another live build holds the output.
-        CacheError: see :func:`build`.
-        SourceError: see :func:`build`.
+        CacheError: the output holds a committed cache or an interrupted build with other
+            options or inputs, or cannot be written or reached.
+        SourceError: unreadable inputs, or too many bad records to commit.
+        ShardcacheError: ``strict_lint`` is set and the chat lint found problems.
     """
     return build(options, None, progress, encoder_factory)
 
@@ -191,9 +173,7 @@ def build_cache(
 def _already_committed(
     storage: Storage, options: BuildOptions, inputs: list[InputFile], share: Share | None
 ) -> dict[str, Any] | None:
-    """The one "already committed" check (lock held): the finished manifest of this very
-    build, or None (none, or ``--force`` removed it); CacheError for a share or a cache
-    built with other options or inputs (naming what differs)."""
+    """This build's committed manifest, or None; CacheError if built with other options/inputs."""
     manifest = committed_manifest(storage)
     if manifest is None:
         return None
@@ -223,17 +203,7 @@ FAST_BYTES_PER_WORKER = 256 * 1024 * 1024
 
 
 def fast_workers(encoder: Encoder, pending: list[Partition], workers: int) -> int:
-    """The default worker count of a build.
-
-    Args:
-        encoder: the build's encoder.
-        pending: the partitions still to run.
-        workers: the usable cores.
-
-    Returns:
-        ``workers`` for HF; for the fast backend one process per
-        :data:`FAST_BYTES_PER_WORKER` of pending input, at least 1.
-    """
+    """``workers``, but for the fast backend one per ``FAST_BYTES_PER_WORKER`` of pending input."""
     if not encodes_fast(encoder):
         return workers
     nbytes = sum(p.nbytes for p in pending)

@@ -3,10 +3,10 @@
 Invariants: listing is deterministic (sorted by path relative to the inputs' common parent;
 cache folders and the build's output are skipped; non-regular files are refused); a record
 index is the file-global 0-based line (jsonl family) or row (parquet); no bad record is
-dropped silently (``on_bad`` gets a reason from :data:`BAD_REASONS`, or
-:class:`~shardcache.errors.BadRecordError` with ``on_error="fail"``); a damaged file raises
-:class:`~shardcache.errors.SourceError` unless skipped through ``on_corrupt``; raw bytes are
-hashed while read, so the cache key's data digest costs no second pass.
+dropped silently (``on_bad`` gets a reason from ``BAD_REASONS``, or ``BadRecordError`` with
+``on_error="fail"``); a damaged file raises ``SourceError`` unless skipped through
+``on_corrupt``; raw bytes are hashed while read, so the cache key's data digest costs no
+second pass.
 """
 
 from __future__ import annotations
@@ -83,40 +83,17 @@ def _position_name(fmt: str) -> str:
 
 
 def record_position(fmt: str, index: int) -> str:
-    """The human position of a record.
-
-    Args:
-        fmt: the input format.
-        index: the 0-based record index.
-
-    Returns:
-        ``"line 4"``, ``"row 4"`` or ``"item 4"`` (1-based).
-    """
+    """A record's human, 1-based position: ``"line 4"``, ``"row 4"`` or ``"item 4"``."""
     return f"{_position_name(fmt)} {index + 1}"
 
 
 def position_fields(fmt: str, index: int) -> dict[str, int]:
-    """The 1-based position stored next to the 0-based ``record`` in quarantine entries.
-
-    Args:
-        fmt: the input format.
-        index: the 0-based record index.
-
-    Returns:
-        ``{"line"|"row"|"item": index + 1}``.
-    """
+    """The 1-based position stored next to the 0-based ``record`` in quarantine entries."""
     return {_position_name(fmt): index + 1}
 
 
 def has_lone_surrogate(value: Any) -> bool:
-    """Whether a value holds a lone surrogate (which UTF-8 cannot encode).
-
-    Args:
-        value: a string, or lists and dicts of them.
-
-    Returns:
-        True when a string in it does.
-    """
+    """Whether a string, or lists and dicts of them, hold a lone surrogate (not UTF-8)."""
     if isinstance(value, str):
         try:
             value.encode("utf-8")
@@ -132,15 +109,10 @@ def has_lone_surrogate(value: Any) -> bool:
 
 @dataclass(frozen=True)
 class InputFile:
-    """One listed input.
+    """One listed input; ``relpath`` is relative to the corpus root, ``path`` may be a URL.
 
-    Attributes:
-        path: its path or URL.
-        relpath: its path relative to the corpus root.
-        size: bytes.
-        format: ``jsonl``, ``json``, ``parquet`` ... (:func:`detect_format`).
-        mtime_ns: the mtime seen at listing (None: unknown), checked again by
-            :func:`check_unchanged`.
+    ``mtime_ns`` is the mtime seen at listing (None: unknown), checked again by
+    ``check_unchanged``.
     """
 
     path: str
@@ -151,14 +123,7 @@ class InputFile:
 
 
 def open_input(file: InputFile) -> BinaryIO:
-    """Open an input for binary reading (a URL is streamed by range requests, never staged).
-
-    Args:
-        file: the input.
-
-    Returns:
-        The open file; the caller closes it.
-    """
+    """Open an input for binary reading; the caller closes it. A URL is streamed, not staged."""
     if is_url(file.path):
         fs, path = filesystem(file.path)
         handle: BinaryIO = fs.open(path, "rb", block_size=URL_BLOCK_BYTES, cache_type="readahead")
@@ -167,14 +132,7 @@ def open_input(file: InputFile) -> BinaryIO:
 
 
 def sha256_input(file: InputFile) -> str:
-    """The sha256 of an input's bytes (streamed for a URL).
-
-    Args:
-        file: the input.
-
-    Returns:
-        The hex digest.
-    """
+    """The hex sha256 of an input's bytes (streamed for a URL)."""
     if not is_url(file.path):
         return sha256_file(file.path)
     with HashingReader(open_input(file)) as reader:  # type: ignore[arg-type]
@@ -183,14 +141,7 @@ def sha256_input(file: InputFile) -> str:
 
 
 def detect_format(path: str) -> str | None:
-    """The input format a file name implies.
-
-    Args:
-        path: the file.
-
-    Returns:
-        The format, or None for files that are not inputs.
-    """
+    """The input format a file name implies; None for files that are not inputs."""
     name = os.path.basename(path).lower()
     for suffix in sorted(_SUFFIXES, key=len, reverse=True):
         if name.endswith(suffix):
@@ -233,14 +184,7 @@ def _check_regular_file(path: str) -> None:
 
 
 def is_cache_folder(path: str) -> bool:
-    """Whether a folder is a build's output (never an input).
-
-    Args:
-        path: the folder.
-
-    Returns:
-        True when it holds a manifest or build state.
-    """
+    """Whether a folder is a build's output (a manifest or build state): never an input."""
     return os.path.isfile(os.path.join(path, MANIFEST)) or os.path.isfile(
         os.path.join(path, PARTS_DIR, BUILD_STATE)
     )
@@ -292,21 +236,11 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[str]:
 def list_inputs(
     specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
 ) -> list[InputFile]:
-    """Resolve files, folders and globs (or URLs) into input files sorted by relative path.
+    """Resolve files, folders and globs (or URLs) into input files sorted by ``relpath``.
 
-    A link is listed under its own name; a file reached twice is listed once.
-
-    Args:
-        specs: files, folders, globs, or URLs (all URLs or none; a URL ``relpath`` is
-            relative to the URLs' common prefix).
-        exclude: folders to skip (the build's output); cache folders are always skipped.
-
-    Returns:
-        The input files, sorted by ``relpath``.
-
-    Raises:
-        SourceError: a spec matches nothing, has an unknown format, or is not a regular file.
-        ConfigError: local paths and URLs are mixed.
+    A link is listed under its own name; a file reached twice is listed once; ``exclude``
+    folders (the build's output) and cache folders are skipped. Inputs are all URLs or none
+    (``ConfigError``); a URL's ``relpath`` is relative to the URLs' common prefix.
     """
     if any(is_url(spec) for spec in specs):
         return _list_url_inputs(list(specs))
@@ -344,7 +278,7 @@ def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
 
 
 def _list_url_inputs(specs: list[str]) -> list[InputFile]:
-    """:func:`list_inputs` for URLs (objects, prefixes or globs), none of them read."""
+    """``list_inputs`` for URLs (objects, prefixes or globs), none of them read."""
     found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in specs:
         if not is_url(spec):
@@ -388,12 +322,9 @@ def _list_url_inputs(specs: list[str]) -> list[InputFile]:
 class InputSlice:
     """The part of one input a partition reads.
 
-    Attributes:
-        start: the byte range's start (jsonl).
-        end: its end (None: the end of the file).
-        first_record: the index of its first record.
-        row_groups: the parquet row groups (None: all).
-        sha256: the range's sha256 when the plan cut it (``""``: unknown).
+    A byte range ``[start, end)`` (jsonl; ``end`` None: to the end) or parquet ``row_groups``
+    (None: all); ``first_record`` is its first record's index; ``sha256`` is the range's when
+    the plan cut it (``""``: unknown).
     """
 
     start: int = 0
@@ -404,27 +335,17 @@ class InputSlice:
 
     @property
     def whole(self) -> bool:
+        """Whether the slice is the whole file."""
         return self.start == 0 and self.end is None and self.row_groups is None
 
     def to_json(self) -> dict[str, Any]:
-        """The slice as JSON.
-
-        Returns:
-            The fields by name.
-        """
+        """The slice as JSON, its fields by name."""
         groups = list(self.row_groups) if self.row_groups is not None else None
         return {**asdict(self), "row_groups": groups}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> InputSlice:
-        """The slice :meth:`to_json` recorded.
-
-        Args:
-            data: the record.
-
-        Returns:
-            The slice.
-        """
+        """The slice ``to_json`` recorded."""
         groups = data.get("row_groups")
         return cls(
             int(data["start"]),
@@ -438,15 +359,8 @@ class InputSlice:
 def split_input(file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
     """Cut ``file`` into slices of about ``partition_size_bytes`` at line or row-group bounds.
 
-    Args:
-        file: the input; compressed formats and files within the size stay one slice.
-        partition_size_bytes: target slice size.
-
-    Returns:
-        The slices, and the file's sha256 when it was read to split it (else "").
-
-    Raises:
-        SourceError: the file cannot be opened or changed while it was read.
+    Returns the slices and the file's sha256 when it was read to split it (else ``""``).
+    Compressed formats and files within the size stay one slice.
     """
     if file.size <= partition_size_bytes or file.format not in ("jsonl", "parquet"):
         return [InputSlice()], ""
@@ -553,15 +467,11 @@ class _RangeReader(_Reader):
 
 @dataclass
 class TextBatch:
-    """Valid texts of one file, or of several consecutive files (:func:`join_batches`).
+    """Valid texts of one file, or of several consecutive files (``join_batches``).
 
-    Attributes:
-        texts: the texts.
-        records: int64, each text's record index in its file.
-        source: the (first) file's path relative to the corpus root.
-        files: of a joined batch, each text's file as a position in ``names`` (None: all
-            ``source``).
-        names: a joined batch's files.
+    ``records`` holds each text's record index in its file (int64). A joined batch lists its
+    files in ``names`` and each text's file, as a position in ``names``, in ``files`` (None:
+    all from ``source``).
     """
 
     texts: list[str]
@@ -571,39 +481,18 @@ class TextBatch:
     names: tuple[str, ...] = ()
 
     def take(self, keep: Any) -> TextBatch:
-        """Some of the texts.
-
-        Args:
-            keep: their positions, in the order wanted.
-
-        Returns:
-            A new batch.
-        """
+        """A new batch of the texts at positions ``keep``, in that order."""
         keep = np.asarray(keep, dtype=np.int64)
         files = None if self.files is None else self.files[keep]
         return replace(self, texts=[self.texts[i] for i in keep],
                        records=self.records[keep], files=files)  # fmt: skip
 
     def source_of(self, doc: int) -> str:
-        """The file of one text.
-
-        Args:
-            doc: its position in the batch.
-
-        Returns:
-            The file's relative path.
-        """
+        """The relative path of the file text ``doc`` comes from."""
         return self.source if self.files is None else self.names[int(self.files[doc])]
 
     def runs(self, docs: np.ndarray) -> list[tuple[str, int, int]]:
-        """The runs of texts that come from one file.
-
-        Args:
-            docs: text positions, in file order.
-
-        Returns:
-            ``(file, start, end)``: ``docs[start:end]`` come from ``file``.
-        """
+        """``(file, start, end)`` runs: ``docs[start:end]`` come from ``file`` (file order)."""
         if self.files is None or not len(docs):
             return [(self.source, 0, len(docs))]
         files = self.files[docs]
@@ -612,15 +501,9 @@ class TextBatch:
 
 
 def join_batches(batches: Iterable[TextBatch], batch_docs: int) -> Iterator[TextBatch]:
-    """Join consecutive one-file batches: many small files then make a few large batches.
+    """Join consecutive one-file batches, so that many small files make a few large batches.
 
-    Args:
-        batches: one-file batches, in order.
-        batch_docs: the most texts of a joined batch (and at most :data:`MAX_BATCH_CHARS`
-            characters).
-
-    Yields:
-        The joined batches.
+    A joined batch holds at most ``batch_docs`` texts and ``MAX_BATCH_CHARS`` characters.
     """
     pending: list[TextBatch] = []
     docs = chars = 0
@@ -660,8 +543,10 @@ def _excerpt(data: bytes | str, limit: int = 120) -> str:
 
 
 def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str | None]:
-    """Return (value, None) for a valid record, else (None, reason). ``kind="chat"``: the
-    field holds a conversation (a list of {role, content} messages)."""
+    """``(value, None)`` for a valid record, else ``(None, reason)``.
+
+    With ``kind="chat"`` the field holds a conversation (a list of {role, content} messages).
+    """
     if not isinstance(obj, dict):
         return None, "not_an_object"
     if kind == "chat":
@@ -678,9 +563,10 @@ def _validate(obj: Any, text_field: str, kind: str = "text") -> tuple[Any, str |
 
 
 def _zstd_blocks(raw: io.RawIOBase, chunk_bytes: int = READ_CHUNK) -> Iterator[bytes]:
-    """The decompressed bytes of concatenated zstd frames, a block per compressed chunk of
-    ``chunk_bytes`` read; ending inside a frame raises ``ZstdError`` (zstandard's own
-    stream_reader ends silently there)."""
+    """The decompressed bytes of concatenated zstd frames, a block per ``chunk_bytes`` read.
+
+    Ending inside a frame raises ``ZstdError`` (zstandard's own stream_reader ends silently).
+    """
     dctx = zstandard.ZstdDecompressor()
     obj = dctx.decompressobj()
     in_frame = False
@@ -703,8 +589,10 @@ def _zstd_blocks(raw: io.RawIOBase, chunk_bytes: int = READ_CHUNK) -> Iterator[b
 
 
 class _BlockStream(_Reader):
-    """A raw stream over the decoded ``blocks`` of an input, whose CPU time is the ``read``
-    stage of ``times``; :meth:`next_block` hands the next block over without a copy."""
+    """A raw stream over an input's decoded ``blocks``, read timed as the ``read`` stage.
+
+    ``next_block`` hands the next block over without a copy.
+    """
 
     def __init__(self, blocks: Iterator[bytes], times: StageTimes | None = None):
         self._blocks = blocks
@@ -753,8 +641,10 @@ _STRING_REST = re.compile(rb'[^"\\]*(?:\\.[^"\\]*)*"', re.DOTALL)
 
 
 def _record_layout(head: bytes) -> str:
-    """Record layout told from a file's first bytes: ``"array"`` (one top-level JSON array
-    of objects), ``"cr"`` (lines ended by CR alone) or ``"lines"``."""
+    """Record layout told from a file's first bytes: ``"array"``, ``"cr"`` or ``"lines"``.
+
+    ``"array"``: one top-level JSON array of objects; ``"cr"``: lines ended by CR alone.
+    """
     body = head.removeprefix(BOM).lstrip(_WHITESPACE)
     if body.startswith(b"[") and body[1:].lstrip(_WHITESPACE)[:1] in (b"{", b"]"):
         return "array"
@@ -764,14 +654,10 @@ def _record_layout(head: bytes) -> str:
 
 
 def array_items(stream: Any) -> Iterator[bytes]:
-    """Stream the elements of the top-level JSON array(s) of a file, holding one element and
-    one chunk.
+    """Stream the elements of a file's top-level JSON array(s), holding one element and a chunk.
 
-    Args:
-        stream: the file, read in chunks.
-
-    Yields:
-        Each element's bytes; trailing non-array bytes come as one (bad) element.
+    Trailing non-array bytes, or an unterminated array's last element, come as one (bad)
+    element.
     """
     buf, pos, depth, elem_from = b"", 0, 0, 0
     while True:
@@ -826,9 +712,11 @@ class _CrToLf(_Reader):
 
 
 def _line_spans(stream: _BlockStream) -> Iterator[tuple[bytes, int, int]]:
-    """``(data, start, end)``: the lines of ``stream`` in order, as the LF-ended lines of
-    ``data[start:end]`` (the last one may lack its LF). A line longer than a block is
-    joined once it ends, and comes alone."""
+    """``(data, start, end)``: the lines of ``stream`` in order, as LF-ended lines of a slice.
+
+    The last one may lack its LF. A line longer than a block is joined once it ends, and comes
+    alone.
+    """
     rest: list[bytes] = []  # pieces of the line the last block ended inside
     while block := stream.next_block():
         first = block.find(b"\n")
@@ -858,7 +746,7 @@ def _raw_records(stream: Any, at_start: bool) -> tuple[str, Iterator[bytes]]:
 
 
 def _stream_layout(stream: Any, at_start: bool) -> str:
-    """:func:`_record_layout` of a stream's first bytes (``"lines"`` unless ``at_start``)."""
+    """``_record_layout`` of a stream's first bytes (``"lines"`` unless ``at_start``)."""
     return _record_layout(stream.peek(_HEAD_BYTES)[:_HEAD_BYTES]) if at_start else "lines"
 
 
@@ -888,8 +776,7 @@ class _TimedReader(_Reader):
 def _open_lines(
     raw: HashingReader, fmt: str, times: StageTimes | None = None, chunk_bytes: int = READ_CHUNK
 ) -> Any:
-    """The decoded bytes of a line-based input: a :class:`_BlockStream` (``chunk_bytes`` of
-    raw input a block), or a ``GzipFile``."""
+    """Decoded bytes of a line input: ``_BlockStream`` (``chunk_bytes`` raw a block) or gzip."""
     if fmt == "json.gz":  # gzip reads the raw stream itself: its decompression counts as "parse"
         source = raw if times is None else _TimedReader(raw, times)
         return gzip.GzipFile(fileobj=source, mode="rb")
@@ -935,8 +822,10 @@ class _Batcher:
         self.on_corrupt(index, offset, message)
 
     def parse(self, index: int, line: bytes, text_field: str) -> Any | None:
-        """The text (or conversation) of record ``index``, ``line`` with or without its
-        newline; None once it is reported as bad."""
+        """The text (or conversation) of record ``index``; None once it is reported as bad.
+
+        ``line`` may hold its newline or not.
+        """
         if index == 0 and line.startswith(BOM):
             line = line[len(BOM) :]
         if not line or line.isspace():  # what strip() empties, without a copy
@@ -969,11 +858,12 @@ class _Batcher:
     def add_span(
         self, index: int, data: bytes, start: int, end: int, text_field: str
     ) -> Generator[TextBatch, None, int]:
-        """Add the records of the lines of ``data[start:end]`` (:func:`_line_spans`), the
-        first being record ``index + 1``; yields each batch as it becomes full (a reader that
-        wants a few documents stops without parsing the rest of a block) and returns the last
-        record's index. A valid text record nested no deeper than :data:`FAST_MAX_DEPTH` is
-        taken in line; any other goes through :meth:`parse`."""
+        """Add the records of the lines of ``data[start:end]``, the first being ``index + 1``.
+
+        Yields each batch as it fills (a reader wanting a few documents stops mid-block) and
+        returns the last record's index. A valid text record nested at most ``FAST_MAX_DEPTH``
+        deep is taken inline from orjson; any other goes through ``parse``.
+        """
         loads = _orjson_loads if self.kind == "text" else None
         texts, records, chars = self.texts, self.records, self.chars
         limit, docs = MAX_BATCH_CHARS, self.batch_docs
@@ -1048,8 +938,7 @@ _CONTAINERS = frozenset((dict, list))
 
 
 def _nesting(value: Any, limit: int) -> int:
-    """Levels of nested lists and objects in ``value`` (1 for a flat object), counted up to
-    ``limit + 1`` at most."""
+    """Levels of nested lists and objects in ``value`` (1: flat), counted to ``limit + 1``."""
     depth, level = 0, [value]
     while level and depth <= limit:
         depth += 1
@@ -1062,17 +951,18 @@ def _nesting(value: Any, limit: int) -> int:
 
 
 def _shallow(obj: dict[str, Any]) -> bool:
-    """True when ``obj`` nests at most :data:`FAST_MAX_DEPTH` levels (json parses it without
-    reaching its recursion limit); a flat object is told without walking it."""
+    """Whether ``obj`` nests at most ``FAST_MAX_DEPTH`` levels (json parses it below its limit)."""
     if _CONTAINERS.isdisjoint(map(type, obj.values())):
         return True
     return _nesting(obj, FAST_MAX_DEPTH) <= FAST_MAX_DEPTH
 
 
 def _fast_text(line: bytes, text_field: str, kind: str) -> Any | None:
-    """The record's text through orjson for a valid record, else None (the ``json`` path
-    then classifies the line). orjson accepts a subset of what ``json`` accepts and parses
-    it to equal strings, so results match the ``json`` path."""
+    """The record's text through orjson for a valid record, else None (``json`` classifies it).
+
+    orjson accepts a subset of what ``json`` accepts and parses it to equal strings, so results
+    match the ``json`` path.
+    """
     if _orjson_loads is None:
         return None
     try:
@@ -1195,15 +1085,9 @@ def _sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
 
 
 def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
-    """A hint for records that lack a field.
+    """A hint for records that lack ``field``: the fields seen and the flag to pass.
 
-    Args:
-        files: the inputs (the first records of the first three are sampled).
-        field: the field asked for.
-        kind: ``"text"`` or ``"chat"``.
-
-    Returns:
-        The fields seen and the flag to pass, or ``""`` when the field was seen.
+    Samples the first records of the first three files; ``""`` when the field was seen.
     """
     fields: dict[str, str] = {}
     for file in files[:3]:
@@ -1229,12 +1113,10 @@ def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
 
 @dataclass
 class FileDigest:
-    """Filled once a file or slice is read to the end.
+    """What reading a file or a slice to the end measured.
 
-    Attributes:
-        sha256: a whole file's sha256.
-        bytes_read: the raw bytes read (0 for parquet).
-        read_sha256: of the bytes read (the slice's range, or the whole file).
+    ``sha256`` is a whole file's; ``read_sha256`` that of the bytes read (the slice's range or
+    the whole file); ``bytes_read`` is 0 for parquet.
     """
 
     sha256: str = ""
@@ -1243,14 +1125,9 @@ class FileDigest:
 
 
 def check_unchanged(file: InputFile, when: str) -> None:
-    """Check that an input still has the size and mtime it was listed with.
+    """Raise ``SourceError`` if an input is gone or lost its listed size and mtime.
 
-    Args:
-        file: the input.
-        when: at which step, for the message.
-
-    Raises:
-        SourceError: the file disappeared or changed (``when`` says at which step).
+    ``when`` names the step in the message.
     """
     try:
         if is_url(file.path):  # one HEAD request; the store's mtime is not compared
@@ -1272,16 +1149,7 @@ def check_unchanged(file: InputFile, when: str) -> None:
 
 
 def input_changed(file: InputFile, when: str, detail: str) -> SourceError:
-    """The error for an input that changed since it was listed.
-
-    Args:
-        file: the input.
-        when: at which step.
-        detail: what changed.
-
-    Returns:
-        The error, saying what to do.
-    """
+    """The ``SourceError`` for an input that changed since it was listed, saying what to do."""
     return SourceError(
         f"{file.relpath}: the input changed {when} ({detail}); the bytes read are not the "
         "ones the build planned and hashed, so nothing was committed for them. Stop whatever "
@@ -1305,31 +1173,14 @@ def iter_text_batches(
     times: StageTimes | None = None,
     chunk_bytes: int = READ_CHUNK,
 ) -> Iterator[TextBatch]:
-    """Stream a file's (or one slice's) valid records as :class:`TextBatch` es.
+    """Stream the valid records of a file (or of one slice of it) as ``TextBatch`` objects.
 
-    Args:
-        file: the input.
-        text_field: field holding the text (or the messages, for ``kind="chat"``).
-        batch_docs: most records a batch holds (also bounded by :data:`MAX_BATCH_CHARS`).
-        on_error: ``"skip"`` or ``"fail"`` on a bad record or damaged file.
-        on_bad: receives each skipped record.
-        on_bytes: receives the count of raw bytes as they are consumed.
-        digest: filled in once the file or slice is read to the end.
-        part: the slice to read (default: the whole file).
-        on_corrupt: receives a damaged file's loss when skipping.
-        kind: ``"text"`` or ``"chat"``.
-        on_layout: called with :data:`ARRAY_LAYOUT` before a JSON array file's first record.
-        times: takes the CPU time of reading a line-based file (``read`` stage).
-        chunk_bytes: raw (compressed) bytes of a ``.jsonl``/``.jsonl.zst`` file decoded at a
-            time. A damaged zstd file loses the lines of the chunk the damage is in, so the
-            build keeps the default; a reader that wants a few documents reads less.
-
-    Yields:
-        Batches of valid texts with their record indices.
-
-    Raises:
-        BadRecordError: a bad record with ``on_error="fail"``.
-        SourceError: the file cannot be opened, or is damaged and not skipped.
+    ``text_field`` holds the messages when ``kind="chat"``. A batch holds at most
+    ``batch_docs`` records and ``MAX_BATCH_CHARS`` characters. Bad records go to ``on_bad``
+    (``BadRecordError`` with ``on_error="fail"``); a damaged file's loss to ``on_corrupt`` when
+    skipping, else ``SourceError``. ``digest`` is filled once the read ends; ``on_layout``
+    hears ``ARRAY_LAYOUT`` before a JSON array file's first record. A damaged zstd file loses
+    the lines of the ``chunk_bytes`` chunk the damage is in, so the build keeps the default.
     """
     part = part or InputSlice()
     batcher = _Batcher(file.relpath, batch_docs, on_error, on_bad, on_corrupt, kind, file.format,

@@ -1,22 +1,11 @@
-"""Ids for tokenizers whose pre-tokenizer splits a text into independent pieces: HF's own
-parts, each distinct piece encoded once.
+"""Ids for tokenizers whose pre-tokenizer splits text into independent pieces, each encoded once.
 
-Two layouts qualify. (1) The pre-tokenizer starts by splitting at whitespace and dropping it
-(``WhitespaceSplit``, ``Whitespace``, ``BertPreTokenizer``) and every later step works on each
-piece alone (``Metaspace`` that prepends to every piece or to none, ``Punctuation``,
-``Digits``, ``Split``): the ids of a text are the ids of the words of its normalized text, in
-order. T5's Unigram tokenizer has this layout (a precompiled charsmap, then
-``WhitespaceSplit`` and ``Metaspace``). (2) A ``Metaspace`` alone that splits at its marker
-(what transformers' SentencePiece converter writes today; Gemma-like BPE): spaces become the
-marker and each piece runs from one marker to the next.
-
-:class:`SplitWords` normalizes each text whole with HF's normalizer, splits it as HF's
-pre-tokenizer does (at Unicode whitespace, Rust's ``char::is_whitespace``; or at the marker),
-and encodes each distinct piece once with HF's pre-tokenizer and model
-(:class:`~shardcache.builder.chunk_cache.ChunkCache`). Normalization and the model are HF's
-own; the split is this module's, and it is checked at load on every whitespace character, runs
-of spaces and the marker. A text holding an added token goes to HF whole. Ids come without the
-post-processor's special tokens; the caller adds them.
+Two layouts qualify: (1) a first step that splits at whitespace and drops it, then only steps
+that work on each piece alone (T5's Unigram); (2) a ``Metaspace`` alone that splits at its
+marker (Gemma-like BPE). ``SplitWords`` normalizes each text whole with HF, splits it itself,
+checked at load against HF on every whitespace character, runs of spaces and the marker, and
+encodes each distinct piece with HF's pre-tokenizer and model. A text holding an added token
+goes to HF whole. Ids come without the post-processor's special tokens; the caller adds them.
 """
 
 from __future__ import annotations
@@ -57,32 +46,18 @@ PYTHON_ONLY_SPACE = "\x1c\x1d\x1e\x1f"
 
 
 def words(normalized: str) -> list[str]:
-    """``normalized`` split at whitespace as HF's pre-tokenizers split it.
-
-    Args:
-        normalized: a text after HF's normalizer.
-
-    Returns:
-        Its non-empty pieces between whitespace.
-    """
+    """``normalized`` split at whitespace as HF's pre-tokenizers split it (Unicode White_Space)."""
     if not any(c in normalized for c in PYTHON_ONLY_SPACE):
         return normalized.split()
     return [w for w in WHITESPACE.split(normalized) if w]
 
 
 class SplitWords(ChunkedEncoder):
-    """Exact ids (without special tokens) for a tokenizer that first splits at whitespace, or
-    whose pre-tokenizer is a Metaspace alone that splits at its marker.
+    """Exact ids (without special tokens) for the two layouts the module describes.
 
-    Args:
-        data: the tokenizer.json content, parsed.
-        reference: the HF backend of the same JSON (``tokenizer``, truncation and padding off,
-            and ``encode_flat``): its normalizer, pre-tokenizer and model do the work.
-
-    Raises:
-        ValueError: the pre-tokenizer neither splits at whitespace first nor is a splitting
-            Metaspace alone, a later step may depend on other pieces, the model is randomized,
-            or the split differs from HF's on the load-time probe (the message says which).
+    ``reference`` is the HF backend of the same JSON; its normalizer, pre-tokenizer and model do
+    the work. Raises ``ValueError`` (saying which) for another pre-tokenizer, a step that may
+    depend on other pieces, a randomized model (dropout) or a split that differs from HF's.
     """
 
     #: The backend's name in a build's ``encoder`` selection and report.
@@ -131,10 +106,12 @@ class SplitWords(ChunkedEncoder):
         self._check_split()
 
     def _check_split(self) -> None:
-        """HF's pre-tokenization of a text equals that of its :meth:`chunks`, one by one, on
-        texts holding every character either Python or HF counts as whitespace, runs of spaces
-        and the Metaspace marker; the table's output equals HF's on every pair of ASCII
-        characters (for a Metaspace alone), or has the same words."""
+        """Check at load that this split equals HF's pre-tokenization, else raise ``ValueError``.
+
+        Probed on every character Python or HF counts as whitespace, runs of spaces and the marker.
+        The ASCII table must give HF's output (Metaspace alone) or its words on every pair of ASCII
+        characters, and in T5's shape each word without the marker must be one piece.
+        """
         spaces = [*HF_SPACES, *PYTHON_ONLY_SPACE]
         others = ["▁", ".", "-", "'", "1", "é", "中", "\u0301", "\u200b", "\u180e"]
         probe = " ".join(f"a{c}b{c}{c}1{c}" for c in [*spaces, *others]) + " \u3000end "
@@ -160,14 +137,7 @@ class SplitWords(ChunkedEncoder):
                 raise ValueError(f"the Metaspace step does not make {word!r} one piece")
 
     def encode_chunk(self, word: str) -> list[int]:
-        """HF's ids of one word of a normalized text (its pre-tokenizer, then its model).
-
-        Args:
-            word: a normalized word, without whitespace.
-
-        Returns:
-            Its ids.
-        """
+        """HF's ids of one normalized word: its pre-tokenizer, then its model."""
         if self.metaspace is not None:  # a piece already
             return [t.id for t in self.tokenize(word)]
         if self.marker and self.marker not in word:
@@ -187,8 +157,7 @@ class SplitWords(ChunkedEncoder):
         return self._pieces(normalized) if self.metaspace is not None else words(normalized)
 
     def _pieces(self, normalized: str) -> list[str]:
-        """Metaspace alone: spaces become the marker, which is put first (unless the scheme
-        is never), and each piece runs from a marker to the next."""
+        """Metaspace-alone pieces: spaces become the marker (put first unless ``never``)."""
         marker, prepend, pattern = self.metaspace  # type: ignore[misc]
         text = normalized.replace(" ", marker)
         if prepend and text and not text.startswith(marker):
@@ -208,9 +177,10 @@ def _pre_tokenizer_steps(pre_tokenizer: Mapping[str, Any] | None) -> list[Mappin
 
 
 def _metaspace_alone(steps: list[Mapping[str, Any]]) -> tuple[str, bool, re.Pattern] | None:
-    """``(marker, prepends, piece pattern)`` when the only step is a Metaspace that splits at
-    its marker (``first`` prepends as ``always`` here: a text holding no added token is one
-    piece starting at offset 0), else None."""
+    """``(marker, prepends, piece pattern)`` if the only step is a Metaspace that splits at it.
+
+    ``first`` prepends as ``always`` here: a text holding no added token is one piece at offset 0.
+    """
     if len(steps) != 1 or steps[0].get("type") != "Metaspace" or not steps[0].get("split", True):
         return None
     marker = str(steps[0].get("replacement", "\u2581"))
@@ -226,8 +196,7 @@ def _prepend_scheme(metaspace: Mapping[str, Any]) -> str:
 
 
 def _marker_only(steps: list[Mapping[str, Any]]) -> str:
-    """The Metaspace marker when the steps are ``WhitespaceSplit`` then a ``Metaspace`` that
-    prepends it to every piece (T5), else ``""``."""
+    """The marker for T5's shape (``WhitespaceSplit``, an ``always`` Metaspace), else ``""``."""
     if [step.get("type") for step in steps] != ["WhitespaceSplit", "Metaspace"]:
         return ""
     metaspace = steps[1]
@@ -243,19 +212,9 @@ def _ascii_table(
 ) -> dict[int, str] | None:
     """HF's normalizer on ASCII text as a ``str.translate`` table, when that gives HF's words.
 
-    That holds when every step acts per character on ASCII (:data:`PER_CHARACTER`) or only
-    changes whitespace into whitespace (``Strip``, a ``Replace`` of :data:`WHITESPACE_RUNS`
-    with whitespace), and each whitespace character stays whitespace or goes (each character
-    read by :func:`~shardcache.builder.chunk_cache.ascii_table`).
-
-    Args:
-        normalizer: tokenizer.json's ``normalizer``, or None.
-        normalize: HF's ``normalize_str``.
-        exact: the table must give HF's output itself, not only its words (then every step
-            must act per character).
-
-    Returns:
-        The table (code point -> output), or None when the normalizer has another step.
+    Every step must act per character on ASCII (``PER_CHARACTER``) or, unless ``exact`` (the table
+    must give HF's output itself), only turn whitespace into whitespace (``Strip``, a ``Replace``
+    of ``WHITESPACE_RUNS``). None otherwise, or when whitespace does not stay whitespace.
     """
     steps = _normalizer_steps(normalizer)
     for step in steps:

@@ -1,11 +1,8 @@
-"""Where a build's time goes: CPU seconds per stage, always on, in the build report.
+"""Where a build's time goes: CPU seconds per stage, always on, shown in the build report.
 
-Stages are timed with the running thread's CPU clock (per chunk or batch, never per
-record): ``startup`` (before the first partition), ``read`` (reads, sha256, decompression),
-``parse``, ``bucket``, ``write``, ``tokenizer`` (the rest of the partition's process CPU:
-native encode and verification threads) and ``commit``. ``encode_busy`` / ``verify_busy``
-are the wall seconds of those calls; ``process`` is the partitions' process CPU in all.
-The figures never go into the cache.
+Timed with the running thread's CPU clock per chunk or batch, never per record. ``tokenizer``
+is the rest of a partition's process CPU (native encode and verify threads); ``*_busy`` are
+the wall seconds of those calls. The figures never go into the cache.
 """
 
 from __future__ import annotations
@@ -38,34 +35,18 @@ class StageTimes:
         self.seconds: dict[str, float] = {}
 
     def add(self, stage: str, seconds: float) -> None:
-        """Add time to a stage (thread-safe).
-
-        Args:
-            stage: the stage's name.
-            seconds: the time.
-        """
+        """Add seconds to a stage (thread-safe)."""
         with self._lock:
             self.seconds[stage] = self.seconds.get(stage, 0.0) + seconds
 
     def merge(self, other: Mapping[str, float]) -> None:
-        """Add every stage of another partition's times.
-
-        Args:
-            other: its :meth:`to_json`.
-        """
+        """Add every stage of another partition's ``to_json()``."""
         for stage, seconds in other.items():
             self.add(stage, float(seconds))
 
     @contextlib.contextmanager
     def cpu(self, stage: str) -> Iterator[None]:
-        """Add the calling thread's CPU seconds spent in the ``with`` block to a stage.
-
-        Args:
-            stage: the stage's name.
-
-        Yields:
-            None, once.
-        """
+        """Add the calling thread's CPU seconds in the ``with`` block to a stage."""
         start = time.thread_time()
         try:
             yield
@@ -74,16 +55,7 @@ class StageTimes:
 
     @contextlib.contextmanager
     def busy(self, stage: str) -> Iterator[None]:
-        """Add the wall-clock seconds of the ``with`` block to a stage.
-
-        For calls whose CPU is spent in native threads.
-
-        Args:
-            stage: the stage's name.
-
-        Yields:
-            None, once.
-        """
+        """Add the wall seconds of the ``with`` block to a stage (CPU spent in native threads)."""
         start = time.perf_counter()
         try:
             yield
@@ -91,11 +63,7 @@ class StageTimes:
             self.add(stage, time.perf_counter() - start)
 
     def to_json(self) -> dict[str, float]:
-        """The times as JSON.
-
-        Returns:
-            ``{stage: seconds}`` in :data:`STAGES` order (then any other), rounded to ms.
-        """
+        """``{stage: seconds}`` in ``STAGES`` order (then any other), rounded to ms."""
         with self._lock:
             order = [s for s in STAGES if s in self.seconds]
             order += sorted(s for s in self.seconds if s not in STAGES)
@@ -103,14 +71,7 @@ class StageTimes:
 
 
 def format_stages(seconds: Mapping[str, float]) -> list[str]:
-    """The build report's line: CPU seconds and share per stage.
-
-    Args:
-        seconds: ``{stage: seconds}``.
-
-    Returns:
-        The line, or none when nothing ran.
-    """
+    """The build report's ``cpu`` line (seconds and share per stage); none when nothing ran."""
     shown = ("startup", "read", "parse", "tokenizer", "bucket", "write", "commit")
     total = sum(seconds.get(s, 0.0) for s in shown)
     if total <= 0:

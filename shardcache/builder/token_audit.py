@@ -2,10 +2,9 @@
 
 A deterministic, hash-chosen sample of each input's records is encoded again with the HF
 reference under the cache's own options and compared with the stored sequences of the same
-provenance (ids and, for chat, masks); a sampled record missing on either side is a
-mismatch. The tokenizer's key components must equal the cache's
-(:class:`~shardcache.errors.CacheKeyMismatch` otherwise); a changed behaviour probe is
-reported, not refused.
+provenance (ids and, for chat, masks); a sampled record missing on either side is a mismatch.
+The tokenizer's key components must equal the cache's (``CacheKeyMismatch`` otherwise); a
+changed behaviour probe is reported, not refused.
 """
 
 from __future__ import annotations
@@ -42,16 +41,8 @@ AUDITED_COMPONENTS = ("tokenizer", "special_tokens", "template", "truncation")
 class TokenAudit:
     """What ``verify --tokens`` found.
 
-    Attributes:
-        path: the cache.
-        fraction: the share of documents sampled.
-        documents: sampled records encoded again.
-        sequences: stored sequences compared.
-        mismatches: per mismatch, ``source``, ``record``, ``piece`` and ``detail``.
-        changed_inputs: inputs whose sha256 differs from the manifest.
-        missing_inputs: inputs not found.
-        warnings: other things the audit could not check.
-        total_documents: documents the cache holds (the manifest's count).
+    ``documents`` counts sampled records encoded again, ``sequences`` stored ones compared;
+    each mismatch has ``source``, ``record``, ``piece`` and ``detail``.
     """
 
     path: str
@@ -66,15 +57,11 @@ class TokenAudit:
 
     @property
     def ok(self) -> bool:
+        """True when nothing mismatched and every input was found unchanged."""
         return not (self.mismatches or self.changed_inputs or self.missing_inputs)
 
     def to_json(self) -> dict[str, Any]:
-        """The audit as JSON (``verify --tokens --json``).
-
-        Returns:
-            Its fields (the first 100 mismatches), ``ok``, ``mismatch_count`` and
-            ``sample_bound``.
-        """
+        """The audit as ``verify --tokens --json`` prints it (the first 100 mismatches)."""
         return {
             "path": self.path,
             "ok": self.ok,
@@ -93,14 +80,7 @@ class TokenAudit:
 
 
 def format_token_audit(audit: TokenAudit) -> str:
-    """The audit as the text ``verify --tokens`` prints.
-
-    Args:
-        audit: the audit.
-
-    Returns:
-        Aligned lines (the first 20 mismatches), without a final newline.
-    """
+    """The audit as the aligned text ``verify --tokens`` prints (no final newline)."""
     lines = [
         f"cache        {audit.path}",
         f"tokens       {audit.documents:,} documents re-encoded with HF (fraction "
@@ -145,24 +125,12 @@ def audit_tokens(
     workers: int = 1,
     progress: Progress | None = None,
 ) -> TokenAudit:
-    """Re-encode ``fraction`` of the records of the cache at ``path`` with HF and compare.
+    """Re-encode ``fraction`` of each input's records of the cache at ``path`` with HF; compare.
 
-    Args:
-        path: the cache.
-        fraction: share of each input's records to check.
-        inputs: replace the manifest's input paths (data moved since the build).
-        tokenizer: replace the manifest's tokenizer path.
-        workers: processes that encode (:func:`~.audit_pool.encode_in_order`); the audit is
-            the same for any number.
-        progress: receives the input bytes read and the documents and tokens checked.
-
-    Returns:
-        The audit's counts and mismatches.
-
-    Raises:
-        CacheKeyMismatch: the tokenizer's key components differ from the cache's.
-        CacheError: ``path`` holds no readable cache (missing or changed inputs are
-            reported in the audit, not raised).
+    ``inputs`` and ``tokenizer`` replace the manifest's paths (data moved since the build); the
+    audit is the same for any number of ``workers``. Raises ``CacheKeyMismatch`` when the
+    tokenizer's key components differ from the cache's; missing or changed inputs are reported
+    in the audit, not raised.
     """
     cache = open_cache(path)
     manifest = cache.manifest

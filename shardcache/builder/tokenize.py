@@ -1,11 +1,10 @@
 """Tokenizer adapter: text -> ids, with explicit special tokens, EOS and truncation.
 
 Ids are exactly ``tokenizer(text)["input_ids"]``; tokenizers load from local folders only
-and a caller's tokenizer is never mutated. The backend's own truncation/padding settings
-are recorded in the cache key and switched off: truncation is shardcache's, explicit and
-counted. EOS is appended by default and never doubled (SEP when there is no EOS). Workers
-build encoders from a plain-JSON :class:`~shardcache.builder.tokenizer_memo.ResolvedTokenizer`
-without importing transformers.
+and a caller's tokenizer is never mutated. The backend's own truncation/padding settings are
+recorded in the cache key and switched off: truncation is shardcache's, explicit and counted.
+EOS is appended by default and never doubled (SEP when there is no EOS). Workers build
+encoders from a plain-JSON ``ResolvedTokenizer`` without importing transformers.
 """
 
 from __future__ import annotations
@@ -56,13 +55,8 @@ from shardcache.store.files import memo_disabled
 class Encoded:
     """Sequences of one batch as flat arrays.
 
-    Attributes:
-        tokens: the ids, flat.
-        lengths: int64 tokens per sequence.
-        doc_index: int64, each sequence's document (position in the batch).
-        piece: int32, each sequence's piece number (0 unless split).
-        mask: bool per token, trainable (chat data); None: all.
-        failed: ``(doc, reason, detail)`` of the documents that could not be encoded.
+    Per sequence: its document's position in the batch and its piece number (0 unless split);
+    ``mask`` flags trainable tokens (chat; None: all).
     """
 
     tokens: np.ndarray
@@ -75,12 +69,7 @@ class Encoded:
 
 @dataclass
 class FlatIds:
-    """Raw ids of one encode batch. ``ids[i]`` is text ``i``'s ids (a view).
-
-    Attributes:
-        tokens: every text's ids concatenated (uint32).
-        lengths: int64 ids per text.
-    """
+    """Raw uint32 ids of one encode batch, concatenated; ``ids[i]`` is text ``i``'s (a view)."""
 
     tokens: np.ndarray
     lengths: np.ndarray
@@ -101,17 +90,8 @@ class EncodingMismatch(EncoderError):
 class TruncationStats:
     """Counts that go into the manifest and the build report.
 
-    Attributes:
-        documents: documents encoded.
-        sequences: sequences stored.
-        tokens: tokens stored.
-        truncated_documents: documents cut to ``max_length``.
-        dropped_documents: documents dropped for their length.
-        split_documents: documents split into pieces.
-        empty_documents: documents tokenized to zero tokens (not stored).
-        lost_tokens: tokens removed by truncate / drop.
-        dropped_no_trainable: chat: documents with no trainable token left.
-        trainable_tokens: chat: tokens with a loss (text: not counted).
+    ``empty_documents`` tokenized to nothing (not stored); ``lost_tokens`` were removed by
+    truncate/drop; ``dropped_no_trainable`` and ``trainable_tokens`` count chat data only.
     """
 
     documents: int = 0
@@ -126,45 +106,22 @@ class TruncationStats:
     trainable_tokens: int = 0
 
     def add(self, other: TruncationStats) -> None:
-        """Add another partition's counts.
-
-        Args:
-            other: its counts.
-        """
+        """Add another partition's counts."""
         for name in self.__dataclass_fields__:
             setattr(self, name, getattr(self, name) + getattr(other, name))
 
     def to_json(self) -> dict[str, int]:
-        """The counts as JSON.
-
-        Returns:
-            The fields by name.
-        """
+        """The counts by name."""
         return {name: getattr(self, name) for name in self.__dataclass_fields__}
 
 
 def token_dtype(max_token_id: int) -> np.dtype:
-    """The token type of a cache.
-
-    Args:
-        max_token_id: the largest id the tokenizer can emit.
-
-    Returns:
-        uint16 when it fits, else uint32.
-    """
+    """The cache's token type: uint16 when ``max_token_id`` fits, else uint32."""
     return np.dtype(np.uint16) if max_token_id < 65536 else np.dtype(np.uint32)
 
 
 def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
-    """The largest id ``backend`` can emit (vocabulary and added tokens).
-
-    Args:
-        backend_json: its JSON, parsed.
-        backend: a ``tokenizers.Tokenizer``.
-
-    Returns:
-        The largest token id.
-    """
+    """The largest id ``backend`` can emit (vocabulary and added tokens)."""
     model = backend_json.get("model") or {}
     vocab = model.get("vocab")
     added = [int(t["id"]) for t in backend_json.get("added_tokens") or []]
@@ -177,17 +134,10 @@ def max_token_id(backend_json: Mapping[str, Any], backend: Any) -> int:
 
 
 def load_hf_tokenizer(path: str) -> Any:
-    """Load a tokenizer from a local folder; refuse slow-only tokenizers.
+    """Load a fast transformers tokenizer from a local folder.
 
-    Args:
-        path: the folder.
-
-    Returns:
-        The transformers tokenizer (a fast one).
-
-    Raises:
-        TokenizerError: no such folder, no tokenizer files, transformers cannot load it, or
-            it is slow-only.
+    Raises ``TokenizerError`` for a missing folder, no tokenizer files, a load failure, or a
+    slow-only tokenizer.
     """
     if not os.path.isdir(path):
         raise TokenizerError(
@@ -223,12 +173,7 @@ def load_hf_tokenizer(path: str) -> Any:
 def named_tokenizer_class(path: str) -> Any | None:
     """The class tokenizer_config.json names: what AutoTokenizer would pick, without torch.
 
-    Args:
-        path: the tokenizer folder.
-
-    Returns:
-        The class (or the one without the ``Fast`` suffix), or None when the file names
-        none that transformers exports.
+    Falls back to the name without ``Fast``; None when transformers exports neither.
     """
     config = os.path.join(path, "tokenizer_config.json")
     try:
@@ -249,15 +194,7 @@ def named_tokenizer_class(path: str) -> Any | None:
 
 
 def ensure_fast(tok: Any, path: str) -> None:
-    """Check that a tokenizer has a Rust (fast) backend.
-
-    Args:
-        tok: the transformers tokenizer.
-        path: its folder, for the message.
-
-    Raises:
-        TokenizerError: it is a slow (Python) tokenizer.
-    """
+    """Raise ``TokenizerError`` unless ``tok`` has a Rust (fast) backend."""
     if not getattr(tok, "is_fast", False) or getattr(tok, "backend_tokenizer", None) is None:
         raise TokenizerError(
             f"tokenizer {path!r} ({type(tok).__name__}) is a slow (Python) tokenizer; shardcache "
@@ -267,20 +204,11 @@ def ensure_fast(tok: Any, path: str) -> None:
 
 
 class TextEncoder:
-    """Encodes batches of text into :class:`Encoded` sequences under :class:`TokenizeOptions`.
+    """Encodes batches of text into ``Encoded`` sequences under ``TokenizeOptions``.
 
-    :attr:`resolved` holds all it takes from transformers; :attr:`hf` is the transformers
-    tokenizer, or None when built by :meth:`from_resolved`.
-
-    Args:
-        options: the tokenizer options.
-        hf_tokenizer: a transformers tokenizer to use, never mutated (None: loaded from
-            ``options.tokenizer``, and what it resolved memoised).
-        preload_fast: start loading the fast backend for the gate.
-        early: a fast backend loaded early, adopted when it loaded the same content.
-
-    Raises:
-        TokenizerError: the tokenizer cannot be loaded or is slow-only.
+    ``resolved`` holds all it takes from transformers; ``hf`` is the transformers tokenizer
+    (None when built by ``from_resolved``). A given ``hf_tokenizer`` is never mutated; without
+    one, the tokenizer is loaded from ``options.tokenizer`` and what it resolved memoised.
     """
 
     def __init__(
@@ -320,16 +248,7 @@ class TextEncoder:
     def from_resolved(
         cls, options: TokenizeOptions, resolved: ResolvedTokenizer, preload_fast: bool = False
     ) -> TextEncoder:
-        """The encoder of ``resolved``, built without transformers (``hf`` is None).
-
-        Args:
-            resolved: the tokenizer record.
-            options: tokenization options.
-            preload_fast: start loading the fast backend in a thread.
-
-        Returns:
-            The encoder.
-        """
+        """The encoder of ``resolved``, built without transformers (``hf`` is None)."""
         from tokenizers import Tokenizer
 
         self = cls.__new__(cls)
@@ -349,13 +268,13 @@ class TextEncoder:
         self.options = options
         self.resolved = resolved
         self.hf_class = resolved.class_name
-        #: The backend's own settings as saved (recorded in the cache key, then disabled).
+        # the backend's own settings as saved (recorded in the cache key, then disabled)
         self.backend_truncation = resolved.truncation
         self.backend_padding = resolved.padding
-        #: The fast backend loading in the background (the gate decides whether it is used).
+        # the fast backend loading in the background (the gate decides whether it is used)
         self.fast_loading = fast_loading
         self.backend = backend
-        #: The backend as JSON (the fast backend loads it)
+        # the backend as JSON (the fast backend loads it)
         self.serialized = resolved.backend
         self.backend.no_truncation()
         self.backend.no_padding()
@@ -375,11 +294,7 @@ class TextEncoder:
         return parse_tokenizer_json(self.serialized)
 
     def spec(self) -> dict[str, Any]:
-        """What :meth:`from_spec` rebuilds this encoder from in a worker.
-
-        Returns:
-            Plain JSON.
-        """
+        """The plain JSON ``from_spec`` rebuilds this encoder from in a worker."""
         return {
             "options": dataclasses.asdict(self.options),
             "resolved": self.resolved.to_json(),
@@ -391,14 +306,7 @@ class TextEncoder:
 
     @classmethod
     def from_spec(cls, spec: dict[str, Any]) -> TextEncoder:
-        """The encoder :meth:`spec` described (``hf`` is None: only encoding works).
-
-        Args:
-            spec: what :meth:`spec` returned.
-
-        Returns:
-            The encoder, with the same fast backend when the parent used one.
-        """
+        """The encoder ``spec`` described, with the parent's fast backend (``hf`` is None)."""
         # the parent's gate passed: load the same fast backend (in a thread, overlapping the
         # reference's load), or fail loudly
         self = cls.from_resolved(
@@ -415,71 +323,49 @@ class TextEncoder:
         return self
 
     def _init_backends(self) -> None:
-        #: The reference (HF) backend; ``fast`` is set by :meth:`use_fast` after the gate.
+        # the reference (HF) backend; ``fast`` is set by ``use_fast`` after the gate
         self.reference = HFBackend(self.backend)
         self.fast: FastBackend | None = None
         self.selection = EncoderSelection("hf", self.reference.name, self.reference.version,
                                           "the gate did not run (HF by default)")  # fmt: skip
-        #: The share of documents verified (:func:`~shardcache.builder.backends.verify_rate`).
+        # the share of documents verified (``backends.verify_rate``)
         self.verify_fraction = DEFAULT_VERIFY_FRACTION
         self.verify = VerifyCounts()
         self._verifying = SampleVerifier()  # the batches' samples, verified in the background
-        #: The partition's stage times (set per partition): the verification's seconds.
+        # the partition's stage times (set per partition): the verification's seconds
         self.stage_times: StageTimes | None = None
 
     def use_fast(
         self, fast: FastBackend | None, selection: EncoderSelection, verify_fraction: float
     ) -> None:
-        """Choose the backend from now on.
-
-        Args:
-            fast: the fast backend (None: HF).
-            selection: why (the gate).
-            verify_fraction: the share of documents re-encoded with HF.
-        """
+        """Encode with ``fast`` from now on (None: HF), as the gate's ``selection`` decided."""
         self.fast = fast
         self.selection = selection
         self.verify_fraction = verify_fraction
 
     def reference_only(self) -> TextEncoder:
-        """A copy that encodes with the HF reference alone; this one is unchanged.
-
-        Returns:
-            The copy.
-        """
+        """A copy that encodes with the HF reference alone; this one is unchanged."""
         clone = self.for_partition()
         clone.use_fast(None, self.selection, self.verify_fraction)
         return clone
 
     def for_partition(self) -> TextEncoder:
-        """A copy for one partition (partitions may run at once in threads).
+        """A copy for one partition: shared backends, its own verification counts and times.
 
-        Returns:
-            The copy: the same backends, its own verification counts and stage times.
+        Partitions may run at once in threads, so each needs its own counters.
         """
         clone = copy.copy(self)
         clone.verify, clone._verifying, clone.stage_times = VerifyCounts(), SampleVerifier(), None
         return clone
 
     def take_verify(self) -> VerifyCounts:
-        """The verification counts since the last call, then reset (waits for running ones).
-
-        Returns:
-            The counts.
-        """
+        """The verification counts since the last call, then reset (waits for running ones)."""
         self._settle_verify()
         counts, self.verify = self.verify, VerifyCounts()
         return counts
 
     def encode_reference(self, texts: list[str]) -> list[list[int]]:
-        """Ids per text from the HF backend (the cache key's behaviour probe, audits).
-
-        Args:
-            texts: the texts.
-
-        Returns:
-            One id list per text.
-        """
+        """Ids per text from the HF backend (the cache key's behaviour probe, audits)."""
         return self.reference.encode_lists(texts, self.add_special_tokens)
 
     def _end_token_id(self) -> int | None:
@@ -495,12 +381,7 @@ class TextEncoder:
         return None
 
     def describe(self) -> dict[str, Any]:
-        """Facts about the tokenizer recorded in the manifest.
-
-        Returns:
-            Its path, class, vocabulary size, largest id, token type, special ids and saved
-            backend settings.
-        """
+        """Facts about the tokenizer recorded in the manifest."""
         return {
             "path": self.options.tokenizer,
             "class": self.hf_class,
@@ -515,11 +396,7 @@ class TextEncoder:
         }
 
     def template_component(self) -> dict[str, Any]:
-        """The template part of the cache key.
-
-        Returns:
-            For plain text, the special-token policy.
-        """
+        """The template part of the cache key: for plain text, the special-token policy."""
         return {
             "kind": "text",
             "add_special_tokens": self.add_special_tokens,
@@ -529,17 +406,9 @@ class TextEncoder:
     def encode_texts(self, texts: list[str], keys: np.ndarray | None = None) -> FlatIds:
         """Raw ids of a batch.
 
-        With the fast backend the documents of the verification sample (:func:`sampled` of
-        ``keys``) are re-encoded with HF in the background; :meth:`check_verified` reports
-        a difference. Huge documents are always encoded by HF (in exact pieces where possible).
-
-        Args:
-            texts: the batch's texts.
-            keys: their :func:`~shardcache.builder.backends.build_draw_keys` (None: nothing is
-                verified).
-
-        Returns:
-            The ids of every text.
+        With the fast backend, the verification sample drawn from ``keys`` (None: none) is
+        re-encoded with HF in the background; ``check_verified`` reports a difference. Huge
+        documents are always encoded by HF (in exact pieces where possible).
         """
         huge = [i for i, t in enumerate(texts) if len(t) > HUGE_CHARS]
         if not huge:
@@ -571,11 +440,7 @@ class TextEncoder:
         return FlatIds(tokens, lengths)
 
     def check_verified(self) -> None:
-        """Wait for the verification of every batch since :meth:`take_verify`.
-
-        Raises:
-            EncodingMismatch: the fast backend's ids differed from HF's on one of them.
-        """
+        """Wait for verifications since ``take_verify``; ``EncodingMismatch`` on a difference."""
         self._settle_verify()
         if self.verify.mismatches:
             raise EncodingMismatch(
@@ -584,8 +449,10 @@ class TextEncoder:
             )
 
     def _settle_verify(self) -> None:
-        """Add the background verifications' counts in batch order, up to the first batch
-        with a difference, so counts never depend on thread timing."""
+        """Add the background verifications' counts in batch order, up to the first mismatch.
+
+        So the counts never depend on thread timing.
+        """
         for counts in self._verifying.settle():
             if self.verify.mismatches:
                 continue
@@ -602,15 +469,7 @@ class TextEncoder:
         return encode_in_pieces(self.backend, text, self._wrapping)
 
     def finish(self, ids: FlatIds, stats: TruncationStats) -> Encoded:
-        """EOS and truncation over a batch's flat ids.
-
-        Args:
-            ids: what :meth:`encode_texts` returned.
-            stats: the partition's counters (updated).
-
-        Returns:
-            The sequences to store.
-        """
+        """The sequences to store: EOS and truncation over a batch's ids, counted in ``stats``."""
         lengths = ids.lengths
         tokens = ids.tokens.astype(self.dtype, copy=False)
         stats.documents += len(lengths)
@@ -623,7 +482,7 @@ class TextEncoder:
 
 
 def _plain(value: Any) -> Any:
-    """tokenizers returns settings as dicts (or None); make them JSON-safe."""
+    """A backend's truncation/padding settings (a dict or None), made JSON-safe."""
     if value is None:
         return None
     return {str(k): (v if isinstance(v, (int, float, str, bool)) or v is None else str(v))
@@ -633,16 +492,7 @@ def _plain(value: Any) -> Any:
 def append_end_token(
     tokens: np.ndarray, lengths: np.ndarray, end_id: int
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Append an end token to every sequence that does not already end with it.
-
-    Args:
-        tokens: the ids, flat.
-        lengths: tokens per sequence.
-        end_id: the end token.
-
-    Returns:
-        The new ``(tokens, lengths)`` (the same arrays when none needed it).
-    """
+    """Append ``end_id`` to every sequence not ending with it (same arrays when none needs it)."""
     ends = np.cumsum(lengths)
     nonempty = lengths > 0
     last = np.full(len(lengths), -1, dtype=np.int64)
@@ -661,17 +511,9 @@ def apply_truncation(
     end_id: int | None,
     stats: TruncationStats,
 ) -> Encoded:
-    """Apply ``options.truncation`` at ``options.max_length``.
+    """Apply ``options.truncation`` at ``options.max_length``; empty documents are left out.
 
-    Args:
-        tokens: the ids, flat.
-        lengths: tokens per document.
-        options: the tokenizer options.
-        end_id: the end token a truncated sequence keeps last when it ended with it.
-        stats: the counters (updated).
-
-    Returns:
-        The sequences; empty documents are left out.
+    A truncated sequence that ended with ``end_id`` keeps it as its last token.
     """
     n_docs = len(lengths)
     doc_index = np.arange(n_docs, dtype=np.int64)
@@ -726,11 +568,7 @@ _DONE = object()
 
 @dataclass(frozen=True)
 class EncodeFailure:
-    """Stands for the ids of a record the encoder failed on alone (see :func:`encode_isolating`).
-
-    Attributes:
-        detail: the error.
-    """
+    """Stands for the ids of a record the encoder failed on alone (see ``encode_isolating``)."""
 
     detail: str
 
@@ -738,17 +576,8 @@ class EncodeFailure:
 def encode_isolating(encoder: Any, texts: list[Any], keys: np.ndarray | None = None) -> Any:
     """Encode ``texts``, isolating a failure to its record.
 
-    Args:
-        encoder: the encoder.
-        texts: the batch's texts.
-        keys: their verification sample draw keys.
-
-    Returns:
-        The batch's :class:`FlatIds`, or, when the batch failed, a list with each text's ids
-        or an :class:`EncodeFailure`.
-
-    Raises:
-        EncodingMismatch: the fast backend disagreed with HF (the partition's, not a record's).
+    Returns the batch's ``FlatIds``, or, when the batch failed, a list of each text's ids or
+    ``EncodeFailure``. ``EncodingMismatch`` propagates: it is the partition's, not a record's.
     """
     try:
         return encoder.encode_texts(texts, keys)
@@ -765,15 +594,9 @@ def encode_isolating(encoder: Any, texts: list[Any], keys: np.ndarray | None = N
 
 
 def drop_failures(batch: Any, ids: Any) -> tuple[Any, Any, list[tuple[int, str]]]:
-    """Remove a batch's :class:`EncodeFailure` s.
+    """The batch and its ids without ``EncodeFailure``s, and ``(doc, detail)`` per failure.
 
-    Args:
-        batch: the batch.
-        ids: what :func:`encode_isolating` returned for it.
-
-    Returns:
-        The batch and its ids (:class:`FlatIds`) without them, and ``(doc, detail)`` for
-        each failure (``doc``: its position in the original batch).
+    ``doc`` is the failure's position in the original batch.
     """
     if isinstance(ids, FlatIds):
         return batch, ids, []
@@ -800,8 +623,7 @@ class _Failure:
 def _read_ahead(
     batches: Iterable[Any], stop: threading.Event, times: StageTimes | None = None
 ) -> Iterator[Any]:
-    """``batches`` iterated one item ahead in a thread (until ``stop``), so reading overlaps
-    encoding; upstream errors re-raise here."""
+    """``batches`` read one ahead in a thread (until ``stop``); upstream errors re-raise here."""
     items: queue.Queue[Any] = queue.Queue(maxsize=1)
 
     def read() -> None:
@@ -845,20 +667,10 @@ def encode_ahead(
     depth: int = 2,
     times: StageTimes | None = None,
 ) -> Iterator[tuple[Any, Any]]:
-    """Yield ``(batch, ids)`` for each batch, encoding in a background thread and reading
-    one batch ahead in another, so reading, encoding and writing overlap.
+    """Yield ``(batch, ids)`` in input order, encoding and reading ahead in two threads.
 
-    Args:
-        encoder: encodes each batch's ``.texts``.
-        batches: items with ``.texts``.
-        depth: most encoded batches waiting in the queue.
-        times: takes the reading thread's CPU and the encode calls' seconds.
-
-    Yields:
-        ``(batch, ids)`` in input order.
-
-    Raises:
-        Exception: whatever the upstream iterator or the encoder raised.
+    Reading, encoding and writing overlap; at most ``depth`` encoded batches wait. Errors of the
+    upstream iterator or the encoder re-raise here.
     """
     out: queue.Queue[Any] = queue.Queue(maxsize=depth)
     stop = threading.Event()

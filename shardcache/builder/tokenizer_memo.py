@@ -1,13 +1,10 @@
 """What transformers resolves from a tokenizer folder, as plain JSON, remembered on disk.
 
-:class:`ResolvedTokenizer` holds everything a text build, ``check`` and ``lock`` take from
-the transformers tokenizer; the key and probe read only it, so a key is the same from
-transformers or from the memo (``$SHARDCACHE_CACHE_DIR/tokenizers/<digest>.json``), which
-spares a repeat build importing transformers. The digest covers the folder's files (not
-model weights), the resolver packages' versions and :data:`RESOLVED_MEMO_VERSION`. A memo is
-used only when what decides ids agrees with the folder's files (:func:`agrees_with_files`);
-any miss resolves through transformers again. ``SHARDCACHE_NO_MEMO=1`` bypasses the memo;
-chat builds and audits never use it.
+``ResolvedTokenizer`` holds all a text build, ``check`` and ``lock`` take from transformers; the
+key and probe read only it, so a key is the same from transformers or from the memo. The memo's
+digest covers the folder's files (not weights), the resolver packages' versions and
+``RESOLVED_MEMO_VERSION``; a memo is used only when what decides ids agrees with the folder's
+files. ``SHARDCACHE_NO_MEMO=1`` bypasses it; chat builds and audits never use it.
 """
 
 from __future__ import annotations
@@ -25,7 +22,7 @@ from shardcache.store.key import canonical_json
 #: Folder under ``$SHARDCACHE_CACHE_DIR`` of resolved tokenizers.
 RESOLVED_DIR = "tokenizers"
 
-#: Bump when :class:`ResolvedTokenizer` or what goes into a field changes.
+#: Bump when ``ResolvedTokenizer`` or what goes into a field changes.
 RESOLVED_MEMO_VERSION = 1
 
 #: File endings of model weights: a tokenizer never reads them, so they are not hashed.
@@ -43,14 +40,7 @@ RESOLVER_PACKAGES = ("transformers", "tokenizers", "sentencepiece", "protobuf", 
 
 
 def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) -> dict[str, str]:
-    """Installed versions of packages, from their metadata.
-
-    Args:
-        names: the packages.
-
-    Returns:
-        Version by name (``"unknown"`` when missing).
-    """
+    """Installed versions of packages by name (``"unknown"`` when missing)."""
     out = {}
     for name in names:
         try:
@@ -64,18 +54,9 @@ def library_versions(names: tuple[str, ...] = ("transformers", "tokenizers")) ->
 class ResolvedTokenizer:
     """What a text build takes from a transformers tokenizer, as plain JSON-able values.
 
-    Attributes:
-        class_name: ``type(hf).__name__``, e.g. ``Qwen2Tokenizer``.
-        backend: ``hf.backend_tokenizer.to_str()``: the backend JSON transformers holds.
-        truncation: the backend's saved truncation setting, as loaded.
-        padding: the backend's saved padding setting, as loaded.
-        max_token_id: the largest id the backend can emit.
-        eos_token_id: the tokenizer's.
-        sep_token_id: the tokenizer's.
-        pad_token_id: the tokenizer's.
-        named_special: name (:data:`SPECIAL_NAMES`) -> ``[token, id]``.
-        additional_special: sorted ``additional_special_tokens``.
-        all_special: ``all_special_tokens``, in transformers' order.
+    ``backend`` is ``backend_tokenizer.to_str()``, with ``truncation`` and ``padding`` its saved
+    settings as loaded; ``named_special`` maps names of ``SPECIAL_NAMES`` to ``[token, id]``;
+    ``additional_special`` is sorted, ``all_special`` in transformers' order.
     """
 
     class_name: str
@@ -93,18 +74,7 @@ class ResolvedTokenizer:
     @classmethod
     def from_hf(cls, hf: Any, backend: str, truncation: Any, padding: Any,
                 max_token_id: int) -> ResolvedTokenizer:  # fmt: skip
-        """The record of a transformers tokenizer.
-
-        Args:
-            hf: the tokenizer.
-            backend: its backend JSON, as loaded.
-            truncation: the backend's saved truncation setting.
-            padding: the backend's saved padding setting.
-            max_token_id: the largest id the backend can emit.
-
-        Returns:
-            The record.
-        """
+        """The record of transformers tokenizer ``hf``, its backend JSON and saved settings."""
         named = {}
         for name in SPECIAL_NAMES:
             token = getattr(hf, name, None)
@@ -127,26 +97,12 @@ class ResolvedTokenizer:
         )
 
     def to_json(self) -> dict[str, Any]:
-        """The record as JSON.
-
-        Returns:
-            The fields by name.
-        """
+        """The record as JSON, fields by name."""
         return {f.name: getattr(self, f.name) for f in fields(self)}
 
     @classmethod
     def from_json(cls, value: Any) -> ResolvedTokenizer:
-        """The record saved by :meth:`to_json`.
-
-        Args:
-            value: the saved JSON.
-
-        Returns:
-            The record.
-
-        Raises:
-            ValueError: a field has the wrong shape (names it).
-        """
+        """The record ``to_json`` saved; ``ValueError`` naming a field of the wrong shape."""
         if not isinstance(value, dict) or set(value) != {f.name for f in fields(cls)}:
             raise ValueError("not a resolved tokenizer record (other fields)")
         checks = {
@@ -189,15 +145,7 @@ def _is_str_list(value: Any) -> bool:
 
 
 def folder_digest(folder: str) -> str | None:
-    """The memo digest of a tokenizer folder.
-
-    Args:
-        folder: the tokenizer folder.
-
-    Returns:
-        A digest of its files and the resolving packages' versions, or None when a file
-        cannot be read.
-    """
+    """The memo digest of a folder's files and resolver versions (None: a file is unreadable)."""
     try:
         entries = sorted(
             (e.name, e.path)
@@ -214,19 +162,8 @@ def folder_digest(folder: str) -> str | None:
 def parse_tokenizer_json(text: str) -> Any:
     """``json.loads(text)`` with the cyclic garbage collector paused.
 
-    A tokenizer's JSON holds hundreds of thousands of containers (vocabulary, merges), none
-    in a cycle; the collections their allocation would trigger traverse all of them and
-    everything else alive, to free nothing.
-
-    Args:
-        text: a tokenizer.json (or transformers' backend JSON).
-
-    Returns:
-        The parsed value.
-
-    Raises:
-        ValueError: ``text`` is not JSON.
-        RecursionError: it nests too deep.
+    A tokenizer's JSON holds hundreds of thousands of containers, none in a cycle; collections
+    their allocation would trigger traverse everything alive to free nothing.
     """
     enabled = gc.isenabled()
     gc.disable()
@@ -238,14 +175,7 @@ def parse_tokenizer_json(text: str) -> Any:
 
 
 def tokenizer_json_text(folder: str) -> str | None:
-    """The text of a folder's tokenizer.json.
-
-    Args:
-        folder: the tokenizer folder.
-
-    Returns:
-        The text, or None when it is absent, unreadable or not UTF-8.
-    """
+    """The text of a folder's tokenizer.json, or None when absent, unreadable or not UTF-8."""
     try:
         with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
             return f.read()
@@ -254,16 +184,7 @@ def tokenizer_json_text(folder: str) -> str | None:
 
 
 def read_resolved(folder: str, saved: str | None = None) -> ResolvedTokenizer | None:
-    """The memoised record of ``folder``, or None on any miss (damaged, absent, disabled).
-
-    Args:
-        folder: the tokenizer folder.
-        saved: the text of its tokenizer.json when the caller has read it: the record is then
-            checked against that very text (default: the file is read).
-
-    Returns:
-        The record, or None.
-    """
+    """The memoised record of ``folder``, checked against ``saved`` or the file; None: a miss."""
     if memo_disabled():  # not even the digest
         return None
     digest = folder_digest(folder)
@@ -288,17 +209,7 @@ SPECIAL_TOKEN_FILES = ("tokenizer_config.json", "special_tokens_map.json")
 
 
 def agrees_with_files(resolved: ResolvedTokenizer, folder: str, text: str | None = None) -> bool:
-    """Whether every part of ``resolved`` that decides ids agrees with ``folder``'s files
-    (False when that cannot be told).
-
-    Args:
-        resolved: a record read from the memo.
-        folder: the tokenizer folder it claims to describe.
-        text: the text of its tokenizer.json, when already read (default: the file is read).
-
-    Returns:
-        True when the record can be used instead of resolving through transformers.
-    """
+    """Whether every id-deciding part of ``resolved`` agrees with ``folder``'s files."""
     text = text if text is not None else tokenizer_json_text(folder)
     if text is None:
         return False
@@ -347,8 +258,7 @@ def _token_ids(backend: dict[str, Any]) -> dict[str, int] | None:
 
 
 def _declared_special(folder: str) -> dict[str, str] | None:
-    """The named special tokens the folder declares (first of :data:`SPECIAL_TOKEN_FILES`
-    wins); None when a file cannot be read."""
+    """The named special tokens ``folder`` declares (first file wins); None if one is unreadable."""
     declared: dict[str, str] = {}
     for name in reversed(SPECIAL_TOKEN_FILES):
         path = os.path.join(folder, name)
@@ -371,12 +281,6 @@ def _declared_special(folder: str) -> dict[str, str] | None:
 
 
 def write_resolved(digest: str | None, resolved: ResolvedTokenizer) -> None:
-    """Remember a record.
-
-    Args:
-        digest: the folder's digest, taken before transformers read it (None: nothing is
-            written).
-        resolved: the record.
-    """
+    """Remember a record under ``digest`` (taken before transformers read the folder)."""
     if digest is not None:
         write_memo(RESOLVED_DIR, digest, resolved.to_json())

@@ -1,21 +1,11 @@
-"""BERT-style WordPiece ids: ASCII text in Python, the rest through HF, equal to HF's.
+"""BERT-style WordPiece ids equal to HF's: ASCII chunks in Python, the rest through HF.
 
-For a tokenizer whose normalizer is ``BertNormalizer`` (or none), pre-tokenizer
-``BertPreTokenizer`` and model ``WordPiece``, everything HF does to ASCII text is per
-character: the normalizer maps each character to at most one character, the pre-tokenizer
-splits on whitespace (dropped) and punctuation (kept alone), and WordPiece matches the longest
-vocabulary entry from the left within each word. :class:`AsciiWordPiece` learns the
-per-character tables from the HF tokenizer itself at load (so a normalizer option changes them
-as it changes HF's ids) and checks them on every ASCII character before it is used.
-
-A text is split into chunks at ASCII whitespace; nothing HF does crosses one (normalization is
-per character there, and a word never spans a space). A chunk of ASCII text is encoded in
-Python, a chunk with any other character by HF on its own (Unicode tables differ between
-libraries), and a text containing an added token by HF whole (added tokens are matched before
-normalization). Words repeat, so each chunk is encoded once and its ids looked up after
-(:class:`~shardcache.builder.chunk_cache.ChunkCache`). A new ASCII chunk costs less in Python
-than one more text in an HF batch. Ids come without the post-processor's special tokens; the
-caller adds them.
+For ``BertNormalizer`` (or none), ``BertPreTokenizer`` and ``WordPiece``, all HF does to ASCII
+text is per character: ``AsciiWordPiece`` learns those tables from the HF tokenizer at load and
+checks them on every ASCII character. Texts split into chunks at ASCII whitespace, which nothing
+HF does crosses; an ASCII chunk is encoded in Python, any other chunk by HF alone (Unicode
+tables differ between libraries), a text holding an added token by HF whole. Ids come without
+the post-processor's special tokens; the caller adds them.
 """
 
 from __future__ import annotations
@@ -38,15 +28,9 @@ ASCII = "".join(map(chr, range(128)))
 class AsciiWordPiece(ChunkedEncoder):
     """Exact WordPiece ids (without special tokens) for a BERT-style tokenizer.
 
-    Args:
-        data: the tokenizer.json content, parsed.
-        reference: the HF backend of the same JSON (``tokenizer``, truncation and padding off,
-            and ``encode_flat``): it encodes the texts and chunks this class does not, and the
-            per-character tables come from it.
-
-    Raises:
-        ValueError: the tokenizer is not BERT-style WordPiece, or its ASCII behaviour is not
-            per character (the message says which part).
+    ``reference`` is the HF backend of the same JSON: it encodes what this class does not, and
+    the tables come from it. Raises ``ValueError`` (naming the part) when the tokenizer is not
+    BERT-style WordPiece or its ASCII behaviour is not per character.
     """
 
     #: The backend's name in a build's ``encoder`` selection and report.
@@ -90,9 +74,7 @@ class AsciiWordPiece(ChunkedEncoder):
         self.words = _WordCache(self)
 
     def _check_tables(self, space: str) -> None:
-        """The splitting this class does (``str.split`` on whitespace, then punctuation)
-        equals HF's pre-tokenization for every ASCII character, and normalizing twice changes
-        nothing (HF normalizes the chunks it encodes again)."""
+        """Check that this class's split and normalization equal HF's on every ASCII character."""
         if " " not in space:
             raise ValueError("HF does not split at a space")
         for c in space:
@@ -102,6 +84,7 @@ class AsciiWordPiece(ChunkedEncoder):
         for c in kept:
             if c.isspace() and c not in space:
                 raise ValueError(f"str.split splits at {c!r}, which HF keeps in words")
+        # HF normalizes the chunks it encodes again: a second pass must change nothing
         if kept.translate(self.table) != kept:
             raise ValueError("the normalizer changes its own output on ASCII text")
         text = " ".join(f"a{c}b{c}{c}Z" for c in ASCII)
@@ -114,7 +97,7 @@ class AsciiWordPiece(ChunkedEncoder):
             raise ValueError("the pre-tokenizer splits ASCII text otherwise than per character")
 
     def _normalize(self, text: str) -> str:
-        """The ASCII characters of ``text`` mapped by :attr:`table` (the others unchanged)."""
+        """``text`` with its ASCII characters mapped by ``table`` (the others unchanged)."""
         if text.isascii():
             return text.translate(self.table)
         # str.translate looks every character up; on UTF-8 bytes (where an ASCII byte is
@@ -126,14 +109,10 @@ class AsciiWordPiece(ChunkedEncoder):
         return [p for chunk in normalized.split() for p in self.piece_re.findall(chunk)]
 
     def word_ids(self, word: str) -> tuple[int, ...]:
-        """WordPiece of one word: the longest vocabulary match from the left, again after it
-        with the continuing prefix; the unknown token for the whole word if any part fails.
+        """WordPiece ids of one normalized word (no whitespace or punctuation).
 
-        Args:
-            word: a word (no whitespace or punctuation), normalized.
-
-        Returns:
-            Its ids.
+        The longest vocabulary match from the left, then again with the continuing prefix; the
+        unknown token for the whole word if any part fails.
         """
         if len(word) > self.max_chars:
             return (self.unk,)
@@ -166,7 +145,7 @@ class AsciiWordPiece(ChunkedEncoder):
         return n.split() if n.isascii() else n.split(" ")
 
     def encode_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
-        """As :meth:`ChunkedEncoder.encode_flat`; the word memo starts again when full."""
+        """As ``ChunkedEncoder.encode_flat``; the word memo starts again when full."""
         out = super().encode_flat(texts)
         if len(self.words) > chunk_cache.CACHE_CHUNKS:
             self.words = _WordCache(self)
@@ -184,7 +163,7 @@ class AsciiWordPiece(ChunkedEncoder):
 
 
 class _WordCache(dict):
-    """Word -> its WordPiece ids (:meth:`AsciiWordPiece.word_ids`), computed on first use."""
+    """Word -> its ``AsciiWordPiece.word_ids``, computed on first use."""
 
     def __init__(self, encoder: AsciiWordPiece):
         super().__init__()
@@ -198,12 +177,10 @@ class _WordCache(dict):
 
 
 def _ascii_tables(tokenizer: Any) -> tuple[dict[int, str], str, str]:
-    """Per ASCII character, from HF: the normalizer's output (a translate table), the
-    characters the pre-tokenizer drops as whitespace and those it isolates as punctuation.
+    """HF's ASCII behaviour: the normalizer's table, whitespace it drops, punctuation it isolates.
 
-    Raises:
-        ValueError: a character normalizes to more than one character or outside ASCII, or
-            splits in a way other than these three.
+    Raises ``ValueError`` when a character normalizes to several or non-ASCII characters, or
+    splits in any other way.
     """
     normalizer = tokenizer.normalizer
     table = ascii_table(normalizer.normalize_str if normalizer is not None else str)

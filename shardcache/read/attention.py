@@ -1,18 +1,9 @@
-"""Per-document attention for packed rows: the keys a transformers model needs, from positions.
+"""Per-document attention keys of packed rows, derived from ``position_ids`` alone (numpy).
 
-Pure numpy, derived from ``position_ids`` alone: token ``i`` of a row belongs to the segment
-that starts at ``i - position_ids[i]`` (padding is one more segment). ``position_ids`` alone
-do not isolate documents in transformers when a cache object exists (``use_cache=True``, also
-in training), hence ``ShardDataset(mode="pack", attention=...)``:
-
-* ``"mask"`` (:func:`block_causal_mask`): a 4-D additive float32 mask ``R x 1 x L x L`` (0
-  where query ``i`` sees key ``j``: same segment, ``j <= i``; the most negative float32
-  elsewhere), exact with sdpa and eager whatever ``use_cache``; ``R * L * L * 4`` bytes.
-  Padding attends causally to itself, so no row is fully masked (no NaN).
-* ``"varlen"`` (:func:`varlen_keys`): ``cu_seq_lens_q/k`` (int32) and ``max_length_q/k`` as
-  transformers' ``prepare_fa_kwargs_from_position_ids`` computes them, for flash attention;
-  sdpa and eager are exact only with ``use_cache=False``.
-* ``"none"``: nothing added (documents attend to each other).
+transformers does not isolate documents by ``position_ids`` once a cache object exists
+(``use_cache=True``, also in training): ``"mask"`` (4-D, ``R * L * L * 4`` bytes) is exact with
+sdpa and eager whatever ``use_cache``; ``"varlen"`` (flash attention) is exact with sdpa and
+eager only with ``use_cache=False``; ``"none"`` adds nothing (documents see each other).
 """
 
 from __future__ import annotations
@@ -26,17 +17,7 @@ ATTENTION_MODES = ("mask", "varlen", "none")
 
 
 def segment_starts(position_ids: np.ndarray) -> np.ndarray:
-    """Per token, where (within its row) its segment starts: ``i - position_ids[i]``.
-
-    Args:
-        position_ids: ``R x L`` positions restarting at 0 at every segment.
-
-    Returns:
-        int64, ``R x L``.
-
-    Raises:
-        ConfigError: ``position_ids`` is not 2-D.
-    """
+    """Per token of ``R x L`` positions, where its segment starts in its row (int64)."""
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
         raise ConfigError(
@@ -47,21 +28,9 @@ def segment_starts(position_ids: np.ndarray) -> np.ndarray:
 
 
 def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.ndarray:
-    """The additive 4-D mask ``R x 1 x L x L`` of packed rows.
+    """The additive ``R x 1 x L x L`` mask of packed rows: 0 where query ``i`` sees key ``j``.
 
-    0 where query ``i`` may attend to key ``j`` (same segment, ``j <= i``), ``finfo(dtype).min``
-    elsewhere; filled once, then each segment's lower triangle cleared in place (a loop over
-    segments, never over tokens).
-
-    Args:
-        position_ids: ``R x L`` positions restarting at 0 at every segment.
-        dtype: the float type.
-
-    Returns:
-        The mask, ``R * L * L * itemsize`` bytes.
-
-    Raises:
-        ConfigError: ``position_ids`` is not 2-D.
+    Padding is a segment of its own and attends causally to itself, so no row is fully masked.
     """
     positions = np.asarray(position_ids)
     if positions.ndim != 2:
@@ -82,15 +51,7 @@ def block_causal_mask(position_ids: np.ndarray, dtype: type = np.float32) -> np.
 
 
 def varlen_keys(position_ids: np.ndarray) -> dict[str, np.ndarray | int]:
-    """The flash-attention keys of a packed batch, as transformers computes them from positions.
-
-    Args:
-        position_ids: ``R x L`` positions restarting at 0 at every segment.
-
-    Returns:
-        ``cu_seq_lens_q/k`` (int32, the segment boundaries of the flattened batch, ending at
-        ``R * L``) and ``max_length_q/k`` (int).
-    """
+    """Flash attention's ``cu_seq_lens_q/k`` and ``max_length_q/k``, as transformers makes them."""
     flat = np.asarray(position_ids).reshape(-1)
     starts = np.flatnonzero(flat == flat.min())
     cu = np.empty(len(starts) + 1, dtype=np.int32)

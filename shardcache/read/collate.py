@@ -1,9 +1,7 @@
 """Batch collation on the numpy path: gathered tokens of planned segments -> batch arrays.
 
-Pure numpy, no file access, a fixed number of numpy calls a batch whatever its rows and
-segments. :func:`pad_batch` lays whole sequences one per row; :func:`pack_batch` lays segments
-in rows of ``seq_len`` slots. What a batch holds is documented in
-:mod:`shardcache.read.dataset`; :mod:`shardcache.read.kernels` builds the same arrays.
+Pure numpy, no file access, a fixed number of numpy calls a batch; ``kernels`` builds the same
+arrays (batch contents: ``shardcache.read.dataset``).
 """
 
 from __future__ import annotations
@@ -24,23 +22,10 @@ def pad_batch(
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
 ) -> dict[str, np.ndarray | int]:
-    """Pad whole sequences into one ``len(lengths) x width`` batch.
+    """Pad whole sequences into one ``len(lengths) x width`` batch (``width`` None: the longest).
 
-    Args:
-        tokens: the rows' ids concatenated, or with ``laid_out`` already in their rows
-            (``Cache.gather(layout=...)``, padded with ``pad_id``, of ``ids_dtype``).
-        lengths: tokens of each row.
-        sample_ids: the sequence of each row.
-        pad_id: the padding id.
-        width: the row length (None: the longest row).
-        loss_mask: bool per token, laid out like ``tokens`` (chat caches: labels only where
-            True); None: every token has a label.
-        ids_dtype: the type of ``input_ids`` and ``attention_mask``.
-        laid_out: ``tokens`` (and ``loss_mask``) are already ``len(lengths) x width``.
-
-    Returns:
-        ``input_ids`` and ``attention_mask`` (``ids_dtype``), int64 ``labels`` (-100 on
-        padding and masked tokens), int64 ``sample_ids`` and ``num_tokens``.
+    ``laid_out``: ``tokens`` (and ``loss_mask``) are already in their padded rows, as
+    ``Cache.gather(layout=...)`` leaves them; else concatenated.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
@@ -83,26 +68,8 @@ def pack_batch(
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
-    Args:
-        tokens: the segments' ids concatenated, or with ``laid_out`` already in their rows
-            (:func:`packed_layout`, padded with ``pad_id``).
-        seg_lengths: tokens of each segment.
-        sample_ids: the sequence of each segment.
-        starts: each segment's first token in its sequence.
-        row_bounds: row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``.
-        seq_len: slots per row.
-        pad_id: the padding id.
-        loss_mask: bool per token, laid out like ``tokens`` (chat caches: labels only where
-            True); None: every token has a label.
-        ids_dtype: the type of ``input_ids`` and ``position_ids``.
-        laid_out: ``tokens`` (and ``loss_mask``) are already in their rows.
-
-    Returns:
-        ``input_ids`` and ``position_ids`` (``ids_dtype``, positions restarting at every
-        segment), int64 ``labels`` (-100 on padding, on every segment's first token and on
-        masked tokens), int32 ``cu_seqlens``, ``max_seqlen``, per segment int64
-        ``sample_ids`` / ``sample_offsets`` (-1 for padding runs) and ``num_tokens``. When
-        every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
+    Row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``; ``laid_out`` as for
+    ``pad_batch``. When every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
     """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     num_rows = len(row_bounds) - 1
@@ -147,16 +114,7 @@ def pack_batch(
 
 
 def packed_layout(seg_lengths: np.ndarray, row_bounds: np.ndarray, seq_len: int) -> np.ndarray:
-    """Where each segment starts in the flattened ``rows x seq_len`` slots of a packed batch.
-
-    Args:
-        seg_lengths: tokens of each segment.
-        row_bounds: row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``.
-        seq_len: slots per row.
-
-    Returns:
-        int64 per segment: the ``layout`` to gather a batch straight into its rows.
-    """
+    """Each segment's start in the flat ``rows x seq_len`` slots: a gather's ``layout``."""
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     bounds = np.asarray(row_bounds, dtype=np.int64)
     begin = np.cumsum(seg_lengths) - seg_lengths  # compact start of every segment
@@ -172,8 +130,7 @@ def _with_padding_runs(
     row_bounds: np.ndarray,
     seq_len: int,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
-    """The segment list of a batch with a padding run after every row that is not full:
-    ``(lengths, sample_ids, starts, tokens used per row)``, padding runs -1 / -1."""
+    """A batch's segments with a padding run (ids -1) after every row that is not full."""
     bounds = np.asarray(row_bounds, dtype=np.int64)
     num_rows = len(bounds) - 1
     num_segs = len(seg_lengths)
@@ -212,15 +169,7 @@ def _ramp(length: int, dtype: np.dtype) -> np.ndarray:
 
 
 def restarting_positions(cu_seqlens: np.ndarray, dtype: np.dtype | type = np.int64) -> np.ndarray:
-    """Position ids ``0, 1, ...`` restarting at every segment.
-
-    Args:
-        cu_seqlens: cumulative segment lengths, from 0.
-        dtype: the type of the result.
-
-    Returns:
-        One position per token, ``cu_seqlens[-1]`` of them.
-    """
+    """Position ids ``0, 1, ...`` restarting at every segment of ``cu_seqlens`` (from 0)."""
     dtype = np.dtype(dtype)
     total = int(cu_seqlens[-1])
     starts = cu_seqlens[:-1].astype(dtype)

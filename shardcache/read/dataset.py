@@ -1,27 +1,9 @@
-"""ShardDataset: the epoch plan + the shard reader -> batches of tensors, with resumable state.
+"""ShardDataset: an epoch plan + the shard reader -> token-budget batches, with resumable state.
 
-A ``torch.utils.data.IterableDataset`` whose items are whole batches: iterate it through
-``DataLoader(ds, batch_size=None)`` (or ``shardcache.loader``). A batch (:class:`Batch`) is a
-dict of model inputs, so ``model(**batch)`` works, plus ``batch["meta"]`` (bookkeeping
-tensors; :func:`model_inputs` drops it):
-
-* ``mode="pad"``: ``input_ids`` and ``attention_mask`` (``ids_dtype``) and int64 ``labels``
-  (-100 on padding and, for chat caches, outside the trainable turns), ``B x L`` with
-  ``B x L <= max_tokens``; ``meta``: ``sample_ids``, ``num_tokens`` (padding not counted).
-* ``mode="pack"``: ``R x seq_len`` rows of segments, padding only at row ends;
-  ``input_ids``, ``position_ids`` (restart at every segment) and ``labels`` (-100 on padding
-  and on every segment's first token: no position predicts across a document boundary);
-  the ``attention=`` keys (``shardcache.read.attention``); ``meta``: ``cu_seqlens``,
-  ``max_seqlen``, per segment ``sample_ids`` / ``sample_offsets`` (-1 for padding),
-  ``num_tokens``.
-
-State is a global cursor (epoch, global batches consumed) with the cache digest and the plan
-options; it resumes at any world size and ``num_workers``. Inside a DataLoader worker it also
-carries the worker's position (torchdata ``StatefulDataLoader``), which restores only the same
-worker; :func:`dataset_state_of_loader` turns a whole loader state into the global cursor.
-Persistent workers follow ``set_epoch`` / ``load_state_dict`` through a shared position.
-The dataset owns its cache and shard readers: :meth:`ShardDataset.close` (or a ``with``
-block) releases them.
+A batch (``Batch``) is a dict of model inputs plus ``batch["meta"]``, as docs/guide/batches.md
+lists them; ``labels`` are -100 on padding, outside chat caches' trainable turns and on every
+packed segment's first token. State is a global cursor (epoch, global batches consumed),
+checked against the cache digest and plan options: it resumes at any world size and workers.
 """
 
 from __future__ import annotations
@@ -61,22 +43,13 @@ from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
 #: Open shards kept per reader process during a pass (a shuffled pass returns to a shard many
-#: times). Each map holds a file descriptor, so fewer under a low open-file limit
-#: (:func:`~shardcache.store.cache.shards_within_file_limit`).
+#: times). Each map holds a file descriptor, so fewer under a low open-file limit.
 OPEN_SHARDS = 256
 logger = logging.getLogger("shardcache")
 
 
 def cache_digest(manifest: dict[str, Any]) -> str:
-    """The identity of a cache's data that a reader state refers to.
-
-    Args:
-        manifest: the cache's manifest.
-
-    Returns:
-        The cache-key digest, or (a cache without a key) the sha256 of its shard list as
-        canonical JSON.
-    """
+    """The identity of a cache's data in a reader state: its key digest, else its shards' sha256."""
     digest = manifest.get("key", {}).get("digest")
     if digest:
         return str(digest)
@@ -124,34 +97,30 @@ class ShardDataset(IterableDataset):
     """Token-budget batches from a cache (or a mixture), sharded over ranks and workers.
 
     Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch. A
-    context manager: :meth:`close` releases the cache and its open shards.
+    context manager: ``close`` releases the cache and its open shards.
 
     Args:
-        path: a cache folder or URL, or a list of :class:`~shardcache.read.mixture.Source`
-            (a mixture of caches sharing a tokenizer).
+        path: a cache folder or URL, or a list of [`Source`][shardcache.Source] (a mixture of
+            caches sharing a tokenizer).
         max_tokens: the token budget of a batch (padding included).
         shuffle: shuffle the epoch (default True).
         seed: the plan's seed (>= 0).
-        options: all batch options as one :class:`PlanOptions` (then without
-            ``max_tokens``, ``shuffle`` or keywords).
+        options: all batch options as one [`PlanOptions`][shardcache.PlanOptions] (then
+            without ``max_tokens``, ``shuffle`` or keywords).
         rank: this process's rank; with ``world_size``, else torch.distributed when
             initialised, else ``RANK`` / ``WORLD_SIZE``.
         world_size: the number of ranks.
-        expect: a :class:`~shardcache.store.key.CacheKey`, a lock file path or a mapping of
-            tokenizer options (``{"tokenizer": "tok/", "max_length": 2048}``) the cache must
+        expect: a ``CacheKey``, lock file path or mapping of tokenizer options the cache must
             have been built under (for a mixture: each source without its own).
-        attention: ``"mask"``, ``"varlen"`` or ``"none"``: required with ``mode="pack"``,
-            refused otherwise (:mod:`shardcache.read.attention`).
-        ids_dtype: ``"int32"`` or ``"int64"``, the type of ``input_ids``, ``position_ids``
-            and ``attention_mask`` (``labels`` are always int64).
+        attention: ``"mask"`` (a 4-D block-causal mask), ``"varlen"`` (flash-attention keys)
+            or ``"none"``: required with ``mode="pack"``, refused otherwise.
+        ids_dtype: ``"int32"`` or ``"int64"``: ``input_ids``, ``position_ids``, ``attention_mask``.
         tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in).
-        remix: let :meth:`load_state_dict` take the state of another mixture (with a
-            warning).
-        readahead: how far a cache in object storage is downloaded ahead of the batches, in
-            plan order (:class:`~shardcache.read.readahead.ReadAheadOptions`; an int: the
-            shards ahead, 0 on demand only; None the defaults). No effect on local caches.
-        **plan_options: the other :class:`PlanOptions` fields (``mode``, ``seq_len``,
-            ``packing``, ``pad_to_multiple_of``, ``window_size``, ``tail``).
+        remix: let ``load_state_dict`` take the state of another mixture (with a warning).
+        readahead: how far a remote cache downloads ahead: an int of shards (0: on demand only),
+            a [`ReadAheadOptions`][shardcache.ReadAheadOptions] or None (the defaults).
+        **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
+            ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
     Raises:
         ConfigError: an option is missing, unknown or out of range.
@@ -258,7 +227,7 @@ class ShardDataset(IterableDataset):
 
     @property
     def mixture(self) -> MixtureTable | None:
-        """A mixture's per-source numbers (:class:`MixtureTable`), or None for one cache."""
+        """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None."""
         return None if self._mixture is None else self._mixture.table
 
     def _open_cache(self, expect: Any = None) -> Cache | MixedCache:
@@ -279,8 +248,7 @@ class ShardDataset(IterableDataset):
         return state
 
     def close(self) -> None:
-        """Release the cache, its open shards and the plan (idempotent); the dataset reopens them
-        when next needed. A pass being read from object storage stops its downloads."""
+        """Release the cache, open shards, plan and downloads (reopened when needed); idempotent."""
         if self._readahead is not None:
             self._readahead.close()
             self._readahead = None
@@ -296,7 +264,7 @@ class ShardDataset(IterableDataset):
         self.close()
 
     def _open(self) -> Cache | MixedCache:
-        """The cache this dataset owns, opened on first use (again after :meth:`close`)."""
+        """The cache this dataset owns, opened on first use (again after ``close``)."""
         if self._cache is None:
             self._cache = self._open_cache()
         return self._cache
@@ -311,10 +279,9 @@ class ShardDataset(IterableDataset):
     # ---- epochs and sizes ------------------------------------------------------------------
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (reshuffles).
+        """Select the epoch (reshuffles); persistent DataLoader workers follow it.
 
-        A new epoch starts at cursor 0; the current one keeps its cursor, so a resumed job may call
-        ``set_epoch`` with the resumed epoch. Persistent DataLoader workers follow it.
+        A new epoch starts at cursor 0; the current one keeps its cursor (as a resumed job needs).
 
         Args:
             epoch: the epoch (>= 0).
@@ -332,16 +299,14 @@ class ShardDataset(IterableDataset):
         self._publish()
 
     def _publish(self) -> None:
-        """Make this position the one persistent workers start their next pass from (main process
-        only; a worker keeps its copy's state)."""
+        """Publish this position for persistent workers' next pass (a worker only reads it)."""
         if get_worker_info() is None:
             self._generation = self._published.write(self.epoch, self._consumed, self._loaded)
         else:
             self._generation = self._published.read()[0]
 
     def _adopt_published(self) -> None:
-        """In a persistent worker: take the position the main process published since this copy's
-        last pass, if any."""
+        """In a persistent worker: take the position published since this copy's last pass."""
         generation, epoch, consumed, loaded = self._published.read()
         if generation == self._generation:
             return
@@ -353,9 +318,7 @@ class ShardDataset(IterableDataset):
         self._generation = generation
 
     def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of an epoch for all ranks.
-
-        Computed once per machine and epoch (plan_store.py) and kept for the last epoch asked.
+        """The global batch plan of an epoch for all ranks (computed once per machine and epoch).
 
         Args:
             epoch: the epoch (None: the current one).
@@ -399,8 +362,7 @@ class ShardDataset(IterableDataset):
         return self.split(epoch).batches_per_rank
 
     def _pass_start(self, cursor: int) -> int:
-        """Where a pass begins: ``cursor``, or 0 when the epoch is exhausted there (unless the
-        cursor was loaded: a state taken at the end of an epoch resumes to nothing)."""
+        """Where a pass begins: ``cursor``, or 0 if the epoch is spent there (unless loaded)."""
         if cursor and not self._loaded and self.split(start=cursor).batches_per_rank == 0:
             return 0
         return cursor
@@ -413,7 +375,7 @@ class ShardDataset(IterableDataset):
         return n
 
     def _warn_empty(self) -> None:
-        """More ranks than batches: every rank gets 0 batches (warned once per dataset)."""
+        """Warn (once per dataset) when more ranks than batches leave every rank with none."""
         total = len(self.plan())
         if total < self.world_size and not getattr(self, "_warned_empty", False):
             self._warned_empty = True
@@ -431,8 +393,8 @@ class ShardDataset(IterableDataset):
             epoch: the epoch (None: the current one).
 
         Returns:
-            The tail mode, world size, global and per-rank batches, and the batches, segments
-            and tokens dropped and repeated, as a JSON-able dict.
+            A JSON-able dict: tail mode, world size, global and per-rank batches, and the batches,
+            segments and tokens dropped and repeated.
         """
         plan = self.plan(epoch)
         split = self.split(epoch)
@@ -462,13 +424,13 @@ class ShardDataset(IterableDataset):
         """The resumable position, JSON-able.
 
         Args:
-            steps: None for this object's live position (current in-process; the worker's own
-                position inside a DataLoader worker); ``k`` for the position after this rank took
-                ``k`` batches since ``set_epoch`` / ``load_state_dict`` (a plain DataLoader).
+            steps: None for this object's live position (inside a DataLoader worker: the
+                worker's own); ``k`` for the position after this rank took ``k`` batches since
+                ``set_epoch`` / ``load_state_dict`` (behind a plain DataLoader).
 
         Returns:
-            ``{"version", "cache_digest", "seed", "plan", "epoch", "consumed", "world_size"}``
-            (plus ``"mixture"``, and ``"worker"`` inside a worker).
+            ``version``, ``cache_digest``, ``seed``, ``plan``, ``epoch``, ``consumed`` and
+            ``world_size`` (plus ``mixture``, and ``worker`` inside a worker).
 
         Raises:
             ConfigError: ``steps`` is not an integer in ``[0, batches of this pass]``.
@@ -503,12 +465,11 @@ class ShardDataset(IterableDataset):
         """Continue from a state, at any world size and ``num_workers``.
 
         Args:
-            state: what :meth:`state_dict` returned, or a whole ``StatefulDataLoader`` state (its
-                worker states together give the global cursor: :func:`loader_state_cursor`).
+            state: what ``state_dict`` returned, or a whole ``StatefulDataLoader`` state (its
+                worker states together give the global cursor).
 
         Raises:
-            StateError: the state is of another cache, other plan options, another mixture
-                (without ``remix=True``) or is damaged.
+            StateError: the state is of another cache, plan or mixture (see ``remix``), or damaged.
         """
         if isinstance(state, dict) and "version" not in state:
             converted = dataset_state_of_loader(state)
@@ -565,8 +526,7 @@ class ShardDataset(IterableDataset):
         self._publish()
 
     def _check_mixture_state(self, state: dict[str, Any]) -> bool:
-        """Whether ``state`` is loaded under another mixture (with ``remix=True``: warned);
-        StateError naming the changes without ``remix=True``."""
+        """Whether ``state`` is of another mixture: warned with ``remix=True``, else StateError."""
         if self._mixture is None:
             return False
         changes = mixture_changes(state.get("mixture"), self._mixture.state())
@@ -628,8 +588,7 @@ class ShardDataset(IterableDataset):
     def _check_worker_resume(
         self, resume: dict[str, Any], worker_id: int, num_workers: int
     ) -> None:
-        """A worker state resumes only the same worker of the same ``num_workers`` at the same world
-        size; anything else would lose or repeat batches (StateError)."""
+        """Refuse a worker state of another worker, ``num_workers`` or world size (StateError)."""
         theirs = (resume.get("id"), resume.get("num_workers"), resume.get("world_size"))
         ours = (worker_id, num_workers, self.world_size)
         if theirs == ours:
@@ -682,14 +641,12 @@ class ShardDataset(IterableDataset):
             self._consumed = start + self.world_size * len(mine)
 
     def stats(self) -> dict[str, Any]:
-        """What reading from object storage cost this process so far, all passes (all zero for a
-        local cache; inside DataLoader workers each worker counts, and warns, on its own).
+        """What reading from object storage cost this process, all passes (zeros for a local cache).
 
         Returns:
-            ``batches``; ``first_wait_s`` (waits for first batches), ``wait_s`` and
-            ``longest_wait_s`` (the others), ``elapsed_s`` (since the first batch was ready),
-            ``wait_share``; ``bytes_ahead`` / ``shards_ahead`` and ``bytes_on_demand`` /
-            ``shards_on_demand``; ``retried``; ``warned``.
+            ``batches``, ``first_wait_s`` (first batches), ``wait_s`` / ``longest_wait_s`` (others),
+            ``elapsed_s``, ``wait_share``, ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
+            ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own).
         """
         return self._stats.as_dict()
 
@@ -750,8 +707,7 @@ class ShardDataset(IterableDataset):
         lengths: Any = None,
         layout: tuple[np.ndarray, int] | None = None,
     ) -> Gathered:
-        """:meth:`Cache.gather` of segments (with the loss masks of chat caches), concatenated or
-        placed by ``layout``."""
+        """``Cache.gather`` of segments (and chat loss masks), flat or placed by ``layout``."""
         cache = self._open()
         return cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
@@ -759,9 +715,7 @@ class ShardDataset(IterableDataset):
 
     @property
     def reads_compiled(self) -> bool:
-        """Whether this process builds batches with the compiled kernels (numba, ``kernels`` on, a
-        local cache of uncompressed shards).
-        """
+        """Whether the compiled kernels build batches here (numba, a local uncompressed cache)."""
         # (a remote cache keeps no Cache here)
         return self._cache is not None and self._table(self._cache) is not None
 
@@ -771,8 +725,7 @@ class ShardDataset(IterableDataset):
         return cache.mapped_table()
 
     def _compiled(self, plan: EpochPlan) -> kernels.BatchKernels | None:
-        """The compiled reader of ``plan`` (kernels.py), or None when the numpy path reads
-        its batches (no numba, a compressed cache, ``self.kernels`` off)."""
+        """The compiled reader of ``plan``, or None when the numpy path reads its batches."""
         cache, cached = self._open(), self._batch_kernels
         if self.kernels and cached is not None and cached.plan is plan and cached.cache is cache:
             return cached
@@ -853,20 +806,10 @@ class ShardDataset(IterableDataset):
 
 
 def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | None:
-    """The dataset state (global cursor) in a torchdata ``StatefulDataLoader`` state.
+    """The dataset state (global cursor) in a torchdata ``StatefulDataLoader`` state, or None.
 
-    In-process the loader keeps the dataset's own state; with workers, one state per worker,
-    whose positions together give the rank's global cursor (:func:`loader_state_cursor`), exact
-    for any world size and ``num_workers`` to come.
-
-    Args:
-        loader_state: what ``StatefulDataLoader.state_dict()`` returned.
-
-    Returns:
-        The dataset state, or None when ``loader_state`` is not a loader state.
-
-    Raises:
-        StateError: some worker holds no ShardDataset state, or the workers disagree.
+    The workers' positions together give the rank's global cursor, exact for any world size and
+    ``num_workers`` to come.
     """
     if isinstance(loader_state.get("dataset_state"), dict) and "_num_yielded" in loader_state:
         return dict(loader_state["dataset_state"])
@@ -889,17 +832,9 @@ def dataset_state_of_loader(loader_state: dict[str, Any]) -> dict[str, Any] | No
 
 
 def loader_state_cursor(workers: list[dict[str, Any]], steps_since_snapshot: int = 0) -> int:
-    """The global cursor of one rank's DataLoader worker states taken together.
+    """The global cursor of one rank's DataLoader worker states: ``start + world_size * taken``.
 
-    Args:
-        workers: the states of every worker of the loader.
-        steps_since_snapshot: batches the loader yielded after the states were taken.
-
-    Returns:
-        ``start + world_size * batches taken``.
-
-    Raises:
-        StateError: the states do not belong to one loader's checkpoint.
+    ``steps_since_snapshot`` counts batches the loader yielded after the states were taken.
     """
     starts, worlds, epochs, taken = set(), set(), set(), steps_since_snapshot
     for state in workers:
@@ -935,11 +870,11 @@ META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_to
 
 
 class Batch(dict):  # type: ignore[type-arg]
-    """One batch: a ``dict`` of model inputs plus ``"meta"`` (see the module docstring).
+    """One batch: a ``dict`` of model inputs plus ``"meta"``.
 
-    A ``dict`` subclass so that a ``DataLoader`` left with its default ``batch_size=1`` fails
-    loudly instead of stacking batches, and so that it pickles all its tensors as one storage
-    (one shared-memory segment per batch on a worker's queue). ``copy.copy`` is shallow."""
+    A ``dict`` subclass so that a DataLoader left at ``batch_size=1`` fails loudly, and so that it
+    pickles all its tensors as one storage (one shared-memory segment on a worker's queue).
+    """
 
     def __copy__(self) -> Batch:
         return Batch(self)
@@ -965,7 +900,7 @@ class Batch(dict):  # type: ignore[type-arg]
 
 
 def _packable(t: torch.Tensor) -> bool:
-    """A tensor a pickled :class:`Batch` carries in its one storage (CPU, strided, no autograd)."""
+    """Whether a pickled ``Batch`` can carry ``t`` in its one storage (CPU, strided, no grad)."""
     return t.device.type == "cpu" and t.layout == torch.strided and not t.requires_grad
 
 
@@ -975,7 +910,7 @@ def _rebuild_batch(
     keys: list[tuple[bool, str]],
     items: dict[str, Any],
 ) -> Batch:
-    """A pickled :class:`Batch` again: its tensors are views of the one ``flat`` storage."""
+    """A pickled ``Batch`` again: its tensors are views of the one ``flat`` storage."""
     batch = Batch(items)
     meta = batch.get("meta")
     for (in_meta, key), (at, dtype, shape) in zip(keys, specs):
@@ -987,7 +922,7 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     """The keyword arguments of a model that rejects unknown ones.
 
     Args:
-        batch: a batch of :class:`ShardDataset`.
+        batch: a batch of [`ShardDataset`][shardcache.ShardDataset].
 
     Returns:
         A new dict: ``batch`` without its ``"meta"``.
@@ -996,11 +931,11 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
 
 
 class _SharedPosition:
-    """``[generation, epoch, cursor, loaded]`` shared between a ``ShardDataset`` and its DataLoader
-    workers' copies: an anonymous shared mapping (forked workers inherit it), joined by a torch
-    shared-memory tensor when the dataset is pickled for spawned / forkserver workers. The main
-    process writes both, a copy reads the one it has. Without shared memory a copy keeps the
-    position it was made with."""
+    """``[generation, epoch, cursor, loaded]`` shared by a ShardDataset and its workers' copies.
+
+    A shared mapping forks inherit, joined by a shared-memory tensor once pickled for spawned
+    workers (without shared memory a copy keeps its position); the main process writes both.
+    """
 
     def __init__(self) -> None:
         self._mapped: np.ndarray | None = np.frombuffer(mmap.mmap(-1, 32), dtype=np.int64)
@@ -1013,7 +948,7 @@ class _SharedPosition:
         return generation, epoch, cursor, loaded
 
     def write(self, epoch: int, cursor: int, loaded: bool) -> int:
-        """Publish a position; returns its generation."""
+        """Publish a position (generation written last); returns its generation."""
         generation = self.read()[0] + 1
         values = [generation, epoch, cursor, int(loaded)]
         for target in (self._mapped, self._tensor):
@@ -1039,8 +974,7 @@ class _SharedPosition:
 
 
 def _data_identity(caches: list[Cache], *terms: Any) -> str:
-    """What a plan is a function of besides options, seed and epoch (plan_store.py): each
-    cache's length-index sha256 and shard table, and a mixture's ``terms``."""
+    """What a plan depends on besides options, seed and epoch: length indexes, shards, ``terms``."""
     parts = [
         [c.manifest["index"]["lengths"]["sha256"], [[s["bucket"], s["rows"]] for s in c.shards]]
         for c in caches
@@ -1056,7 +990,7 @@ def _close_shards(cache: Cache | MixedCache) -> None:
 
 
 def _check_attention(attention: str | None, mode: str) -> str | None:
-    """``attention`` is required in pack mode (no silent default) and meaningless in pad mode."""
+    """Check ``attention``: required in pack mode (no silent default), refused in pad mode."""
     if mode == "pack":
         if attention is None:
             raise ConfigError(
@@ -1088,7 +1022,7 @@ def _to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
 
 
 def _refuse_collate(batches: list[Batch], **_: Any) -> Batch:
-    """A DataLoader with ``batch_size`` set stacks our (already whole) batches: refuse it."""
+    """Refuse a DataLoader with ``batch_size`` set: it would stack already whole batches."""
     raise ConfigError(
         f"DataLoader: it collated {len(batches)} ShardDataset batch(es) into one (its "
         "batch_size defaults to 1, which adds a leading dimension to every tensor). "

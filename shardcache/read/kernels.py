@@ -1,20 +1,10 @@
-"""Compiled batch kernels: gather and collate a batch in one pass over its tokens.
+"""Compiled batch kernels (numba): gather and collate a batch in one pass over its tokens.
 
-:class:`BatchKernels` builds the arrays of ``collate.pack_batch`` / ``collate.pad_batch``
-straight from the memory-mapped shards (:class:`~shardcache.store.cache.MappedTable`): each
-token is read once and written once into every output, and every segment is checked on the
-way (inside its sequence and its shard, rows not over-full, ids at most the tokenizer's
-largest). For a mixture it also writes each row's or segment's source and its sample id
-within that source (``meta["source_ids"]`` / ``meta["sample_ids"]``), so a mixture's batch
-is built in the same single pass. A kernel that needs a shard not open says which;
-:class:`BatchKernels` opens it and calls again. A kernel that refuses a batch returns a code
-that :class:`BatchKernels` turns into the numpy path's descriptive error, so no batch is
-built twice. Compressed caches, or a batch over more shards than stay open, are read on the
-numpy path (``Cache.gather`` + collate.py); tests check that both give identical batches.
-
-The kernels need numba (``pip install 'shardcache[fast]'``). They read shards through raw
-addresses (kernels_jit.py): shards open and close only in Python between kernel calls, the
-kernels hold the GIL, and every read is bounds-checked against the shard's size first.
+``BatchKernels`` builds the arrays of ``collate.pack_batch`` / ``pad_batch`` straight from the
+mapped shards, bounds- and id-checking every segment; a refusal code becomes the numpy path's
+error. Compressed caches, or batches over more shards than stay open, take the numpy path (tests
+check both agree). Shards are read by raw address: they open and close only in Python between
+kernel calls, the kernels hold the GIL, and every read is checked against the shard's size.
 """
 
 from __future__ import annotations
@@ -38,7 +28,7 @@ disabled: str | None = None
 
 @functools.cache
 def _compiled() -> Any | None:
-    """The compiled kernels (:mod:`shardcache.read.kernels_jit`), or None without numba."""
+    """The compiled kernels module (``kernels_jit``), or None without numba or when disabled."""
     if disabled is not None:
         return None
     try:
@@ -49,14 +39,7 @@ def _compiled() -> Any | None:
 
 
 def available(dtype: np.dtype) -> bool:
-    """Whether the kernels can read shards of a token type.
-
-    Args:
-        dtype: the stored token type.
-
-    Returns:
-        True for uint16 or uint32 when numba is installed.
-    """
+    """Whether the kernels can read shards of token type ``dtype`` (uint16/uint32, numba on)."""
     return np.dtype(dtype).name in ("uint16", "uint32") and _compiled() is not None
 
 
@@ -66,27 +49,20 @@ _EMPTY_READ_ONLY.flags.writeable = False
 
 
 def _plain(array: np.ndarray | None, read_only: bool) -> np.ndarray:
-    """A plan array as numba takes it: a plain int64 ndarray (np.memmap is a subclass), an
-    empty one for None (of the plan's writeability: one compiled signature per kind)."""
+    """A plan array as numba takes it: a plain int64 ndarray (None: an empty one).
+
+    The empty one is as writeable as the plan: numba compiles one signature per kind.
+    """
     if array is None:
         return _EMPTY_READ_ONLY if read_only else _EMPTY
     return np.asarray(array, dtype=np.int64).view(np.ndarray)
 
 
 class BatchKernels:
-    """The compiled reader of one cache and one epoch plan.
+    """The compiled reader of one cache (or mixture) and one epoch plan.
 
-    Args:
-        cache: the cache (or mixture) whose :meth:`~shardcache.store.cache.Cache.open_mapped`
-            opens shards on demand.
-        table: its mapped-shard table.
-        plan: the epoch plan.
-        capacity: the most slots a batch can have (the token budget): outputs are allocated at
-            that size and cut to the batch's own.
-        source_offsets: for a mixture, where each source's sequences start in the plan's id
-            space and where the last ends (:attr:`~shardcache.read.mixture.MixtureIndex.
-            offsets`): batches then carry ``source_ids`` and sample ids within their source.
-            None for one cache.
+    Outputs are allocated at ``capacity`` slots (the token budget), then cut. With
+    ``source_offsets`` (a mixture's) batches carry ``source_ids`` and ids within their source.
     """
 
     def __init__(
@@ -119,13 +95,7 @@ class BatchKernels:
         self._info = np.zeros(5, dtype=np.int64)  # (kernels_jit.py)
 
     def _opened(self, code: int, opened: set[int], index: int) -> bool:
-        """After a kernel returned ``code`` for batch ``index``: True when it asked for a shard
-        and that shard is now open (call it again); False when the kernel cannot take the
-        batch (a compressed shard, or more shards than stay open): the numpy path reads it.
-
-        Raises:
-            IndexError, CorruptShardError, ValueError: the kernel refused the batch (why).
-        """
+        """Whether the shard a kernel asked for is open now (call again); False: the numpy path."""
         if code != self._kernels.NEED_SHARD:
             self._refuse(code, index)
         shard = int(self._info[3])
@@ -164,23 +134,7 @@ class BatchKernels:
     def pack(
         self, index: int, seq_len: int, pad_id: int, ids_dtype: np.dtype
     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The arrays of packed batch ``index`` (as ``collate.pack_batch`` makes them).
-
-        Args:
-            index: the global batch.
-            seq_len: slots per row.
-            pad_id: the padding id.
-            ids_dtype: the type of ``input_ids`` and ``position_ids``.
-
-        Returns:
-            ``(model inputs, meta)`` (a mixture's meta with ``source_ids``), or None when the
-            numpy path must read the batch (a compressed shard, or more shards than stay open).
-
-        Raises:
-            IndexError: a segment outside its sequence.
-            CorruptShardError: an id above the tokenizer's largest, or a read past a shard's end.
-            ValueError: the plan's rows do not fit the budget.
-        """
+        """``(inputs, meta)`` of packed batch ``index`` as ``pack_batch`` makes them, or None."""
         t = self.table
         offsets, samples, starts, lengths, rows = self._plan
         segments = int(offsets[index + 1] - offsets[index])
@@ -232,23 +186,7 @@ class BatchKernels:
     def pad(
         self, index: int, multiple: int, pad_id: int, ids_dtype: np.dtype
     ) -> tuple[dict[str, Any], dict[str, Any]] | None:
-        """The arrays of pad batch ``index`` (as ``collate.pad_batch`` makes them).
-
-        Args:
-            index: the global batch.
-            multiple: round the row width up to a multiple of this.
-            pad_id: the padding id.
-            ids_dtype: the type of ``input_ids`` and ``attention_mask``.
-
-        Returns:
-            ``(model inputs, meta)`` (a mixture's meta with ``source_ids``), or None when the
-            numpy path must read the batch.
-
-        Raises:
-            IndexError: a sample id out of range.
-            CorruptShardError: an id above the tokenizer's largest, or a read past a shard's end.
-            ValueError: the batch does not fit the budget.
-        """
+        """The same for pad batch ``index``, as ``pad_batch`` makes them (None: the numpy path)."""
         t = self.table
         offsets, samples = self._plan[0], self._plan[1]
         slots = self.capacity
@@ -288,9 +226,8 @@ class BatchKernels:
 def warm_up() -> None:
     """Load the compiled kernels for the common argument types now (a no-op without numba).
 
-    ``shardcache.read.dataset`` calls this on import, so numba's start and the kernels' load from
-    its cache are paid with the other imports, not in the first batch. A kernel that fails to
-    load turns the kernels off with a warning (reads take the numpy path).
+    Called on import of ``dataset`` so numba's start is not paid by the first batch. A kernel that
+    fails to load turns the kernels off with a warning.
     """
     global disabled
     try:
@@ -338,7 +275,7 @@ def _warm() -> None:
 
 
 class _WarmPlan:
-    """The plan arrays :meth:`BatchKernels` reads (warm_up's stand-in for an EpochPlan)."""
+    """The plan arrays ``BatchKernels`` reads (``warm_up``'s stand-in for an EpochPlan)."""
 
     def __init__(self, batch_offsets: Any, sample_ids: Any, row_offsets: Any) -> None:
         self.batch_offsets = batch_offsets

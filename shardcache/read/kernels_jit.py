@@ -1,11 +1,8 @@
-"""The numba kernels behind :mod:`shardcache.read.kernels` (imported only with numba).
+"""The numba kernels behind ``shardcache.read.kernels`` (imported only with numba).
 
-:func:`pack` and :func:`pad` write one batch from memory-mapped shards (``cache=True``:
-compiled once per machine). They return 0, :data:`NEED_SHARD` (open the shard in ``info[3]``
-and call again) or an error code below zero. For a mixture (``source_offsets``: source ``s``'s
-sequences are ``[source_offsets[s], source_offsets[s + 1])``) they write every row's or
-segment's source and its sample id within that source, so a mixture's batch costs what one
-cache's does.
+``pack`` and ``pad`` (``cache=True``: compiled once per machine) return 0, ``NEED_SHARD`` (open
+the shard in ``info[3]`` and call again) or an error code below zero. For a mixture, source
+``s`` holds ids ``source_offsets[s] : source_offsets[s + 1]``.
 """
 
 from __future__ import annotations
@@ -54,8 +51,7 @@ as_uint32_pointer = _pointer_intrinsic(types.uint32)
 
 @intrinsic
 def _prefetch(typingctx: Any, address: Any) -> Any:  # pragma: no cover - compiled
-    """``llvm.prefetch`` of the cache line at ``address`` (read, keep in all cache levels): a
-    hint that never faults, whatever the address."""
+    """``llvm.prefetch`` of the cache line at ``address``: a hint that never faults."""
 
     def codegen(context: Any, builder: Any, signature: Any, args: Any) -> Any:
         byte_pointer = ir.IntType(8).as_pointer()
@@ -120,8 +116,7 @@ def _copy_segment(
 def _mask_labels(
     address: int, bit: int, take: int, labels: np.ndarray
 ) -> None:  # pragma: no cover - compiled
-    """-100 on the labels of the ``take`` tokens whose loss-mask bit is 0 (the bits from bit
-    ``bit`` of the file at ``address``, least significant first)."""
+    """-100 on the labels whose mask bit is 0 (from bit ``bit`` at ``address``, LSB first)."""
     bits = numba.carray(as_uint8_pointer(address + (bit >> 3)), ((bit & 7) + take + 7) >> 3)
     first = bit & 7
     for j in range(take):
@@ -132,9 +127,7 @@ def _mask_labels(
 
 @_inline
 def _mask_bit(start: int, first: int, take: int, nbytes: int) -> int:  # pragma: no cover
-    """The first loss-mask bit of a segment from token ``first`` of a sequence whose bits
-    start at ``start`` (``NO_MASK``: it has none, returned as is), or -2 when the bits lie
-    outside the shard's ``nbytes``."""
+    """First loss-mask bit of a segment (``NO_MASK`` as is), or -2 when outside the shard."""
     if start == NO_MASK:
         return NO_MASK
     bit = start + first
@@ -166,9 +159,10 @@ def _copy_row(
     mask_out: np.ndarray,
     labels_out: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Copy one sequence (``values``: its tokens) into its padded row of ids, mask and labels
-    (the tokens, -100 on the padding); returns its largest id (0 when empty). One simple
-    loop per output and part, the labels written while the row is in cache."""
+    """Copy one sequence into its padded row of ids, mask and labels; returns its largest id.
+
+    One simple loop per output and part; the labels are written while the row is in cache.
+    """
     ids = ids_out[row : row + take]
     top = 0
     for j in range(take):
@@ -203,8 +197,7 @@ def _locate(
     stamp: int,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """The shard of ``sample`` when it is open (stamped as used), else -1 with the shard
-    in ``info[3]`` (the caller opens it and calls again)."""
+    """The shard of ``sample`` if open (stamped as used), else -1 with the shard in ``info[3]``."""
     s = np.searchsorted(shard_starts, sample, side="right") - 1
     if addresses[s] == 0:
         info[3] = s
@@ -221,9 +214,7 @@ def _write_sample(
     sample_out: np.ndarray,
     source_out: np.ndarray,
 ) -> None:  # pragma: no cover - compiled
-    """Write ``sample`` (a plan's id; -1 for padding) at ``at`` of ``sample_out``; for a
-    mixture (``source_offsets`` not empty) as its id within its source, and its source at
-    ``at`` of ``source_out`` (-1 for padding)."""
+    """Write plan id ``sample`` (-1: padding) at ``at``; for a mixture as (source, id in source)."""
     if len(source_offsets) == 0:
         sample_out[at] = sample
     elif sample < 0:
@@ -267,42 +258,9 @@ def pack(
 ) -> int:  # pragma: no cover - compiled
     """Write packed batch ``index`` of the plan in rows of ``seq_len`` slots.
 
-    Args:
-        wide: uint32 shards, else uint16.
-        addresses: :class:`~shardcache.store.cache.MappedTable` fields (the reader stamps
-            ``last_used`` with ``stamp``).
-        sizes: as ``addresses``.
-        last_used: as ``addresses``.
-        stamp: the current clock value.
-        shard_starts: as ``addresses``.
-        file_starts: as ``addresses``.
-        lengths: as ``addresses``.
-        mask_starts: empty, or a chat cache's: labels -100 where the mask bit is 0, none for
-            a sequence at ``NO_MASK``.
-        batch_offsets: the plan's (:class:`~shardcache.read.plan.EpochPlan`).
-        sample_ids: the plan's.
-        seg_starts: the plan's, or empty when it has none.
-        seg_lengths: the plan's, or empty.
-        row_offsets: the plan's, or empty.
-        source_offsets: empty, or a mixture's: source ``s`` holds ids
-            ``source_offsets[s] : source_offsets[s + 1]``.
-        index: the global batch.
-        seq_len: slots per row.
-        pad_id: the padding id.
-        max_id: the tokenizer's largest id.
-        ids_out: ``input_ids``, flat, at least ``rows * seq_len``.
-        labels_out: ``labels``, like ``ids_out``.
-        positions_out: ``position_ids``, like ``ids_out``.
-        cu_out: ``cu_seqlens``, one per segment (padding runs included) plus one.
-        sample_out: per segment, its sample id (in a mixture: within its source); -1 for
-            padding.
-        source_out: per segment, its source in a mixture (-1 for padding).
-        offset_out: per segment, its first token in its sequence (-1 for padding).
-        info: ``info[3]`` names the shard to open on :data:`NEED_SHARD`; on success (rows,
-            segments including padding runs, longest segment, -, tokens copied).
-
-    Returns:
-        0, :data:`NEED_SHARD` (open the shard and call again) or an error code below 0.
+    Outputs are flat, preallocated with room for a padding run per row. Empty ``seg_starts`` /
+    ``seg_lengths`` / ``row_offsets``: whole sequences, one per row. On success ``info`` holds
+    (rows, segments with padding runs, longest segment, -, tokens copied).
     """
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]
@@ -435,38 +393,9 @@ def pad(
     source_out: np.ndarray,
     info: np.ndarray,
 ) -> int:  # pragma: no cover - compiled
-    """Write pad batch ``index`` of the plan: one whole sequence per row, rows as wide as the
-    longest rounded up to ``multiple``.
+    """Write pad batch ``index``: one sequence per row, width the longest rounded to ``multiple``.
 
-    Args:
-        wide: uint32 shards, else uint16.
-        addresses: :class:`~shardcache.store.cache.MappedTable` fields (the reader stamps
-            ``last_used`` with ``stamp``).
-        sizes: as ``addresses``.
-        last_used: as ``addresses``.
-        stamp: the current clock value.
-        shard_starts: as ``addresses``.
-        file_starts: as ``addresses``.
-        lengths: as ``addresses``.
-        mask_starts: empty, or a chat cache's: labels -100 where the mask bit is 0, none for
-            a sequence at ``NO_MASK``.
-        batch_offsets: the plan's (:class:`~shardcache.read.plan.EpochPlan`).
-        sample_ids: the plan's.
-        source_offsets: as for :func:`pack`.
-        index: the global batch.
-        multiple: rows are padded to a multiple of this.
-        pad_id: the padding id.
-        max_id: the tokenizer's largest id.
-        ids_out: ``input_ids``, flat, at least ``rows * width``.
-        mask_out: ``attention_mask``, like ``ids_out``.
-        labels_out: ``labels``, like ``ids_out``.
-        sample_out: per row, as for :func:`pack`.
-        source_out: per row, as for :func:`pack`.
-        info: ``info[3]`` names the shard to open on :data:`NEED_SHARD`; on success (rows,
-            width, tokens copied).
-
-    Returns:
-        0, :data:`NEED_SHARD` (open the shard and call again) or an error code below 0.
+    Arguments as for ``pack``; on success ``info`` holds (rows, width, tokens copied).
     """
     lo = batch_offsets[index]
     hi = batch_offsets[index + 1]

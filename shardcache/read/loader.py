@@ -1,14 +1,8 @@
-"""``shardcache.loader``: a ShardDataset, its DataLoader and an optional DevicePrefetcher, set up
-in one call.
+"""``shardcache.loader``: a ShardDataset, its DataLoader and optional DevicePrefetcher in one call.
 
-Defaults: a cache the compiled kernels read (uncompressed, numba installed) is read
-in-process, since receiving a batch from a worker costs the main process more than building
-it; other caches get 2 workers. Workers come from ``forkserver`` (a fork of a training
-process copies the locks of its threads: process group, CUDA, OpenMP; the training script
-then needs the ``if __name__ == "__main__":`` guard), the DataLoader has ``batch_size=None``
-(each item is a whole batch) and no ``pin_memory`` beside a prefetcher (it pins).
-:class:`ShardLoader` counts the batches it handed out, so its ``state_dict()`` is exact even
-when readers run ahead.
+A cache the compiled kernels read is read in-process (receiving a batch from a worker costs more
+than building it); others get 2 workers, started by ``forkserver``: a fork of a training process
+copies its threads' locks (process group, CUDA, OpenMP).
 """
 
 from __future__ import annotations
@@ -33,12 +27,10 @@ DEFAULT_WORKERS = 2
 
 
 class ShardLoader:
-    """Batches of a :class:`ShardDataset` through a DataLoader (and optionally a
-    :class:`DevicePrefetcher`), with an exact resumable position.
+    """Batches of a ShardDataset through a DataLoader and optional prefetcher, exactly resumable.
 
-    Built by :func:`loader`. ``for batch in loader`` runs one pass over the current epoch; a
-    pass left early and iterated again continues after the last batch handed out. A context
-    manager: :meth:`close` stops the prefetcher and closes the dataset.
+    Built by [`loader`][shardcache.loader]; a context manager. ``state_dict()`` counts the batches
+    handed out, so it is exact when readers run ahead, and a pass left early continues after them.
 
     Args:
         dataset: the dataset; the loader owns it.
@@ -81,7 +73,7 @@ class ShardLoader:
         return len(self.dataset)
 
     def set_epoch(self, epoch: int) -> None:
-        """Select the epoch (:meth:`ShardDataset.set_epoch`).
+        """Select the epoch, as ``ShardDataset.set_epoch`` does.
 
         Args:
             epoch: the epoch; a new one starts at 0, the current one keeps its position.
@@ -95,7 +87,7 @@ class ShardLoader:
         """The reader position after the batches this loader handed out.
 
         Returns:
-            A JSON-able state for :meth:`load_state_dict` (any world size or workers).
+            A JSON-able state for ``load_state_dict`` (any world size or workers).
         """
         if self._base is None:
             return self.dataset.state_dict(steps=0)
@@ -108,7 +100,7 @@ class ShardLoader:
         """Continue from a state (any world size and ``num_workers``).
 
         Args:
-            state: what :meth:`state_dict` returned.
+            state: what ``state_dict`` returned.
 
         Raises:
             StateError: the state does not fit this dataset.
@@ -117,8 +109,7 @@ class ShardLoader:
         self._base = None
 
     def close(self) -> None:
-        """Stop the prefetcher's thread, free its pinned memory, close the dataset (idempotent;
-        the dataset opens its cache again if the loader is used afterwards)."""
+        """Stop the prefetcher (freeing pinned memory) and close the dataset; idempotent."""
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.dataset.close()
@@ -142,21 +133,20 @@ def loader(
     persistent_workers: bool = False,
     **options: Any,
 ) -> ShardLoader:
-    """A :class:`ShardLoader` over ``ShardDataset(path, max_tokens, attention=..., **options)``.
+    """A [`ShardLoader`][shardcache.ShardLoader] over ``ShardDataset(path, max_tokens, ...)``.
 
     Args:
         path: the cache folder or URL (or a list of mixture sources).
         max_tokens: the token budget of a batch.
-        num_workers: DataLoader workers (default: none when the compiled kernels read the
-            cache, else 2; 2 as well when ``start_method`` or ``persistent_workers`` asks for
-            workers).
-        device: add a :class:`DevicePrefetcher` that hands out batches on this device.
+        num_workers: DataLoader workers (default: none when the compiled kernels read the cache
+            and no worker option is given, else 2).
+        device: add a [`DevicePrefetcher`][shardcache.DevicePrefetcher] that hands out batches
+            on this device.
         attention: required with ``mode="pack"``: ``"mask"``, ``"varlen"`` or ``"none"``.
         stateful: use torchdata's ``StatefulDataLoader`` (``pip install torchdata``).
         start_method: how workers start (default ``"forkserver"`` where available).
         persistent_workers: keep the workers across epochs.
-        **options: the other ``ShardDataset`` keywords (``mode``, ``seq_len``, ``shuffle``,
-            ``seed``, ``rank``, ``expect``, ...).
+        **options: the other ``ShardDataset`` keywords (``mode``, ``seq_len``, ``seed``, ...).
 
     Returns:
         The loader (its DataLoader has ``batch_size=None`` and no ``pin_memory``).

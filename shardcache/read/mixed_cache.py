@@ -1,30 +1,9 @@
 """The caches of a mixture read as one: checks at open, one id space, gathers across sources.
 
-What this module owns
----------------------
-:class:`MixedCache` opens every :class:`~shardcache.read.mixture.Source` of a mixture
-(manifests and length indexes only: no shard is read until a batch needs it) and
-
-* refuses sources whose tokenizers differ (the ``tokenizer``, ``special_tokens`` and
-  ``behaviour`` components of the cache key, less the probe rendered through the chat
-  template: ids mean the same in every source; templates, truncation and data may differ),
-  with the field-by-field diff, and checks every source's ``expect=``;
-* numbers the sources' sequences in one mixture id space (:class:`~shardcache.read.mixture.
-  MixtureIndex`): the concatenated length index and bucket ids a plan is made from;
-* reads segments given by mixture ids (:meth:`MixedCache.gather`, the :meth:`Cache.gather`
-  contract): each source's segments in one gather from its cache, laid out where asked.
-
-For the compiled reader (``shardcache.read.kernels``) it offers one :class:`MappedTable` over
-every source's shards (:meth:`MixedCache.mapped_table`: shard and sample numbers shifted into
-the mixture's), kept in step with the sources' own tables: :meth:`MixedCache.open_mapped`
-opens a shard through its source and copies that source's addresses (and the row starts of
-shards it sees for the first time) into the combined table, and every :meth:`gather`, which
-may open and close shards of any source, does the same for all sources afterwards. So between
-calls the combined table never holds the address of a closed shard. When chat and
-plain-text sources mix, the plain-text sequences' loss-mask starts are
-:data:`~shardcache.store.cache.NO_MASK` (every token has a loss). Sources whose shards are
-compressed or of another token type have no table (None): their batches are built on the
-numpy path.
+Sources must share the tokenizer. For the compiled reader one ``MappedTable`` spans all
+sources' shards, re-synced by every call that may open or close a shard: between calls it never
+holds a closed shard's address. Plain-text sources mixed with chat ones get ``NO_MASK`` mask
+starts; a compressed source, or mixed token types, give no table (batches go through numpy).
 """
 
 from __future__ import annotations
@@ -48,8 +27,7 @@ TEMPLATE_PROBES = ("chat",)
 
 
 def _tokenizer_key(cache: Cache) -> CacheKey:
-    """The parts of ``cache``'s key that every source of a mixture must share: the tokenizer
-    components, the behaviour probes' ids without those of the template."""
+    """The part of ``cache``'s key all sources must share (chat-template probes left out)."""
     key = cache.manifest.get("key") or {}
     components = dict(key.get("components") or {})
     if not components:  # a cache without a key: what its manifest records of the tokenizer
@@ -64,16 +42,7 @@ def _tokenizer_key(cache: Cache) -> CacheKey:
 
 
 def check_same_tokenizer(sources: tuple[Source, ...], caches: list[Cache]) -> None:
-    """Raise :class:`CacheKeyMismatch` unless every source was built with the first source's
-    tokenizer (and pad id), naming the fields that differ.
-
-    Args:
-        sources: the mixture's sources.
-        caches: their opened caches, in the same order.
-
-    Raises:
-        CacheKeyMismatch: a source's tokenizer components differ from the first's.
-    """
+    """Raise ``CacheKeyMismatch`` unless all sources share the first's tokenizer and pad id."""
     first = _tokenizer_key(caches[0])
     skip = tuple(n for n in ("template", "truncation", "data", "versions"))
     for source, cache in zip(sources[1:], caches[1:]):
@@ -96,17 +65,7 @@ def check_same_tokenizer(sources: tuple[Source, ...], caches: list[Cache]) -> No
 
 
 class MixedCache:
-    """The caches of a mixture, read through one mixture id space (see the module docstring).
-
-    Args:
-        sources: the mixture's sources.
-        expect: the ``expect=`` of sources that give none (see ``ShardDataset``).
-        open_shards: open shards kept per source cache.
-
-    Raises:
-        CacheNotFoundError: a source path holds no cache.
-        CacheKeyMismatch: a source fails its ``expect=`` or has another tokenizer.
-    """
+    """The caches of a mixture, read through one mixture id space."""
 
     def __init__(
         self, sources: tuple[Source, ...], expect: Any = None, open_shards: int = 8
@@ -127,8 +86,7 @@ class MixedCache:
         self._copied = np.zeros(0, dtype=bool)  # shards whose row starts are in the table
 
     def close(self) -> None:
-        """Close every source's cache (idempotent); the combined table forgets every address
-        (a compiled reader still holding it finds no shard open)."""
+        """Close every source (idempotent); zero the combined table's addresses for the kernels."""
         for cache in self.caches:
             cache.close()
         if self._table is not None:
@@ -144,6 +102,7 @@ class MixedCache:
 
     @property
     def pad_id(self) -> int:
+        """The pad id, the same in every source."""
         return self.caches[0].pad_id
 
     @property
@@ -153,13 +112,12 @@ class MixedCache:
 
     @property
     def num_sequences(self) -> int:
+        """Sequences of all sources together."""
         return int(self.index.offsets[-1])
 
     @property
     def lengths(self) -> np.ndarray:
-        """Every mixture id's length: the sources' length indexes, concatenated (read-only,
-        as a cache's memory-mapped index: the compiled kernels then take the signature
-        ``kernels.warm_up`` loaded)."""
+        """Every mixture id's length; read-only like a cache's index (the kernels' ``warm_up``)."""
         if self._lengths is None:
             kind = np.result_type(*(c.lengths.dtype for c in self.caches))
             lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in self.caches])
@@ -168,15 +126,7 @@ class MixedCache:
         return self._lengths
 
     def buckets(self) -> np.ndarray:
-        """Every mixture id's bucket.
-
-        Sources with the same bucket edges keep their ids (the pad planner then sorts
-        documents of all sources into one bucket's windows); with other edges, every length
-        is bucketed again by the union of the sources' edges.
-
-        Returns:
-            int32, one per mixture id.
-        """
+        """Every mixture id's bucket (int32); unequal edges rebucket by the union of all edges."""
         ranges = [c.manifest.get("buckets", {}).get("ranges") for c in self.caches]
         if all(r == ranges[0] for r in ranges):
             return np.concatenate([c.buckets() for c in self.caches])
@@ -184,25 +134,13 @@ class MixedCache:
         return np.searchsorted(np.asarray(edges, dtype=np.int64), self.lengths).astype(np.int32)
 
     def table(self, tokens_per_epoch: int | None = None) -> MixtureTable:
-        """The per-source targets (:func:`~shardcache.read.mixture.solve_mixture`).
-
-        Args:
-            tokens_per_epoch: the epoch size (None: the largest every share fits in).
-
-        Returns:
-            The table.
-        """
+        """The per-source targets (``solve_mixture``)."""
         documents = [c.num_sequences for c in self.caches]
         tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
         return solve_mixture(self.sources, documents, tokens, tokens_per_epoch)
 
     def mapped_table(self) -> MappedTable | None:
-        """One table over every source's memory-mapped shards (see the module docstring).
-
-        Returns:
-            The same object for the cache's life, or None when the numpy path must read (a
-            compressed source, sources of other token types).
-        """
+        """The combined table over all sources' shards (one object), or None: use numpy."""
         if self._table is not None:
             return self._table
         tables = [c.mapped_table() for c in self.caches]
@@ -238,8 +176,7 @@ class MixedCache:
         return self._table
 
     def _sync(self, source: int) -> None:
-        """Copy source ``source``'s open shards (addresses, sizes) into the combined table,
-        and the row starts of those it has not copied yet (fixed once a shard was opened)."""
+        """Copy a source's open shards into the combined table; a shard's row starts only once."""
         table, own = self._table, self._tables[source]
         assert table is not None
         lo, hi = int(self._shard_offsets[source]), int(self._shard_offsets[source + 1])
@@ -255,16 +192,7 @@ class MixedCache:
             self._copied[lo + shard] = True
 
     def open_mapped(self, index: int) -> bool:
-        """Open a shard of the combined table (:meth:`Cache.open_mapped` of its source).
-
-        The source's least recently stamped shard may close for it.
-
-        Args:
-            index: the shard in the combined table.
-
-        Returns:
-            False when it cannot be mapped (read it through :meth:`gather`).
-        """
+        """Open shard ``index`` via its source (LRU stamps synced first); False: use ``gather``."""
         table = self.mapped_table()
         if table is None:
             return False
@@ -279,29 +207,12 @@ class MixedCache:
         return opened
 
     def check_ids(self, index: int) -> None:
-        """Check every id of shard ``index`` of the combined table (its source's
-        :meth:`Cache.check_ids`).
-
-        Args:
-            index: the shard in the combined table.
-
-        Raises:
-            CorruptShardError: an id is larger than the tokenizer's largest.
-        """
+        """Check every id of shard ``index`` of the combined table (``Cache.check_ids``)."""
         source = int(np.searchsorted(self._shard_offsets, index, side="right")) - 1
         self.caches[source].check_ids(int(index) - int(self._shard_offsets[source]))
 
     def close_idle(self, keep: list[set[int] | None], room: int) -> int:
-        """:meth:`Cache.close_idle` over the sources (``keep[s]``: shards of source ``s``
-        to leave open; None: leave the source alone), the combined table kept in step.
-
-        Args:
-            keep: per source, the shards that stay open (None: leave the source alone).
-            room: the most bytes the open shards outside ``keep`` may hold, all sources.
-
-        Returns:
-            The bytes the open shards outside ``keep`` hold afterwards.
-        """
+        """``Cache.close_idle`` over the sources (``keep[s]`` None: leave source ``s`` alone)."""
         used = 0
         for source, cache in enumerate(self.caches):
             kept = keep[source]
@@ -325,26 +236,7 @@ class MixedCache:
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
     ) -> Gathered:
-        """:meth:`Cache.gather` over mixture ids.
-
-        Each source's segments are gathered from its cache in one call and placed where the
-        combined result puts them.
-
-        Args:
-            sample_ids: mixture id of each segment.
-            starts: first token of each segment (default 0).
-            lengths: tokens of each segment (default: the rest of the sequence).
-            with_mask: also gather the loss masks (all True for plain-text sources).
-            dtype: type of the returned tokens (default: one that holds every source's).
-            layout: ``(dst, size)``: segment ``k`` at ``dst[k]`` of a ``size``-token array.
-            fill: the value of the slots ``layout`` leaves empty.
-
-        Returns:
-            As :meth:`Cache.gather`.
-
-        Raises:
-            IndexError: a mixture id out of range (and what :meth:`Cache.gather` raises).
-        """
+        """``Cache.gather`` over mixture ids, one gather per source (IndexError: out of range)."""
         ids = np.asarray(sample_ids, dtype=np.int64)
         source, local = self.index.locate(ids)
         if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= self.num_sequences):

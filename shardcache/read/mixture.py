@@ -1,47 +1,10 @@
 """Weighted mixtures of caches: which documents of each source an epoch uses (pure numpy).
 
-What this module owns
----------------------
-A mixture is a list of :class:`Source` (a cache path, a ``weight``, a ``max_repetitions``
-cap) and an optional ``tokens_per_epoch``. :func:`solve_mixture` turns the sources' sizes into
-per-source token targets (:class:`MixtureTable`, what ``ShardDataset.mixture`` and
-``shardcache mix`` show); :func:`epoch_documents` picks, for one epoch, the whole documents
-that meet a source's target; :func:`mixture_epoch_plan` runs the single-cache planner
-(:func:`~shardcache.read.plan.plan_epoch`) over the documents every source contributes, so
-pad/pack, equal batches per rank, worker invariance and resume come from the same machinery.
-Nothing here reads a file.
-
-What the numbers mean
----------------------
-* ``weight`` is a share of **tokens** delivered per epoch; weights are normalised to sum 1
-  (``share``).
-* ``max_repetitions`` caps how many times a source's tokens are used in one epoch: 1 (the
-  default) uses each document at most once, 3 lets a small source be upsampled up to three
-  whole passes, 0.5 uses at most half of it.
-* ``tokens_per_epoch`` (optional) fixes the epoch size ``E``; without it ``E`` is the largest
-  epoch in which every source's share fits: ``E = min(tokens_s * max_repetitions_s /
-  share_s)``. Source ``s`` then contributes ``target_s = round(share_s * E)`` tokens, that is
-  ``repetitions_s = target_s / tokens_s`` passes over it; a target above ``tokens_s *
-  max_repetitions_s`` is a :class:`ConfigError` naming the source and the options that fix it.
-
-Which documents
----------------
-A source with ``repetitions = k + f`` (``k`` whole, ``0 <= f < 1``) contributes every document
-``k`` times plus a *window* of about ``f * tokens`` tokens of whole documents. The window is a
-stretch of a fixed permutation of the source (seeded by the mixture seed and the source's
-key digest), read cyclically: epoch ``e`` takes the documents whose boundaries lie nearest to
-token positions ``e * r`` and ``(e + 1) * r`` of the endless cyclic stream (``r = target - k *
-tokens``). So consecutive epochs use different documents, every document is used within
-``ceil(tokens / r) + 1`` epochs, no document is used more than ``k + 1`` times in an epoch,
-and an epoch's tokens of a source are within one longest document of its target.
-
-Sample ids
-----------
-The sources' documents are numbered in one *mixture id space*: source ``s``'s local sample
-``i`` is ``offsets[s] + i`` (:class:`MixtureIndex`). An epoch's chosen documents (a document
-used twice appears twice) are planned like a cache whose sequences they are; the plan's
-``sample_ids`` are mixture ids, which :meth:`MixtureIndex.locate` maps back to
-``(source, local id)``.
+See docs/guide/mixtures.md for weights and repetitions. A source with ``repetitions = k + f``
+gives every document ``k`` times plus a window of a fixed permutation read cyclically: epochs
+use other documents, each within ``ceil(tokens / r) + 1`` epochs (``r = target - k * tokens``),
+none over ``k + 1`` times per epoch, and a source's tokens are within one longest document of
+its target. Sample ids of a mixture's plan are mixture ids (``MixtureIndex``).
 """
 
 from __future__ import annotations
@@ -72,13 +35,11 @@ class Source:
     """One cache of a mixture (validated at construction).
 
     Args:
-        path: the cache folder or URL (``s3://...``), as for a single-cache ``ShardDataset``.
-        weight: the source's share of the tokens of an epoch, before normalisation (> 0).
-        max_repetitions: how many times the source's tokens may be used in one epoch (> 0;
-            above 1 upsamples).
+        path: the cache folder or URL (``s3://...``).
+        weight: the source's share of an epoch's tokens, before normalisation (> 0).
+        max_repetitions: how often its tokens may be used in one epoch (> 0; above 1 upsamples).
         name: a label for tables, states and errors (default: the path's last part).
-        expect: as ``ShardDataset(expect=...)``, for this source only: a ``CacheKey``, a lock
-            file path or a mapping of tokenizer options the cache must have been built with.
+        expect: as ``ShardDataset(expect=...)``, for this source only.
 
     Raises:
         ConfigError: a value out of range.
@@ -118,17 +79,7 @@ class Source:
 
 
 def as_sources(value: Any) -> tuple[Source, ...]:
-    """A mixture's sources from what a user passed.
-
-    Args:
-        value: a list of :class:`Source`, paths, or ``{"path": ..., ...}`` mappings.
-
-    Returns:
-        The sources, whose labels are unique.
-
-    Raises:
-        ConfigError: an empty list, an entry of another type, or two sources with one label.
-    """
+    """A mixture's sources from ``Source``s, paths or mappings; labels must be unique."""
     if isinstance(value, (str, os.PathLike)) or not hasattr(value, "__iter__"):
         raise ConfigError(f"sources: got {type(value).__name__}, expected a list of Source")
     sources = []
@@ -168,7 +119,7 @@ def as_sources(value: Any) -> tuple[Source, ...]:
 
 @dataclass(frozen=True)
 class SourceShare:
-    """One source's row of a :class:`MixtureTable` (see the module docstring).
+    """One source's row of a [`MixtureTable`][shardcache.MixtureTable].
 
     Attributes:
         name: the source's label.
@@ -179,8 +130,7 @@ class SourceShare:
         share: the weight normalised over the sources.
         max_repetitions: the most times an epoch may use each of its tokens.
         tokens_per_epoch: the tokens it gives an epoch.
-        repetitions: ``tokens_per_epoch / tokens`` (below 1: a subsample that changes every
-            epoch; above 1: upsampled).
+        repetitions: ``tokens_per_epoch / tokens`` (below 1: a subsample; above 1: upsampled).
     """
 
     name: str
@@ -261,22 +211,7 @@ def solve_mixture(
     tokens: list[int],
     tokens_per_epoch: int | None = None,
 ) -> MixtureTable:
-    """Per-source token targets of an epoch (see the module docstring).
-
-    Args:
-        sources: the mixture's sources.
-        documents: per source, the sequences its cache holds.
-        tokens: per source, the tokens its cache holds.
-        tokens_per_epoch: the epoch size; None: the largest in which every share fits.
-
-    Returns:
-        The table of targets.
-
-    Raises:
-        ConfigError: an empty source, or a share that needs more than ``tokens x
-            max_repetitions`` of its source (naming the source, its tokens, the tokens
-            needed and the options that fix it).
-    """
+    """Per-source token targets of an epoch (``tokens_per_epoch=None``: the largest that fits)."""
     if tokens_per_epoch is not None and (
         isinstance(tokens_per_epoch, bool)
         or not isinstance(tokens_per_epoch, int)
@@ -336,23 +271,12 @@ def solve_mixture(
 
 
 def source_seed(digest: str) -> int:
-    """A source's permutation key, from its cache-key digest.
-
-    It does not depend on the source's place in the list, so adding or reordering sources
-    leaves the others' windows alone.
-
-    Args:
-        digest: the source's cache-key digest.
-
-    Returns:
-        A 64-bit unsigned integer.
-    """
+    """A source's permutation key, from its key digest (not its place: reordering keeps windows)."""
     return int.from_bytes(hashlib.sha256(digest.encode()).digest()[:8], "little")
 
 
 def _nearest_boundary(bounds: np.ndarray, position: int) -> int:
-    """The index of the entry of sorted ``bounds`` (cumulative tokens, from 0) nearest to
-    ``position``; ties go to the lower one."""
+    """Index of the entry of sorted ``bounds`` nearest to ``position`` (ties: the lower)."""
     i = int(np.searchsorted(bounds, position, side="left"))
     if i == 0:
         return 0
@@ -364,19 +288,7 @@ def _nearest_boundary(bounds: np.ndarray, position: int) -> int:
 def epoch_documents(
     lengths: np.ndarray, target: int, seed: int, key: int, epoch: int
 ) -> np.ndarray:
-    """The local sample ids a source contributes to ``epoch`` (whole passes + a window).
-
-    Args:
-        lengths: the source's sequence lengths (its length index).
-        target: the tokens the source gives an epoch (``SourceShare.tokens_per_epoch``).
-        seed: the mixture's seed.
-        key: the source's permutation key (:func:`source_seed`).
-        epoch: the epoch.
-
-    Returns:
-        int64 local ids, whole passes first (in id order), then the window (in permutation
-        order); a document used ``j`` times appears ``j`` times.
-    """
+    """The local ids a source gives ``epoch``: whole passes in id order, then its window."""
     n = len(lengths)
     total = int(np.sum(lengths, dtype=np.int64))
     if n == 0 or target <= 0:
@@ -401,37 +313,19 @@ def epoch_documents(
 
 @dataclass(frozen=True)
 class MixtureIndex:
-    """The mixture id space: source ``s`` holds mixture ids ``offsets[s] : offsets[s + 1]``.
-
-    Attributes:
-        offsets: int64, one per source plus one.
-    """
+    """The mixture id space: source ``s`` holds ids ``offsets[s] : offsets[s + 1]``."""
 
     offsets: np.ndarray
 
     @classmethod
     def of(cls, documents: list[int]) -> MixtureIndex:
-        """The id space of sources holding these many sequences.
-
-        Args:
-            documents: per source, the sequences its cache holds.
-
-        Returns:
-            The index, sources in the order given.
-        """
+        """The id space of sources holding ``documents[s]`` sequences each."""
         offsets = np.zeros(len(documents) + 1, dtype=np.int64)
         np.cumsum(np.asarray(documents, dtype=np.int64), out=offsets[1:])
         return cls(offsets)
 
     def locate(self, ids: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Where mixture ids are.
-
-        Args:
-            ids: mixture ids; negative for padding.
-
-        Returns:
-            ``(source, local id)``, int64 each; a negative id gives ``(-1, -1)``.
-        """
+        """``(source, local id)`` of mixture ids, int64; a negative (padding) id gives ``-1``."""
         ids = np.asarray(ids, dtype=np.int64)
         source = self.offsets.searchsorted(ids, side="right")
         source -= 1
@@ -452,21 +346,7 @@ def mixture_documents(
     epoch: int,
     on_source: Callable[[str], None] | None = None,
 ) -> np.ndarray:
-    """The mixture ids an epoch plans over: every source's :func:`epoch_documents`, shifted
-    into the mixture id space (int64).
-
-    Args:
-        lengths: every mixture id's length.
-        index: the mixture id space.
-        table: the per-source targets.
-        keys: per source, its permutation key (:func:`source_seed`).
-        seed: the mixture's seed.
-        epoch: the epoch.
-        on_source: called with each source's name once its documents are chosen (progress).
-
-    Returns:
-        The chosen mixture ids, source by source.
-    """
+    """Every source's ``epoch_documents``, shifted into the mixture id space."""
     parts = []
     for s, (row, key) in enumerate(zip(table.sources, keys)):
         lo, hi = int(index.offsets[s]), int(index.offsets[s + 1])
@@ -484,20 +364,7 @@ def mixture_epoch_plan(
     seed: int,
     epoch: int,
 ) -> EpochPlan:
-    """The global batches of a mixture's epoch: :func:`plan_epoch` over the ``chosen``
-    documents (mixture ids, repeats included), its sample ids mapped back to mixture ids.
-
-    Args:
-        lengths: every mixture id's length (the sources' length indexes, concatenated).
-        buckets: every mixture id's bucket.
-        chosen: the epoch's documents (:func:`mixture_documents`).
-        options: the batch options.
-        seed: the seed.
-        epoch: the epoch.
-
-    Returns:
-        The plan; its ``sample_ids`` are mixture ids.
-    """
+    """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back."""
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
     return EpochPlan(
         plan.batch_offsets,
@@ -510,16 +377,7 @@ def mixture_epoch_plan(
 
 @dataclass(frozen=True)
 class Mixture:
-    """A mixture as a reader plans it: its sources, their targets, their id space and their
-    cache-key digests (picklable; what every DataLoader worker needs to plan an epoch).
-
-    Args:
-        sources: the sources.
-        table: their targets (:func:`solve_mixture`).
-        index: the mixture id space.
-        digests: per source, the cache-key digest (keys the source's permutation).
-        tokens_per_epoch: the epoch size asked for (None: the largest that fits).
-    """
+    """A mixture as a reader plans it (picklable: every DataLoader worker plans with it)."""
 
     sources: tuple[Source, ...]
     table: MixtureTable
@@ -528,38 +386,14 @@ class Mixture:
     tokens_per_epoch: int | None = None
 
     def documents(self, lengths: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-        """The mixture ids an epoch plans over (:func:`mixture_documents`).
-
-        Args:
-            lengths: the length of every mixture id.
-            seed: the plan's seed.
-            epoch: the epoch.
-
-        Returns:
-            int64 mixture ids, one per use of a document.
-        """
+        """The mixture ids an epoch plans over, one per use of a document."""
         keys = tuple(source_seed(d) for d in self.digests)
         return mixture_documents(lengths, self.index, self.table, keys, seed, epoch)
 
     def plan(
         self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
     ) -> EpochPlan:
-        """The global batches of an epoch (:func:`mixture_epoch_plan`).
-
-        An epoch of at least :data:`LOG_MIN_DOCUMENTS` documents logs its planning and shows
-        a progress bar (a step per source, then one for the batches) when stderr is a
-        terminal.
-
-        Args:
-            lengths: the length of every mixture id.
-            buckets: the bucket of every mixture id.
-            options: the batch options.
-            seed: the plan's seed.
-            epoch: the epoch.
-
-        Returns:
-            The plan; its sample ids are mixture ids.
-        """
+        """The global batches of an epoch (logged, with a progress bar, when it is large)."""
         started = time.perf_counter()
         expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
         loud = expected >= LOG_MIN_DOCUMENTS
@@ -587,12 +421,7 @@ class Mixture:
         return plan
 
     def state(self) -> dict[str, Any]:
-        """What a reader state records of the mixture.
-
-        Returns:
-            A JSON-able dict: the epoch size asked for and each source's label, digest, weight
-            and ``max_repetitions``.
-        """
+        """What a reader state records of the mixture (JSON-able), to detect a change on resume."""
         return {
             "tokens_per_epoch": self.tokens_per_epoch,
             "sources": [
@@ -608,8 +437,7 @@ class Mixture:
 
 
 class _PlanProgress:
-    """A progress bar on stderr while an epoch is planned (tqdm, drawn only on a terminal;
-    nothing when ``shown`` is False): a step per source's documents, one for the batches."""
+    """A tqdm bar on stderr while an epoch is planned (drawn on a terminal only, if ``shown``)."""
 
     def __init__(self, shown: bool, epoch: int, sources: int, documents: int) -> None:
         self._bar: Any = None
@@ -647,16 +475,7 @@ class _PlanProgress:
 
 
 def mixture_changes(theirs: Any, ours: dict[str, Any]) -> list[str]:
-    """The differences between a recorded :meth:`Mixture.state` and the current one, one line
-    each (``source 'code': weight 0.3 -> 0.4``); empty when they are the same.
-
-    Args:
-        theirs: the state's ``"mixture"`` entry (anything: a damaged or missing one differs).
-        ours: the current :meth:`Mixture.state`.
-
-    Returns:
-        The changed fields, as text.
-    """
+    """The differences between a recorded ``Mixture.state`` and ours, a line each."""
     if not isinstance(theirs, dict):
         return [f"mixture: {theirs!r} -> {len(ours['sources'])} sources"]
     lines = []

@@ -1,9 +1,4 @@
-"""Mixture recipes: a TOML file with one ``[[source]]`` table per cache (``path`` relative to
-the file or a URL, ``weight``, ``max_repetitions``, ``name``) plus the batch options and
-``seed``, ``attention``, ``ids_dtype``, ``tokens_per_epoch`` (example: ``recipes/mixture.toml``).
-:func:`load_mixture_recipe` checks it into a :class:`MixtureRecipe`, whose
-:meth:`~MixtureRecipe.dataset_options` are the keywords of ``ShardDataset(recipe.sources,
-...)`` (and of ``shardcache.loader``)."""
+"""Mixture recipes: a TOML of ``[[source]]`` tables and ``ShardDataset`` keywords (see recipes/)."""
 
 from __future__ import annotations
 
@@ -24,25 +19,14 @@ DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch")
 
 @dataclass(frozen=True)
 class MixtureRecipe:
-    """A loaded mixture recipe.
-
-    Attributes:
-        sources: the ``[[source]]`` tables, paths resolved.
-        tokens_per_epoch: the epoch size (None: the largest that fits).
-        options: the other ``ShardDataset`` keywords (batch options, ``seed``,
-            ``attention``, ``ids_dtype``).
-    """
+    """A loaded mixture recipe: its sources and the other ``ShardDataset`` keywords."""
 
     sources: tuple[Source, ...]
     tokens_per_epoch: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
     def dataset_options(self) -> dict[str, Any]:
-        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``.
-
-        Returns:
-            ``options`` and ``tokens_per_epoch`` in a new dict.
-        """
+        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``."""
         return {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
 
 
@@ -55,18 +39,7 @@ def _resolve(path: Any, base: str, where: str) -> str:
 
 
 def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
-    """Read and check a mixture recipe (see the module docstring).
-
-    Args:
-        path: the TOML file; relative source paths are relative to its folder.
-
-    Returns:
-        The recipe.
-
-    Raises:
-        ConfigError: the file cannot be read or parsed, a key is unknown, a value is out of
-            range, or there is no ``[[source]]``.
-    """
+    """Read and check a mixture recipe (source paths relative to its folder); ConfigError if bad."""
     path = os.fspath(path)
     data = read_toml(path, "mixture recipe")
     plan_fields = set(PlanOptions.__dataclass_fields__)

@@ -1,12 +1,7 @@
-"""Best-fit-decreasing bin packing of an epoch's windows (``packing="best_fit"``) and the other
-per-item planning loops, compiled when numba is installed.
+"""Best-fit-decreasing packing of an epoch's windows and other per-item planning loops.
 
-:func:`best_fit_bins` puts each sequence of a window (longest first) into the open row whose
-free space is the smallest that still fits it (among equals, the row that reached that free
-space last), else a new row; the tie rule is part of the plan. Two implementations give the
-same bins: ``"jit"`` (numba: a two-level bitset of free spaces and a LIFO stack of rows per
-free space) and ``"loop"`` (the Python reference, ``bisect`` over free spaces).
-:func:`stable_order` groups each window's items by row with one counting sort.
+Each numba kernel gives exactly its Python reference's result (ties too): plans never depend
+on numba being installed.
 """
 
 from __future__ import annotations
@@ -30,20 +25,8 @@ def best_fit_bins(
 ) -> np.ndarray:
     """Every item's best-fit-decreasing row, numbered from 0 in each window.
 
-    Args:
-        sizes: item sizes; window ``k`` is ``sizes[bounds[k] : bounds[k + 1]]``, sorted
-            decreasing, each ``<= capacity``.
-        bounds: the windows' boundaries, from 0 to ``len(sizes)``.
-        capacity: the size of a row.
-        method: ``"jit"`` (numba), ``"loop"``, or ``"auto"`` (jit when numba is installed
-            and there are at least :data:`JIT_MIN_SEQUENCES` items).
-
-    Returns:
-        int64, each item's row within its window.
-
-    Raises:
-        ConfigError: an unknown ``method``.
-        ImportError: ``"jit"`` without numba.
+    An item (windows sorted decreasing) goes to the open row with the least free space that fits
+    it, among equals the row that reached that space last; else to a new row.
     """
     check_choice("method", method, BEST_FIT_METHODS)
     sizes = np.ascontiguousarray(sizes, dtype=np.int64)
@@ -61,12 +44,7 @@ def best_fit_bins(
 
 
 def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
-    """Bin index per item (``sizes`` sorted decreasing): each item goes to the open bin whose
-    free space is the smallest that still fits it, else to a new bin.
-
-    Items larger than ``capacity / 2`` each open a bin (no earlier bin can hold them), so they
-    are assigned without the loop; the loop keeps a sorted list of free spaces (bisect).
-    """
+    """The Python reference of ``best_fit_bins`` for one window."""
     bins = np.empty(len(sizes), dtype=np.int64)
     big = int(np.searchsorted(-sizes, -(capacity // 2), side="left"))  # sizes > capacity // 2
     bins[:big] = np.arange(big)
@@ -94,17 +72,7 @@ def _best_fit_decreasing(sizes: np.ndarray, capacity: int) -> np.ndarray:
 
 
 def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
-    """``np.argsort(keys, kind="stable")`` for integer keys in ``[0, num_keys)``.
-
-    A counting sort (numba) when the kernel is available, else numpy's stable sort.
-
-    Args:
-        keys: the keys.
-        num_keys: one more than the largest key.
-
-    Returns:
-        int64 indices that sort ``keys``, ties in index order.
-    """
+    """``np.argsort(keys, kind="stable")`` for int64 keys in ``[0, num_keys)``."""
     keys = np.ascontiguousarray(keys, dtype=np.int64)
     compiled = _compiled_counting() if len(keys) >= JIT_MIN_SEQUENCES else None
     if compiled is None:
@@ -115,7 +83,7 @@ def stable_order(keys: np.ndarray, num_keys: int) -> np.ndarray:
 
 
 def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None:  # pragma: no cover
-    """Stable counting sort of ``keys`` (numba compiles it): ``out`` gets the order."""
+    """Stable counting sort of ``keys`` into ``out`` (numba compiles it)."""
     start = np.zeros(num_keys + 1, dtype=np.int64)
     for k in keys:
         start[k + 1] += 1
@@ -128,18 +96,9 @@ def _counting_kernel(keys: np.ndarray, num_keys: int, out: np.ndarray) -> None: 
 
 
 def cut_batches(padded: np.ndarray, window_ends: np.ndarray, max_tokens: int) -> np.ndarray:
-    """Cut windows of rows into pad-mode batches.
+    """The first row of every pad-mode batch.
 
-    A batch takes ``max_tokens // L`` rows, ``L`` its first row's padded length, and never
-    crosses a window's end.
-
-    Args:
-        padded: each row's padded length, sorted longest first within each window.
-        window_ends: the end of each window (the last is ``len(padded)``).
-        max_tokens: the token budget of a batch.
-
-    Returns:
-        int64, the first row of every batch.
+    A batch takes ``max_tokens // L`` rows (``L``: its first row's padded length) within a window.
     """
     padded = np.ascontiguousarray(padded, dtype=np.int64)
     ends = np.ascontiguousarray(window_ends, dtype=np.int64)
@@ -188,11 +147,11 @@ for _i in range(64):
 def _windows_kernel(
     sizes: np.ndarray, bounds: np.ndarray, capacity: int, bins: np.ndarray, table: np.ndarray
 ) -> None:  # pragma: no cover - compiled by numba (its result is compared with the loop)
-    """Best-fit-decreasing of every window; numba compiles it (see the module docstring).
+    """Best-fit-decreasing of every window (numba compiles it); the same rows as the loop.
 
-    Free space ``v`` (1..capacity) is bit ``v - 1`` of ``words``; ``summary`` has a bit per
-    non-empty word. ``top[v - 1]`` is the row that reached free space ``v`` last, ``below``
-    links it to the previous one (the loop's LIFO lists)."""
+    Free space ``v`` is bit ``v - 1`` of ``words`` (``summary``: a bit per non-empty word); ``top``
+    and ``below`` chain the rows of each free space, last reached first: the loop's LIFO lists.
+    """
     one = np.uint64(1)
     full = np.uint64(0xFFFFFFFFFFFFFFFF)
     magic = np.uint64(_DEBRUIJN)

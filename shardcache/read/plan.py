@@ -1,17 +1,9 @@
 """The epoch plan and its split over ranks and workers: pure numpy over the length index.
 
-:func:`plan_epoch` turns every sequence's length and bucket, a seed, an epoch and
-:class:`PlanOptions` into the ordered global batches of the epoch; it reads no file and never
-sees the world size or worker count, so every rank (and a job resumed at another world size)
-computes the same plan. Modes and packings are name -> function registries (:data:`MODES`,
-:data:`PACKINGS`). A plan is CSR arrays (:class:`EpochPlan`), no Python object per sample.
-
-:func:`split_epoch` deals global batches from a cursor ``c``: rank ``r`` of ``W`` takes
-``c + r, c + r + W, ...``; ``tail="drop"`` leaves out the last ``(N - c) % W`` batches,
-``tail="wrap"`` repeats the first ones. Within a rank, :func:`worker_batches` deals
-round-robin to DataLoader workers, the order the DataLoader collects in, so a rank's stream
-does not depend on ``num_workers``, and "every rank took ``k`` batches" is the global cursor
-``c + kW`` whatever ``W`` was.
+A plan depends on lengths, buckets, options, seed and epoch only, never on world size or worker
+count. Rank ``r`` of ``W`` takes global batches ``c + r, c + r + W, ...`` from cursor ``c``,
+dealt round-robin to DataLoader workers in the order the DataLoader collects: a rank's stream
+does not depend on ``num_workers``, and "every rank took ``k`` batches" is cursor ``c + kW``.
 """
 
 from __future__ import annotations
@@ -37,23 +29,22 @@ TAILS = ("drop", "wrap")
 
 @dataclass(frozen=True)
 class PlanOptions:
-    """How an epoch is cut into batches (validated at construction; JSON round-trips).
+    """How an epoch is cut into batches; validated at construction, round-trips through JSON.
 
     Args:
         max_tokens: bound on ``rows x padded length`` of every batch.
         shuffle: shuffle the epoch (seeded by seed and epoch).
-        mode: ``"pad"`` (whole sequences of one bucket padded to the longest row) or
-            ``"pack"`` (rows of exactly ``seq_len`` slots).
-        seq_len: the row length in pack mode.
-        packing: ``"best_fit"`` (whole sequences, best-fit decreasing per window) or
-            ``"concat"`` (one stream cut every ``seq_len`` tokens; documents may continue in the
-            next row).
         pad_to_multiple_of: round a pad batch's length up to a multiple of this.
-        window_size: sequences sorted or packed together.
+        window_size: sequences sorted or packed together: larger windows pad less, mix less.
+        mode: ``"pad"`` (whole sequences of one bucket, padded to the longest row) or
+            ``"pack"`` (rows of exactly ``seq_len`` slots).
+        seq_len: the row length; pack mode only, where it is required.
+        packing: ``"best_fit"`` (whole sequences, best-fit decreasing per window) or
+            ``"concat"`` (one stream cut every ``seq_len`` tokens; documents may span rows).
         tail: global batches that do not divide among ranks: ``"drop"`` or ``"wrap"``.
 
     Raises:
-        ConfigError: a field out of range (the message names it).
+        ConfigError: a field out of range or not valid in its mode (the message names it).
     """
 
     max_tokens: int
@@ -103,7 +94,7 @@ class PlanOptions:
         return None if self.seq_len is None else self.max_tokens // self.seq_len
 
     def padded(self, length: np.ndarray | int) -> np.ndarray | int:
-        """A length rounded up to a multiple of ``pad_to_multiple_of``.
+        """Round a length up to a multiple of ``pad_to_multiple_of``.
 
         Args:
             length: a length or an array of them.
@@ -124,7 +115,7 @@ class PlanOptions:
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> PlanOptions:
-        """The options :meth:`to_json` gave.
+        """The options ``to_json`` gave.
 
         Args:
             data: the fields by name.
@@ -146,14 +137,13 @@ class PlanOptions:
 
 @dataclass(frozen=True)
 class EpochPlan:
-    """Global batches of one epoch as CSR arrays over segments.
+    """Global batches of one epoch as CSR arrays over segments (a segment: part of one sequence).
 
     Attributes:
         batch_offsets: int64, one per batch plus one: batch ``i`` holds segments
             ``batch_offsets[i] : batch_offsets[i + 1]``.
         sample_ids: int64, the sequence of each segment.
-        row_offsets: int64, one per row plus one, into segments (global); None: one segment
-            per row.
+        row_offsets: int64, one per row plus one, into segments; None: one segment per row.
         seg_starts: int64, each segment's first token in its sequence (None: 0).
         seg_lengths: int64, tokens each segment takes (None: the whole sequence).
     """
@@ -185,8 +175,7 @@ class EpochPlan:
             index: the global batch.
 
         Returns:
-            ``(sample_ids, starts, lengths)``; ``lengths`` is None when every segment is a
-            whole sequence.
+            ``(sample_ids, starts, lengths)``; ``lengths`` is None when all are whole sequences.
         """
         return self.packed_segments(index)[:3]
 
@@ -197,14 +186,14 @@ class EpochPlan:
             index: the global batch.
 
         Returns:
-            int64 segment offsets, one per row plus one, relative to its first segment.
+            int64 segment offsets, one per row plus one, relative to the batch's first segment.
         """
         return self.packed_segments(index)[3]
 
     def packed_segments(
         self, index: int
     ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
-        """:meth:`segments` and :meth:`row_bounds` of one batch in one call.
+        """``segments`` and ``row_bounds`` of one batch in one call.
 
         Args:
             index: the global batch.
@@ -253,11 +242,8 @@ def plan_epoch(
 ) -> EpochPlan:
     """The ordered global batches of an epoch.
 
-    Pad mode shuffles each bucket, cuts it into windows, sorts a window longest first and cuts
-    it greedily (the first row sets the padded length ``L``, the batch takes
-    ``max_tokens // L`` rows); windows are shuffled, a window's batches stay together (so ranks
-    get similar lengths at a step). Pack mode shuffles globally and fills ``seq_len`` rows by
-    ``options.packing``; rows of a window are shuffled.
+    Pad mode sorts windows of a bucket longest first and keeps a window's batches together, so
+    ranks get similar lengths at a step. Pack mode fills ``seq_len`` rows by ``options.packing``.
 
     Args:
         lengths: every sequence's length (the length index).
@@ -267,11 +253,10 @@ def plan_epoch(
         epoch: the epoch.
 
     Returns:
-        The plan; a function of the arguments only (no file, no world size).
+        The plan; a function of the arguments only.
 
     Raises:
-        ConfigError: a sequence cannot fit a batch (``max_tokens``) or a best_fit row
-            (``seq_len``), or the arrays differ in length.
+        ConfigError: a sequence fits no batch or best_fit row, or the arrays differ in length.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     buckets = np.asarray(buckets)
@@ -324,12 +309,7 @@ def _plan_pad(
 def _sort_windows(
     window: np.ndarray, lengths: np.ndarray, ids: np.ndarray, num_windows: int
 ) -> np.ndarray:
-    """``ids`` ordered by (window, length descending, id); all arrays aligned with ``ids``.
-
-    One ``np.sort`` of a packed int64 key ``((window * (M + 1) + M - length) * n + id)``
-    replaces a ``np.lexsort`` of the three keys, which is the fallback when the key would
-    overflow.
-    """
+    """``ids`` by (window, length descending, id): one packed-key sort (lexsort on overflow)."""
     n = len(lengths)
     longest = int(lengths.max())
     if num_windows * (longest + 1) * n < 2**62:
@@ -346,8 +326,7 @@ def _pack_order(n: int, rng: np.random.Generator | None) -> np.ndarray:
 
 
 def _rows_to_batches(row_offsets: np.ndarray, rows_per_batch: int) -> np.ndarray:
-    """Segment offsets of batches of ``rows_per_batch`` consecutive rows (the last may be
-    short)."""
+    """Segment offsets of batches of ``rows_per_batch`` rows (the last may be short)."""
     num_rows = len(row_offsets) - 1
     return row_offsets[np.r_[np.arange(0, num_rows, rows_per_batch), num_rows]]
 
@@ -460,18 +439,7 @@ _PLANNERS: dict[str, _Planner] = {
 
 @dataclass(frozen=True)
 class EpochSplit:
-    """How the global batches ``start .. num_batches - 1`` of an epoch are dealt to ranks.
-
-    ``dropped`` lists the global batches no rank delivers (``tail="drop"``); ``repeated`` the ones
-    delivered a second time to fill the last step (``tail="wrap"``).
-
-    Attributes:
-        num_batches: global batches in the epoch.
-        world_size: ranks.
-        start: the global cursor dealing starts from.
-        tail: ``"drop"`` or ``"wrap"``.
-        batches_per_rank: batches every rank yields.
-    """
+    """How global batches from ``start`` are dealt to ranks (``tail``: drop or wrap the rest)."""
 
     num_batches: int
     world_size: int
@@ -480,17 +448,7 @@ class EpochSplit:
     batches_per_rank: int
 
     def for_rank(self, rank: int) -> np.ndarray:
-        """The global batches one rank yields.
-
-        Args:
-            rank: the rank.
-
-        Returns:
-            int64 global batch indices, in order.
-
-        Raises:
-            ConfigError: ``rank`` is not in ``[0, world_size)``.
-        """
+        """The int64 global batches rank ``rank`` yields, in order; ConfigError if out of range."""
         if not 0 <= rank < self.world_size:
             raise ConfigError(
                 f"rank: got {rank}, expected 0 <= rank < world_size={self.world_size}"
@@ -524,20 +482,7 @@ class EpochSplit:
 def split_epoch(
     num_batches: int, world_size: int, start: int = 0, tail: str = "drop"
 ) -> EpochSplit:
-    """Deal an epoch's global batches to ranks, each the same count.
-
-    Args:
-        num_batches: global batches in the epoch.
-        world_size: ranks.
-        start: the global cursor to deal from.
-        tail: ``"drop"`` the remainder or ``"wrap"`` around to the first batches.
-
-    Returns:
-        The split.
-
-    Raises:
-        ConfigError: an argument out of range.
-    """
+    """Deal an epoch's global batches to ranks from cursor ``start``, each rank the same count."""
     check_int("world_size", world_size, 1)
     check_int("num_batches", num_batches, 0)
     check_int("start", start, 0)
@@ -548,19 +493,7 @@ def split_epoch(
 
 
 def worker_batches(rank_batches: np.ndarray, worker_id: int, num_workers: int) -> np.ndarray:
-    """A DataLoader worker's part of a rank's batches, in the order the DataLoader collects in.
-
-    Args:
-        rank_batches: the rank's global batches.
-        worker_id: the worker.
-        num_workers: the DataLoader's workers.
-
-    Returns:
-        Every ``num_workers``-th batch from ``worker_id`` (a view).
-
-    Raises:
-        ConfigError: ``worker_id`` is not in ``[0, num_workers)``.
-    """
+    """A DataLoader worker's share of a rank's batches: every ``num_workers``-th one, as a view."""
     if not 0 <= worker_id < num_workers:
         raise ConfigError(
             f"worker_id: got {worker_id}, expected 0 <= worker_id < num_workers={num_workers}"

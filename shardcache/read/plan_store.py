@@ -1,11 +1,8 @@
 """An epoch plan computed once per machine and memory-mapped by every process that needs it.
 
-:func:`shared_plan` stores a plan as ``.npy`` files under ``$SHARDCACHE_CACHE_DIR/plans/
-<digest>/`` (one process computes under an exclusive ``flock``, the others wait and read),
-with the sha256 of each file: a plan whose files do not match is removed and computed again.
-The digest covers the data identity, the plan options, seed, epoch and
-:data:`PLAN_FILE_VERSION`. Caches under :data:`SHARE_MIN_SEQUENCES` sequences plan in place;
-the :data:`KEEP_PLANS` most recently used plans are kept."""
+One process computes under an exclusive ``flock`` while the others wait, then read the ``.npy``
+files; files that do not match their recorded sha256s are computed again.
+"""
 
 from __future__ import annotations
 
@@ -40,23 +37,12 @@ _FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_leng
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:
-    """The name of a stored plan: a digest of everything the plan is a function of.
-
-    Args:
-        data_identity: the cache(s) and mixture the plan is over.
-        options_json: the plan options as canonical JSON.
-        seed: the plan's seed.
-        epoch: the epoch.
-
-    Returns:
-        A hex sha256.
-    """
+    """The name of a stored plan: a digest of everything the plan is a function of."""
     return sha256_text(f"{PLAN_FILE_VERSION}|{data_identity}|{options_json}|{seed}|{epoch}")
 
 
 def _matches_digests(folder: str) -> bool:
-    """Whether the array files of ``folder`` are exactly the ones its :data:`DIGESTS_FILE`
-    lists, with those sha256s."""
+    """Whether ``folder`` holds exactly the array files its ``DIGESTS_FILE`` lists, unchanged."""
     try:
         recorded = read_json_or_none(os.path.join(folder, DIGESTS_FILE))
         present = {n for n in os.listdir(folder) if n.endswith(".npy")}
@@ -116,17 +102,7 @@ def _evict(root: str, keep: str) -> None:
 
 
 def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan]) -> EpochPlan:
-    """A plan computed by one process per machine and memory-mapped by the others.
-
-    Args:
-        digest: the plan's name (:func:`plan_digest`).
-        num_sequences: the sequences planned over; fewer than :data:`SHARE_MIN_SEQUENCES`
-            are planned in place, as is any plan when no folder is writable.
-        compute: makes the plan.
-
-    Returns:
-        The plan.
-    """
+    """``compute()``'s plan, computed once per machine; small plans are computed in place."""
     if num_sequences < SHARE_MIN_SEQUENCES:
         return compute()
     try:

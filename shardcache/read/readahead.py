@@ -1,14 +1,12 @@
 """Read-ahead from object storage, driven by the epoch plan.
 
-The plan says from the start which shards every batch of this rank (and DataLoader worker)
-needs, in order. :class:`ReadAhead` downloads them in that order on a small thread pool into
-the local shard cache (:mod:`shardcache.store.remote`) while the consumer trains: the first
-batch's shards first and alone; every shard of the window, and of the batch being read,
-pinned (no process evicts it) until the consumer has passed the last batch that needs it;
-the window bounded in shards and bytes (:class:`ReadAheadOptions`) and by
-``SHARDCACHE_CACHE_SIZE`` (backpressure, idle open shards closed for room). A failed
-read-ahead is retried when its batch comes; a shard that still cannot be had raises a
-:class:`~shardcache.errors.CacheError` at the batch that needs it, never in the background."""
+The plan says from the start which shards each batch of this reader needs, in order.
+``ReadAhead`` downloads them in that order on a small thread pool into the local shard cache:
+the first batch's shards first and alone; every shard of the window pinned (no process evicts
+it) until the consumer has passed the last batch that needs it; the window bounded in shards,
+bytes and ``SHARDCACHE_CACHE_SIZE``. A failed read-ahead is retried when its batch comes; a
+shard that still cannot be had raises ``CacheError`` at that batch, never in the background.
+"""
 
 from __future__ import annotations
 
@@ -34,7 +32,7 @@ logger = logging.getLogger("shardcache")
 #: How far past the consumer the window looks for shards (batches): bounds the work of one
 #: top-up when many batches share few shards.
 LOOKAHEAD_BATCHES = 1024
-#: Batches after the first before the wait share is judged (:class:`ReadStats`).
+#: Batches after the first before the wait share is judged (``ReadStats``).
 WARN_AFTER_BATCHES = 8
 
 Key = Hashable
@@ -77,18 +75,7 @@ class ReadAheadOptions:
 
 
 def readahead_options(value: Any) -> ReadAheadOptions:
-    """``ShardDataset(readahead=...)`` as options.
-
-    Args:
-        value: a :class:`ReadAheadOptions`, an int (the shards ahead; 0: on demand only), or
-            None (the defaults).
-
-    Returns:
-        The options.
-
-    Raises:
-        ConfigError: ``value`` is of another type.
-    """
+    """``ShardDataset(readahead=...)`` (options, an int of shards ahead, or None) as options."""
     if value is None:
         return ReadAheadOptions()
     if isinstance(value, ReadAheadOptions):
@@ -103,23 +90,7 @@ def readahead_options(value: Any) -> ReadAheadOptions:
 
 @dataclass
 class ReadStats:
-    """What a reader of object storage waited for and downloaded (this process).
-
-    Waits are the consumer's time inside :meth:`ReadAhead.ready`, in seconds.
-
-    Attributes:
-        batches: batches made ready.
-        first_wait_s: the wait for the first batch of each pass.
-        wait_s: the waits for the other batches.
-        longest_wait_s: the longest of those.
-        elapsed_s: from the first batch ready to the last one ready.
-        bytes_ahead: bytes downloaded ahead of the consumer.
-        bytes_on_demand: bytes downloaded while the consumer waited for them.
-        shards_ahead: shards downloaded ahead.
-        shards_on_demand: shards downloaded on demand.
-        retried: downloads retried in the consumer's thread after failing.
-        warned: the slow-download warning was logged.
-    """
+    """What a reader of object storage waited for and downloaded (this process)."""
 
     batches: int = 0
     first_wait_s: float = 0.0
@@ -135,23 +106,13 @@ class ReadStats:
     _first_ready: float | None = field(default=None, repr=False)
 
     def as_dict(self) -> dict[str, Any]:
-        """The figures as a JSON-able dict.
-
-        Returns:
-            The fields, and ``wait_share``: ``wait_s / elapsed_s`` (0 before a second batch).
-        """
+        """The figures as a JSON-able dict, plus ``wait_share`` (``wait_s / elapsed_s``)."""
         out = {k: v for k, v in self.__dict__.items() if not k.startswith("_")}
         out["wait_share"] = self.wait_s / self.elapsed_s if self.elapsed_s > 0 else 0.0
         return out
 
     def waited(self, first: bool, seconds: float, now: float) -> None:
-        """Count one batch's wait.
-
-        Args:
-            first: the batch is its pass's first.
-            seconds: how long the consumer waited.
-            now: when the wait ended (``time.perf_counter()``).
-        """
+        """Count one batch's wait."""
         self.batches += 1
         if first or self._first_ready is None:
             self.first_wait_s += seconds
@@ -162,12 +123,7 @@ class ReadStats:
         self.elapsed_s = now - self._first_ready
 
     def check(self, options: ReadAheadOptions, where: str) -> None:
-        """Log a warning once when the waits exceed ``options.warn_share`` of the time.
-
-        Args:
-            options: the read-ahead options (named in the warning).
-            where: what the warning names as the reader.
-        """
+        """Log a warning once when the waits exceed ``options.warn_share`` of the time."""
         if self.warned or self.batches <= WARN_AFTER_BATCHES or self.elapsed_s <= 0:
             return
         share = self.wait_s / self.elapsed_s
@@ -201,26 +157,12 @@ class _Pin:
 
 
 class ReadAhead:
-    """Downloads the shards of a pass's batches ahead of the consumer (module docstring).
+    """Downloads the shards of a pass's batches ahead of the consumer.
 
-    The consumer calls :meth:`ready` with each position ``0 .. count - 1`` before reading its
-    batch, and :meth:`close` when the pass ends or stops; everything but the downloads runs in
-    the consumer's thread. The cache is seen through callables.
-
-    Args:
-        count: the batches of the pass.
-        needs: a position's shard keys.
-        size: a shard's bytes.
-        fetch: ``fetch(key, background)`` downloads a shard if needed and holds it; returns
-            the release.
-        present: whether a shard is already local.
-        options: how far ahead and with how many threads.
-        stats: the counters to add to.
-        cache_bound: the local shard cache's bound in bytes.
-        trim: ``trim(keep, room)`` closes the consumer's open shards outside ``keep`` until
-            the others hold ``room`` bytes (None: nothing to close).
-        describe: a shard key for messages.
-        where: the reader, for messages.
+    The consumer calls ``ready(position)`` for each position in order before reading its batch and
+    ``close`` at the end; everything but the downloads runs in the consumer's thread. The cache is
+    seen through callables (``fetch(key, background)`` returns the release of the held shard;
+    ``trim(keep, room)`` closes the consumer's open shards outside ``keep``).
     """
 
     def __init__(
@@ -257,15 +199,9 @@ class ReadAhead:
     # ---- consumer side ---------------------------------------------------------------------
 
     def ready(self, position: int) -> None:
-        """Make the shards of the batch at ``position`` local and pinned; then top up the
-        window ahead of it.
+        """Make the shards of the batch at ``position`` local and pinned, then top up the window.
 
-        Args:
-            position: the batch's position in the pass, ``0 .. count - 1``, in order.
-
-        Raises:
-            CacheError: a shard could not be downloaded, even retried now (names the object
-                and the store).
+        Raises ``CacheError`` when a shard cannot be downloaded even when retried now.
         """
         start = time.perf_counter()
         for key in [k for k, pin in self._pins.items() if pin.last < position]:
@@ -292,8 +228,7 @@ class ReadAhead:
         self._top_up(position, set(keys))
 
     def _resolve(self, key: Key, position: int) -> None:
-        """Wait for ``key``'s download, or download it now (on demand, or again after a
-        failed read-ahead)."""
+        """Wait for ``key``'s download, or download it now (on demand, or retried)."""
         pin = self._pins[key]
         if pin.release is not None:
             return
@@ -328,8 +263,7 @@ class ReadAhead:
                 ) from err
 
     def _top_up(self, position: int, current: set[Key]) -> None:
-        """Pin and start downloading the shards of the batches after ``position``, in plan order, as
-        far as the bounds allow."""
+        """Pin and download the shards of the batches after ``position``, within bounds."""
         if not self.options.shards:
             return
         ahead = [k for k in self._pins if k not in current]
@@ -418,15 +352,7 @@ class ReadAhead:
 
 
 def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
-    """The shards holding some sample ids.
-
-    Args:
-        shard_starts: the first sample id of each shard, plus the total.
-        ids: the sample ids.
-
-    Returns:
-        The shards, in order of first use.
-    """
+    """The shards holding some sample ids, in order of first use."""
     shards = np.searchsorted(shard_starts, np.asarray(ids, dtype=np.int64), side="right") - 1
     _, first = np.unique(shards, return_index=True)
     return [int(s) for s in shards[np.sort(first)]]
@@ -440,19 +366,7 @@ def cache_readahead(
     stats: ReadStats,
     where: str,
 ) -> ReadAhead | None:
-    """A :class:`ReadAhead` over the shards in object storage of a cache or mixture.
-
-    Args:
-        cache: the cache, or the mixture (its sources at URLs are read ahead).
-        plan: the epoch's plan.
-        batches: this reader's global batches, in reading order.
-        options: how far ahead and with how many threads.
-        stats: the counters to add to.
-        where: the reader, for messages.
-
-    Returns:
-        The read-ahead, or None when no shard is in object storage.
-    """
+    """A ``ReadAhead`` for this reader's shards in object storage (None when none)."""
     mixed = isinstance(cache, MixedCache)
     caches = cache.caches if isinstance(cache, MixedCache) else [cache]
     remotes = [c.remote for c in caches]

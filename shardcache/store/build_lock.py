@@ -1,34 +1,16 @@
 """The build lock: one live build per output folder.
 
-``<output>/.lock`` holds ``{"pid", "host", "started"}`` (JSON). It is created atomically:
-the content is written to a private temporary file, fsynced, then hard-linked to ``.lock``
-(``link`` fails if the name exists), so a reader never sees a half-written lock.
-
-A lock whose host is this machine and whose pid is not alive is *stale* (the build was
-killed) and is taken over, with exactly one winner among builds that find it at once:
-
-1. the take-over runs under an exclusive ``flock`` on ``.lock.takeover`` (deleted by its
-   holder when done, so only a build killed inside a take-over leaves it), so two builds never
-   interleave "read the lock, judge it stale, move it aside" (without it, B reads the stale
-   lock, A takes it over, and B moves A's *live* lock aside: two holders);
-2. the lock is renamed to a private name and what was renamed is read again: only if it is
-   still the stale lock that was judged (same content) is it deleted; anything else (a live
-   lock written by a build that does not take the flock, an older shardcache) is linked back
-   under ``.lock`` and the build gives up with :class:`BuildLockedError`.
-
-A lock from another host cannot be checked: the error
-says who holds it and how to remove it if that build is gone. ``--force`` never breaks a live
-lock: two writers in one folder would corrupt it, whatever the options.
-
-Pid reuse (a dead build's pid given to an unrelated live process) makes a stale lock look
-live; the error message names the pid and start time so a person can decide and delete it.
-
-A job-array share holds its own lock, ``.shares/share-i-of-N/.lock``, so shares of one array
-run side by side. What must not run together is refused by :func:`refuse_colliding_builds`,
-which a build calls once it holds its own lock: a full build (or commit) beside any share,
-and shares of different N (each would build, and a commit remove, the other's files). Both
-sides take their own lock before looking for the other's, so of two that start at once at
-least one sees the other.
+``<output>/.lock`` holds ``{"pid", "host", "started"}`` JSON, written to a private temporary file,
+fsynced, then hard-linked into place (``link`` fails if the name exists): never half-written.
+A lock of this host whose pid is dead is stale and is taken over with exactly one winner: under
+an exclusive ``flock`` on ``.lock.takeover`` (else B could move aside the live lock A just took),
+the lock is renamed aside and re-read, deleted only if it is still the lock judged stale, and
+otherwise linked back. A live lock is never broken (``--force`` included); another host's lock
+cannot be checked, and a reused pid makes a stale lock look live, so errors name pid, host and
+start time for a person to decide. A job-array share holds ``.shares/share-i-of-N/.lock``;
+``refuse_colliding_builds`` then refuses a full build beside a share or shares of different N.
+Each side takes its own lock before looking for the other's, so of two racing starts at least
+one sees the other.
 """
 
 from __future__ import annotations
@@ -50,14 +32,7 @@ TAKEOVER_NAME = ".lock.takeover"
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process exists on this host.
-
-    Args:
-        pid: its process id.
-
-    Returns:
-        True when it exists, also when another user owns it.
-    """
+    """Whether a process with this pid exists on this host (also when another user owns it)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -73,15 +48,9 @@ SCRATCH_PREFIXES = ("shardcache-commit-", "shardcache-part-", "shardcache-pool-"
 
 
 def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES) -> list[str]:
-    """Remove what processes killed on this host left in a folder.
+    """Remove the ``<prefix><pid>-...`` entries of ``folder`` whose pid is dead; return their paths.
 
-    Args:
-        folder: the folder (missing: nothing to do).
-        prefixes: the entries named ``<prefix><pid>-...`` (files or folders) whose pid is no
-            longer alive are removed.
-
-    Returns:
-        Their paths.
+    Such scratch files and folders are left only by processes killed on this host.
     """
     removed = []
     with contextlib.suppress(OSError), os.scandir(folder) as entries:
@@ -102,15 +71,7 @@ def sweep_dead_scratch(folder: str, prefixes: tuple[str, ...] = SCRATCH_PREFIXES
 
 
 def read_owner(path: str) -> dict[str, Any] | None:
-    """Who holds a build lock.
-
-    Args:
-        path: the lock file.
-
-    Returns:
-        Its content (``pid``, ``host``, ``started``); None when there is no lock; {} when it
-        cannot be parsed.
-    """
+    """The content of the lock file ``path``: None when there is none, ``{}`` when unreadable."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -122,9 +83,11 @@ def read_owner(path: str) -> dict[str, Any] | None:
 
 
 def _lock_guard(path: str) -> int:
-    """An exclusive ``flock`` on ``path``, created if needed; returns the descriptor. The
-    holder deletes the file before closing (no file is left behind), so a waiter that got the
-    lock on a deleted file retries on the current one (inode check)."""
+    """Take an exclusive ``flock`` on ``path`` (created if needed) and return its descriptor.
+
+    The holder deletes the file before closing it, so a waiter that locked a deleted file
+    retries on the current one (inode check).
+    """
     while True:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
         fcntl.flock(fd, fcntl.LOCK_EX)
@@ -137,11 +100,7 @@ def _lock_guard(path: str) -> int:
 
 
 class BuildLock:
-    """``with BuildLock(output):`` holds ``output/.lock`` for the duration of a build.
-
-    Args:
-        output: the build's output folder (created if needed).
-    """
+    """``with BuildLock(output):`` holds ``output/.lock`` for the duration of a build."""
 
     def __init__(self, output: str):
         self.output = output
@@ -149,12 +108,7 @@ class BuildLock:
         self.held = False
 
     def acquire(self) -> None:
-        """Take the lock, taking over one left by a dead process on this host.
-
-        Raises:
-            BuildLockedError: a live build holds it (naming its pid, host and start), or it
-                cannot be read.
-        """
+        """Take the lock (taking over a dead local build's), else raise ``BuildLockedError``."""
         os.makedirs(self.output, exist_ok=True)
         info = {"pid": os.getpid(), "host": socket.gethostname(), "started": time.time()}
         tmp = f"{self.path}.{os.getpid()}.tmp"
@@ -180,6 +134,7 @@ class BuildLock:
                 os.remove(tmp)
 
     def _clear_stale_or_raise(self) -> None:
+        """Take over a stale lock, or raise ``BuildLockedError`` naming the live holder."""
         holder = read_owner(self.path)
         if holder is None:
             return  # released meanwhile: retry
@@ -206,8 +161,7 @@ class BuildLock:
         )
 
     def _take_over(self, stale: dict[str, Any]) -> None:
-        """Remove the stale lock ``stale`` if ``.lock`` still is it (see the module notes);
-        returns so that the caller retries the link."""
+        """Delete the lock if it still is ``stale``; the caller then retries the link."""
         guard_path = os.path.join(self.output, TAKEOVER_NAME)
         guard = _lock_guard(guard_path)
         try:
@@ -257,9 +211,10 @@ class BuildLock:
 
 
 def _live_holder(path: str) -> dict[str, Any] | None:
-    """The holder of the lock file ``path`` when it may be alive (its pid runs on this host,
-    or it is another host's: that cannot be checked); None when there is no lock, it cannot
-    be read, or its build is gone."""
+    """The holder of lock ``path`` unless absent, unreadable, ours, or a dead pid of this host.
+
+    Another host's holder counts as alive: it cannot be checked.
+    """
     holder = read_owner(path)
     if not holder or not isinstance(holder.get("pid"), int):
         return None
@@ -272,21 +227,15 @@ def _live_holder(path: str) -> dict[str, Any] | None:
 
 
 def _describe(share: tuple[int, int] | None) -> str:
+    """Name a build for messages: a full build, or share i/N."""
     return "a full build (or commit)" if share is None else f"share {share[0]}/{share[1]}"
 
 
 def refuse_colliding_builds(root: str, name: str) -> None:
-    """Refuse to run beside a live build of ``root`` that this one, holding the lock ``name``
-    (``""``: a full build or commit; ``.shares/share-i-of-N``: a job-array share), would collide
-    with.
+    """Raise ``BuildLockedError`` if a live build of ``root`` would collide with this one.
 
-    Args:
-        root: the output folder.
-        name: the lock this build holds, relative to ``root``.
-
-    Raises:
-        BuildLockedError: a full build runs beside a share, or shares of different N run
-            together; the message names the running build, its pid and what to do.
+    ``name`` is the lock this build holds relative to ``root`` (``""``: full build or commit). A
+    full build collides with any share, and shares collide when their N differs.
     """
     mine = parse_share_name(os.path.basename(name)) if name else None
     running: list[tuple[tuple[int, int] | None, dict[str, Any]]] = []

@@ -1,8 +1,8 @@
-"""Read access to a committed cache: :func:`open_cache` -> :class:`Cache`.
+"""Read access to a committed cache: ``open_cache`` -> ``Cache``.
 
-A :class:`Cache` owns the manifest, the memory-mapped length index and an LRU of open shard
-readers (:class:`ShardCache`), released by :meth:`Cache.close`. Sample ids are global row
-numbers (shards in manifest order); opening a cache opens no shard."""
+A ``Cache`` owns the manifest, the memory-mapped length index and an LRU of open shard readers.
+Sample ids are global row numbers (shards in manifest order); opening a cache opens no shard.
+"""
 
 from __future__ import annotations
 
@@ -31,16 +31,10 @@ def _no_release() -> None:
 
 
 class ShardCache:
-    """An LRU of open :class:`~shardcache.store.shards.ShardReader` s that owns them.
+    """An LRU of open ``ShardReader``s that owns them and the releases ``fetch`` gave with them.
 
-    Args:
-        shards: the manifest's shard entries.
-        dtype: the stored token type.
-        size: the most readers open at once (at least 1).
-        fetch: a shard's local file and its release (a remote download stays held under a
-            shared lock until released).
-        reader_options: keyword arguments for every reader.
-        on_close: told the index of each shard closed.
+    Closing a reader always calls its release: a remote download stays under a shared lock until
+    then. ``on_close`` is told the index of each shard closed.
     """
 
     def __init__(
@@ -64,18 +58,7 @@ class ShardCache:
         self._open: OrderedDict[int, tuple[ShardReader, Callable[[], None]]] = OrderedDict()
 
     def get(self, index: int) -> ShardReader:
-        """The reader of shard ``index``, opened (another closed for room) when needed.
-
-        Args:
-            index: the shard's position in the manifest.
-
-        Returns:
-            The open reader, owned by this LRU (valid until it is closed for room).
-
-        Raises:
-            ValueError: the cache is closed.
-            CorruptShardError: the shard's file is not the one the manifest describes.
-        """
+        """Shard ``index``'s reader, opened when needed; owned here, valid until closed for room."""
         entry = self._open.get(index)
         if entry is not None:
             self._open.move_to_end(index)
@@ -96,11 +79,7 @@ class ShardCache:
         return reader
 
     def close_next(self, index: int) -> None:
-        """Mark an open shard as the next one closed for room.
-
-        Args:
-            index: the shard (ignored when it is not open).
-        """
+        """Make open shard ``index`` the next one closed for room."""
         if index in self._open:
             self._open.move_to_end(index, last=False)
 
@@ -117,26 +96,14 @@ class ShardCache:
             release()
 
     def shed(self) -> bool:
-        """Close the least recently used open shard.
-
-        Returns:
-            False when none was open.
-        """
+        """Close the least recently used open shard; False when none was open."""
         if not self._open:
             return False
         self._close_one()
         return True
 
     def close_idle(self, keep: Container[int], room: int) -> int:
-        """Close least recently used open shards outside ``keep`` to fit ``room``.
-
-        Args:
-            keep: shards that stay open.
-            room: the most bytes (the manifest's sizes) the open shards outside ``keep`` hold.
-
-        Returns:
-            The bytes the open shards outside ``keep`` hold afterwards.
-        """
+        """Close LRU shards not in ``keep`` till they hold <= ``room`` bytes; return their bytes."""
         idle = [index for index in self._open if index not in keep]
         used = sum(int(self.shards[index]["bytes"]) for index in idle)
         for index in idle:  # least recently used first
@@ -147,7 +114,7 @@ class ShardCache:
         return used
 
     def close(self) -> None:
-        """Close every open shard; :meth:`get` refuses afterwards."""
+        """Close every open shard; ``get`` refuses afterwards."""
         self.closed = True
         while self._open:
             self._close_one()
@@ -155,13 +122,7 @@ class ShardCache:
 
 @dataclass(frozen=True)
 class Gathered:
-    """Segments read by :meth:`Cache.gather`.
-
-    Attributes:
-        tokens: the segments' tokens, concatenated or laid out.
-        offsets: int64, one more than the segments: cumulative sums of their lengths.
-        mask: bool per token of ``tokens`` when asked, else None.
-    """
+    """Segments read by ``Cache.gather``: tokens, int64 offsets (one more than segments), mask."""
 
     tokens: np.ndarray
     offsets: np.ndarray
@@ -173,7 +134,7 @@ class Gathered:
         return self.offsets[1:] - self.offsets[:-1]
 
 
-#: A :class:`MappedTable` ``mask_starts`` entry of a sequence without a loss mask (every token
+#: A ``MappedTable`` ``mask_starts`` entry of a sequence without a loss mask (every token
 #: has a loss): a plain-text source's, in a mixture's table with chat sources.
 NO_MASK = -1
 
@@ -182,27 +143,12 @@ NO_MASK = -1
 class MappedTable:
     """The open memory-mapped shards of a cache by address, for a compiled reader.
 
-    Shard ``s`` holds sample ids ``shard_starts[s] : shard_starts[s + 1]``; while open, its
-    tokens are the ``sizes[s]`` values at ``addresses[s]`` (0: not open; :meth:`Cache.open_mapped`
-    opens it). Sample ``i`` starts at value ``file_starts[i]`` of its shard and holds
-    ``lengths[i]`` tokens; in a chat cache its loss mask is ``lengths[i]`` bits from bit
-    ``mask_starts[i]`` of the same file (``NO_MASK``: none). A reader advances ``clock[0]``
-    once per batch and stamps ``last_used[s]`` for every shard it reads (the LRU closes the
-    least recently stamped) and checks the ids it copies against ``max_id``. An address is
-    valid until the next :meth:`Cache.open_mapped` or close: no Python code may run between
-    reading and copying.
-
-    Attributes:
-        addresses: int64 per shard.
-        sizes: int64 per shard.
-        last_used: int64 per shard.
-        clock: int64, one value: the current stamp.
-        shard_starts: int64, one per shard plus one.
-        file_starts: uint32 or int64 per sample.
-        lengths: the length index, one per sample.
-        dtype: the stored token type.
-        max_id: the tokenizer's largest id.
-        mask_starts: int64 per sample of a chat cache, else empty.
+    Shard ``s`` holds sample ids ``shard_starts[s]:shard_starts[s+1]``; while open (``addresses[s]``
+    non-zero) its tokens are the ``sizes[s]`` values there. Sample ``i`` starts at value
+    ``file_starts[i]`` of its shard; a chat cache's loss mask is ``lengths[i]`` bits from bit
+    ``mask_starts[i]`` (``NO_MASK``: none). A reader stamps ``last_used[s] = clock[0]`` (the LRU
+    closes the oldest) and checks ids against ``max_id``. An address is valid until the next
+    ``Cache.open_mapped`` or close: no Python code may run between reading and copying.
     """
 
     addresses: np.ndarray
@@ -233,20 +179,13 @@ class Provenance:
 
     @property
     def line(self) -> int:
-        """The 1-based line (jsonl) or row (parquet) of the record, as people count."""
+        """The 1-based line (jsonl) or row (parquet) of the record."""
         return self.record + 1
 
 
 @dataclass(frozen=True)
 class Sequence:
-    """One stored sequence.
-
-    Attributes:
-        sample_id: its global row number.
-        ids: its token ids.
-        provenance: where it came from.
-        mask: bool per token, True where the token has a loss (chat caches; else None).
-    """
+    """One stored sequence, its provenance and its loss mask (chat caches; else None)."""
 
     sample_id: int
     ids: np.ndarray
@@ -255,8 +194,7 @@ class Sequence:
 
 
 def _forget_in(addresses: np.ndarray, mapped: dict[int, np.ndarray]) -> Callable[[int], None]:
-    """``on_close`` of a cache's :class:`ShardCache` (a closure over the arrays, not the cache: no
-    reference cycle keeps a cache alive)."""
+    """``on_close`` of a cache's ``ShardCache``: it holds the arrays, not the cache (no cycle)."""
 
     def forget(index: int) -> None:
         addresses[index] = 0
@@ -271,16 +209,7 @@ SHARD_SHARE_OF_FILE_LIMIT = 4
 
 
 def shards_within_file_limit(requested: int, caches: int = 1) -> int:
-    """How many shards each of ``caches`` caches may keep open in this process.
-
-    Args:
-        requested: the most wanted per cache.
-        caches: caches open at once in this process.
-
-    Returns:
-        At most ``requested``, and together at most a quarter of the soft open-file limit
-        (at least 4).
-    """
+    """Shards each of ``caches`` caches may open: <= ``requested``, in a share of the file limit."""
     import resource
 
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -290,10 +219,9 @@ def shards_within_file_limit(requested: int, caches: int = 1) -> int:
 
 
 class Cache:
-    """A committed cache, local or at a URL; use :func:`open_cache` to make one.
+    """A committed cache, local or at a URL; make one with [`open_cache`][shardcache.open_cache].
 
-    A context manager: :meth:`close` (or leaving the ``with`` block) releases its shards and
-    its length index.
+    A context manager; reads raise ``CorruptShardError`` on a damaged shard.
 
     Args:
         path: the cache folder or URL.
@@ -405,7 +333,7 @@ class Cache:
         return self.manifest.get("kind") == "chat"
 
     def buckets(self) -> np.ndarray:
-        """Bucket index of every sample id, derived from the shard table.
+        """Bucket index of every sample id, from the shard table.
 
         Returns:
             int32, one per sample id.
@@ -424,13 +352,10 @@ class Cache:
         """The ids of one sequence.
 
         Args:
-            sample_id: its global row number.
+            sample_id: its global row number (IndexError when out of range).
 
         Returns:
-            A read-only view into its shard (valid while it is referenced).
-
-        Raises:
-            IndexError: ``sample_id`` out of range.
+            A read-only view into its shard.
         """
         shard, row = self._locate(sample_id)
         return self._shards.get(shard).tokens(row)
@@ -447,27 +372,18 @@ class Cache:
     ) -> Gathered:
         """The tokens of several segments, in the order given, one copy per record batch.
 
-        Segment ``k`` is tokens ``starts[k] : starts[k] + lengths[k]`` of sequence
-        ``sample_ids[k]``. Every sequence read is checked against the length index.
-
         Args:
-            sample_ids: sequence of each segment.
+            sample_ids: the sequence of each segment (IndexError when out of range).
             starts: first token of each segment (default 0).
             lengths: tokens of each segment (default: the rest of the sequence).
             with_mask: also gather the loss masks (all True for plain-text caches).
             dtype: type of the returned tokens (default the stored type; the copy casts).
-            layout: ``(dst, size)`` places segment ``k`` at ``dst[k]`` of a ``size``-token
-                array instead of concatenating them (padded rows without a second copy).
+            layout: ``(dst, size)`` places segment ``k`` at ``dst[k]`` of a ``size``-token array
+                instead of concatenating them (padded rows without a second copy).
             fill: the value of the slots ``layout`` leaves empty (their mask is False).
 
         Returns:
-            The tokens, the segments' offsets (of their lengths, also with ``layout``) and
-            the masks when asked.
-
-        Raises:
-            IndexError: a sample id or segment out of range, or ``layout`` too small.
-            CorruptShardError: a shard disagrees with the length index or is damaged.
-            ValueError: the cache is closed.
+            The tokens, the segments' offsets (also with ``layout``) and the masks when asked.
         """
         if self._shards.closed:
             raise ValueError(f"{self.path}: the cache is closed: open it again to read")
@@ -508,8 +424,7 @@ class Cache:
         """The table of memory-mapped shards for compiled readers.
 
         Returns:
-            One table for the cache's life (its arrays change as shards open and close), or
-            None for a compressed cache.
+            One table for the cache's life, or None for a compressed cache.
         """
         layout = (self.manifest.get("options") or {}).get("layout") or {}
         if layout.get("compression", "none") != "none":
@@ -530,18 +445,13 @@ class Cache:
         return self._table
 
     def open_mapped(self, index: int) -> bool:
-        """Open shard ``index`` for :meth:`mapped_table` readers.
-
-        It is checked like any open; the shard closed for room is the least recently stamped.
+        """Open a shard for ``mapped_table`` readers (checked like any open).
 
         Args:
             index: the shard's position in the manifest.
 
         Returns:
             False when the shard (or the cache) is compressed.
-
-        Raises:
-            CorruptShardError: the shard is damaged or disagrees with the length index.
         """
         table = self.mapped_table()
         if table is None:
@@ -583,7 +493,7 @@ class Cache:
         self._recorded[index] = True
 
     def _starts_table(self) -> np.ndarray:
-        """Every sample's start in its shard's token array (filled by :meth:`_record`)."""
+        """Every sample's start in its shard's token array (filled by ``_record``)."""
         if self._file_starts is None:
             # zero pages cost no memory until written; 4 bytes a sequence when every shard
             # file is under 4 G tokens, else 8
@@ -598,32 +508,29 @@ class Cache:
 
         Args:
             keep: shards that stay open.
-            room: the most bytes the open shards outside ``keep`` may hold.
+            room: the most bytes (manifest sizes) the open shards outside ``keep`` may hold.
 
         Returns:
-            The bytes they hold afterwards (see :meth:`ShardCache.close_idle`).
+            The bytes they hold afterwards.
         """
         return self._shards.close_idle(keep, room)
 
     def check_ids(self, index: int) -> None:
-        """Check every id of shard ``index`` against the tokenizer's largest.
+        """Check every id of a shard against the tokenizer's largest (``CorruptShardError`` if not).
 
         Args:
             index: the shard's position in the manifest.
-
-        Raises:
-            CorruptShardError: an id is larger, or the shard is damaged.
         """
         self._shards.get(index).check_ids()
 
     def read_many(self, sample_ids: np.ndarray) -> list[np.ndarray]:
-        """The ids of several sequences, in the order given.
+        """The ids of several sequences (copies), in the order given.
 
         Args:
             sample_ids: their global row numbers.
 
         Returns:
-            One array per sequence (copies; errors as :meth:`gather`).
+            One array per sequence.
         """
         got = self.gather(sample_ids)
         return np.split(got.tokens, got.offsets[1:-1])
@@ -645,13 +552,10 @@ class Cache:
         """Where a sample id came from.
 
         Args:
-            sample_id: its global row number.
+            sample_id: its global row number (IndexError when out of range).
 
         Returns:
             Its input file, record index and piece index.
-
-        Raises:
-            IndexError: ``sample_id`` out of range.
         """
         shard, row = self._locate(sample_id)
         record, piece = self._shards.get(shard).provenance(row)
@@ -678,14 +582,7 @@ class Cache:
 
 
 def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
-    """The input files of a shard's rows, in row order.
-
-    Args:
-        info: the shard's manifest entry.
-
-    Returns:
-        ``(input file, rows)`` runs: its ``source``, or a merged shard's ``sources``.
-    """
+    """``(input file, rows)`` runs of a shard's rows, merged shard or not."""
     runs = info.get("sources")
     if runs is None:
         return [(str(info["source"]), int(info["rows"]))]
@@ -693,18 +590,7 @@ def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:
 
 
 def source_of_row(info: dict[str, Any], row: int) -> str:
-    """The input file of one row of a shard.
-
-    Args:
-        info: the shard's manifest entry.
-        row: the row in the shard.
-
-    Returns:
-        The input file's relative path.
-
-    Raises:
-        IndexError: the shard has no such row.
-    """
+    """The input file of one row of a shard (IndexError past its rows)."""
     for source, rows in shard_runs(info):
         if row < rows:
             return source
@@ -713,19 +599,16 @@ def source_of_row(info: dict[str, Any], row: int) -> str:
 
 
 def open_cache(path: str | os.PathLike[str]) -> Cache:
-    """Open a committed cache directory or URL.
-
-    A URL (``s3://bucket/prefix``) reads through the local shard cache of
-    :mod:`shardcache.store.remote` (downloads checked against the manifest's sha256).
+    """Open a committed cache folder or URL (downloads checked against the manifest's sha256).
 
     Args:
         path: the cache folder or URL.
 
     Returns:
-        The open cache (a context manager).
+        The open [`Cache`][shardcache.Cache] (a context manager).
 
     Raises:
         CacheNotFoundError: no committed cache there.
-        CorruptShardError: the length index is damaged.
+        CorruptShardError: the manifest or the length index is damaged.
     """
     return Cache(os.fspath(path))

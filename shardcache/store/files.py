@@ -1,9 +1,9 @@
 """Local files: the one streaming sha256, atomic writes (tmp + fsync + rename), JSON reads.
 
 Every file of a cache is written as a temporary file, fsynced, then renamed over its final
-name, so a name always holds a whole file. Writers that may race with another process on the
-same name (job-array shares, ranks sharing a download folder) use a private temporary name
-(:func:`private_tmp`), so neither deletes nor overwrites the other's half-written file.
+name, so a name always holds a whole file. Writers that may race with another
+process on one name (job-array shares, ranks sharing a download folder) use ``private_tmp``,
+so neither deletes nor overwrites the other's half-written file.
 """
 
 from __future__ import annotations
@@ -24,16 +24,12 @@ from shardcache.errors import CacheError, CorruptShardError
 
 READ_CHUNK = 1 << 20
 CACHE_DIR_ENV = "SHARDCACHE_CACHE_DIR"
-#: Set to 1 to neither read nor write memos (:func:`read_memo`): everything is computed again.
+#: Set to 1 to neither read nor write memos (``read_memo``): everything is computed again.
 NO_MEMO_ENV = "SHARDCACHE_NO_MEMO"
 
 
 def cache_root() -> str:
-    """The local folder for downloads, plans and integrity records.
-
-    Returns:
-        ``SHARDCACHE_CACHE_DIR``, default ``~/.cache/shardcache`` (created if missing).
-    """
+    """The local folder (``$SHARDCACHE_CACHE_DIR``) for downloads, plans and integrity records."""
     root = os.environ.get(CACHE_DIR_ENV) or os.path.join(
         os.path.expanduser("~"), ".cache", "shardcache"
     )
@@ -47,36 +43,17 @@ _ROOTS: set[str] = set()  # roots made (a stat then, not a mkdir: readers ask on
 
 
 def sha256_text(text: str) -> str:
-    """The sha256 of a string's UTF-8 bytes.
-
-    Args:
-        text: the string.
-
-    Returns:
-        The hex digest.
-    """
+    """The sha256 hex digest of a string's UTF-8 bytes."""
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 def sha256_bytes(data: Any) -> str:
-    """The sha256 of a bytes-like object (large ones hashed without holding the GIL).
-
-    Args:
-        data: the bytes.
-
-    Returns:
-        The hex digest.
-    """
+    """The sha256 hex digest of a bytes-like object (large ones hashed without holding the GIL)."""
     return hashlib.sha256(data).hexdigest()
 
 
 class HashingReader(io.RawIOBase):
-    """A raw reader that hashes (sha256) and counts every byte read through it.
-
-    Args:
-        raw: the file read.
-        on_bytes: told the size of every chunk read (progress); None: nobody.
-    """
+    """A raw reader that hashes (sha256) and counts the bytes read; ``on_bytes`` sees each chunk."""
 
     def __init__(self, raw: BinaryIO, on_bytes: Callable[[int], None] | None = None):
         self._raw = raw
@@ -85,22 +62,11 @@ class HashingReader(io.RawIOBase):
         self.bytes_read = 0
 
     def readable(self) -> bool:
-        """Whether it can be read (``io.RawIOBase``).
-
-        Returns:
-            True.
-        """
+        """True (``io.RawIOBase``)."""
         return True
 
     def readinto(self, buffer: Any) -> int:
-        """Read into a buffer, hashing and counting what was read (``io.RawIOBase``).
-
-        Args:
-            buffer: a writable buffer.
-
-        Returns:
-            The bytes read, 0 at the end.
-        """
+        """Read into ``buffer``, hashing and counting what was read; 0 at the end."""
         n = self._raw.readinto(buffer)
         if n:
             view = memoryview(buffer)[:n]
@@ -126,13 +92,10 @@ class HashingReader(io.RawIOBase):
 
 
 class HashingWriter(io.RawIOBase):
-    """A new file (created or truncated at ``path``) that hashes (sha256) and counts every byte
-    written through it, so its digest needs no second read; :meth:`close` flushes and fsyncs
-    first, so the digest is of the bytes on disk. Every :meth:`write` writes all of its bytes
-    (or raises OSError naming ``path``).
+    """A new file at ``path`` that hashes (sha256) and counts every byte written through it.
 
-    Args:
-        path: the file.
+    The digest needs no second read: every ``write`` writes all its bytes, and ``close`` flushes
+    and fsyncs first, so the digest is of the bytes on disk. An ``OSError`` names ``path``.
     """
 
     def __init__(self, path: str):
@@ -142,25 +105,11 @@ class HashingWriter(io.RawIOBase):
         self.bytes_written = 0
 
     def writable(self) -> bool:
-        """Whether it can be written (``io.RawIOBase``).
-
-        Returns:
-            True.
-        """
+        """True (``io.RawIOBase``)."""
         return True
 
     def write(self, data: Any) -> int:
-        """Hash some bytes and write all of them.
-
-        Args:
-            data: a contiguous bytes-like object.
-
-        Returns:
-            Its size.
-
-        Raises:
-            OSError: the write failed (``filename`` is the file's path).
-        """
+        """Hash a contiguous bytes-like object and write all of it; return its size."""
         view = memoryview(data)
         # hashed as passed and written whole (BufferedWriter): the digest is of what the file holds
         self.sha256.update(view)
@@ -170,11 +119,7 @@ class HashingWriter(io.RawIOBase):
         return view.nbytes
 
     def close(self) -> None:
-        """Flush, fsync and close (idempotent).
-
-        Raises:
-            OSError: the flush or fsync failed (``filename`` is the file's path).
-        """
+        """Flush, fsync and close (idempotent)."""
         if self.closed:
             return
         try:
@@ -187,6 +132,7 @@ class HashingWriter(io.RawIOBase):
 
     @contextlib.contextmanager
     def _named_errors(self) -> Iterator[None]:
+        """Put ``path`` into an ``OSError`` that lacks a file name: the OS leaves it out."""
         try:
             yield
         except OSError as err:  # the OS leaves the name out: a person needs it
@@ -196,15 +142,7 @@ class HashingWriter(io.RawIOBase):
 
 
 def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str:
-    """The sha256 of a file.
-
-    Args:
-        path: the file.
-        on_bytes: told the size of every chunk read (progress).
-
-    Returns:
-        The hex digest.
-    """
+    """The sha256 hex digest of a file; ``on_bytes`` is told the size of every chunk read."""
     with open(path, "rb") as f:
         reader = HashingReader(f, on_bytes)  # type: ignore[arg-type]
         reader.drain()
@@ -212,16 +150,7 @@ def sha256_file(path: str, on_bytes: Callable[[int], None] | None = None) -> str
 
 
 def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
-    """Copy a file, hashing what is copied.
-
-    Args:
-        src: read to its end.
-        dst: written.
-        digest: a ``hashlib`` object fed every chunk.
-
-    Returns:
-        The bytes and the newlines copied.
-    """
+    """Copy ``src`` into ``dst``, feeding ``digest``; return the bytes and newlines copied."""
     size = lines = 0
     while chunk := src.read(READ_CHUNK):
         dst.write(chunk)
@@ -232,29 +161,16 @@ def copy_hashing(src: BinaryIO, dst: BinaryIO, digest: Any) -> tuple[int, int]:
 
 
 def private_tmp(path: str) -> str:
-    """A temporary name for a file that no other process uses.
-
-    Args:
-        path: the file.
-
-    Returns:
-        ``path`` with the pid, a random suffix and ``.tmp``.
-    """
+    """A temporary name next to ``path`` that no other process uses (pid and a random suffix)."""
     return f"{path}.{os.getpid()}.{os.urandom(4).hex()}.tmp"
 
 
 @contextlib.contextmanager
 def exclusive_lock(path: str) -> Iterator[bool]:
-    """Hold an exclusive ``flock`` on a lock file for the block.
+    """Hold an exclusive ``flock`` on the lock file ``path`` for the block.
 
-    One process computes, the others wait, then find the result.
-
-    Args:
-        path: the lock file (created if missing).
-
-    Yields:
-        True while holding it; False, holding nothing, when the lock file cannot be opened
-        (a read-only folder).
+    One process computes, the others wait, then find the result. Yields True while holding it;
+    False, holding nothing, when the lock file cannot be opened (a read-only folder).
     """
     try:
         fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
@@ -269,11 +185,7 @@ def exclusive_lock(path: str) -> Iterator[bool]:
 
 
 def fsync_dir(path: str) -> None:
-    """fsync a folder, so a rename in it survives a power cut.
-
-    Args:
-        path: the folder.
-    """
+    """Fsync a folder, so a rename in it survives a power cut."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
@@ -283,18 +195,10 @@ def fsync_dir(path: str) -> None:
 
 @contextlib.contextmanager
 def atomic_file(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
-    """A file to write ``path`` into: a temporary file, fsynced and renamed over ``path``
-    when the block ends without error (removed otherwise).
+    """A temporary file to write ``path`` into, fsynced and renamed over it when the block succeeds.
 
-    Args:
-        path: the file.
-        private: a temporary name of this process's own (files several processes may write).
-
-    Yields:
-        The temporary file, open for writing bytes.
-
-    Raises:
-        OSError: the write failed (nothing is left under ``path``'s name).
+    On an error the temporary file is removed and nothing is left under ``path``'s name.
+    ``private`` uses a temporary name of this process's own (files several processes may write).
     """
     tmp = private_tmp(path) if private else path + ".tmp"
     try:
@@ -311,38 +215,19 @@ def atomic_file(path: str, *, private: bool = False) -> Iterator[BinaryIO]:
 
 
 def write_bytes_atomic(path: str, data: bytes, *, private: bool = False) -> None:
-    """Write a file whole or not at all (:func:`atomic_file`).
-
-    Args:
-        path: the file.
-        data: its bytes.
-        private: a temporary name of this process's own.
-    """
+    """Write a file whole or not at all."""
     with atomic_file(path, private=private) as f:
         f.write(data)
 
 
 def write_json_atomic(path: str, obj: Any, *, private: bool = False) -> None:
-    """Write a JSON file whole or not at all (:func:`write_bytes_atomic`).
-
-    Args:
-        path: the file.
-        obj: the value (indented, keys sorted, a final newline).
-        private: a temporary name of this process's own.
-    """
+    """Write a JSON file (indented, keys sorted, final newline) whole or not at all."""
     data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
     write_bytes_atomic(path, data, private=private)
 
 
 def read_json_or_none(path: str) -> dict[str, Any] | None:
-    """Read a JSON object.
-
-    Args:
-        path: the file.
-
-    Returns:
-        The object; None when the file is missing, unreadable or not an object.
-    """
+    """Read a JSON object; None when the file is missing, unreadable or not an object."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -352,24 +237,15 @@ def read_json_or_none(path: str) -> dict[str, Any] | None:
 
 
 def memo_disabled() -> bool:
-    """Whether memos are off.
-
-    Returns:
-        True when ``$SHARDCACHE_NO_MEMO`` is set to something other than empty or 0.
-    """
+    """Whether ``$SHARDCACHE_NO_MEMO`` turns memos off (set, and not empty or 0)."""
     return os.environ.get(NO_MEMO_ENV, "") not in ("", "0")
 
 
 def read_memo(kind: str, digest: str) -> Any | None:
-    """A value :func:`write_memo` remembered. A memo only saves work: the caller validates it.
+    """A value ``write_memo`` remembered under ``kind``/``digest``; None when off or missing.
 
-    Args:
-        kind: a folder of :func:`cache_root`.
-        digest: of everything the value depends on.
-
-    Returns:
-        The value; None when memos are off (:data:`NO_MEMO_ENV`) or it is missing,
-        unreadable or of another digest.
+    A memo only saves work: the caller validates it. ``digest`` covers everything the value
+    depends on, and a memo of another digest is ignored.
     """
     if memo_disabled():
         return None
@@ -383,14 +259,9 @@ def read_memo(kind: str, digest: str) -> Any | None:
 
 
 def write_memo(kind: str, digest: str, value: Any) -> None:
-    """Remember a value as ``$SHARDCACHE_CACHE_DIR/<kind>/<digest>.json`` (atomically).
+    """Remember a JSON value as ``<cache_root>/<kind>/<digest>.json``, atomically.
 
     An ``OSError`` (read-only or full disk) is ignored: a missing memo only costs time.
-
-    Args:
-        kind: a folder of :func:`cache_root`.
-        digest: of everything the value depends on.
-        value: a JSON value.
     """
     if memo_disabled():
         return
@@ -403,27 +274,16 @@ def write_memo(kind: str, digest: str, value: Any) -> None:
 
 
 def write_npy_atomic(path: str, array: np.ndarray) -> None:
-    """Write an array as ``.npy`` whole or not at all (:func:`atomic_file`).
-
-    Args:
-        path: the file.
-        array: the array (no pickles).
-    """
+    """Write an array as ``.npy`` (no pickles) whole or not at all."""
     with atomic_file(path) as f:
         np.save(f, array, allow_pickle=False)
 
 
 def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, int]]) -> None:
-    """Write the concatenation of 1-d ``.npy`` files (one dtype), or of ``(file, start, stop)``
-    slices of them, as one ``.npy`` (the bytes of ``np.save``), one slice in memory at a time;
-    each file's header is parsed once however many slices it gives.
+    """Write 1-d ``.npy`` files, or ``(file, start, stop)`` slices of them, as one ``.npy``.
 
-    Args:
-        path: the file written.
-        sources: ``.npy`` files of one dtype, or ``(file, start, stop)`` slices of them.
-
-    Raises:
-        CorruptShardError: the files disagree on the dtype, or one is shorter than a slice.
+    The files must share a dtype. One slice is in memory at a time and each header is parsed
+    once. Raises ``CorruptShardError`` when the dtypes differ or a file is shorter than a slice.
     """
     layouts: dict[str, tuple[np.dtype, int, int]] = {}  # file: dtype, elements, data offset
     pieces = []
@@ -460,15 +320,7 @@ def write_npy_concat_atomic(path: str, sources: Sequence[str | tuple[str, int, i
 
 
 def concat_files_atomic(path: str, sources: list[str]) -> tuple[int, str, int]:
-    """Concatenate files into ``path`` through :func:`atomic_file`.
-
-    Args:
-        path: the file written.
-        sources: the files, in order.
-
-    Returns:
-        The bytes, sha256 and lines written.
-    """
+    """Concatenate files into ``path`` atomically; return the bytes, sha256 and lines written."""
     digest = hashlib.sha256()
     size = lines = 0
     with atomic_file(path) as out:
@@ -492,16 +344,7 @@ _DISK_ERRORS = {
 
 
 def disk_error(err: OSError, output: str) -> CacheError | None:
-    """The error to raise when a write failed for lack of room or rights.
-
-    Args:
-        err: the error.
-        output: the build's output, named when ``err`` has no file name.
-
-    Returns:
-        A :class:`CacheError` naming the path and what to do for a disk-full, quota,
-        file-size, read-only or permission error; None otherwise.
-    """
+    """A ``CacheError`` with the fix for a disk-full/quota/read-only/permission error, else None."""
     known = _DISK_ERRORS.get(err.errno or 0)
     if known is None:
         return None
@@ -514,16 +357,7 @@ def disk_error(err: OSError, output: str) -> CacheError | None:
 
 
 def resource_limit_error(err: OSError, path: str) -> CacheError | None:
-    """The error to raise when opening or mapping a file failed for lack of a resource.
-
-    Args:
-        err: the error.
-        path: the file.
-
-    Returns:
-        A :class:`CacheError` naming the limit, its value and what to do when a process or
-        system limit was reached (the file is not damaged); None for other errors.
-    """
+    """A ``CacheError`` naming the limit and the fix when an open or map hit one; else None."""
     import resource
 
     if err.errno == errno.EMFILE:

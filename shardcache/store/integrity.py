@@ -1,13 +1,10 @@
 """Integrity checked once per file version: a record of the files whose sha256 matched.
 
-:func:`check_file` checks a cache file (shard or length index) against its manifest entry:
-presence, size and sha256. After a file hashes clean, a marker named by a digest of its
-identity (absolute path, size, mtime_ns, inode, the manifest's sha256) is written under
-``$SHARDCACHE_CACHE_DIR/verified/``; later processes find it with one ``stat`` and skip the
-hash, and any change to the file or the manifest changes the identity. The first process
-hashes under an exclusive ``flock``; the others wait and find the marker. An unwritable
-folder keeps the record in this process only. ``SHARDCACHE_SHARD_CHECKSUMS=0`` skips the
-sha256 (size and structure are still checked).
+A file that hashed clean gets an empty marker named by a digest of its identity (absolute path,
+size, mtime_ns, inode, the manifest's sha256) under ``$SHARDCACHE_CACHE_DIR/verified/``: later
+processes skip the hash after one ``stat``, and any change to the file or manifest changes the
+identity. One process hashes under an exclusive ``flock``; the others wait, then find the marker.
+An unwritable folder keeps the record in this process only.
 """
 
 from __future__ import annotations
@@ -34,14 +31,7 @@ _SEEN: set[str] = set()
 
 
 def checksums_enabled(checksum: bool | None = None) -> bool:
-    """Whether shard reads check sha256 sums.
-
-    Args:
-        checksum: the caller's choice (None: ``SHARDCACHE_SHARD_CHECKSUMS``; ``0`` skips).
-
-    Returns:
-        True to check.
-    """
+    """Whether shard reads check sha256: ``checksum``, else ``$SHARDCACHE_SHARD_CHECKSUMS`` != 0."""
     if checksum is not None:
         return checksum
     return os.environ.get(CHECKSUMS_ENV, "1").lower() not in ("0", "false", "no")
@@ -63,8 +53,7 @@ _ROOTS: dict[str | None, str] = {}
 
 
 def _marker(identity: str, create: bool = True) -> str | None:
-    """The marker's path (None when its folder cannot be made); ``create=False`` only names
-    it (a lookup: a missing folder means a missing marker, and makes no folders)."""
+    """The marker's path (None when its folder cannot be made); ``create=False`` makes no folder."""
     try:
         env = os.environ.get(CACHE_DIR_ENV)
         root = _ROOTS.get(env)
@@ -80,16 +69,7 @@ def _marker(identity: str, create: bool = True) -> str | None:
 
 
 def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> bool:
-    """Whether a file, in its current version, was hashed clean before.
-
-    Args:
-        path: the file.
-        sha256: the digest it must have.
-        st: its stat, when the caller has it.
-
-    Returns:
-        True when this process or an earlier one recorded it (:func:`record_verified`).
-    """
+    """Whether a file, as it is now, hashed clean before (in this or an earlier process)."""
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     if identity in _SEEN:
@@ -102,13 +82,7 @@ def is_verified(path: str, sha256: str, st: os.stat_result | None = None) -> boo
 
 
 def record_verified(path: str, sha256: str, st: os.stat_result | None = None) -> None:
-    """Record that a file, as it is now, hashed clean (for this and later processes).
-
-    Args:
-        path: the file.
-        sha256: its digest.
-        st: its stat, when the caller has it.
-    """
+    """Record that a file, as it is now, hashed clean (for this and later processes)."""
     st = os.stat(path) if st is None else st
     identity = _identity(path, st, sha256)
     _SEEN.add(identity)
@@ -121,20 +95,9 @@ def record_verified(path: str, sha256: str, st: os.stat_result | None = None) ->
 
 
 def check_file(path: str, entry: dict[str, Any], what: str, checksum: bool | None = None) -> bool:
-    """Check a cache file against its manifest entry.
+    """Check a cache file's presence, size and sha256 against its manifest entry.
 
-    Args:
-        path: the file.
-        entry: its manifest entry (``bytes``, ``sha256``).
-        what: what messages call it.
-        checksum: check the sha256 (None: :func:`checksums_enabled`).
-
-    Returns:
-        True when the sha256 was confirmed (now or by an earlier record), False when not
-        checked.
-
-    Raises:
-        CorruptShardError: the file is missing, or its size or sha256 differs.
+    Raises CorruptShardError; returns whether the sha256 was confirmed (now or by a record).
     """
     try:
         st = os.stat(path)

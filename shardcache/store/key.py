@@ -1,13 +1,9 @@
 """The cache key: what makes two caches (or a cache and a lock file) interchangeable.
 
-A :class:`CacheKey` holds named components, each a small JSON object: hard ones
-(``tokenizer``: the canonical backend content; ``special_tokens``; ``behaviour``: the ids of a
-fixed probe set; ``template``; ``truncation``; ``data``: per input file path, size and sha256,
-or a data version) and the soft ``versions`` (libraries, FORMAT_VERSION). The digest is the
-sha256 of the canonical JSON of the hard components. Every component is stored in full in the
-manifest (values longer than :data:`INLINE_LIMIT` as ``{"sha256", "bytes"}``), so a mismatch
-names the field. A version difference alone is a warning when the probe gives the same ids;
-``strict=True`` makes it an error.
+The digest covers the hard components (``tokenizer``, ``special_tokens``, ``behaviour``: the ids
+of a fixed probe set, ``template``, ``truncation``, ``data``), not the soft ``versions``. Every
+component is stored in the manifest (past ``INLINE_LIMIT`` as a digest), so a mismatch names the
+field. A version difference alone only warns when the probe ids agree, unless ``strict``.
 """
 
 from __future__ import annotations
@@ -30,26 +26,12 @@ INLINE_LIMIT = 2048
 
 
 def canonical_json(value: Any) -> str:
-    """A value as canonical JSON: what digests are taken of.
-
-    Args:
-        value: a JSON value.
-
-    Returns:
-        Its JSON with sorted keys and no whitespace.
-    """
+    """A value as canonical JSON (sorted keys, no whitespace): what digests are taken of."""
     return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def inline_value(value: Any) -> Any:
-    """A value as a key component records it.
-
-    Args:
-        value: a JSON value.
-
-    Returns:
-        The value itself when its canonical JSON is small, else ``{"sha256", "bytes"}`` of it.
-    """
+    """A value as a component records it: itself, or ``{"sha256", "bytes"}`` when large."""
     text = canonical_json(value)
     if len(text) <= INLINE_LIMIT:
         return value
@@ -58,15 +40,7 @@ def inline_value(value: Any) -> Any:
 
 @dataclass(frozen=True)
 class Difference:
-    """One changed field: ``component.field`` went from ``old`` to ``new``.
-
-    Attributes:
-        component: the key component.
-        field: the field's dotted path inside it (``""``: the whole component).
-        old: the expected value.
-        new: the cache's value.
-        severity: ``"changed"`` (incompatible) or ``"warning"``.
-    """
+    """One changed field (``field`` "": the whole component); ``severity``: "changed", "warning"."""
 
     component: str
     field: str
@@ -75,21 +49,13 @@ class Difference:
     severity: str
 
     def to_json(self) -> dict[str, Any]:
-        """The difference as JSON.
-
-        Returns:
-            ``field``, ``old``, ``new`` and ``severity``.
-        """
+        """The difference as JSON."""
         return {"field": self.field, "old": self.old, "new": self.new, "severity": self.severity}
 
 
 @dataclass(frozen=True)
 class CacheKey:
-    """Named components (JSON objects) and their digest.
-
-    Attributes:
-        components: component name -> JSON value (None: not known).
-    """
+    """Named components (JSON values; None: not known) and their digest."""
 
     components: Mapping[str, Any]
 
@@ -100,11 +66,7 @@ class CacheKey:
         return sha256_text(canonical_json({"key_version": KEY_VERSION, **hard}))
 
     def to_json(self) -> dict[str, Any]:
-        """The key as stored in a manifest or lock file.
-
-        Returns:
-            ``key_version``, ``digest`` and every component.
-        """
+        """The key as stored in a manifest or lock file."""
         return {
             "key_version": KEY_VERSION,
             "digest": self.digest,
@@ -113,17 +75,7 @@ class CacheKey:
 
     @classmethod
     def from_json(cls, data: Mapping[str, Any]) -> CacheKey:
-        """The key :meth:`to_json` gave.
-
-        Args:
-            data: the stored key.
-
-        Returns:
-            The key.
-
-        Raises:
-            ConfigError: not a stored key, or of another key version.
-        """
+        """The key ``to_json`` gave (ConfigError for another shape or key version)."""
         if not isinstance(data, Mapping) or "components" not in data:
             raise ConfigError("cache key: expected an object with 'components'; got something else")
         if data.get("key_version", KEY_VERSION) != KEY_VERSION:
@@ -134,15 +86,7 @@ class CacheKey:
         return cls(dict(data["components"]))
 
     def with_component(self, name: str, value: Any) -> CacheKey:
-        """A copy with one component replaced.
-
-        Args:
-            name: the component.
-            value: its new value.
-
-        Returns:
-            The new key.
-        """
+        """A copy with one component replaced."""
         return CacheKey({**self.components, name: value})
 
 
@@ -171,14 +115,7 @@ def _component_diff(name: str, old: Any, new: Any, severity: str) -> list[Differ
 
 @dataclass
 class KeyComparison:
-    """How two keys compare.
-
-    Attributes:
-        expected: the key asked for.
-        actual: the cache's key.
-        status: per component, ``"same"``, ``"changed"``, ``"warning"`` or ``"skipped"``.
-        differences: every changed field.
-    """
+    """How two keys compare: per component "same", "changed", "warning" or "skipped"."""
 
     expected: CacheKey
     actual: CacheKey
@@ -191,11 +128,7 @@ class KeyComparison:
         return all(s != "changed" for s in self.status.values())
 
     def to_json(self) -> dict[str, Any]:
-        """The comparison as JSON (``shardcache check --json``).
-
-        Returns:
-            ``compatible``, both digests, and per component its status and differences.
-        """
+        """The comparison as JSON (``shardcache check --json``)."""
         return {
             "compatible": self.compatible,
             "expected_digest": self.expected.digest,
@@ -210,14 +143,7 @@ class KeyComparison:
         }
 
     def describe(self, limit: int = 160) -> str:
-        """A short human diff.
-
-        Args:
-            limit: the most characters shown of a value.
-
-        Returns:
-            One line per changed field, ``old -> new``, and one naming skipped components.
-        """
+        """A short human diff: a line per changed field (values cut to ``limit``), skipped ones."""
         lines = []
         for d in self.differences:
             where = f"{d.component}.{d.field}" if d.field else d.component
@@ -237,17 +163,7 @@ def _short(value: Any, limit: int) -> str:
 def compare(
     expected: CacheKey, actual: CacheKey, strict: bool = False, skip: tuple[str, ...] = ()
 ) -> KeyComparison:
-    """Compare two keys component by component.
-
-    Args:
-        expected: the key asked for (current configuration or lock file).
-        actual: the cache's key.
-        strict: a version difference is an error even when the behaviour probe agrees.
-        skip: components not compared.
-
-    Returns:
-        The comparison.
-    """
+    """Compare two keys per component (soft ones warn if the probe ids agree, unless ``strict``)."""
     result = KeyComparison(expected, actual)
     behaviour_same = canonical_json(expected.components.get("behaviour")) == canonical_json(
         actual.components.get("behaviour")
@@ -272,28 +188,12 @@ def compare(
 
 
 def write_lock(path: str, key: CacheKey) -> None:
-    """Write a lock file (atomically).
-
-    Args:
-        path: the file.
-        key: the key it records.
-    """
+    """Write a lock file recording ``key`` (atomically)."""
     write_json_atomic(path, {"shardcache_lock": LOCK_VERSION, "key": key.to_json()})
 
 
 def read_lock(path: str) -> CacheKey:
-    """The key a lock file records.
-
-    Args:
-        path: the lock file.
-
-    Returns:
-        The key.
-
-    Raises:
-        SourceError: the file cannot be read.
-        ConfigError: it is not a shardcache lock file.
-    """
+    """The key a lock file records (SourceError: unreadable; ConfigError: not a lock file)."""
     try:
         with open(path, encoding="utf-8") as f:
             data = json.load(f)
@@ -310,33 +210,14 @@ def read_lock(path: str) -> CacheKey:
 
 
 def manifest_key(manifest: Mapping[str, Any], where: str) -> CacheKey:
-    """The key a manifest records.
-
-    Args:
-        manifest: the manifest.
-        where: the cache, for the message.
-
-    Returns:
-        The key.
-
-    Raises:
-        ConfigError: the manifest has none (``where`` names the cache).
-    """
+    """The key a manifest records (ConfigError when it has none)."""
     if not manifest.get("key"):
         raise ConfigError(f"{where}: the manifest has no cache key; rebuild the cache")
     return CacheKey.from_json(manifest["key"])
 
 
 def raise_if_mismatch(comparison: KeyComparison, where: str) -> None:
-    """Raise unless a comparison is compatible.
-
-    Args:
-        comparison: the comparison.
-        where: the cache, for the message.
-
-    Raises:
-        CacheKeyMismatch: listing the changed fields, ``where`` naming the cache.
-    """
+    """Raise ``CacheKeyMismatch``, listing the changed fields, unless the keys are compatible."""
     if comparison.compatible:
         return
     changed = [d for d in comparison.differences if d.severity == "changed"]
@@ -355,28 +236,13 @@ _OPTIONS_RESOLVER: Callable[[Mapping[str, Any]], CacheKey] | None = None
 
 
 def register_options_resolver(resolver: Callable[[Mapping[str, Any]], CacheKey]) -> None:
-    """Set how :func:`expected_key` turns a mapping of build options into a key.
-
-    Args:
-        resolver: the builder's function (it loads the tokenizer).
-    """
+    """Set how ``expected_key`` turns a mapping of build options into a key."""
     global _OPTIONS_RESOLVER
     _OPTIONS_RESOLVER = resolver
 
 
 def expected_key(expect: Any) -> CacheKey:
-    """The key a reader's ``expect=`` names.
-
-    Args:
-        expect: a :class:`CacheKey`, a lock file path, or a mapping of the tokenizer,
-            template and truncation options (as in a recipe).
-
-    Returns:
-        The key.
-
-    Raises:
-        ConfigError: ``expect`` is none of those, or no resolver of options is registered.
-    """
+    """The key ``expect=`` names: a CacheKey, a lock file path or a mapping of build options."""
     if isinstance(expect, CacheKey):
         return expect
     if isinstance(expect, (str, os.PathLike)):
@@ -396,18 +262,9 @@ def expected_key(expect: Any) -> CacheKey:
 
 
 def verify_manifest_key(manifest: Mapping[str, Any], expect: Any, where: str) -> CacheKey:
-    """Check a cache's key against what a reader expects.
+    """Check a cache's recorded key against a reader's ``expect`` and return it.
 
-    Args:
-        manifest: the cache's manifest.
-        expect: as for :func:`expected_key`; components it lacks (e.g. data) are skipped.
-        where: the cache, for the message.
-
-    Returns:
-        The cache's key.
-
-    Raises:
-        CacheKeyMismatch: the keys differ (the fields are listed).
+    Components the expected key lacks (e.g. ``data``) are skipped.
     """
     recorded = manifest_key(manifest, where)
     wanted = expected_key(expect)

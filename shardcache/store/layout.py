@@ -1,12 +1,9 @@
 """The folder layout of a cache and the one place a manifest name becomes a path.
 
 A cache folder holds ``manifest.json`` (written last: its presence means committed),
-``index/lengths.npy``, ``quarantine.jsonl``, ``shards/<part>-b<bucket>-<n>.arrow`` (and
-``merged-b<bucket>-<n>.arrow``), and while building ``parts/``, ``.shares/`` and ``.lock``
-(:mod:`shardcache.store.build_lock`). Names from a manifest become paths only through
-:func:`cache_path` / :func:`shard_path`, after the checks here (writer-made shard names,
-64-hex digests, relative names of plain components): a crafted manifest cannot make a reader
-open, or a download write, outside its folder.
+``index/lengths.npy``, ``quarantine.jsonl``, ``shards/*.arrow``, and while building ``parts/``,
+``.shares/`` and ``.lock``. Manifest names become paths only after the checks here, so a crafted
+manifest cannot make a reader open, or a download write, outside its folder.
 """
 
 from __future__ import annotations
@@ -28,8 +25,8 @@ BUILD_STATE = "build.json"  # in parts/: the plan + the options fingerprint
 #: Token bytes per Arrow record batch. Small enough that a reader of a compressed shard
 #: decompresses little more than it needs, large enough that per-batch overhead vanishes.
 RECORD_BATCH_BYTES = 4 * 1024 * 1024
-#: What :class:`~shardcache.store.shards.BucketWriter` names a shard (partition, bucket,
-#: number), or :func:`~shardcache.store.shards.merge_shards` a commit's merged one.
+#: What ``shards.BucketWriter`` names a shard (partition, bucket, number), or
+#: ``shards.merge_shards`` a commit's merged one.
 SHARD_NAME = re.compile(r"(p[0-9]{5,}|merged)-b[0-9]{2,}-[0-9]{5,}\.arrow")
 #: The owner part of a merged shard's name: no partition owns it.
 MERGED_OWNER = "merged"
@@ -49,54 +46,21 @@ def _refuse(field: str, value: object, expected: str) -> CacheError:
 
 
 def check_shard_name(name: object, field: str = "shard name") -> str:
-    """Check that a name is a shard name the writer makes.
-
-    Args:
-        name: the name.
-        field: what the message calls it.
-
-    Returns:
-        ``name``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """Return ``name`` if it is a shard name the writer makes, else raise CacheError."""
     if not isinstance(name, str) or not SHARD_NAME.fullmatch(name):
         raise _refuse(field, name, "expected a shard name like 'p00000-b00-00000.arrow'")
     return name
 
 
 def check_digest(digest: object, field: str = "sha256") -> str:
-    """Check that a value is a sha256 hex digest (64 lowercase hex).
-
-    Args:
-        digest: the value.
-        field: what the message calls it.
-
-    Returns:
-        ``digest``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """Return ``digest`` if it is a sha256 hex digest (64 lowercase hex), else raise CacheError."""
     if not isinstance(digest, str) or not SHA256_HEX.fullmatch(digest):
         raise _refuse(field, digest, "expected 64 lowercase hex characters")
     return digest
 
 
 def check_relative_name(name: object, field: str = "name") -> str:
-    """Check that a name is a relative ``/``-separated path of plain components.
-
-    Args:
-        name: the name; components of letters, digits and ``._-``, never ``.`` or ``..``.
-        field: what the message calls it.
-
-    Returns:
-        ``name``.
-
-    Raises:
-        CacheError: it is not.
-    """
+    """Return ``name`` if a relative ``/`` path of plain parts (no ``..``); else CacheError."""
     if not isinstance(name, str) or not name:
         raise _refuse(field, name, "expected a non-empty relative name")
     parts = name.split("/")
@@ -106,69 +70,27 @@ def check_relative_name(name: object, field: str = "name") -> str:
 
 
 def cache_path(root: str, *names: str) -> str:
-    """The path of a file of a cache folder.
-
-    Args:
-        root: the cache folder.
-        *names: the path's components inside it.
-
-    Returns:
-        ``root/names...``.
-    """
+    """The path of a file in a cache folder."""
     return os.path.join(root, *names)
 
 
 def shard_path(root: str, name: str) -> str:
-    """The path of a shard listed in the manifest.
-
-    Args:
-        root: the cache folder.
-        name: the shard's name.
-
-    Returns:
-        ``root/shards/name``.
-
-    Raises:
-        CacheError: ``name`` is not a name the writer makes.
-    """
+    """The path of a shard listed in the manifest (CacheError unless a writer-made name)."""
     return cache_path(root, SHARD_DIR, check_shard_name(name))
 
 
 def merged_shard_name(bucket: int, number: int) -> str:
-    """The name of a merged shard (see :data:`SHARD_NAME`).
-
-    Args:
-        bucket: its bucket.
-        number: its position among the bucket's merged shards.
-
-    Returns:
-        The file name.
-    """
+    """The file name of a commit's merged shard ``number`` of ``bucket``."""
     return f"{MERGED_OWNER}-b{bucket:02d}-{number:05d}.arrow"
 
 
 def share_name(index: int, count: int) -> str:
-    """The name of a job-array share's lock folder and note under :data:`SHARES_DIR`.
-
-    Args:
-        index: the share, from 0.
-        count: the shares.
-
-    Returns:
-        ``share-i-of-N``.
-    """
+    """The name of a job-array share's lock folder and note under ``SHARES_DIR``."""
     return f"share-{index}-of-{count}"
 
 
 def parse_share_name(name: str) -> tuple[int, int] | None:
-    """Read a :func:`share_name`.
-
-    Args:
-        name: a file name.
-
-    Returns:
-        ``(i, N)``, or None for any other name.
-    """
+    """``(i, N)`` of a ``share_name``, or None for any other name."""
     parts = name.split("-")
     if len(parts) != 4 or parts[0] != "share" or parts[2] != "of":
         return None

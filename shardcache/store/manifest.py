@@ -1,14 +1,10 @@
 """The manifest: the commit point of a cache, read and checked in one place.
 
-``manifest.json`` is written last and atomically by a build's commit; its presence means the
-cache is complete. Every reader (``open_cache``, ``ShardDataset``, ``info``, ``verify``,
-``check``, a remote cache) gets it through :func:`read_manifest`, which parses it with a
-guard against pathological input (NaN/Infinity, nesting deep enough to exhaust the stack) and
-runs :func:`validate_manifest` on it: after that every key a reader uses is present with the
-type and range it needs, and every name and digest passes :mod:`shardcache.store.layout`'s
-rule. A malformed manifest is one :class:`~shardcache.errors.CorruptShardError` (a
-:class:`~shardcache.errors.CacheError`) naming the field and the value, never a ``KeyError``,
-``TypeError``, ``OverflowError`` or ``RecursionError`` somewhere downstream.
+A build's commit writes ``manifest.json`` last and atomically: its presence means the cache is
+complete. Every reader gets it through ``read_manifest``, which guards the parse (NaN, Infinity,
+nesting that exhausts the stack) and validates it: each key a reader uses then has the type and
+range it needs, and each name and digest passes ``layout``'s checks. A malformed manifest is one
+``CorruptShardError`` naming the field and value, never a ``KeyError`` or ``TypeError`` later.
 """
 
 from __future__ import annotations
@@ -47,18 +43,7 @@ def _reject_constant(name: str) -> float:
 
 
 def parse_manifest_text(text: str, where: str) -> dict[str, Any]:
-    """A manifest's JSON object, parsed with a guard against pathological input.
-
-    Args:
-        text: the file's text.
-        where: what messages call it.
-
-    Returns:
-        The object (not yet validated).
-
-    Raises:
-        CorruptShardError: not a JSON object (NaN, Infinity, nesting that exhausts the parser).
-    """
+    """A manifest's JSON object, not yet validated (CorruptShardError: not a JSON object)."""
     try:
         data = json.loads(text, parse_constant=_reject_constant)
     except (ValueError, RecursionError) as err:  # json's C scanner guards its recursion
@@ -130,20 +115,7 @@ class _Check:
 
 
 def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
-    """Check everything a reader takes from a manifest and return it: ``format_version``,
-    ``kind``, ``dtype``, the tokenizer's ids, the bucket ranges, every shard entry, the index
-    and quarantine entries, ``totals``, what ``info`` reads, and ``key`` when present.
-
-    Args:
-        manifest: the parsed manifest.
-        where: what messages call it.
-
-    Returns:
-        ``manifest``.
-
-    Raises:
-        CorruptShardError: naming the first bad field and its value.
-    """
+    """Check what readers take from a manifest and return it (CorruptShardError: a bad field)."""
     c = _Check(where)
     if not isinstance(manifest, dict):
         raise c.fail("(the whole manifest)", type(manifest).__name__, "an object")
@@ -233,7 +205,7 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
 
 
 def _check_run(c: _Check, entry: dict[str, Any], field: str) -> None:
-    """``entry``'s ``partition`` (a partition id) and ``source`` (a string)."""
+    """Check an entry's ``partition`` (a partition id) and ``source`` (a string)."""
     partition = c.str(c.get(entry, "partition", f"{field}.partition"), f"{field}.partition")
     if not PARTITION_ID.fullmatch(partition):
         raise c.fail(f"{field}.partition", partition, "a partition id like 'p00000'")
@@ -245,9 +217,10 @@ def _is_count(value: Any) -> bool:
 
 
 def _plain_shard_entry(shard: Any, buckets: int) -> bool:
-    """True when a shard entry passes every check of :func:`validate_manifest` (tested with
-    exact types, so anything unusual takes the field-by-field path that names the bad field):
-    the fast check of every entry of a large cache at every open."""
+    """True when a shard entry passes every check of ``validate_manifest``: the fast path per entry.
+
+    Exact types only, so anything unusual takes the field-by-field path that names the bad field.
+    """
     if type(shard) is not dict:
         return False
     name, digest, partition = shard.get("name"), shard.get("sha256"), shard.get("partition")
@@ -277,18 +250,7 @@ def _check_file_entry(c: _Check, entry: dict[str, Any], field: str, name: str) -
 
 
 def read_manifest(cache_dir: str) -> dict[str, Any]:
-    """Read and validate (:func:`validate_manifest`) a cache's ``manifest.json``.
-
-    Args:
-        cache_dir: the cache folder.
-
-    Returns:
-        The manifest.
-
-    Raises:
-        CacheNotFoundError: the folder holds no committed cache.
-        CorruptShardError: the manifest is malformed (the message names the field).
-    """
+    """Read and validate a cache's ``manifest.json`` (CacheNotFoundError: none committed there)."""
     path = os.path.join(cache_dir, MANIFEST)
     if not os.path.exists(cache_dir):
         raise CacheNotFoundError(

@@ -1,10 +1,10 @@
 """Caches and inputs in object storage (``s3://``, ``gs://``, ``file://`` ...) through fsspec.
 
-A cache at a URL is read through local copies: its manifest (each open), its length index
-(once per content) and its shards on demand, in the content-addressed folder
-``$SHARDCACHE_CACHE_DIR/objects`` (:class:`ObjectStore`) that local processes share, bounded
-by ``SHARDCACHE_CACHE_SIZE`` (default 64 GiB). Downloads are checked against the manifest's
-sha256 and size before they are renamed into place."""
+A cache at a URL is read through local copies: its manifest (each open), its length index (once
+per content) and its shards on demand, in the content-addressed ``$SHARDCACHE_CACHE_DIR/objects``
+that local processes share, bounded by ``SHARDCACHE_CACHE_SIZE``. Downloads are checked against
+the manifest's sha256 and size before they are renamed into place.
+"""
 
 from __future__ import annotations
 
@@ -55,29 +55,15 @@ _EXTRAS = {"s3": "s3", "s3a": "s3", "gs": "gcs", "gcs": "gcs"}
 
 
 def is_url(path: str | os.PathLike[str]) -> bool:
-    """Whether a location is a URL.
-
-    Args:
-        path: a folder path or a URL.
-
-    Returns:
-        True for ``scheme://...`` (object stores, ``file://``); False for plain paths.
-    """
+    """Whether a location is a ``scheme://...`` URL (object stores, ``file://``), not a path."""
     return bool(_URL.match(os.fspath(path)))
 
 
 def filesystem(url: str) -> tuple[Any, str]:
-    """The fsspec filesystem of a URL.
+    """The fsspec filesystem of a URL and the path inside it, without a trailing ``/``.
 
-    Args:
-        url: the URL.
-
-    Returns:
-        ``(filesystem, path inside it)``, the path without a trailing ``/``.
-
-    Raises:
-        MissingDependencyError: the scheme's package is missing (names the pip command).
-        ConfigError: fsspec does not know the URL.
+    Raises ``MissingDependencyError`` (naming the pip command) when the scheme's package is
+    missing, ``ConfigError`` when fsspec does not know the URL.
     """
     import fsspec
 
@@ -98,14 +84,9 @@ def filesystem(url: str) -> tuple[Any, str]:
 
 
 def unreachable(err: BaseException, url: str) -> CacheError | None:
-    """The error to raise when an exception means the object store could not be reached.
+    """A ``CacheError`` naming what to check when ``err`` means the store could not be reached.
 
-    Args:
-        err: the exception (builtin, botocore or aiohttp).
-        url: the store's URL.
-
-    Returns:
-        A :class:`CacheError` naming what to check, or None for other errors.
+    None for other errors; network errors are recognised by class name (builtin, botocore, aiohttp).
     """
     names = {t.__name__ for t in type(err).__mro__}
     network = {"EndpointConnectionError", "ConnectTimeoutError", "ClientConnectorError",
@@ -121,27 +102,13 @@ def unreachable(err: BaseException, url: str) -> CacheError | None:
 
 
 def cache_size_bytes() -> int:
-    """The bound of the local shard cache (``SHARDCACHE_CACHE_SIZE``).
-
-    Returns:
-        Bytes; :data:`DEFAULT_CACHE_SIZE_BYTES` when the variable is unset.
-
-    Raises:
-        ConfigError: the variable is not a size.
-    """
+    """The bound of the local shard cache: ``$SHARDCACHE_CACHE_SIZE`` or the 64 GiB default."""
     value = os.environ.get(CACHE_SIZE_ENV)
     return parse_size(value, CACHE_SIZE_ENV) if value else DEFAULT_CACHE_SIZE_BYTES
 
 
 def url_digest(text: str) -> str:
-    """A short stable folder name for a URL (or any text).
-
-    Args:
-        text: the URL.
-
-    Returns:
-        20 hex characters of its sha256.
-    """
+    """A short stable folder name for a URL (20 hex characters of its sha256)."""
     return sha256_text(text)[:20]
 
 
@@ -153,20 +120,11 @@ def download(
     size: int | None,
     tmp: str | None = None,
 ) -> None:
-    """Stream an object into a local file: a private tmp, checked, then renamed.
+    """Stream an object into ``local`` through a temporary file, checked, then renamed.
 
-    Args:
-        fs: the fsspec filesystem.
-        rpath: the object's path in it.
-        local: the local file to write.
-        sha256: the digest it must have (None: not checked).
-        size: the bytes it must have (None: not checked).
-        tmp: a file reserved at full size to write into (:class:`ObjectStore`); None: a
-            private tmp beside ``local``.
-
-    Raises:
-        CorruptShardError: the download's size or sha256 is not the expected one.
-        CacheError: the object is missing from the store.
+    ``sha256``/``size`` of None are not checked. ``tmp`` is a file ``ObjectStore`` reserved at full
+    size; by default a private tmp beside ``local``. A wrong size or digest raises
+    ``CorruptShardError``, a missing object ``CacheError``.
     """
     os.makedirs(os.path.dirname(local) or ".", exist_ok=True)
     reserved = tmp is not None
@@ -223,16 +181,10 @@ class ObjectStore:
     """The bounded, content-addressed folder of downloaded shards shared by local processes.
 
     The bound is hard for closed objects: before a download, least-recently-opened objects no
-    process holds open are deleted until the new object fits, and the bytes of a download in
-    flight are reserved (its temporary file is created at full size), so concurrent downloads
-    of several processes cannot overshoot together. Open objects are never deleted: when they
-    alone exceed the bound, :meth:`acquire` first asks its caller to close idle ones
-    (``shed``), and if they still do not fit it says so once (a warning on the ``shardcache``
-    logger with the numbers) and goes over the bound rather than failing the reader.
-
-    Args:
-        folder: the folder (created if needed).
-        size_bytes: the bound.
+    process holds open are evicted until it fits, and the download's bytes are reserved (its tmp is
+    created at full size), so concurrent downloads cannot overshoot together. Open objects are never
+    deleted: when they alone exceed the bound, ``acquire`` asks its caller to ``shed`` idle ones,
+    then warns once and goes over the bound rather than failing the reader.
     """
 
     def __init__(self, folder: str, size_bytes: int):
@@ -241,17 +193,7 @@ class ObjectStore:
         os.makedirs(folder, exist_ok=True)
 
     def path(self, sha256: str) -> str:
-        """The local path of an object.
-
-        Args:
-            sha256: its digest.
-
-        Returns:
-            The path (whether or not the object is there).
-
-        Raises:
-            CacheError: ``sha256`` is not a hex digest.
-        """
+        """The local path of object ``sha256``, there or not; ``CacheError`` if not a hex digest."""
         return os.path.join(self.folder, f"{check_digest(sha256, 'shard sha256')}.arrow")
 
     def acquire(
@@ -261,21 +203,11 @@ class ObjectStore:
         info: dict[str, Any],
         shed: Callable[[], bool] | None = None,
     ) -> tuple[str, Callable[[], None]]:
-        """Download a shard if needed and hold it.
+        """Download a shard if needed and hold it; return its local path and the release to call.
 
-        A process takes each object's lock once and counts its users: ``flock`` locks of two
-        descriptors conflict even inside one process.
-
-        Args:
-            fs: the fsspec filesystem.
-            rpath: the object's path in it.
-            info: the shard's manifest entry (``sha256``, ``bytes``).
-            shed: closes one shard the caller holds open but does not need (False: none);
-                asked when open objects leave no room.
-
-        Returns:
-            Its local path and the release to call when done; until then a shared lock keeps
-            it from eviction.
+        Until released, a shared lock keeps it from eviction. A process takes each object's lock
+        once and counts its users: ``flock`` locks of two descriptors conflict even in one process.
+        ``shed`` closes one shard the caller holds but does not need (False: none).
         """
         sha = check_digest(info["sha256"], "shard sha256")  # it names files here
         size = int(info["bytes"])
@@ -328,7 +260,7 @@ class ObjectStore:
             os.close(fd)
 
     def _reserve(self, tmp: str, sha: str, size: int, shed: Callable[[], bool] | None) -> None:
-        """Make room for ``size`` bytes and reserve them (``tmp`` created at that size)."""
+        """Make room for ``size`` bytes and reserve them by creating ``tmp`` at that size."""
         fd = _open_lock(os.path.join(self.folder, _SPACE_LOCK))
         try:
             fcntl.flock(fd, fcntl.LOCK_EX)  # the holder never waits for another lock
@@ -344,8 +276,7 @@ class ObjectStore:
             os.close(fd)
 
     def _usage(self) -> int:
-        """Bytes of the objects plus the reservations of downloads in flight (leftover temporary
-        files of dead downloads are removed)."""
+        """Bytes of objects plus reservations in flight; dead downloads' tmp files are deleted."""
         used = 0
         with os.scandir(self.folder) as it:
             entries = list(it)
@@ -361,8 +292,7 @@ class ObjectStore:
         return used
 
     def _evict(self, need: int, keep: str) -> int:
-        """Delete least-recently-opened objects no process holds until ``need`` bytes are freed;
-        returns the bytes freed."""
+        """Delete least-recently-opened objects no process holds until ``need`` bytes are freed."""
         if need <= 0:
             return 0
         entries = []
@@ -384,6 +314,7 @@ class ObjectStore:
         return freed
 
     def _report_over(self, used: int, size: int) -> None:
+        """Warn once per folder that the open shards alone exceed the bound."""
         if self.folder in _REPORTED:
             return
         _REPORTED.add(self.folder)
@@ -402,10 +333,12 @@ class ObjectStore:
 
 
 def _open_lock(path: str) -> int:
+    """Open (creating) a lock file; return its descriptor."""
     return os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
 
 
 def _complete(path: str, size: int) -> bool:
+    """Whether ``path`` exists with exactly ``size`` bytes."""
     try:
         return os.path.getsize(path) == size
     except FileNotFoundError:
@@ -440,6 +373,7 @@ _HELD_LOCK = threading.Lock()
 
 
 def _new_held_lock() -> None:
+    """Replace ``_HELD_LOCK`` in a forked child: another parent thread may have held it."""
     global _HELD_LOCK
     _HELD_LOCK = threading.Lock()
 
@@ -464,19 +398,11 @@ def _release(path: str) -> None:
 
 
 class RemoteCache:
-    """A committed cache at a URL, seen through a local folder holding its manifest.
-
-    Args:
-        url: the cache's URL.
-
-    Raises:
-        CacheNotFoundError: no committed cache there.
-        CacheError: the store cannot be reached.
-    """
+    """A committed cache at a URL, seen through a local folder holding its manifest."""
 
     def __init__(self, url: str):
         self.url = url.rstrip("/")
-        #: set by the reader: closes one idle open shard (see :meth:`ObjectStore.acquire`)
+        #: set by the reader: closes one idle open shard (see ``ObjectStore.acquire``)
         self.shed: Callable[[], bool] | None = None
         self.fs, self.root = filesystem(self.url)
         self.fs.invalidate_cache()  # every open sees the store as it is now
@@ -517,38 +443,19 @@ class RemoteCache:
     def fetch_shard(
         self, info: dict[str, Any], *, background: bool = False
     ) -> tuple[str, Callable[[], None]]:
-        """Download a shard if needed and hold it (:meth:`ObjectStore.acquire`).
+        """Download a shard if needed and hold it; return its local path and the release to call.
 
-        Args:
-            info: the shard's manifest entry.
-            background: called off the reader's thread, so the reader's open shards are never
-                closed for room.
-
-        Returns:
-            Its local path and the release to call when done.
+        ``background``: called off the reader's thread, so the reader's open shards are never closed
+        for room.
         """
         name = check_shard_name(info["name"], "shard name")
         shed = None if background else self.shed
         return self.store.acquire(self.fs, f"{self.root}/{SHARD_DIR}/{name}", info, shed=shed)
 
     def has_shard(self, info: dict[str, Any]) -> bool:
-        """Whether the local shard cache holds a complete copy of a shard (no download).
-
-        Args:
-            info: the shard's manifest entry.
-
-        Returns:
-            True when a file of the right size is there.
-        """
+        """Whether the local shard cache holds a complete copy of a shard (no download)."""
         return _complete(self.store.path(info["sha256"]), int(info["bytes"]))
 
     def shard_url(self, info: dict[str, Any]) -> str:
-        """The URL of a shard's object in the store.
-
-        Args:
-            info: the shard's manifest entry.
-
-        Returns:
-            The URL, with the scheme.
-        """
+        """The URL, with the scheme, of a shard's object in the store."""
         return str(self.fs.unstrip_protocol(f"{self.root}/{SHARD_DIR}/{info['name']}"))

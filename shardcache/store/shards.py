@@ -1,10 +1,10 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
 Schema ``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add
-``mask: list<bool>``): sequences of one bucket in input order, cut into record batches of
-about ``RECORD_BATCH_BYTES`` token bytes, so split points depend only on the lengths.
-Uncompressed record batches are read zero-copy from the memory map, compressed ones into a
-byte-bounded LRU (:class:`DecodedBatches`)."""
+``mask: list<bool>``): sequences of one bucket in input order, cut into record batches of about
+``RECORD_BATCH_BYTES`` token bytes, so split points depend only on the lengths. Uncompressed
+batches are read zero-copy from the memory map, compressed ones into a byte-bounded LRU.
+"""
 
 from __future__ import annotations
 
@@ -29,15 +29,7 @@ from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
 def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
-    """The Arrow schema of a shard.
-
-    Args:
-        dtype: the token type (uint16, else uint32).
-        with_mask: add the loss-mask column.
-
-    Returns:
-        ``tokens``, ``record``, ``piece`` (and ``mask``).
-    """
+    """The Arrow schema of a shard: ``tokens`` (uint16/uint32), ``record``, ``piece``, ``mask``."""
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
         pa.field("tokens", pa.list_(value_type), nullable=False),
@@ -60,13 +52,9 @@ _ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
 
 
 def numpy_arrow(array: np.ndarray) -> pa.Array:
-    """An Arrow array over a numpy one, without the pandas import ``pa.array`` makes.
+    """A zero-copy Arrow array over 1-d numpy integers (bools: bit-packed, a copy).
 
-    Args:
-        array: 1-d integers or bools.
-
-    Returns:
-        A zero-copy array (bools are bit-packed: a copy).
+    Avoids the pandas import that ``pa.array`` makes.
     """
     array = np.ascontiguousarray(array)
     if array.dtype == np.bool_:
@@ -79,12 +67,7 @@ def numpy_arrow(array: np.ndarray) -> pa.Array:
 def arrow_numpy(array: pa.Array) -> np.ndarray:
     """A numpy view of an Arrow array, without the pandas import ``to_numpy`` makes.
 
-    Args:
-        array: the Arrow array.
-
-    Returns:
-        A read-only, zero-copy view for a primitive integer array without nulls; others
-        through ``to_numpy``.
+    Read-only and zero-copy for a primitive integer array without nulls; others via ``to_numpy``.
     """
     dtype = _NUMPY_OF_ARROW.get(array.type)
     data = array.buffers()[1] if dtype is not None and not array.null_count else None
@@ -97,22 +80,11 @@ def arrow_numpy(array: pa.Array) -> np.ndarray:
 
 @dataclass
 class ShardInfo:
-    """One shard's manifest entry: a partition's shard has ``partition`` and ``source`` (input
-    file), or ``sources`` instead of ``source`` when it holds rows of several files; a merged
-    shard (:func:`merge_shards`) has ``sources`` alone.
+    """One shard's manifest entry.
 
-    Attributes:
-        name: the file name under ``shards/``.
-        bucket: its bucket.
-        partition: the partition that wrote it (None: merged).
-        source: the input file of all its rows (None: several).
-        rows: sequences.
-        tokens: tokens.
-        bytes: file size.
-        sha256: file digest.
-        layout: written by older versions; ignored, never written.
-        sources: ``{"partition", "source", "rows"}`` runs in row order, when its rows come
-            from several files.
+    A partition's shard has ``partition`` and ``source`` (its input file), or ``sources`` instead
+    of ``source`` when it holds rows of several files: ``{"partition", "source", "rows"}`` runs in
+    row order. A merged shard has ``sources`` alone. ``layout`` is ignored, never written.
     """
 
     name: str
@@ -127,42 +99,22 @@ class ShardInfo:
     sources: list[dict[str, Any]] | None = None
 
     def to_json(self) -> dict[str, Any]:
-        """The manifest entry.
-
-        Returns:
-            The fields that are not None.
-        """
+        """The manifest entry: the fields that are not None."""
         return {k: v for k, v in self.__dict__.items() if v is not None}
 
     def runs(self) -> list[dict[str, Any]]:
-        """Where the rows came from.
-
-        Returns:
-            ``sources``, or one run of the shard's own partition.
-        """
+        """Where the rows came from: ``sources``, or one run of the shard's own partition."""
         if self.sources is not None:
             return self.sources
         return [{"partition": self.partition, "source": self.source, "rows": self.rows}]
 
 
 class BucketWriter:
-    """Writes the sequences of one (partition, bucket) into rotating shard files (tmp, fsync,
-    rename): a record batch every :data:`RECORD_BATCH_BYTES` of tokens, a new shard after the
-    batch that reaches ``shard_size_bytes`` (never with ``name``: one shard of that name).
-    :attr:`source` (the input file of the sequences added next) may change between
-    :meth:`add` calls: a shard holding rows of several files records their runs as
-    ``sources``.
+    """Writes the sequences of one (partition, bucket) into rotating shard files (tmp+fsync+rename).
 
-    Args:
-        cache_dir: the folder whose ``shards/`` it writes.
-        partition: the partition writing.
-        source: the input file of the first sequences added.
-        bucket: the bucket.
-        dtype: the token type.
-        shard_size_bytes: token bytes after which a shard is closed.
-        compression: ``"none"`` or ``"zstd"``.
-        with_mask: sequences carry a loss mask.
-        name: write one shard of this name, never rotated (:func:`merge_shards`).
+    A record batch every ``RECORD_BATCH_BYTES`` of tokens; a new shard after the batch that
+    reaches ``shard_size_bytes``, except with ``name`` (one shard, for ``merge_shards``).
+    ``source`` may change between ``add`` calls: a shard with rows of several files records runs.
     """
 
     def __init__(
@@ -202,6 +154,7 @@ class BucketWriter:
         self._shard_runs: list[list[Any]] = []  # [source, rows] of the open shard's rows
 
     def _shard_name(self) -> str:
+        """The name of the shard being written."""
         if self.name is not None:
             return self.name
         return f"{self.partition}-b{self.bucket:02d}-{len(self.shards):05d}.arrow"
@@ -214,18 +167,10 @@ class BucketWriter:
         pieces: np.ndarray,
         mask: np.ndarray | None = None,
     ) -> None:
-        """Append sequences in order.
+        """Append sequences: flat ``tokens`` (and ``mask``), per-row lengths, records and pieces.
 
-        Args:
-            tokens: their ids, flat.
-            lengths: tokens per sequence.
-            records: per sequence, its record's index in the input file.
-            pieces: per sequence, its piece of the record.
-            mask: trainable flags, flat like ``tokens`` (only with ``with_mask``).
-
-        Raises:
-            ValueError: ``mask`` given or missing against ``with_mask``.
-            OSError: a shard cannot be written (the message names the file).
+        ``mask`` must be given exactly when the writer is ``with_mask`` (else ``ValueError``).
+        A shard write's ``OSError`` names the file.
         """
         if (mask is None) == self.with_mask:
             raise ValueError(
@@ -252,6 +197,7 @@ class BucketWriter:
                 self._write_batch()
 
     def _write_batch(self) -> None:
+        """Write the pending sequences as one record batch, closing the shard when it is full."""
         if not self._pending:
             return
         tokens = np.concatenate([p[0] for p in self._pending]).astype(self.dtype, copy=False)
@@ -293,6 +239,7 @@ class BucketWriter:
             self._close_shard()
 
     def _close_shard(self) -> None:
+        """Finish the open shard and record its entry and lengths."""
         if self._writer is None:
             return
         assert self._sink is not None
@@ -338,8 +285,7 @@ def _add_run(runs: list[list[Any]], source: str, rows: int) -> None:
 
 
 def _finish_shard(cache_dir: str, name: str, sink: HashingWriter) -> tuple[int, str]:
-    """Make ``<name>.tmp``, written through ``sink``, the shard ``name`` (fsync, rename); its
-    size and sha256, hashed as it was written."""
+    """Fsync ``<name>.tmp``, rename it to ``name``; return its size and sha256 (hashed on write)."""
     final = shard_path(cache_dir, name)
     sink.close()  # flushes and fsyncs
     os.replace(final + ".tmp", final)
@@ -349,27 +295,11 @@ def _finish_shard(cache_dir: str, name: str, sink: HashingWriter) -> tuple[int, 
 def merge_shards(
     cache_dir: str, members: list[ShardInfo], name: str, compression: str, shard_size_bytes: int
 ) -> ShardInfo:
-    """Join shards of one bucket, in row order, into the new shard ``name``, cut into record
-    batches as one writer would have cut them; returns its entry (with ``sources``). Each
-    member is read once into memory and checked against its sha256 before it is parsed (a
-    damaged one is refused, not hidden under a new digest); members are left in place. Holds
-    one member and one record batch being written at a time; safe to run for several shards
-    at once in threads.
+    """Join shards of one bucket, in row order, into the new shard ``name``; return its entry.
 
-    Args:
-        cache_dir: the cache folder.
-        members: the shards, in row order.
-        name: the new shard's name.
-        compression: ``"none"`` or ``"zstd"``.
-        shard_size_bytes: the build's shard size (sets the record-batch cut).
-
-    Returns:
-        The new shard's entry (with ``sources``).
-
-    Raises:
-        ValueError: members of several buckets, or none.
-        CorruptShardError: a member's sha256 or schema is not its entry's.
-        OSError: a member cannot be read or the shard written (the message names the file).
+    Record batches are cut as one writer would have cut them. Each member is read whole and checked
+    against its sha256 before parsing (a damaged one is refused, not hidden under a new digest);
+    one member is held at a time, members are left in place, and several merges may run in threads.
     """
     if len({m.bucket for m in members}) != 1:
         raise ValueError(f"merge_shards: members of several buckets: {[m.name for m in members]}")
@@ -432,50 +362,23 @@ DEFAULT_DECODE_BUDGET_BYTES = 64 << 20
 
 
 def decode_budget_bytes() -> int:
-    """The bytes of decoded record batches a cache keeps.
-
-    Returns:
-        ``SHARDCACHE_DECODE_BUDGET`` parsed as a size, else 64 MiB.
-
-    Raises:
-        ConfigError: the variable is not a size.
-    """
+    """Bytes of decoded record batches a cache keeps: ``$SHARDCACHE_DECODE_BUDGET``, else 64 MiB."""
     value = os.environ.get(DECODE_BUDGET_ENV)
     return parse_size(value, DECODE_BUDGET_ENV) if value else DEFAULT_DECODE_BUDGET_BYTES
 
 
 def check_shard_file(path: str, info: dict[str, Any], checksum: bool | None = None) -> bool:
-    """:func:`~shardcache.store.integrity.check_file` for a shard.
-
-    Args:
-        path: the shard file.
-        info: its manifest entry.
-        checksum: check the sha256 (None: the environment decides).
-
-    Returns:
-        True when the sha256 was confirmed, False when skipped.
-
-    Raises:
-        CorruptShardError: the size or sha256 differs.
-    """
+    """Check a shard's size and sha256 against its entry; True when the sha256 was confirmed."""
     return check_file(path, info, "shard", checksum)
 
 
-#: Mean segment length (tokens) from which :meth:`ShardReader.gather_into` copies slice by
+#: Mean segment length (tokens) from which ``ShardReader.gather_into`` copies slice by
 #: slice rather than through index arrays (a slice has a fixed cost, an index a cost a token).
 LONG_SEGMENT_TOKENS = 128
 
 
 def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
-    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)``, without a loop.
-
-    Args:
-        starts: the ranges' starts.
-        lengths: their lengths.
-
-    Returns:
-        int64 indices.
-    """
+    """The concatenation of ``arange(s, s + n)`` for every ``(s, n)`` as int64, without a loop."""
     lengths = np.asarray(lengths, dtype=np.int64)
     ends = np.cumsum(lengths)
     total = int(ends[-1]) if len(ends) else 0
@@ -485,8 +388,10 @@ def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 @dataclass
 class _Batch:
-    """One decoded record batch: token values and int32 offsets, provenance, packed loss
-    mask (views of the mapped file for uncompressed shards: no heap per row)."""
+    """One decoded record batch: token values, int32 offsets, provenance, packed loss mask.
+
+    For uncompressed shards these are views of the mapped file: no heap per row.
+    """
 
     values: np.ndarray
     offsets: np.ndarray
@@ -522,11 +427,8 @@ class FlatRows:
 class DecodedBatches:
     """An LRU of decoded record batches of compressed shards, bounded in bytes.
 
-    Shared by one cache's readers; the batch just decoded is always kept. Not thread-safe:
-    one thread reads a cache at a time.
-
-    Args:
-        budget_bytes: the bound (None: :func:`decode_budget_bytes` at each insertion).
+    Shared by one cache's readers; the batch just decoded is always kept. Not thread-safe: one
+    thread reads a cache at a time. ``budget_bytes`` None reads the environment at each insertion.
     """
 
     def __init__(self, budget_bytes: int | None = None) -> None:
@@ -536,34 +438,18 @@ class DecodedBatches:
         self.nbytes = 0
 
     def new_owner(self) -> int:
-        """A key for one reader's batches.
-
-        Returns:
-            A number no other reader of this LRU has.
-        """
+        """A key for one reader's batches, unique within this LRU."""
         return next(self._owners)
 
     def get(self, key: tuple[int, int]) -> _Batch | None:
-        """A kept batch, which becomes the most recently used.
-
-        Args:
-            key: ``(owner, record batch index)``.
-
-        Returns:
-            The batch, or None.
-        """
+        """The batch kept under ``(owner, batch index)``, now most recently used, or None."""
         batch = self._entries.get(key)
         if batch is not None:
             self._entries.move_to_end(key)
         return batch
 
     def put(self, key: tuple[int, int], batch: _Batch) -> None:
-        """Keep a batch, dropping the least recently used over the budget.
-
-        Args:
-            key: ``(owner, record batch index)``.
-            batch: the decoded batch.
-        """
+        """Keep a batch under ``(owner, batch index)``, evicting least recently used over budget."""
         budget = decode_budget_bytes() if self.budget_bytes is None else self.budget_bytes
         old = self._entries.pop(key, None)
         if old is not None:
@@ -575,11 +461,7 @@ class DecodedBatches:
             self.nbytes -= evicted.nbytes
 
     def drop(self, owner: int) -> None:
-        """Forget one reader's batches.
-
-        Args:
-            owner: its key (:meth:`new_owner`).
-        """
+        """Forget one owner's batches."""
         for key in [k for k in self._entries if k[0] == owner]:
             self.nbytes -= self._entries.pop(key).nbytes
 
@@ -594,13 +476,11 @@ def _field(meta: memoryview, table: int, index: int) -> int:
 
 
 def _batch_counts(buffer: pa.Buffer) -> tuple[list[int], list[int], bool]:
-    """Rows and token values of every record batch of an Arrow IPC file, and whether its
-    buffers are compressed, from the message headers alone: pyarrow exposes neither without
-    decoding (decompressing) the batch. The counts are checked again when a batch is decoded.
+    """Rows and token values per record batch of an IPC file, and whether it is compressed.
 
-    Header fields (Arrow ``Message.fbs``): ``Message.header`` (field 2) is a ``RecordBatch``
-    whose ``length`` (field 0) is the row count, ``nodes`` (field 1) the field nodes in
-    depth-first order (node 1: the ``tokens`` list's values) and ``compression`` (field 3).
+    Read from the message headers alone, as pyarrow exposes neither without decoding; checked
+    again on decode. ``Message.header`` (field 2) is a ``RecordBatch``: ``length`` (0) rows,
+    ``nodes`` (1) depth-first (node 1: the tokens' values), ``compression`` (3).
     """
     rows: list[int] = []
     tokens: list[int] = []
@@ -635,24 +515,9 @@ def _joined(parts: list[np.ndarray]) -> np.ndarray:
 class ShardReader:
     """Random access to the sequences of one shard, through pyarrow's view of its mapped file.
 
-    Opening checks the file against its manifest entry ``info`` (size, sha256:
-    :func:`check_shard_file`), its schema and its row and token counts, decoding nothing. A
-    record batch is decoded when first read (zero-copy, or into ``decoded`` when compressed)
-    and checked then: offsets, counts, every id at most ``max_token_id`` when given.
-    ``with_mask`` None accepts a shard with or without a loss mask. :meth:`close` releases the
-    mapping; views handed out keep the pages mapped until dropped.
-
-    Args:
-        path: the shard file.
-        info: its manifest entry.
-        dtype: the cache's token type.
-        checksum: check the sha256 (None: the environment decides).
-        max_token_id: the largest id a row may hold (None: not checked).
-        with_mask: whether the shard must have a loss mask (None: either).
-        decoded: the LRU of decoded batches to share (None: its own).
-
-    Raises:
-        CorruptShardError: the file is not the shard its entry describes.
+    Opening checks size, sha256, schema and counts against ``info``, decoding nothing; a record
+    batch is decoded on first read and checked then (offsets, counts, ids ``<= max_token_id``).
+    ``with_mask`` None accepts either. Views handed out keep the pages mapped after ``close``.
     """
 
     def __init__(
@@ -713,6 +578,7 @@ class ShardReader:
         self._ids_checked = [False] * len(rows)
 
     def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
+        """Raise ``CorruptShardError`` unless the schema is this cache's (token type first)."""
         expected = shard_schema(self.dtype, self.has_mask if with_mask is None else with_mask)
         names = schema.names
         if names[:1] == ["tokens"] and pa.types.is_list(schema.field(0).type):
@@ -744,6 +610,7 @@ class ShardReader:
         self.close()
 
     def _file(self) -> tuple[pa.ipc.RecordBatchFileReader, pa.Buffer]:
+        """The open IPC reader and mapped buffer; ``ValueError`` once closed."""
         if self._reader is None or self._whole is None:
             raise ValueError(f"{self.path}: the shard reader is closed")
         return self._reader, self._whole
@@ -751,6 +618,7 @@ class ShardReader:
     # ---- decoding --------------------------------------------------------------------------
 
     def _batch(self, b: int, check_ids: bool = True) -> _Batch:
+        """Record batch ``b``, decoded and id-checked once (compressed: via the shared LRU)."""
         if self.compressed:
             key = (self._id, b)
             batch = self._decoded.get(key)
@@ -768,6 +636,7 @@ class ShardReader:
         return batch
 
     def _decode(self, b: int) -> _Batch:
+        """Decode record batch ``b`` and check its offsets and counts against the header."""
         path = self.path
         reader, _ = self._file()
         try:
@@ -801,20 +670,15 @@ class ShardReader:
         )
 
     def check_ids(self) -> None:
-        """Check every id against ``max_token_id`` (CorruptShardError names the record batch)."""
+        """Check every id against ``max_token_id``; ``CorruptShardError`` names the record batch."""
         for b in range(len(self._resident)):
             self._batch(b)
 
     def flat_rows(self) -> FlatRows | None:
-        """An uncompressed shard as one token array over its mapped file.
+        """An uncompressed shard as one token array over its mapped file; None when compressed.
 
-        Ids are not checked: the caller checks those it reads.
-
-        Returns:
-            The array with every row's start and length, or None when compressed.
-
-        Raises:
-            CorruptShardError: a record batch's buffers lie outside the file or misaligned.
+        Ids are not checked: the caller checks those it reads. Raises ``CorruptShardError`` when a
+        record batch's buffers lie outside the file or are misaligned.
         """
         if self.compressed:
             return None
@@ -840,14 +704,10 @@ class ShardReader:
         )
 
     def mask_bit_starts(self) -> np.ndarray | None:
-        """Where each row's loss mask lies in the mapped file.
+        """Per row, the bit position ``p`` of its loss mask in the mapped file.
 
-        Returns:
-            Per row, the bit position ``p`` (bit ``p & 7``, least significant first, of byte
-            ``p >> 3``); None when compressed or without masks.
-
-        Raises:
-            CorruptShardError: a record batch's mask does not line up with its tokens.
+        Bit ``p & 7`` (least significant first) of byte ``p >> 3``. None when compressed or without
+        masks; ``CorruptShardError`` when a mask does not line up with its tokens.
         """
         if self.compressed or not self.has_mask:
             return None
@@ -867,7 +727,7 @@ class ShardReader:
         return _joined(parts)
 
     def _check_ids(self, b: int, values: np.ndarray) -> None:
-        """Every id of record batch ``b`` at most the tokenizer's largest (when known)."""
+        """Check that record batch ``b``'s ids are at most the tokenizer's largest, when known."""
         if self.max_token_id is not None and len(values):
             top = int(values.max())
             if top > self.max_token_id:
@@ -881,6 +741,7 @@ class ShardReader:
     # ---- access ----------------------------------------------------------------------------
 
     def _locate(self, row: int) -> tuple[int, int]:
+        """The (record batch, row in it) of a row of the shard; ``IndexError`` when out of range."""
         if not 0 <= row < self.rows:
             raise IndexError(f"{self.path}: row {row} out of range 0..{self.rows - 1}")
         b = int(np.searchsorted(self._starts, row, side="right")) - 1
@@ -896,23 +757,11 @@ class ShardReader:
         mask_out: np.ndarray | None,
         full_lengths: np.ndarray,
     ) -> None:
-        """Copy tokens ``starts[k] : starts[k] + lengths[k]`` of row ``rows[k]`` to
-        ``tokens_out[out_offsets[k]:]`` (the loss mask to ``mask_out``), one index computation per
-        record batch. The caller (:meth:`Cache.gather`) checked the rows and segments against
-        the length index's ``full_lengths``; these are checked against the stored rows.
+        """Copy ``lengths[k]`` tokens from ``starts[k]`` of ``rows[k]`` to ``out_offsets[k]``.
 
-        Args:
-            rows: the rows, in the shard.
-            starts: each segment's first token in its row.
-            lengths: each segment's tokens.
-            out_offsets: where each segment goes in ``tokens_out``.
-            tokens_out: written.
-            mask_out: written like ``tokens_out`` (None: masks not wanted).
-            full_lengths: each row's length in the length index.
-
-        Raises:
-            CorruptShardError: a stored row length differs from ``full_lengths``, or the shard is
-                damaged.
+        The loss mask goes to ``mask_out`` when given; indices are computed once per record batch.
+        The caller checked the segments against the length index's ``full_lengths``; here the stored
+        rows are checked against it (``CorruptShardError`` when they differ).
         """
         which = np.searchsorted(self._starts, rows, side="right") - 1
         if len(self._starts) == 2:  # one record batch: no grouping
@@ -948,41 +797,17 @@ class ShardReader:
                 mask_out[dst] = batch.mask_at(src)
 
     def tokens(self, row: int) -> np.ndarray:
-        """The ids of one row.
-
-        Args:
-            row: the row, in the shard.
-
-        Returns:
-            A read-only view.
-
-        Raises:
-            IndexError: ``row`` out of range.
-        """
+        """The ids of one row, a read-only view; ``IndexError`` when out of range."""
         b, r = self._locate(row)
         batch = self._batch(b)
         return batch.values[batch.offsets[r] : batch.offsets[r + 1]]
 
     def tokens_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The ids of several rows.
-
-        Args:
-            rows: the rows, in the shard.
-
-        Returns:
-            Read-only views, as :meth:`tokens`.
-        """
+        """The ids of several rows, as read-only views."""
         return [self.tokens(row) for row in rows]
 
     def masks_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The loss masks of several rows.
-
-        Args:
-            rows: the rows, in the shard.
-
-        Returns:
-            Bool per token; all True without stored masks.
-        """
+        """The loss masks (bool per token) of several rows; all True without stored masks."""
         out = []
         for row in rows:
             b, r = self._locate(row)
@@ -992,24 +817,13 @@ class ShardReader:
         return out
 
     def provenance(self, row: int) -> tuple[int, int]:
-        """Where one row came from.
-
-        Args:
-            row: the row, in the shard.
-
-        Returns:
-            ``(record index in the source file, piece index)``.
-        """
+        """Where one row came from: ``(record index in the source file, piece index)``."""
         b, r = self._locate(row)
         batch = self._batch(b)
         return int(batch.records[r]), int(batch.pieces[r])
 
     def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
-        """Every row in order, one record batch decoded at a time.
-
-        Yields:
-            ``(ids, record, piece)``.
-        """
+        """Yield every row as ``(ids, record, piece)``, one record batch decoded at a time."""
         for b in range(len(self._batch_rows)):
             batch = self._batch(b)
             values, offsets = batch.values, batch.offsets
@@ -1024,7 +838,7 @@ class ShardReader:
 def _mask_bits(
     path: str, b: int, column: pa.ListArray, offsets: np.ndarray
 ) -> tuple[np.ndarray, int]:
-    """The packed validity-free bitmap of a list<bool> column's values and its bit offset."""
+    """The packed bitmap of a list<bool> column's values and its bit offset (offsets checked)."""
     values = column.values
     if values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
         raise CorruptShardError(

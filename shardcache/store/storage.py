@@ -1,18 +1,10 @@
 """Where a build's output lives: one interface over a local folder and an fsspec URL.
 
-:func:`open_storage` gives a :class:`Storage` for ``--output``: :class:`LocalStorage` for a
-folder, :class:`FsspecStorage` for ``scheme://...`` (``file://``, ``s3://`` ...). Names are
-relative to the output (``parts/p00001.json``). The build writes every file into a local
-*staging* folder (:meth:`Storage.staging`) and then :meth:`Storage.publish` es them, so one
-pipeline serves both:
-
-* a local folder stages in place: its files are written there as ``*.tmp`` + fsync + rename
-  (:mod:`shardcache.store.files`), and publishing is a no-op;
-* a URL stages in a private temporary folder and publishes by uploading, in the order given
-  (a completion record or the manifest last): an object appears whole or not at all.
-
-Only a local folder has an exclusive lock (:meth:`Storage.lock`, ``<output>/.lock``, see
-:mod:`shardcache.store.build_lock`); object stores have none, so the URL lock holds nothing.
+Names are relative to the output. A build writes every file into a local staging folder, then
+publishes it: a local folder stages in place (each file ``*.tmp`` + fsync + rename; publishing
+is a no-op); a URL stages in a temporary folder and publishes by uploading in the given order,
+a completion record or the manifest last, so an object appears whole or not at all. Only a local
+folder has a build lock; object stores have none (one driver per output).
 """
 
 from __future__ import annotations
@@ -37,141 +29,65 @@ STAGED_FOLDERS = (SHARD_DIR, PARTS_DIR, INDEX_DIR)
 
 
 class Storage(abc.ABC):
-    """The operations a build needs on its output (see the module docstring).
-
-    Attributes:
-        location: the output as given (a folder path or a URL, without a trailing ``/``).
-    """
+    """The operations a build needs on its output (``location``: folder or URL, no final ``/``)."""
 
     location: str
 
     @abc.abstractmethod
     def exists(self, name: str) -> bool:
-        """Whether a file exists (listings are fresh: another machine may have written).
-
-        Args:
-            name: relative to the output.
-
-        Returns:
-            True when it exists.
-        """
+        """Whether ``name`` exists, from a fresh listing (another machine may have written it)."""
 
     @abc.abstractmethod
     def read_json(self, name: str) -> dict[str, Any] | None:
-        """Read a JSON file.
-
-        Args:
-            name: relative to the output.
-
-        Returns:
-            The object; None when it is missing or not a whole JSON object.
-        """
+        """Read a JSON object; None when it is missing or not a whole JSON object."""
 
     @abc.abstractmethod
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
-        """Read several small files at once.
-
-        Args:
-            names: relative to the output.
-
-        Returns:
-            Each name's bytes; None for a missing one.
-        """
+        """Read several small files at once; None for a missing one."""
 
     @abc.abstractmethod
     def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
-        """Write a JSON file, whole or not at all.
+        """Write a JSON file whole or not at all.
 
-        Args:
-            name: relative to the output.
-            obj: the value (the format of :func:`~shardcache.store.files.write_json_atomic`).
-            private: a temporary name of this process's own, for a file several processes
-                may write at once.
+        ``private`` uses a temporary name of this process's own, for a file several processes may
+        write at once.
         """
 
     @abc.abstractmethod
     def sizes(self, folder: str) -> dict[str, int]:
-        """Every file under a folder (one listing).
-
-        Args:
-            folder: relative to the output.
-
-        Returns:
-            Name relative to ``folder`` -> size in bytes (empty when it is missing).
-        """
+        """Size of each file under ``folder``, by name relative to it; empty when it is missing."""
 
     @abc.abstractmethod
     def remove(self, names: list[str]) -> None:
-        """Delete files (missing ones are fine).
-
-        Args:
-            names: relative to the output.
-        """
+        """Delete files; missing ones are fine."""
 
     @abc.abstractmethod
     def remove_folders(self, folders: list[str]) -> None:
-        """Delete folders and everything in them (missing ones are fine).
-
-        Args:
-            folders: relative to the output.
-        """
+        """Delete folders and everything in them; missing ones are fine."""
 
     @abc.abstractmethod
     def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
-        """Hold the exclusive build lock of ``name`` (the output itself by default; a share's
-        is ``.shares/share-i-of-N``).
+        """A context manager holding the exclusive build lock of ``name`` (``""``: the output).
 
-        Args:
-            name: the lock's folder, relative to the output (``""``: the output).
-
-        Returns:
-            A context manager that holds it.
-
-        Raises:
-            BuildLockedError: another live build holds it, or runs beside it that it would
-                collide with (a full build or commit and a share, shares of different N; see
-                :func:`~shardcache.store.build_lock.refuse_colliding_builds`); local folders only.
+        A share's lock is ``.shares/share-i-of-N``. Local folders raise ``BuildLockedError`` when a
+        live build holds it or runs beside it that it would collide with.
         """
 
     @abc.abstractmethod
     def staging(self, label: str) -> contextlib.AbstractContextManager[str]:
-        """A local folder where files are written before they are published.
-
-        Args:
-            label: names a temporary folder (``shardcache-<label>-...``).
-
-        Returns:
-            A context manager giving the folder, with :data:`STAGED_FOLDERS` made.
-        """
+        """A context manager giving a local folder, with ``STAGED_FOLDERS`` made, to write into."""
 
     @abc.abstractmethod
     def publish(self, staged: str, names: list[str]) -> None:
-        """Make files written under ``staged`` part of the output, in order.
-
-        Args:
-            staged: the staging folder.
-            names: the files, relative to it and to the output.
-        """
+        """Make files written under ``staged`` part of the output, in the order of ``names``."""
 
     @abc.abstractmethod
     def fetch(self, staged: str, names: list[str]) -> None:
-        """Copy files of the output into ``staged`` (a no-op in place).
-
-        Args:
-            staged: the staging folder.
-            names: the files, relative to the output and to it.
-        """
+        """Copy files of the output into ``staged`` (a no-op in place)."""
 
 
 class LocalStorage(Storage):
-    """A local folder: staged in place, locked with ``<folder>/.lock``.
-
-    Args:
-        folder: the output folder (made when first written).
-
-    Raises:
-        CacheError: ``folder`` exists and is not a folder.
-    """
+    """A local folder: staged in place, locked with ``<folder>/.lock``."""
 
     def __init__(self, folder: str):
         if os.path.exists(folder) and not os.path.isdir(folder):
@@ -180,15 +96,19 @@ class LocalStorage(Storage):
         self.root = folder
 
     def _path(self, name: str) -> str:
+        """The path of ``name`` under the folder."""
         return os.path.join(self.root, name)
 
     def exists(self, name: str) -> bool:
+        """Whether the file exists."""
         return os.path.exists(self._path(name))
 
     def read_json(self, name: str) -> dict[str, Any] | None:
+        """Read a JSON object; None when missing or not whole."""
         return read_json_or_none(self._path(name))
 
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """Read several files; None for a missing or unreadable one."""
         out: dict[str, bytes | None] = {}
         for name in names:
             try:
@@ -199,11 +119,13 @@ class LocalStorage(Storage):
         return out
 
     def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
+        """Write a JSON file atomically, making its folder."""
         path = self._path(name)
         os.makedirs(os.path.dirname(path), exist_ok=True)
         write_json_atomic(path, obj, private=private)
 
     def sizes(self, folder: str) -> dict[str, int]:
+        """Sizes of the files under ``folder``; a temporary file renamed meanwhile is skipped."""
         top = self._path(folder)
         out: dict[str, int] = {}
         for root, _, files in os.walk(top):
@@ -214,22 +136,26 @@ class LocalStorage(Storage):
         return out
 
     def remove(self, names: list[str]) -> None:
+        """Delete files; missing ones are fine."""
         for name in names:
             with contextlib.suppress(FileNotFoundError):
                 os.remove(self._path(name))
 
     def remove_folders(self, folders: list[str]) -> None:
+        """Delete folder trees; missing ones are fine."""
         for folder in folders:
             shutil.rmtree(self._path(folder), ignore_errors=True)
 
     @contextlib.contextmanager
     def lock(self, name: str = "") -> Iterator[BuildLock]:
+        """Hold the build lock of ``name``, then refuse builds this one would collide with."""
         with BuildLock(self._path(name) if name else self.root) as held:
             refuse_colliding_builds(self.root, name)
             yield held
 
     @contextlib.contextmanager
     def staging(self, label: str) -> Iterator[str]:
+        """Stage in the output folder itself."""
         for sub in STAGED_FOLDERS:
             os.makedirs(self._path(sub), exist_ok=True)
         yield self.root
@@ -244,15 +170,9 @@ class LocalStorage(Storage):
 class FsspecStorage(Storage):
     """An output at a URL, through fsspec.
 
-    Every listing is fresh (the filesystem's listing cache is dropped first) and every name is
-    checked to stay under the output.
-
-    Args:
-        url: the output's URL.
-
-    Raises:
-        MissingDependencyError: the URL's fsspec backend is not installed.
-        ConfigError: fsspec cannot open the URL.
+    Every listing is fresh (the listing cache is dropped first) and every name is checked to stay
+    under the output. Raises ``MissingDependencyError`` when the URL's backend is not installed,
+    ``ConfigError`` when fsspec cannot open it.
     """
 
     def __init__(self, url: str):
@@ -265,19 +185,23 @@ class FsspecStorage(Storage):
     def _path(self, name: str) -> str:
         # every name (ours, or listed from the store) is a plain relative name: a listed key
         # such as parts/../../x is refused, never read, deleted or written
+        """The object path of ``name``, refused unless it is a plain relative name."""
         return f"{self.root}/{check_relative_name(name, f'object name under {self.location!r}')}"
 
     def _writing(self, name: str) -> str:
+        """The object path of ``name``, its folders made on filesystems that have real ones."""
         path = self._path(name)
         if self.has_folders:
             self.fs.makedirs(path.rsplit("/", 1)[0], exist_ok=True)
         return path
 
     def exists(self, name: str) -> bool:
+        """Whether the object exists, after dropping the listing cache."""
         self.fs.invalidate_cache()
         return bool(self.fs.exists(self._path(name)))
 
     def read_json(self, name: str) -> dict[str, Any] | None:
+        """Read a JSON object; None when missing or not whole."""
         try:
             data = json.loads(self.fs.cat_file(self._path(name)))
         except (FileNotFoundError, ValueError, RecursionError):
@@ -285,6 +209,7 @@ class FsspecStorage(Storage):
         return data if isinstance(data, dict) else None
 
     def read_many(self, names: list[str]) -> dict[str, bytes | None]:
+        """Read several objects in one batched call; None for a missing one."""
         if not names:
             return {}
         got = self.fs.cat([self._path(n) for n in names], on_error="return")
@@ -295,10 +220,12 @@ class FsspecStorage(Storage):
         return out
 
     def write_json(self, name: str, obj: Any, *, private: bool = False) -> None:
+        """Upload the JSON in one put (atomic on object stores, so ``private`` is not needed)."""
         data = (json.dumps(obj, indent=1, sort_keys=True) + "\n").encode()
         self.fs.pipe_file(self._writing(name), data)
 
     def sizes(self, folder: str) -> dict[str, int]:
+        """Sizes of the objects under ``folder``, from a fresh listing."""
         self.fs.invalidate_cache()
         prefix = self._path(folder).rstrip("/") + "/"
         try:
@@ -312,45 +239,40 @@ class FsspecStorage(Storage):
         }
 
     def remove(self, names: list[str]) -> None:
+        """Delete objects; missing ones are fine."""
         if names:
             with contextlib.suppress(FileNotFoundError):
                 self.fs.rm([self._path(n) for n in names])
             self.fs.invalidate_cache()
 
     def remove_folders(self, folders: list[str]) -> None:
+        """Delete every object under each folder."""
         for folder in folders:
             self.remove([f"{folder}/{n}" for n in self.sizes(folder)])
 
     def lock(self, name: str = "") -> contextlib.AbstractContextManager[Any]:
+        """No lock: object stores have none."""
         return contextlib.nullcontext()  # object stores have no lock: one driver per output
 
     @contextlib.contextmanager
     def staging(self, label: str) -> Iterator[str]:
+        """Stage in a private temporary folder, removed on exit."""
         with tempfile.TemporaryDirectory(prefix=f"shardcache-{label}-") as scratch:
             for sub in STAGED_FOLDERS:
                 os.makedirs(os.path.join(scratch, sub))
             yield scratch
 
     def publish(self, staged: str, names: list[str]) -> None:
+        """Upload the files in order, one request each: the last one is the commit point."""
         for name in names:  # in order, one request each: the last one is the commit point
             self.fs.put_file(os.path.join(staged, name), self._writing(name))
 
     def fetch(self, staged: str, names: list[str]) -> None:
+        """Download the named objects into ``staged``."""
         if names:
             self.fs.get([self._path(n) for n in names], [os.path.join(staged, n) for n in names])
 
 
 def open_storage(location: str) -> Storage:
-    """The :class:`Storage` of an ``--output``.
-
-    Args:
-        location: a folder path or a URL.
-
-    Returns:
-        :class:`FsspecStorage` for a URL, else :class:`LocalStorage`.
-
-    Raises:
-        MissingDependencyError: the URL's fsspec backend is not installed.
-        ConfigError: fsspec cannot open the URL.
-    """
+    """The ``Storage`` of an ``--output``: ``FsspecStorage`` for a URL, else ``LocalStorage``."""
     return FsspecStorage(location) if is_url(location) else LocalStorage(location)

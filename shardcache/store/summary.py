@@ -1,8 +1,6 @@
-"""Human and machine summaries of a cache (``shardcache info``).
+"""Summaries of a cache for ``shardcache info``: a JSON-able dict, and its text.
 
-Pure functions from a manifest (and the length index) to a JSON-able dict, and from that
-dict to aligned text. Nothing here opens a shard. The build report's text is
-:mod:`shardcache.builder.report`.
+Built from the manifest and the length index only: nothing here opens a shard.
 """
 
 from __future__ import annotations
@@ -15,14 +13,7 @@ from shardcache.store.cache import Cache
 
 
 def human_bytes(n: float) -> str:
-    """A byte count as a short human string (``1.5 GiB``).
-
-    Args:
-        n: the bytes.
-
-    Returns:
-        The string, in binary units up to TiB.
-    """
+    """A byte count as a short string in binary units (``1.5 GiB``)."""
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if abs(n) < 1024 or unit == "TiB":
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
@@ -31,14 +22,7 @@ def human_bytes(n: float) -> str:
 
 
 def cache_summary(cache: Cache) -> dict[str, Any]:
-    """Everything ``shardcache info`` shows about a cache, as plain JSON.
-
-    Args:
-        cache: the open cache.
-
-    Returns:
-        A JSON-able dict (reads the manifest and the length index, never a shard).
-    """
+    """Everything ``shardcache info`` shows about a cache, as plain JSON."""
     m = cache.manifest
     lengths = np.asarray(cache.lengths, dtype=np.int64)
     buckets = cache.buckets()
@@ -81,14 +65,7 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
 
 
 def encoder_lines(encoder: dict[str, Any]) -> list[str]:
-    """``info`` lines on the encoder: backend, the gate's decision, the in-build verification.
-
-    Args:
-        encoder: the manifest's ``encoder`` record (empty for older caches).
-
-    Returns:
-        The lines (none without a record).
-    """
+    """``info`` lines on the encoder: backend, gate decision, in-build verification."""
     if not encoder or not encoder.get("versions"):
         return []
     by_backend = ", ".join(f"{k} {v}" for k, v in encoder["partitions_by_backend"].items())
@@ -115,19 +92,10 @@ def encoder_lines(encoder: dict[str, Any]) -> list[str]:
 
 
 def sample_bound(checked: int, mismatches: int, total: int | None = None) -> str:
-    """What a sample without mismatches says about the documents it did not check.
+    """What a sample without mismatches says about the documents it did not check ("" otherwise).
 
-    A sample can only bound how many documents differ (a rare difference is easily missed):
-    with 0 mismatches in ``checked`` documents drawn at random, fewer than ``3/checked`` of
-    all documents differ at 95% confidence (the rule of three).
-
-    Args:
-        checked: documents re-encoded and compared.
-        mismatches: how many of them differed.
-        total: documents there are, when known (then a check of every one says so).
-
-    Returns:
-        The sentence, or "" when there were mismatches or nothing was checked.
+    With 0 mismatches in ``checked`` random documents, fewer than ``3/checked`` of all differ at 95%
+    confidence (the rule of three).
     """
     if mismatches or checked <= 0:
         return ""
@@ -141,14 +109,7 @@ def sample_bound(checked: int, mismatches: int, total: int | None = None) -> str
 
 
 def chat_lines(stats: dict[str, Any]) -> list[str]:
-    """``info`` lines on trainable tokens and template lint (none for plain text).
-
-    Args:
-        stats: the manifest's ``stats``.
-
-    Returns:
-        The lines.
-    """
+    """``info`` lines on trainable tokens and template lint (none for plain text)."""
     lint = stats.get("lint") or {}
     if not lint and not stats.get("trainable_tokens"):
         return []
@@ -174,14 +135,7 @@ def _table(rows: list[tuple[str, ...]]) -> str:
 
 
 def format_summary(s: dict[str, Any]) -> str:
-    """The human form of a cache summary (what ``shardcache info`` prints).
-
-    Args:
-        s: what :func:`cache_summary` returned.
-
-    Returns:
-        Aligned lines and a per-bucket table, without a final newline.
-    """
+    """The text ``shardcache info`` prints for a ``cache_summary`` (no final newline)."""
     t = s["totals"]
     st = s["stats"]
     tok = s["tokenizer"]

@@ -1,10 +1,9 @@
 """``shardcache verify``: recompute every checksum and check the structure of a cache.
 
-Checks what the manifest promises: the manifest itself; every listed shard (size, sha256,
-schema, offsets, row and token counts, lengths inside their bucket and ``max_length``, ids
-``<= max_token_id``); the length index (sha256, one ``uint32`` per row, equal to the shards'
-rows); the quarantine file; the totals. Unlisted files in ``shards/`` are reported as
-``extra_files`` without failing. Memory is one record batch at a time.
+Checks what the manifest promises: the manifest, every listed shard (size, sha256, schema,
+offsets, counts, lengths within bucket and ``max_length``, ids ``<= max_token_id``), the length
+index, the quarantine file and the totals. Unlisted shard files are ``extra_files``, not
+problems. Memory is one record batch at a time.
 """
 
 from __future__ import annotations
@@ -31,37 +30,26 @@ from shardcache.store.shards import arrow_numpy
 
 @dataclass
 class Problem:
-    """One damaged or missing file.
-
-    Attributes:
-        file: its path relative to the cache.
-        kind: ``missing``, ``size``, ``checksum``, ``structure``, ``index``, ``quarantine``,
-            ``manifest``, ``totals`` or ``not_a_cache``.
-        message: the details.
-    """
+    """One damaged or missing file of a ``VerifyReport`` (kinds: see ``VerifyReport.add``)."""
 
     file: str
     kind: str
     message: str
 
     def to_json(self) -> dict[str, str]:
-        """The problem as JSON.
-
-        Returns:
-            ``file``, ``kind`` and ``message``.
-        """
+        """The problem as a ``file``/``kind``/``message`` dict."""
         return {"file": self.file, "kind": self.kind, "message": self.message}
 
 
 @dataclass
 class VerifyReport:
-    """The outcome of :func:`verify_cache`; ``ok`` when no problem was found.
+    """The outcome of [`verify_cache`][shardcache.verify_cache]; ``ok`` when no problem was found.
 
     Attributes:
         cache: the cache's folder or URL.
         files_checked: files hashed.
         bytes_checked: their bytes.
-        problems: what is damaged or missing.
+        problems: what is damaged or missing (``file``, ``kind``, ``message`` each).
         extra_files: shard files the manifest does not list (ignored by readers).
     """
 
@@ -81,7 +69,8 @@ class VerifyReport:
 
         Args:
             file: the file, relative to the cache.
-            kind: the kind (see :class:`Problem`).
+            kind: ``missing``, ``size``, ``checksum``, ``structure``, ``index``, ``quarantine``,
+                ``manifest``, ``totals`` or ``not_a_cache``.
             message: the details.
         """
         self.problems.append(Problem(file, kind, message))
@@ -90,7 +79,7 @@ class VerifyReport:
         """The report as JSON (``shardcache verify --json``).
 
         Returns:
-            The fields, ``ok`` and the problems as dicts.
+            The fields, ``ok``, and the problems as dicts.
         """
         return {
             "cache": self.cache,
@@ -103,7 +92,7 @@ class VerifyReport:
 
 
 def _check_file(report: VerifyReport, root: str, rel: str, entry: dict[str, Any]) -> bool:
-    """Presence, size and sha256 of one file; True when all match."""
+    """Check presence, size and sha256 of one file; True when all match."""
     path = os.path.join(root, rel)
     if not os.path.isfile(path):
         report.add(rel, "missing", "listed in the manifest but not present")
@@ -132,7 +121,10 @@ def _check_shard(
     index: np.ndarray | None,
     first_row: int,
 ) -> tuple[int, int]:
-    """Structure of one shard; returns the (rows, tokens) actually found."""
+    """Check the structure of one shard; return the (rows, tokens) actually found.
+
+    ``first_row`` is the shard's first row in ``index``, against which its lengths are compared.
+    """
     rel = f"{SHARD_DIR}/{info['name']}"
     dtype = np.dtype(manifest["dtype"])
     expected_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
@@ -223,6 +215,7 @@ def _check_shard(
 
 
 def _load_index(report: VerifyReport, root: str, manifest: dict[str, Any]) -> np.ndarray | None:
+    """Check and memory-map the length index; None when it is missing or damaged (reported)."""
     entry = manifest.get("index", {}).get("lengths")
     if not isinstance(entry, dict) or "name" not in entry:
         report.add("manifest.json", "manifest", "no index.lengths entry")
@@ -242,6 +235,7 @@ def _load_index(report: VerifyReport, root: str, manifest: dict[str, Any]) -> np
 
 
 def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any]) -> None:
+    """Check the quarantine file against the manifest's record and bad-record counts."""
     entry = manifest.get("quarantine")
     if not isinstance(entry, dict):
         return  # caches built before the quarantine was checksummed
@@ -265,7 +259,7 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
     """Check every file of a cache; damage is reported, never raised.
 
     Args:
-        path: the cache folder, or a URL (then :func:`verify_remote`).
+        path: the cache folder, or its URL (every listed file is downloaded to a temporary folder).
 
     Returns:
         The report.
@@ -331,16 +325,9 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
 
 
 def verify_remote(url: str) -> VerifyReport:
-    """:func:`verify_cache` for a URL: every listed file downloaded into a temporary folder first.
+    """``verify_cache`` for a URL, on copies of the listed files in a temporary folder.
 
-    Args:
-        url: the cache's URL.
-
-    Returns:
-        The report; a missing or unreadable manifest is a problem, not an error.
-
-    Raises:
-        CacheError: the store cannot be reached.
+    An unreachable store raises ``CacheError``; a missing or unreadable manifest is a problem.
     """
     url = url.rstrip("/")
     try:
@@ -381,14 +368,7 @@ def verify_remote(url: str) -> VerifyReport:
 
 
 def format_verify(report: VerifyReport) -> str:
-    """A report as text.
-
-    Args:
-        report: the report.
-
-    Returns:
-        A line per problem and per extra file, then a summary line.
-    """
+    """The report as text: a line per problem and per extra file, then a summary line."""
     lines = [
         f"NOT A CACHE  {p.message}" if p.kind == "not_a_cache" else
         f"CORRUPT  {p.file}: {p.kind}: {p.message}"

@@ -1,6 +1,4 @@
-"""DevicePrefetcher: move upstream CPU batches to the accelerator without stalling training
-(prefetcher.py: ownership and shutdown; ring.py, backend.py, tree.py, options.py).
-"""
+"""DevicePrefetcher: move CPU batches to the accelerator without stalling training."""
 
 from shardcache.read.prefetch.backend import DeviceBackend, TorchDeviceBackend
 from shardcache.read.prefetch.options import PrefetchOptions, PrefetchStats

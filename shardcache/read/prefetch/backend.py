@@ -1,9 +1,7 @@
 """The device backend: the only place the prefetcher touches device APIs.
 
-:class:`TorchDeviceBackend` uses ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event``
-where torch has them, else ``torch.cuda``; tests inject a fake :class:`DeviceBackend`.
-Without an accelerator the prefetcher is a synchronous pass-through that never pins.
-:func:`parse_device` and :func:`default_device` resolve ``DevicePrefetcher(device=...)``.
+``TorchDeviceBackend`` uses ``torch.accelerator`` / ``torch.Stream`` / ``torch.Event`` where
+torch has them, else ``torch.cuda``; tests inject a fake ``DeviceBackend``.
 """
 
 from __future__ import annotations
@@ -26,14 +24,14 @@ class DeviceBackend(Protocol):
     device: torch.device
 
     def current_stream(self) -> Any:
-        """The calling thread's current stream on :attr:`device`.
+        """The calling thread's current stream on ``device``.
 
         Returns:
             The stream.
         """
 
     def new_stream(self, priority: int) -> Any:
-        """A new stream on :attr:`device`.
+        """A new stream on ``device``.
 
         Args:
             priority: the stream priority (lower runs first).
@@ -46,7 +44,7 @@ class DeviceBackend(Protocol):
         """A new event.
 
         Args:
-            timing: whether :meth:`elapsed_ms` may measure it (sync-only events are cheaper).
+            timing: whether ``elapsed_ms`` may measure it (sync-only events are cheaper).
 
         Returns:
             The event.
@@ -118,7 +116,7 @@ class DeviceBackend(Protocol):
             nbytes: the size.
 
         Returns:
-            A uint8 tensor on :attr:`device`.
+            A uint8 tensor on ``device``.
         """
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
@@ -133,7 +131,7 @@ class DeviceBackend(Protocol):
         """
 
     def init_thread(self) -> None:
-        """Make :attr:`device` current in the calling thread (the packer's)."""
+        """Make ``device`` current in the calling thread (the packer's)."""
 
 
 def _has_generic_api() -> bool:
@@ -148,17 +146,7 @@ def _has_generic_api() -> bool:
 
 
 def parse_device(device: object) -> torch.device:
-    """The ``device=`` argument as a ``torch.device``.
-
-    Args:
-        device: what the user passed (a string, an index or a device).
-
-    Returns:
-        The device.
-
-    Raises:
-        ConfigError: torch does not understand it (the message names the accepted forms).
-    """
+    """The ``device=`` argument as a ``torch.device``; ``ConfigError`` names the accepted forms."""
     try:
         return torch.device(device)  # type: ignore[arg-type]
     except (RuntimeError, TypeError, ValueError) as err:
@@ -169,11 +157,7 @@ def parse_device(device: object) -> torch.device:
 
 
 def default_device() -> torch.device:
-    """The device a prefetcher copies to by default.
-
-    Returns:
-        The current accelerator device, or CPU when there is none.
-    """
+    """The current accelerator device, or CPU when there is none."""
     if _has_generic_api() and torch.accelerator.is_available():
         acc = torch.accelerator.current_accelerator()
         if acc is not None:
@@ -184,14 +168,9 @@ def default_device() -> torch.device:
 
 
 class TorchDeviceBackend:
-    """The real :class:`DeviceBackend`: ``torch.accelerator`` / ``Stream`` / ``Event``, else
-    ``torch.cuda``.
+    """The real ``DeviceBackend``: ``torch.accelerator`` where torch has it, else ``torch.cuda``.
 
-    Args:
-        device: the accelerator device.
-
-    Raises:
-        ConfigError: no usable accelerator of that type.
+    Raises ``ConfigError`` when there is no usable accelerator of the device's type.
     """
 
     def __init__(self, device: torch.device) -> None:
@@ -219,37 +198,46 @@ class TorchDeviceBackend:
         self.device = device
 
     def current_stream(self) -> Any:
+        """The calling thread's current stream."""
         if self._generic:
             return torch.accelerator.current_stream(self.device)
         return torch.cuda.current_stream(self.device)
 
     def new_stream(self, priority: int) -> Any:
+        """A new stream."""
         if self._generic:
             return torch.Stream(device=self.device, priority=priority)
         return torch.cuda.Stream(self.device, priority=priority)
 
     def new_event(self, timing: bool) -> Any:
+        """A new event."""
         # Sync-only events (no timing) are the cheapest for stream waits and queries.
         if self._generic:
             return torch.Event(device=self.device, enable_timing=timing)
         return torch.cuda.Event(enable_timing=timing)
 
     def record(self, event: Any, stream: Any) -> None:
+        """Record ``event`` on ``stream``."""
         event.record(stream)
 
     def wait(self, stream: Any, event: Any) -> None:
+        """Make ``stream`` wait for ``event``."""
         stream.wait_event(event)
 
     def query(self, event: Any) -> bool:
+        """Whether ``event`` has completed."""
         return bool(event.query())
 
     def synchronize(self, event: Any) -> None:
+        """Block until ``event`` has completed."""
         event.synchronize()
 
     def elapsed_ms(self, start: Any, end: Any) -> float:
+        """Device milliseconds between two timing events."""
         return float(start.elapsed_time(end))
 
     def alloc_pinned(self, nbytes: int) -> torch.Tensor:
+        """Pinned host memory; refuses memory that came back unpinned."""
         host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
         # pytorch#149032: pinning before the device is initialised returned unpinned memory in
         # some versions; an unpinned slot would silently turn every copy into a synchronous one.
@@ -262,9 +250,11 @@ class TorchDeviceBackend:
         return host
 
     def alloc_device(self, nbytes: int) -> torch.Tensor:
+        """Device memory on the calling thread's current stream."""
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
 
     def copy_async(self, dst: torch.Tensor, src: torch.Tensor, stream: Any) -> None:
+        """Enqueue ``dst.copy_(src)`` on ``stream``."""
         # set_stream in the calling thread only; a shared `with stream:` object is not
         # thread-safe (torch.Stream keeps the saved stream on the object).
         if self._generic:
@@ -279,6 +269,7 @@ class TorchDeviceBackend:
                 dst.copy_(src, non_blocking=True)
 
     def init_thread(self) -> None:
+        """Make the device current in the calling thread."""
         # The current device is per thread; the packer allocates pinned slots on it.
         if self._generic:
             torch.accelerator.set_device_index(self.device.index)

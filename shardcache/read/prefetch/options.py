@@ -1,4 +1,4 @@
-"""The prefetcher's options (:class:`PrefetchOptions`) and metrics (:class:`PrefetchStats`).
+"""The prefetcher's options (``PrefetchOptions``) and metrics (``PrefetchStats``).
 
 Reading the metrics: high ``source_wait_s`` means the upstream is the bottleneck; high
 ``consumer_wait_s`` with low ``source_wait_s`` means packing or transfer; high
@@ -15,11 +15,11 @@ from shardcache.errors import ConfigError
 
 @dataclasses.dataclass(frozen=True)
 class PrefetchOptions:
-    """Less common knobs of :class:`DevicePrefetcher`, validated at construction.
+    """Less common knobs of ``DevicePrefetcher``, validated at construction.
 
     Args:
         max_pinned_bytes: pinned host memory of all ``depth + 1`` slots together; a larger batch
-            raises :class:`ConfigError`.
+            raises ``ConfigError``.
         min_slot_bytes: the smallest slot (slots grow in powers of two).
         copy_stream_priority: the copy stream's priority (lower = higher on CUDA).
         timing: record timing events around each copy for ``stats()``.

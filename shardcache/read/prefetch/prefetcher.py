@@ -49,7 +49,7 @@ class DevicePrefetcher:
     Args:
         iterable: re-iterated once per epoch (a ``DataLoader`` with ``pin_memory=False``).
         device: the device (default the current accelerator; a CPU pass-through without one).
-        depth: batches staged ahead of the one consumed (1 to :data:`MAX_DEPTH`).
+        depth: batches staged ahead of the one consumed (1 to ``MAX_DEPTH``).
         cast: host dtype -> dtype handed out, converted on the device after the copy (e.g.
             ``{torch.int32: torch.int64}``).
         options: the less common knobs.

@@ -53,8 +53,7 @@ def _next_pow2(n: int) -> int:
 
 @dataclasses.dataclass
 class _Counters:
-    """Counters shared by the consumer and packer threads (guarded by ``lock``): the
-    cumulative fields of :class:`PrefetchStats`, and the queue depths they derive from."""
+    """Counters shared by the consumer and packer threads (guarded by ``lock``)."""
 
     batches: int = 0
     bytes_copied: int = 0
@@ -134,12 +133,7 @@ class _Epoch:
 class Ring:
     """The prefetch pipeline of one ``DevicePrefetcher``: slots, copy stream, epochs, stats.
 
-    Args:
-        iterable: the upstream batches.
-        backend: the device backend (None: the synchronous pass-through).
-        depth: batches staged ahead of the consumer.
-        cast: dtype conversions applied on the device.
-        options: the rest of the prefetcher's options.
+    ``backend=None`` is the synchronous pass-through.
     """
 
     def __init__(
@@ -174,11 +168,7 @@ class Ring:
             self.slots = [_Slot() for _ in range(self.depth + 1)]
 
     def start_epoch(self) -> _Epoch:
-        """Start an epoch (stopping an unfinished one): its packer thread runs from here.
-
-        Returns:
-            The epoch's state, for :meth:`next_batch` and :meth:`stop_epoch`.
-        """
+        """Start an epoch (stopping an unfinished one); its packer thread runs from here."""
         with self.lock:
             if self.epoch is not None:
                 self._stop_epoch(self.epoch)
@@ -197,11 +187,7 @@ class Ring:
             ep.thread.start()
 
     def stop_epoch(self, ep: _Epoch) -> None:
-        """Stop an epoch's packer thread and drop its staged batches once their copies completed.
-
-        Args:
-            ep: the epoch (stopping it twice does nothing).
-        """
+        """Stop an epoch's packer; drop its staged batches once their copies completed."""
         with self.lock:
             self._stop_epoch(ep)
 
@@ -408,16 +394,9 @@ class Ring:
                 c.copy_bytes_timed += nbytes
 
     def next_batch(self, ep: _Epoch) -> Any:
-        """The next batch of an epoch on the device, ready on the current stream.
+        """The next batch of an epoch on the device, ready on the current stream, or the end marker.
 
-        Args:
-            ep: the epoch.
-
-        Returns:
-            The batch, or the end marker when the epoch is over or stopped.
-
-        Raises:
-            Exception: what the upstream iterator or the packer raised (the same object).
+        Re-raises what the upstream iterator or the packer raised (the same object).
         """
         t0 = time.perf_counter()
         poll = self.options.poll_interval_s
@@ -469,14 +448,7 @@ class Ring:
         return out
 
     def passthrough_next(self, ep: _Epoch) -> Any:
-        """The next upstream batch as it is (no accelerator), cast when asked.
-
-        Args:
-            ep: the epoch.
-
-        Returns:
-            The batch, or the end marker when the upstream is exhausted.
-        """
+        """The next upstream batch as it is (no accelerator), cast when asked, or the end marker."""
         t0 = time.perf_counter()
         try:
             batch = next(ep.source)  # type: ignore[arg-type]
@@ -496,11 +468,7 @@ class Ring:
         return batch
 
     def run(self) -> Iterator[Any]:
-        """One epoch's iterator: starts it, yields its batches, stops it on exit.
-
-        Yields:
-            The epoch's batches (on the device unless passing through).
-        """
+        """One epoch's iterator: starts it, yields its batches, stops it on exit."""
         ep = self.start_epoch()
         step = self.next_batch if self.backend is not None else self.passthrough_next
         try:
@@ -514,11 +482,7 @@ class Ring:
             self.stop_epoch(ep)
 
     def stats(self) -> PrefetchStats:
-        """A snapshot of the counters (never synchronises the device).
-
-        Returns:
-            The counters since construction.
-        """
+        """A snapshot of the counters since construction (never synchronises the device)."""
         if self.backend is not None and self.options.timing:
             self._harvest()
         c = self.counters

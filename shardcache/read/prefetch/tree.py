@@ -1,10 +1,7 @@
-"""Batch structure: flatten a nested batch to its tensors and rebuild it; pack tensors into one
-buffer.
+"""Batch structure: flatten a nested batch to its tensors, rebuild it, pack tensors in one buffer.
 
-:func:`flatten` / :func:`unflatten` handle dicts (and subclasses), Mappings, lists, tuples,
-namedtuples and dataclasses; non-tensor values come back as the same object.
-:func:`packed_offsets` lays tensors out in one aligned byte buffer and :func:`packed_view`
-reads one back (the prefetcher's pinned slots and a pickled ``Batch`` both pack this way).
+Handles dicts, Mappings, lists, tuples, namedtuples and dataclasses; non-tensor values come back
+as the same object. The prefetcher's pinned slots and a pickled ``Batch`` both pack this way.
 """
 
 from __future__ import annotations
@@ -23,14 +20,7 @@ PACK_ALIGN = 256
 
 
 def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
-    """Where tensors go when packed one after another into one byte buffer.
-
-    Args:
-        tensors: the tensors, in packing order.
-
-    Returns:
-        Each tensor's byte offset (multiples of :data:`PACK_ALIGN`) and the bytes needed.
-    """
+    """Aligned byte offsets of tensors packed in order, and the bytes needed."""
     offsets = []
     used = 0
     for t in tensors:
@@ -42,31 +32,13 @@ def packed_offsets(tensors: Sequence[torch.Tensor]) -> tuple[list[int], int]:
 def packed_view(
     buffer: torch.Tensor, offset: int, dtype: torch.dtype, shape: Sequence[int]
 ) -> torch.Tensor:
-    """A tensor packed into a byte buffer.
-
-    Args:
-        buffer: the uint8 buffer.
-        offset: the tensor's first byte.
-        dtype: its type.
-        shape: its shape.
-
-    Returns:
-        A view: writing it writes ``buffer``.
-    """
+    """A view of a tensor packed into ``buffer`` at ``offset``: writing it writes the buffer."""
     nbytes = math.prod(shape) * dtype.itemsize
     return buffer[offset : offset + nbytes].view(dtype).view(tuple(shape))
 
 
 def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
-    """A batch's structure, without its tensors.
-
-    Args:
-        obj: the batch (or a part of it).
-        leaves: its tensors are appended here, in order.
-
-    Returns:
-        A spec tree for :func:`unflatten` that refers to the tensors by index in ``leaves``.
-    """
+    """A batch's structure without its tensors, which are appended to ``leaves`` in order."""
     if isinstance(obj, torch.Tensor):
         leaves.append(obj)
         return ("t", len(leaves) - 1)
@@ -85,15 +57,7 @@ def flatten(obj: Any, leaves: list[torch.Tensor]) -> tuple:
 
 
 def unflatten(spec: tuple, leaves: list[Any]) -> Any:
-    """A batch rebuilt around new tensors.
-
-    Args:
-        spec: what :func:`flatten` returned.
-        leaves: a tensor (or any value) for each index of ``spec``.
-
-    Returns:
-        A new batch of the same types; non-tensor values are the same objects.
-    """
+    """A batch rebuilt from ``flatten``'s spec around new leaves."""
     kind = spec[0]
     if kind == "t":
         return leaves[spec[1]]
@@ -125,15 +89,7 @@ def unflatten(spec: tuple, leaves: list[Any]) -> Any:
 
 
 def cast_tree(batch: Any, cast: Mapping[torch.dtype, torch.dtype]) -> Any:
-    """A batch with some tensor types converted.
-
-    Args:
-        batch: the batch.
-        cast: dtype to convert from -> dtype to convert to.
-
-    Returns:
-        A new batch; the tensors of other types are the same objects.
-    """
+    """A batch with the tensors of ``cast``'s source dtypes converted."""
     leaves: list[torch.Tensor] = []
     spec = flatten(batch, leaves)
     return unflatten(spec, [t.to(cast[t.dtype]) if t.dtype in cast else t for t in leaves])
