@@ -8,11 +8,14 @@ checked against the cache digest and plan options: it resumes at any world size 
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
+import math
 import mmap
 import os
+import threading
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -28,8 +31,15 @@ from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen
 from shardcache.read.collate import pack_batch, packed_layout, pad_batch
 from shardcache.read.mixed_cache import MixedCache
 from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, mixture_changes
-from shardcache.read.plan import EpochPlan, EpochSplit, PlanOptions, plan_epoch, split_epoch
-from shardcache.read.plan_store import plan_digest, shared_plan
+from shardcache.read.plan import (
+    DEFAULT_SHUFFLE_BLOCK,
+    EpochPlan,
+    EpochSplit,
+    PlanOptions,
+    plan_epoch,
+    split_epoch,
+)
+from shardcache.read.plan_store import plan_digest, read_counts, shared_plan, write_counts
 from shardcache.read.prefetch.tree import packed_offsets, packed_view
 from shardcache.read.readahead import (
     ReadAhead,
@@ -37,6 +47,13 @@ from shardcache.read.readahead import (
     ReadStats,
     cache_readahead,
     readahead_options,
+)
+from shardcache.read.streams import (
+    ShardIndex,
+    StreamLayout,
+    StreamPlan,
+    count_batches,
+    own_streams,
 )
 from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
@@ -173,6 +190,11 @@ class ShardDataset(IterableDataset):
         self.seed = seed
         self.epoch = 0
         self.rank, self.world_size = _resolve_rank(rank, world_size)
+        # streams=None: the world size now; a loaded state's streams win (load_state_dict)
+        self._auto_streams = options.streams is None
+        if options.streams is None:
+            options = dataclasses.replace(options, streams=self.world_size)
+            self.options = options
         self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
         self._sources: tuple[Source, ...] | None = None
         self.remix = remix
@@ -201,7 +223,17 @@ class ShardDataset(IterableDataset):
             self._data_identity = _data_identity(cache.caches, *terms)
         self.pad_id = cache.pad_id
         self._lengths: np.ndarray | None = np.asarray(cache.lengths)
-        self._buckets: np.ndarray | None = cache.buckets()
+        self._buckets: np.ndarray | None = None  # every sample id's: only the global plan's
+        self._shard_index: ShardIndex | None = None  # a cache's (a mixture's is per epoch)
+        #: stream batch counts by epoch (small; travel to workers with the dataset)
+        self._counts: dict[int, dict[int, np.ndarray]] = {}
+        self._counting: threading.Thread | None = None  # the next epoch's, in the background
+        self._passes = 0  # passes started by this process (for fetched_over_share)
+        self.cache_bytes = sum(
+            int(info["bytes"])
+            for c in (cache.caches if isinstance(cache, MixedCache) else [cache])
+            for info in c.shards
+        )
         # the dataset owns its cache (close()); spawned workers open their own (__getstate__).
         # A remote one is not kept here: its filesystem client is not fork-safe, and forked
         # DataLoader workers would inherit it
@@ -243,7 +275,8 @@ class ShardDataset(IterableDataset):
     def __getstate__(self) -> dict[str, Any]:
         state = self.__dict__.copy()
         # memory maps do not travel to worker processes: a spawned one opens its own
-        for name in ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets", "_readahead"):
+        names = ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets", "_readahead")
+        for name in (*names, "_shard_index", "_counting"):
             state[name] = None
         return state
 
@@ -255,7 +288,7 @@ class ShardDataset(IterableDataset):
         if self._cache is not None:
             self._cache.close()
         self._cache = self._plan = self._batch_kernels = None
-        self._lengths = self._buckets = None
+        self._lengths = self._buckets = self._shard_index = None
 
     def __enter__(self) -> ShardDataset:
         return self
@@ -270,11 +303,16 @@ class ShardDataset(IterableDataset):
         return self._cache
 
     def _index(self) -> tuple[np.ndarray, np.ndarray]:
-        """The length and bucket of every sample id."""
-        if self._lengths is None or self._buckets is None:
-            cache = self._open()
-            self._lengths, self._buckets = np.asarray(cache.lengths), cache.buckets()
-        return self._lengths, self._buckets
+        """The length and bucket of every sample id (the bucket array only for the global plan)."""
+        if self._buckets is None:
+            self._buckets = self._open().buckets()
+        return self._all_lengths(), self._buckets
+
+    def _all_lengths(self) -> np.ndarray:
+        """The length of every sample id (a memory map of the cache's index)."""
+        if self._lengths is None:
+            self._lengths = np.asarray(self._open().lengths)
+        return self._lengths
 
     # ---- epochs and sizes ------------------------------------------------------------------
 
@@ -317,8 +355,12 @@ class ShardDataset(IterableDataset):
         self._loaded = bool(loaded)
         self._generation = generation
 
-    def plan(self, epoch: int | None = None) -> EpochPlan:
-        """The global batch plan of an epoch for all ranks (computed once per machine and epoch).
+    def plan(self, epoch: int | None = None) -> EpochPlan | StreamPlan:
+        """The global batch plan of an epoch for all ranks.
+
+        With canonical streams (``PlanOptions.streams`` > 0) a ``StreamPlan`` that plans a block
+        of a stream when a batch of it is first asked for; with ``streams=0`` the whole
+        ``EpochPlan``, computed once per machine and epoch.
 
         Args:
             epoch: the epoch (None: the current one).
@@ -328,11 +370,142 @@ class ShardDataset(IterableDataset):
         """
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            options = json.dumps(self.options.to_json(), sort_keys=True)
-            digest = plan_digest(self._data_identity, options, self.seed, epoch)
-            count = len(self._index()[0])
-            self._plan = (epoch, shared_plan(digest, count, lambda: self._plan_epoch(epoch)))
+            if self.options.streams == 0:
+                digest = self._plan_digest(epoch)
+                count = len(self._all_lengths())
+                plan: EpochPlan | StreamPlan = shared_plan(
+                    digest, count, lambda: self._plan_epoch(epoch)
+                )
+            else:
+                plan = self._stream_plan(epoch)
+            self._plan = (epoch, plan)
         return self._plan[1]
+
+    def _plan_digest(self, epoch: int) -> str:
+        options = json.dumps(self.options.to_json(), sort_keys=True)
+        return plan_digest(self._data_identity, options, self.seed, epoch)
+
+    def _stream_layout(self, epoch: int) -> StreamLayout:
+        """An epoch's shards dealt to the canonical streams."""
+        options = self.options
+        assert options.streams  # (plan() takes the global plan for 0)
+        if self._mixture is not None:
+            index = self._mixture_index(epoch)
+        else:
+            if self._shard_index is None:
+                cache = self._open()
+                assert isinstance(cache, Cache)
+                tokens = np.fromiter((int(i["tokens"]) for i in cache.shards), np.int64)
+                self._shard_index = ShardIndex(
+                    cache.shard_starts, tokens, cache.shard_buckets, self._all_lengths()
+                )
+            index = self._shard_index
+        return StreamLayout(
+            index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
+        )
+
+    def _mixture_index(self, epoch: int) -> ShardIndex:
+        """A mixture epoch's chosen documents (repeats included) by the shard that holds them."""
+        assert self._mixture is not None
+        cache = self._open()
+        assert isinstance(cache, MixedCache)
+        lengths, buckets = self._index()
+        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch))
+        offsets = cache.index.offsets
+        shard_starts = np.concatenate(
+            [c.shard_starts[:-1] + offsets[s] for s, c in enumerate(cache.caches)] + [offsets[-1:]]
+        ).astype(np.int64)
+        starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
+        taken = np.asarray(lengths[rows], dtype=np.int64)
+        cum = np.zeros(len(rows) + 1, dtype=np.int64)
+        np.cumsum(taken, out=cum[1:])
+        tokens = cum[starts[1:]] - cum[starts[:-1]]
+        shard_buckets = np.zeros(len(tokens), dtype=np.int32)  # (sample_buckets decide)
+        return ShardIndex(starts, tokens, shard_buckets, lengths, rows, buckets)
+
+    def _stream_counts(self, layout: StreamLayout, epoch: int) -> dict[int, np.ndarray]:
+        """Every block's batch count: this process's, this machine's, or computed here."""
+        counts = self._counts.get(epoch)
+        if counts is not None:
+            return counts
+        thread = self._counting
+        if thread is not None and thread.is_alive():
+            thread.join()  # the next epoch's, counted in the background: nearly done
+            counts = self._counts.get(epoch)
+            if counts is not None:
+                return counts
+        digest = self._plan_digest(epoch)
+        counts = read_counts(digest)
+        if counts is None or set(counts) != set(range(layout.streams)):
+            counts = count_batches(layout, self.options)
+            write_counts(digest, counts)
+        self._counts = {e: c for e, c in self._counts.items() if e > epoch - 2}
+        self._counts[epoch] = counts
+        return counts
+
+    def _stream_plan(self, epoch: int) -> StreamPlan:
+        layout = self._stream_layout(epoch)
+        counts = self._stream_counts(layout, epoch)
+        streams = int(self.options.streams or 1)
+        touched = streams // math.gcd(streams, self.world_size)  # streams this rank reads
+        plan = StreamPlan(layout, self.options, counts, keep=2 * min(touched, 64) + 2)
+        if get_worker_info() is None:
+            self._count_ahead(epoch + 1)
+        return plan
+
+    def _count_ahead(self, epoch: int) -> None:
+        """Count the next epoch's batches in a background thread, so its start does not wait."""
+        if epoch in self._counts or (self._counting is not None and self._counting.is_alive()):
+            return
+
+        def run() -> None:
+            try:
+                layout = self._stream_layout(epoch)
+                digest = self._plan_digest(epoch)
+                counts = read_counts(digest)
+                if counts is None or set(counts) != set(range(layout.streams)):
+                    counts = count_batches(layout, self.options)
+                    write_counts(digest, counts)
+                self._counts[epoch] = counts
+            except Exception:  # the epoch is counted again when it comes, and raises there
+                logger.debug("shardcache: counting epoch %d ahead failed", epoch, exc_info=True)
+
+        self._counting = threading.Thread(target=run, name="shardcache-plan-ahead", daemon=True)
+        self._counting.start()
+
+    def prepare(self, epoch: int | None = None) -> None:
+        """Plan an epoch with the other ranks: each counts its own streams' batches, then all share.
+
+        A collective under ``torch.distributed``: call it on every rank at the same point (for
+        example after ``set_epoch``). Without it each machine counts every stream's batches
+        itself (bounded memory, time in proportion to the epoch).
+
+        Args:
+            epoch: the epoch (None: the current one).
+        """
+        epoch = self.epoch if epoch is None else int(epoch)
+        if self.options.streams == 0 or epoch in self._counts:
+            return
+        dist = torch.distributed
+        if not (dist.is_available() and dist.is_initialized()):
+            self.plan(epoch)
+            return
+        layout = self._stream_layout(epoch)
+        streams = int(self.options.streams or 1)
+        own = count_batches(layout, self.options, own_streams(streams, self.rank, self.world_size))
+        gathered: list[Any] = [None] * dist.get_world_size()
+        dist.all_gather_object(gathered, {s: c.tolist() for s, c in own.items()})
+        counts = {
+            int(s): np.asarray(c, dtype=np.int64) for part in gathered for s, c in part.items()
+        }
+        if set(counts) != set(range(streams)):
+            raise ConfigError(
+                f"ShardDataset.prepare: the ranks counted streams {sorted(counts)[:8]}... of "
+                f"{streams}; every rank must construct the dataset with the same options and "
+                f"world_size={self.world_size} (torch.distributed has {dist.get_world_size()})"
+            )
+        self._counts[epoch] = counts
+        write_counts(self._plan_digest(epoch), counts)
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
         args = (*self._index(), self.options, self.seed, epoch)
@@ -401,7 +574,7 @@ class ShardDataset(IterableDataset):
 
         def count(batches: np.ndarray) -> tuple[int, int]:
             segs = sum(len(plan.batch(int(b))) for b in batches)
-            tokens = sum(plan.token_count(self._index()[0], int(b)) for b in batches)
+            tokens = sum(plan.token_count(self._all_lengths(), int(b)) for b in batches)
             return segs, tokens
 
         dropped, repeated = count(split.dropped), count(split.repeated)
@@ -490,8 +663,17 @@ class ShardDataset(IterableDataset):
                 "position means nothing here. Resume on the cache the state came from, or start "
                 "this cache from epoch 0 without loading the state"
             )
+        # a state of a version without streams was read with the global plan (streams=0)
+        theirs_plan = {"streams": 0, "shuffle_block": DEFAULT_SHUFFLE_BLOCK}
+        theirs_plan.update(dict(state.get("plan") or {}))
+        if self._auto_streams and theirs_plan["streams"] != self.options.streams:
+            streams = theirs_plan["streams"]
+            if isinstance(streams, int) and not isinstance(streams, bool) and streams >= 0:
+                # streams=None means "as the run started": the state says how it started
+                self.options = dataclasses.replace(self.options, streams=streams)
+                self._plan, self._counts = None, {}
         ours = {"seed": self.seed, **self.options.to_json()}
-        theirs = {"seed": state.get("seed"), **dict(state.get("plan") or {})}
+        theirs = {"seed": state.get("seed"), **theirs_plan}
         changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))
         if changed:
             diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {ours.get(k)!r}" for k in changed)
@@ -604,10 +786,11 @@ class ShardDataset(IterableDataset):
         )
 
     def _generate(
-        self, plan: EpochPlan, mine: np.ndarray, positions: np.ndarray, start: int
+        self, plan: EpochPlan | StreamPlan, mine: np.ndarray, positions: np.ndarray, start: int
     ) -> Iterator[Batch]:
         if self._readahead is not None:  # a pass left unfinished: its downloads stop
             self._readahead.close()
+        self._passes += 1
         cache = self._open()
         where = f"ShardDataset({self.path!r})"
         readahead = cache_readahead(
@@ -646,9 +829,17 @@ class ShardDataset(IterableDataset):
         Returns:
             ``batches``, ``first_wait_s`` (first batches), ``wait_s`` / ``longest_wait_s`` (others),
             ``elapsed_s``, ``wait_share``, ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
-            ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own).
+            ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own);
+            ``share_bytes`` (the cache's bytes over the world size) and ``fetched_over_share``
+            (bytes fetched per epoch read, over that share: about 1 when reading locally).
         """
-        return self._stats.as_dict()
+        stats = self._stats.as_dict()
+        share = self.cache_bytes / self.world_size
+        fetched = stats["bytes_ahead"] + stats["bytes_on_demand"]
+        passes = max(self._passes, 1)
+        stats["share_bytes"] = share
+        stats["fetched_over_share"] = fetched / passes / share if share else 0.0
+        return stats
 
     def _log_tail(self, split: EpochSplit) -> None:
         if len(split.dropped) or len(split.repeated):
@@ -666,7 +857,7 @@ class ShardDataset(IterableDataset):
 
     # ---- collation -------------------------------------------------------------------------
 
-    def collate_batch(self, plan: EpochPlan, index: int) -> Batch:
+    def collate_batch(self, plan: EpochPlan | StreamPlan, index: int) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors.
 
         Args:
@@ -679,6 +870,8 @@ class ShardDataset(IterableDataset):
         Raises:
             CorruptShardError: a shard is damaged or disagrees with the length index.
         """
+        if isinstance(plan, StreamPlan):
+            plan, index = plan.locate(index)
         batch = self._collate_batch(plan, index)
         meta = batch["meta"]
         if self._mixture is not None and "source_ids" not in meta:  # (else the kernels did)
@@ -748,7 +941,7 @@ class ShardDataset(IterableDataset):
             The batch, rows padded to the longest (rounded up to ``pad_to_multiple_of``).
         """
         sample_ids = np.asarray(sample_ids)
-        width = int(self.options.padded(int(self._index()[0][sample_ids].max())))
+        width = int(self.options.padded(int(self._all_lengths()[sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
         got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
         batch = pad_batch(
@@ -787,7 +980,7 @@ class ShardDataset(IterableDataset):
     ) -> dict[str, Any]:
         """A packed batch on the numpy path: gathered, then laid out by collate.py."""
         slots = (len(row_bounds) - 1) * seq_len
-        lengths = self._index()[0][ids] - starts if taken is None else taken
+        lengths = self._all_lengths()[ids] - starts if taken is None else taken
         laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
         layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
         got = self._gather(ids, starts, taken, layout)

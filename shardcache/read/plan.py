@@ -22,6 +22,11 @@ from shardcache.read.packing import best_fit_bins, cut_batches, stable_order
 #: padding in pad mode, tighter rows in best_fit) but mix the order less;
 #: benchmarks/bench_read.py measures the efficiency a window size gives.
 DEFAULT_WINDOW_SIZE = 4096
+#: Rows a canonical stream shuffles together (``PlanOptions.shuffle_block``): the unit a rank
+#: plans, holds and fetches at a time; benchmarks/bench_scale.py measures what it costs.
+DEFAULT_SHUFFLE_BLOCK = 1 << 18
+#: The most canonical streams an epoch may have.
+MAX_STREAMS = 1 << 20
 MODES = ("pad", "pack")
 PACKINGS = ("best_fit", "concat")
 TAILS = ("drop", "wrap")
@@ -42,6 +47,13 @@ class PlanOptions:
         packing: ``"best_fit"`` (whole sequences, best-fit decreasing per window) or
             ``"concat"`` (one stream cut every ``seq_len`` tokens; documents may span rows).
         tail: global batches that do not divide among ranks: ``"drop"`` or ``"wrap"``.
+        streams: canonical streams (docs/guide/scale.md): each epoch the shards are dealt to
+            this many streams and global batch ``j`` comes from stream ``j % streams``, so a
+            rank of ``W`` dividing ``streams`` reads only ``1 / W`` of the cache. ``None``
+            (default): the world size when the reader starts (kept by its state on resume);
+            ``0``: one global plan over the whole cache, every rank reading from all shards.
+        shuffle_block: rows a stream shuffles together: larger mixes more, and a rank plans,
+            holds and fetches that many rows of each of its streams at a time.
 
     Raises:
         ConfigError: a field out of range or not valid in its mode (the message names it).
@@ -55,9 +67,14 @@ class PlanOptions:
     seq_len: int | None = None
     packing: str = "best_fit"
     tail: str = "drop"
+    streams: int | None = None
+    shuffle_block: int = DEFAULT_SHUFFLE_BLOCK
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
+        if self.streams is not None:
+            check_int("streams", self.streams, 0, MAX_STREAMS)
+        check_int("shuffle_block", self.shuffle_block, 1)
         check_int("pad_to_multiple_of", self.pad_to_multiple_of, 1)
         check_int("window_size", self.window_size, 1)
         if not isinstance(self.shuffle, bool):
@@ -267,6 +284,13 @@ def plan_epoch(
     if len(lengths) == 0:
         return EpochPlan(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
     rng = np.random.default_rng([seed, epoch]) if options.shuffle else None
+    return plan_sequences(lengths, buckets, options, rng)
+
+
+def plan_sequences(
+    lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, rng: np.random.Generator | None
+) -> EpochPlan:
+    """The batches of some sequences (int64 lengths, at least one) shuffled by ``rng``."""
     planner = _PLANNERS[options.mode if options.mode == "pad" else options.packing]
     return planner(lengths, buckets, options, rng)
 

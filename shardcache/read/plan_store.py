@@ -123,3 +123,28 @@ def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan
             _write(folder, plan)
             _evict(root, keep=folder)
         return plan
+
+
+def _counts_path(digest: str) -> str:
+    return os.path.join(cache_root(), PLANS_DIR, f"{digest}.counts.json")
+
+
+def read_counts(digest: str) -> dict[int, np.ndarray] | None:
+    """Stream batch counts another process of this machine stored, or None."""
+    try:
+        data = read_json_or_none(_counts_path(digest))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
+        return None
+    try:
+        return {int(k): np.asarray(v, dtype=np.int64) for k, v in data.items()}
+    except (TypeError, ValueError):
+        return None
+
+
+def write_counts(digest: str, counts: dict[int, np.ndarray]) -> None:
+    """Store stream batch counts for the other processes of this machine (best effort)."""
+    with contextlib.suppress(OSError):
+        os.makedirs(os.path.join(cache_root(), PLANS_DIR), exist_ok=True)
+        write_json_atomic(_counts_path(digest), {str(k): v.tolist() for k, v in counts.items()})

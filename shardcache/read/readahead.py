@@ -24,6 +24,7 @@ from shardcache.config import check_fraction, check_int, parse_size
 from shardcache.errors import CacheError, ConfigError, ShardcacheError
 from shardcache.read.mixed_cache import MixedCache
 from shardcache.read.plan import EpochPlan
+from shardcache.read.streams import StreamPlan
 from shardcache.store.cache import Cache
 from shardcache.store.remote import RemoteCache, cache_size_bytes
 
@@ -360,7 +361,7 @@ def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
 
 def cache_readahead(
     cache: Cache | MixedCache,
-    plan: EpochPlan,
+    plan: EpochPlan | StreamPlan,
     batches: np.ndarray,
     options: ReadAheadOptions,
     stats: ReadStats,

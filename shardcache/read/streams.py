@@ -1,0 +1,269 @@
+"""Canonical streams: an epoch plan each rank computes, and reads, only its part of.
+
+Each epoch the shards are permuted (seeded by seed and epoch) and their rows, in that order,
+are cut by tokens into ``C`` streams; a stream is cut into blocks of ``shuffle_block`` rows, and
+each block is planned on its own by the global planner (``plan.plan_sequences``: every mode and
+packing) with a seed of its own. Global batch ``j`` is batch ``j // C`` of stream ``j % C``
+while every stream has one (full rounds); the extra batches of the longer streams follow, round
+by round. Ranks take global batches ``c + r + kW`` as with the global plan, so when ``W``
+divides ``C`` a rank reads only the shards of its ``C / W`` streams, about ``1 / W`` of the
+cache per epoch; any ``W`` and ``num_workers`` read the same global sequence.
+
+Memory is the shard table (``O(shards)``) plus the block plans in use; the only ``O(epoch)``
+cost is time: the batch count of every block, which a rank may compute for its own streams and
+exchange (``own_streams``). One stream of one block is exactly ``plan_epoch``'s plan.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import numpy as np
+
+from shardcache.read.plan import EpochPlan, PlanOptions, plan_sequences
+
+#: Mixed into the seed of the shard permutation so that it never equals a block's stream.
+_LAYOUT_KEY = 0x5354524D
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """What the stream planner reads of a cache: rows per shard, tokens, buckets, lengths.
+
+    Shard ``x`` holds rows ``starts[x]:starts[x + 1]``; row ``i`` is sample id ``i`` (or
+    ``rows[i]`` when given: a mixture's chosen documents, repeats included, grouped by shard).
+    ``lengths`` is indexed by sample id and may be a memory map: only read rows are touched.
+    ``buckets`` holds one bucket per shard, or ``sample_buckets`` one per sample id where a
+    shard's rows may fall in several (a mixture of caches with other bucket edges).
+    """
+
+    starts: np.ndarray
+    tokens: np.ndarray
+    buckets: np.ndarray
+    lengths: np.ndarray
+    rows: np.ndarray | None = None
+    sample_buckets: np.ndarray | None = None
+
+    @property
+    def num_shards(self) -> int:
+        """Shards in the table."""
+        return len(self.starts) - 1
+
+    def row_lengths(self, first: int, last: int) -> np.ndarray:
+        """Lengths of rows ``first:last`` (int64)."""
+        ids = np.arange(first, last) if self.rows is None else self.rows[first:last]
+        return np.asarray(self.lengths[ids], dtype=np.int64)
+
+
+class StreamLayout:
+    """An epoch's streams: the permuted shards, and each stream's range of permuted rows."""
+
+    def __init__(
+        self, index: ShardIndex, streams: int, block: int, seed: int, epoch: int, shuffle: bool
+    ) -> None:
+        self.index, self.streams, self.block = index, streams, block
+        self.seed, self.epoch, self.shuffle = seed, epoch, shuffle
+        num_shards = index.num_shards
+        if shuffle:
+            rng = np.random.default_rng([seed, epoch, _LAYOUT_KEY])
+            self.perm = rng.permutation(num_shards).astype(np.int64)
+        else:
+            self.perm = np.arange(num_shards, dtype=np.int64)
+        rows = np.diff(index.starts)[self.perm]
+        #: rows before each permuted shard (the permuted row space), one more than shards
+        self.row_cum = np.zeros(num_shards + 1, dtype=np.int64)
+        np.cumsum(rows, out=self.row_cum[1:])
+        token_cum = np.zeros(num_shards + 1, dtype=np.int64)
+        np.cumsum(np.asarray(index.tokens, dtype=np.int64)[self.perm], out=token_cum[1:])
+        total = int(token_cum[-1])
+        #: each stream's first permuted row, one more than streams
+        self.bounds = np.zeros(streams + 1, dtype=np.int64)
+        self.bounds[-1] = self.row_cum[-1]
+        for s in range(1, streams):  # the first row boundary at or after s / C of the tokens
+            target = total * s // streams
+            p = int(np.searchsorted(token_cum, target, side="right")) - 1
+            p = min(p, num_shards - 1)
+            x = int(self.perm[p])
+            inside = np.cumsum(index.row_lengths(int(index.starts[x]), int(index.starts[x + 1])))
+            q = int(np.searchsorted(inside, target - int(token_cum[p]), side="left")) + 1
+            q = 0 if target <= int(token_cum[p]) else min(q, len(inside))
+            self.bounds[s] = max(int(self.row_cum[p]) + q, int(self.bounds[s - 1]))
+        sizes = np.diff(self.bounds)
+        #: blocks of each stream
+        self.blocks = -(-sizes // block)
+
+    def block_rows(self, stream: int, block: int) -> tuple[int, int]:
+        """The permuted rows ``[first, last)`` of one block of one stream."""
+        first = int(self.bounds[stream]) + block * self.block
+        return first, min(first + self.block, int(self.bounds[stream + 1]))
+
+    def block_ids(self, stream: int, block: int) -> tuple[np.ndarray, np.ndarray]:
+        """The sample ids (ascending) and buckets of one block."""
+        first, last = self.block_rows(stream, block)
+        p0 = int(np.searchsorted(self.row_cum, first, side="right")) - 1
+        p1 = int(np.searchsorted(self.row_cum, last, side="left"))
+        shards = self.perm[p0:p1]
+        lo = np.maximum(self.row_cum[p0:p1], first) - self.row_cum[p0:p1]
+        hi = np.minimum(self.row_cum[p0 + 1 : p1 + 1], last) - self.row_cum[p0:p1]
+        take = hi - lo
+        starts = self.index.starts[shards] + lo
+        # one arange over all pieces: each piece's rows are consecutive
+        offsets = np.repeat(starts - np.r_[0, np.cumsum(take)[:-1]], take)
+        rows = np.arange(int(take.sum()), dtype=np.int64) + offsets
+        ids = rows if self.index.rows is None else np.asarray(self.index.rows[rows], np.int64)
+        if self.index.sample_buckets is None:
+            buckets = np.repeat(np.asarray(self.index.buckets)[shards], take)
+        else:
+            buckets = np.asarray(self.index.sample_buckets[ids])
+        order = np.argsort(ids, kind="stable")
+        return ids[order], buckets[order]
+
+    def shards_of_stream(self, stream: int) -> np.ndarray:
+        """The shards a stream reads (a boundary shard belongs to both of its streams)."""
+        first, last = int(self.bounds[stream]), int(self.bounds[stream + 1])
+        if last <= first:
+            return np.zeros(0, dtype=np.int64)
+        p0 = int(np.searchsorted(self.row_cum, first, side="right")) - 1
+        p1 = int(np.searchsorted(self.row_cum, last, side="left"))
+        return self.perm[p0:p1]
+
+
+def plan_block(layout: StreamLayout, options: PlanOptions, stream: int, block: int) -> EpochPlan:
+    """One block's batches, its sample ids global; one stream of one block is ``plan_epoch``."""
+    ids, buckets = layout.block_ids(stream, block)
+    if len(ids) == 0:
+        return EpochPlan(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
+    rng = None
+    if layout.shuffle:
+        single = layout.streams == 1 and int(layout.blocks[0]) == 1
+        key = [layout.seed, layout.epoch] if single else [layout.seed, layout.epoch, stream, block]
+        rng = np.random.default_rng(key)
+    lengths = np.asarray(layout.index.lengths[ids], dtype=np.int64)
+    plan = plan_sequences(lengths, buckets, options, rng)
+    return EpochPlan(
+        plan.batch_offsets, ids[plan.sample_ids], plan.row_offsets, plan.seg_starts,
+        plan.seg_lengths,
+    )  # fmt: skip
+
+
+def own_streams(streams: int, rank: int, world_size: int) -> list[int]:
+    """The streams whose batch counts rank ``rank`` computes when ranks share the work."""
+    return list(range(rank, streams, world_size))
+
+
+def count_batches(
+    layout: StreamLayout, options: PlanOptions, streams: list[int] | None = None
+) -> dict[int, np.ndarray]:
+    """The batches of every block of some streams (all by default), one block in memory."""
+    chosen = range(layout.streams) if streams is None else streams
+    return {
+        s: np.array(
+            [len(plan_block(layout, options, s, b)) for b in range(int(layout.blocks[s]))],
+            dtype=np.int64,
+        )
+        for s in chosen
+    }
+
+
+class StreamPlan:
+    """The global batches of one epoch over canonical streams, planned block by block.
+
+    It answers what an ``EpochPlan`` answers (``len``, ``batch``, ``segments``, ``row_bounds``,
+    ``packed_segments``, ``token_count``) for a global batch index, planning the block that
+    holds it on first use and keeping the last ``keep`` blocks.
+    """
+
+    def __init__(
+        self,
+        layout: StreamLayout,
+        options: PlanOptions,
+        counts: dict[int, np.ndarray] | None = None,
+        keep: int = 4,
+    ) -> None:
+        self.layout, self.options = layout, options
+        if counts is None:
+            counts = count_batches(layout, options)
+        missing = sorted(set(range(layout.streams)) - set(counts))
+        if missing:
+            raise ValueError(f"stream plan: no batch counts for streams {missing[:8]}")
+        self.block_offsets = []
+        for s in range(layout.streams):
+            off = np.zeros(int(layout.blocks[s]) + 1, dtype=np.int64)
+            np.cumsum(counts[s], out=off[1:])
+            self.block_offsets.append(off)
+        per_stream = np.array([int(o[-1]) for o in self.block_offsets], dtype=np.int64)
+        self.stream_batches = per_stream
+        streams = layout.streams
+        self.rounds = int(per_stream.min()) if streams else 0
+        self.full = self.rounds * streams
+        # the batches past the full rounds, round by round, streams in order
+        extra = per_stream - self.rounds
+        tail_stream = np.repeat(np.arange(streams, dtype=np.int64), extra)
+        tail_k = np.arange(int(extra.sum()), dtype=np.int64) - np.repeat(
+            np.r_[0, np.cumsum(extra)[:-1]] - self.rounds, extra
+        )
+        order = np.lexsort((tail_stream, tail_k))
+        self.tail_stream, self.tail_k = tail_stream[order], tail_k[order]
+        self._total = self.full + len(self.tail_stream)
+        self.keep = max(int(keep), 1)
+        self._blocks: OrderedDict[tuple[int, int], EpochPlan] = OrderedDict()
+
+    def __len__(self) -> int:
+        return self._total
+
+    def counts(self) -> dict[int, np.ndarray]:
+        """Every block's batch count, by stream (what another process may build this from)."""
+        return {s: np.diff(o) for s, o in enumerate(self.block_offsets)}
+
+    def stream_of(self, index: int) -> tuple[int, int]:
+        """``(stream, batch within the stream)`` of a global batch."""
+        if not 0 <= index < self._total:
+            raise IndexError(f"global batch {index} of a plan of {self._total}")
+        if index < self.full:
+            return index % self.layout.streams, index // self.layout.streams
+        t = index - self.full
+        return int(self.tail_stream[t]), int(self.tail_k[t])
+
+    def locate(self, index: int) -> tuple[EpochPlan, int]:
+        """The block plan holding a global batch, and the batch's index in it."""
+        stream, k = self.stream_of(index)
+        off = self.block_offsets[stream]
+        block = int(np.searchsorted(off, k, side="right")) - 1
+        key = (stream, block)
+        plan = self._blocks.get(key)
+        if plan is None:
+            plan = plan_block(self.layout, self.options, stream, block)
+            self._blocks[key] = plan
+            while len(self._blocks) > self.keep:
+                self._blocks.popitem(last=False)
+        else:
+            self._blocks.move_to_end(key)
+        return plan, k - int(off[block])
+
+    def batch(self, index: int) -> np.ndarray:
+        """The sample ids of one global batch."""
+        plan, local = self.locate(index)
+        return plan.batch(local)
+
+    def segments(self, index: int) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``(sample_ids, starts, lengths)`` of one global batch (as ``EpochPlan.segments``)."""
+        plan, local = self.locate(index)
+        return plan.segments(local)
+
+    def row_bounds(self, index: int) -> np.ndarray:
+        """Where the rows of one global batch begin (as ``EpochPlan.row_bounds``)."""
+        plan, local = self.locate(index)
+        return plan.row_bounds(local)
+
+    def packed_segments(
+        self, index: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, np.ndarray]:
+        """Segments and row bounds of one global batch (as ``EpochPlan.packed_segments``)."""
+        plan, local = self.locate(index)
+        return plan.packed_segments(local)
+
+    def token_count(self, lengths: np.ndarray, index: int) -> int:
+        """The real tokens of one global batch."""
+        plan, local = self.locate(index)
+        return plan.token_count(lengths, local)

@@ -1,0 +1,173 @@
+"""Canonical streams: the plan each rank computes only its part of (shardcache/read/streams.py)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from shardcache.read.plan import PlanOptions, plan_epoch, split_epoch
+from shardcache.read.streams import (
+    ShardIndex,
+    StreamLayout,
+    StreamPlan,
+    count_batches,
+    own_streams,
+)
+
+OPTIONS = {
+    "pad": PlanOptions(max_tokens=256, window_size=64),
+    "best_fit": PlanOptions(max_tokens=256, mode="pack", seq_len=64, window_size=64),
+    "concat": PlanOptions(
+        max_tokens=256, mode="pack", seq_len=64, packing="concat", window_size=64
+    ),
+}
+
+
+def synthetic(num_shards: int = 40, rows: int = 50, seed: int = 0) -> ShardIndex:
+    """Bucket-homogeneous shards of random lengths, as a build writes them."""
+    rng = np.random.default_rng(seed)
+    sizes = rng.integers(1, 2 * rows, num_shards)
+    buckets = np.sort(rng.integers(0, 3, num_shards))
+    edges = np.array([1, 16, 40, 64])
+    lengths = np.concatenate(
+        [rng.integers(edges[b], edges[b + 1], n) for b, n in zip(buckets, sizes)]
+    ).astype(np.int32)
+    starts = np.zeros(num_shards + 1, dtype=np.int64)
+    np.cumsum(sizes, out=starts[1:])
+    tokens = np.add.reduceat(lengths.astype(np.int64), starts[:-1])
+    return ShardIndex(starts, tokens, buckets, lengths)
+
+
+def stream_plan(index, options, streams, block, seed=0, epoch=0):
+    layout = StreamLayout(index, streams, block, seed, epoch, options.shuffle)
+    return StreamPlan(layout, options, count_batches(layout, options))
+
+
+def covered(plan, lengths) -> np.ndarray:
+    """Tokens of each sample id the plan's batches take (whole sequences or segments)."""
+    taken = np.zeros(len(lengths), dtype=np.int64)
+    for j in range(len(plan)):
+        ids, _, seg = plan.segments(j)
+        np.add.at(taken, ids, lengths[ids] if seg is None else seg)
+    return taken
+
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_one_stream_of_one_block_is_the_global_plan(mode, shuffle):
+    index = synthetic()
+    options = PlanOptions(**{**OPTIONS[mode].to_json(), "shuffle": shuffle})
+    ours = stream_plan(index, options, streams=1, block=10**9, seed=3, epoch=2)
+    theirs = plan_epoch(
+        index.lengths, np.repeat(index.buckets, np.diff(index.starts)), options, 3, 2
+    )
+    assert len(ours) == len(theirs)
+    for j in range(len(theirs)):
+        for a, b in zip(ours.packed_segments(j), theirs.packed_segments(j)):
+            assert (a is None and b is None) or np.array_equal(a, b)
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    mode=st.sampled_from(list(OPTIONS)),
+    streams=st.integers(1, 12),
+    block=st.integers(1, 400),
+    seed=st.integers(0, 3),
+    shards=st.integers(1, 30),
+)
+def test_every_sequence_is_planned_once_within_budget(mode, streams, block, seed, shards):
+    index = synthetic(shards, 20, seed)
+    options = OPTIONS[mode]
+    plan = stream_plan(index, options, streams, block, seed)
+    assert np.array_equal(covered(plan, index.lengths.astype(np.int64)), index.lengths)
+    for j in range(len(plan)):
+        ids, _, seg = plan.segments(j)
+        rows = len(plan.row_bounds(j)) - 1
+        if options.mode == "pad":
+            assert rows * int(index.lengths[ids].max()) <= options.max_tokens
+        else:
+            assert rows <= options.max_tokens // options.seq_len
+
+
+def test_a_rank_reads_only_its_streams_shards_in_the_full_rounds():
+    index = synthetic(64, 40)
+    options = OPTIONS["pad"]
+    streams, world = 8, 4
+    plan = stream_plan(index, options, streams, block=300, seed=1)
+    starts = index.starts
+    assert plan.rounds > 0
+    for start in (0, 5):  # a resumed cursor moves every rank to other streams, still local
+        split = split_epoch(len(plan), world, start)
+        for rank in range(world):
+            mine = {(start + rank + s) % streams for s in range(0, streams, world)}
+            allowed = set(np.concatenate([plan.layout.shards_of_stream(s) for s in mine]).tolist())
+            for j in split.for_rank(rank).tolist():
+                if j >= plan.full:
+                    continue
+                ids = plan.batch(j)
+                shards = set((np.searchsorted(starts, ids, side="right") - 1).tolist())
+                assert shards <= allowed, (rank, j)
+
+
+def test_streams_share_the_shards_by_tokens():
+    index = synthetic(200, 40)
+    layout = StreamLayout(index, 8, 1000, 0, 0, True)
+    tokens = [
+        int(np.sum(index.lengths[layout.block_ids(s, b)[0]], dtype=np.int64))
+        for s in range(8)
+        for b in range(int(layout.blocks[s]))
+    ]
+    per_stream = np.add.reduceat(tokens, np.r_[0, np.cumsum(layout.blocks)[:-1]])
+    longest = int(index.lengths.max())
+    assert per_stream.max() - per_stream.min() <= 2 * longest  # cut at row boundaries
+    # every shard is read by one stream, or two where a boundary falls inside it
+    owners = np.concatenate([layout.shards_of_stream(s) for s in range(8)])
+    assert set(owners.tolist()) == set(range(200))
+    assert len(owners) <= 200 + 7
+
+
+def test_counts_computed_by_each_rank_for_its_own_streams_give_the_same_plan():
+    index = synthetic(50, 40)
+    options = OPTIONS["best_fit"]
+    layout = StreamLayout(index, 6, 200, 2, 1, True)
+    counts: dict[int, np.ndarray] = {}
+    for rank in range(4):
+        counts.update(count_batches(layout, options, own_streams(6, rank, 4)))
+    shared = StreamPlan(layout, options, counts)
+    alone = StreamPlan(layout, options, count_batches(layout, options))
+    assert len(shared) == len(alone)
+    for j in range(len(alone)):
+        assert np.array_equal(shared.batch(j), alone.batch(j))
+
+
+def test_the_order_changes_with_the_epoch_and_holds_for_a_seed():
+    index = synthetic(40, 40)
+    options = OPTIONS["pad"]
+    first = stream_plan(index, options, 4, 200, seed=0, epoch=0)
+    again = stream_plan(index, options, 4, 200, seed=0, epoch=0)
+    other = stream_plan(index, options, 4, 200, seed=0, epoch=1)
+    assert [first.batch(j).tolist() for j in range(len(first))] == [
+        again.batch(j).tolist() for j in range(len(again))
+    ]
+    assert [first.batch(j).tolist() for j in range(len(first))] != [
+        other.batch(j).tolist() for j in range(len(other))
+    ]
+
+
+def test_a_mixture_index_plans_its_chosen_rows_with_repeats():
+    base = synthetic(10, 30)
+    # every document of shard 0 twice, of the others once: rows list sample ids by shard
+    n0 = int(base.starts[1])
+    rows = np.concatenate([np.repeat(np.arange(n0), 2), np.arange(n0, int(base.starts[-1]))])
+    starts = base.starts.copy()
+    starts[1:] += n0
+    tokens = base.tokens.copy()
+    tokens[0] *= 2
+    index = ShardIndex(starts, tokens, base.buckets, base.lengths, rows=rows)
+    plan = stream_plan(index, OPTIONS["pad"], 3, 50)
+    taken = covered(plan, base.lengths.astype(np.int64))
+    expected = base.lengths.astype(np.int64).copy()
+    expected[:n0] *= 2
+    assert np.array_equal(taken, expected)
