@@ -1,6 +1,8 @@
 """Whole epochs read from fixed, committed caches equal the batches recorded from the reader
 as it was before its rewrite (pad, pack concat, pack best_fit; a plain, a chat and a zstd
-cache; several seeds, ranks and epochs; compiled kernels on and off).
+cache; several seeds, ranks and epochs; compiled kernels on and off). The one-process cases
+read with the default canonical streams (one stream of one block is the global plan); the
+two-rank cases ask for the global plan (``streams=0``).
 
 The caches under ``tests/read/data/epochs/`` were built once and committed, so the test does
 not depend on the build pipeline. ``recorded_epochs.json`` holds, per case and batch, the
@@ -34,7 +36,7 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "plain-pad": ("plain", 0, {"max_tokens": 512, "seed": 0}),
     "plain-pad-multiple-rank1": (
         "plain", 1, {"max_tokens": 512, "seed": 3, "pad_to_multiple_of": 8, "rank": 1,
-                     "world_size": 2}),
+                     "world_size": 2, "streams": 0}),
     "plain-pad-unshuffled": ("plain", 0, {"max_tokens": 384, "shuffle": False}),
     "plain-concat": (
         "plain", 0, {"max_tokens": 512, "seed": 1, "mode": "pack", "packing": "concat",
@@ -42,7 +44,7 @@ CASES: dict[str, tuple[str, int, dict[str, Any]]] = {
     "plain-concat-mask-rank0": (
         "plain", 2, {"max_tokens": 256, "seed": 2, "mode": "pack", "packing": "concat",
                      "seq_len": 32, "attention": "mask", "rank": 0, "world_size": 2,
-                     "ids_dtype": "int64"}),
+                     "ids_dtype": "int64", "streams": 0}),
     "plain-best-fit": (
         "plain", 0, {"max_tokens": 512, "seed": 4, "mode": "pack", "packing": "best_fit",
                      "seq_len": 64, "attention": "varlen"}),
