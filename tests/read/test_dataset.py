@@ -363,9 +363,7 @@ def test_plain_dataloader_resumes_from_a_step_count_with_real_workers(cache_dir)
 @pytest.mark.parametrize("extra", [{}, {**PACK, "seq_len": 64}])
 def test_elastic_resume_neither_repeats_nor_skips(cache_dir, world, new_world, extra):
     def make(rank, w):  # the run's streams, whatever the world size reading it
-        return ShardDataset(
-            cache_dir, 128, seed=3, rank=rank, world_size=w, streams=world, **extra
-        )
+        return ShardDataset(cache_dir, 128, seed=3, rank=rank, world_size=w, streams=world, **extra)
 
     plan = make(0, 1).plan()
     first = [make(r, world) for r in range(world)]

@@ -83,7 +83,7 @@ def test_every_sequence_is_planned_once_within_budget(mode, streams, block, seed
     plan = stream_plan(index, options, streams, block, seed)
     assert np.array_equal(covered(plan, index.lengths.astype(np.int64)), index.lengths)
     for j in range(len(plan)):
-        ids, _, seg = plan.segments(j)
+        ids, _, _ = plan.segments(j)
         rows = len(plan.row_bounds(j)) - 1
         if options.mode == "pad":
             assert rows * int(index.lengths[ids].max()) <= options.max_tokens
