@@ -493,7 +493,12 @@ def check(targets: tuple[str, ...], lock_path: str | None, inputs: tuple[str, ..
         click.echo(json.dumps({"what": what, **comparison.to_json()}, indent=1, default=str))
     else:
         verdict = "compatible" if comparison.compatible else "NOT compatible"
-        click.echo(f"{what}: {verdict} (key {old.digest[:12]} -> {new.digest[:12]})")
+        current = comparison.compared_digest  # the skipped components are not a difference
+        keys = old.digest[:12] if current == old.digest else f"{old.digest[:12]} -> {current[:12]}"
+        skipped = [n for n, s in comparison.status.items() if s == "skipped"]
+        if skipped:
+            keys += f"; {', '.join(skipped)} not compared"
+        click.echo(f"{what}: {verdict} (key {keys})")
         details = comparison.describe()
         if details:
             click.echo(details)

@@ -4,7 +4,8 @@ Partitions have stable ids ``p00000``... in (file, position) order: a large file
 slices, consecutive small files are gathered into one partition. The plan, split files'
 sha256 and an options/inputs fingerprint are written to ``parts/build.json`` before any
 partition runs. A recorded plan with the same fingerprint is resumed (completed partitions
-are kept); another fingerprint is refused unless ``--force``. Resume deletes nothing: the
+are kept); another fingerprint is refused unless ``--force``, or unless that build kept no
+shard (nothing to lose, so it is replaced). Resume deletes nothing: the
 commit removes files no record lists.
 """
 
@@ -367,6 +368,22 @@ def completed(storage: Storage, partitions: list[Partition]) -> dict[str, Partit
     return done
 
 
+def kept_documents(storage: Storage, state: dict[str, Any]) -> bool:
+    """Whether a recorded build's completion records list a shard: work a restart would lose.
+
+    A build whose partitions all failed, or stored nothing (every record bad), kept nothing.
+    """
+    ids = [p.get("id") for p in state.get("partitions") or [] if isinstance(p, dict)]
+    records = storage.read_many([f"{PARTS_DIR}/{i}.json" for i in ids if isinstance(i, str)])
+    for data in records.values():
+        try:
+            if data is not None and json.loads(data)["shards"]:
+                return True
+        except (KeyError, TypeError, ValueError, RecursionError):  # damaged: not reusable
+            continue
+    return False
+
+
 def _refused(location: str, state: dict[str, Any], options: BuildOptions,
              inputs: list[InputFile], share: Share | None) -> CacheError:  # fmt: skip
     what = what_changed(state, options, inputs) or "fingerprint differs"
@@ -391,12 +408,14 @@ def plan_output(
     With ``--force`` (never a share) or no plan, the build's files are deleted (a share deletes
     none) and a new plan is written; every share of a job array computes the same one. Call it
     with the committed manifest gone and, locally, the build lock held. ``CacheError``: the
-    output holds a build with other options or inputs.
+    output holds a build with other options or inputs that kept shards (or, for a share, any).
     """
     state = storage.read_json(f"{PARTS_DIR}/{BUILD_STATE}")
     fingerprint = fingerprint_of(options, inputs)
     if state is not None and state.get("fingerprint") != fingerprint and not options.force:
-        raise _refused(storage.location, state, options, inputs, share)
+        if share is not None or kept_documents(storage, state):
+            raise _refused(storage.location, state, options, inputs, share)
+        state = None  # it kept nothing (e.g. a wrong --text-field): nothing to force away
     if state is not None and not options.force:
         return plan_from_json(state, options, inputs)
     if share is None:

@@ -361,7 +361,6 @@ class ChatEncoder:
         return {
             "kind": "chat",
             "source": self.renderer.template,
-            "template_from": self.renderer.template_kind,
             "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
             "train_on": self.options.train_on,
             "bos_policy": "template, plus one BOS if the tokenizer adds BOS and none is written",

@@ -253,7 +253,7 @@ def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str
         raise SourceError(
             f"build kept no document: all {records} records of {len(plan.inputs)} input file(s) "
             f"are bad ({reasons or 'the inputs hold no record'}){hint}; {where}. Nothing was "
-            "committed: fix the options (a changed option needs --force) or the input"
+            "committed or kept: fix the options or the input and rerun (no --force needed)"
         )
     raise SourceError(
         f"build: {n_bad} of {records} records ({n_bad / records:.1%}) are bad, more than "

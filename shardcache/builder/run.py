@@ -162,8 +162,8 @@ def build_cache(
 
     Raises:
         BuildLockedError: another live build holds the output.
-        CacheError: the output holds a committed cache or an interrupted build with other
-            options or inputs, or cannot be written or reached.
+        CacheError: the output holds a committed cache, or an interrupted build that kept
+            shards, with other options or inputs, or cannot be written or reached.
         SourceError: unreadable inputs, or too many bad records to commit.
         ShardcacheError: ``strict_lint`` is set and the chat lint found problems.
     """

@@ -269,3 +269,49 @@ def refuse_colliding_builds(root: str, name: str) -> None:
         f"{holder['pid']} on {where}; {len(running)} running build(s) in all): they would "
         f"remove or rebuild each other's files; {advice}"
     )
+
+
+def _holder_place(holder: dict[str, Any]) -> str:
+    """``pid 12 on this host, started 2025-01-02 03:04:05`` for messages."""
+    host, started = holder.get("host"), holder.get("started")
+    where = "this host" if host == socket.gethostname() else f"host {host!r}"
+    since = (
+        f", started {time.strftime('%Y-%m-%d %H:%M:%S', time.localtime(started))}"
+        if isinstance(started, (int, float)) and started > 0
+        else ""
+    )
+    return f"pid {holder['pid']} on {where}{since}"
+
+
+def running_build(root: str) -> str | None:
+    """What a reader of ``root`` is told when a live build holds it (its pid, what to do), or None.
+
+    Unlike a build's own checks this counts this process's lock too; another host's lock counts
+    as live (it cannot be checked), so it is named with its host.
+    """
+
+    def live(path: str) -> dict[str, Any] | None:
+        holder = read_owner(path)
+        if not holder or not isinstance(holder.get("pid"), int):
+            return None
+        if holder.get("host") == socket.gethostname() and not pid_alive(holder["pid"]):
+            return None
+        return holder
+
+    holder = live(os.path.join(root, LOCK_NAME))
+    if holder is not None:
+        return (
+            f"a build is running there ({_holder_place(holder)}); wait for it to finish (the "
+            "manifest is written last), or stop it and rerun the same build to resume it"
+        )
+    with contextlib.suppress(OSError), os.scandir(os.path.join(root, SHARES_DIR)) as entries:
+        for entry in sorted(entries, key=lambda e: e.name):
+            share = parse_share_name(entry.name)
+            holder = live(os.path.join(entry.path, LOCK_NAME)) if share else None
+            if share is not None and holder is not None:
+                return (
+                    f"share {share[0]}/{share[1]} of a job-array build is running there "
+                    f"({_holder_place(holder)}); when every share is done, run "
+                    f"`shardcache commit {root}`"
+                )
+    return None

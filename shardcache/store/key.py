@@ -83,34 +83,41 @@ class CacheKey:
                 f"cache key: key_version {data.get('key_version')!r} is not supported "
                 f"(this shardcache uses {KEY_VERSION}); rebuild or re-lock with this version"
             )
-        return cls(dict(data["components"]))
+        components = dict(data["components"])
+        for name, fields in PROVENANCE_FIELDS.items():
+            value = components.get(name)
+            if isinstance(value, Mapping) and any(f in value for f in fields):
+                components[name] = {k: v for k, v in value.items() if k not in fields}
+        return cls(components)
 
     def with_component(self, name: str, value: Any) -> CacheKey:
         """A copy with one component replaced."""
         return CacheKey({**self.components, name: value})
 
 
-def _flatten(value: Any, prefix: str = "") -> dict[str, Any]:
-    if isinstance(value, Mapping) and value:
-        out: dict[str, Any] = {}
-        for k in sorted(value):
-            out.update(_flatten(value[k], f"{prefix}.{k}" if prefix else str(k)))
-        return out
-    return {prefix: value}
+#: A field one side of a difference lacks: ``"<absent>"`` in JSON, ``(absent)`` in ``describe``.
+ABSENT = "<absent>"
+
+#: Fields keys once recorded that say where a value came from, not what it is: dropped when a
+#: recorded key is read, so an old cache or lock compares (and digests) as a new one would.
+PROVENANCE_FIELDS = {"template": ("template_from",)}
+
+
+def _field_diff(name: str, path: str, old: Any, new: Any, severity: str) -> list[Difference]:
+    """The differences under ``path``: per field where both sides are objects, else whole."""
+    if canonical_json(old) == canonical_json(new):
+        return []
+    if not (isinstance(old, Mapping) and isinstance(new, Mapping)):
+        return [Difference(name, path, old, new, severity)]
+    diffs: list[Difference] = []
+    for k in sorted(set(old) | set(new), key=str):
+        sub = f"{path}.{k}" if path else str(k)
+        diffs += _field_diff(name, sub, old.get(k, ABSENT), new.get(k, ABSENT), severity)
+    return diffs
 
 
 def _component_diff(name: str, old: Any, new: Any, severity: str) -> list[Difference]:
-    if canonical_json(old) == canonical_json(new):
-        return []
-    if not isinstance(old, Mapping) or not isinstance(new, Mapping):
-        return [Difference(name, "", old, new, severity)]
-    a, b = _flatten(old), _flatten(new)
-    diffs = []
-    for path in sorted(set(a) | set(b)):
-        va, vb = a.get(path, "<absent>"), b.get(path, "<absent>")
-        if canonical_json(va) != canonical_json(vb):
-            diffs.append(Difference(name, path, va, vb, severity))
-    return diffs or [Difference(name, "", old, new, severity)]
+    return _field_diff(name, "", old, new, severity)
 
 
 @dataclass
@@ -121,6 +128,16 @@ class KeyComparison:
     actual: CacheKey
     status: dict[str, str] = field(default_factory=dict)
     differences: list[Difference] = field(default_factory=list)
+
+    @property
+    def compared_digest(self) -> str:
+        """The current side's digest with the skipped components taken from the recorded side.
+
+        Equal to ``expected.digest`` exactly when every compared hard component is the same.
+        """
+        skipped = {n: self.expected.components.get(n) for n, s in self.status.items()
+                   if s == "skipped"}  # fmt: skip
+        return CacheKey({**self.actual.components, **skipped}).digest
 
     @property
     def compatible(self) -> bool:
@@ -148,7 +165,8 @@ class KeyComparison:
         for d in self.differences:
             where = f"{d.component}.{d.field}" if d.field else d.component
             tag = "warning" if d.severity == "warning" else "changed"
-            lines.append(f"  {tag:8s} {where}: {_short(d.old, limit)} -> {_short(d.new, limit)}")
+            old, new = _short(d.old, limit), _short(d.new, limit)
+            lines.append(f"  {tag:8s} {where}: {old} -> {new}")
         skipped = [n for n, s in self.status.items() if s == "skipped"]
         if skipped:
             lines.append(f"  skipped  {', '.join(skipped)} (not given for the current side)")
@@ -156,6 +174,8 @@ class KeyComparison:
 
 
 def _short(value: Any, limit: int) -> str:
+    if isinstance(value, str) and value == ABSENT:
+        return "(absent)"
     text = canonical_json(value)
     return text if len(text) <= limit else text[: limit - 1] + "…"
 

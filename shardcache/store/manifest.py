@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import CacheError, CacheNotFoundError, CorruptShardError
+from shardcache.store.build_lock import running_build
 from shardcache.store.layout import (
     FORMAT_VERSION,
     LENGTHS_FILE,
@@ -262,6 +263,9 @@ def read_manifest(cache_dir: str) -> dict[str, Any]:
             "--output` wrote"
         )
     if not os.path.isfile(path):
+        running = running_build(cache_dir)
+        if running is not None:
+            raise CacheNotFoundError(f"{cache_dir!r} holds no committed cache yet: {running}")
         hint = (
             " (a build was started there but never committed; rerun the build)"
             if os.path.isdir(os.path.join(cache_dir, PARTS_DIR))

@@ -196,6 +196,32 @@ def test_existing_cache_needs_force(corpus, build_cache, tokenizer_dir):
     assert open_cache(out).num_sequences == 5
 
 
+def test_a_build_that_kept_nothing_does_not_block_the_corrected_one(
+    corpus, tokenizer_dir, tmp_path
+):
+    """Issue 51 item 6: a wrong --text-field fails with every record bad; the corrected command
+    then builds without --force (nothing was kept), while kept work still needs it."""
+    folder, _ = corpus("jsonl", n_files=2, docs=10)
+    out = str(tmp_path / "out")
+    values = {"input": folder, "tokenizer": tokenizer_dir, "output": out, "workers": 1}
+    with pytest.raises(SourceError, match="kept no document"):
+        build(build_options_from_mapping({**values, "text_field": "body"}))
+    assert os.path.isfile(os.path.join(out, "parts", "build.json"))
+    report = build(build_options_from_mapping(values))
+    assert report.documents == 20 and report.resumed_partitions == 0
+    assert open_cache(out).num_sequences == 20
+    # an interrupted build that kept documents is still protected
+    other = str(tmp_path / "other")
+    options = build_options_from_mapping({**values, "output": other, "max_bad_fraction": 0.0})
+    with open(os.path.join(folder, "part-01.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"id": 99}\n')  # a bad record: more than max_bad_fraction 0
+    with pytest.raises(SourceError, match="max-bad-fraction"):
+        build(options)
+    with pytest.raises(CacheError, match=r"interrupted build.*--force"):
+        build(dataclasses.replace(options, tokenize=dataclasses.replace(
+            options.tokenize, max_length=8)))  # fmt: skip
+
+
 def test_no_tmp_files_or_pickles_left(corpus, build_cache, tokenizer_dir):
     folder, _ = corpus("jsonl", n_files=2, docs=20)
     out = build_cache(folder, tokenizer_dir)

@@ -116,3 +116,37 @@ def test_the_stale_lock_take_over_is_serialized(tmp_path, monkeypatch):
     with BuildLock(str(tmp_path)) as lock:
         assert real_read_owner(lock.path)["pid"] == os.getpid()
     assert False in guard_free  # the re-read of the stale lock happened under the guard
+
+
+def test_a_reader_of_a_running_build_is_told_it_runs(tmp_path):
+    """Issue 51 item 7: ``info`` (and every reader) on a build still running names its pid and
+    says to wait, not "never committed; rerun the build"."""
+    from click.testing import CliRunner
+
+    from shardcache import CacheNotFoundError, open_cache
+    from shardcache.cli import main
+
+    out = tmp_path / "out"
+    (out / "parts").mkdir(parents=True)
+    (out / "parts" / "build.json").write_text("{}")
+    with BuildLock(str(out)):
+        with pytest.raises(CacheNotFoundError, match=rf"running.*pid {os.getpid()} on this host"):
+            open_cache(str(out))
+        result = CliRunner().invoke(main, ["info", str(out)])
+        assert result.exit_code == 1
+        assert f"pid {os.getpid()}" in result.output and "wait" in result.output
+        assert "never committed" not in result.output
+    # a job-array share running: wait for the shares, then commit
+    share = out / ".shares" / "share-1-of-2"
+    share.mkdir(parents=True)
+    with (
+        BuildLock(str(share)),
+        pytest.raises(CacheNotFoundError, match=r"share 1/2.*running.*shardcache commit"),
+    ):
+        open_cache(str(out))
+    # its process gone: the build was interrupted, rerunning it resumes it
+    stale = {"pid": _dead_pid(), "host": socket.gethostname(), "started": 0}
+    (out / LOCK_NAME).write_text(json.dumps(stale))
+    with pytest.raises(CacheNotFoundError, match="never committed") as err:
+        open_cache(str(out))
+    assert "is running" not in str(err.value)

@@ -162,7 +162,7 @@ def test_data_edits_added_and_removed_files(setup):
     os.remove(os.path.join(corpus, "part-01.jsonl"))
     _, report = _check(setup["cache"], setup["recipe"])
     fields = {f for c, f in _changed(report) if c == "data"}
-    assert {"files.part-01.jsonl.sha256", "files.part-02.jsonl.sha256"} <= fields
+    assert {"files.part-01.jsonl", "files.part-02.jsonl"} <= fields  # removed, added: whole
 
 
 def test_data_version(setup, tmp_path):
@@ -210,3 +210,38 @@ def test_usage_and_io_errors_exit_2(setup, tmp_path):
         ).exit_code
         == 1
     )
+
+
+def test_the_tokenizers_own_template_as_a_file_is_compatible(tmp_path, chatml_tokenizer_dir):
+    """Issue 51 item 8: the same template text, from a file or the tokenizer, is one key."""
+    from conftest import CHATML_TEMPLATE, make_conversations, write_records
+
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    records = [{"messages": m} for m in make_conversations(4)]
+    write_records(str(folder / "a.jsonl"), records, "jsonl")
+    cache = str(tmp_path / "cache")
+    args = ["-i", str(folder), "-t", chatml_tokenizer_dir, "--chat"]
+    result = CliRunner().invoke(main, ["build", *args, "-o", cache, "-q", "-w", "1"])
+    assert result.exit_code == 0, result.output
+    template = tmp_path / "chatml.jinja"
+    template.write_text(CHATML_TEMPLATE)
+    code, report = _check(cache, *args, "--chat-template", str(template))
+    assert code == 0 and report["compatible"], _changed(report)
+    template.write_text(CHATML_TEMPLATE.replace("<|im_end|>\n", "<|im_end|>"))
+    code, report = _check(cache, *args, "--chat-template", str(template))
+    assert code == 1 and ("template", "source") in _changed(report)
+
+
+def test_an_unchanged_configuration_shows_one_key(setup):
+    """Issue 51 item 8: without inputs the data is not compared, and the key shown for the
+    current side is the one it has with the cache's data: equal keys, not ``A -> B``."""
+    runner = CliRunner()
+    result = runner.invoke(main, ["check", setup["cache"], "-t", str(setup["tok"]),
+                                  "--max-length", "32", "--truncation", "split"])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    first = result.output.splitlines()[0]
+    assert "compatible" in first and "->" not in first and "data not compared" in first
+    changed = runner.invoke(main, ["check", setup["cache"], "-t", str(setup["tok"]),
+                                   "--max-length", "16", "--truncation", "split"])  # fmt: skip
+    assert changed.exit_code == 1 and "->" in changed.output.splitlines()[0]

@@ -111,3 +111,26 @@ def test_lock_round_trip_and_manifest_verification(tmp_path):
     assert info.value.differences == [("truncation", "max_length", 8, 9)]
     # components absent on the expected side (no data given) are not compared
     verify_manifest_key(manifest, key.with_component("data", None), "cache")
+
+
+def test_a_diff_names_a_value_that_became_an_object_once_and_absent_plainly():
+    """Issue 51 item 8: a normalizer added to a tokenizer read ``null -> "<absent>"``."""
+    old = _key(tokenizer={"normalizer": None, "model": {"type": "BPE", "dropout": 0.1}})
+    new = _key(tokenizer={"normalizer": {"type": "NFC"}, "model": {"type": "BPE"}})
+    result = compare(old, new)
+    text = result.describe()
+    assert 'tokenizer.normalizer: null -> {"type":"NFC"}' in text
+    assert "tokenizer.model.dropout: 0.1 -> (absent)" in text
+    assert "<absent>" not in text and len(result.differences) == 2
+
+
+def test_a_recorded_template_from_is_provenance_not_key():
+    """Issue 51 item 8: caches and locks recorded ``template.template_from``; the same template
+    text from a file or the tokenizer is one key."""
+    template = {"kind": "chat", "source": "{{ m }}", "train_on": "assistant"}
+    current = _key(template=template)
+    recorded = CacheKey.from_json(
+        json.loads(json.dumps(_key(template={**template, "template_from": "tokenizer"}).to_json()))
+    )
+    assert compare(recorded, current).compatible
+    assert recorded.digest == current.digest
