@@ -33,6 +33,11 @@ def read_toml(path: str, what: str) -> dict[str, Any]:
         raise ConfigError(f"{what} {path!r}: cannot read it ({err})") from err
     except tomllib.TOMLDecodeError as err:
         raise ConfigError(f"{what} {path!r}: not valid TOML ({err})") from err
+    except UnicodeDecodeError as err:
+        raise ConfigError(
+            f"{what} {path!r}: not UTF-8 text (byte {err.object[err.start]:#04x} at offset "
+            f"{err.start}); TOML files are UTF-8: save it as UTF-8"
+        ) from err
 
 
 TRUNCATION_STRATEGIES = ("truncate", "drop", "split")

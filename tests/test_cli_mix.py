@@ -109,6 +109,37 @@ def test_mix_usage_errors_exit_2_and_say_why(caches, text, match):
     assert match in result.output
 
 
+@pytest.mark.parametrize(
+    ("web", "code", "match"),
+    [("weight = 1e308", "weight = 1e308", None),
+     ("weight = 1e308", "weight = 1e-308", "no token"),
+     ("weight = 5e-324", "weight = 1", "no token"),
+     ("max_repetitions = 1e308", "", None),
+     ("max_repetitions = 1e308", "max_repetitions = 1e308", "max_repetitions")],
+    ids=["huge-weights", "weights-apart", "tiny-weight", "huge-cap", "huge-caps"],
+)  # fmt: skip
+def test_mix_with_extreme_finite_numbers_prints_a_table_or_exits_2(caches, web, code, match):
+    path = os.path.join(caches, "extreme.toml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(f'max_tokens = 256\n[[source]]\npath = "web"\n{web}\n'
+                f'[[source]]\npath = "code"\n{code}\n')  # fmt: skip
+    result = CliRunner().invoke(main, ["mix", path])
+    if match is None:
+        assert result.exit_code == 0, result.output
+        assert "tokens per epoch" in result.output
+    else:
+        assert result.exit_code == 2, result.output
+        assert match in result.output
+
+
+def test_a_recipe_that_is_not_utf8_exits_2_and_says_so(tmp_path):
+    path = tmp_path / "latin1.toml"
+    path.write_bytes('max_tokens = 256\n# caf\u00e9\n[[source]]\npath = "web"\n'.encode("latin-1"))
+    result = CliRunner().invoke(main, ["mix", str(path)])
+    assert result.exit_code == 2, result.output
+    assert "UTF-8" in result.output and "Traceback" not in result.output
+
+
 def test_a_recipe_without_sources_is_refused(tmp_path):
     path = tmp_path / "empty.toml"
     path.write_text("max_tokens = 256\n")

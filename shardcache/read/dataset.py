@@ -684,8 +684,11 @@ class ShardDataset(IterableDataset):
             )
         epoch, consumed = state.get("epoch"), state.get("consumed")
         for name, value in (("epoch", epoch), ("consumed", consumed)):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-                raise StateError(f"reader state: {name}={value!r}, expected an integer >= 0")
+            if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < 2**63:
+                raise StateError(
+                    f"reader state: {name}={value!r}, expected an integer in [0, 2**63) (int64); "
+                    "pass the state that ShardDataset.state_dict() returned"
+                )
         assert isinstance(epoch, int) and isinstance(consumed, int)
         total = len(self.plan(epoch))
         if remixed:  # another mixture's plan: continue at the same place, within this plan

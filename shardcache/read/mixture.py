@@ -28,6 +28,8 @@ logger = logging.getLogger("shardcache")
 #: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its
 #: progress on a terminal's stderr: it takes seconds, before the first batch of the epoch.
 LOG_MIN_DOCUMENTS = 1_000_000
+#: The most tokens an epoch can hold: plans count tokens and positions in int64.
+MAX_TOKENS_PER_EPOCH = 2**63 - 1
 
 
 @dataclass(frozen=True)
@@ -60,7 +62,7 @@ class Source:
             if (
                 isinstance(value, bool)
                 or not isinstance(value, (int, float))
-                or not math.isfinite(value)
+                or not _finite(value)
                 or value <= 0
             ):
                 raise ConfigError(
@@ -76,6 +78,14 @@ class Source:
             return self.name
         tail = self.path.rstrip("/").rsplit("/", 1)[-1]
         return tail or self.path
+
+
+def _finite(value: int | float) -> bool:
+    """Whether ``value`` is a finite float (an int beyond the float range is not)."""
+    try:
+        return math.isfinite(value)
+    except OverflowError:
+        return False
 
 
 def as_sources(value: Any) -> tuple[Source, ...]:
@@ -205,6 +215,18 @@ class MixtureTable:
         return "\n".join(lines)
 
 
+def _shares(weights: list[float]) -> list[float]:
+    """Weights normalised to sum to 1, without overflow for weights near the float maximum.
+
+    Scaling by a power of two is exact, so the shares are those of ``w / sum(w)`` whenever
+    that sum is finite; a share far below the others may underflow to 0.
+    """
+    scale = 2.0 ** -math.frexp(max(weights))[1]
+    scaled = [float(w) * scale for w in weights]
+    total = sum(scaled)
+    return [w / total for w in scaled]
+
+
 def solve_mixture(
     sources: tuple[Source, ...],
     documents: list[int],
@@ -215,29 +237,39 @@ def solve_mixture(
     if tokens_per_epoch is not None and (
         isinstance(tokens_per_epoch, bool)
         or not isinstance(tokens_per_epoch, int)
-        or tokens_per_epoch < 1
+        or not 1 <= tokens_per_epoch <= MAX_TOKENS_PER_EPOCH
     ):
         raise ConfigError(
-            f"tokens_per_epoch: got {tokens_per_epoch!r}, expected an integer >= 1 (or None: "
-            "the largest epoch every source's share fits in)"
+            f"tokens_per_epoch: got {tokens_per_epoch!r}, expected an integer in [1, 2**63 - 1] "
+            "(or None: the largest epoch every source's share fits in)"
         )
-    total_weight = float(sum(s.weight for s in sources))
-    shares = [s.weight / total_weight for s in sources]
+    shares = _shares([s.weight for s in sources])
     for s, n in zip(sources, tokens):
         if n <= 0:
             raise ConfigError(
                 f"source {s.label!r} ({s.path}): the cache holds no tokens, so it cannot give "
                 "its share; remove it from the mixture or rebuild it"
             )
-    caps = [s.max_repetitions * n for s, n in zip(sources, tokens)]
+    caps = [s.max_repetitions * n for s, n in zip(sources, tokens)]  # inf past the float range
+    # The largest epoch each source's cap allows (a source whose share underflows to 0 binds
+    # nothing); the mixture's is the smallest.
+    fits = [cap / share if share > 0 else math.inf for cap, share in zip(caps, shares)]
+    largest = min(fits)
     if tokens_per_epoch is None:
-        epoch = min(math.floor(cap / share) for cap, share in zip(caps, shares))
+        if largest > MAX_TOKENS_PER_EPOCH:
+            raise ConfigError(
+                f"sources {[s.label for s in sources]}: max_repetitions "
+                f"{[s.max_repetitions for s in sources]} allow an epoch of {largest:.4g} tokens, "
+                "more than the 2**63 - 1 a plan counts; lower max_repetitions or set "
+                "tokens_per_epoch"
+            )
+        epoch = math.floor(largest)
     else:
         epoch = tokens_per_epoch
         for s, n, cap, share in zip(sources, tokens, caps, shares):
             needed = share * epoch
             if needed > cap + 0.5:
-                most = math.floor(min(c / sh for c, sh in zip(caps, shares)))
+                most = math.floor(largest)
                 raise ConfigError(
                     f"source {s.label!r} ({s.path}): its share {share:.4f} of tokens_per_epoch="
                     f"{epoch:,} needs {round(needed):,} tokens but it holds {n:,} and "
@@ -248,7 +280,16 @@ def solve_mixture(
                 )
     rows = []
     for s, docs, n, cap, share in zip(sources, documents, tokens, caps, shares):
-        target = min(round(share * epoch), math.floor(cap))
+        target = round(share * epoch)
+        if target > cap:  # (an infinite cap never binds)
+            target = math.floor(cap)
+        if target == 0:
+            raise ConfigError(
+                f"source {s.label!r} ({s.path}): weight={s.weight:g} is a share {share:.4g} of "
+                f"the mixture, which gives it no token of the epoch's {epoch:,}; raise its "
+                f"weight (its share must be at least {0.5 / epoch:.3g}) or remove it from the "
+                "mixture"
+            )
         rows.append(
             SourceShare(
                 name=s.label,

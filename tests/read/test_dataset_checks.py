@@ -72,6 +72,14 @@ def test_a_state_past_the_end_of_its_epoch_is_refused(small_cache):
     ds.load_state_dict(state)
 
 
+def test_an_epoch_past_int64_is_refused(small_cache):
+    ds = ShardDataset(small_cache, max_tokens=256)
+    state = ds.state_dict()
+    state["epoch"] = 2**63
+    with pytest.raises(StateError, match=r"epoch=9223372036854775808.*2\*\*63"):
+        ds.load_state_dict(state)
+
+
 def test_more_ranks_than_batches_warns(small_cache):
     ds = ShardDataset(small_cache, max_tokens=256, rank=0, world_size=64)
     with pytest.warns(UserWarning, match=r"world_size=64.*0 batches"):

@@ -64,11 +64,43 @@ def test_an_impossible_request_names_the_source_its_tokens_the_need_and_the_fixe
     ("kwargs", "match"),
     [({"weight": 0}, "weight"), ({"weight": -1.0}, "weight"),
      ({"max_repetitions": 0}, "max_repetitions"), ({"weight": True}, "weight"),
-     ({"weight": float("nan")}, "weight")],
+     ({"weight": float("nan")}, "weight"), ({"weight": 10**400}, "weight"),
+     ({"max_repetitions": float("inf")}, "max_repetitions")],
 )  # fmt: skip
 def test_source_values_are_checked(kwargs, match):
     with pytest.raises(ConfigError, match=match):
         Source("x", **kwargs)
+
+
+def test_extreme_finite_weights_are_normalised_without_overflow():
+    table = solve_mixture((Source("a", weight=1e308), Source("b", weight=1e308)), [10, 10],
+                          [1000, 1000])  # fmt: skip
+    assert [s.share for s in table.sources] == [0.5, 0.5]
+    assert table.tokens_per_epoch == 2000
+    exact = solve_mixture((Source("a", weight=6), Source("b", weight=3)), [10, 10], [1000, 1000])
+    scaled = solve_mixture(
+        (Source("a", weight=6e300), Source("b", weight=3e300)), [10, 10], [1000, 1000]
+    )
+    assert scaled.to_json()["sources"][0]["share"] == exact.to_json()["sources"][0]["share"]
+
+
+@pytest.mark.parametrize("weight", [5e-324, 1e-300])
+def test_a_source_whose_share_gives_it_no_token_is_refused(weight):
+    sources = (Source("a"), Source("tiny", weight=weight))
+    with pytest.raises(ConfigError, match=r"'tiny'.*no token.*raise its weight"):
+        solve_mixture(sources, [10, 10], [1000, 1000])
+    with pytest.raises(ConfigError, match=r"'tiny'.*no token"):
+        solve_mixture(sources, [10, 10], [1000, 1000], tokens_per_epoch=500)
+
+
+def test_a_huge_cap_binds_nothing_and_an_unbounded_epoch_is_refused():
+    sources = (Source("a", max_repetitions=1e308), Source("b"))
+    table = solve_mixture(sources, [10, 10], [1000, 1000])
+    assert table.tokens_per_epoch == 2000  # b binds
+    with pytest.raises(ConfigError, match=r"'a'.*max_repetitions.*tokens_per_epoch"):
+        solve_mixture((Source("a", max_repetitions=1e308),), [10], [1000])
+    with pytest.raises(ConfigError, match=r"tokens_per_epoch.*2\*\*63"):
+        solve_mixture(sources, [10, 10], [1000, 1000], tokens_per_epoch=2**63)
 
 
 def test_sources_need_unique_labels_and_accept_paths_and_mappings():
