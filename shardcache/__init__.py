@@ -45,6 +45,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
     from shardcache.read.readahead import ReadAheadOptions
     from shardcache.store.cache import Cache, Provenance, open_cache
+    from shardcache.store.export import ExportOptions, ExportReport, export_cache
     from shardcache.store.layout import FORMAT_VERSION
     from shardcache.store.verify import VerifyReport, verify_cache
 
@@ -71,6 +72,8 @@ _LAZY: dict[str, str] = {
     "Cache": "shardcache.store.cache",
     "DevicePrefetcher": "shardcache.read.prefetch",
     "EpochPlan": "shardcache.read.plan",
+    "ExportOptions": "shardcache.store.export",
+    "ExportReport": "shardcache.store.export",
     "FORMAT_VERSION": "shardcache.store.layout",
     "LayoutOptions": "shardcache.config",
     "MixtureTable": "shardcache.read.mixture",
@@ -87,6 +90,7 @@ _LAZY: dict[str, str] = {
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",
+    "export_cache": "shardcache.store.export",
     "loader": "shardcache.read.loader",
     "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
@@ -108,6 +112,8 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "DevicePrefetcher",
     "EncoderError",
     "EpochPlan",
+    "ExportOptions",
+    "ExportReport",
     "FORMAT_VERSION",
     "IncompleteBuildError",
     "LayoutOptions",
@@ -131,6 +137,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "VerifyReport",
     "__version__",
     "build_cache",
+    "export_cache",
     "loader",
     "model_inputs",
     "open_cache",
