@@ -277,7 +277,8 @@ def _values(recipe: str | None, inputs: tuple[str, ...], flags: dict[str, Any]) 
     "(never breaks another live build's lock).",
 )
 @click.option("--json", "as_json", is_flag=True, help="Print the final report as JSON.")
-@click.option("--quiet", "-q", is_flag=True, help="No progress bar.")
+@click.option("--quiet", "-q", is_flag=True, help="No progress bar; a one-line report, plus a "
+              "line per problem (bad records, lost input, ids that differed from HF).")  # fmt: skip
 @translate_errors
 def build(
     recipe: str | None,
@@ -326,7 +327,7 @@ def build(
     if as_json:
         click.echo(json.dumps(report_json(report), indent=1))
     else:
-        click.echo(format_report(report))
+        click.echo(format_report(report, brief=quiet))
     if run.share is not None:
         click.echo(
             f"share {run.share.index}/{run.share.count} done; when every share is, run "

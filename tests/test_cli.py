@@ -90,3 +90,22 @@ def test_exit_codes(tmp_path, corpus, tokenizer_dir):
     again = runner.invoke(main, [*args, "--truncation", "drop", "--max-length", "9"])
     assert again.exit_code == 1 and "--force" in again.output
     assert runner.invoke(main, [*args, "--force"]).exit_code == 0
+
+
+def test_quiet_build_prints_one_line_and_problems(tmp_path, corpus, tokenizer_dir):
+    """Issue 51 item 9: ``-q`` printed the whole summary; it prints one line, plus problems."""
+    folder, _ = corpus("jsonl", n_files=1, docs=12)
+    out = str(tmp_path / "c")
+    args = ["build", "-i", folder, "-t", tokenizer_dir, "-o", out, "-w", "1"]
+    result = CliRunner().invoke(main, [*args, "-q"])
+    assert result.exit_code == 0, result.output
+    [line] = result.output.splitlines()
+    assert line.startswith(f"built {out}: 12 documents") and "tokens" in line
+    full = CliRunner().invoke(main, [*args, "--force"])
+    assert "partitions" in full.output and len(full.output.splitlines()) > 5
+    with open(os.path.join(folder, "part-00.jsonl"), "a", encoding="utf-8") as f:
+        f.write('{"id": 99}\n')
+    result = CliRunner().invoke(main, [*args, "-q", "--force"])
+    assert result.exit_code == 0, result.output
+    lines = result.output.splitlines()
+    assert len(lines) == 2 and "no_text_field 1" in lines[1] and "quarantine" in lines[1]

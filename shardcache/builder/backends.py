@@ -107,6 +107,15 @@ class Loaded:
         return cls(encode, name, library_versions((name,))[name])
 
 
+#: What ``--encoder fast`` is told when no library loads the tokenizer; ``auto`` falls back
+#: to HF by itself, so its gate reason leaves it out.
+LOAD_ADVICE = (
+    "; byte-level BPE and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken, "
+    "BERT-style WordPiece and tokenizers that split at whitespace first (T5) with shardcache's "
+    "own; build with --encoder hf (or auto, which falls back by itself)"
+)
+
+
 class FastBackend:
     """An accelerated library over the same ``tokenizer.json``, truncation and padding off.
 
@@ -129,7 +138,7 @@ class FastBackend:
             try:
                 loaded = _LOADERS[name](module, serialized, parsed)
             except Exception as err:  # each library raises its own types for what it lacks
-                refusals.append(f"{name}: {type(err).__name__}: {err}")
+                refusals.append(f"{name}: {err or type(err).__name__}")
                 continue
             self._encode = loaded.encode
             self.name, self.version = loaded.name, loaded.version
@@ -145,10 +154,7 @@ class FastBackend:
             )
         raise EncoderError(
             f"the fast libraries cannot load this tokenizer ({'; '.join(refusals)}"
-            f"{'; not installed: ' + ', '.join(missing) if missing else ''}); byte-level BPE "
-            "and Llama-2-style BPE load with fastokens, Metaspace BPE with gigatoken, BERT-style "
-            "WordPiece and tokenizers that split at whitespace first (T5) with shardcache's own; "
-            "build with --encoder hf (or auto, which falls back by itself)"
+            f"{'; not installed: ' + ', '.join(missing) if missing else ''}){LOAD_ADVICE}"
         )
 
     def encode_flat(
@@ -580,7 +586,10 @@ def select_backend(
     except MissingDependencyError as err:
         return refuse(str(err), missing=True)
     except EncoderError as err:
-        return refuse(str(err))
+        if requested == "fast":
+            return refuse(str(err))
+        return refuse(f"{str(err).removesuffix(LOAD_ADVICE)}; the Hugging Face tokenizer "
+                      "encodes this build")  # fmt: skip
     try:
         candidate = fast.encode_flat(texts, add_special_tokens)
     except Exception as err:  # an encode failure is a refusal, never a crash of the build

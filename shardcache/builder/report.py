@@ -7,6 +7,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from shardcache.builder.stage_times import format_stages
+from shardcache.store.layout import QUARANTINE
 from shardcache.store.summary import chat_lines, encoder_lines, human_bytes
 
 
@@ -103,8 +104,12 @@ def report_json(report: BuildReport) -> dict[str, Any]:
     }
 
 
-def format_report(report: BuildReport) -> str:
-    """The report as the aligned lines ``build`` prints, without a final newline."""
+def format_report(report: BuildReport, brief: bool = False) -> str:
+    """The report as the aligned lines ``build`` prints, without a final newline.
+
+    ``brief`` (``build -q``): one line, then a line per problem (bad records, lost input,
+    tokens that differed from HF).
+    """
     st = report.stats
     secs = max(report.seconds, 1e-9)
     bad = ", ".join(f"{k} {v:,}" for k, v in report.bad_records.items()) or "none"
@@ -115,6 +120,27 @@ def format_report(report: BuildReport) -> str:
         f"{c['excerpt']}"
         for c in report.corrupt_files
     ]
+    if brief and not report.up_to_date:
+        mismatches = int(report.encoder.get("mismatches") or 0)
+        redone = ", ".join(report.encoder.get("partitions_reencoded") or [])
+        return "\n".join(
+            [
+                f"built {report.output}: {report.documents:,} documents, {report.tokens:,} "
+                f"tokens, {report.shards:,} shard(s) ({human_bytes(report.bytes_out)}) in "
+                f"{report.seconds:.1f} s",
+                *(
+                    [f"bad records  {bad} (see {report.output.rstrip('/')}/{QUARANTINE})"]
+                    if report.bad_records
+                    else []
+                ),
+                *lost,
+                *(
+                    [f"verified     {mismatches:,} mismatches with HF, re-encoded: {redone}"]
+                    if mismatches
+                    else []
+                ),
+            ]
+        )
     if report.up_to_date:
         return (
             f"up to date   {report.output}: already committed with these options and inputs "

@@ -95,12 +95,17 @@ def sample_bound(checked: int, mismatches: int, total: int | None = None) -> str
     """What a sample without mismatches says about the documents it did not check ("" otherwise).
 
     With 0 mismatches in ``checked`` random documents, fewer than ``3/checked`` of all differ at 95%
-    confidence (the rule of three).
+    confidence (the rule of three), which says nothing for 3 or fewer.
     """
     if mismatches or checked <= 0:
         return ""
     if total is not None and checked >= total:
         return f"0 mismatches in {checked:,} documents: every document was checked"
+    if checked <= 3:  # 3/checked >= 100%: the rule of three bounds nothing
+        return (
+            f"0 mismatches in {checked:,} documents, too few to bound the others; "
+            "`shardcache verify CACHE --tokens --fraction 1` checks every one"
+        )
     return (
         f"0 mismatches in {checked:,} documents: fewer than 3/{checked:,} "
         f"({3 / checked:.2%}) of documents differ at 95% confidence; "

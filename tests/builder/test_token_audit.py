@@ -160,3 +160,16 @@ def test_a_sample_says_how_many_documents_may_still_differ(corpus, tokenizer_dir
     assert f"0 mismatches in {checked:,} documents: fewer than 3/{checked:,}" in audit.output
     full = CliRunner().invoke(main, ["verify", out, "--tokens", "--fraction", "1"])
     assert "0 mismatches in 300 documents: every document was checked" in full.output
+
+
+def test_a_sample_too_small_to_bound_says_so():
+    """Issue 51 item 9: 2 documents checked read "fewer than 3/2 (150.00%) of documents differ"."""
+    from shardcache.store.summary import sample_bound
+
+    for checked in (1, 2, 3):
+        text = sample_bound(checked, 0)
+        assert "fewer than" not in text and "%" not in text
+        assert f"0 mismatches in {checked} documents" in text and "--fraction 1" in text
+    assert "fewer than 3/4 (75.00%)" in sample_bound(4, 0)
+    assert sample_bound(2, 0, 2).endswith("every document was checked")
+    assert sample_bound(2, 1) == ""
