@@ -4,7 +4,9 @@
 library or this package's own) is used only when ``select_backend`` finds it encodes the key's
 probe and a corpus sample to exactly HF's ids; a random sample of what it then encodes is
 re-checked against HF during the build (``sampled``, ``SampleVerifier``). Both give flat
-``(tokens uint32, lengths int64)``. The cache key never depends on the backend.
+``(tokens uint32, lengths int64)``. The cache key never depends on the backend. A compiled
+library is trusted only on the code points of ``code_points.proven_table``: a document holding
+any other goes to HF, so the library's Unicode tables never decide an id.
 """
 
 from __future__ import annotations
@@ -23,6 +25,8 @@ from typing import Any, Generic, TypeVar
 
 import numpy as np
 
+from shardcache.builder.chunk_cache import interleave
+from shardcache.builder.code_points import Trusted, proven_table
 from shardcache.builder.split_words import SplitWords
 from shardcache.builder.tokenizer_memo import library_versions, parse_tokenizer_json
 from shardcache.builder.wordpiece import AsciiWordPiece
@@ -94,12 +98,17 @@ EncodeFlat = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
 
 @dataclass(frozen=True)
 class Loaded:
-    """A fast backend a loader made: its encode function, name, version and ``releases_gil``."""
+    """A fast backend a loader made: its encode function, name, version and ``releases_gil``.
+
+    ``every_code_point``: its ids are HF's whatever the characters (this package's own backends
+    hand what they do not encode themselves to HF); else documents are routed by ``Trusted``.
+    """
 
     encode: EncodeFlat
     name: str
     version: str
     releases_gil: bool = True
+    every_code_point: bool = False
 
     @classmethod
     def library(cls, encode: EncodeFlat, name: str) -> Loaded:
@@ -143,6 +152,10 @@ class FastBackend:
             self._encode = loaded.encode
             self.name, self.version = loaded.name, loaded.version
             self.releases_gil = loaded.releases_gil
+            self._trusted = None if loaded.every_code_point else Trusted(proven_table())
+            self._serialized = serialized
+            self._reference: HFBackend | None = None
+            self._reference_lock = threading.Lock()
             return
         # this package's own backends are always there: when only they refused, installing a
         # library is what helps
@@ -160,8 +173,31 @@ class FastBackend:
     def encode_flat(
         self, texts: list[str], add_special_tokens: bool
     ) -> tuple[np.ndarray, np.ndarray]:
-        """Encode as HF's ``encode_batch`` would; ``EncoderError`` if specials cannot be added."""
-        return self._encode(texts, add_special_tokens)
+        """Encode as HF's ``encode_batch`` would; ``EncoderError`` if specials cannot be added.
+
+        Texts holding a code point the library is not trusted on are encoded by HF.
+        """
+        outside = self._trusted.outside(texts) if self._trusted is not None else ()
+        if not len(outside):
+            return self._encode(texts, add_special_tokens)
+        inside = np.setdiff1d(np.arange(len(texts), dtype=np.int64), outside)
+        groups = [(outside, self.reference().encode_flat([texts[i] for i in outside],
+                                                         add_special_tokens))]  # fmt: skip
+        if len(inside):
+            groups.append((inside, self._encode([texts[i] for i in inside], add_special_tokens)))
+        return interleave(len(texts), *groups)
+
+    def reference(self) -> HFBackend:
+        """The HF backend of the same JSON (truncation and padding off), made on first use."""
+        with self._reference_lock:
+            if self._reference is None:
+                import tokenizers
+
+                tokenizer = tokenizers.Tokenizer.from_str(self._serialized)
+                tokenizer.no_truncation()
+                tokenizer.no_padding()
+                self._reference = HFBackend(tokenizer)
+            return self._reference
 
 
 def _fallbacks(parsed: Callable[[], Any], refusals: list[str]) -> Iterator[str]:
@@ -239,7 +275,7 @@ def _load_own(
         tokens, lengths = encoder.encode_flat(texts)
         return specials.add(tokens, lengths) if add_special_tokens else (tokens, lengths)
 
-    return Loaded(encode, encoder.name, __version__, encoder.releases_gil)
+    return Loaded(encode, encoder.name, __version__, encoder.releases_gil, every_code_point=True)
 
 
 _LOADERS: dict[str, Callable[[Any, str, Callable[[], Any]], Loaded]] = {

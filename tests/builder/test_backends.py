@@ -532,6 +532,74 @@ def test_every_code_point_encodes_as_hf(family_dir):
             assert diff is None, (name, fast.name, diff)
 
 
+#: Characters newer than HF's Unicode tables (a letter to gigatoken 0.10, unassigned to HF),
+#: each beside a pair the tokenizer of ``rare_dir`` merges: HF splits the pair from the
+#: character and gigatoken joins them ([63, 40] against [665] for "\ua7d2[D").
+RARE_TEXTS = [
+    "\ua7d2[D",
+    "plain words then \ua7d2[D and more words",
+    "a\U0003334cb [D \ua7d2",
+    "\u0378[D x",
+]
+
+
+@pytest.fixture(scope="module")
+def rare_dir(tmp_path_factory) -> str:
+    """Qwen-2 style byte-level BPE whose merges make "[D" and "að" one token each."""
+    from tokenizers import Tokenizer
+
+    folder = _byte_level(str(tmp_path_factory.mktemp("tok-rare")), normalized=True)
+    with open(os.path.join(folder, "tokenizer.json"), encoding="utf-8") as f:
+        data = json.load(f)
+    model, vocab = data["model"], data["model"]["vocab"]
+    for a, b in (("[", "D"), ("a", "\u00f0")):  # "\u00f0": byte F0, first of U+3334C
+        vocab[a + b] = len(vocab)
+        model["merges"].insert(0, [a, b])
+    for token in data["added_tokens"]:  # ids stay contiguous
+        if token["id"] >= len(vocab) - 2:
+            token["id"] = len(vocab)
+    return _save(Tokenizer.from_str(json.dumps(data)), folder, eos_token="<eos>")
+
+
+@pytest.fixture(scope="module")
+def rare_corpus(tmp_path_factory) -> str:
+    """Ordinary documents with ``RARE_TEXTS`` deep inside, past any gate sample."""
+    folder = tmp_path_factory.mktemp("rare-corpus")
+    texts = make_texts(1500, seed=5)
+    for k, rare in enumerate(RARE_TEXTS):
+        texts.insert(1100 + 90 * k, rare)
+    write_records(str(folder / "a.jsonl"), [{"text": t} for t in texts[:700]], "jsonl")
+    write_records(str(folder / "b.jsonl"), [{"text": t} for t in texts[700:]], "jsonl")
+    return str(folder)
+
+
+@pytest.mark.parametrize(
+    ("tokenizer", "library", "missing"),
+    [
+        ("rare_dir", "fastokens", ()),
+        ("rare_dir", "gigatoken", ("fastokens",)),
+        ("mistral_dir", "gigatoken", ()),
+        ("wordpiece_dir", "shardcache-wordpiece", ("fastokens", "gigatoken")),
+        ("t5_dir", "shardcache-words", ("fastokens", "gigatoken")),
+    ],
+)
+def test_rare_characters_deep_in_a_corpus_build_exactly_with_every_backend(
+    rare_corpus, tokenizer, library, missing, tmp_path, request, monkeypatch
+):
+    """Characters newer than a library's or HF's Unicode tables, deep in a corpus, with no
+    in-build sample (verify_fraction 0): each backend stores exactly the HF build's bytes,
+    every document compared (the issue: gigatoken, used for a Qwen-2 tokenizer when fastokens
+    is missing, stored wrong ids the sample missed)."""
+    _importorskip(library)
+    folder = request.getfixturevalue(tokenizer)
+    _build(rare_corpus, folder, str(tmp_path / "hf"), encoder="hf")
+    for module in missing:
+        monkeypatch.setitem(sys.modules, module, None)  # `import fastokens` raises
+    fast = _build(rare_corpus, folder, str(tmp_path / "fast"), encoder="fast", verify_fraction=0)
+    assert fast["encoder"]["partitions_by_backend"] == {library: 2}
+    assert cache_data_files(str(tmp_path / "fast")) == cache_data_files(str(tmp_path / "hf"))
+
+
 @pytest.fixture(scope="module")
 def mistral_dir(tmp_path_factory) -> str:
     """Mistral style: BPE with byte fallback under a Metaspace pre-tokenizer, <s> added."""
