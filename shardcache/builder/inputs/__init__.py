@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import os
 
-from shardcache.builder.inputs import jsonl, parquet
+from shardcache.builder.inputs import arrow, delimited, jsonl, parquet, text
 from shardcache.builder.inputs.base import InputFormat
 from shardcache.builder.inputs.jsonl import ARRAY_LAYOUT
 from shardcache.errors import SourceError
 
 #: Every input format, in the order the help lists them.
-READERS: tuple[InputFormat, ...] = (*jsonl.FORMATS, *parquet.FORMATS)
-#: The format of a file a glob matched that no suffix claims (None: an unknown format).
-GLOB_FORMAT: str | None = None
+READERS: tuple[InputFormat, ...] = (
+    *jsonl.FORMATS, *parquet.FORMATS, *arrow.FORMATS, *delimited.FORMATS, *text.FORMATS,
+)  # fmt: skip
+#: The format of a file a glob matched that no suffix claims: the glob named it as a document.
+GLOB_FORMAT = text.FORMATS[0].name
 FORMATS = tuple(r.name for r in READERS)
 _BY_NAME = {r.name: r for r in READERS}
 #: Longest suffix first: ``.jsonl.zst`` before ``.zst`` or ``.jsonl``.
