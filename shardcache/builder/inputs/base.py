@@ -376,13 +376,12 @@ class InputFormat(Protocol):
         Args:
             file: the input.
             part: the slice of it to read.
-            batcher: collects texts and reports bad records (``batcher.flush`` is the
-                caller's).
+            batcher: collects texts and reports bad records; the read flushes it at the end.
             text_field: the field holding the text (or the messages).
             hooks: where to report bytes read and the digest (filled once the read ends).
 
         Yields:
-            Full batches, in record order.
+            Full batches in record order, then the last partial one.
 
         Raises:
             SourceError: the file cannot be read (a damaged one goes to ``batcher.corrupt``).
