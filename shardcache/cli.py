@@ -134,11 +134,15 @@ class _BarProgress:
 
 def key_options(func: F) -> F:
     """Add the flags that decide the cache key (shared by build, check and lock)."""
+    from shardcache.builder.inputs import formats_help
+
     options = [
         click.option(
             "--input", "-i", "inputs", multiple=True,
-            help="Input file, folder or glob (jsonl, jsonl.zst, json, json.gz: JSON lines or one "
-            "array of objects; parquet). "
+            help="Input file, folder or glob. Formats by suffix: " + formats_help() + ". JSON "
+            "files hold lines or one array of objects; a text file is one document, read when "
+            "named or globbed (a glob's files of no other format are text, e.g. 'src/**/*.py'); "
+            "a datasets save_to_disk folder is read as its data files. "
             "Repeatable. Processed in sorted order.",
         ),
         click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),

@@ -23,6 +23,7 @@ from shardcache.builder.bucket import assign_buckets
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
 from shardcache.builder.fault_points import fault_point
+from shardcache.builder.inputs import reader_of
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import (
     FileDigest,
@@ -130,7 +131,7 @@ def check_read(plan: BuildPlan, file: InputFile, span: InputSlice, digest: FileD
     the sha256.
     """
     check_unchanged(file, "while this partition read it")
-    if file.format != "parquet":
+    if reader_of(file.format).hashes_while_reading:  # its byte range was read and hashed
         expected = (file.size if span.end is None else span.end) - span.start
         if digest.bytes_read != expected:
             raise input_changed(
@@ -467,7 +468,7 @@ def map_partition(
         template_bad.close()
     for k, file in enumerate(partition.files):  # before anything of this partition is final
         check_read(plan, file, partition.span if k == 0 else InputSlice(), digests[file.relpath])
-    if read_bytes < partition.nbytes:  # compressed/parquet readers report approximately
+    if read_bytes < partition.nbytes:  # compressed/columnar readers report approximately
         progress.advance(partition.nbytes - read_bytes)
     bad = reader_bad.counts + template_bad.counts
     bad_per_file = reader_bad.per_source + template_bad.per_source

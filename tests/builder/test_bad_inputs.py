@@ -302,20 +302,21 @@ def test_quarantine_of_a_json_array_file_names_items(tmp_path, build_cache, toke
 
 
 def test_json_array_is_streamed_with_bounded_memory(tmp_path, monkeypatch):
+    import shardcache.builder.inputs.jsonl as jsonl
     import shardcache.builder.sources as sources
 
     path = tmp_path / "big.json"
     n = 3000
     path.write_text(json.dumps([{"text": f"doc {i} " + "x" * 500} for i in range(n)]))
     reads: list[int] = []
-    real = sources.array_items
+    real = jsonl.array_items
 
     def spy(stream):
         for item in real(stream):
             reads.append(len(item))
             yield item
 
-    monkeypatch.setattr(sources, "array_items", spy)
+    monkeypatch.setattr(jsonl, "array_items", spy)
     [file] = sources.list_inputs([str(path)])
     texts, bad = _texts_of(file, batch_docs=64)
     assert len(texts) == n and not bad and max(reads) < 600

@@ -153,7 +153,8 @@ def test_a_reader_that_stops_after_one_batch_parses_no_further(tmp_path, fmt):
 def test_split_lines_cover_the_file_at_line_boundaries(lines, trailing_newline, size):
     import tempfile
 
-    from shardcache.builder.sources import InputFile, _split_lines
+    from shardcache.builder.inputs.jsonl import _split_lines
+    from shardcache.builder.sources import InputFile
 
     raw = "\n".join(lines).encode() + (b"\n" if trailing_newline and lines else b"")
     with tempfile.NamedTemporaryFile(suffix=".jsonl") as f:
@@ -189,7 +190,7 @@ def test_slices_read_the_same_records_as_the_whole_file(tmp_path):
 
 
 def test_batches_are_bounded_by_characters(tmp_path, monkeypatch):
-    import shardcache.builder.sources as sources
+    import shardcache.builder.inputs.base as sources
 
     monkeypatch.setattr(sources, "MAX_BATCH_CHARS", 100)
     texts = ["x" * 30] * 7 + ["y" * 500] + ["z"]
@@ -265,7 +266,7 @@ ORJSON_EDGE_LINES = [
 
 @pytest.mark.parametrize("kind", ["text", "chat"])
 def test_orjson_and_json_read_the_same_records_and_reasons(tmp_path, monkeypatch, kind):
-    import shardcache.builder.sources as sources
+    import shardcache.builder.inputs.jsonl as sources
 
     pytest.importorskip("orjson")
     lines = list(ORJSON_EDGE_LINES)
@@ -320,7 +321,7 @@ def test_lines_across_read_blocks_read_as_line_by_line(tmp_path, monkeypatch, fm
     as the line-by-line ``json`` path reads them."""
     import zstandard
 
-    import shardcache.builder.sources as sources
+    import shardcache.builder.inputs.jsonl as sources
 
     pytest.importorskip("orjson")
     long = b'{"text": "' + b"long line " * 300 + b'"}'
@@ -354,7 +355,7 @@ def test_lines_across_read_blocks_read_as_line_by_line(tmp_path, monkeypatch, fm
 def test_nesting_deeper_than_the_fast_limit_takes_the_json_path(tmp_path, monkeypatch):
     """orjson's records are taken only up to FAST_MAX_DEPTH levels (json decides deeper
     ones); a text between brackets is not nesting."""
-    import shardcache.builder.sources as sources
+    import shardcache.builder.inputs.jsonl as sources
 
     pytest.importorskip("orjson")
     limit = sources.FAST_MAX_DEPTH
