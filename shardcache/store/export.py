@@ -17,6 +17,7 @@ import shutil
 import struct
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from typing import BinaryIO
 
 import numpy as np
 import pyarrow as pa
@@ -126,10 +127,10 @@ def megatron_dtype(cache: Cache) -> np.dtype:
     return np.dtype(np.uint16 if cardinality < MEGATRON_UINT16_BELOW else np.int32)
 
 
-def _write_megatron_index(f: object, lengths: np.ndarray, dtype: np.dtype) -> None:
+def _write_megatron_index(f: BinaryIO, lengths: np.ndarray, dtype: np.dtype) -> None:
     """Write ``.idx``: header, int32 lengths, int64 byte pointers, document indices 0..n."""
     n = len(lengths)
-    write = f.write  # type: ignore[attr-defined]
+    write = f.write
     write(MEGATRON_INDEX_HEADER)
     write(struct.pack("<Q", MEGATRON_INDEX_VERSION))
     write(struct.pack("<B", MEGATRON_DTYPE_CODES[dtype]))
@@ -227,7 +228,7 @@ def write_hf(
         # features left out: datasets infers them from the Arrow schema, in its own version's
         # spelling (List in datasets >= 4, Sequence before)
         info = {"citation": "", "description": "", "homepage": "", "license": ""}
-        state = {
+        state: dict[str, object] = {
             "_data_files": [{"filename": name} for name in names],
             "_fingerprint": _fingerprint(cache, with_mask),
             "_format_columns": None,

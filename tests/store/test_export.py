@@ -88,8 +88,11 @@ def test_megatron_round_trip_with_megatron_core(split_cache, tmp_path):
     del dataset
 
 
-def test_megatron_index_layout_parsed_by_hand(split_cache, tmp_path):
+def test_megatron_index_layout_parsed_by_hand(split_cache, tmp_path, monkeypatch):
     """Independent of megatron-core: the bytes of .idx and .bin as the format defines them."""
+    from shardcache.store import export
+
+    monkeypatch.setattr(export, "INDEX_BLOCK", 13)  # the index is written in blocks: their edges
     prefix = str(tmp_path / "doc")
     export_cache(split_cache, prefix, ExportOptions("megatron", chunk_tokens=7))
     want = _cache_sequences(split_cache)
@@ -253,3 +256,19 @@ def test_cli_export(split_cache, chat_cache, tmp_path):
     assert result.exit_code == 0, result.output
     report = json.loads(result.output)
     assert report["format"] == "hf" and report["loss_mask"] is True
+
+
+def test_chunks_cover_every_sequence_once_within_the_budget(monkeypatch):
+    import itertools
+
+    from shardcache.store import export
+
+    monkeypatch.setattr(export, "INDEX_BLOCK", 777)  # blocks of lengths: their edges too
+    rng = np.random.default_rng(0)
+    lengths = rng.integers(1, 30, size=5000).astype(np.uint32)
+    for budget in (1, 29, 100, 10**6):
+        chunks = list(export._chunks(lengths, 10, 4990, budget))
+        assert chunks[0][0] == 10 and chunks[-1][1] == 4990
+        assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
+        sizes = [int(lengths[lo:hi].sum()) for lo, hi in chunks]
+        assert all(s <= budget or hi - lo == 1 for s, (lo, hi) in zip(sizes, chunks))
