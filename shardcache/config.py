@@ -327,7 +327,11 @@ class BuildOptions:
         return self.workers if self.workers is not None else default_workers()
 
     def to_json(self) -> dict[str, Any]:
-        """The options as plain JSON, nested per option group (recorded in the manifest)."""
+        """The options as plain JSON, nested per option group (recorded in the manifest).
+
+        Returns:
+            The fields by name, each option group a dict of its own.
+        """
         return dataclasses.asdict(self)
 
 
