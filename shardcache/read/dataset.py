@@ -370,7 +370,7 @@ class ShardDataset(IterableDataset):
         """
         epoch = self.epoch if epoch is None else int(epoch)
         if self._plan is None or self._plan[0] != epoch:
-            if self.options.streams == 0:
+            if self._global_plan():
                 digest = self._plan_digest(epoch)
                 count = len(self._all_lengths())
                 plan: EpochPlan | StreamPlan = shared_plan(
@@ -380,6 +380,21 @@ class ShardDataset(IterableDataset):
                 plan = self._stream_plan(epoch)
             self._plan = (epoch, plan)
         return self._plan[1]
+
+    def _global_plan(self) -> bool:
+        """Whether an epoch is one global plan: ``streams=0``, or one stream of one block.
+
+        One stream of one block is the global plan by construction (``streams.plan_block``);
+        planning it whole keeps its plan an ``EpochPlan`` shared per machine, as before streams.
+        """
+        streams = self.options.streams
+        if streams != 1:
+            return streams == 0
+        if self._mixture is None:
+            rows = len(self._all_lengths())
+        else:  # (the documents an epoch chooses, as the mixture's table expects them)
+            rows = sum(round(s.repetitions * s.documents) for s in self._mixture.table.sources)
+        return rows <= self.options.shuffle_block
 
     def _plan_digest(self, epoch: int) -> str:
         options = json.dumps(self.options.to_json(), sort_keys=True)
@@ -484,7 +499,7 @@ class ShardDataset(IterableDataset):
             epoch: the epoch (None: the current one).
         """
         epoch = self.epoch if epoch is None else int(epoch)
-        if self.options.streams == 0 or epoch in self._counts:
+        if self._global_plan() or epoch in self._counts:
             return
         dist = torch.distributed
         if not (dist.is_available() and dist.is_initialized()):

@@ -119,6 +119,24 @@ class StreamLayout:
         order = np.argsort(ids, kind="stable")
         return ids[order], buckets[order]
 
+    def block_tokens(self, stream: int, block: int) -> int:
+        """The tokens of one block, reading lengths only of the shards it takes in part."""
+        first, last = self.block_rows(stream, block)
+        p0 = int(np.searchsorted(self.row_cum, first, side="right")) - 1
+        p1 = int(np.searchsorted(self.row_cum, last, side="left"))
+        total = 0
+        for p in range(p0, p1):
+            lo, hi = int(self.row_cum[p]), int(self.row_cum[p + 1])
+            x = int(self.perm[p])
+            if first <= lo and hi <= last:
+                total += int(self.index.tokens[x])
+            else:
+                base = int(self.index.starts[x]) - lo
+                total += int(
+                    self.index.row_lengths(max(first, lo) + base, min(last, hi) + base).sum()
+                )
+        return total
+
     def shards_of_stream(self, stream: int) -> np.ndarray:
         """The shards a stream reads (a boundary shard belongs to both of its streams)."""
         first, last = int(self.bounds[stream]), int(self.bounds[stream + 1])
@@ -157,6 +175,21 @@ def count_batches(
 ) -> dict[int, np.ndarray]:
     """The batches of every block of some streams (all by default), one block in memory."""
     chosen = range(layout.streams) if streams is None else streams
+    if options.mode == "pack" and options.packing == "concat":
+        # concat cuts one stream of tokens into rows whatever the order: a closed form
+        seq_len, rows_per_batch = int(options.seq_len or 1), int(options.rows_per_batch or 1)
+
+        def concat_batches(tokens: int) -> int:
+            rows = -(-tokens // seq_len)
+            return -(-rows // rows_per_batch)
+
+        return {
+            s: np.array(
+                [concat_batches(layout.block_tokens(s, b)) for b in range(int(layout.blocks[s]))],
+                dtype=np.int64,
+            )
+            for s in chosen
+        }
     return {
         s: np.array(
             [len(plan_block(layout, options, s, b)) for b in range(int(layout.blocks[s]))],

@@ -170,12 +170,12 @@ def test_a_subsampled_source_shows_other_documents_each_epoch_and_all_in_time(ca
 def test_ranks_and_workers_get_equal_batches_whose_union_is_the_plan(caches, world, num_workers):
     streams = []
     for rank in range(world):
-        ds = ShardDataset(_sources(caches), 256, seed=4, rank=rank, world_size=world)
+        ds = ShardDataset(_sources(caches), 256, seed=4, rank=rank, world_size=world, streams=world)
         loader = DataLoader(ds, batch_size=None, num_workers=num_workers)
         streams.append([_key(b) for b in loader])
         assert streams[-1] == _plan_keys(ds, ds.split().for_rank(rank))
     assert len({len(s) for s in streams}) == 1
-    whole = ShardDataset(_sources(caches), 256, seed=4)
+    whole = ShardDataset(_sources(caches), 256, seed=4, streams=world)  # the ranks' plan
     kept = len(whole.plan()) - len(whole.plan()) % world
     assert sorted(k for s in streams for k in s) == sorted(_plan_keys(whole, range(kept)))
     uses = collections.Counter(k for s in streams for b in s for k in b)
@@ -222,8 +222,10 @@ def _resume_stream(make, world, new_world, num_workers, new_workers, steps, how)
 @pytest.mark.parametrize("how", ["loop", "dataloader", "stateful"])
 @pytest.mark.parametrize("extra", [{}, PACKED], ids=["pad", "pack"])
 def test_resume_at_another_world_size_and_workers_gives_the_remainder(caches, how, extra):
-    def make(rank, world):
-        return ShardDataset(_sources(caches), 256, seed=6, rank=rank, world_size=world, **extra)
+    def make(rank, world):  # the streams of the run (2 ranks) at every world size
+        return ShardDataset(
+            _sources(caches), 256, seed=6, rank=rank, world_size=world, streams=2, **extra
+        )
 
     plan = make(0, 1).plan()
     rng = np.random.default_rng(len(how) + len(extra))

@@ -67,6 +67,8 @@ def test_the_ranks_together_read_the_one_rank_epoch(many_shards, extra, world):
 
     one = make(0, 1)
     assert isinstance(one.plan(), StreamPlan)
+    small = ShardDataset(many_shards, 256, seed=5, **extra)  # one stream of one block
+    assert small.options.streams == 1 and not isinstance(small.plan(), StreamPlan)
     whole = [_key(one.collate_batch(one.plan(), j)) for j in range(len(one.plan()))]
     ranks = [_epoch(make(r, world)) for r in range(world)]
     assert len({len(r) for r in ranks}) == 1  # equal batches per rank
@@ -170,7 +172,7 @@ def test_stats_report_bytes_against_the_rank_share(many_shards):
 
 
 def test_the_next_epoch_is_counted_in_the_background(many_shards):
-    ds = ShardDataset(many_shards, 256, seed=0)
+    ds = ShardDataset(many_shards, 256, seed=0, streams=2)
     ds.plan()
     assert ds._counting is not None
     ds._counting.join()

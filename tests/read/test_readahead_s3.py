@@ -223,3 +223,41 @@ def test_an_early_stop_leaves_no_thread_or_descriptor(remote):
     assert not _readahead_threads()
     assert _our_descriptors() == []
     logging.getLogger("shardcache").debug("leftover iterator: %s", it)
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_each_rank_fetches_its_share_once_with_a_folder_of_its_share(
+    remote, local, monkeypatch, tmp_path, mode
+):
+    world = 4
+    cache = Cache(local)
+    sizes = [int(s["bytes"]) for s in cache.shards]
+    share = sum(sizes) / world
+    pack = {"mode": "pack", "seq_len": 256, "packing": "concat", "attention": "none"}
+    extra = pack if mode == "pack" else {}
+    window = 4
+    # the rank's share and the read-ahead window, far less than the cache
+    monkeypatch.setenv("SHARDCACHE_CACHE_SIZE", str(int(share + (window + 2) * max(sizes))))
+    delivered = []
+    for rank in range(world):
+        monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(tmp_path / f"node-{rank}"))
+        downloads = Downloads(monkeypatch)
+        with ShardDataset(
+            remote, max_tokens=1024, seed=2, rank=rank, world_size=world, readahead=window, **extra
+        ) as ds:
+            assert ds.options.streams == world
+            # (a packed batch's padding segment has sample id -1)
+            delivered += [[i for i in b["meta"]["sample_ids"].tolist() if i >= 0] for b in ds]
+            stats = ds.stats()
+        shard_calls = [n for path, n in downloads.calls.items() if "/shards/" in path]
+        assert max(shard_calls) == 1  # never the same bytes twice in the epoch
+        fetched = stats["bytes_ahead"] + stats["bytes_on_demand"]
+        assert fetched == pytest.approx(stats["fetched_over_share"] * share)
+        # its streams' shards (boundary shards and the tail's few batches besides)
+        assert fetched <= 1.5 * share, (rank, fetched / share)
+    whole = ShardDataset(local, max_tokens=1024, seed=2, streams=world, **extra)
+    plan = whole.plan()
+    kept = len(plan) - len(plan) % world
+    assert sorted(map(tuple, delivered)) == sorted(
+        tuple(plan.batch(j).tolist()) for j in range(kept)
+    )

@@ -14,6 +14,7 @@ from shardcache.read.streams import (
     StreamPlan,
     count_batches,
     own_streams,
+    plan_block,
 )
 
 OPTIONS = {
@@ -171,3 +172,17 @@ def test_a_mixture_index_plans_its_chosen_rows_with_repeats():
     expected = base.lengths.astype(np.int64).copy()
     expected[:n0] *= 2
     assert np.array_equal(taken, expected)
+
+
+@pytest.mark.parametrize("streams,block", [(1, 10**9), (5, 37), (3, 200)])
+def test_concat_counts_by_tokens_equal_the_planned_batches(streams, block):
+    index = synthetic(30, 40, seed=4)
+    options = OPTIONS["concat"]
+    layout = StreamLayout(index, streams, block, 1, 0, True)
+    counted = count_batches(layout, options)
+    for s in range(streams):
+        planned = [len(plan_block(layout, options, s, b)) for b in range(int(layout.blocks[s]))]
+        assert counted[s].tolist() == planned
+        for b in range(int(layout.blocks[s])):
+            ids, _ = layout.block_ids(s, b)
+            assert layout.block_tokens(s, b) == int(index.lengths[ids].astype(np.int64).sum())
