@@ -38,6 +38,7 @@ from shardcache.read.readahead import (
     cache_readahead,
     readahead_options,
 )
+from shardcache.read.trainers import refuse_accelerate_wrapper
 from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
 
@@ -70,6 +71,13 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+def _process_group() -> tuple[int, int] | None:
+    """Rank and world size of the torch.distributed process group, if one is initialised."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if (rank is None) != (world_size is None):
         given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
@@ -80,10 +88,8 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         check_int("rank", rank, 0)
         check_int("world_size", world_size, 1)
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        rank, world_size = _process_group() or (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     assert rank is not None and world_size is not None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
@@ -172,7 +178,8 @@ class ShardDataset(IterableDataset):
         check_int("seed", seed, 0)
         self.seed = seed
         self.epoch = 0
-        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self._rank, self._world_size = _resolve_rank(rank, world_size)
+        self._rank_given = rank is not None  # else a process group started later is followed
         self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
         self._sources: tuple[Source, ...] | None = None
         self.remix = remix
@@ -230,6 +237,34 @@ class ShardDataset(IterableDataset):
         """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None."""
         return None if self._mixture is None else self._mixture.table
 
+    @property
+    def rank(self) -> int:
+        """This process's rank: as passed, else of the process group (also one started later)."""
+        self._follow_process_group()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: as passed, else of the process group (also one started later)."""
+        self._follow_process_group()
+        return self._world_size
+
+    def _follow_process_group(self) -> None:
+        """Take rank and world size from a process group started after construction.
+
+        Lightning's launcher starts it in ``fit()``, after the script built the dataset, and sets
+        WORLD_SIZE but no RANK. In the main process only: workers get the main process's values.
+        """
+        if self._rank_given or get_worker_info() is not None:
+            return
+        group = _process_group()
+        if group is not None and group != (self._rank, self._world_size):
+            logger.info(
+                "shardcache: ShardDataset(%r): rank %d of %d from the process group (it was %d of "
+                "%d when built)", self.path, *group, self._rank, self._world_size,
+            )  # fmt: skip
+            self._rank, self._world_size = group
+
     def _open_cache(self, expect: Any = None) -> Cache | MixedCache:
         """This process's reader of the cache (or of a mixture's caches)."""
         if self._sources is not None:
@@ -241,6 +276,7 @@ class ShardDataset(IterableDataset):
         return cache
 
     def __getstate__(self) -> dict[str, Any]:
+        self._follow_process_group()  # (spawned workers start with the main process's rank)
         state = self.__dict__.copy()
         # memory maps do not travel to worker processes: a spawned one opens its own
         for name in ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets", "_readahead"):
@@ -289,6 +325,7 @@ class ShardDataset(IterableDataset):
         Raises:
             ConfigError: ``epoch`` is negative.
         """
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         epoch = int(epoch)
         if epoch < 0:
             raise ConfigError(f"set_epoch: got {epoch}, expected an epoch >= 0")
@@ -369,6 +406,7 @@ class ShardDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches this rank yields in the current (or next) pass over the current epoch."""
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         n = self.split(start=self._pass_start(self._start)).batches_per_rank
         if n == 0 and self._start == 0:
             self._warn_empty()
@@ -551,6 +589,7 @@ class ShardDataset(IterableDataset):
     # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         self._open()
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)
