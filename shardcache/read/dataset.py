@@ -103,7 +103,8 @@ class ShardDataset(IterableDataset):
     """Token-budget batches from a cache (or a mixture), sharded over ranks and workers.
 
     Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch. A
-    context manager: ``close`` releases the cache and its open shards.
+    context manager: ``close`` releases the cache and its open shards. accelerate's wrappers,
+    which would split it over ranks again, are refused (docs/guide/batches.md, Trainers).
 
     Args:
         path: a cache folder or URL, or a list of [`Source`][shardcache.Source] (a mixture of
@@ -114,7 +115,7 @@ class ShardDataset(IterableDataset):
         options: all batch options as one [`PlanOptions`][shardcache.PlanOptions] (then
             without ``max_tokens``, ``shuffle`` or keywords).
         rank: this process's rank; with ``world_size``, else torch.distributed when
-            initialised, else ``RANK`` / ``WORLD_SIZE``.
+            initialised (also later: followed), else ``RANK`` / ``WORLD_SIZE``.
         world_size: the number of ranks.
         expect: a ``CacheKey``, lock file path or mapping of tokenizer options the cache must
             have been built under (for a mixture: each source without its own).
