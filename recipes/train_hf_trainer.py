@@ -11,7 +11,9 @@ What it shows (copy it):
   that batch). :class:`ShardTrainer` overrides ``get_train_dataloader`` to return
   ``shardcache.loader(...)``: ``batch_size=None``, workers started with forkserver, and a
   ``set_epoch`` that Trainer calls every epoch (the reshuffle). The batch size is the token
-  budget ``--max-tokens``, not ``per_device_train_batch_size``;
+  budget ``--max-tokens``, not ``per_device_train_batch_size``. Trainer's own DataLoader would
+  also go through accelerate's dispatcher, which reads every batch on rank 0 and slices it across
+  the ranks: ``Trainer(train_dataset=ShardDataset(...))`` is refused at start for that reason;
 * ``attention="mask"`` keeps packed documents apart with any attention implementation; with
   ``--attn flash_attention_2`` use ``attention="varlen"`` (the ``cu_seq_lens_*`` keys flash
   attention reads);

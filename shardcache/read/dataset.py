@@ -55,6 +55,7 @@ from shardcache.read.streams import (
     count_batches,
     own_streams,
 )
+from shardcache.read.trainers import refuse_accelerate_wrapper
 from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key
 
@@ -87,6 +88,13 @@ def _env_int(name: str, default: int) -> int:
         ) from None
 
 
+def _process_group() -> tuple[int, int] | None:
+    """Rank and world size of the torch.distributed process group, if one is initialised."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_rank(), torch.distributed.get_world_size()
+    return None
+
+
 def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if (rank is None) != (world_size is None):
         given, missing = ("rank", "world_size") if world_size is None else ("world_size", "rank")
@@ -97,10 +105,8 @@ def _resolve_rank(rank: int | None, world_size: int | None) -> tuple[int, int]:
     if rank is not None and world_size is not None:
         check_int("rank", rank, 0)
         check_int("world_size", world_size, 1)
-    elif torch.distributed.is_available() and torch.distributed.is_initialized():
-        rank, world_size = torch.distributed.get_rank(), torch.distributed.get_world_size()
     else:
-        rank, world_size = _env_int("RANK", 0), _env_int("WORLD_SIZE", 1)
+        rank, world_size = _process_group() or (_env_int("RANK", 0), _env_int("WORLD_SIZE", 1))
     assert rank is not None and world_size is not None
     if world_size < 1 or not 0 <= rank < world_size:
         raise ConfigError(
@@ -114,7 +120,8 @@ class ShardDataset(IterableDataset):
     """Token-budget batches from a cache (or a mixture), sharded over ranks and workers.
 
     Iterate it through ``DataLoader(ds, batch_size=None)``: each item is already a batch. A
-    context manager: ``close`` releases the cache and its open shards.
+    context manager: ``close`` releases the cache and its open shards. accelerate's wrappers,
+    which would split it over ranks again, are refused (docs/guide/batches.md, Trainers).
 
     Args:
         path: a cache folder or URL, or a list of [`Source`][shardcache.Source] (a mixture of
@@ -125,7 +132,7 @@ class ShardDataset(IterableDataset):
         options: all batch options as one [`PlanOptions`][shardcache.PlanOptions] (then
             without ``max_tokens``, ``shuffle`` or keywords).
         rank: this process's rank; with ``world_size``, else torch.distributed when
-            initialised, else ``RANK`` / ``WORLD_SIZE``.
+            initialised (also later: followed), else ``RANK`` / ``WORLD_SIZE``.
         world_size: the number of ranks.
         expect: a ``CacheKey``, lock file path or mapping of tokenizer options the cache must
             have been built under (for a mixture: each source without its own).
@@ -189,11 +196,12 @@ class ShardDataset(IterableDataset):
         check_int("seed", seed, 0)
         self.seed = seed
         self.epoch = 0
-        self.rank, self.world_size = _resolve_rank(rank, world_size)
+        self._rank, self._world_size = _resolve_rank(rank, world_size)
+        self._rank_given = rank is not None  # else a process group started later is followed
         # streams=None: the world size now; a loaded state's streams win (load_state_dict)
         self._auto_streams = options.streams is None
         if options.streams is None:
-            options = dataclasses.replace(options, streams=self.world_size)
+            options = dataclasses.replace(options, streams=self._world_size)
             self.options = options
         self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
         self._sources: tuple[Source, ...] | None = None
@@ -262,6 +270,34 @@ class ShardDataset(IterableDataset):
         """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None."""
         return None if self._mixture is None else self._mixture.table
 
+    @property
+    def rank(self) -> int:
+        """This process's rank: as passed, else of the process group (also one started later)."""
+        self._follow_process_group()
+        return self._rank
+
+    @property
+    def world_size(self) -> int:
+        """The number of ranks: as passed, else of the process group (also one started later)."""
+        self._follow_process_group()
+        return self._world_size
+
+    def _follow_process_group(self) -> None:
+        """Take rank and world size from a process group started after construction.
+
+        Lightning's launcher starts it in ``fit()``, after the script built the dataset, and sets
+        WORLD_SIZE but no RANK. In the main process only: workers get the main process's values.
+        """
+        if self._rank_given or get_worker_info() is not None:
+            return
+        group = _process_group()
+        if group is not None and group != (self._rank, self._world_size):
+            logger.info(
+                "shardcache: ShardDataset(%r): rank %d of %d from the process group (it was %d of "
+                "%d when built)", self.path, *group, self._rank, self._world_size,
+            )  # fmt: skip
+            self._rank, self._world_size = group
+
     def _open_cache(self, expect: Any = None) -> Cache | MixedCache:
         """This process's reader of the cache (or of a mixture's caches)."""
         if self._sources is not None:
@@ -273,6 +309,7 @@ class ShardDataset(IterableDataset):
         return cache
 
     def __getstate__(self) -> dict[str, Any]:
+        self._follow_process_group()  # (spawned workers start with the main process's rank)
         state = self.__dict__.copy()
         # memory maps do not travel to worker processes: a spawned one opens its own
         names = ("_cache", "_plan", "_batch_kernels", "_lengths", "_buckets", "_readahead")
@@ -327,6 +364,7 @@ class ShardDataset(IterableDataset):
         Raises:
             ConfigError: ``epoch`` is negative.
         """
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         epoch = int(epoch)
         if epoch < 0:
             raise ConfigError(f"set_epoch: got {epoch}, expected an epoch >= 0")
@@ -557,6 +595,7 @@ class ShardDataset(IterableDataset):
 
     def __len__(self) -> int:
         """Batches this rank yields in the current (or next) pass over the current epoch."""
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         n = self.split(start=self._pass_start(self._start)).batches_per_rank
         if n == 0 and self._start == 0:
             self._warn_empty()
@@ -751,6 +790,7 @@ class ShardDataset(IterableDataset):
     # ---- iteration -------------------------------------------------------------------------
 
     def __iter__(self) -> Iterator[Batch]:
+        refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
         self._open()
         info = get_worker_info()
         worker_id, num_workers = (0, 1) if info is None else (info.id, info.num_workers)

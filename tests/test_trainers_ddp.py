@@ -1,0 +1,93 @@
+"""ShardDataset under the trainers people use, two ranks (gloo, CPU), one epoch each: every rank
+trains on its own share exactly once (``meta["sample_ids"]`` counted per rank, against the
+dataset's own split), or the set-up is refused before a step with the fix named. The scenarios
+are in tests/trainer_ranks.py; tests/read/test_trainers.py covers the same logic in one process."""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from shardcache import ShardDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SCRIPT = os.path.join(ROOT, "tests", "trainer_ranks.py")
+MAX_TOKENS, SEED = 128, 1  # as in trainer_ranks.py
+
+pytestmark = pytest.mark.slow  # each run starts two processes that import a trainer (~30 s)
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, tokenizer_dir):
+    from conftest import make_texts, write_records
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("trainers-corpus")
+    for f in range(2):
+        records = [{"text": t} for t in make_texts(30, seed=f)]
+        write_records(str(folder / f"part-{f}.jsonl"), records, "jsonl")
+    out = str(tmp_path_factory.mktemp("trainers") / "cache")
+    options = {"input": str(folder), "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+               "max_length": 64, "truncation": "split", "buckets": "16,32"}  # fmt: skip
+    build_cache(build_options_from_mapping(options))
+    return out
+
+
+def run(scenario: str, cache: str, out, torchrun: bool = True) -> subprocess.CompletedProcess:
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    env.update(PYTHONPATH=os.pathsep.join([ROOT, os.path.join(ROOT, "tests")]),
+               OMP_NUM_THREADS="1")  # fmt: skip
+    launch = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node",
+              "2"] if torchrun else [sys.executable]  # fmt: skip
+    command = [*launch, SCRIPT, scenario, cache, str(out)]
+    return subprocess.run(command, env=env, capture_output=True, text=True, timeout=300)
+
+
+def assert_each_rank_read_its_share_once(cache: str, out) -> None:
+    shares = [
+        [b["meta"]["sample_ids"].tolist() for b in ShardDataset(cache, MAX_TOKENS, seed=SEED,
+                                                               rank=r, world_size=2)]
+        for r in range(2)
+    ]  # fmt: skip
+    reports = [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+    for r, report in enumerate(reports):
+        assert report["rank"] == r and report["world_size"] == 2
+        assert len(report["ids"]) == len(shares[r]) > 0  # every step of the epoch
+        assert report["ids"] == shares[r]  # its own batches, each once, in its order
+    docs = collections.Counter(s for report in reports for b in report["ids"] for s in b)
+    assert set(docs.values()) == {1}  # no document twice, on one rank or across ranks
+
+
+def output(done: subprocess.CompletedProcess) -> str:
+    return done.stdout[-3000:] + done.stderr[-3000:]
+
+
+@pytest.mark.parametrize("scenario", ["hf-loader", "accelerate-loader", "lightning"])
+def test_every_rank_trains_on_its_own_share_once(scenario, cache_dir, tmp_path):
+    done = run(scenario, cache_dir, tmp_path)
+    assert done.returncode == 0, output(done)
+    assert_each_rank_read_its_share_once(cache_dir, tmp_path)
+
+
+def test_lightning_own_launcher_with_the_dataset_built_before_fit(cache_dir, tmp_path):
+    # `python train.py` with devices=2: Lightning starts rank 1 and the process group itself
+    done = run("lightning", cache_dir, tmp_path, torchrun=False)
+    assert done.returncode == 0, output(done)
+    assert_each_rank_read_its_share_once(cache_dir, tmp_path)
+
+
+@pytest.mark.parametrize("scenario", ["hf-dataset", "accelerate-dataloader"])
+def test_accelerate_splitting_the_dataset_again_is_refused_before_a_step(
+    scenario, cache_dir, tmp_path
+):
+    done = run(scenario, cache_dir, tmp_path)
+    assert done.returncode != 0, output(done)
+    assert done.stderr.count("refused: ") == 2, output(done)  # both ranks, at start
+    assert "DataLoaderDispatcher" in done.stderr and "get_train_dataloader" in done.stderr
+    assert not list(tmp_path.glob("rank*.json"))  # no rank trained

@@ -1,0 +1,138 @@
+"""One rank of a trainer over a ShardDataset, for tests/test_trainers_ddp.py (run by torchrun).
+
+    python -m torch.distributed.run --nproc_per_node 2 tests/trainer_ranks.py SCENARIO CACHE OUT
+
+Trains a stand-in model for one epoch (gloo, CPU) and writes ``OUT/rank<r>.json``: the rank, the
+world size and the ``meta["sample_ids"]`` of every batch the model received. A ConfigError
+(a refused set-up) is printed as ``refused: <message>`` with exit status 3.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import sys
+
+import torch
+from torch.utils.data import DataLoader
+
+import shardcache
+from shardcache import ConfigError, ShardDataset
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+MAX_TOKENS = 128
+SEED = 1
+
+
+class CountingLM(torch.nn.Module):
+    """A stand-in causal LM that records the sample ids of every batch it trains on."""
+
+    def __init__(self, vocab: int) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(vocab, 8)
+        self.seen: list[list[int]] = []
+
+    def forward(self, input_ids, labels, attention_mask=None, meta=None, **_):
+        self.seen.append(meta["sample_ids"].tolist())
+        logits = self.embed(input_ids) @ self.embed.weight.T
+        loss = torch.nn.functional.cross_entropy(
+            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
+        )
+        return {"loss": loss}
+
+
+def recipe(name: str):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> int:
+    from transformers import Trainer, TrainingArguments
+
+    steps = ShardDataset(cache, MAX_TOKENS, seed=SEED).batches_per_rank()  # (any rank: equal)
+    args = TrainingArguments(
+        output_dir=out, max_steps=steps, report_to=[], save_strategy="no", use_cpu=True,
+        disable_tqdm=True, per_device_train_batch_size=1, logging_steps=1000,
+    )  # fmt: skip
+    if use_loader:  # the recipe's Trainer: get_train_dataloader returns shardcache.loader(...)
+        shard_loader = shardcache.loader(cache, MAX_TOKENS, seed=SEED, num_workers=0)
+        trainer = recipe("train_hf_trainer").ShardTrainer(
+            model=model, args=args, shard_loader=shard_loader
+        )
+    else:  # what the issue's user wrote: Trainer's own DataLoader, through accelerate
+        trainer = Trainer(model=model, args=args, data_collator=lambda items: items[0],
+                          train_dataset=ShardDataset(cache, MAX_TOKENS, seed=SEED))  # fmt: skip
+    trainer.train()
+    return trainer.args.process_index
+
+
+def accelerate_run(cache: str, model: CountingLM, use_loader: bool) -> int:
+    from accelerate import Accelerator
+
+    accelerator = Accelerator(cpu=True)
+    if use_loader:
+        data = shardcache.loader(cache, MAX_TOKENS, seed=SEED, device=accelerator.device)
+    else:
+        data = DataLoader(ShardDataset(cache, MAX_TOKENS, seed=SEED), batch_size=None)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    wrapped, optimizer, data = accelerator.prepare(model, optimizer, data)
+    for batch in data:
+        loss = wrapped(**batch)["loss"]
+        accelerator.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return accelerator.process_index
+
+
+def lightning_run(cache: str, model: CountingLM) -> int:
+    import lightning
+
+    class Module(lightning.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = model
+
+        def training_step(self, batch, batch_idx):
+            return self.model(**batch)["loss"]
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    # built before fit(), as scripts do: under Lightning's own launcher the process group
+    # starts in fit()
+    data = DataLoader(ShardDataset(cache, MAX_TOKENS, seed=SEED), batch_size=None)
+    trainer = lightning.Trainer(
+        accelerator="cpu", devices=2, strategy="ddp", max_epochs=1, logger=False,
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(Module(), train_dataloaders=data)
+    return trainer.global_rank
+
+
+def main() -> int:
+    scenario, cache, out = sys.argv[1:4]
+    vocab = int(shardcache.open_cache(cache).manifest["tokenizer"]["vocab_size"])
+    model = CountingLM(vocab)
+    try:
+        if scenario in ("hf-dataset", "hf-loader"):
+            rank = hf(cache, out, model, use_loader=scenario == "hf-loader")
+        elif scenario in ("accelerate-dataloader", "accelerate-loader"):
+            rank = accelerate_run(cache, model, use_loader=scenario == "accelerate-loader")
+        elif scenario == "lightning":
+            rank = lightning_run(cache, model)
+        else:
+            raise SystemExit(f"unknown scenario {scenario!r}")
+    except ConfigError as err:
+        print(f"refused: {err}", file=sys.stderr, flush=True)
+        return 3
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+    with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
+        json.dump({"rank": rank, "world_size": world, "ids": model.seen}, f)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
