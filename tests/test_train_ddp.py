@@ -45,3 +45,24 @@ def test_torchrun_two_ranks_full_epoch(corpus, build_cache, tokenizer_dir, tmp_p
     assert set(tokens.values()) == {1}  # nothing twice
     expected = sum(len(cache.read(s)) for s in range(cache.num_sequences))
     assert len(tokens) == expected - data["tail"]["dropped_tokens"]  # nothing lost but the tail
+
+
+def test_max_steps_stops_every_rank_at_the_same_step_with_the_state_there(
+    corpus, build_cache, tokenizer_dir, tmp_path
+):
+    folder, _ = corpus("jsonl", n_files=1, docs=60)
+    cache_dir = build_cache(folder, tokenizer_dir, max_length=96, truncation="split",
+                            buckets="16,32,64")  # fmt: skip
+    report, state = tmp_path / "report.json", tmp_path / "state.json"
+    env = {**os.environ, "PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}
+    recipe = os.path.join(ROOT, "recipes", "train_ddp.py")
+    command = [sys.executable, "-m", "torch.distributed.run", "--standalone",
+               "--nproc_per_node", "2", recipe, cache_dir, "--max-tokens", "256",
+               "--num-workers", "0", "--report", str(report), "--save-state", str(state),
+               "--epochs", "3", "--max-steps", "3"]  # fmt: skip
+    out = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    ranks = json.loads(report.read_text())["ranks"]
+    assert [r["steps"] for r in ranks] == [[3], [3]]
+    saved = json.loads(state.read_text())
+    assert (saved["epoch"], saved["consumed"]) == (0, 6)  # 3 global steps of 2 ranks

@@ -8,6 +8,8 @@ starts; a compressed source, or mixed token types, give no table (batches go thr
 
 from __future__ import annotations
 
+import os
+import warnings
 from typing import Any
 
 import numpy as np
@@ -64,6 +66,28 @@ def check_same_tokenizer(sources: tuple[Source, ...], caches: list[Cache]) -> No
         )
 
 
+def warn_repeated_caches(sources: tuple[Source, ...], caches: list[Cache]) -> None:
+    """Warn when two sources are one cache (the same key digest, or the same path).
+
+    Each of its documents then fills both sources' shares, about twice an epoch: rarely meant.
+    """
+    seen: dict[str, Source] = {}
+    for source, cache in zip(sources, caches):
+        digest = (cache.manifest.get("key") or {}).get("digest")
+        where = cache.path.rstrip("/") if is_url(cache.path) else os.path.realpath(cache.path)
+        identity = f"key {str(digest)[:16]}" if digest else f"path {where}"
+        first = seen.setdefault(identity, source)
+        if first is not source:
+            warnings.warn(
+                f"mixture: sources {first.label!r} ({first.path}) and {source.label!r} "
+                f"({source.path}) are the same cache ({identity}); its "
+                "documents fill both shares, each used about twice an epoch. Give it once with "
+                "the two weights added, unless that is what you mean",
+                UserWarning,
+                stacklevel=4,
+            )
+
+
 class MixedCache:
     """The caches of a mixture, read through one mixture id space."""
 
@@ -77,6 +101,7 @@ class MixedCache:
             if wanted is not None:
                 verify_manifest_key(cache.manifest, wanted, source.path)
         check_same_tokenizer(sources, self.caches)
+        warn_repeated_caches(sources, self.caches)
         self.index = MixtureIndex.of([c.num_sequences for c in self.caches])
         self.dtype = np.result_type(*(c.dtype for c in self.caches))
         self._lengths: np.ndarray | None = None

@@ -248,6 +248,22 @@ def test_sources_with_another_tokenizer_are_refused_with_the_diff(
     assert err.value.differences
 
 
+def test_the_same_cache_under_two_names_warns(caches, tmp_path):
+    import shutil
+    import warnings
+
+    twice = [Source(caches["web"], name="a"), Source(caches["web"] + "/", name="b")]
+    with pytest.warns(UserWarning, match=r"'a'.*'b'.*the same cache.*twice"):
+        ShardDataset(twice, 256)
+    copy = str(tmp_path / "web-copy")  # a copy: the same documents under another path
+    shutil.copytree(caches["web"], copy)
+    with pytest.warns(UserWarning, match=r"'web'.*'web-copy'.*the same cache"):
+        ShardDataset([Source(caches["web"]), Source(copy)], 256)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        ShardDataset(_sources(caches), 256)
+
+
 def test_expect_is_checked_per_source(caches, tmp_path, bos_tokenizer_dir):
     other = _build(tmp_path, "bos", bos_tokenizer_dir, 10, 9)
     wrong = CacheKey.from_json(open_cache(other).manifest["key"])
