@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import collections
 import copy
+import dataclasses
 import io
 import itertools
 import json
@@ -421,7 +422,8 @@ def test_cache_digest_prefers_the_cache_key():
 def test_options_object_and_keyword_errors(cache_dir):
     options = PlanOptions(max_tokens=256, mode="pack", seq_len=64)
     ds = ShardDataset(cache_dir, options=options, attention="mask")
-    assert ds.options == options
+    # the options given, streams=None resolved to the world size the reader starts with
+    assert ds.options == dataclasses.replace(options, streams=1)
     with pytest.raises(ConfigError, match="either as options="):
         ShardDataset(cache_dir, 256, options=options)
     with pytest.raises(
