@@ -15,14 +15,15 @@ import json
 import os
 import shutil
 import tempfile
+import urllib.parse
 from collections.abc import Iterator
 from typing import Any
 
-from shardcache.errors import CacheError
+from shardcache.errors import CacheError, ConfigError
 from shardcache.store.build_lock import BuildLock, refuse_colliding_builds
 from shardcache.store.files import read_json_or_none, write_json_atomic
 from shardcache.store.layout import INDEX_DIR, PARTS_DIR, SHARD_DIR, check_relative_name
-from shardcache.store.remote import filesystem, is_url
+from shardcache.store.remote import filesystem, is_url, unreachable
 
 #: The folders a staging area holds (a partition's files, a commit's).
 STAGED_FOLDERS = (SHARD_DIR, PARTS_DIR, INDEX_DIR)
@@ -177,10 +178,38 @@ class FsspecStorage(Storage):
 
     def __init__(self, url: str):
         self.location = url.rstrip("/")
+        parts = urllib.parse.urlsplit(self.location)
+        if parts.query or parts.fragment:
+            raise ConfigError(
+                f"{url!r}: a cache's URL takes no query or fragment "
+                f"({'?' + parts.query if parts.query else ''}"
+                f"{'#' + parts.fragment if parts.fragment else ''}); object names cannot hold "
+                "them. Give the bucket and folder alone, e.g. "
+                f"{parts.scheme}://{parts.netloc}{parts.path}"
+            )
         self.fs, self.root = filesystem(self.location)
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         #: a filesystem with real folders (``file://``) needs them made before a write
         self.has_folders = "file" in protocols or "local" in protocols
+        if not self.has_folders:
+            self._check_bucket()
+
+    def _check_bucket(self) -> None:
+        """Refuse an object store's bucket that does not exist (every write would fail)."""
+        bucket = self.root.split("/", 1)[0]
+        try:
+            found = self.fs.exists(bucket)
+        except Exception as err:  # (the store's own errors; an unreachable one is named)
+            problem = unreachable(err, self.location)
+            if problem is not None:
+                raise problem from err
+            return  # e.g. no right to look: the writes will say what is wrong
+        if not found:
+            raise CacheError(
+                f"{self.location!r}: the bucket {bucket!r} does not exist in the object store "
+                f"(endpoint {os.environ.get('AWS_ENDPOINT_URL') or 'the default'}); create it, "
+                "or fix the bucket name in the URL"
+            )
 
     def _path(self, name: str) -> str:
         # every name (ours, or listed from the store) is a plain relative name: a listed key

@@ -3,6 +3,8 @@ so no server is started)."""
 
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from conftest import free_port
@@ -42,3 +44,32 @@ def test_an_unreachable_endpoint_is_a_clear_error(monkeypatch, tmp_path):
             build(build_options_from_mapping(values))
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+@pytest.mark.filterwarnings("ignore::ResourceWarning")
+@pytest.mark.parametrize(
+    ("output", "says"),
+    [
+        ("s3://corpus/q?x=1#f", r"s3://corpus/q\?x=1#f.*no query or fragment"),
+        ("s3://nobucket/x", r"s3://nobucket/x.*bucket 'nobucket' does not exist"),
+    ],
+)
+def test_an_output_url_the_store_cannot_hold_is_a_clear_error(
+    s3, corpus, tokenizer_dir, output, says
+):
+    # issue 51 item 4: a URL with a query or fragment, and a bucket that does not exist, were
+    # raw tracebacks (FileNotFoundError; botocore's NoSuchBucket)
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    folder, _ = corpus("jsonl", n_files=1, docs=10)
+    result = CliRunner().invoke(main, ["build", "-i", folder, "-t", tokenizer_dir, "-o", output])
+    assert result.exit_code in (1, 2), result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(
+        result.exception
+    )
+    assert "Traceback" not in result.output
+    assert re.search(says, result.output, re.S), result.output
