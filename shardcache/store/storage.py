@@ -198,18 +198,23 @@ class FsspecStorage(Storage):
         """Refuse an object store's bucket that does not exist (every write would fail)."""
         bucket = self.root.split("/", 1)[0]
         try:
-            found = self.fs.exists(bucket)
+            if self.fs.exists(bucket):
+                return
+            # exists() also says False for a store it cannot reach: listing tells them apart
+            self.fs.ls(bucket, detail=False)
+            return
+        except FileNotFoundError:
+            pass
         except Exception as err:  # (the store's own errors; an unreachable one is named)
             problem = unreachable(err, self.location)
             if problem is not None:
                 raise problem from err
             return  # e.g. no right to look: the writes will say what is wrong
-        if not found:
-            raise CacheError(
-                f"{self.location!r}: the bucket {bucket!r} does not exist in the object store "
-                f"(endpoint {os.environ.get('AWS_ENDPOINT_URL') or 'the default'}); create it, "
-                "or fix the bucket name in the URL"
-            )
+        raise CacheError(
+            f"{self.location!r}: the bucket {bucket!r} does not exist in the object store "
+            f"(endpoint {os.environ.get('AWS_ENDPOINT_URL') or 'the default'}); create it, "
+            "or fix the bucket name in the URL"
+        )
 
     def _path(self, name: str) -> str:
         # every name (ours, or listed from the store) is a plain relative name: a listed key
