@@ -621,18 +621,29 @@ class ShardDataset(IterableDataset):
 
         Returns:
             A JSON-able dict: tail mode, world size, global and per-rank batches, and the batches,
-            segments and tokens dropped and repeated.
+            segments and tokens dropped and repeated; with canonical streams also
+            ``stream_dropped_*`` / ``stream_repeated_*``: what evening the streams' counts out
+            left out of the epoch's batches or put in twice.
         """
         plan = self.plan(epoch)
         split = self.split(epoch)
+        lengths = self._all_lengths()
 
         def count(batches: np.ndarray) -> tuple[int, int]:
             segs = sum(len(plan.batch(int(b))) for b in batches)
-            tokens = sum(plan.token_count(self._all_lengths(), int(b)) for b in batches)
+            tokens = sum(plan.token_count(lengths, int(b)) for b in batches)
             return segs, tokens
 
         dropped, repeated = count(split.dropped), count(split.repeated)
+        extra: dict[str, int] = {}
+        if isinstance(plan, StreamPlan):
+            for name, pairs in (("dropped", plan.dropped()), ("repeated", plan.repeated())):
+                located = [plan.stream_batch(s, k) for s, k in pairs]
+                extra[f"stream_{name}_batches"] = len(pairs)
+                extra[f"stream_{name}_segments"] = sum(len(p.batch(i)) for p, i in located)
+                extra[f"stream_{name}_tokens"] = sum(p.token_count(lengths, i) for p, i in located)
         return {
+            **extra,
             "tail": self.options.tail,
             "world_size": self.world_size,
             "global_batches": len(plan),

@@ -3,11 +3,12 @@
 Each epoch the shards are permuted (seeded by seed and epoch) and their rows, in that order,
 are cut by tokens into ``C`` streams; a stream is cut into blocks of ``shuffle_block`` rows, and
 each block is planned on its own by the global planner (``plan.plan_sequences``: every mode and
-packing) with a seed of its own. Global batch ``j`` is batch ``j // C`` of stream ``j % C``
-while every stream has one (full rounds); the extra batches of the longer streams follow, round
-by round. Ranks take global batches ``c + r + kW`` as with the global plan, so when ``W``
-divides ``C`` a rank reads only the shards of its ``C / W`` streams, about ``1 / W`` of the
-cache per epoch; any ``W`` and ``num_workers`` read the same global sequence.
+packing) with a seed of its own. Global batch ``j`` is batch ``j // C`` of stream ``j % C``;
+every stream gives the same count (``tail="drop"`` cuts streams to the shortest's count,
+``"wrap"`` repeats a shorter stream's first batches). Ranks take global batches ``c + r + kW``
+as with the global plan, so when ``W`` divides ``C`` a rank reads only the shards of its
+``C / W`` streams, about ``1 / W`` of the cache per epoch; any ``W`` and ``num_workers`` read
+the same global sequence.
 
 Memory is the shard table (``O(shards)``) plus the block plans in use; the only ``O(epoch)``
 cost is time: the batch count of every block, which a rank may compute for its own streams and
@@ -228,10 +229,19 @@ class StreamPlan:
         per_stream = np.array([int(o[-1]) for o in self.block_offsets], dtype=np.int64)
         self.stream_batches = per_stream
         streams = layout.streams
-        self.rounds = int(per_stream.min()) if streams else 0
+        shortest = int(per_stream.min()) if streams else 0
+        #: whole rounds, one batch of every stream each: every stream the same count, so a
+        #: rank keeps its streams to the end. ``tail="drop"`` cuts every stream to the
+        #: shortest's count, ``"wrap"`` repeats a shorter stream's first batches up to the
+        #: longest's; with an empty stream (fewer rows than streams) the longer streams'
+        #: batches follow the rounds instead, round by round (exact, not local)
+        self.dense = shortest == 0
+        if self.dense:
+            self.rounds = 0
+        else:
+            self.rounds = shortest if options.tail == "drop" else int(per_stream.max())
         self.full = self.rounds * streams
-        # the batches past the full rounds, round by round, streams in order
-        extra = per_stream - self.rounds
+        extra = np.maximum(per_stream - self.rounds, 0) if self.dense else np.zeros_like(per_stream)
         tail_stream = np.repeat(np.arange(streams, dtype=np.int64), extra)
         tail_k = np.arange(int(extra.sum()), dtype=np.int64) - np.repeat(
             np.r_[0, np.cumsum(extra)[:-1]] - self.rounds, extra
@@ -245,22 +255,28 @@ class StreamPlan:
     def __len__(self) -> int:
         return self._total
 
-    def counts(self) -> dict[int, np.ndarray]:
-        """Every block's batch count, by stream (what another process may build this from)."""
-        return {s: np.diff(o) for s, o in enumerate(self.block_offsets)}
+    def dropped(self) -> list[tuple[int, int]]:
+        """``(stream, batch)`` of the batches the rounds leave out (``tail="drop"``)."""
+        if self.dense:
+            return []
+        return [
+            (s, k)
+            for s, n in enumerate(self.stream_batches.tolist())
+            for k in range(self.rounds, n)
+        ]
 
-    def stream_of(self, index: int) -> tuple[int, int]:
-        """``(stream, batch within the stream)`` of a global batch."""
-        if not 0 <= index < self._total:
-            raise IndexError(f"global batch {index} of a plan of {self._total}")
-        if index < self.full:
-            return index % self.layout.streams, index // self.layout.streams
-        t = index - self.full
-        return int(self.tail_stream[t]), int(self.tail_k[t])
+    def repeated(self) -> list[tuple[int, int]]:
+        """``(stream, batch)`` of the batches the rounds read twice (``tail="wrap"``)."""
+        if self.dense:
+            return []
+        return [
+            (s, k % n)
+            for s, n in enumerate(self.stream_batches.tolist())
+            for k in range(n, self.rounds)
+        ]
 
-    def locate(self, index: int) -> tuple[EpochPlan, int]:
-        """The block plan holding a global batch, and the batch's index in it."""
-        stream, k = self.stream_of(index)
+    def stream_batch(self, stream: int, k: int) -> tuple[EpochPlan, int]:
+        """The block plan holding batch ``k`` of a stream, and the batch's index in it."""
         off = self.block_offsets[stream]
         block = int(np.searchsorted(off, k, side="right")) - 1
         key = (stream, block)
@@ -273,6 +289,24 @@ class StreamPlan:
         else:
             self._blocks.move_to_end(key)
         return plan, k - int(off[block])
+
+    def counts(self) -> dict[int, np.ndarray]:
+        """Every block's batch count, by stream (what another process may build this from)."""
+        return {s: np.diff(o) for s, o in enumerate(self.block_offsets)}
+
+    def stream_of(self, index: int) -> tuple[int, int]:
+        """``(stream, batch within the stream)`` of a global batch."""
+        if not 0 <= index < self._total:
+            raise IndexError(f"global batch {index} of a plan of {self._total}")
+        if index < self.full:
+            stream, k = index % self.layout.streams, index // self.layout.streams
+            return stream, k % int(self.stream_batches[stream])  # (wrap: a repeat)
+        t = index - self.full
+        return int(self.tail_stream[t]), int(self.tail_k[t])
+
+    def locate(self, index: int) -> tuple[EpochPlan, int]:
+        """The block plan holding a global batch, and the batch's index in it."""
+        return self.stream_batch(*self.stream_of(index))
 
     def batch(self, index: int) -> np.ndarray:
         """The sample ids of one global batch."""

@@ -156,6 +156,10 @@ def test_a_mixture_reads_over_streams_and_keeps_its_shares(many_shards, tmp_path
         got = []
         for j in range(len(plan)):
             got += plan.batch(j).tolist()
+        if isinstance(plan, StreamPlan):  # what evening the streams out left out
+            for s, k in plan.dropped():
+                block, i = plan.stream_batch(s, k)
+                got += block.batch(i).tolist()
         return sorted(got)
 
     assert documents(flow) == documents(glob)  # the same documents, repeats included
@@ -178,7 +182,9 @@ def test_the_next_epoch_is_counted_in_the_background(many_shards):
     ds._counting.join()
     assert 1 in ds._counts
     ds.set_epoch(1)
-    assert len(ds.plan()) == int(sum(c.sum() for c in ds._counts[1].values()))
+    counts = ds._counts[1]
+    assert len(ds.plan()) == 2 * min(int(c.sum()) for c in counts.values())  # (tail="drop")
+    assert ds.plan().counts().keys() == counts.keys()
 
 
 def _prepare_worker(rank, path, init, out):
@@ -204,3 +210,18 @@ def test_prepare_shares_the_counting_among_ranks(many_shards, tmp_path, monkeypa
         with open(out + str(rank)) as f:
             assert json.load(f) == expected
     assert os.path.exists(tmp_path / "store")
+
+
+@pytest.mark.parametrize("tail", ["drop", "wrap"])
+def test_the_tail_report_says_what_evening_the_streams_costs(many_shards, tail):
+    ds = ShardDataset(many_shards, 256, seed=3, streams=8, tail=tail)
+    plan = ds.plan()
+    report = ds.tail_report()
+    counts = plan.stream_batches
+    if tail == "drop":
+        assert report["stream_dropped_batches"] == int((counts - counts.min()).sum())
+        assert report["stream_repeated_batches"] == 0
+    else:
+        assert report["stream_repeated_batches"] == int((counts.max() - counts).sum())
+        assert report["stream_dropped_batches"] == 0
+    assert len(plan) == 8 * plan.rounds

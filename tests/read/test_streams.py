@@ -70,19 +70,36 @@ def test_one_stream_of_one_block_is_the_global_plan(mode, shuffle):
             assert (a is None and b is None) or np.array_equal(a, b)
 
 
+def taken_by(plan, pairs, lengths) -> np.ndarray:
+    """Tokens of each sample id that some ``(stream, batch)`` pairs take."""
+    taken = np.zeros(len(lengths), dtype=np.int64)
+    for stream, k in pairs:
+        block, local = plan.stream_batch(stream, k)
+        ids, _, seg = block.segments(local)
+        np.add.at(taken, ids, lengths[ids] if seg is None else seg)
+    return taken
+
+
 @settings(max_examples=40, deadline=None)
 @given(
     mode=st.sampled_from(list(OPTIONS)),
+    tail=st.sampled_from(["drop", "wrap"]),
     streams=st.integers(1, 12),
     block=st.integers(1, 400),
     seed=st.integers(0, 3),
     shards=st.integers(1, 30),
 )
-def test_every_sequence_is_planned_once_within_budget(mode, streams, block, seed, shards):
+def test_every_sequence_is_planned_once_within_budget(mode, tail, streams, block, seed, shards):
     index = synthetic(shards, 20, seed)
-    options = OPTIONS[mode]
+    options = PlanOptions(**{**OPTIONS[mode].to_json(), "tail": tail})
     plan = stream_plan(index, options, streams, block, seed)
-    assert np.array_equal(covered(plan, index.lengths.astype(np.int64)), index.lengths)
+    lengths = index.lengths.astype(np.int64)
+    # the rounds, and what they leave out or read twice to give every stream one count
+    got = covered(plan, lengths) + taken_by(plan, plan.dropped(), lengths)
+    got -= taken_by(plan, plan.repeated(), lengths)
+    assert np.array_equal(got, lengths)
+    assert not (plan.dropped() and plan.repeated())
+    assert len(plan) % streams == 0 or plan.dense
     for j in range(len(plan)):
         ids, _, _ = plan.segments(j)
         rows = len(plan.row_bounds(j)) - 1
@@ -98,15 +115,13 @@ def test_a_rank_reads_only_its_streams_shards_in_the_full_rounds():
     streams, world = 8, 4
     plan = stream_plan(index, options, streams, block=300, seed=1)
     starts = index.starts
-    assert plan.rounds > 0
+    assert plan.rounds > 0 and len(plan) == plan.full
     for start in (0, 5):  # a resumed cursor moves every rank to other streams, still local
         split = split_epoch(len(plan), world, start)
         for rank in range(world):
             mine = {(start + rank + s) % streams for s in range(0, streams, world)}
             allowed = set(np.concatenate([plan.layout.shards_of_stream(s) for s in mine]).tolist())
-            for j in split.for_rank(rank).tolist():
-                if j >= plan.full:
-                    continue
+            for j in split.for_rank(rank).tolist():  # every batch: no tail outside the rounds
                 ids = plan.batch(j)
                 shards = set((np.searchsorted(starts, ids, side="right") - 1).tolist())
                 assert shards <= allowed, (rank, j)
@@ -168,7 +183,8 @@ def test_a_mixture_index_plans_its_chosen_rows_with_repeats():
     tokens[0] *= 2
     index = ShardIndex(starts, tokens, base.buckets, base.lengths, rows=rows)
     plan = stream_plan(index, OPTIONS["pad"], 3, 50)
-    taken = covered(plan, base.lengths.astype(np.int64))
+    lengths = base.lengths.astype(np.int64)
+    taken = covered(plan, lengths) + taken_by(plan, plan.dropped(), lengths)
     expected = base.lengths.astype(np.int64).copy()
     expected[:n0] *= 2
     assert np.array_equal(taken, expected)
