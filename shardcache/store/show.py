@@ -212,7 +212,7 @@ def format_sequence(entry: dict[str, Any], decode: Decode, options: RenderOption
     """The text ``show`` prints for one ``sequence_json`` entry."""
     pieces = entry["pieces"]
     piece = (
-        f"piece {entry['piece'] + 1} of {len(pieces)} (sample ids {', '.join(map(str, pieces))})"
+        f"piece {entry['piece']} of 0..{len(pieces) - 1} (sample ids {', '.join(map(str, pieces))})"
     )
     trainable = (
         "plain text: every token has a loss"
@@ -312,5 +312,6 @@ def format_batch(data: dict[str, Any], decode: Decode, options: RenderOptions) -
             )
             ids = np.asarray(seg["ids"])
             trained = np.asarray(seg["labels"]) != -100
-            lines.append("    " + render_tokens(ids, trained, decode, options))
+            text = render_tokens(ids, trained, decode, options)
+            lines.append("    " + text.replace("\n", "\n    "))
     return "\n".join(lines)
