@@ -453,7 +453,7 @@ def _show_batch(opened: Any, index: int, options: dict[str, Any]) -> dict[str, A
 @click.option("--record", type=click.IntRange(min=0), help="With --source: the document at "
               "this 0-based record index, every piece of it when it was split.")  # fmt: skip
 @click.option("--tokens", "boundaries", is_flag=True, help="Show token boundaries (tokens "
-              "decoded one by one, separated by |).")  # fmt: skip
+              "decoded one by one, separated by │).")  # fmt: skip
 @click.option("--tokenizer", "-t", help="Tokenizer folder to decode with.  [default: the "
               "build's, as recorded in the manifest]")  # fmt: skip
 @click.option("--color/--no-color", default=None, help="Mark trainable tokens in colour "
@@ -527,16 +527,16 @@ def show(
                 options["seq_len"] = options["max_tokens"]
             data = batch_json(opened, _show_batch(opened, batch_index, options), decode,
                               boundaries)  # fmt: skip
-            click.echo(
-                json.dumps(data, indent=1) if as_json else format_batch(data, decode, render)
-            )
+            text = json.dumps(data, indent=1) if as_json else format_batch(data, decode, render)
+            click.echo(text, color=render.color)  # (click strips ANSI off a terminal)
             return
         ids = select_samples(opened, indices, sample, seed, source, record).tolist()
         entries = [sequence_json(opened, i, decode, boundaries) for i in ids]
     if as_json:
         click.echo(json.dumps({"sequences": entries}, indent=1))
     else:
-        click.echo("\n\n".join(format_sequence(e, decode, render) for e in entries))
+        text = "\n\n".join(format_sequence(e, decode, render) for e in entries)
+        click.echo(text, color=render.color)
 
 
 @main.command("export")

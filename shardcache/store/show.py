@@ -22,7 +22,7 @@ Decode = Callable[[Sequence[int]], str]
 #: What marks a trainable run when there is no colour.
 OPEN, CLOSE = "[[", "]]"
 #: What separates tokens when boundaries are asked for.
-BOUNDARY = "|"
+BOUNDARY = "\u2502"  # a box-drawing bar: "|" is in ChatML tokens (<|im_end|>)
 #: ANSI styles of trainable tokens and of padding on a terminal.
 TRAINABLE_STYLE = ("\x1b[1;32m", "\x1b[0m")
 PADDING_STYLE = ("\x1b[2m", "\x1b[0m")
