@@ -375,18 +375,89 @@ def commit_command(
 
 @main.command()
 @click.argument("cache")
+@click.option("--lengths", is_flag=True, help="Add a histogram of sequence lengths per bucket, "
+              "with what --max-tokens costs in pad mode and fills in pack mode.")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(min=1), help="--lengths: the token budget "
+              "whose padding is shown.  [default: 8 x the longest sequence]")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), help="--lengths: the pack-mode row "
+              "length.  [default: --max-tokens]")  # fmt: skip
+@click.option("--bins", type=click.IntRange(min=1, max=64), default=4, show_default=True,
+              help="--lengths: histogram bins per bucket.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False), help="--lengths: also write the "
+              "histogram as a PNG (pip install 'shardcache[plot]' for matplotlib).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @translate_errors
-def info(cache: str, as_json: bool) -> None:
-    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets."""
-    from shardcache.store.cache import open_cache
-    from shardcache.store.summary import cache_summary, format_summary
+def info(
+    cache: str,
+    lengths: bool,
+    max_tokens: int | None,
+    seq_len: int | None,
+    bins: int,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets.
 
-    summary = cache_summary(open_cache(cache))
+    With --lengths, also a histogram of sequence lengths (BINS per bucket, from the length
+    index: no shard is read), and for a token budget (--max-tokens) the padding one epoch of
+    pad-mode batches would hold per bucket and the share of pack-mode (best_fit) slots that
+    hold tokens, both planned as ShardDataset plans them.
+
+    \b
+    Example:
+      shardcache info ./cache --lengths --max-tokens 16384 --seq-len 4096
+      shardcache info ./cache --lengths --plot lengths.png
+    """  # noqa: D301
+    from shardcache.store.cache import open_cache
+    from shardcache.store.summary import (
+        cache_summary,
+        format_histogram,
+        format_summary,
+        length_histogram,
+        plot_histogram,
+    )
+
+    if not lengths and (max_tokens or seq_len or plot):
+        raise click.BadParameter("needs --lengths", param_hint="--max-tokens/--seq-len/--plot")
+    with open_cache(cache) as opened:
+        summary = cache_summary(opened)
+        histogram = cost = None
+        if lengths:
+            histogram = length_histogram(opened, bins)
+            if opened.num_sequences:
+                cost = _length_cost(opened, max_tokens, seq_len)
+            summary["lengths"] = {"histogram": histogram, **(cost or {})}
+    if plot and histogram is not None:
+        plot_histogram(histogram, plot)
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     else:
-        click.echo(format_summary(summary))
+        text = format_summary(summary)
+        if histogram is not None:
+            text += "\n\n" + format_histogram(histogram, cost)
+        click.echo(text)
+        if plot:
+            click.echo(f"wrote {plot}", err=True)
+
+
+def _length_cost(opened: Any, max_tokens: int | None, seq_len: int | None) -> dict[str, Any]:
+    """Pad-mode padding and pack-mode fill of one planned epoch at a token budget."""
+    from shardcache.read.padding import pack_fill, pad_cost
+
+    longest = int(opened.lengths.max())
+    budget = max_tokens or 8 * longest
+    row = seq_len or budget
+    if longest > min(budget, row):
+        raise ConfigError(
+            f"--max-tokens {budget} / --seq-len {row}: the longest sequence holds {longest} "
+            "tokens and must fit in a batch and a row; raise them"
+        )
+    buckets = opened.buckets()
+    return {
+        "max_tokens": budget,
+        "pad": pad_cost(opened.lengths, buckets, budget),
+        "pack": pack_fill(opened.lengths, buckets, budget, row),
+    }
 
 
 def _decoder(cache: Any, tokenizer: str | None) -> Callable[[Any], str]:
