@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 
 import numpy as np
@@ -39,7 +40,7 @@ def test_histogram_counts_are_the_length_index(cache_path):
         assert r["tokens"] == int(lengths[inside].sum())
     for b in np.unique(buckets).tolist():  # a bucket's bins are disjoint and cover it
         bins = [(r["min_length"], r["max_length"]) for r in rows if r["bucket"] == b]
-        assert all(hi + 1 == lo for (_, hi), (lo, _) in zip(bins, bins[1:]))
+        assert all(hi + 1 == lo for (_, hi), (lo, _) in itertools.pairwise(bins))
         assert (
             bins[0][0] <= lengths[buckets == b].min() <= lengths[buckets == b].max() <= bins[-1][1]
         )
