@@ -375,18 +375,239 @@ def commit_command(
 
 @main.command()
 @click.argument("cache")
+@click.option("--lengths", is_flag=True, help="Add a histogram of sequence lengths per bucket, "
+              "with what --max-tokens costs in pad mode and fills in pack mode.")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(min=1), help="--lengths: the token budget "
+              "whose padding is shown.  [default: 8 x the longest sequence]")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), help="--lengths: the pack-mode row "
+              "length.  [default: --max-tokens]")  # fmt: skip
+@click.option("--bins", type=click.IntRange(min=1, max=64), default=4, show_default=True,
+              help="--lengths: histogram bins per bucket.")  # fmt: skip
+@click.option("--plot", type=click.Path(dir_okay=False), help="--lengths: also write the "
+              "histogram as a PNG (pip install 'shardcache[plot]' for matplotlib).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @translate_errors
-def info(cache: str, as_json: bool) -> None:
-    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets."""
-    from shardcache.store.cache import open_cache
-    from shardcache.store.summary import cache_summary, format_summary
+def info(
+    cache: str,
+    lengths: bool,
+    max_tokens: int | None,
+    seq_len: int | None,
+    bins: int,
+    plot: str | None,
+    as_json: bool,
+) -> None:
+    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets.
 
-    summary = cache_summary(open_cache(cache))
+    With --lengths, also a histogram of sequence lengths (BINS per bucket, from the length
+    index: no shard is read), and for a token budget (--max-tokens) the padding one epoch of
+    pad-mode batches would hold per bucket and the share of pack-mode (best_fit) slots that
+    hold tokens, both planned as ShardDataset plans them.
+
+    \b
+    Example:
+      shardcache info ./cache --lengths --max-tokens 16384 --seq-len 4096
+      shardcache info ./cache --lengths --plot lengths.png
+    """  # noqa: D301
+    from shardcache.store.cache import open_cache
+    from shardcache.store.summary import (
+        cache_summary,
+        format_histogram,
+        format_summary,
+        length_histogram,
+        plot_histogram,
+    )
+
+    if not lengths and (max_tokens or seq_len or plot):
+        raise click.BadParameter("needs --lengths", param_hint="--max-tokens/--seq-len/--plot")
+    with open_cache(cache) as opened:
+        summary = cache_summary(opened)
+        histogram = cost = None
+        if lengths:
+            histogram = length_histogram(opened, bins)
+            if opened.num_sequences:
+                cost = _length_cost(opened, max_tokens, seq_len)
+            summary["lengths"] = {"histogram": histogram, **(cost or {})}
+    if plot and histogram is not None:
+        plot_histogram(histogram, plot)
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     else:
-        click.echo(format_summary(summary))
+        text = format_summary(summary)
+        if histogram is not None:
+            text += "\n\n" + format_histogram(histogram, cost)
+        click.echo(text)
+        if plot:
+            click.echo(f"wrote {plot}", err=True)
+
+
+def _length_cost(opened: Any, max_tokens: int | None, seq_len: int | None) -> dict[str, Any]:
+    """Pad-mode padding and pack-mode fill of one planned epoch at a token budget."""
+    from shardcache.read.padding import pack_fill, pad_cost
+
+    longest = int(opened.lengths.max())
+    budget = max_tokens or 8 * longest
+    row = seq_len or budget
+    if longest > min(budget, row):
+        raise ConfigError(
+            f"--max-tokens {budget} / --seq-len {row}: the longest sequence holds {longest} "
+            "tokens and must fit in a batch and a row; raise them"
+        )
+    buckets = opened.buckets()
+    return {
+        "max_tokens": budget,
+        "pad": pad_cost(opened.lengths, buckets, budget),
+        "pack": pack_fill(opened.lengths, buckets, budget, row),
+    }
+
+
+def _decoder(cache: Any, tokenizer: str | None) -> Callable[[Any], str]:
+    """A ``decode(ids)`` of the cache's tokenizer (or ``--tokenizer``), warning when it differs."""
+    from shardcache.errors import TokenizerError
+
+    folder = tokenizer or str(cache.manifest["tokenizer"]["path"])
+    path = folder if folder.endswith(".json") else os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        given = "--tokenizer" if tokenizer else "the build's tokenizer (recorded in the manifest)"
+        raise TokenizerError(
+            f"show: no tokenizer.json at {path!r} ({given}); decoding needs the tokenizer the "
+            "cache was built with: pass --tokenizer FOLDER"
+        )
+    from tokenizers import Tokenizer
+
+    from shardcache.builder.key_computation import tokenizer_component
+
+    with open(path, encoding="utf-8") as f:
+        backend = json.load(f)
+    recorded = (cache.manifest.get("key") or {}).get("components", {}).get("tokenizer") or {}
+    want = (recorded.get("model") or {}).get("sha256")
+    got = tokenizer_component(backend, None, None)["model"]["sha256"]
+    if want and want != got:
+        click.echo(
+            f"warning: the tokenizer at {path} is not the one the cache was built with (its "
+            "vocabulary differs): the text shown may be wrong; pass --tokenizer FOLDER",
+            err=True,
+        )
+    decoder = Tokenizer.from_str(json.dumps(backend))
+    return lambda ids: decoder.decode(list(ids), skip_special_tokens=False)
+
+
+def _show_batch(opened: Any, index: int, options: dict[str, Any]) -> dict[str, Any]:
+    """Global batch ``index`` of an epoch at world size 1, as numpy arrays (``batch_json``)."""
+    from shardcache.read.dataset import ShardDataset
+
+    epoch = options.pop("epoch")
+    attention = "none" if options.get("mode") == "pack" else None
+    with ShardDataset(opened.path, rank=0, world_size=1, attention=attention, **options) as ds:
+        ds.set_epoch(epoch)
+        plan = ds.plan(epoch)
+        if not 0 <= index < len(plan):
+            raise ConfigError(
+                f"--batch {index}: out of range, epoch {epoch} has {len(plan)} global batches "
+                f"under these options (0..{len(plan) - 1})"
+            )
+        batch = ds.collate_batch(plan, index)
+    meta = {k: v.numpy() if hasattr(v, "numpy") else v for k, v in batch.pop("meta").items()}
+    arrays = {k: v.numpy() for k, v in batch.items() if k != "attention_mask" or v.ndim == 2}
+    return {**arrays, "meta": meta}
+
+
+@main.command()
+@click.argument("cache")
+@click.option("--index", "-n", "indices", type=click.IntRange(min=0), multiple=True,
+              help="Sample id to show (repeatable).")  # fmt: skip
+@click.option("--sample", type=click.IntRange(min=1), help="Show this many sequences drawn at "
+              "random (with --seed) from the cache or from --source.")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="Seed of --sample and of the --batch plan.")  # fmt: skip
+@click.option("--source", help="Only sequences from this input file (its path relative to the "
+              "build's input root, as `info` and lookup() name it).")  # fmt: skip
+@click.option("--record", type=click.IntRange(min=0), help="With --source: the document at "
+              "this 0-based record index, every piece of it when it was split.")  # fmt: skip
+@click.option("--tokens", "boundaries", is_flag=True, help="Show token boundaries (tokens "
+              "decoded one by one, separated by │).")  # fmt: skip
+@click.option("--tokenizer", "-t", help="Tokenizer folder to decode with.  [default: the "
+              "build's, as recorded in the manifest]")  # fmt: skip
+@click.option("--color/--no-color", default=None, help="Mark trainable tokens in colour "
+              "instead of [[ ]].  [default: colour on a terminal]")  # fmt: skip
+@click.option("--batch", "batch_index", type=click.IntRange(min=0), help="Show global batch "
+              "N of an epoch as the model gets it (rows, documents, padding, labels), "
+              "planned with the options below at world size 1.")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="--batch: the token budget of a batch.")  # fmt: skip
+@click.option("--mode", type=click.Choice(["pad", "pack"]), default="pad", show_default=True,
+              help="--batch: pad or pack.")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), help="--batch --mode pack: the row "
+              "length.  [default: --max-tokens]")  # fmt: skip
+@click.option("--packing", type=click.Choice(["best_fit", "concat"]), default="best_fit",
+              show_default=True, help="--batch --mode pack: how rows are filled.")  # fmt: skip
+@click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
+              help="--batch: the epoch.")  # fmt: skip
+@click.option("--no-shuffle", is_flag=True, help="--batch: plan without shuffling.")
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: ids, loss mask, provenance, "
+              "runs of trainable tokens with their text.")  # fmt: skip
+@translate_errors
+def show(
+    cache: str,
+    indices: tuple[int, ...],
+    sample: int | None,
+    seed: int,
+    source: str | None,
+    record: int | None,
+    boundaries: bool,
+    tokenizer: str | None,
+    color: bool | None,
+    batch_index: int | None,
+    as_json: bool,
+    **batch_options: Any,
+) -> None:
+    """Decode sequences of a CACHE, trainable tokens marked, with where they came from.
+
+    Without a choice, shows the first 3 sequences. A chat cache's tokens with a loss are
+    marked in colour on a terminal and between [[ and ]] otherwise (plain text: every token
+    has a loss, nothing is marked). Each sequence says its input file, line, record, and, for a
+    document cut by --truncation split, the sample ids of all its pieces. Decoding uses the
+    tokenizer recorded in the manifest (or --tokenizer); a different one is warned about.
+
+    \b
+    Example:
+      shardcache show ./cache --sample 5 --seed 1
+      shardcache show ./chat-cache --index 42 --tokens
+      shardcache show ./cache --source part-00.jsonl --record 7
+      shardcache show ./cache --batch 0 --max-tokens 8192 --mode pack --seq-len 2048
+    """  # noqa: D301
+    from shardcache.store.cache import open_cache
+    from shardcache.store.show import (
+        RenderOptions,
+        batch_json,
+        format_batch,
+        format_sequence,
+        select_samples,
+        sequence_json,
+    )
+
+    render = RenderOptions(sys.stdout.isatty() if color is None else color, boundaries)
+    with open_cache(cache) as opened:
+        decode = _decoder(opened, tokenizer)
+        if batch_index is not None:
+            options = dict(batch_options)
+            options["shuffle"] = not options.pop("no_shuffle")
+            options["seed"] = seed
+            if options["mode"] == "pad":
+                del options["seq_len"], options["packing"]
+            elif options["seq_len"] is None:
+                options["seq_len"] = options["max_tokens"]
+            data = batch_json(opened, _show_batch(opened, batch_index, options), decode,
+                              boundaries)  # fmt: skip
+            text = json.dumps(data, indent=1) if as_json else format_batch(data, decode, render)
+            click.echo(text, color=render.color)  # (click strips ANSI off a terminal)
+            return
+        ids = select_samples(opened, indices, sample, seed, source, record).tolist()
+        entries = [sequence_json(opened, i, decode, boundaries) for i in ids]
+    if as_json:
+        click.echo(json.dumps({"sequences": entries}, indent=1))
+    else:
+        text = "\n\n".join(format_sequence(e, decode, render) for e in entries)
+        click.echo(text, color=render.color)
 
 
 @main.command("export")

@@ -561,6 +561,17 @@ class Cache:
         record, piece = self._shards.get(shard).provenance(row)
         return Provenance(source_of_row(self.shards[shard], row), record, piece)
 
+    def shard_provenance(self, index: int) -> tuple[np.ndarray, np.ndarray]:
+        """The record and piece index of every row of one shard.
+
+        Args:
+            index: the shard's position in the manifest.
+
+        Returns:
+            ``(records, pieces)``, int64, one per row.
+        """
+        return self._shards.get(index).provenance_all()
+
     def iter_sequences(self) -> Iterator[Sequence]:
         """Every sequence in sample-id order.
 

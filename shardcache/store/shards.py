@@ -822,6 +822,13 @@ class ShardReader:
         batch = self._batch(b)
         return int(batch.records[r]), int(batch.pieces[r])
 
+    def provenance_all(self) -> tuple[np.ndarray, np.ndarray]:
+        """Every row's ``(record index, piece index)``, as two int64 arrays."""
+        batches = [self._batch(b, check_ids=False) for b in range(len(self._batch_rows))]
+        records = _joined([np.asarray(batch.records, dtype=np.int64) for batch in batches])
+        pieces = _joined([np.asarray(batch.pieces, dtype=np.int64) for batch in batches])
+        return records, pieces
+
     def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
         """Yield every row as ``(ids, record, piece)``, one record batch decoded at a time."""
         for b in range(len(self._batch_rows)):

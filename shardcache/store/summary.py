@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.errors import MissingDependencyError
 from shardcache.store.cache import Cache
 
 
@@ -181,3 +182,88 @@ def format_summary(s: dict[str, Any]) -> str:
             )
         )
     return "\n".join(lines) + "\n\n" + _table(rows)
+
+
+def length_histogram(cache: Cache, bins: int = 4) -> list[dict[str, Any]]:
+    """Sequences and tokens per length bin, ``bins`` equal-width bins inside each bucket.
+
+    A bucket's bins span its range (the last bucket's up to the longest sequence); empty
+    buckets are left out. From the length index only.
+    """
+    lengths = np.asarray(cache.lengths, dtype=np.int64)
+    buckets = cache.buckets()
+    out = []
+    for index, (low, high) in enumerate(cache.manifest["buckets"]["ranges"]):
+        mine = lengths[buckets == index]
+        if not len(mine):
+            continue
+        top = int(mine.max()) if high is None else int(high)
+        edges = np.unique(np.linspace(int(low), top + 1, bins + 1).round().astype(np.int64))
+        counts = np.histogram(mine, edges)[0]
+        tokens = np.histogram(mine, edges, weights=mine)[0].astype(np.int64)
+        for k in range(len(edges) - 1):
+            out.append({"bucket": index, "min_length": int(edges[k]),
+                        "max_length": int(edges[k + 1]) - 1, "sequences": int(counts[k]),
+                        "tokens": int(tokens[k])})  # fmt: skip
+    return out
+
+
+def format_histogram(
+    rows: list[dict[str, Any]], cost: dict[str, Any] | None, width: int = 40
+) -> str:
+    """The terminal histogram of ``length_histogram`` rows, with the pad cost per bucket."""
+    most = max((r["sequences"] for r in rows), default=0) or 1
+    per_bucket = (cost or {}).get("pad", {}).get("buckets", {})
+    table: list[tuple[str, ...]] = [("bucket", "lengths", "sequences", "", "pad cost")]
+    seen = set()
+    for r in rows:
+        bar = "#" * round(width * r["sequences"] / most) or ("." if r["sequences"] else "")
+        padding = ""
+        b = r["bucket"]
+        if b not in seen and b in per_bucket:
+            stats = per_bucket[b]
+            padding = f"{stats['padding'] / max(stats['slots'], 1):.1%} of {stats['slots']:,}"
+        label = str(b) if b not in seen else ""
+        seen.add(b)
+        table.append((label, f"{r['min_length']}-{r['max_length']}", f"{r['sequences']:,}",
+                      bar.ljust(width), padding))  # fmt: skip
+    lines = ["\n".join(line.rstrip() for line in _table(table).split("\n"))]
+    if cost:
+        pad, pack = cost["pad"], cost["pack"]
+        lines.append(
+            f"pad  max_tokens={cost['max_tokens']:,}: {pad['batches']:,} batches, "
+            f"{pad['padding'] / max(pad['slots'], 1):.1%} of the slots are padding "
+            f"({pad['padding']:,} tokens; pad cost: a bucket's share)"
+        )
+        lines.append(
+            f"pack max_tokens={cost['max_tokens']:,} seq_len={pack['seq_len']:,} (best_fit): "
+            f"{pack['rows']:,} rows in {pack['batches']:,} batches, {pack['fill']:.1%} of the "
+            "slots hold tokens"
+        )
+    return "\n".join(lines)
+
+
+def plot_histogram(rows: list[dict[str, Any]], path: str) -> None:
+    """Write the length histogram as a PNG (needs matplotlib: ``MissingDependencyError``)."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError as err:
+        raise MissingDependencyError(
+            f"--plot {path}: writing a PNG needs matplotlib; pip install 'shardcache[plot]' "
+            "(or leave out --plot for the terminal histogram)"
+        ) from err
+    fig, ax = plt.subplots(figsize=(8, 4))
+    lefts = [r["min_length"] for r in rows]
+    widths = [r["max_length"] - r["min_length"] + 1 for r in rows]
+    ax.bar(lefts, [r["sequences"] for r in rows], width=widths, align="edge",
+           color=[f"C{r['bucket'] % 10}" for r in rows], edgecolor="black")  # fmt: skip
+    ax.set_xlabel("sequence length (tokens); colour: bucket")
+    ax.set_ylabel("sequences")
+    if lefts and max(lefts) > 50 * max(min(lefts), 1):
+        ax.set_xscale("log")
+    fig.tight_layout()
+    fig.savefig(path, format="png")
+    plt.close(fig)
