@@ -376,17 +376,65 @@ def commit_command(
 @main.command()
 @click.argument("cache")
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--split", "split_spec", default=None, metavar="NAME=FRACTION,...",
+              help="Also count the documents, sequences and tokens of each side of a held-out "
+              "split, e.g. validation=0.01,test=0.001 (seed=N optional): the sides "
+              "ShardDataset(split=..., splits=Split(...)) reads. Reads every shard's record "
+              "column.")  # fmt: skip
 @translate_errors
-def info(cache: str, as_json: bool) -> None:
-    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets."""
+def info(cache: str, as_json: bool, split_spec: str | None) -> None:
+    """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets.
+
+    \b
+    Example:
+      shardcache info ./cache --split validation=0.01,test=0.001
+    """  # noqa: D301
     from shardcache.store.cache import open_cache
     from shardcache.store.summary import cache_summary, format_summary
 
-    summary = cache_summary(open_cache(cache))
+    split = _parse_split(split_spec) if split_spec is not None else None
+    opened = open_cache(cache)
+    summary = cache_summary(opened)
+    if split is not None:
+        from shardcache.read.splits import split_summary
+
+        summary["splits"] = split_summary(opened, split)
     if as_json:
         click.echo(json.dumps(summary, indent=1))
     else:
         click.echo(format_summary(summary))
+        if split is not None:
+            from shardcache.read.splits import SPLIT_NAMES
+
+            for name in SPLIT_NAMES:
+                side = summary["splits"][name]
+                counts = (side["documents"], side["sequences"], side["tokens"])
+                click.echo(
+                    "split {:<11}{:,} documents, {:,} sequences, {:,} tokens".format(name, *counts)
+                )
+
+
+def _parse_split(spec: str) -> Any:
+    """``--split validation=0.01,test=0.001[,seed=N]`` as a ``Split`` (BadParameter if not)."""
+    from shardcache.read.splits import Split
+
+    values: dict[str, Any] = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        try:
+            if name not in ("validation", "test", "seed"):
+                raise ValueError(f"unknown name {name!r}: use validation, test and seed")
+            values[name] = int(value) if name == "seed" else float(value)
+        except ValueError as err:
+            raise click.BadParameter(
+                f"{part!r}: {err}; write NAME=FRACTION pairs, e.g. validation=0.01,test=0.001",
+                param_hint="--split",
+            ) from None
+    try:
+        return Split(**values)
+    except ShardcacheError as err:
+        raise click.BadParameter(str(err), param_hint="--split") from None
 
 
 @main.command("export")

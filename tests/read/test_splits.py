@@ -232,3 +232,23 @@ def test_no_transform_keeps_the_compiled_path(caches):
     next(iter(with_transform))
     assert not with_transform.reads_compiled
     assert ds.reads_compiled == (ds._table(ds._open()) is not None)  # unchanged without one
+
+
+def test_info_shows_each_side_of_a_split(caches):
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    runner = CliRunner()
+    got = runner.invoke(main, ["info", caches[0], "--split", "validation=0.2,test=0.1", "--json"])
+    assert got.exit_code == 0, got.output
+    splits = json.loads(got.output)["splits"]
+    with open_cache(caches[0]) as cache:
+        assert splits == split_summary(cache, SPLIT)
+        assert sum(splits[n]["tokens"] for n in SPLIT_NAMES) == cache.num_tokens
+    text = runner.invoke(main, ["info", caches[0], "--split", "validation=0.2,test=0.1"])
+    assert text.exit_code == 0 and "split validation" in text.output
+    bad = runner.invoke(main, ["info", caches[0], "--split", "valid=0.2"])
+    assert bad.exit_code == 2 and "Traceback" not in bad.output
+    bad = runner.invoke(main, ["info", caches[0], "--split", "validation=0.7,test=0.5"])
+    assert bad.exit_code == 2 and "sum to less than 1" in bad.output
