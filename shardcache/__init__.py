@@ -44,6 +44,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
     from shardcache.read.readahead import ReadAheadOptions
+    from shardcache.read.splits import Split
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.export import ExportOptions, ExportReport, export_cache
     from shardcache.store.layout import FORMAT_VERSION
@@ -85,6 +86,7 @@ _LAZY: dict[str, str] = {
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
     "Source": "shardcache.read.mixture",
+    "Split": "shardcache.read.splits",
     "SourceOptions": "shardcache.config",
     "SourceShare": "shardcache.read.mixture",
     "TokenizeOptions": "shardcache.config",
@@ -131,6 +133,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SourceError",
     "SourceOptions",
     "SourceShare",
+    "Split",
     "StateError",
     "TokenizeOptions",
     "TokenizerError",

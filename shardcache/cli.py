@@ -386,6 +386,11 @@ def commit_command(
 @click.option("--plot", type=click.Path(dir_okay=False), help="--lengths: also write the "
               "histogram as a PNG (pip install 'shardcache[plot]' for matplotlib).")  # fmt: skip
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
+@click.option("--split", "split_spec", default=None, metavar="NAME=FRACTION,...",
+              help="Also count the documents, sequences and tokens of each side of a held-out "
+              "split, e.g. validation=0.01,test=0.001 (seed=N optional): the sides "
+              "ShardDataset(split=..., splits=Split(...)) reads. Reads every shard's record "
+              "column.")  # fmt: skip
 @translate_errors
 def info(
     cache: str,
@@ -395,18 +400,21 @@ def info(
     bins: int,
     plot: str | None,
     as_json: bool,
+    split_spec: str | None,
 ) -> None:
     """Summarize a CACHE: tokenizer, counts, truncation and bad-record counts, buckets.
 
     With --lengths, also a histogram of sequence lengths (BINS per bucket, from the length
     index: no shard is read), and for a token budget (--max-tokens) the padding one epoch of
     pad-mode batches would hold per bucket and the share of pack-mode (best_fit) slots that
-    hold tokens, both planned as ShardDataset plans them.
+    hold tokens, both planned as ShardDataset plans them. With --split, the documents,
+    sequences and tokens of each side of a held-out split.
 
     \b
     Example:
       shardcache info ./cache --lengths --max-tokens 16384 --seq-len 4096
       shardcache info ./cache --lengths --plot lengths.png
+      shardcache info ./cache --split validation=0.01,test=0.001
     """  # noqa: D301
     from shardcache.store.cache import open_cache
     from shardcache.store.summary import (
@@ -419,8 +427,13 @@ def info(
 
     if not lengths and (max_tokens or seq_len or plot):
         raise click.BadParameter("needs --lengths", param_hint="--max-tokens/--seq-len/--plot")
+    split = _parse_split(split_spec) if split_spec is not None else None
     with open_cache(cache) as opened:
         summary = cache_summary(opened)
+        if split is not None:
+            from shardcache.read.splits import split_summary
+
+            summary["splits"] = split_summary(opened, split)
         histogram = cost = None
         if lengths:
             histogram = length_histogram(opened, bins)
@@ -436,6 +449,15 @@ def info(
         if histogram is not None:
             text += "\n\n" + format_histogram(histogram, cost)
         click.echo(text)
+        if split is not None:
+            from shardcache.read.splits import SPLIT_NAMES
+
+            for name in SPLIT_NAMES:
+                side = summary["splits"][name]
+                counts = (side["documents"], side["sequences"], side["tokens"])
+                click.echo(
+                    "split {:<11}{:,} documents, {:,} sequences, {:,} tokens".format(name, *counts)
+                )
         if plot:
             click.echo(f"wrote {plot}", err=True)
 
@@ -608,6 +630,29 @@ def show(
     else:
         text = "\n\n".join(format_sequence(e, decode, render) for e in entries)
         click.echo(text, color=render.color)
+
+
+def _parse_split(spec: str) -> Any:
+    """``--split validation=0.01,test=0.001[,seed=N]`` as a ``Split`` (BadParameter if not)."""
+    from shardcache.read.splits import Split
+
+    values: dict[str, Any] = {}
+    for part in spec.split(","):
+        name, _, value = part.partition("=")
+        name = name.strip()
+        try:
+            if name not in ("validation", "test", "seed"):
+                raise ValueError(f"unknown name {name!r}: use validation, test and seed")
+            values[name] = int(value) if name == "seed" else float(value)
+        except ValueError as err:
+            raise click.BadParameter(
+                f"{part!r}: {err}; write NAME=FRACTION pairs, e.g. validation=0.01,test=0.001",
+                param_hint="--split",
+            ) from None
+    try:
+        return Split(**values)
+    except ShardcacheError as err:
+        raise click.BadParameter(str(err), param_hint="--split") from None
 
 
 @main.command("export")

@@ -17,7 +17,7 @@ import mmap
 import os
 import threading
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -48,6 +48,7 @@ from shardcache.read.readahead import (
     cache_readahead,
     readahead_options,
 )
+from shardcache.read.splits import Split, check_split_name, split_ids
 from shardcache.read.streams import (
     ShardIndex,
     StreamLayout,
@@ -60,6 +61,13 @@ from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_f
 from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
+#: ``transform(ids, mask, rng) -> (ids, mask)``: a per-sequence read-time step (numpy int ids,
+#: the chat loss mask or None, a generator seeded by (seed, epoch, sample id, segment start)).
+Transform = Callable[
+    [np.ndarray, "np.ndarray | None", np.random.Generator], "tuple[np.ndarray, np.ndarray | None]"
+]
+#: Mixed into a transform's seed so that it is no other generator of the same numbers.
+_TRANSFORM_KEY = 0x54524E53
 #: Open shards kept per reader process during a pass (a shuffled pass returns to a shard many
 #: times). Each map holds a file descriptor, so fewer under a low open-file limit.
 OPEN_SHARDS = 256
@@ -143,11 +151,22 @@ class ShardDataset(IterableDataset):
         remix: let ``load_state_dict`` take the state of another mixture (with a warning).
         readahead: how far a remote cache downloads ahead: an int of shards (0: on demand only),
             a [`ReadAheadOptions`][shardcache.ReadAheadOptions] or None (the defaults).
+        split: read only one side of ``splits``: ``"train"``, ``"validation"`` or ``"test"``
+            (documents, every piece of a split document together; docs/guide/evaluation.md).
+        splits: the held-out fractions ([`Split`][shardcache.Split]); required with ``split``.
+        eval: an evaluation pass: no shuffle, every planned sequence exactly once over all
+            ranks, no drop or repeat; a rank with no batch left yields a filler batch (labels
+            all -100, ``meta["filler"]`` True) so every rank yields the same count.
+        transform: ``transform(ids, mask, rng) -> (ids, mask)`` applied to every sequence (or
+            packed piece) after it is read and before the batch is collated; ``rng`` is seeded
+            by (seed, epoch, sample id, piece start), so a resumed stream is the same. It must
+            keep the length (docs/guide/transforms.md).
         **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
     Raises:
-        ConfigError: an option is missing, unknown or out of range.
+        ConfigError: an option is missing, unknown or out of range (``split`` with a mixture,
+            ``eval`` with ``shuffle=True``).
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
@@ -168,9 +187,21 @@ class ShardDataset(IterableDataset):
         tokens_per_epoch: int | None = None,
         remix: bool = False,
         readahead: ReadAheadOptions | int | None = None,
+        split: str | None = None,
+        splits: Split | None = None,
+        eval: bool = False,
+        transform: Transform | None = None,
         **plan_options: Any,
     ) -> None:
         super().__init__()
+        self.eval = _check_eval(eval, shuffle, options)
+        if self.eval and shuffle is None and options is None:
+            shuffle = False
+        if transform is not None and not callable(transform):
+            raise ConfigError(
+                f"transform: got {transform!r}, expected a function (ids, mask, rng) -> (ids, mask)"
+            )
+        self.transform = transform
         self.readahead: ReadAheadOptions = readahead_options(readahead)
         self._readahead: ReadAhead | None = None  # of the pass being read
         self._stats = ReadStats()
@@ -217,7 +248,18 @@ class ShardDataset(IterableDataset):
             assert isinstance(cache, Cache)
             self.cache_digest = cache_digest(cache.manifest)
             self._data_identity = _data_identity([cache])
+            #: the sample ids of the chosen side of ``splits`` (ascending), None without a split
+            self._split_rows = _split_rows(cache, split, splits)
+            self.split_name, self.splits = split, splits
+            if splits is not None:
+                self._data_identity = _data_identity([cache], splits.to_json(), split)
         else:
+            if split is not None or splits is not None:
+                raise ConfigError(
+                    "split: a mixture's sources cannot be split yet; build a ShardDataset per "
+                    "cache with split= and splits=, or pass a single cache"
+                )
+            self._split_rows, self.split_name, self.splits = None, None, None
             self._sources = sources = as_sources(path)
             self.path = f"mixture({', '.join(s.label for s in sources)})"
             cache = self._open_cache(expect)
@@ -410,7 +452,7 @@ class ShardDataset(IterableDataset):
         if self._plan is None or self._plan[0] != epoch:
             if self._global_plan():
                 digest = self._plan_digest(epoch)
-                count = len(self._all_lengths())
+                count = len(self._all_lengths() if self._split_rows is None else self._split_rows)
                 plan: EpochPlan | StreamPlan = shared_plan(
                     digest, count, lambda: self._plan_epoch(epoch)
                 )
@@ -429,7 +471,7 @@ class ShardDataset(IterableDataset):
         if streams != 1:
             return streams == 0
         if self._mixture is None:
-            rows = len(self._all_lengths())
+            rows = len(self._all_lengths() if self._split_rows is None else self._split_rows)
         else:  # (the documents an epoch chooses, as the mixture's table expects them)
             rows = sum(round(s.repetitions * s.documents) for s in self._mixture.table.sources)
         return rows <= self.options.shuffle_block
@@ -448,10 +490,7 @@ class ShardDataset(IterableDataset):
             if self._shard_index is None:
                 cache = self._open()
                 assert isinstance(cache, Cache)
-                tokens = np.fromiter((int(i["tokens"]) for i in cache.shards), np.int64)
-                self._shard_index = ShardIndex(
-                    cache.shard_starts, tokens, cache.shard_buckets, self._all_lengths()
-                )
+                self._shard_index = _shard_index(cache, self._all_lengths(), self._split_rows)
             index = self._shard_index
         return StreamLayout(
             index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
@@ -501,7 +540,8 @@ class ShardDataset(IterableDataset):
         counts = self._stream_counts(layout, epoch)
         streams = int(self.options.streams or 1)
         touched = streams // math.gcd(streams, self.world_size)  # streams this rank reads
-        plan = StreamPlan(layout, self.options, counts, keep=2 * min(touched, 64) + 2)
+        keep = 2 * min(touched, 64) + 2
+        plan = StreamPlan(layout, self.options, counts, keep=keep, even=not self.eval)
         if get_worker_info() is None:
             self._count_ahead(epoch + 1)
         return plan
@@ -562,7 +602,14 @@ class ShardDataset(IterableDataset):
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
         args = (*self._index(), self.options, self.seed, epoch)
-        return plan_epoch(*args) if self._mixture is None else self._mixture.plan(*args)
+        if self._mixture is not None:
+            return self._mixture.plan(*args)
+        rows = self._split_rows
+        if rows is None:
+            return plan_epoch(*args)
+        lengths, buckets = self._index()
+        plan = plan_epoch(lengths[rows], buckets[rows], self.options, self.seed, epoch)
+        return dataclasses.replace(plan, sample_ids=rows[plan.sample_ids])
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
         """How the global batches of an epoch go to ranks.
@@ -574,7 +621,12 @@ class ShardDataset(IterableDataset):
         Returns:
             The split.
         """
-        return split_epoch(len(self.plan(epoch)), self.world_size, start, self.options.tail)
+        return split_epoch(len(self.plan(epoch)), self.world_size, start, self._tail)
+
+    @property
+    def _tail(self) -> str:
+        """How ranks even out: an evaluation pass wraps, its extra batches become fillers."""
+        return "wrap" if self.eval else self.options.tail
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
         """How many batches every rank yields in a whole epoch (for LR schedulers).
@@ -644,7 +696,7 @@ class ShardDataset(IterableDataset):
                 extra[f"stream_{name}_tokens"] = sum(p.token_count(lengths, i) for p, i in located)
         return {
             **extra,
-            "tail": self.options.tail,
+            "tail": self._tail,
             "world_size": self.world_size,
             "global_batches": len(plan),
             "batches_per_rank": split.batches_per_rank,
@@ -695,6 +747,8 @@ class ShardDataset(IterableDataset):
         }
         if self._mixture is not None:
             state["mixture"] = self._mixture.state()
+        if self.splits is not None:
+            state["split"] = {"name": self.split_name, **self.splits.to_json()}
         if steps is None and self._worker is not None:
             state["worker"] = dict(self._worker)
         return state
@@ -727,6 +781,15 @@ class ShardDataset(IterableDataset):
                 f" but {self.path!r} has digest {self.cache_digest!r}; the data differ, so the "
                 "position means nothing here. Resume on the cache the state came from, or start "
                 "this cache from epoch 0 without loading the state"
+            )
+        ours_split = (
+            None if self.splits is None else {"name": self.split_name, **self.splits.to_json()}
+        )
+        if state.get("split") != ours_split:
+            raise StateError(
+                f"reader state: it was taken on split {state.get('split')!r} but this dataset "
+                f"reads split {ours_split!r}; another split plans other documents. Construct "
+                "the ShardDataset with the split= and splits= of the state"
             )
         # a state of a version without streams was read with the global plan (streams=0)
         theirs_plan = {"streams": 0, "shuffle_block": DEFAULT_SHUFFLE_BLOCK}
@@ -814,7 +877,7 @@ class ShardDataset(IterableDataset):
             start, skip = int(resume["start"]), int(resume["yielded"])
         else:
             start, skip = self._pass_start(self._consumed), 0
-        split = split_epoch(len(plan), self.world_size, start, self.options.tail)
+        split = split_epoch(len(plan), self.world_size, start, self._tail)
         mine = split.for_rank(self.rank)
         if start == 0 and worker_id == 0 and split.batches_per_rank == 0:
             self._warn_empty()
@@ -871,6 +934,8 @@ class ShardDataset(IterableDataset):
                 if readahead is not None:
                     readahead.ready(n)
                 batch = self.collate_batch(plan, int(mine[position]))
+                if self.eval:  # past the plan's end: a wrapped batch that must not count
+                    _mark_filler(batch, start + self.rank + self.world_size * position >= len(plan))
                 # a batch counts as consumed once it is handed out (the torchdata convention)
                 self._consumed = start + self.world_size * (position + 1)
                 if self._worker is not None:
@@ -971,15 +1036,48 @@ class ShardDataset(IterableDataset):
     ) -> Gathered:
         """``Cache.gather`` of segments (and chat loss masks), flat or placed by ``layout``."""
         cache = self._open()
-        return cache.gather(
+        got = cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
+        if self.transform is not None:
+            at = got.offsets[:-1] if layout is None else np.asarray(layout[0], dtype=np.int64)
+            first = np.zeros(len(at), np.int64) if starts is None else np.asarray(starts)
+            self._apply_transform(got, at, np.asarray(sample_ids), first)
+        return got
+
+    def _apply_transform(
+        self, got: Gathered, at: np.ndarray, sample_ids: np.ndarray, starts: np.ndarray
+    ) -> None:
+        """Run ``transform`` on each gathered segment in place, with its own seeded generator."""
+        assert self.transform is not None
+        tokens, mask = got.tokens, got.mask
+        for k, (pos, n) in enumerate(zip(at.tolist(), got.lengths.tolist())):
+            rng = np.random.default_rng(
+                [self.seed, self.epoch, int(sample_ids[k]), int(starts[k]), _TRANSFORM_KEY]
+            )
+            seg_mask = None if mask is None else mask[pos : pos + n].copy()
+            out = self.transform(tokens[pos : pos + n].copy(), seg_mask, rng)
+            if not isinstance(out, tuple) or len(out) != 2:
+                raise ConfigError(
+                    f"transform: returned {type(out).__name__}, expected a tuple (ids, mask)"
+                )
+            ids, new_mask = np.asarray(out[0]), out[1]
+            if ids.shape != (n,):
+                raise ConfigError(
+                    f"transform: returned ids of shape {ids.shape} for sample {int(sample_ids[k])}"
+                    f" of {n} tokens; a transform must keep the length (the plan sized the batch "
+                    "for it): truncate or pad inside the transform"
+                )
+            tokens[pos : pos + n] = ids
+            if mask is not None and new_mask is not None:
+                mask[pos : pos + n] = np.asarray(new_mask, dtype=bool)
 
     @property
     def reads_compiled(self) -> bool:
         """Whether the compiled kernels build batches here (numba, a local uncompressed cache)."""
         # (a remote cache keeps no Cache here)
-        return self._cache is not None and self._table(self._cache) is not None
+        cache = self._cache
+        return self.transform is None and cache is not None and self._table(cache) is not None
 
     def _table(self, cache: Cache | MixedCache) -> MappedTable | None:
         if not self.kernels or not kernels.available(cache.dtype):
@@ -989,6 +1087,8 @@ class ShardDataset(IterableDataset):
     def _compiled(self, plan: EpochPlan) -> kernels.BatchKernels | None:
         """The compiled reader of ``plan``, or None when the numpy path reads its batches."""
         cache, cached = self._open(), self._batch_kernels
+        if self.transform is not None:  # read, transform, then collate: the numpy path
+            return None
         if self.kernels and cached is not None and cached.plan is plan and cached.cache is cache:
             return cached
         table = self._table(cache)
@@ -1242,6 +1342,54 @@ def _data_identity(caches: list[Cache], *terms: Any) -> str:
         for c in caches
     ]
     return hashlib.sha256(json.dumps([*parts, *terms] if terms else parts[0]).encode()).hexdigest()
+
+
+def _split_rows(cache: Cache, split: str | None, splits: Split | None) -> np.ndarray | None:
+    """The sample ids of side ``split`` of ``splits`` (both or neither; ConfigError otherwise)."""
+    if split is None and splits is None:
+        return None
+    if split is None or splits is None:
+        raise ConfigError(
+            "split/splits: pass both, e.g. split='validation', "
+            "splits=Split(validation=0.01, test=0.001) (the same Split for every side), "
+            f"or neither; got split={split!r}, splits={splits!r}"
+        )
+    if not isinstance(splits, Split):
+        raise ConfigError(f"splits: got {splits!r}, expected a shardcache.Split")
+    check_split_name(split)
+    return split_ids(cache, splits, split)
+
+
+def _shard_index(cache: Cache, lengths: np.ndarray, rows: np.ndarray | None) -> ShardIndex:
+    """The stream planner's view of a cache, or of the sample ids ``rows`` (a split) of it."""
+    if rows is None:
+        tokens = np.fromiter((int(i["tokens"]) for i in cache.shards), np.int64)
+        return ShardIndex(cache.shard_starts, tokens, cache.shard_buckets, lengths)
+    starts = np.searchsorted(rows, cache.shard_starts, side="left").astype(np.int64)
+    cum = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(np.asarray(lengths[rows], dtype=np.int64), out=cum[1:])
+    return ShardIndex(
+        starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, lengths, rows
+    )
+
+
+def _mark_filler(batch: Batch, filler: bool) -> None:
+    """Flag an evaluation batch in ``meta["filler"]``; a filler's labels are all -100."""
+    if filler:
+        batch["labels"] = torch.full_like(batch["labels"], -100)
+    batch["meta"]["filler"] = torch.tensor(filler)
+
+
+def _check_eval(value: Any, shuffle: bool | None, options: PlanOptions | None) -> bool:
+    """Check ``eval=``: a bool, and an evaluation pass is never shuffled."""
+    if not isinstance(value, bool):
+        raise ConfigError(f"eval: got {value!r}, expected True or False")
+    if value and (shuffle or (options is not None and options.shuffle)):
+        raise ConfigError(
+            "eval: an evaluation pass reads in a fixed order, but shuffle=True was given; "
+            "drop shuffle= (eval=True reads unshuffled) or pass shuffle=False"
+        )
+    return value
 
 
 def _close_shards(cache: Cache | MixedCache) -> None:

@@ -205,7 +205,9 @@ class StreamPlan:
 
     It answers what an ``EpochPlan`` answers (``len``, ``batch``, ``segments``, ``row_bounds``,
     ``packed_segments``, ``token_count``) for a global batch index, planning the block that
-    holds it on first use and keeping the last ``keep`` blocks.
+    holds it on first use and keeping the last ``keep`` blocks. ``even=False`` keeps every
+    batch of every stream (the longer streams' last ones after the rounds, not local): an
+    evaluation pass must read each sequence once.
     """
 
     def __init__(
@@ -214,6 +216,7 @@ class StreamPlan:
         options: PlanOptions,
         counts: dict[int, np.ndarray] | None = None,
         keep: int = 4,
+        even: bool = True,
     ) -> None:
         self.layout, self.options = layout, options
         if counts is None:
@@ -235,7 +238,7 @@ class StreamPlan:
         #: shortest's count, ``"wrap"`` repeats a shorter stream's first batches up to the
         #: longest's; with an empty stream (fewer rows than streams) the longer streams'
         #: batches follow the rounds instead, round by round (exact, not local)
-        self.dense = shortest == 0
+        self.dense = shortest == 0 or not even  # (even=False: an evaluation pass reads all)
         if self.dense:
             self.rounds = 0
         else:

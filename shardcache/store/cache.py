@@ -15,6 +15,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import CorruptShardError
+from shardcache.store.files import sha256_text
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
 from shardcache.store.manifest import read_manifest
@@ -572,6 +573,28 @@ class Cache:
         """
         return self._shards.get(index).provenance_all()
 
+    def document_keys(self) -> np.ndarray:
+        """A 64-bit key of every sample id's document: a hash of its input file and record.
+
+        Every piece of a document cut by ``truncation="split"`` has its document's key, and the
+        key depends on neither shard sizes, workers nor bucket edges, so a rebuild of the same
+        inputs gives each document the same key. Reads the record column of every shard.
+
+        Returns:
+            uint64, one per sample id.
+        """
+        keys = np.empty(self.num_sequences, dtype=np.uint64)
+        for index, info in enumerate(self.shards):
+            records = self._shards.get(index).records()
+            runs = shard_runs(info)
+            files = np.repeat(
+                np.array([path_key(source) for source, _ in runs], dtype=np.uint64),
+                [rows for _, rows in runs],
+            )
+            lo = int(self.shard_starts[index])
+            keys[lo : lo + len(records)] = mix64(files ^ mix64(records.astype(np.uint64)))
+        return keys
+
     def iter_sequences(self) -> Iterator[Sequence]:
         """Every sequence in sample-id order.
 
@@ -590,6 +613,20 @@ class Cache:
                 mask = reader.masks_many([row])[0] if reader.has_mask else None
                 yield Sequence(sample_id, ids, Provenance(source, record, piece), mask)
                 sample_id += 1
+
+
+def path_key(path: str) -> int:
+    """A 64-bit key of an input file's relative path (its sha256, first 16 hex digits)."""
+    return int(sha256_text(path)[:16], 16)
+
+
+def mix64(values: np.ndarray) -> np.ndarray:
+    """The splitmix64 finaliser of uint64 values: well-mixed 64-bit hashes, vectorised."""
+    with np.errstate(over="ignore"):
+        z = np.asarray(values, dtype=np.uint64) + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
 
 
 def shard_runs(info: dict[str, Any]) -> list[tuple[str, int]]:

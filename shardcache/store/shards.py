@@ -829,6 +829,11 @@ class ShardReader:
         pieces = _joined([np.asarray(batch.pieces, dtype=np.int64) for batch in batches])
         return records, pieces
 
+    def records(self) -> np.ndarray:
+        """Every row's record index in its source file (int64), one record batch at a time."""
+        parts = [self._batch(b, check_ids=False).records for b in range(len(self._batch_rows))]
+        return np.concatenate(parts).astype(np.int64) if parts else np.zeros(0, np.int64)
+
     def iter_rows(self) -> Iterator[tuple[np.ndarray, int, int]]:
         """Yield every row as ``(ids, record, piece)``, one record batch decoded at a time."""
         for b in range(len(self._batch_rows)):
