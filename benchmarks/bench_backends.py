@@ -265,7 +265,7 @@ Encode = Callable[[list[str]], tuple[np.ndarray, np.ndarray]]
 
 
 def flat(ids: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
-    from shardcache.builder.backends import flatten_ids
+    from shardcache.builder.hf_backend import flatten_ids
 
     return flatten_ids(ids)
 
@@ -286,7 +286,8 @@ def load_candidate(name: str, folder: str) -> Encode:
             [e.ids for e in hf.encode_batch_fast(texts, add_special_tokens=False)]
         )
     if name == "fastokens":
-        from shardcache.builder.backends import FastBackend, import_fast_module
+        from shardcache.builder.backends import FastBackend
+        from shardcache.builder.fast_loaders import import_fast_module
 
         with contextlib.suppress(Exception):
             import_fast_module()
@@ -315,7 +316,7 @@ def load_candidate(name: str, folder: str) -> Encode:
     if name == "shardcache-wordpiece":
         from tokenizers import Tokenizer
 
-        from shardcache.builder.backends import HFBackend
+        from shardcache.builder.hf_backend import HFBackend
         from shardcache.builder.wordpiece import AsciiWordPiece
 
         wordpiece = AsciiWordPiece(data, HFBackend(Tokenizer.from_str(serialized)))
@@ -323,7 +324,7 @@ def load_candidate(name: str, folder: str) -> Encode:
     if name == "shardcache-words":
         from tokenizers import Tokenizer
 
-        from shardcache.builder.backends import HFBackend
+        from shardcache.builder.hf_backend import HFBackend
         from shardcache.builder.split_words import SplitWords
 
         return SplitWords(data, HFBackend(Tokenizer.from_str(serialized))).encode_flat

@@ -145,6 +145,11 @@ def key_options(func: F) -> F:
             "a datasets save_to_disk folder is read as its data files. "
             "Repeatable. Processed in sorted order.",
         ),
+        click.option(
+            "--exclude", multiple=True, metavar="GLOB",
+            help="Leave out input files whose name, or path as listed (relative to a folder "
+            "input), matches this glob, e.g. 'expected.json' or 'meta/*'. Repeatable.",
+        ),
         click.option("--tokenizer", "-t", help="Local folder of a fast Hugging Face tokenizer."),
         click.option("--text-field", help="Field holding the text in each record. "
                      "[default: text]"),

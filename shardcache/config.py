@@ -158,6 +158,8 @@ class SourceOptions:
         inputs: files, folders or globs, local or URLs (one string is accepted).
         text_field: the record field holding the text.
         on_error: ``"skip"`` bad records (counted and quarantined) or ``"fail"``.
+        exclude: glob patterns of files to leave out; a pattern matches a file's name or its
+            path as listed (one string is accepted).
 
     Raises:
         ConfigError: a field is invalid.
@@ -166,6 +168,7 @@ class SourceOptions:
     inputs: tuple[str, ...]
     text_field: str = "text"
     on_error: str = "skip"
+    exclude: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if isinstance(self.inputs, str):
@@ -176,6 +179,13 @@ class SourceOptions:
         if not self.text_field:
             raise ConfigError("text_field: must be a non-empty field name, got ''")
         check_choice("on_error", self.on_error, ON_ERROR)
+        exclude = (self.exclude,) if isinstance(self.exclude, str) else tuple(self.exclude)
+        if not all(isinstance(p, str) and p for p in exclude):
+            raise ConfigError(
+                f"exclude: got {list(exclude)!r}, expected non-empty glob patterns such as "
+                "'expected.json' or '*.json'"
+            )
+        object.__setattr__(self, "exclude", exclude)
 
 
 @dataclass(frozen=True)
@@ -379,7 +389,7 @@ RECIPE_KEYS = {
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
     "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
-    "verify_fraction",
+    "verify_fraction", "exclude",
 }  # fmt: skip
 
 
@@ -448,6 +458,7 @@ def build_options_from_mapping(values: Mapping[str, Any]) -> BuildOptions:
             inputs=(inputs,) if isinstance(inputs, str) else tuple(inputs),
             text_field=chat.messages_field if chat else values.get("text_field") or "text",
             on_error=values.get("on_error") or "skip",
+            exclude=values.get("exclude") or (),
         ),
         tokenize=tokenize_options_from_mapping(values),
         output=values["output"],

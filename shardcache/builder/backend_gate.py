@@ -9,19 +9,19 @@ from __future__ import annotations
 
 from typing import Any
 
+from shardcache.builder.ahead import Ahead
 from shardcache.builder.backends import (
     GATE_SAMPLE_CHARS,
     GATE_SAMPLE_DOCS,
-    Ahead,
     EncoderSelection,
     FastBackend,
     load_fast_ahead,
     select_backend,
-    verify_rate,
 )
 from shardcache.builder.build_plan import BuildPlan
 from shardcache.builder.chunking import HUGE_CHARS
 from shardcache.builder.key_computation import probe_texts
+from shardcache.builder.sampled_verify import verify_rate
 from shardcache.builder.sources import InputSlice, iter_text_batches
 from shardcache.config import BuildOptions
 from shardcache.errors import SourceError

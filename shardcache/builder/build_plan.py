@@ -21,7 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from shardcache.builder.bucket import effective_edges
-from shardcache.builder.sources import InputFile, InputSlice, list_inputs, split_input
+from shardcache.builder.sources import (
+    InputFile,
+    InputSlice,
+    check_corpus_files,
+    list_inputs,
+    split_input,
+)
 from shardcache.builder.tokenize import TruncationStats
 from shardcache.config import BuildOptions
 from shardcache.errors import CacheError, ConfigError
@@ -218,6 +224,8 @@ def options_json(options: BuildOptions) -> dict[str, Any]:
     data = options.to_json()
     for key in ("force", "workers", "output", "strict_lint", "max_bad_fraction", "encoding"):
         data.pop(key, None)
+    if not data["source"]["exclude"]:  # so builds without it keep their fingerprints
+        del data["source"]["exclude"]
     return json.loads(json.dumps(data))
 
 
@@ -249,13 +257,16 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
 
     Files over ``partition_size`` are cut into slices (each read once, to hash and cut it);
     consecutive files under ``group_bytes`` are gathered up to that many bytes; every other file
-    is a partition of its own.
+    is a partition of its own. A file none of whose first records is a corpus record, beside
+    files that hold some, is a ``SourceError`` (``check_corpus_files``).
     """
+    source = options.source
     inputs = (
         inputs
         if inputs is not None
-        else list_inputs(options.source.inputs, exclude=[options.output])
+        else list_inputs(source.inputs, exclude=[options.output], exclude_globs=source.exclude)
     )
+    check_corpus_files(inputs, source.text_field, "chat" if options.chat else "text")
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
     most = group_bytes(inputs, options.partition_size_bytes)

@@ -12,8 +12,9 @@ import json
 from collections.abc import Callable
 from typing import Any, Union
 
-from shardcache.builder.backends import EncoderSelection, adopt_agreed, load_fast_early
+from shardcache.builder.backends import EncoderSelection
 from shardcache.builder.chat import ChatEncoder
+from shardcache.builder.early_load import adopt_agreed, load_fast_early
 from shardcache.builder.tokenize import TextEncoder
 from shardcache.builder.tokenizer_memo import read_resolved, tokenizer_json_text
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions

@@ -215,7 +215,11 @@ def current_data(values: Mapping[str, Any], hashing: DataHashing) -> dict[str, A
     inputs = values.get("input")
     if not inputs:
         return None
-    files = list_inputs([inputs] if isinstance(inputs, str) else list(inputs))
+    exclude = values.get("exclude") or ()
+    files = list_inputs(
+        [inputs] if isinstance(inputs, str) else list(inputs),
+        exclude_globs=(exclude,) if isinstance(exclude, str) else tuple(exclude),
+    )
     start = time.perf_counter()
     entries = [{"relpath": f.relpath, "size": f.size, "sha256": sha256_file(f.path)} for f in files]
     hashing.files += len(files)

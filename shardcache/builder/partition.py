@@ -14,7 +14,7 @@ import json
 import os
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import numpy as np
@@ -326,88 +326,74 @@ def remove_partition_files(out: str, partition_id: str) -> None:
                 os.remove(os.path.join(folder, name))
 
 
-def map_partition(
-    plan: BuildPlan,
-    partition: Partition,
-    encoder: Encoder,
-    progress: Progress,
-    times: StageTimes | None = None,
-) -> PartitionResult:
-    """Read, encode and write a partition's files into the output, not its completion record.
+class _PartitionBad:
+    """A partition's bad records: the reader thread's and this thread's, each in record order.
 
-    The result's ``encoding`` is left empty for the caller.
+    Each thread owns a file written in record order, merged at the end so the quarantine never
+    depends on thread timing. ``formats`` holds each file's format, ``"json-array"`` once a
+    file turns out to hold one array (records are its items).
     """
-    for file in partition.files:
-        check_unchanged(file, "between the plan and this partition's read")
-    options = plan.options
-    out = options.output
-    stats = TruncationStats()
-    quarantine_path = os.path.join(out, PARTS_DIR, f"{partition.id}.quarantine.jsonl")
-    # Bad records come from the read-ahead thread and this one: each owns a file written in
-    # record order, merged at the end so the quarantine never depends on thread timing.
-    reader_bad = _BadLog(quarantine_path + ".reader.tmp")
-    template_bad = _BadLog(quarantine_path + ".template.tmp")
-    batch_failures: list[dict[str, Any]] = []
-    # per file: "json-array" once a file turns out to hold one array (records are its items)
-    formats = {f.relpath: f.format for f in partition.files}
 
-    def batch_bad(batch: Any, doc: int, reason: str, detail: str) -> None:
+    def __init__(self, plan: BuildPlan, partition: Partition):
+        self.on_error = plan.options.source.on_error
+        self.path = os.path.join(plan.options.output, PARTS_DIR,
+                                 f"{partition.id}.quarantine.jsonl")  # fmt: skip
+        self.reader = _BadLog(self.path + ".reader.tmp")
+        self.template = _BadLog(self.path + ".template.tmp")
+        self.failures: list[dict[str, Any]] = []
+        self.formats = {f.relpath: f.format for f in partition.files}
+        self.order = {f.relpath: k for k, f in enumerate(partition.files)}
+
+    def batch_bad(self, batch: Any, doc: int, reason: str, detail: str) -> None:
+        """Record a document of a batch that cannot be used (or raise with ``fail``)."""
         record, relpath = int(batch.records[doc]), batch.source_of(doc)
-        if options.source.on_error == "fail":
+        if self.on_error == "fail":
             raise BadRecordError(
-                f"{relpath}: {record_position(formats[relpath], record)} cannot be used "
+                f"{relpath}: {record_position(self.formats[relpath], record)} cannot be used "
                 f"({reason}: {detail}); fix the input or the chat template, or build with "
                 "--on-error skip to quarantine such records"
             )
-        batch_failures.append({"source": relpath, "record": record,
-                               **position_fields(formats[relpath], record),
-                               "reason": reason, "excerpt": detail})  # fmt: skip
+        self.failures.append({"source": relpath, "record": record,
+                              **position_fields(self.formats[relpath], record),
+                              "reason": reason, "excerpt": detail})  # fmt: skip
 
-    order = {f.relpath: k for k, f in enumerate(partition.files)}
+    def write_batch_failures(self) -> None:
+        """Write one batch's failures, in record order (this thread)."""
+        for entry in sorted(self.failures, key=lambda e: (self.order[e["source"]], e["record"])):
+            self.template.add(entry)
+        self.failures.clear()
 
-    def write_batch_failures() -> None:  # this thread: one batch's failures, in record order
-        for entry in sorted(batch_failures, key=lambda e: (order[e["source"]], e["record"])):
-            template_bad.add(entry)
-        batch_failures.clear()
+    def close(self) -> None:
+        """Close both logs."""
+        self.reader.close()
+        self.template.close()
 
-    writers = [
-        BucketWriter(
-            out,
-            partition.id,
-            partition.file.relpath,
-            bucket,
-            encoder.dtype,
-            options.layout.shard_size_bytes,
-            options.layout.compression,
-            with_mask=options.chat is not None,
-        )
-        for bucket in range(len(plan.edges) + 1)
-    ]
-    times = times or StageTimes()
-    take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
-    digests = {f.relpath: FileDigest() for f in partition.files}
-    documents = Counter({f.relpath: 0 for f in partition.files})
-    read_bytes = 0
 
-    def on_bytes(n: int) -> None:
-        nonlocal read_bytes
-        read_bytes += n
-        progress.advance(n)
+def _read_batches(
+    plan: BuildPlan,
+    partition: Partition,
+    bad: _PartitionBad,
+    digests: dict[str, FileDigest],
+    on_bytes: Callable[[int], None],
+    times: StageTimes,
+) -> Iterator[TextBatch]:
+    """The partition's text batches, file after file (run in the read-ahead thread)."""
+    options = plan.options
 
-    def read(file: InputFile, span: InputSlice) -> Iterator[TextBatch]:  # reader thread
+    def read(file: InputFile, span: InputSlice) -> Iterator[TextBatch]:
         relpath = file.relpath
 
         def on_layout(layout: str) -> None:
-            formats[relpath] = layout
+            bad.formats[relpath] = layout
 
         def on_bad(record: int, reason: str, excerpt: str) -> None:
-            reader_bad.add({"source": relpath, "record": record,
-                            **position_fields(formats[relpath], record),
+            bad.reader.add({"source": relpath, "record": record,
+                            **position_fields(bad.formats[relpath], record),
                             "reason": reason, "excerpt": excerpt})  # fmt: skip
 
         def on_corrupt(record: int, offset: int, message: str) -> None:
             position = position_fields(file.format, record)
-            reader_bad.add({"source": relpath, "record": record, **position,
+            bad.reader.add({"source": relpath, "record": record, **position,
                             "reason": "corrupt_file", "offset": offset,
                             "excerpt": message})  # fmt: skip
 
@@ -432,66 +418,156 @@ def map_partition(
     )
     if partition.more:  # a group of small files: their batches joined into full ones
         batches = join_batches(batches, options.batch_docs)
-    try:
-        for batch, ids in encode_ahead(encoder, batches, times=times):
-            check_parent()
-            original = batch
-            batch, ids, failures = drop_failures(batch, ids)
-            for doc, detail in failures:  # records the tokenizer failed on alone
-                batch_bad(original, doc, "encode_error", detail)
-            if not len(ids):
-                write_batch_failures()
-                continue  # every record of the batch failed (quarantined above)
-            with times.cpu("bucket"):
-                encoded = encoder.finish(ids, stats)
-                del ids
-            for doc, reason, detail in encoded.failed:  # conversations the template refused
-                batch_bad(batch, doc, reason, detail)
-            write_batch_failures()
-            with times.cpu("bucket"):
-                groups = by_bucket(encoded, batch.records, plan.edges)
-            with times.cpu("write"):
-                for b, group in groups:
-                    add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
-                             group.lengths, group.records, group.piece, group.mask)  # fmt: skip
-            kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
-            kept[[doc for doc, *_ in encoded.failed]] = 0
-            for source, start, end in batch.runs(np.arange(len(batch.texts))):
-                documents[source] += int(kept[start:end].sum())
-            progress.update(len(batch.texts), int(encoded.lengths.sum()))
-            fault_point("batch")
-        with times.cpu("write"):
-            for writer in writers:
-                writer.close()
-    finally:
-        reader_bad.close()
-        template_bad.close()
-    for k, file in enumerate(partition.files):  # before anything of this partition is final
-        check_read(plan, file, partition.span if k == 0 else InputSlice(), digests[file.relpath])
-    if read_bytes < partition.nbytes:  # compressed/columnar readers report approximately
-        progress.advance(partition.nbytes - read_bytes)
-    bad = reader_bad.counts + template_bad.counts
-    bad_per_file = reader_bad.per_source + template_bad.per_source
-    corrupt = reader_bad.corrupt
+    return batches
+
+
+def _open_writers(plan: BuildPlan, partition: Partition, encoder: Encoder) -> list[BucketWriter]:
+    """One shard writer per length bucket."""
+    options = plan.options
+    return [
+        BucketWriter(
+            options.output,
+            partition.id,
+            partition.file.relpath,
+            bucket,
+            encoder.dtype,
+            options.layout.shard_size_bytes,
+            options.layout.compression,
+            with_mask=options.chat is not None,
+        )
+        for bucket in range(len(plan.edges) + 1)
+    ]
+
+
+def _write_batch(
+    writers: list[BucketWriter],
+    batch: TextBatch,
+    encoded: Encoded,
+    edges: tuple[int, ...],
+    documents: Counter[str],
+    times: StageTimes,
+) -> None:
+    """Bucket a batch's sequences, append them to the writers and count its documents."""
+    with times.cpu("bucket"):
+        groups = by_bucket(encoded, batch.records, edges)
+    with times.cpu("write"):
+        for b, group in groups:
+            add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
+                     group.lengths, group.records, group.piece, group.mask)  # fmt: skip
+    kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
+    kept[[doc for doc, *_ in encoded.failed]] = 0
+    for source, start, end in batch.runs(np.arange(len(batch.texts))):
+        documents[source] += int(kept[start:end].sum())
+
+
+def _encode_and_write(
+    plan: BuildPlan,
+    encoder: Encoder,
+    batches: Iterator[TextBatch],
+    writers: list[BucketWriter],
+    bad: _PartitionBad,
+    stats: TruncationStats,
+    documents: Counter[str],
+    progress: Progress,
+    times: StageTimes,
+) -> None:
+    """Encode the batches (read ahead), finish their ids and write them; close the writers."""
+    for batch, ids in encode_ahead(encoder, batches, times=times):
+        check_parent()
+        original = batch
+        batch, ids, failures = drop_failures(batch, ids)
+        for doc, detail in failures:  # records the tokenizer failed on alone
+            bad.batch_bad(original, doc, "encode_error", detail)
+        if not len(ids):
+            bad.write_batch_failures()
+            continue  # every record of the batch failed (quarantined above)
+        with times.cpu("bucket"):
+            encoded = encoder.finish(ids, stats)
+            del ids
+        for doc, reason, detail in encoded.failed:  # conversations the template refused
+            bad.batch_bad(batch, doc, reason, detail)
+        bad.write_batch_failures()
+        _write_batch(writers, batch, encoded, plan.edges, documents, times)
+        progress.update(len(batch.texts), int(encoded.lengths.sum()))
+        fault_point("batch")
+    with times.cpu("write"):
+        for writer in writers:
+            writer.close()
+
+
+def _partition_result(
+    plan: BuildPlan,
+    partition: Partition,
+    encoder: Encoder,
+    writers: list[BucketWriter],
+    bad: _PartitionBad,
+    digests: dict[str, FileDigest],
+    documents: Counter[str],
+    stats: TruncationStats,
+) -> PartitionResult:
+    """Merge the quarantine, write the lengths and gather the partition's result."""
+    counts = bad.reader.counts + bad.template.counts
+    bad_per_file = bad.reader.per_source + bad.template.per_source
     sources = [f.relpath for f in partition.files]
     per_file = [{"source": s, "sha256": digests[s].sha256, "documents": documents[s],
                  "bad_records": bad_per_file[s]} for s in sources]  # fmt: skip
-    merge_bad_logs(quarantine_path, [reader_bad.path, template_bad.path], sources)
+    merge_bad_logs(bad.path, [bad.reader.path, bad.template.path], sources)
     shards = [s for w in writers for s in w.shards]
     lengths = [arr for w in writers for arr in w.lengths]
     write_npy_atomic(
-        os.path.join(out, PARTS_DIR, f"{partition.id}.lengths.npy"),
+        os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.lengths.npy"),
         np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.uint32),
     )
-    result = PartitionResult(
+    return PartitionResult(
         partition=partition.id,
         source=partition.file.relpath,
         sha256=digests[partition.file.relpath].sha256,
         shards=shards,
         stats=stats,
-        bad_records=dict(bad),
-        corrupt=corrupt,
+        bad_records=dict(counts),
+        corrupt=bad.reader.corrupt,
         lint=take_lint(encoder),
         files=[] if not partition.more else per_file,
     )
-    return result
+
+
+def map_partition(
+    plan: BuildPlan,
+    partition: Partition,
+    encoder: Encoder,
+    progress: Progress,
+    times: StageTimes | None = None,
+) -> PartitionResult:
+    """Read, encode and write a partition's files into the output, not its completion record.
+
+    The stages: read ahead (``_read_batches``), encode, bucket and write
+    (``_encode_and_write``), then the checks of what was read and the result
+    (``_partition_result``). The result's ``encoding`` is left empty for the caller.
+    """
+    for file in partition.files:
+        check_unchanged(file, "between the plan and this partition's read")
+    stats = TruncationStats()
+    bad = _PartitionBad(plan, partition)
+    writers = _open_writers(plan, partition, encoder)
+    times = times or StageTimes()
+    take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
+    digests = {f.relpath: FileDigest() for f in partition.files}
+    documents = Counter({f.relpath: 0 for f in partition.files})
+    read_bytes = 0
+
+    def on_bytes(n: int) -> None:
+        nonlocal read_bytes
+        read_bytes += n
+        progress.advance(n)
+
+    batches = _read_batches(plan, partition, bad, digests, on_bytes, times)
+    try:
+        _encode_and_write(plan, encoder, batches, writers, bad, stats, documents, progress,
+                          times)  # fmt: skip
+    finally:
+        bad.close()
+    for k, file in enumerate(partition.files):  # before anything of this partition is final
+        check_read(plan, file, partition.span if k == 0 else InputSlice(), digests[file.relpath])
+    if read_bytes < partition.nbytes:  # compressed/columnar readers report approximately
+        progress.advance(partition.nbytes - read_bytes)
+    return _partition_result(plan, partition, encoder, writers, bad, digests, documents, stats)

@@ -92,7 +92,9 @@ def build(
     with contextlib.suppress(OSError):  # a build never needs the cache folder
         sweep_dead_scratch(cache_root())
     storage = open_storage(options.output)
-    inputs = list_inputs(options.source.inputs, exclude=[options.output])
+    inputs = list_inputs(
+        options.source.inputs, exclude=[options.output], exclude_globs=options.source.exclude
+    )
     encoder = encoder_for(options, encoder_factory)
     loading = start_loading(encoder, options)
     # the key's tokenizer component: computed while the fast backend may still be loading

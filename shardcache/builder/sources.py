@@ -15,9 +15,11 @@ from __future__ import annotations
 import contextlib
 import difflib
 import errno
+import fnmatch
 import glob
 import os
 import stat
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -68,6 +70,7 @@ __all__ = [
     "InputFile",
     "InputSlice",
     "TextBatch",
+    "check_corpus_files",
     "check_unchanged",
     "detect_format",
     "field_hint",
@@ -174,22 +177,40 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[tuple[str,
     raise SourceError(f"input {spec!r}: no such file or folder")
 
 
+def _excluded_by(path: str, spec: str, patterns: tuple[str, ...]) -> bool:
+    """Whether a glob of ``patterns`` matches a file's name or its path as listed.
+
+    The path as listed is relative to the folder given as input, else as the input named it.
+    """
+    if not patterns:
+        return False
+    listed = os.path.relpath(path, spec) if os.path.isdir(spec) else path
+    names = (os.path.basename(path), listed.replace(os.sep, "/"), path.replace(os.sep, "/"))
+    return any(fnmatch.fnmatchcase(n, p) for p in patterns for n in names)
+
+
 def list_inputs(
-    specs: tuple[str, ...] | list[str], *, exclude: tuple[str, ...] | list[str] = ()
+    specs: tuple[str, ...] | list[str],
+    *,
+    exclude: tuple[str, ...] | list[str] = (),
+    exclude_globs: tuple[str, ...] = (),
 ) -> list[InputFile]:
     """Resolve files, folders and globs (or URLs) into input files sorted by ``relpath``.
 
     A link is listed under its own name; a file reached twice is listed once; ``exclude``
-    folders (the build's output) and cache folders are skipped. Inputs are all URLs or none
-    (``ConfigError``); a URL's ``relpath`` is relative to the URLs' common prefix.
+    folders (the build's output) and cache folders are skipped, and so are files a glob of
+    ``exclude_globs`` matches (``--exclude``). Inputs are all URLs or none (``ConfigError``); a
+    URL's ``relpath`` is relative to the URLs' common prefix.
     """
     if any(is_url(spec) for spec in specs):
-        return _list_url_inputs(list(specs))
+        return _list_url_inputs(list(specs), exclude_globs)
     excluded = frozenset(os.path.realpath(os.fspath(e)) for e in exclude)
     by_target: dict[str, str] = {}
     formats: dict[str, str] = {}
     for spec in specs:
         for p, fmt in _expand(os.fspath(spec), excluded):
+            if _excluded_by(p, os.fspath(spec), exclude_globs):
+                continue
             if fmt is None:
                 raise SourceError(
                     f"input {p!r}: unknown format; expected a name ending in "
@@ -200,7 +221,7 @@ def list_inputs(
             by_target[target] = min(by_target.get(target, path), path)
             formats[path] = fmt
     if not by_target:
-        raise SourceError(f"inputs {list(specs)}: no input file found")
+        raise SourceError(f"inputs {list(specs)}: no input file found{_left_out(exclude_globs)}")
     root = os.path.commonpath([os.path.dirname(p) for p in by_target.values()])
     files = []
     for p in by_target.values():
@@ -208,6 +229,12 @@ def list_inputs(
         relpath = os.path.relpath(p, root).replace(os.sep, "/")
         files.append(InputFile(p, relpath, st.st_size, formats[p], st.st_mtime_ns))
     return sorted(files, key=lambda f: f.relpath)
+
+
+def _left_out(patterns: tuple[str, ...]) -> str:
+    if not patterns:
+        return ""
+    return f" (--exclude {' '.join(patterns)} left files out: check the patterns)"
 
 
 def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
@@ -220,7 +247,7 @@ def _mtime_ns(fs: Any, path: str, info: dict[str, Any]) -> int:
     return 0
 
 
-def _list_url_inputs(specs: list[str]) -> list[InputFile]:
+def _list_url_inputs(specs: list[str], exclude_globs: tuple[str, ...] = ()) -> list[InputFile]:
     """``list_inputs`` for URLs (objects, prefixes or globs), none of them read."""
     found: dict[str, tuple[Any, str, dict[str, Any]]] = {}
     for spec in specs:
@@ -247,11 +274,13 @@ def _list_url_inputs(specs: list[str]) -> list[InputFile]:
         for p, info in listed.items():
             if info.get("type") == "directory":
                 continue
+            if _excluded_by(p, "", exclude_globs):
+                continue
             if detect_format(p) is None:
                 raise SourceError(f"input {fs.unstrip_protocol(p)!r}: unknown format")
             found[fs.unstrip_protocol(p)] = (fs, p, info)
     if not found:
-        raise SourceError(f"inputs {specs}: no input file found")
+        raise SourceError(f"inputs {specs}: no input file found{_left_out(exclude_globs)}")
     root = os.path.commonpath([u.split("://", 1)[1].rsplit("/", 1)[0] for u in found])
     files = [
         InputFile(url, os.path.relpath(url.split("://", 1)[1], root).replace(os.sep, "/"),
@@ -280,15 +309,36 @@ def _sample_fields(file: InputFile, records: int = 100) -> dict[str, str]:
         return {}
 
 
+#: Text files whose fields are sampled for a hint (the largest field sets win, by bytes).
+_HINT_FILES = 16
+#: Names a text field often has, suggested when no field name is close to the one given.
+_TEXT_NAMES = ("text", "content", "body", "document", "raw_content")
+
+
+def _corpus_fields(files: list[InputFile]) -> dict[str, str]:
+    """The fields of the corpus files among the first ones: the field set holding most bytes.
+
+    A metadata file beside the corpus (an ``expected.json``) has other fields; it must not
+    supply the hint.
+    """
+    sampled = [(f, _sample_fields(f)) for f in files[:_HINT_FILES]]
+    weight: Counter[frozenset[str]] = Counter()
+    for file, fields in sampled:
+        if fields:
+            weight[frozenset(fields)] += max(file.size, 1)
+    if not weight:
+        return {}
+    corpus = weight.most_common(1)[0][0]
+    return next(fields for _, fields in sampled if frozenset(fields) == corpus)
+
+
 def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
     """A hint for records that lack ``field``: the fields seen and the flag to pass.
 
-    Samples the first records of the first three files; ``""`` when the field was seen.
+    Samples the first records of the first files and keeps the fields of the corpus files
+    (the field set most bytes hold); ``""`` when the field was seen.
     """
-    fields: dict[str, str] = {}
-    for file in files[:3]:
-        for name, type_name in _sample_fields(file).items():
-            fields.setdefault(name, type_name)
+    fields = _corpus_fields(files)
     if not fields or field in fields:
         return ""
     seen = ", ".join(list(fields)[:12])
@@ -302,9 +352,79 @@ def field_hint(files: list[InputFile], field: str, kind: str = "text") -> str:
         chat = [n for n in lists if n in ("messages", "conversations", "conversation", "chat")]
         if chat and not strings:
             return f"{hint}; this is chat data: build it with --chat --messages-field {chat[0]}"
-        guess = difflib.get_close_matches(field, strings, n=1) or strings[:1]
+        named = [n for n in _TEXT_NAMES if n in strings]
+        guess = difflib.get_close_matches(field, strings, n=1) or named[:1] or strings[:1]
         flag = "--text-field"
     return f"{hint}; did you mean {flag} {guess[0]}?" if guess else hint
+
+
+#: Records read from the start of each file at plan time to find a corpus record.
+SAMPLE_RECORDS = 100
+#: Bad-record reasons of a record that is not a corpus record at all (another kind of file);
+#: any other reason (an empty text, a bad message) is a corpus record that is bad.
+_NOT_CORPUS = ("not_json", "not_an_object", "invalid_utf8", "no_text_field",
+               "no_messages_field")  # fmt: skip
+
+
+class _SampleDone(Exception):
+    """Ends a sample read early."""
+
+
+def _holds_corpus_record(file: InputFile, field: str, kind: str) -> bool | None:
+    """Whether a file's first records hold a corpus record (None: no record, or unreadable)."""
+    not_corpus = 0
+
+    def on_bad(index: int, reason: str, shown: str) -> None:
+        nonlocal not_corpus
+        if reason == "blank_line":
+            return
+        if reason not in _NOT_CORPUS:
+            raise _SampleDone(True)
+        not_corpus += 1
+        if not_corpus >= SAMPLE_RECORDS:
+            raise _SampleDone(False)
+
+    def on_corrupt(index: int, offset: int, message: str) -> None:
+        raise _SampleDone(None)
+
+    reader = reader_of(file.format)
+    batcher = Batcher(file.relpath, 1, "skip", on_bad, on_corrupt, kind, reader.position)
+    batches = reader.read(file, InputSlice(), batcher, field, ReadHooks())
+    try:
+        for _ in batches:
+            return True
+    except _SampleDone as done:
+        return done.args[0]
+    except Exception:  # the build reports an unreadable file as it reads it
+        return None
+    finally:
+        batches.close()
+    return False if not_corpus else None
+
+
+def check_corpus_files(files: list[InputFile], field: str, kind: str = "text") -> None:
+    """Raise ``SourceError`` for files none of whose first records is a corpus record.
+
+    Only when other files hold corpus records: when none does, the field is wrong, and the
+    build reports that with ``field_hint``. Each file is read up to its first corpus record
+    (at most ``SAMPLE_RECORDS`` records).
+    """
+    if len(files) < 2:
+        return
+    found = {f.relpath: _holds_corpus_record(f, field, kind) for f in files}
+    stray = [name for name, holds in found.items() if holds is False]
+    if not stray or True not in found.values():
+        return
+    what = "messages" if kind == "chat" else "text"
+    shown = ", ".join(stray[:5]) + (f" and {len(stray) - 5} more" if len(stray) > 5 else "")
+    glob_hint = " ".join(f"--exclude '{name}'" for name in stray[:3])
+    raise SourceError(
+        f"inputs: {len(stray)} of {len(files)} file(s) hold no corpus record in their first "
+        f"{SAMPLE_RECORDS} records (none is an object with a {what} field {field!r}): "
+        f"{shown}; they look like other files beside the corpus (metadata, a summary). Leave "
+        f"them out with {glob_hint} (a glob, repeatable), or give the inputs as a glob that "
+        "matches only the corpus files (e.g. --input 'DIR/*.jsonl')"
+    )
 
 
 def check_unchanged(file: InputFile, when: str) -> None:

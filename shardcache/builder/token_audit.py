@@ -22,11 +22,11 @@ from typing import Any
 import numpy as np
 
 from shardcache.builder.audit_pool import encode_in_order
-from shardcache.builder.backends import sampled, source_salt
 from shardcache.builder.build_plan import options_from_json
 from shardcache.builder.encoders import make_encoder
 from shardcache.builder.key_computation import compute_key, precompute_tokenizer_component
 from shardcache.builder.report import Progress
+from shardcache.builder.sampled_verify import sampled, source_salt
 from shardcache.builder.sources import FileDigest, iter_text_batches, list_inputs
 from shardcache.errors import CacheKeyMismatch, SourceError
 from shardcache.store.cache import Cache, Sequence, open_cache

@@ -24,21 +24,18 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.builder.backends import (
-    Ahead,
-    EarlyLoad,
-    EncoderSelection,
-    FastBackend,
-    HFBackend,
+from shardcache.builder.ahead import Ahead
+from shardcache.builder.backends import EncoderSelection, FastBackend, load_fast_ahead
+from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
+from shardcache.builder.early_load import EarlyLoad, adopt_early
+from shardcache.builder.hf_backend import HFBackend
+from shardcache.builder.sampled_verify import (
     SampledBatch,
     SampleVerifier,
     VerifyCounts,
-    adopt_early,
     build_draw_keys,
-    load_fast_ahead,
     sampled,
 )
-from shardcache.builder.chunking import HUGE_CHARS, chunking_is_exact, encode_in_pieces
 from shardcache.builder.stage_times import StageTimes
 from shardcache.builder.tokenizer_memo import (
     ResolvedTokenizer,

@@ -13,25 +13,26 @@ import numpy as np
 import pytest
 
 from conftest import cache_data_files, make_conversations, make_texts, write_records
-from shardcache.builder.backends import (
-    VERIFY_FLOOR_BYTES,
-    Ahead,
+from shardcache.builder.ahead import Ahead
+from shardcache.builder.backends import FastBackend, select_backend
+from shardcache.builder.early_load import (
     EarlyLoad,
-    FastBackend,
-    SpecialTokens,
     adopt_agreed,
     adopt_early,
-    build_draw_keys,
-    first_difference,
-    flatten_ids,
     ids_content,
     load_fast_early,
+)
+from shardcache.builder.hf_backend import flatten_ids
+from shardcache.builder.run import build_cache as run_build
+from shardcache.builder.sampled_verify import (
+    VERIFY_FLOOR_BYTES,
+    build_draw_keys,
+    first_difference,
     sampled,
-    select_backend,
     source_salt,
     verify_rate,
 )
-from shardcache.builder.run import build_cache as run_build
+from shardcache.builder.special_tokens import SpecialTokens
 from shardcache.builder.tokenize import TextEncoder
 from shardcache.builder.tokenizer_memo import read_resolved
 from shardcache.config import TokenizeOptions, build_options_from_mapping
@@ -811,11 +812,11 @@ def test_the_samples_of_many_batches_are_verified_in_few_hf_calls(tokenizer_dir,
     batches here), with the counts of a check batch by batch; a difference in a batch of a
     group still ends the counts at that batch."""
     pytest.importorskip("fastokens")
-    from shardcache.builder import backends
+    from shardcache.builder import sampled_verify
     from shardcache.builder.tokenize import EncodingMismatch
 
     if group_chars is not None:  # every batch its own group
-        monkeypatch.setattr(backends, "VERIFY_GROUP_CHARS", group_chars)
+        monkeypatch.setattr(sampled_verify, "VERIFY_GROUP_CHARS", group_chars)
     batches = [make_texts(40, seed=s) for s in range(5)]
     records = [build_draw_keys(np.arange(40 * k, 40 * (k + 1)), None, ("a.jsonl",))
                for k in range(5)]  # fmt: skip

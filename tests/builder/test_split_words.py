@@ -14,7 +14,7 @@ import sys
 import pytest
 
 from conftest import assert_same_ids_as_hf, make_texts
-from shardcache.builder.backends import HFBackend
+from shardcache.builder.hf_backend import HFBackend
 from shardcache.builder.split_words import SplitWords, words
 
 CODE = [

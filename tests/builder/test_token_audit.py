@@ -132,9 +132,9 @@ def test_a_sample_says_how_many_documents_may_still_differ(corpus, tokenizer_dir
     ``info`` and ``verify --tokens`` say "fewer than 3/N differ at 95% confidence"."""
     import re
 
-    from shardcache.builder import backends
+    from shardcache.builder import sampled_verify
 
-    monkeypatch.setattr(backends, "VERIFY_FLOOR_BYTES", 0)  # sample this small corpus
+    monkeypatch.setattr(sampled_verify, "VERIFY_FLOOR_BYTES", 0)  # sample this small corpus
 
     from click.testing import CliRunner
 

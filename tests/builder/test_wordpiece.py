@@ -14,7 +14,7 @@ import pytest
 
 from conftest import assert_same_ids_as_hf, make_texts, run_in_threads
 from shardcache.builder import chunk_cache
-from shardcache.builder.backends import HFBackend
+from shardcache.builder.hf_backend import HFBackend
 from shardcache.builder.wordpiece import AsciiWordPiece
 
 CODE = [
