@@ -16,7 +16,7 @@ Both sides run in the same run, interleaved; times are the best of ``--repeats``
      kernel maps in large pieces: ``traced_peak_mib`` (tracemalloc: numpy's own allocations)
      is the plan's memory. A first round traces memory and computes the bytes below; the
      times and RSS are the best of ``--repeats`` rounds after it, without tracemalloc (the
-     whole-epoch count at sizes past today's: one round).
+     whole-epoch count at sizes past today's: the traced round alone, marked ``traced``).
      ``today``: ``plan_epoch`` of the whole epoch. ``own``: ``count_batches`` of the rank's own
      streams (``own_streams``: what a rank does when ranks exchange counts; the other streams'
      counts are then read from a file, standing for the exchange, inside the timing) and
@@ -79,7 +79,6 @@ from collections import Counter
 from typing import Any
 
 import numpy as np
-
 from results import record_result
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -270,7 +269,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tracemalloc.stop()
     if args.side == "all" and args.counts:
         np.savez(args.counts, **{str(s): c for s, c in got.items()})
-    if not args.memory:
+    if not args.memory or args.side == "all":  # (the ranks of "all": those of "own")
         return out
     # not timed: which shards the sampled ranks read
     per_world: dict[str, Any] = {}
@@ -327,7 +326,7 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Times and RSS: the least of the timed rounds; tracemalloc and bytes: the memory round."""
     timed = runs[1:] or runs
     top = dict(min(timed, key=lambda r: r["first_batch_s"]))
-    top["timed_rounds"] = len(timed)
+    top["timed_rounds"] = len(runs) - 1  # 0: the time is of the traced round
     top["peak_rss_mib"] = min(r["peak_rss_mib"] for r in timed)
     if "count_s" in top:
         top["count_s"] = min(r["count_s"] for r in timed)
@@ -339,8 +338,10 @@ def best(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
     """Part 1 (see the module docstring)."""
-    sizes, today_sizes, worlds = counts(args.sequences), counts(args.today_sequences), counts(
-        args.worlds
+    sizes, today_sizes, worlds = (
+        counts(args.sequences),
+        counts(args.today_sequences),
+        counts(args.worlds),
     )
     have_streams = streams_module() is not None
     if not have_streams:
@@ -369,8 +370,8 @@ def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
             for world in worlds:
                 counts_file = os.path.join(work, f"counts-{n}-{world}-{args.mode}.npz")
                 for side in ("all", "own"):
-                    if side == "all" and n > largest and rep > 1:
-                        continue  # the whole-epoch count past today's sizes: timed once
+                    if side == "all" and n > largest and rep > 0:
+                        continue  # the whole-epoch count past today's sizes: one traced run
                     got = run_measure(args, side=side, index=made[n], worlds=str(world),
                                       counts=counts_file, memory=memory)  # fmt: skip
                     runs.setdefault((side, n, world), []).append(got)
@@ -383,15 +384,15 @@ def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
     ref = figures[f"today-{human(largest)}"]
     for n in sizes:
         if n > largest:
-            k = n / largest
+            k, base = n / largest, ref["base_rss_mib"]
             figures[f"today-{human(n)}"] = {
                 "extrapolated": True,
                 "first_batch_s": ref["first_batch_s"] * k,
-                "peak_rss_mib": ref["base_rss_mib"] + (ref["peak_rss_mib"] - ref["base_rss_mib"]) * k,
-                "base_rss_mib": ref["base_rss_mib"],
+                "peak_rss_mib": base + (ref["peak_rss_mib"] - base) * k,
+                "base_rss_mib": base,
                 "traced_peak_mib": ref.get("traced_peak_mib", 0.0) * k,
                 "ranks": ref["ranks"],
-            }  # fmt: skip
+            }
     print(f"\nsim ({args.mode}, max_tokens {args.max_tokens}, shuffle_block {args.block}, "
           f"{args.rows_per_shard} rows a shard; times best of {args.repeats}; per rank: mean/max "
           f"over ranks 0, W/2, W-1)")  # fmt: skip
@@ -417,11 +418,13 @@ def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
                     cells += [f"{ranks[k]['mean']:.2f} / {ranks[k]['max']:.2f}" if k in ranks
                               else "-" for k in ("epoch_share", "foreign_batches")]  # fmt: skip
                 mark = " (extrapolated)" if top.get("extrapolated") else ""
+                if top.get("timed_rounds") == 0:
+                    mark = " (traced)"
                 count_s = f"{top['count_s']:.2f}" if "count_s" in top else "-"
                 traced = f"{top['traced_peak_mib']:.0f}" if "traced_peak_mib" in top else "-"
+                rss = f"{top['peak_rss_mib']:.0f} ({top['base_rss_mib']:.0f})"
                 print(f"| {human(n)} | {world} | {side}{mark} | {top['first_batch_s']:.2f} | "
-                      f"{count_s} | {top['peak_rss_mib']:.0f} ({top['base_rss_mib']:.0f}) | {traced} | "
-                      + " | ".join(cells) + " |")  # fmt: skip
+                      f"{count_s} | {rss} | {traced} | " + " | ".join(cells) + " |")  # fmt: skip
     return {"sim": figures, "sim_streams": have_streams}
 
 
@@ -476,7 +479,9 @@ def shuffle(args: argparse.Namespace, work: str) -> dict[str, Any]:
     rows.append(("uniform permutation", quality(np.random.default_rng(1).permutation(n))))
     rows.append(("unshuffled (cache order)", quality(np.arange(n))))
     buckets = np.repeat(shards["buckets"], np.diff(starts))
-    rows.append(("today (global shuffle)", quality(plan_epoch(lengths, buckets, options).sample_ids)))
+    rows.append(
+        ("today (global shuffle)", quality(plan_epoch(lengths, buckets, options).sample_ids))
+    )
     streams = streams_module()
     if streams is None:
         print("shuffle: shardcache.read.streams is not importable here: today's side only")
@@ -591,7 +596,6 @@ def build_remote_cache(args: argparse.Namespace, work: str) -> str:
         return str(args.cache)
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from conftest import _save_bpe, make_texts, write_records
-
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
@@ -665,10 +669,11 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
                     if streams is not None:
                         argv += ["--streams", str(streams)]
                     key = f"{side}{mode}{rep}r{r}"
-                    rank_env = dict(env, AWS_ACCESS_KEY_ID=key,
-                                    SHARDCACHE_CACHE_DIR=os.path.join(work, "local", key))  # fmt: skip
-                    procs.append((key, subprocess.Popen(argv, env=rank_env, stdout=subprocess.PIPE,
-                                                        stderr=subprocess.PIPE, text=True)))  # fmt: skip
+                    local_dir = os.path.join(work, "local", key)
+                    rank_env = dict(env, AWS_ACCESS_KEY_ID=key, SHARDCACHE_CACHE_DIR=local_dir)
+                    pipe = subprocess.PIPE
+                    proc = subprocess.Popen(argv, env=rank_env, stdout=pipe, stderr=pipe, text=True)
+                    procs.append((key, proc))
                 ranks = []
                 for key, proc in procs:
                     out, err = proc.communicate()
@@ -682,12 +687,15 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
                 served = [g["server_bytes"] / share for g in ranks]
                 counted = [(g["stats"]["bytes_ahead"] + g["stats"]["bytes_on_demand"]) / share
                            for g in ranks]  # fmt: skip
-                row = {"wall_s": wall, "batches_per_rank": ranks[0]["batches"],
-                       "server_share_mean": float(np.mean(served)),
-                       "server_share_max": float(np.max(served)),
-                       "stats_share_mean": float(np.mean(counted)),
-                       "stats_share_max": float(np.max(counted)),
-                       "gets_per_rank": float(np.mean([g["server_gets"] for g in ranks]))}  # fmt: skip
+                row = {
+                    "wall_s": wall,
+                    "batches_per_rank": ranks[0]["batches"],
+                    "server_share_mean": float(np.mean(served)),
+                    "server_share_max": float(np.max(served)),
+                    "stats_share_mean": float(np.mean(counted)),
+                    "stats_share_max": float(np.max(counted)),
+                    "gets_per_rank": float(np.mean([g["server_gets"] for g in ranks])),
+                }
                 old = figures.get(run)
                 if old is None or wall < old["wall_s"]:
                     figures[run] = row
@@ -697,8 +705,10 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
     for mode in ("pad", "pack"):
         for side, _ in sides:
             table.append((f"{side}-{mode}", figures[f"{side}-{mode}"]))
-    print(f"\n| W={world} | batches/rank | served bytes / (cache/W) mean, max | ds.stats() bytes "
-          f"/ (cache/W) mean, max | GETs/rank | epoch wall s (best of {args.remote_repeats}) |")
+    print(
+        f"\n| W={world} | batches/rank | served bytes / (cache/W) mean, max | ds.stats() bytes "
+        f"/ (cache/W) mean, max | GETs/rank | epoch wall s (best of {args.remote_repeats}) |"
+    )
     print("|---|---|---|---|---|---|")
     for name, row in table:
         print(f"| {name} | {row['batches_per_rank']} | {row['server_share_mean']:.2f}, "
@@ -713,8 +723,8 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
 # --------------------------------------------------------------------------------------------
 
 QUICK = {"sequences": "200K,1M", "today_sequences": "200K,1M", "worlds": "8,64", "repeats": 1,
-         "shuffle_sequences": "400K", "shuffle_worlds": "8,64", "remote_docs": 3000,
-         "remote_shard_size": "8KiB", "remote_repeats": 1}  # fmt: skip
+         "shuffle_sequences": "400K", "shuffle_worlds": "8,64", "remote_docs": 6000,
+         "remote_shard_size": "4KiB", "remote_repeats": 1}  # fmt: skip
 
 
 def parser() -> argparse.ArgumentParser:
@@ -724,7 +734,11 @@ def parser() -> argparse.ArgumentParser:
                    help=argparse.SUPPRESS)  # fmt: skip
     p.add_argument("--part", default="all", choices=("all", "sim", "shuffle", "remote"))
     p.add_argument("--quick", action="store_true", help="small sizes: a smoke run")
-    p.add_argument("--work", default=None, help="where indexes are kept (default: a temp dir)")
+    p.add_argument(
+        "--work",
+        default=os.path.join(tempfile.gettempdir(), "shardcache-bench-scale"),
+        help="where the synthetic indexes are kept between runs (200 M: 0.8 GB)",
+    )
     p.add_argument("--sequences", default="2M,20M,200M", help="sim: sizes of the streams side")
     p.add_argument("--today-sequences", default="2M,20M,40M", help="sim: today's side")
     p.add_argument("--worlds", default="64,1024", help="sim: world sizes (streams C = W)")
@@ -742,7 +756,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--slices", type=int, default=20, help="shuffle: time slices")
     p.add_argument("--cache", default=None, help="remote: a local cache to upload")
     p.add_argument("--remote-docs", type=int, default=20000)
-    p.add_argument("--remote-shard-size", default="64KiB")
+    p.add_argument("--remote-shard-size", default="8KiB")
     p.add_argument("--remote-world", type=int, default=8)
     p.add_argument("--remote-max-tokens", type=int, default=8 * 1024)
     p.add_argument("--remote-repeats", type=int, default=1)
@@ -773,24 +787,19 @@ def main() -> None:
         args = p.parse_args()
         args.remote_max_tokens = min(args.remote_max_tokens, 4096)
         args.seq_len = min(args.seq_len, 1024)
-    own_work = args.work is None
-    work = args.work or tempfile.mkdtemp(prefix="bench-scale-")
+    work = args.work
     os.makedirs(work, exist_ok=True)
     figures: dict[str, Any] = {}
-    try:
-        if args.part in ("all", "sim"):
-            figures.update(simulate(args, work))
-        if args.part in ("all", "shuffle"):
-            figures.update(shuffle(args, work))
-        if args.part in ("all", "remote"):
-            remote_work = tempfile.mkdtemp(prefix="remote-", dir=work)
-            try:
-                figures.update(remote(args, remote_work))
-            finally:
-                shutil.rmtree(remote_work, ignore_errors=True)
-    finally:
-        if own_work:
-            shutil.rmtree(work, ignore_errors=True)
+    if args.part in ("all", "sim"):
+        figures.update(simulate(args, work))
+    if args.part in ("all", "shuffle"):
+        figures.update(shuffle(args, work))
+    if args.part in ("all", "remote"):
+        remote_work = tempfile.mkdtemp(prefix="remote-", dir=work)
+        try:
+            figures.update(remote(args, remote_work))
+        finally:
+            shutil.rmtree(remote_work, ignore_errors=True)
     figures["streams_module"] = streams_module() is not None
     record_result("bench_scale", figures, {k: v for k, v in vars(args).items()
                                            if k not in ("command", "side", "index", "counts",
