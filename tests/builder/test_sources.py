@@ -45,9 +45,9 @@ def test_missing_inputs_are_clear_errors(tmp_path):
         list_inputs([str(tmp_path / "nope.jsonl")])
     with pytest.raises(SourceError, match="matches no file"):
         list_inputs([str(tmp_path / "*.jsonl")])
-    (tmp_path / "x.txt").write_text("t")
+    (tmp_path / "x.docx").write_text("t")  # (.txt is a format now: one document per file)
     with pytest.raises(SourceError, match="unknown format"):
-        list_inputs([str(tmp_path / "x.txt")])
+        list_inputs([str(tmp_path / "x.docx")])
 
 
 @pytest.mark.parametrize("fmt", ["jsonl", "jsonl.zst", "json.gz"])
