@@ -21,10 +21,10 @@ from shardcache.builder.inputs.base import (
     InputSlice,
     ReadHooks,
     TextBatch,
-    hash_after_read,
+    WholeFiles,
+    flush_and_hash,
     open_input,
     read_column,
-    whole_file,
 )
 
 #: What ``datasets.Dataset.save_to_disk`` writes beside the data files.
@@ -87,7 +87,7 @@ def hf_data_files(folder: str) -> list[str] | None:
 
 
 @dataclass(frozen=True)
-class ArrowFormat:
+class ArrowFormat(WholeFiles):
     """Arrow IPC files, file or stream layout; a record is a row."""
 
     name: str = "arrow"
@@ -96,20 +96,14 @@ class ArrowFormat:
     in_folders: bool = True
     hashes_while_reading: bool = False
 
-    def split(self, file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
-        """See ``InputFormat.split``."""
-        return whole_file(file, partition_size_bytes)
-
     def read(
         self, file: InputFile, part: InputSlice, batcher: Batcher, text_field: str,
         hooks: ReadHooks,
     ) -> Iterator[TextBatch]:  # fmt: skip
         """See ``InputFormat.read``."""
-        yield from _read_arrow(file, batcher, text_field, part)
-        batch = batcher.flush()
-        if batch is not None:
-            yield batch
-        hash_after_read(file, part, hooks)
+        yield from flush_and_hash(
+            _read_arrow(file, batcher, text_field, part), batcher, file, part, hooks
+        )
 
     def sample_fields(self, file: InputFile, records: int) -> dict[str, str]:
         """See ``InputFormat.sample_fields``."""

@@ -418,6 +418,34 @@ def whole_file(file: InputFile, partition_size_bytes: int) -> tuple[list[InputSl
     return [InputSlice()], ""
 
 
+class WholeFiles:
+    """Mixin of a format that never cuts a file into partitions."""
+
+    def split(self, file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
+        """See ``InputFormat.split``: one slice, hashed while read."""
+        return whole_file(file, partition_size_bytes)
+
+
+def open_hashing(file: InputFile, hooks: ReadHooks) -> HashingReader:
+    """Open an input that hashes (and counts) its bytes as they are read."""
+    try:
+        return HashingReader(open_input(file), hooks.on_bytes)  # type: ignore[arg-type]
+    except OSError as err:
+        raise SourceError(f"{file.relpath}: cannot open: {err}") from err
+
+
+def flush_and_hash(
+    batches: Iterator[TextBatch], batcher: Batcher, file: InputFile, part: InputSlice,
+    hooks: ReadHooks,
+) -> Iterator[TextBatch]:  # fmt: skip
+    """A columnar format's batches, then the batcher's last one, then the file's digest."""
+    yield from batches
+    batch = batcher.flush()
+    if batch is not None:
+        yield batch
+    hash_after_read(file, part, hooks)
+
+
 def hash_after_read(file: InputFile, part: InputSlice, hooks: ReadHooks) -> None:
     """Fill the digest and the bytes read of a format that does not hash while reading."""
     if part.whole and hooks.digest is not None:

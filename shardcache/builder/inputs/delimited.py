@@ -18,10 +18,10 @@ from shardcache.builder.inputs.base import (
     InputSlice,
     ReadHooks,
     TextBatch,
+    WholeFiles,
+    open_hashing,
     open_input,
-    whole_file,
 )
-from shardcache.errors import SourceError
 from shardcache.store.files import HashingReader
 
 csv.field_size_limit(sys.maxsize)  # a document may be far longer than csv's 128 KiB default
@@ -36,7 +36,7 @@ def _rows(raw: HashingReader, delimiter: str) -> tuple[list[str], Iterator[list[
 
 
 @dataclass(frozen=True)
-class DelimitedFormat:
+class DelimitedFormat(WholeFiles):
     """Delimiter-separated values with a header row."""
 
     name: str
@@ -46,19 +46,12 @@ class DelimitedFormat:
     in_folders: bool = True
     hashes_while_reading: bool = True
 
-    def split(self, file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
-        """See ``InputFormat.split``."""
-        return whole_file(file, partition_size_bytes)
-
     def read(
         self, file: InputFile, part: InputSlice, batcher: Batcher, text_field: str,
         hooks: ReadHooks,
     ) -> Iterator[TextBatch]:  # fmt: skip
         """See ``InputFormat.read``."""
-        try:
-            raw = HashingReader(open_input(file), hooks.on_bytes)  # type: ignore[arg-type]
-        except OSError as err:
-            raise SourceError(f"{file.relpath}: cannot open: {err}") from err
+        raw = open_hashing(file, hooks)
         row = -1
         with raw:
             try:

@@ -17,7 +17,7 @@ from shardcache.builder.inputs.base import (
     InputSlice,
     ReadHooks,
     TextBatch,
-    hash_after_read,
+    flush_and_hash,
     open_input,
     read_column,
     sha256_input,
@@ -94,11 +94,9 @@ class ParquetFormat:
         hooks: ReadHooks,
     ) -> Iterator[TextBatch]:  # fmt: skip
         """See ``InputFormat.read``."""
-        yield from _read_parquet(file, batcher, text_field, part)
-        batch = batcher.flush()
-        if batch is not None:
-            yield batch
-        hash_after_read(file, part, hooks)
+        yield from flush_and_hash(
+            _read_parquet(file, batcher, text_field, part), batcher, file, part, hooks
+        )
 
     def sample_fields(self, file: InputFile, records: int) -> dict[str, str]:
         """See ``InputFormat.sample_fields``."""

@@ -17,17 +17,15 @@ from shardcache.builder.inputs.base import (
     InputSlice,
     ReadHooks,
     TextBatch,
-    open_input,
-    whole_file,
+    WholeFiles,
+    open_hashing,
 )
-from shardcache.errors import SourceError
-from shardcache.store.files import HashingReader
 
 _BOM = b"\xef\xbb\xbf"
 
 
 @dataclass(frozen=True)
-class TextFormat:
+class TextFormat(WholeFiles):
     """Plain text files; each is one document."""
 
     name: str = "text"
@@ -36,19 +34,12 @@ class TextFormat:
     in_folders: bool = False
     hashes_while_reading: bool = True
 
-    def split(self, file: InputFile, partition_size_bytes: int) -> tuple[list[InputSlice], str]:
-        """See ``InputFormat.split``."""
-        return whole_file(file, partition_size_bytes)
-
     def read(
         self, file: InputFile, part: InputSlice, batcher: Batcher, text_field: str,
         hooks: ReadHooks,
     ) -> Iterator[TextBatch]:  # fmt: skip
         """See ``InputFormat.read``."""
-        try:
-            raw = HashingReader(open_input(file), hooks.on_bytes)  # type: ignore[arg-type]
-        except OSError as err:
-            raise SourceError(f"{file.relpath}: cannot open: {err}") from err
+        raw = open_hashing(file, hooks)
         with raw:
             data = b"".join(iter(lambda: raw.read(hooks.chunk_bytes), b""))
             if hooks.digest is not None:
