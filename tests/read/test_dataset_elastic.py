@@ -47,8 +47,8 @@ def _take(ds: ShardDataset, num_workers: int, steps: int) -> tuple[list, dict]:
 def test_stateful_dataloader_states_resume_at_another_world_size(
     cache_dir, num_workers, world, new_world
 ):
-    def make(rank: int, world_size: int) -> ShardDataset:
-        return ShardDataset(cache_dir, 128, seed=5, rank=rank, world_size=world_size)
+    def make(rank: int, world_size: int) -> ShardDataset:  # the first job's streams throughout
+        return ShardDataset(cache_dir, 128, seed=5, rank=rank, world_size=world_size, streams=world)
 
     plan = make(0, 1).plan()
     steps = make(0, world).batches_per_rank() // 2 + 1  # odd or even: workers mid-round
