@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -940,7 +941,9 @@ class ShardDataset(IterableDataset):
                 self._consumed = start + self.world_size * (position + 1)
                 if self._worker is not None:
                     self._worker["yielded"] += 1
+                handed = time.perf_counter()
                 yield batch
+                self._stats.consumed(time.perf_counter() - handed)
         finally:
             if readahead is not None:
                 readahead.close()
