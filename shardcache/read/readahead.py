@@ -148,7 +148,8 @@ class ReadStats:
         self.warned = True
         logger.warning(
             "%s: the training loop waited for downloads %.1f%% of the time after the first "
-            "batch (%.2f s of %.2f s, %.2f s computing; longest wait %.3f s; %d bytes downloaded ahead, %d on demand); "
+            "batch (%.2f s of %.2f s, %.2f s computing; longest wait %.3f s; %d bytes "
+            "downloaded ahead, %d on demand); "
             "read further ahead (ShardDataset(readahead=ReadAheadOptions(shards=..., "
             "threads=...)), now %d shards, %d threads) or raise SHARDCACHE_CACHE_SIZE if the "
             "window is held back by it",
