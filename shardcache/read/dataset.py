@@ -983,7 +983,8 @@ class ShardDataset(IterableDataset):
 
         Returns:
             ``batches``, ``first_wait_s`` (first batches), ``wait_s`` / ``longest_wait_s`` (others),
-            ``elapsed_s``, ``wait_share``, ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
+            ``elapsed_s``, ``wait_share``, ``consumer_s`` (the consumer's own time between
+            batches), ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
             ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own);
             ``share_bytes`` (the cache's bytes over the world size) and ``fetched_over_share``
             (bytes fetched per epoch read, over that share: about 1 when reading locally).

@@ -53,8 +53,9 @@ class ReadAheadOptions:
         bytes: bytes downloaded ahead (an int or a size like ``"2GiB"``; None: no bound but
             ``SHARDCACHE_CACHE_SIZE``).
         threads: downloads in parallel (at least 1).
-        warn_share: warn (once) when the consumer waits for data more than this share of
-            the time after its first batch.
+        warn_share: warn (once) when the consumer waits for downloads more than this share
+            of the time after its first batch (judged once the consumer computes between
+            batches: ``MIN_CONSUMER_SHARE`` of the time).
 
     Raises:
         ConfigError: a value is out of range.
