@@ -42,7 +42,12 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.mixture import MixtureTable, Source, SourceShare
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
-    from shardcache.read.prefetch import DevicePrefetcher, PrefetchOptions, PrefetchStats
+    from shardcache.read.prefetch import (
+        DevicePrefetcher,
+        PrefetchOptions,
+        PrefetchStats,
+        StallMonitor,
+    )
     from shardcache.read.readahead import ReadAheadOptions
     from shardcache.read.splits import Split
     from shardcache.store.cache import Cache, Provenance, open_cache
@@ -87,6 +92,7 @@ _LAZY: dict[str, str] = {
     "ShardLoader": "shardcache.read.loader",
     "Source": "shardcache.read.mixture",
     "Split": "shardcache.read.splits",
+    "StallMonitor": "shardcache.read.prefetch",
     "SourceOptions": "shardcache.config",
     "SourceShare": "shardcache.read.mixture",
     "TokenizeOptions": "shardcache.config",
@@ -134,6 +140,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SourceOptions",
     "SourceShare",
     "Split",
+    "StallMonitor",
     "StateError",
     "TokenizeOptions",
     "TokenizerError",

@@ -16,6 +16,7 @@ import math
 import mmap
 import os
 import threading
+import time
 import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -205,6 +206,10 @@ class ShardDataset(IterableDataset):
         self.readahead: ReadAheadOptions = readahead_options(readahead)
         self._readahead: ReadAhead | None = None  # of the pass being read
         self._stats = ReadStats()
+        #: Attach each batch's stage times to ``meta["stage_s"]`` (``StallMonitor`` sets it).
+        self.time_stages = False
+        self._gather_s = 0.0  # time in ``_gather`` since the batch began (stage timing)
+        self._plan_s = 0.0  # time planning the pass, charged to its first batch
         if options is not None:
             if max_tokens is not None or shuffle is not None or plan_options:
                 raise ConfigError(
@@ -871,7 +876,9 @@ class ShardDataset(IterableDataset):
         resume, self._worker_resume = self._worker_resume, None
         if info is not None and resume is None:
             self._adopt_published()
+        planned = time.perf_counter()
         plan = self.plan()
+        self._plan_s = time.perf_counter() - planned
         if resume is not None:
             self._check_worker_resume(resume, worker_id, num_workers)
             start, skip = int(resume["start"]), int(resume["yielded"])
@@ -931,16 +938,30 @@ class ShardDataset(IterableDataset):
         self._readahead = readahead
         try:
             for n, position in enumerate(positions.tolist()):
+                began = time.perf_counter()
                 if readahead is not None:
                     readahead.ready(n)
+                fetched = time.perf_counter()
+                self._gather_s = 0.0
                 batch = self.collate_batch(plan, int(mine[position]))
+                if self.time_stages:
+                    built = time.perf_counter() - fetched
+                    batch["meta"]["stage_s"] = {
+                        "plan_s": self._plan_s,
+                        "fetch_s": fetched - began,
+                        "gather_s": self._gather_s,
+                        "collate_s": built - self._gather_s,
+                    }
+                    self._plan_s = 0.0
                 if self.eval:  # past the plan's end: a wrapped batch that must not count
                     _mark_filler(batch, start + self.rank + self.world_size * position >= len(plan))
                 # a batch counts as consumed once it is handed out (the torchdata convention)
                 self._consumed = start + self.world_size * (position + 1)
                 if self._worker is not None:
                     self._worker["yielded"] += 1
+                handed = time.perf_counter()
                 yield batch
+                self._stats.consumed(time.perf_counter() - handed)
         finally:
             if readahead is not None:
                 readahead.close()
@@ -962,7 +983,8 @@ class ShardDataset(IterableDataset):
 
         Returns:
             ``batches``, ``first_wait_s`` (first batches), ``wait_s`` / ``longest_wait_s`` (others),
-            ``elapsed_s``, ``wait_share``, ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
+            ``elapsed_s``, ``wait_share``, ``consumer_s`` (the consumer's own time between
+            batches), ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
             ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own);
             ``share_bytes`` (the cache's bytes over the world size) and ``fetched_over_share``
             (bytes fetched per epoch read, over that share: about 1 when reading locally).
@@ -1035,6 +1057,7 @@ class ShardDataset(IterableDataset):
         layout: tuple[np.ndarray, int] | None = None,
     ) -> Gathered:
         """``Cache.gather`` of segments (and chat loss masks), flat or placed by ``layout``."""
+        began = time.perf_counter()
         cache = self._open()
         got = cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
@@ -1043,6 +1066,7 @@ class ShardDataset(IterableDataset):
             at = got.offsets[:-1] if layout is None else np.asarray(layout[0], dtype=np.int64)
             first = np.zeros(len(at), np.int64) if starts is None else np.asarray(starts)
             self._apply_transform(got, at, np.asarray(sample_ids), first)
+        self._gather_s += time.perf_counter() - began
         return got
 
     def _apply_transform(

@@ -35,6 +35,10 @@ logger = logging.getLogger("shardcache")
 LOOKAHEAD_BATCHES = 1024
 #: Batches after the first before the wait share is judged (``ReadStats``).
 WARN_AFTER_BATCHES = 8
+#: The share of the time the consumer must spend on its own work (between taking a batch and
+#: asking for the next) before the wait share is judged: a pass with no model spends all its
+#: time in the reader, and its wait share says nothing about a training step.
+MIN_CONSUMER_SHARE = 0.05
 
 Key = Hashable
 Release = Callable[[], None]
@@ -49,8 +53,9 @@ class ReadAheadOptions:
         bytes: bytes downloaded ahead (an int or a size like ``"2GiB"``; None: no bound but
             ``SHARDCACHE_CACHE_SIZE``).
         threads: downloads in parallel (at least 1).
-        warn_share: warn (once) when the consumer waits for data more than this share of
-            the time after its first batch.
+        warn_share: warn (once) when the consumer waits for downloads more than this share
+            of the time after its first batch (judged once the consumer computes between
+            batches: ``MIN_CONSUMER_SHARE`` of the time).
 
     Raises:
         ConfigError: a value is out of range.
@@ -98,6 +103,7 @@ class ReadStats:
     wait_s: float = 0.0
     longest_wait_s: float = 0.0
     elapsed_s: float = 0.0
+    consumer_s: float = 0.0
     bytes_ahead: int = 0
     bytes_on_demand: int = 0
     shards_ahead: int = 0
@@ -123,17 +129,28 @@ class ReadStats:
         self.longest_wait_s = max(self.longest_wait_s, seconds)
         self.elapsed_s = now - self._first_ready
 
+    def consumed(self, seconds: float) -> None:
+        """Count the consumer's own time with one batch (from its hand-out to the next ask)."""
+        self.consumer_s += seconds
+
     def check(self, options: ReadAheadOptions, where: str) -> None:
-        """Log a warning once when the waits exceed ``options.warn_share`` of the time."""
+        """Log a warning once when the waits exceed ``options.warn_share`` of the time.
+
+        Judged only once the consumer's own time is ``MIN_CONSUMER_SHARE`` of the time or more:
+        without a training step between batches, the elapsed time is the reader's own.
+        """
         if self.warned or self.batches <= WARN_AFTER_BATCHES or self.elapsed_s <= 0:
+            return
+        if self.consumer_s < MIN_CONSUMER_SHARE * self.elapsed_s:
             return
         share = self.wait_s / self.elapsed_s
         if share <= options.warn_share:
             return
         self.warned = True
         logger.warning(
-            "%s: the training loop waited for data %.1f%% of the time after the first batch "
-            "(%.2f s of %.2f s, longest wait %.3f s; %d bytes downloaded ahead, %d on demand); "
+            "%s: the training loop waited for downloads %.1f%% of the time after the first "
+            "batch (%.2f s of %.2f s, %.2f s computing; longest wait %.3f s; %d bytes "
+            "downloaded ahead, %d on demand); "
             "read further ahead (ShardDataset(readahead=ReadAheadOptions(shards=..., "
             "threads=...)), now %d shards, %d threads) or raise SHARDCACHE_CACHE_SIZE if the "
             "window is held back by it",
@@ -141,6 +158,7 @@ class ReadStats:
             100 * share,
             self.wait_s,
             self.elapsed_s,
+            self.consumer_s,
             self.longest_wait_s,
             self.bytes_ahead,
             self.bytes_on_demand,

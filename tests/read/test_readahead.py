@@ -227,6 +227,7 @@ def test_waits_over_the_share_warn_once(caplog):
     stats.waited(True, 1.0, now=1.0)
     for k in range(1, 12):
         stats.waited(False, 0.5, now=1.0 + k)  # half of every second waiting
+        stats.consumed(0.4)  # the training step computed most of the rest
         stats.check(options, "ShardDataset('s3://b/c')")
     warnings = [r for r in caplog.records if r.levelno == logging.WARNING]
     assert len(warnings) == 1
@@ -235,6 +236,23 @@ def test_waits_over_the_share_warn_once(caplog):
     figures = stats.as_dict()
     assert figures["wait_share"] == pytest.approx(5.5 / 11)
     assert figures["first_wait_s"] == 1.0 and figures["longest_wait_s"] == 0.5
+
+
+def test_waits_of_a_pass_with_no_consumer_do_not_warn(caplog):
+    """No model: the time between batches is the reader's own, the share means nothing."""
+    stats = ReadStats()
+    stats.waited(True, 1.0, now=1.0)
+    for k in range(1, 30):
+        stats.waited(False, 0.5, now=1.0 + k)  # the rest of each second: gather and collate
+        stats.consumed(1e-5)
+        stats.check(ReadAheadOptions(warn_share=0.1), "x")
+    assert not [r for r in caplog.records if r.levelno == logging.WARNING]
+    assert not stats.warned  # judged again once a consumer computes
+    for k in range(30, 42):
+        stats.waited(False, 0.5, now=1.0 + k)
+        stats.consumed(0.4)
+        stats.check(ReadAheadOptions(warn_share=0.1), "x")
+    assert stats.warned
 
 
 def test_short_waits_do_not_warn(caplog):

@@ -1,6 +1,7 @@
-"""DevicePrefetcher: move CPU batches to the accelerator without stalling training."""
+"""DevicePrefetcher (CPU batches to the accelerator) and StallMonitor (where a step waits)."""
 
 from shardcache.read.prefetch.backend import DeviceBackend, TorchDeviceBackend
+from shardcache.read.prefetch.monitor import StallMonitor
 from shardcache.read.prefetch.options import PrefetchOptions, PrefetchStats
 from shardcache.read.prefetch.prefetcher import DevicePrefetcher
 
@@ -9,5 +10,6 @@ __all__ = [
     "DevicePrefetcher",
     "PrefetchOptions",
     "PrefetchStats",
+    "StallMonitor",
     "TorchDeviceBackend",
 ]

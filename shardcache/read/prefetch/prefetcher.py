@@ -106,6 +106,11 @@ class DevicePrefetcher:
         self._ring = Ring(iterable, backend, depth, cast, options)
 
     @property
+    def iterable(self) -> Iterable[Any]:
+        """The upstream iterable (a ``DataLoader``)."""
+        return self._ring.iterable
+
+    @property
     def passthrough(self) -> bool:
         """True when there is no accelerator and batches are handed out as they come."""
         return self._ring.backend is None
