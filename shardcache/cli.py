@@ -172,6 +172,9 @@ def key_options(func: F) -> F:
         ),
         click.option("--chat", is_flag=True, default=None, help="Chat data: render each "
                      "record's messages with a chat template and store loss masks."),
+        click.option("--preference", is_flag=True, default=None, help="Preference pairs: "
+                     "records {prompt, chosen, rejected} (strings or message lists), stored "
+                     "as two masked sequences per pair, loss on the completion only."),
         click.option("--messages-field", help="Chat: field holding the list of {role, content} "
                      "messages.  [default: messages]"),
         click.option("--chat-template", type=click.Path(dir_okay=False), help="Chat: a Jinja "

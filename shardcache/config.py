@@ -136,11 +136,18 @@ class ChatOptions:
     train_on: str = "assistant"
     truncation_side: str = "right"
     lint_sample: int = 32  # conversations per partition compared with apply_chat_template
+    #: preference pairs ({"prompt", "chosen", "rejected"}) instead of conversations
+    preference: bool = False
 
     def __post_init__(self) -> None:
         if not self.messages_field:
             raise ConfigError("messages_field: must be a non-empty field name, got ''")
         check_choice("train_on", self.train_on, TRAIN_ON)
+        if self.preference and self.train_on == "all":
+            raise ConfigError(
+                "train_on: 'all' would train on the prompt of preference pairs; only the "
+                "completion carries a loss there, so leave train_on unset"
+            )
         check_choice("truncation_side", self.truncation_side, TRUNCATION_SIDES)
         if self.template_path is not None and not os.path.isfile(self.template_path):
             raise ConfigError(
@@ -332,6 +339,13 @@ class BuildOptions:
         check_fraction("max_bad_fraction", self.max_bad_fraction)
 
     @property
+    def kind(self) -> str:
+        """The data kind: ``"text"``, ``"chat"`` or ``"preference"``."""
+        if self.chat is None:
+            return "text"
+        return "preference" if self.chat.preference else "chat"
+
+    @property
     def num_workers(self) -> int:
         """``workers``, with None resolved to the number of usable cores."""
         return self.workers if self.workers is not None else default_workers()
@@ -389,22 +403,54 @@ RECIPE_KEYS = {
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
     "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
-    "verify_fraction", "exclude",
+    "verify_fraction", "exclude", "kind", "preference",
 }  # fmt: skip
 
 
 CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
 
 
+KINDS = ("text", "chat", "preference")
+
+
+def data_kind(values: Mapping[str, Any]) -> str:
+    """The data kind of flat recipe/CLI values: ``kind``, or ``chat`` / ``preference`` flags."""
+    kind = values.get("kind")
+    if kind is not None:
+        check_choice("kind", kind, KINDS)
+    if values.get("preference"):
+        if kind not in (None, "preference"):
+            raise ConfigError(f"kind: got {kind!r} with preference = true; give one of them")
+        return "preference"
+    if kind is not None:
+        return str(kind)
+    return (
+        "chat"
+        if values.get("chat") or any(values.get(k) is not None for k in CHAT_KEYS)
+        else "text"
+    )
+
+
 def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
-    """Chat options of flat recipe/CLI values; None unless ``chat`` or a chat option is given."""
-    if not values.get("chat") and all(values.get(k) is None for k in CHAT_KEYS):
+    """Chat options of flat recipe/CLI values; None for plain text.
+
+    Preference data (``kind = "preference"`` or ``preference``) are chat options with
+    ``preference`` set: message lists render with the chat template.
+    """
+    kind = data_kind(values)
+    if kind == "text":
         return None
+    if kind == "preference" and values.get("messages_field") is not None:
+        raise ConfigError(
+            "messages_field: not used for preference data (records hold prompt, chosen and "
+            "rejected); leave it out"
+        )
     return ChatOptions(
         messages_field=values.get("messages_field") or "messages",
         template_path=values.get("chat_template"),
         train_on=values.get("train_on") or "assistant",
         truncation_side=values.get("truncation_side") or "right",
+        preference=kind == "preference",
     )
 
 
@@ -416,9 +462,19 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
     """
     if values.get("tokenizer") in (None, ""):
         raise ConfigError("tokenizer: not given; pass --tokenizer FOLDER or a recipe with one")
-    chat = chat_options_from_mapping(values) is not None
+    kind = data_kind(values)
+    chat = kind == "chat"
     append_eos = values.get("append_eos")
-    truncation = values.get("truncation") or "truncate"
+    if kind == "preference":
+        truncation = values.get("truncation") or "drop"
+        if truncation != "drop":
+            raise ConfigError(
+                f"truncation: got {truncation!r} for preference data; a pair longer than "
+                "max_length is dropped whole (both sides), so use truncation = 'drop' or leave "
+                "it unset"
+            )
+    else:
+        truncation = values.get("truncation") or "truncate"
     if chat and truncation == "split":
         raise ConfigError(
             "truncation: 'split' is for plain text (a piece of a conversation has no prompt); "

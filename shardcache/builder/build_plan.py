@@ -266,7 +266,7 @@ def plan_build(options: BuildOptions, inputs: list[InputFile] | None = None) -> 
         if inputs is not None
         else list_inputs(source.inputs, exclude=[options.output], exclude_globs=source.exclude)
     )
-    check_corpus_files(inputs, source.text_field, "chat" if options.chat else "text")
+    check_corpus_files(inputs, source.text_field, options.kind)
     partitions: list[Partition] = []
     hashes: dict[str, str] = {}
     most = group_bytes(inputs, options.partition_size_bytes)

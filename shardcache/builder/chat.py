@@ -227,20 +227,32 @@ class ChatRenderer:
         except (ImportError, AttributeError):  # other transformers versions: the public path
             self._fast = None
 
+    @classmethod
+    def without_template(cls) -> ChatRenderer:
+        """A renderer with no template (preference string pairs): never asked to render."""
+        renderer = cls.__new__(cls)
+        renderer.template, renderer.template_kind = "", "none"
+        renderer.variables, renderer._fast = {}, None
+        return renderer
+
     def render_texts(self, conversations: list[list[dict[str, Any]]]) -> list[str]:
         """The full texts of valid conversations, without spans or budgets."""
         return _render_batch(conversations, self.template, self.variables, False)
 
-    def render(self, conversations: Sequence[list[dict[str, Any]]]) -> list[Rendered]:
+    def render(
+        self, conversations: Sequence[list[dict[str, Any]]], firsts: Sequence[int] | None = None
+    ) -> list[Rendered]:
         """Full texts and trainable spans of valid conversations, under the render budget.
 
         A template that raises or exceeds the budget gives that conversation an ``error``.
+        ``firsts`` (preference pairs): per conversation, the first message that may be trained
+        on (the prompt's messages before it never are).
         """
         out: list[Rendered] = []
-        for messages in conversations:
+        for k, messages in enumerate(conversations):
             try:
                 with _WATCHDOG.limit(RENDER_SECONDS):
-                    rendered = self._render_one(messages)
+                    rendered = self._render_one(messages, 0 if firsts is None else firsts[k])
                 if len(rendered.text) > RENDER_CHARS:  # the public path renders unstreamed
                     raise RenderBudgetExceeded(f"the output passed {RENDER_CHARS:,} characters")
                 out.append(rendered)
@@ -251,8 +263,8 @@ class ChatRenderer:
                 out.append(Rendered(error=f"template_error: {type(err).__name__}: {err}"))
         return out
 
-    def _render_one(self, messages: list[dict[str, Any]]) -> Rendered:
-        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    def _render_one(self, messages: list[dict[str, Any]], first: int = 0) -> Rendered:
+        assistant = [i for i, m in enumerate(messages) if m["role"] == "assistant" and i >= first]
         train_on = self.options.train_on
         if train_on == "last-assistant":
             assistant = assistant[-1:]
@@ -341,7 +353,7 @@ class ChatEncoder:
         self.dtype = text.dtype
         self.eos_id = text.eos_id
         self.backend = text.backend
-        self.bos_id = _bos_added_by_post_processor(text)
+        self.bos_id = bos_added_by_post_processor(text)
         self.unk_id = getattr(text.hf, "unk_token_id", None)
         specials = set(getattr(text.hf, "all_special_ids", []) or [])
         specials |= {int(t["id"]) for t in text.backend_json.get("added_tokens") or []
@@ -516,7 +528,7 @@ class ChatEncoder:
             pos -= 1
 
 
-def _bos_added_by_post_processor(text: Any) -> int | None:
+def bos_added_by_post_processor(text: Any) -> int | None:
     """The BOS id if the backend's post-processor prepends it (with special tokens on)."""
     if not text.add_special_tokens:
         return None

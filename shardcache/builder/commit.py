@@ -169,7 +169,7 @@ def _manifest(
     return {
         "format_version": FORMAT_VERSION,
         "shardcache_version": __version__,
-        "kind": "text" if options.chat is None else "chat",
+        "kind": options.kind,
         "options": options_json(options),
         "tokenizer": encoder.describe(),
         "dtype": encoder.dtype.name,
@@ -246,7 +246,7 @@ def _check_bad_records(plan: BuildPlan, stats: TruncationStats, bad: Mapping[str
     field = options.chat.messages_field if options.chat else options.source.text_field
     hint = ""
     if {"no_text_field", "no_messages_field"} & set(bad):
-        hint = field_hint(plan.inputs, field, "chat" if options.chat else "text")
+        hint = field_hint(plan.inputs, field, options.kind)
     hint = f"; {hint}" if hint else ""
     where = f"see {os.path.join(options.output, QUARANTINE)}"
     if not stats.documents:

@@ -15,6 +15,7 @@ from typing import Any, Union
 from shardcache.builder.backends import EncoderSelection
 from shardcache.builder.chat import ChatEncoder
 from shardcache.builder.early_load import adopt_agreed, load_fast_early
+from shardcache.builder.preference import PreferenceEncoder
 from shardcache.builder.tokenize import TextEncoder
 from shardcache.builder.tokenizer_memo import read_resolved, tokenizer_json_text
 from shardcache.config import BuildOptions, ChatOptions, TokenizeOptions
@@ -38,7 +39,7 @@ def make_encoder(
     memo agreed with that very text or its content equals what transformers resolved.
     """
     if chat is not None:
-        return ChatEncoder(TextEncoder(tokenize), chat)
+        return chat_encoder(TextEncoder(tokenize), chat)
     folder = tokenize.tokenizer
     saved = tokenizer_json_text(folder) if preload_fast or not audit else None
     early = load_fast_early(folder, saved) if preload_fast and saved is not None else None
@@ -49,6 +50,11 @@ def make_encoder(
     if early is not None:  # the memo agreed with the text it loads
         encoder.fast_loading = adopt_agreed(early)
     return encoder
+
+
+def chat_encoder(text: TextEncoder, chat: ChatOptions) -> ChatEncoder:
+    """A ``ChatEncoder``, or for preference pairs a ``PreferenceEncoder``, wrapping ``text``."""
+    return (PreferenceEncoder if chat.preference else ChatEncoder)(text, chat)
 
 
 def encodes_fast(encoder: Encoder) -> bool:
@@ -86,7 +92,7 @@ def encoder_in_worker(spec: dict[str, Any]) -> Encoder:
         else:
             text = TextEncoder(TokenizeOptions(**spec["tokenize"]))
             text.use_fast(None, EncoderSelection(**spec["selection"]), text.verify_fraction)
-            _WORKER_ENCODERS[key] = ChatEncoder(text, ChatOptions(**spec["chat"]))
+            _WORKER_ENCODERS[key] = chat_encoder(text, ChatOptions(**spec["chat"]))
     return _WORKER_ENCODERS[key]
 
 

@@ -24,6 +24,7 @@ from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
 from shardcache.builder.fault_points import fault_point
 from shardcache.builder.inputs import reader_of
+from shardcache.builder.preference import pair_bucket_lengths
 from shardcache.builder.report import Progress
 from shardcache.builder.sources import (
     FileDigest,
@@ -259,17 +260,19 @@ class BucketRows:
 
 
 def by_bucket(
-    encoded: Encoded, records: np.ndarray, edges: tuple[int, ...]
+    encoded: Encoded, records: np.ndarray, edges: tuple[int, ...], pairs: bool = False
 ) -> list[tuple[int, BucketRows]]:
     """``(bucket, rows)`` for every non-empty length bucket of a batch, rows in input order.
 
     One stable sort of the rows by bucket; each bucket's tokens are copied into an array of its
-    own, a run of rows adjacent in the batch as one slice.
+    own, a run of rows adjacent in the batch as one slice. With ``pairs`` (preference rows:
+    chosen, rejected, ...) a pair goes to the bucket of its longer side, so it stays adjacent.
     """
     n = len(encoded.lengths)
     if not n:
         return []
-    buckets = assign_buckets(encoded.lengths, edges)
+    bucket_lengths = pair_bucket_lengths(encoded.lengths) if pairs else encoded.lengths
+    buckets = assign_buckets(bucket_lengths, edges)
     order = np.argsort(buckets, kind="stable")
     row_bounds = np.concatenate([[0], np.cumsum(np.bincount(buckets, minlength=len(edges) + 1))])
     starts_run = np.zeros(n + 1, dtype=bool)  # sorted rows that start a run, then the end
@@ -407,7 +410,7 @@ def _read_batches(
             digest=digests[relpath],
             part=span,
             on_corrupt=on_corrupt,
-            kind="text" if options.chat is None else "chat",
+            kind=options.kind,
             on_layout=on_layout,
             times=times,
         )
@@ -434,6 +437,7 @@ def _open_writers(plan: BuildPlan, partition: Partition, encoder: Encoder) -> li
             options.layout.shard_size_bytes,
             options.layout.compression,
             with_mask=options.chat is not None,
+            row_multiple=2 if options.kind == "preference" else 1,
         )
         for bucket in range(len(plan.edges) + 1)
     ]
@@ -446,10 +450,11 @@ def _write_batch(
     edges: tuple[int, ...],
     documents: Counter[str],
     times: StageTimes,
+    pairs: bool = False,
 ) -> None:
     """Bucket a batch's sequences, append them to the writers and count its documents."""
     with times.cpu("bucket"):
-        groups = by_bucket(encoded, batch.records, edges)
+        groups = by_bucket(encoded, batch.records, edges, pairs)
     with times.cpu("write"):
         for b, group in groups:
             add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
@@ -487,7 +492,8 @@ def _encode_and_write(
         for doc, reason, detail in encoded.failed:  # conversations the template refused
             bad.batch_bad(batch, doc, reason, detail)
         bad.write_batch_failures()
-        _write_batch(writers, batch, encoded, plan.edges, documents, times)
+        _write_batch(writers, batch, encoded, plan.edges, documents, times,
+                     plan.options.kind == "preference")  # fmt: skip
         progress.update(len(batch.texts), int(encoded.lengths.sum()))
         fault_point("batch")
     with times.cpu("write"):

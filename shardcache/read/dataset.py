@@ -351,6 +351,13 @@ class ShardDataset(IterableDataset):
             open_shards = shards_within_file_limit(OPEN_SHARDS, len(self._sources))
             return MixedCache(self._sources, expect, open_shards=open_shards)
         cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
+        if cache.is_preference:  # the planner does not yet keep a pair's two rows together
+            cache.close()
+            raise ConfigError(
+                f"{self.path}: a preference cache; ShardDataset cannot read pairs yet (it "
+                "would split a pair across batches); read pairs with open_cache (pair k is "
+                "sample ids 2k chosen and 2k + 1 rejected), see docs/guide/preference.md"
+            )
         if expect is not None:  # CacheKeyMismatch names the fields
             verify_manifest_key(cache.manifest, expect, self.path)
         return cache

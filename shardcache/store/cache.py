@@ -330,8 +330,13 @@ class Cache:
 
     @property
     def has_mask(self) -> bool:
-        """True for chat caches, whose shards store a loss mask per token."""
-        return self.manifest.get("kind") == "chat"
+        """True for chat and preference caches, whose shards store a loss mask per token."""
+        return self.manifest.get("kind") in ("chat", "preference")
+
+    @property
+    def is_preference(self) -> bool:
+        """True for preference caches: pair ``k`` is sample ids ``2k`` (chosen), ``2k + 1``."""
+        return self.manifest.get("kind") == "preference"
 
     def buckets(self) -> np.ndarray:
         """Bucket index of every sample id, from the shard table.

@@ -33,7 +33,7 @@ from shardcache.store.layout import (
 #: Counts and sizes fit an int64 (numpy arrays of row starts, ``np.fromiter``).
 MAX_COUNT = 2**63 - 1
 DTYPES = ("uint16", "uint32")
-KINDS = ("text", "chat")
+KINDS = ("text", "chat", "preference")
 TOTALS = ("documents", "sequences", "tokens", "shards", "shard_bytes", "input_bytes")
 STATS = ("truncated_documents", "dropped_documents", "split_documents", "empty_documents",
          "lost_tokens")  # fmt: skip

@@ -115,6 +115,8 @@ class BucketWriter:
     A record batch every ``RECORD_BATCH_BYTES`` of tokens; a new shard after the batch that
     reaches ``shard_size_bytes``, except with ``name`` (one shard, for ``merge_shards``).
     ``source`` may change between ``add`` calls: a shard with rows of several files records runs.
+    With ``row_multiple`` (preference pairs: 2) every record batch holds a multiple of that many
+    rows, given ``add`` calls that do.
     """
 
     def __init__(
@@ -128,8 +130,10 @@ class BucketWriter:
         compression: str,
         with_mask: bool = False,
         name: str | None = None,
+        row_multiple: int = 1,
     ):
         self.cache_dir = cache_dir
+        self.row_multiple = row_multiple  # record batches (so shards) cut only at such rows
         self.with_mask = with_mask
         self.name = name  # one shard of this name, never rotated (merge_shards)
         self.partition = partition
@@ -184,7 +188,7 @@ class BucketWriter:
             cum = np.cumsum(lengths) * itemsize
             # take sequences up to and including the first that fills the record batch
             cut = int(np.searchsorted(cum, room, side="left")) + 1
-            cut = min(cut, len(lengths))
+            cut = min(cut + (-cut % self.row_multiple), len(lengths))
             n_tok = int(lengths[:cut].sum())
             self._pending.append(
                 (tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut], mask[:n_tok])

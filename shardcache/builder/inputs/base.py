@@ -33,6 +33,9 @@ BAD_REASONS = (
     "too_deep",  # nested deeper than the JSON parser's recursion limit
     "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
+    "no_preference_field",  # preference: prompt, chosen or rejected missing
+    "mixed_preference_types",  # preference: not all strings, not all message lists
+    "empty_completion",  # preference: an empty chosen or rejected string
 )
 #: A batch is flushed at this many characters even below ``batch_docs`` (bounds memory).
 MAX_BATCH_CHARS = 8 * 1024 * 1024
@@ -53,7 +56,7 @@ def has_lone_surrogate(value: Any) -> bool:
         except UnicodeEncodeError:
             return True
         return False
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return any(has_lone_surrogate(v) for v in value)
     if isinstance(value, dict):
         return any(has_lone_surrogate(v) for v in value.values())
@@ -207,8 +210,34 @@ def _joined(batches: list[TextBatch]) -> TextBatch:
 
 
 def text_chars(text: Any) -> int:
-    """Characters of a text, or of a conversation's contents."""
+    """Characters of a text, of a conversation's contents, or of a pair's three parts."""
+    if isinstance(text, tuple):
+        return sum(map(text_chars, text))
     return len(text) if isinstance(text, str) else sum(len(m["content"]) for m in text)
+
+
+PAIR_FIELDS = ("prompt", "chosen", "rejected")
+
+
+def validate_pair(obj: dict[str, Any]) -> tuple[Any, str | None]:
+    """A preference record's ``(prompt, chosen, rejected)``, else ``(None, reason)``.
+
+    All three are strings, or all three message lists (a prompt may be an empty list).
+    """
+    values = [obj.get(name) for name in PAIR_FIELDS]
+    if any(v is None for v in values):
+        return None, "no_preference_field"
+    if all(isinstance(v, str) for v in values):
+        if not values[1] or not values[2]:
+            return None, "empty_completion"
+        return tuple(values), None
+    if not all(isinstance(v, list) for v in values):
+        return None, "mixed_preference_types"
+    for value in values[1:] if not values[0] else values:
+        reason = validate_messages(value)
+        if reason is not None:
+            return None, reason
+    return tuple(values), None
 
 
 def excerpt(data: bytes | str, limit: int = 120) -> str:
@@ -226,6 +255,8 @@ def validate_record(obj: Any, text_field: str, kind: str = "text") -> tuple[Any,
     """
     if not isinstance(obj, dict):
         return None, "not_an_object"
+    if kind == "preference":
+        return validate_pair(obj)
     if kind == "chat":
         reason = validate_messages(obj.get(text_field))
         return (None, reason) if reason is not None else (obj[text_field], None)

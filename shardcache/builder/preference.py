@@ -1,0 +1,192 @@
+"""Preference pairs: ``{"prompt", "chosen", "rejected"}`` records -> two masked sequences each.
+
+A pair is stored as two adjacent rows of one shard, chosen (piece 0) then rejected (piece 1),
+so pair ``k`` of a cache is sample ids ``2k`` and ``2k + 1`` (docs/guide/preference.md). Each
+side holds the prompt and its completion; only the completion carries a loss. Strings: the
+prompt and the completion are tokenized apart and joined (BOS as the tokenizer adds it, EOS
+appended to the completion under ``append_eos``), as TRL tokenizes them. Message lists: the
+prompt plus the completion rendered with the chat template, the completion's assistant turns
+trainable (``ChatRenderer`` spans). A pair with a side over ``max_length`` is dropped whole.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from shardcache.builder.chat import (
+    ChatEncoder,
+    ChatLint,
+    ChatRenderer,
+    bos_added_by_post_processor,
+    encoding_mask,
+)
+from shardcache.builder.tokenize import Encoded
+from shardcache.config import ChatOptions
+from shardcache.errors import TokenizerError
+
+
+@dataclass
+class PairSample:
+    """A pair's two sides (ids and trainable mask each), or the ``error`` it failed with."""
+
+    sides: list[tuple[np.ndarray, np.ndarray]] | None = None
+    error: str | None = None
+    straddle: int = 0
+
+
+class PreferenceEncoder(ChatEncoder):
+    """The preference counterpart of ``ChatEncoder``: ``encode_texts`` / ``finish`` per pair.
+
+    The chat template is needed only for message-list records: without one, such a record is
+    a bad record (``no_chat_template``).
+    """
+
+    def __init__(self, text: Any, options: ChatOptions):
+        try:
+            super().__init__(text, options)
+        except TokenizerError as err:  # string pairs need no template
+            self._no_template = str(err)
+            self.renderer = ChatRenderer.without_template()
+            self.text, self.options, self.hf = text, options, text.hf
+            self.dtype, self.eos_id, self.backend = text.dtype, text.eos_id, text.backend
+            self.bos_id = bos_added_by_post_processor(text)
+            self.unk_id = getattr(text.hf, "unk_token_id", None)
+            self.special_set = frozenset() if text.eos_id is None else frozenset({text.eos_id})
+            self.lint, self._checked = ChatLint(), 0
+        else:
+            self._no_template = None
+
+    def template_component(self) -> dict[str, Any]:
+        """The template part of the cache key: kind ``preference``, the chat template, EOS."""
+        return {
+            "kind": "preference",
+            "source": self.renderer.template,
+            "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
+            "train_on": "completion",
+            "strings": "prompt and completion tokenized apart, BOS as the tokenizer adds it",
+            "append_eos": self.text.options.append_eos,
+        }
+
+    def probe_chat(self) -> str:
+        """The chat probe; ``<no chat template>`` when the tokenizer has none."""
+        if self._no_template is not None:
+            return "<no chat template>"
+        return super().probe_chat()
+
+    def encode_texts(
+        self, pairs: list[tuple[Any, Any, Any]], keys: np.ndarray | None = None
+    ) -> list[PairSample]:
+        """Tokenize a batch of ``(prompt, chosen, rejected)`` (``keys`` unused, as for chat)."""
+        out: list[PairSample | None] = [None] * len(pairs)
+        strings = [i for i, p in enumerate(pairs) if isinstance(p[0], str)]
+        chats = [i for i, p in enumerate(pairs) if not isinstance(p[0], str)]
+        if strings:
+            for i, sample in zip(strings, self._encode_strings([pairs[i] for i in strings])):
+                out[i] = sample
+        if chats:
+            for i, sample in zip(chats, self._encode_chats([pairs[i] for i in chats])):
+                out[i] = sample
+        return [s if s is not None else PairSample(error="template_error") for s in out]
+
+    def _with_bos(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
+            return np.concatenate([[self.bos_id], ids]), np.concatenate([[False], mask])
+        return ids, mask
+
+    def _encode_strings(self, pairs: list[tuple[str, str, str]]) -> list[PairSample]:
+        texts = [t for p in pairs for t in p]  # prompt, chosen, rejected per pair
+        encodings = self.backend.encode_batch(texts, add_special_tokens=False)
+        samples = []
+        for k in range(len(pairs)):
+            prompt = np.asarray(encodings[3 * k].ids, dtype=np.int64)
+            sides = []
+            for side in (1, 2):
+                completion = np.asarray(encodings[3 * k + side].ids, dtype=np.int64)
+                ids = np.concatenate([prompt, completion])
+                mask = np.r_[np.zeros(len(prompt), bool), np.ones(len(completion), bool)]
+                sides.append(self._with_bos(ids, mask))
+            samples.append(PairSample(sides=sides))
+        return samples
+
+    def _encode_chats(self, pairs: list[tuple[list, list, list]]) -> list[PairSample]:
+        if self._no_template is not None:
+            return [PairSample(error=f"no_chat_template: {self._no_template}")] * len(pairs)
+        conversations = [p[0] + p[side] for p in pairs for side in (1, 2)]
+        firsts = [len(p[0]) for p in pairs for _ in (1, 2)]
+        rendered = self.renderer.render(conversations, firsts)
+        good = [r for r in rendered if r.error is None]
+        encodings = iter(self.backend.encode_batch([r.text for r in good],
+                                                   add_special_tokens=False))  # fmt: skip
+        sides: list[Any] = []
+        for r in rendered:
+            if r.error is not None:
+                sides.append(r.error)
+                continue
+            enc = next(encodings)
+            ids = np.asarray(enc.ids, dtype=np.int64)
+            mask, straddle = encoding_mask(enc, len(ids), r.spans)
+            sides.append((*self._with_bos(ids, mask), straddle))
+        samples = []
+        for k in range(len(pairs)):
+            chosen, rejected = sides[2 * k], sides[2 * k + 1]
+            error = next((s for s in (chosen, rejected) if isinstance(s, str)), None)
+            if error is not None:
+                samples.append(PairSample(error=error))
+                continue
+            samples.append(PairSample(sides=[chosen[:2], rejected[:2]],
+                                      straddle=chosen[2] + rejected[2]))  # fmt: skip
+        return samples
+
+    def finish(self, samples: list[PairSample], stats: Any) -> Encoded:
+        """Two rows per kept pair (chosen, rejected); a pair over the limits is dropped whole.
+
+        ``stats.documents`` counts pairs, ``sequences`` rows; the ``Encoded`` has ``failed``
+        entries for pairs that could not be encoded.
+        """
+        limit = self.text.options.max_length
+        append = self.text.options.append_eos and self.eos_id is not None
+        keep_ids, keep_masks, doc_index, failed = [], [], [], []
+        for i, sample in enumerate(samples):
+            if sample.sides is None:
+                reason = (sample.error or "template_error").split(":")[0]
+                failed.append((i, reason, sample.error or reason))
+                continue
+            stats.documents += 1
+            self.lint.boundary_tokens += sample.straddle
+            sides = []
+            for ids, mask in sample.sides:
+                if append and (len(ids) == 0 or ids[-1] != self.eos_id):
+                    ids, mask = np.append(ids, self.eos_id), np.append(mask, True)
+                sides.append((ids, mask))
+            total = sum(len(ids) for ids, _ in sides)
+            if limit is not None and max(len(ids) for ids, _ in sides) > limit:
+                stats.dropped_documents += 1
+                stats.lost_tokens += total
+                continue
+            if not all(mask.any() for _, mask in sides):
+                stats.dropped_no_trainable += 1
+                stats.lost_tokens += total
+                continue
+            for ids, mask in sides:
+                self._lint_sample(ids, mask)
+                keep_ids.append(ids)
+                keep_masks.append(mask)
+            doc_index += [i, i]
+        lengths = np.fromiter(map(len, keep_ids), dtype=np.int64, count=len(keep_ids))
+        tokens = (np.concatenate(keep_ids) if keep_ids else np.zeros(0)).astype(self.dtype)
+        mask = np.concatenate(keep_masks) if keep_masks else np.zeros(0, dtype=bool)
+        stats.sequences += len(lengths)
+        stats.tokens += int(lengths.sum())
+        stats.trainable_tokens += int(mask.sum())
+        piece = np.tile(np.array([0, 1], dtype=np.int32), len(lengths) // 2)
+        return Encoded(tokens, lengths, np.asarray(doc_index, dtype=np.int64), piece,
+                       mask=mask, failed=failed)  # fmt: skip
+
+
+def pair_bucket_lengths(lengths: np.ndarray) -> np.ndarray:
+    """Per row of chosen/rejected pairs, the pair's longer side: a pair shares one bucket."""
+    longer = np.maximum(lengths[0::2], lengths[1::2])
+    return np.repeat(longer, 2)

@@ -1,0 +1,172 @@
+"""Preference pairs end to end: build -> two masked rows per pair, adjacent, chosen first."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tokenizers import Tokenizer
+
+from conftest import WORDS, make_conversations, write_records
+from shardcache import open_cache
+from shardcache.builder.chat import ChatRenderer
+from shardcache.config import ChatOptions
+
+
+def make_string_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
+            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
+            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
+        }
+        for _ in range(n)
+    ]
+
+
+def make_chat_pairs(n: int, seed: int = 0) -> list[dict[str, list]]:
+    rng = random.Random(seed)
+    pairs = []
+    for conv in make_conversations(n, seed=seed):
+        prompt = conv[:-1]
+        pairs.append({
+            "prompt": prompt,
+            "chosen": [conv[-1]],
+            "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, 3))}],
+        })  # fmt: skip
+    return pairs
+
+
+def _by_sample_id(cache) -> list:
+    return sorted(cache.iter_sequences(), key=lambda s: s.sample_id)
+
+
+def test_string_pairs_two_rows_each_chosen_first_completion_trained(
+    tmp_path, build_cache, tokenizer_dir
+):
+    records = make_string_pairs(60, seed=1)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, tokenizer_dir, kind="preference", buckets=[16, 32]))
+    assert cache.manifest["kind"] == "preference" and cache.is_preference
+    assert cache.manifest["key"]["components"]["template"]["kind"] == "preference"
+    assert cache.num_sequences == 2 * len(records)
+    backend = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    eos = cache.manifest["tokenizer"]["eos_id"]
+    seqs = _by_sample_id(cache)
+    for k in range(len(records)):
+        chosen, rejected = seqs[2 * k], seqs[2 * k + 1]
+        assert chosen.provenance.record == rejected.provenance.record
+        assert (chosen.provenance.piece, rejected.provenance.piece) == (0, 1)
+        record = records[chosen.provenance.record]
+        prompt = backend.encode(record["prompt"], add_special_tokens=False).ids
+        for seq, side in ((chosen, "chosen"), (rejected, "rejected")):
+            completion = [*backend.encode(record[side], add_special_tokens=False).ids, eos]
+            assert seq.ids.tolist() == prompt + completion
+            assert seq.mask.tolist() == [False] * len(prompt) + [True] * len(completion)
+    stats = cache.manifest["stats"]
+    assert stats["documents"] == len(records) and stats["sequences"] == 2 * len(records)
+
+
+def test_chat_pairs_train_only_the_completion(tmp_path, build_cache, chatml_tokenizer_dir):
+    records = make_chat_pairs(30, seed=3)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference"))
+    backend = Tokenizer.from_file(f"{chatml_tokenizer_dir}/tokenizer.json")
+    from transformers import AutoTokenizer
+
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(chatml_tokenizer_dir), ChatOptions())
+    seqs = _by_sample_id(cache)
+    assert len(seqs) == 2 * len(records)
+    for seq in seqs:
+        record = records[seq.provenance.record]
+        side = ("chosen", "rejected")[seq.provenance.piece]
+        full = renderer.render_texts([record["prompt"] + record[side]])[0]
+        start = len(renderer.render_texts([record["prompt"]])[0]) if record["prompt"] else 0
+        assert seq.ids.tolist()[:-1] == backend.encode(full, add_special_tokens=False).ids
+        trained = seq.ids[seq.mask].tolist()
+        # the completion's content and end of turn are trained, nothing of the prompt
+        completion = full[start:]
+        assert backend.decode(trained[:-1], skip_special_tokens=False).strip() in completion
+        assert not seq.mask[: len(backend.encode(full[:start], add_special_tokens=False).ids)].any()
+
+
+def test_a_pair_with_one_side_over_max_length_is_dropped_whole(
+    tmp_path, build_cache, tokenizer_dir
+):
+    records = make_string_pairs(40, seed=2)
+    records[5]["rejected"] = " " + " ".join(["hello"] * 200)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, tokenizer_dir, kind="preference", max_length=64))
+    kept = {s.provenance.record for s in cache.iter_sequences()}
+    assert 5 not in kept and len(kept) == len(records) - 1
+    assert cache.num_sequences == 2 * len(kept)
+    stats = cache.manifest["stats"]
+    assert stats["dropped_documents"] == 1 and stats["lost_tokens"] > 200
+    seqs = _by_sample_id(cache)
+    assert all(len(s.ids) <= 64 for s in seqs)
+
+
+def test_pairs_stay_adjacent_across_buckets_and_shard_cuts(tmp_path, build_cache, tokenizer_dir):
+    records = make_string_pairs(1500, seed=4)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    out = build_cache(path, tokenizer_dir, kind="preference", buckets=[12, 20],
+                      shard_size="4KiB")  # fmt: skip
+    cache = open_cache(out)
+    assert len(cache.manifest["shards"]) > 3
+    assert all(s["rows"] % 2 == 0 for s in cache.manifest["shards"])
+    seqs = _by_sample_id(cache)
+    for k in range(0, len(seqs), 2):
+        assert seqs[k].provenance.record == seqs[k + 1].provenance.record
+        assert (seqs[k].provenance.piece, seqs[k + 1].provenance.piece) == (0, 1)
+
+
+def test_bad_pairs_are_quarantined(tmp_path, build_cache, tokenizer_dir):
+    good = make_string_pairs(2, seed=5)
+    records = [
+        good[0],
+        {"prompt": "p", "chosen": "c"},
+        {"prompt": "p", "chosen": [{"role": "assistant", "content": "x"}], "rejected": "r"},
+        {"prompt": "p", "chosen": "", "rejected": "r"},
+        good[1],
+    ]
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, tokenizer_dir, kind="preference", max_bad_fraction=1.0))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 4]
+    assert cache.manifest["stats"]["bad_records"] == {
+        "no_preference_field": 1, "mixed_preference_types": 1, "empty_completion": 1,
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("values", [{"truncation": "truncate"}, {"train_on": "all"}])
+def test_preference_refuses_options_that_would_break_pairs(values, tmp_path, build_cache,
+                                                           tokenizer_dir):  # fmt: skip
+    from shardcache import ConfigError
+
+    path = write_records(str(tmp_path / "p.jsonl"), make_string_pairs(2), "jsonl")
+    with pytest.raises(ConfigError, match=next(iter(values))):
+        build_cache(path, tokenizer_dir, kind="preference", **values)
+
+
+def test_cli_preference_flag_builds_a_preference_cache(tmp_path, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    path = write_records(str(tmp_path / "p.jsonl"), make_string_pairs(5), "jsonl")
+    out = str(tmp_path / "cache")
+    args = ["build", "--input", path, "--tokenizer", tokenizer_dir, "--output", out]
+    result = CliRunner().invoke(main, [*args, "--preference", "--workers", "1"])
+    assert result.exit_code == 0, result.output
+    assert open_cache(out).num_sequences == 10
+
+
+def test_shard_dataset_refuses_a_preference_cache_rather_than_split_pairs(
+    tmp_path, build_cache, tokenizer_dir
+):
+    from shardcache import ConfigError, ShardDataset
+
+    path = write_records(str(tmp_path / "p.jsonl"), make_string_pairs(6), "jsonl")
+    out = build_cache(path, tokenizer_dir, kind="preference")
+    with pytest.raises(ConfigError, match="preference"):
+        list(ShardDataset(out, max_tokens=4096))
