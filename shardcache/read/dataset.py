@@ -344,6 +344,10 @@ class ShardDataset(IterableDataset):
                 "%d when built)", self.path, *group, self._rank, self._world_size,
             )  # fmt: skip
             self._rank, self._world_size = group
+            if self._auto_streams and self._plan is None and not self._counts:
+                # streams=None is the world size the run starts reading with: nothing was
+                # planned or loaded yet, so the process group's is that size
+                self.options = dataclasses.replace(self.options, streams=self._world_size)
 
     def _open_cache(self, expect: Any = None) -> Cache | MixedCache:
         """This process's reader of the cache (or of a mixture's caches)."""
@@ -812,6 +816,7 @@ class ShardDataset(IterableDataset):
                 # streams=None means "as the run started": the state says how it started
                 self.options = dataclasses.replace(self.options, streams=streams)
                 self._plan, self._counts = None, {}
+        self._auto_streams = False  # the state's streams hold from here
         ours = {"seed": self.seed, **self.options.to_json()}
         theirs = {"seed": state.get("seed"), **theirs_plan}
         changed = sorted(k for k in set(ours) | set(theirs) if ours.get(k) != theirs.get(k))

@@ -225,3 +225,26 @@ def test_the_tail_report_says_what_evening_the_streams_costs(many_shards, tail):
         assert report["stream_repeated_batches"] == int((counts.max() - counts).sum())
         assert report["stream_dropped_batches"] == 0
     assert len(plan) == 8 * plan.rounds
+
+
+def _late_group_worker(rank, path, init, out):
+    ds = ShardDataset(path, 256, seed=7)  # built before the process group (Lightning's way)
+    torch.distributed.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    try:
+        with open(out + str(rank), "w") as f:
+            json.dump([ds.world_size, ds.options.streams], f)
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_streams_follow_a_process_group_started_before_anything_is_planned(
+    many_shards, tmp_path, monkeypatch
+):
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+        monkeypatch.delenv(name, raising=False)
+    init = f"file://{tmp_path / 'rendezvous'}"
+    out = str(tmp_path / "seen")
+    torch.multiprocessing.spawn(_late_group_worker, args=(many_shards, init, out), nprocs=2)
+    for rank in range(2):
+        with open(out + str(rank)) as f:
+            assert json.load(f) == [2, 2]
