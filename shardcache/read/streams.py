@@ -205,9 +205,9 @@ class StreamPlan:
 
     It answers what an ``EpochPlan`` answers (``len``, ``batch``, ``segments``, ``row_bounds``,
     ``packed_segments``, ``token_count``) for a global batch index, planning the block that
-    holds it on first use and keeping the last ``keep`` blocks. ``even=False`` keeps every
-    batch of every stream (the longer streams' last ones after the rounds, not local): an
-    evaluation pass must read each sequence once.
+    holds it on first use and keeping the last ``keep`` blocks (default: two per stream).
+    ``even=False`` keeps every batch of every stream (the longer streams' last ones after the
+    rounds, not local): an evaluation pass must read each sequence once.
     """
 
     def __init__(
@@ -215,7 +215,7 @@ class StreamPlan:
         layout: StreamLayout,
         options: PlanOptions,
         counts: dict[int, np.ndarray] | None = None,
-        keep: int = 4,
+        keep: int | None = None,
         even: bool = True,
     ) -> None:
         self.layout, self.options = layout, options
@@ -252,7 +252,8 @@ class StreamPlan:
         order = np.lexsort((tail_stream, tail_k))
         self.tail_stream, self.tail_k = tail_stream[order], tail_k[order]
         self._total = self.full + len(self.tail_stream)
-        self.keep = max(int(keep), 1)
+        # (default: two blocks of every stream, what reading the global order in turn needs)
+        self.keep = max(int(keep), 1) if keep is not None else 2 * layout.streams + 2
         self._blocks: OrderedDict[tuple[int, int], EpochPlan] = OrderedDict()
 
     def __len__(self) -> int:
