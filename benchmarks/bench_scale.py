@@ -437,31 +437,10 @@ def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
 def shuffle_quality(
     order: np.ndarray, shard_starts: np.ndarray, groups: int = 32, slices: int = 20
 ) -> dict[str, float]:
-    """How well an epoch's order mixes: mean TV distance of time slices, Spearman vs sample id.
+    """The library's measure of how an epoch's order mixes (``streams.order_mixing``)."""
+    from shardcache.read.streams import order_mixing
 
-    ``order`` holds the sample ids in the order an epoch yields them (global batch by global
-    batch). Shards fall into ``groups`` groups of consecutive shards (about the input files);
-    the order is cut into ``slices`` equal time slices. ``tv``: the total-variation distance
-    between the distribution of a slice's sequences over the groups and that of the whole
-    epoch, averaged over slices (0: every slice mixes like the epoch; near 1: each slice from
-    its own groups). ``spearman``: the rank correlation between a sequence's position in the
-    epoch and its sample id (0: no trace of the cache's order; 1: the cache's order).
-    """
-    order = np.asarray(order, dtype=np.int64)
-    n = len(order)
-    num_shards = len(shard_starts) - 1
-    shard = np.searchsorted(shard_starts, order, side="right") - 1
-    group = shard * groups // num_shards
-    when = np.arange(n, dtype=np.int64) * slices // n
-    joint = np.bincount(when * groups + group, minlength=slices * groups).reshape(slices, groups)
-    per_slice = joint / joint.sum(axis=1, keepdims=True)
-    overall = np.bincount(group, minlength=groups) / n
-    tv = 0.5 * np.abs(per_slice - overall).sum(axis=1)
-    ranks = np.empty(n, dtype=np.float64)
-    ranks[np.argsort(order, kind="stable")] = np.arange(n, dtype=np.float64)
-    position = np.arange(n, dtype=np.float64)
-    spearman = float(np.corrcoef(position, ranks)[0, 1])
-    return {"tv": float(tv.mean()), "tv_max": float(tv.max()), "spearman": spearman}
+    return order_mixing(order, shard_starts, groups, slices)
 
 
 def shuffle(args: argparse.Namespace, work: str) -> dict[str, Any]:

@@ -338,3 +338,29 @@ class StreamPlan:
         """The real tokens of one global batch."""
         plan, local = self.locate(index)
         return plan.token_count(lengths, local)
+
+
+def order_mixing(
+    order: np.ndarray, shard_starts: np.ndarray, groups: int = 32, slices: int = 20
+) -> dict[str, float]:
+    """How far an epoch's order is from a global shuffle (docs/guide/scale.md, "The knob").
+
+    Shards fall into ``groups`` runs of consecutive shards (about the input files) and the order
+    into ``slices`` equal time slices. ``tv``: the total-variation distance between a slice's
+    distribution over the groups and the whole epoch's, averaged over slices (0: every slice
+    mixes like the epoch; near 1: each slice from its own files); ``tv_max`` the worst slice;
+    ``spearman``: the rank correlation of a sequence's position with its sample id.
+    """
+    order = np.asarray(order, dtype=np.int64)
+    n = len(order)
+    shard = np.searchsorted(shard_starts, order, side="right") - 1
+    group = shard * groups // (len(shard_starts) - 1)
+    when = np.arange(n, dtype=np.int64) * slices // n
+    joint = np.bincount(when * groups + group, minlength=slices * groups).reshape(slices, groups)
+    per_slice = joint / np.maximum(joint.sum(axis=1, keepdims=True), 1)
+    overall = np.bincount(group, minlength=groups) / n
+    tv = 0.5 * np.abs(per_slice - overall).sum(axis=1)
+    ranks = np.empty(n, dtype=np.float64)
+    ranks[np.argsort(order, kind="stable")] = np.arange(n, dtype=np.float64)
+    spearman = float(np.corrcoef(np.arange(n, dtype=np.float64), ranks)[0, 1])
+    return {"tv": float(tv.mean()), "tv_max": float(tv.max()), "spearman": spearman}
