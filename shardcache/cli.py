@@ -746,7 +746,9 @@ def profile(
 
     def progress(i: int, n: int, setting: dict[str, Any]) -> None:
         if not quiet and not as_json:
-            text = ", ".join(f"{k}={'default' if v is None else v}" for k, v in setting.items())
+            readahead = "default" if setting["readahead"] is None else setting["readahead"]
+            depth = "-" if setting["depth"] is None else setting["depth"]
+            text = f"workers={setting['workers']}, readahead={readahead}, depth={depth}"
             click.echo(f"profile {i + 1}/{n}: {text}", err=True)
 
     with interruptible("profile stopped; nothing was written"):
