@@ -82,6 +82,7 @@ def main() -> None:
       shardcache lock recipes/quickstart.toml         # write shardcache.lock for CI
       shardcache check --lock shardcache.lock recipes/quickstart.toml   # still matching?
       shardcache mix recipes/mixture.toml             # what each cache of a mixture gives
+      shardcache profile cache/ --step-ms 200         # where a training step waits
 
     Exit codes: 0 success, 1 failure, 2 usage error. Shell completion: see the README
     (eval "$(_SHARDCACHE_COMPLETE=bash_source shardcache)").
@@ -638,6 +639,121 @@ def show(
     else:
         text = "\n\n".join(format_sequence(e, decode, render) for e in entries)
         click.echo(text, color=render.color)
+
+
+def _int_list(text: str, param: str, none: str | None = None) -> tuple[Any, ...]:
+    """``"0,1,2"`` as ints (``none`` stands for None); BadParameter (exit 2) if not."""
+    values: list[int | None] = []
+    for part in text.split(","):
+        part = part.strip()
+        if none is not None and part == none:
+            values.append(None)
+            continue
+        try:
+            value = int(part)
+        except ValueError:
+            value = -1
+        if value < 0:
+            also = f" or {none!r}" if none else ""
+            raise click.BadParameter(
+                f"{part!r} in {text!r}: expected integers >= 0{also}, comma-separated, "
+                "e.g. 0,1,2,4",
+                param_hint=param,
+            )
+        values.append(value)
+    return tuple(values)
+
+
+@main.command()
+@click.argument("cache")
+@click.option("--step-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+              help="The simulated training step per batch, in milliseconds: the model's "
+              "forward and backward.")  # fmt: skip
+@click.option("--batches", "-n", type=click.IntRange(min=1), default=50, show_default=True,
+              help="Batches per setting, after a first one (reported apart).")  # fmt: skip
+@click.option("--workers", "-w", default="0,1,2,4", show_default=True, metavar="N,N,...",
+              help="DataLoader worker counts to try.")  # fmt: skip
+@click.option("--readahead", default="default", show_default=True, metavar="N,N,...",
+              help="Read-ahead shard counts to try (remote caches; 'default': the reader's "
+              "default).")  # fmt: skip
+@click.option("--depth", default=None, metavar="N,N,...", help="Prefetch depths to try, with "
+              "a DevicePrefetcher to --device.  [default: no prefetcher]")  # fmt: skip
+@click.option("--device", default=None, help="The device batches are copied to (e.g. cuda); "
+              "needed by --depth.")  # fmt: skip
+@click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
+              help="The token budget of a batch.")  # fmt: skip
+@click.option("--mode", type=click.Choice(["pad", "pack"]), default="pad", show_default=True,
+              help="pad or pack.")  # fmt: skip
+@click.option("--seq-len", type=click.IntRange(min=1), help="--mode pack: the row length.  "
+              "[default: --max-tokens]")  # fmt: skip
+@click.option("--seed", type=click.IntRange(min=0), default=0, show_default=True,
+              help="The plan's seed.")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print the rows and the recommendation "
+              "as JSON.")  # fmt: skip
+@click.option("--quiet", "-q", is_flag=True, help="No progress lines.")
+@translate_errors
+def profile(
+    cache: str,
+    step_ms: float,
+    batches: int,
+    workers: str,
+    readahead: str,
+    depth: str | None,
+    device: str | None,
+    max_tokens: int,
+    mode: str,
+    seq_len: int | None,
+    seed: int,
+    as_json: bool,
+    quiet: bool,
+) -> None:
+    """Find where a training step waits for a CACHE, over reader settings.
+
+    Runs the real reader (shardcache.loader with a StallMonitor) for each combination of
+    --workers, --readahead and --depth, sleeping --step-ms per batch in place of the model,
+    and prints per setting the wait share (percent of the step spent waiting for the next
+    batch), the wait per batch split into reader and copy waits, the reader's stage times per
+    batch (plan, fetch, gather, collate; pin and copy with a prefetcher) and the first batch's
+    wait (worker start-up). Recommends the setting with the lowest wait share and names its
+    largest stage. Progress goes to stderr. Exit 2 on a bad option, 1 when the cache cannot
+    be read.
+
+    \b
+    Example:
+      shardcache profile ./cache --step-ms 200 --workers 0,1,2,4
+      shardcache profile ./cache --mode pack --seq-len 4096 --max-tokens 16384 --json
+      shardcache profile s3://bucket/cache --readahead 0,8,32 --depth 2,4 --device cuda
+    """  # noqa: D301
+    from shardcache.read.profile import ProfileOptions, format_profile, profile_reader
+
+    depths = _int_list(depth, "--depth") if depth is not None else (None,)
+    if depth is not None and device is None:
+        raise click.BadParameter("a prefetch depth needs --device (e.g. cuda)",
+                                 param_hint="--depth")  # fmt: skip
+    if mode == "pad" and seq_len is not None:
+        raise click.BadParameter("only with --mode pack", param_hint="--seq-len")
+    options = ProfileOptions(
+        step_ms=step_ms,
+        batches=batches,
+        workers=_int_list(workers, "--workers"),
+        readahead=_int_list(readahead, "--readahead", none="default"),
+        depth=depths,
+        device=device,
+    )
+    reader: dict[str, Any] = {"mode": mode, "seed": seed}
+    if mode == "pack":
+        reader.update(seq_len=seq_len or max_tokens, attention="none")
+
+    def progress(i: int, n: int, setting: dict[str, Any]) -> None:
+        if not quiet and not as_json:
+            readahead = "default" if setting["readahead"] is None else setting["readahead"]
+            depth = "-" if setting["depth"] is None else setting["depth"]
+            text = f"workers={setting['workers']}, readahead={readahead}, depth={depth}"
+            click.echo(f"profile {i + 1}/{n}: {text}", err=True)
+
+    with interruptible("profile stopped; nothing was written"):
+        report = profile_reader(cache, max_tokens, options, reader, progress)
+    click.echo(json.dumps(report, indent=1) if as_json else format_profile(report))
 
 
 def _parse_split(spec: str) -> Any:

@@ -1,0 +1,119 @@
+"""``shardcache profile``: the real reader against a simulated step, one row per setting."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from shardcache.cli import main
+from shardcache.read.profile import STAGES, ProfileOptions, format_profile, profile_reader
+
+
+@pytest.fixture()
+def small_cache(corpus, tokenizer_dir, build_cache):
+    folder, _ = corpus("jsonl", n_files=1, docs=60)
+    return build_cache(folder, tokenizer_dir, max_length=32, buckets="8,16,32")
+
+
+def _profile(*args: str) -> tuple[int, str]:
+    result = CliRunner().invoke(main, ["profile", *args])
+    return result.exit_code, result.output
+
+
+def test_table_has_one_row_per_setting_and_a_recommendation(small_cache):
+    code, out = _profile(small_cache, "--workers", "0,1", "--batches", "3", "--max-tokens",
+                         "64", "--step-ms", "1")  # fmt: skip
+    assert code == 0, out
+    lines = out.splitlines()
+    head = next(i for i, line in enumerate(lines) if line.lstrip().startswith("workers"))
+    rows = [line.split() for line in lines[head + 1 :] if line.strip()][:-1]
+    assert [row[0] for row in rows] == ["0", "1"]
+    assert all(0.0 <= float(row[3]) <= 100.0 for row in rows)
+    assert "recommended: workers=" in lines[-1]
+    assert "profile 1/2: workers=0" in out and "profile 2/2: workers=1" in out  # progress
+
+
+def test_json_parses_with_shares_in_range(small_cache):
+    code, out = _profile(small_cache, "--workers", "0", "--readahead", "default,0",
+                         "--batches", "3", "--max-tokens", "64", "--json")  # fmt: skip
+    assert code == 0, out
+    report = json.loads(out)
+    rows = report["rows"]
+    assert [(r["workers"], r["readahead"], r["depth"]) for r in rows] == [
+        (0, None, None),
+        (0, 0, None),
+    ]
+    for row in rows:
+        assert 0.0 <= row["wait_pct"] <= 100.0
+        assert row["batches"] == 3
+        assert all(row[s[:-2] + "_ms"] >= 0 for s in STAGES)
+    assert report["dominant"] in {s[:-2] for s in STAGES}
+
+
+def test_pack_mode_runs(small_cache):
+    code, out = _profile(small_cache, "--workers", "0", "--batches", "2", "--max-tokens",
+                         "64", "--mode", "pack", "--seq-len", "32", "--json")  # fmt: skip
+    assert code == 0, out
+    assert len(json.loads(out)["rows"]) == 1
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--workers", "0,x"],
+        ["--workers", "-1"],
+        ["--readahead", "soon"],
+        ["--depth", "2"],  # a depth needs --device
+        ["--step-ms", "-5"],
+        ["--batches", "0"],
+        ["--seq-len", "32"],  # pad mode
+        ["--mode", "squash"],
+    ],
+)
+def test_a_bad_option_exits_2_without_a_traceback(small_cache, args):
+    result = CliRunner().invoke(main, ["profile", small_cache, *args])
+    assert result.exit_code == 2, result.output
+    assert "Traceback" not in result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+
+
+def test_a_missing_cache_exits_1(tmp_path):
+    code, out = _profile(str(tmp_path / "nothing"), "--workers", "0", "--batches", "1")
+    assert code == 1, out
+    assert "Traceback" not in out
+
+
+def test_a_long_step_lowers_the_wait_share(small_cache):
+    def share(step_ms: float) -> float:
+        options = ProfileOptions(step_ms=step_ms, batches=4, workers=(0,))
+        return profile_reader(small_cache, 64, options)["rows"][0]["wait_pct"]
+
+    assert share(50.0) < share(0.0)
+
+
+def test_the_recommendation_is_the_row_with_the_lowest_wait(small_cache, monkeypatch):
+    import shardcache.read.profile as profile
+
+    shares = iter([40.0, 5.0, 20.0])
+    real = profile._run_setting
+
+    def fake(batches, options):
+        return {**real(batches, options), "wait_pct": next(shares)}
+
+    monkeypatch.setattr(profile, "_run_setting", fake)
+    options = ProfileOptions(batches=1, workers=(0,), readahead=(None, 0, 1))
+    report = profile_reader(small_cache, 64, options)
+    assert [r["wait_pct"] for r in report["rows"]] == [40.0, 5.0, 20.0]
+    assert report["recommended"] == 1
+    assert "recommended: workers=0 readahead=0 depth=-" in format_profile(report)
+
+
+def test_options_are_validated():
+    from shardcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="depth"):
+        ProfileOptions(depth=(2,))
+    with pytest.raises(ConfigError, match="workers"):
+        ProfileOptions(workers=())
