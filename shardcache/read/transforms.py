@@ -213,14 +213,16 @@ class SpanMask:
         _check_fits(ids, {"mask_id": self.mask_id})
         spans = int(min(max(1, round(masked / self.mean_span)), masked))
         # span lengths: ``masked`` split at spans-1 distinct points (each span >= 1 token)
-        cuts = np.sort(rng.choice(masked - 1, size=spans - 1, replace=False) + 1)
+        # (one ``random`` draw each: Generator.choice and .integers cost more than the rest)
+        draws = rng.random(masked - 1)
+        cuts = np.sort(np.argsort(draws)[: spans - 1] + 1)
         lengths = np.diff(np.concatenate([[0], cuts, [masked]]))
         # where each span goes among the unmasked tokens, then shifted past the earlier spans
-        gaps = np.sort(rng.integers(0, n - masked + 1, size=spans))
+        gaps = np.sort((rng.random(spans) * (n - masked + 1)).astype(np.int64))
         starts = gaps + np.concatenate([[0], np.cumsum(lengths)[:-1]])
         edges = np.zeros(n + 1, dtype=np.int64)
-        np.add.at(edges, starts, 1)
-        np.add.at(edges, starts + lengths, -1)
+        edges[starts] += 1  # the starts are distinct, and so are the ends (spans never overlap)
+        edges[starts + lengths] -= 1
         hit = np.cumsum(edges[:n]) > 0
         out = ids.copy()
         out[hit] = self.mask_id
