@@ -50,6 +50,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.readahead import ReadAheadOptions
     from shardcache.read.splits import Split
+    from shardcache.read.transforms import FIM, SpanMask
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.export import ExportOptions, ExportReport, export_cache
     from shardcache.store.layout import FORMAT_VERSION
@@ -80,6 +81,7 @@ _LAZY: dict[str, str] = {
     "EpochPlan": "shardcache.read.plan",
     "ExportOptions": "shardcache.store.export",
     "ExportReport": "shardcache.store.export",
+    "FIM": "shardcache.read.transforms",
     "FORMAT_VERSION": "shardcache.store.layout",
     "LayoutOptions": "shardcache.config",
     "MixtureTable": "shardcache.read.mixture",
@@ -91,6 +93,7 @@ _LAZY: dict[str, str] = {
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
     "Source": "shardcache.read.mixture",
+    "SpanMask": "shardcache.read.transforms",
     "Split": "shardcache.read.splits",
     "StallMonitor": "shardcache.read.prefetch",
     "SourceOptions": "shardcache.config",
@@ -122,6 +125,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "EpochPlan",
     "ExportOptions",
     "ExportReport",
+    "FIM",
     "FORMAT_VERSION",
     "IncompleteBuildError",
     "LayoutOptions",
@@ -139,6 +143,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SourceError",
     "SourceOptions",
     "SourceShare",
+    "SpanMask",
     "Split",
     "StallMonitor",
     "StateError",

@@ -1,0 +1,215 @@
+"""The built-in read-time transforms ``FIM`` and ``SpanMask`` (issue 46)."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+import pickle
+
+import numpy as np
+import pytest
+
+from shardcache import FIM, ConfigError, ShardDataset, SpanMask, open_cache
+from tests.conftest import _save_bpe, assert_resumable, make_texts
+
+SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
+
+
+@pytest.fixture(scope="module")
+def fim_tokenizer(tmp_path_factory):
+    folder = str(tmp_path_factory.mktemp("tok-fim"))
+    return _save_bpe(folder, make_texts(200, seed=2), 500, bos=False,
+                     extra_specials=(*SENTINELS, "<mask>"))  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def ids_of(fim_tokenizer):
+    with open(f"{fim_tokenizer}/tokenizer.json") as f:
+        return {t["content"]: t["id"] for t in json.load(f)["added_tokens"]}
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory, fim_tokenizer):
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("fim-corpus")
+    rng = np.random.default_rng(0)
+    words = ["def", "return", "x", "=", "(", ")", "if", "else", "for", "in", "range", "print"]
+    with open(folder / "code.jsonl", "w") as out:
+        for d in range(6000):
+            n = int(rng.integers(4, 30))
+            out.write(json.dumps({"text": " ".join(rng.choice(words, n)) + f" # {d}"}) + "\n")
+    path = str(tmp_path_factory.mktemp("fim-cache") / "cache")
+    values = {"input": str(folder), "tokenizer": fim_tokenizer, "output": path, "workers": 1,
+              "max_length": 64, "shard_size": 65536}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return path
+
+
+def _sequences(count, seed=0, low=4, high=200):
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        n = int(rng.integers(low, high))
+        # ids 10..399: never a sentinel (500..503 in these tests)
+        yield rng.integers(10, 400, n).astype(np.uint32), np.random.default_rng([seed, i])
+
+
+FIM_IDS = (500, 501, 502)
+
+
+@pytest.mark.parametrize("spm_rate", [0.0, 0.5, 1.0])
+def test_fim_keeps_the_length_and_the_tokens_but_the_dropped_tail(spm_rate):
+    fim = FIM(0.5, *FIM_IDS, spm_rate=spm_rate)
+    applied = 0
+    for ids, rng in _sequences(500):
+        out, mask = fim(ids.copy(), None, rng)
+        assert out.shape == ids.shape and out.dtype == ids.dtype and mask is None
+        sentinel = np.isin(out, FIM_IDS)
+        if sentinel.any():  # sentinels exactly when applied: once each
+            applied += 1
+            assert sorted(out[sentinel].tolist()) == sorted(FIM_IDS)
+            assert out[0] == FIM_IDS[0]
+            # the rest is the sequence without its last 3 tokens, rearranged
+            assert sorted(out[~sentinel].tolist()) == sorted(ids[:-3].tolist())
+        else:
+            assert np.array_equal(out, ids)
+    assert 200 < applied < 300
+
+
+def test_fim_orders_psm_and_spm():
+    ids = np.arange(10, 30, dtype=np.int32)
+    _, mid, suf = FIM_IDS
+    for spm_rate in (0.0, 1.0):
+        out, _ = FIM(1.0, *FIM_IDS, spm_rate=spm_rate)(ids.copy(), None, np.random.default_rng(3))
+        i_suf, i_mid = int(np.flatnonzero(out == suf)[0]), int(np.flatnonzero(out == mid)[0])
+        if spm_rate == 0.0:  # <pre> prefix <suf> suffix <mid> middle
+            prefix, suffix, middle = out[1:i_suf], out[i_suf + 1 : i_mid], out[i_mid + 1 :]
+        else:  # <pre> <suf> suffix <mid> prefix middle: prefix+middle is contiguous
+            assert i_suf == 1
+            suffix, prefix, middle = out[2:i_mid], out[i_mid + 1 :], np.array([], np.int32)
+        body = np.concatenate([prefix, middle, suffix])
+        assert np.array_equal(body, ids[:-3])  # the three parts, back in order
+
+
+def test_fim_rate_over_many_sequences_is_within_one_percent():
+    for rate in (0.1, 0.5, 0.9):
+        fim = FIM(rate, *FIM_IDS)
+        hits = [fim(ids, None, rng)[0][0] == FIM_IDS[0] for ids, rng in _sequences(20000, 1)]
+        assert abs(np.mean(hits) - rate) < 0.01
+
+
+def test_fim_leaves_sequences_too_short_for_the_sentinels():
+    fim = FIM(1.0, *FIM_IDS)
+    for n in range(4):
+        ids = np.arange(n, dtype=np.int64)
+        assert np.array_equal(fim(ids.copy(), None, np.random.default_rng(0))[0], ids)
+    out, _ = fim(np.arange(4, dtype=np.int64), None, np.random.default_rng(0))
+    assert np.isin(out, FIM_IDS).sum() == 3
+
+
+def test_fim_moves_the_loss_mask_with_its_tokens_and_masks_the_sentinels():
+    fim = FIM(1.0, *FIM_IDS, spm_rate=0.5)
+    for ids, rng in _sequences(200, 2):
+        mask = (ids % 2).astype(bool)  # odd ids trainable: the mask follows each token
+        out, new_mask = fim(ids.copy(), mask.copy(), rng)
+        sentinel = np.isin(out, FIM_IDS)
+        assert not new_mask[sentinel].any()
+        assert np.array_equal(new_mask[~sentinel], (out[~sentinel] % 2).astype(bool))
+
+
+def test_fim_is_deterministic_for_the_same_rng_and_picklable():
+    fim = pickle.loads(pickle.dumps(FIM(0.7, *FIM_IDS, spm_rate=0.3)))
+    for ids, _ in _sequences(50, 4):
+        a = fim(ids.copy(), None, np.random.default_rng(7))[0]
+        b = fim(ids.copy(), None, np.random.default_rng(7))[0]
+        assert np.array_equal(a, b)
+
+
+def test_fim_checks_its_sentinels(fim_tokenizer, ids_of, tmp_path):
+    with pytest.raises(ConfigError, match=r"prefix_id.*middle_id.*suffix_id"):
+        FIM(0.5, 5, 5, 6)
+    with pytest.raises(ConfigError, match="FIM middle_id: got -1"):
+        FIM(0.5, 5, -1, 6)
+    with pytest.raises(ConfigError, match=r"FIM rate: got 1\.5"):
+        FIM(1.5, 5, 6, 7)
+    with pytest.raises(ConfigError, match="spm_rate"):
+        FIM(0.5, 5, 6, 7, spm_rate=-0.1)
+    fim = FIM.from_tokenizer(fim_tokenizer, 0.5)
+    assert (fim.prefix_id, fim.middle_id, fim.suffix_id) == tuple(ids_of[s] for s in SENTINELS)
+    assert FIM.from_tokenizer(f"{fim_tokenizer}/tokenizer.json", 0.5) == fim
+    # StarCoder's spellings
+    data = json.loads(pathlib.Path(fim_tokenizer, "tokenizer.json").read_text())
+    for t in data["added_tokens"]:
+        t["content"] = t["content"].replace("<fim_", "<|fim_").replace(">", "|>")
+    starcoder = tmp_path / "tokenizer.json"
+    starcoder.write_text(json.dumps(data))
+    assert FIM.from_tokenizer(starcoder, 0.5) == fim
+    # no sentinels: the names looked for
+    data["added_tokens"] = [t for t in data["added_tokens"] if "fim_middle" not in t["content"]]
+    starcoder.write_text(json.dumps(data))
+    with pytest.raises(ConfigError, match=r"<fim_prefix>.*<\|fim_suffix\|>"):
+        FIM.from_tokenizer(starcoder, 0.5)
+    with pytest.raises(ConfigError, match="cannot read"):
+        FIM.from_tokenizer(tmp_path / "missing", 0.5)
+    # ids a uint16 cache cannot hold
+    with pytest.raises(ConfigError, match="do not fit"):
+        FIM(1.0, 70000, 1, 2)(np.arange(10, dtype=np.uint16), None, np.random.default_rng(0))
+
+
+def _key(batch):
+    return tuple(batch["meta"]["sample_ids"].tolist()), tuple(batch["input_ids"].flatten().tolist())
+
+
+def test_fim_through_shard_dataset_resumes_exactly_and_keeps_its_rate(cache_dir, fim_tokenizer):
+    fim = FIM.from_tokenizer(fim_tokenizer, 0.5, 0.5)
+
+    def make():
+        return ShardDataset(cache_dir, 1024, seed=4, transform=fim)
+
+    full = assert_resumable(make, lambda ds: iter(ds), _key, steps=[0, 5, 40])
+    plain = [_key(b) for b in ShardDataset(cache_dir, 1024, seed=4)]
+    assert [k[0] for k in full] == [k[0] for k in plain]  # the same plan, other tokens
+    # the rate over epochs, counted on the sequences long enough for the sentinels
+    with open_cache(cache_dir) as cache:
+        long_enough = cache.lengths >= 4
+    applied = eligible = 0
+    for epoch in range(3):
+        ds = make()
+        ds.set_epoch(epoch)
+        for batch in ds:
+            ids = batch["meta"]["sample_ids"].numpy()
+            rows = ids >= 0
+            applied += int((batch["input_ids"][rows] == fim.prefix_id).any(dim=1).sum())
+            eligible += int(long_enough[ids[rows]].sum())
+    assert eligible > 15000
+    assert abs(applied / eligible - 0.5) < 0.01
+
+
+def test_span_mask_masks_its_rate_in_spans_and_keeps_the_rest():
+    mask_id = 503
+    for rate, mean_span in ((0.15, 3), (0.5, 1), (1.0, 5)):
+        sm = SpanMask(rate, mask_id, mean_span)
+        for ids, rng in _sequences(300, 5):
+            loss = (ids % 2).astype(bool)
+            out, new_loss = sm(ids.copy(), loss.copy(), rng)
+            hit = out == mask_id
+            assert out.shape == ids.shape and hit.sum() == round(len(ids) * rate)
+            assert np.array_equal(out[~hit], ids[~hit])
+            assert np.array_equal(new_loss, loss & ~hit)
+            spans = int(np.sum(np.diff(hit.astype(np.int8), prepend=0) == 1))
+            assert spans <= max(1, round(hit.sum() / mean_span))  # touching spans merge
+        a = sm(ids.copy(), None, np.random.default_rng(1))[0]
+        assert np.array_equal(a, sm(ids.copy(), None, np.random.default_rng(1))[0])
+    with pytest.raises(ConfigError, match="mean_span"):
+        SpanMask(0.1, 3, mean_span=0.5)
+    with pytest.raises(ConfigError, match="SpanMask rate"):
+        SpanMask(-0.1, 3)
+
+
+def test_span_mask_through_shard_dataset_resumes_exactly(cache_dir, ids_of):
+    sm = SpanMask(0.2, ids_of["<mask>"])
+    full = assert_resumable(
+        lambda: ShardDataset(cache_dir, 1024, seed=5, transform=sm), iter, _key, steps=[0, 7]
+    )
+    assert any(ids_of["<mask>"] in k[1] for k in full)
