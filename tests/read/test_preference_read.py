@@ -109,3 +109,23 @@ def test_budget_too_small_for_a_pair_says_how_much(pairs_cache):
     longest = int(np.asarray(open_cache(pairs_cache).lengths).max())
     with pytest.raises(ConfigError, match=f"at least {2 * longest}"):
         ShardDataset(pairs_cache, 2 * longest - 1, seed=0, streams=0)
+
+
+def test_dataloader_workers_read_the_same_pairs(pairs_cache):
+    from torch.utils.data import DataLoader
+
+    ds = ShardDataset(pairs_cache, 96, seed=3, streams=2)
+    alone = sorted(tuple(b["meta"]["sample_ids"].tolist()) for b in ds)
+    loader = DataLoader(ds, batch_size=None, num_workers=2)
+    workers = sorted(tuple(b["meta"]["sample_ids"].tolist()) for b in loader)
+    assert workers == alone
+
+
+def test_tail_report_counts_both_sides(pairs_cache):
+    lengths = np.asarray(open_cache(pairs_cache).lengths)
+    ds = ShardDataset(pairs_cache, 96, seed=0, streams=0, world_size=1, rank=0)
+    batches = list(ds)
+    assert sum(int(b["meta"]["num_tokens"]) for b in batches) == int(lengths.sum())
+    report = ShardDataset(pairs_cache, 96, seed=0, streams=0, world_size=7, rank=0).tail_report()
+    dropped = report["dropped_segments"]
+    assert dropped % 2 == 0 and report["dropped_tokens"] <= int(lengths.sum())
