@@ -269,6 +269,12 @@ class ShardDataset(IterableDataset):
             self.path = f"mixture({', '.join(s.label for s in sources)})"
             cache = self._open_cache(expect)
             assert isinstance(cache, MixedCache)
+            if any(c.is_preference for c in cache.caches):
+                cache.close()
+                raise ConfigError(
+                    f"{self.path}: a mixture with a preference cache; pairs are read from one "
+                    "cache at a time for now (ShardDataset(path)), see docs/guide/preference.md"
+                )
             table = cache.table(tokens_per_epoch)
             digests = tuple(cache_digest(c.manifest) for c in cache.caches)
             self._mixture = Mixture(sources, table, cache.index, digests, tokens_per_epoch)
@@ -276,8 +282,15 @@ class ShardDataset(IterableDataset):
             self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
             terms = (mixture_json, table.tokens_per_epoch)
             self._data_identity = _data_identity(cache.caches, *terms)
+        #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
+        self._pairs = isinstance(cache, Cache) and cache.is_preference
+        if self._pairs:
+            _check_pair_options(cache, self.options, self._split_rows)
         self.pad_id = cache.pad_id
-        self._lengths: np.ndarray | None = np.asarray(cache.lengths)
+        lengths = np.asarray(cache.lengths)
+        self._lengths: np.ndarray | None = (
+            _pair_lengths(lengths, np.maximum) if self._pairs else lengths
+        )
         self._buckets: np.ndarray | None = None  # every sample id's: only the global plan's
         self._shard_index: ShardIndex | None = None  # a cache's (a mixture's is per epoch)
         #: stream batch counts by epoch (small; travel to workers with the dataset)
@@ -355,12 +368,12 @@ class ShardDataset(IterableDataset):
             open_shards = shards_within_file_limit(OPEN_SHARDS, len(self._sources))
             return MixedCache(self._sources, expect, open_shards=open_shards)
         cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
-        if cache.is_preference:  # the planner does not yet keep a pair's two rows together
+        if cache.is_preference and self.options.mode != "pad":
             cache.close()
             raise ConfigError(
-                f"{self.path}: a preference cache; ShardDataset cannot read pairs yet (it "
-                "would split a pair across batches); read pairs with open_cache (pair k is "
-                "sample ids 2k chosen and 2k + 1 rejected), see docs/guide/preference.md"
+                f"{self.path}: a preference cache reads in mode='pad' only (a pair's chosen and "
+                f"rejected rows adjacent in one batch); got mode={self.options.mode!r}: pack mode "
+                "for pairs is not built yet, see docs/guide/preference.md"
             )
         if expect is not None:  # CacheKeyMismatch names the fields
             verify_manifest_key(cache.manifest, expect, self.path)
@@ -400,14 +413,27 @@ class ShardDataset(IterableDataset):
     def _index(self) -> tuple[np.ndarray, np.ndarray]:
         """The length and bucket of every sample id (the bucket array only for the global plan)."""
         if self._buckets is None:
-            self._buckets = self._open().buckets()
+            buckets = self._open().buckets()
+            self._buckets = buckets[0::2] if self._pairs else buckets  # (a pair's two agree)
         return self._all_lengths(), self._buckets
 
     def _all_lengths(self) -> np.ndarray:
-        """The length of every sample id (a memory map of the cache's index)."""
+        """The length of every planning unit: a sample id's, or a pair's longer side."""
         if self._lengths is None:
-            self._lengths = np.asarray(self._open().lengths)
+            lengths = self._sample_lengths()
+            self._lengths = _pair_lengths(lengths, np.maximum) if self._pairs else lengths
         return self._lengths
+
+    def _sample_lengths(self) -> np.ndarray:
+        """The length of every sample id (a memory map of the cache's index)."""
+        return np.asarray(self._open().lengths)
+
+    @property
+    def _planning(self) -> PlanOptions:
+        """The planners' options: for pairs half the budget, as each unit is two rows."""
+        if not self._pairs:
+            return self.options
+        return dataclasses.replace(self.options, max_tokens=self.options.max_tokens // 2)
 
     # ---- epochs and sizes ------------------------------------------------------------------
 
@@ -506,7 +532,11 @@ class ShardDataset(IterableDataset):
             if self._shard_index is None:
                 cache = self._open()
                 assert isinstance(cache, Cache)
-                self._shard_index = _shard_index(cache, self._all_lengths(), self._split_rows)
+                if self._pairs:
+                    self._shard_index = _pair_shard_index(cache, self._all_lengths())
+                else:
+                    rows = self._split_rows
+                    self._shard_index = _shard_index(cache, self._all_lengths(), rows)
             index = self._shard_index
         return StreamLayout(
             index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
@@ -545,7 +575,7 @@ class ShardDataset(IterableDataset):
         digest = self._plan_digest(epoch)
         counts = read_counts(digest)
         if counts is None or set(counts) != set(range(layout.streams)):
-            counts = count_batches(layout, self.options)
+            counts = count_batches(layout, self._planning)
             write_counts(digest, counts)
         self._counts = {e: c for e, c in self._counts.items() if e > epoch - 2}
         self._counts[epoch] = counts
@@ -557,7 +587,7 @@ class ShardDataset(IterableDataset):
         streams = int(self.options.streams or 1)
         touched = streams // math.gcd(streams, self.world_size)  # streams this rank reads
         keep = 2 * min(touched, 64) + 2
-        plan = StreamPlan(layout, self.options, counts, keep=keep, even=not self.eval)
+        plan = StreamPlan(layout, self._planning, counts, keep=keep, even=not self.eval)
         if get_worker_info() is None:
             self._count_ahead(epoch + 1)
         return plan
@@ -573,7 +603,7 @@ class ShardDataset(IterableDataset):
                 digest = self._plan_digest(epoch)
                 counts = read_counts(digest)
                 if counts is None or set(counts) != set(range(layout.streams)):
-                    counts = count_batches(layout, self.options)
+                    counts = count_batches(layout, self._planning)
                     write_counts(digest, counts)
                 self._counts[epoch] = counts
             except Exception:  # the epoch is counted again when it comes, and raises there
@@ -601,7 +631,8 @@ class ShardDataset(IterableDataset):
             return
         layout = self._stream_layout(epoch)
         streams = int(self.options.streams or 1)
-        own = count_batches(layout, self.options, own_streams(streams, self.rank, self.world_size))
+        mine = own_streams(streams, self.rank, self.world_size)
+        own = count_batches(layout, self._planning, mine)
         gathered: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(gathered, {s: c.tolist() for s, c in own.items()})
         counts = {
@@ -617,14 +648,14 @@ class ShardDataset(IterableDataset):
         write_counts(self._plan_digest(epoch), counts)
 
     def _plan_epoch(self, epoch: int) -> EpochPlan:
-        args = (*self._index(), self.options, self.seed, epoch)
+        args = (*self._index(), self._planning, self.seed, epoch)
         if self._mixture is not None:
             return self._mixture.plan(*args)
         rows = self._split_rows
         if rows is None:
             return plan_epoch(*args)
         lengths, buckets = self._index()
-        plan = plan_epoch(lengths[rows], buckets[rows], self.options, self.seed, epoch)
+        plan = plan_epoch(lengths[rows], buckets[rows], self._planning, self.seed, epoch)
         return dataclasses.replace(plan, sample_ids=rows[plan.sample_ids])
 
     def split(self, epoch: int | None = None, start: int = 0) -> EpochSplit:
@@ -696,9 +727,12 @@ class ShardDataset(IterableDataset):
         plan = self.plan(epoch)
         split = self.split(epoch)
         lengths = self._all_lengths()
+        per = 1
+        if self._pairs:  # a unit is two sequences of both sides' tokens
+            lengths, per = _pair_lengths(self._sample_lengths(), np.add), 2
 
         def count(batches: np.ndarray) -> tuple[int, int]:
-            segs = sum(len(plan.batch(int(b))) for b in batches)
+            segs = per * sum(len(plan.batch(int(b))) for b in batches)
             tokens = sum(plan.token_count(lengths, int(b)) for b in batches)
             return segs, tokens
 
@@ -708,7 +742,7 @@ class ShardDataset(IterableDataset):
             for name, pairs in (("dropped", plan.dropped()), ("repeated", plan.repeated())):
                 located = [plan.stream_batch(s, k) for s, k in pairs]
                 extra[f"stream_{name}_batches"] = len(pairs)
-                extra[f"stream_{name}_segments"] = sum(len(p.batch(i)) for p, i in located)
+                extra[f"stream_{name}_segments"] = per * sum(len(p.batch(i)) for p, i in located)
                 extra[f"stream_{name}_tokens"] = sum(p.token_count(lengths, i) for p, i in located)
         return {
             **extra,
@@ -944,8 +978,9 @@ class ShardDataset(IterableDataset):
         self._passes += 1
         cache = self._open()
         where = f"ShardDataset({self.path!r})"
+        sampled = _PairSamples(plan) if self._pairs else plan  # (read-ahead needs sample ids)
         readahead = cache_readahead(
-            cache, plan, mine[positions], self.readahead, self._stats, where
+            cache, sampled, mine[positions], self.readahead, self._stats, where
         )
         self._readahead = readahead
         try:
@@ -1050,6 +1085,12 @@ class ShardDataset(IterableDataset):
         return batch
 
     def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
+        if self._pairs:  # units -> rows 2u (chosen), 2u + 1 (rejected), adjacent
+            units = np.asarray(plan.batch(index), dtype=np.int64)
+            batch = self.collate(_pair_samples(units))
+            batch["meta"]["pair_ids"] = torch.from_numpy(np.repeat(units, 2))
+            batch["meta"]["side"] = torch.from_numpy(np.tile(np.array([0, 1]), len(units)))
+            return batch
         compiled = self._compiled(plan)
         if self.options.mode == "pad":
             made = None
@@ -1146,7 +1187,7 @@ class ShardDataset(IterableDataset):
             The batch, rows padded to the longest (rounded up to ``pad_to_multiple_of``).
         """
         sample_ids = np.asarray(sample_ids)
-        width = int(self.options.padded(int(self._all_lengths()[sample_ids].max())))
+        width = int(self.options.padded(int(self._sample_lengths()[sample_ids].max())))
         rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
         got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
         batch = pad_batch(
@@ -1407,6 +1448,55 @@ def _shard_index(cache: Cache, lengths: np.ndarray, rows: np.ndarray | None) -> 
     return ShardIndex(
         starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, lengths, rows
     )
+
+
+def _pair_lengths(lengths: np.ndarray, combine: Any) -> np.ndarray:
+    """Per pair, ``combine`` of its chosen and rejected lengths (np.maximum, np.add)."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    return np.asarray(combine(lengths[0::2], lengths[1::2]))
+
+
+def _pair_samples(units: np.ndarray) -> np.ndarray:
+    """The sample ids of pair units: 2u (chosen) then 2u + 1 (rejected), per unit."""
+    return (2 * np.asarray(units, dtype=np.int64)[:, None] + np.arange(2)).ravel()
+
+
+def _pair_shard_index(cache: Cache, units: np.ndarray) -> ShardIndex:
+    """The stream planner's view of a preference cache: shard rows and tokens in pair units."""
+    starts = np.asarray(cache.shard_starts, dtype=np.int64) // 2  # (shards cut between pairs)
+    cum = np.zeros(len(units) + 1, dtype=np.int64)
+    np.cumsum(units, out=cum[1:])
+    return ShardIndex(starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, units)
+
+
+def _check_pair_options(cache: Cache, options: PlanOptions, rows: np.ndarray | None) -> None:
+    """Refuse what pad-mode pair reading cannot honour: a split, a budget below a pair."""
+    if rows is not None:
+        cache.close()
+        raise ConfigError(
+            "split: a preference cache cannot be split yet (a split would part a pair's two "
+            "rows); drop split= and splits=, or split the records before building"
+        )
+    lengths = np.asarray(cache.lengths)
+    longest = int(options.padded(int(lengths.max()))) if len(lengths) else 0
+    if 2 * longest > options.max_tokens:
+        cache.close()
+        raise ConfigError(
+            f"max_tokens: {options.max_tokens} cannot hold a preference pair: a batch holds "
+            f"both rows of a pair, and the longest side has {int(lengths.max())} tokens "
+            f"({longest} padded); raise max_tokens to at least {2 * longest}"
+        )
+
+
+class _PairSamples:
+    """A plan of pair units seen as sample ids (for the read-ahead's shard lookup)."""
+
+    def __init__(self, plan: EpochPlan | StreamPlan) -> None:
+        self.plan = plan
+
+    def batch(self, index: int) -> np.ndarray:
+        """The sample ids of global batch ``index``."""
+        return _pair_samples(self.plan.batch(index))
 
 
 def _mark_filler(batch: Batch, filler: bool) -> None:

@@ -159,14 +159,3 @@ def test_cli_preference_flag_builds_a_preference_cache(tmp_path, tokenizer_dir):
     result = CliRunner().invoke(main, [*args, "--preference", "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert open_cache(out).num_sequences == 10
-
-
-def test_shard_dataset_refuses_a_preference_cache_rather_than_split_pairs(
-    tmp_path, build_cache, tokenizer_dir
-):
-    from shardcache import ConfigError, ShardDataset
-
-    path = write_records(str(tmp_path / "p.jsonl"), make_string_pairs(6), "jsonl")
-    out = build_cache(path, tokenizer_dir, kind="preference")
-    with pytest.raises(ConfigError, match="preference"):
-        list(ShardDataset(out, max_tokens=4096))
