@@ -497,15 +497,24 @@ class ChatEncoder:
             keep_ids.append(ids)
             keep_masks.append(mask)
             doc_index.append(i)
+        return self._encoded(keep_ids, keep_masks, doc_index, None, stats, failed)
+
+    def _encoded(
+        self, keep_ids: list[np.ndarray], keep_masks: list[np.ndarray], doc_index: list[int],
+        piece: np.ndarray | None, stats: Any, failed: Any,
+    ) -> Encoded:  # fmt: skip
+        """The kept sequences as one ``Encoded``, counted in ``stats`` (piece 0 unless given)."""
         lengths = np.fromiter(map(len, keep_ids), dtype=np.int64, count=len(keep_ids))
         tokens = (np.concatenate(keep_ids) if keep_ids else np.zeros(0)).astype(self.dtype)
         mask = np.concatenate(keep_masks) if keep_masks else np.zeros(0, dtype=bool)
         stats.sequences += len(lengths)
         stats.tokens += int(lengths.sum())
         stats.trainable_tokens += int(mask.sum())
+        if piece is None:
+            piece = np.zeros(len(lengths), dtype=np.int32)
         return Encoded(
-            tokens, lengths, np.asarray(doc_index, dtype=np.int64),
-            np.zeros(len(lengths), dtype=np.int32), mask=mask, failed=failed,
+            tokens, lengths, np.asarray(doc_index, dtype=np.int64), piece, mask=mask,
+            failed=failed,
         )  # fmt: skip
 
     def _lint_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:

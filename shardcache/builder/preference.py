@@ -175,15 +175,8 @@ class PreferenceEncoder(ChatEncoder):
                 keep_ids.append(ids)
                 keep_masks.append(mask)
             doc_index += [i, i]
-        lengths = np.fromiter(map(len, keep_ids), dtype=np.int64, count=len(keep_ids))
-        tokens = (np.concatenate(keep_ids) if keep_ids else np.zeros(0)).astype(self.dtype)
-        mask = np.concatenate(keep_masks) if keep_masks else np.zeros(0, dtype=bool)
-        stats.sequences += len(lengths)
-        stats.tokens += int(lengths.sum())
-        stats.trainable_tokens += int(mask.sum())
-        piece = np.tile(np.array([0, 1], dtype=np.int32), len(lengths) // 2)
-        return Encoded(tokens, lengths, np.asarray(doc_index, dtype=np.int64), piece,
-                       mask=mask, failed=failed)  # fmt: skip
+        piece = np.tile(np.array([0, 1], dtype=np.int32), len(keep_ids) // 2)
+        return self._encoded(keep_ids, keep_masks, doc_index, piece, stats, failed)
 
 
 def pair_bucket_lengths(lengths: np.ndarray) -> np.ndarray:
