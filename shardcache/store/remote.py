@@ -169,11 +169,8 @@ def download(
 #: Per object ``<sha>.lock``: shared while some process has the object open (readers hold it
 #: as long as the shard is in their LRU), exclusive only for the instant an evictor deletes it
 #: (non-blocking: an evictor never waits). Per object ``<sha>.fetch``: exclusive while one
-#: process downloads it. Whoever holds a lock file exclusively may unlink it (the evictor, the
-#: downloader when done, a sweep of idle ones), so a taker checks it locked the file that is
-#: still at the path (``_lock``); no empty lock file outlives its download or its object.
-#: Folder-wide ``.space.lock`` (never unlinked): exclusive while one process makes room and
-#: reserves the bytes of a download. Nobody waits for a lock while holding one that others
+#: process downloads it. Folder-wide ``.space.lock``: exclusive while one process makes room
+#: and reserves the bytes of a download. Nobody waits for a lock while holding one that others
 #: keep long, so no wait can close a cycle (an exclusive lock taken while readers hold shared
 #: locks on the shards of their LRUs would let two readers wait for each other).
 _SPACE_LOCK = ".space.lock"
@@ -220,10 +217,11 @@ class ObjectStore:
             if held is not None and os.path.isfile(path):  # (the folder may have been wiped)
                 held[1] += 1
                 return path, functools.partial(_release, path)
-        # waits only for an evictor's instant exclusive lock; from here on the object cannot
-        # be deleted
-        fd = _lock(os.path.join(self.folder, f"{sha}.lock"), fcntl.LOCK_SH)
+        fd = _open_lock(os.path.join(self.folder, f"{sha}.lock"))
         try:
+            # waits only for an evictor's instant exclusive lock; from here on the object
+            # cannot be deleted
+            fcntl.flock(fd, fcntl.LOCK_SH)
             if not _complete(path, size):
                 self._download(fs, rpath, sha, size, shed)
             st = os.stat(path)
@@ -246,9 +244,9 @@ class ObjectStore:
     ) -> None:
         """Download one object (one process at a time per object), room made first."""
         path = self.path(sha)
-        fetch = os.path.join(self.folder, f"{sha}.fetch")
-        fd = _lock(fetch, fcntl.LOCK_EX)  # the holder only downloads: a bounded wait
+        fd = _open_lock(os.path.join(self.folder, f"{sha}.fetch"))
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX)  # the holder only downloads: a bounded wait
             if _complete(path, size):  # another process downloaded it while we waited
                 return
             tmp = private_tmp(path)
@@ -259,7 +257,7 @@ class ObjectStore:
                 with contextlib.suppress(FileNotFoundError):
                     os.remove(tmp)
         finally:
-            _unlink_held(fetch, fd)
+            os.close(fd)
 
     def _reserve(self, tmp: str, sha: str, size: int, shed: Callable[[], bool] | None) -> None:
         """Make room for ``size`` bytes and reserve them by creating ``tmp`` at that size."""
@@ -291,8 +289,6 @@ class ObjectStore:
                     if _try_exclusive(os.path.join(self.folder, f"{sha}.fetch"), entry.path):
                         continue  # nobody downloads it: a leftover, removed
                     used += entry.stat().st_size
-                elif entry.name.endswith((".lock", ".fetch")) and entry.name != _SPACE_LOCK:
-                    _try_exclusive(entry.path, None)  # an idle lock file (older versions left them)
         return used
 
     def _evict(self, need: int, keep: str) -> int:
@@ -349,66 +345,21 @@ def _complete(path: str, size: int) -> bool:
         return False
 
 
-def _is_at(fd: int, path: str) -> bool:
-    """Whether the open file ``fd`` is still the file at ``path`` (not unlinked or replaced)."""
-    try:
-        st = os.stat(path)
-    except FileNotFoundError:
-        return False
-    own = os.fstat(fd)
-    return (own.st_dev, own.st_ino) == (st.st_dev, st.st_ino)
-
-
-def _lock(path: str, operation: int) -> int:
-    """Open (creating) lock file ``path`` and ``flock`` it; return the descriptor.
-
-    A lock file is unlinked by whoever holds it exclusively (``_unlink_held``), so a lock taken
-    on a file that was unlinked meanwhile locks nothing: taken again on the file there now.
-    """
-    while True:
-        fd = _open_lock(path)
-        try:
-            fcntl.flock(fd, operation)
-            if _is_at(fd, path):
-                return fd
-        except BaseException:
-            os.close(fd)
-            raise
-        os.close(fd)
-
-
-def _unlink_held(path: str, fd: int) -> None:
-    """Remove lock file ``path``, held exclusively through ``fd``, and release it."""
-    try:
-        with contextlib.suppress(FileNotFoundError):
-            os.remove(path)
-    finally:
-        os.close(fd)
-
-
-def _try_exclusive(lock: str, victim: str | None) -> bool:
-    """Delete ``victim`` and its lock file if the exclusive lock ``lock`` is free right now.
-
-    Never waits. ``victim=None`` removes only an idle lock file. False when the lock is held
-    (or was unlinked meanwhile: its holder's file is another one) or the victim is missing.
-    """
+def _try_exclusive(lock: str, victim: str) -> bool:
+    """Delete ``victim`` if the exclusive lock ``lock`` is free right now (never waits)."""
     fd = _open_lock(lock)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except BlockingIOError:
-        os.close(fd)
-        return False  # held by some process
-    if not _is_at(fd, lock):
-        os.close(fd)
-        return False
-    try:
-        if victim is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return False  # held by some process
+        try:
             os.remove(victim)
-    except FileNotFoundError:
-        return False
+        except FileNotFoundError:
+            return False
+        return True
     finally:
-        _unlink_held(lock, fd)
-    return True
+        os.close(fd)
 
 
 #: object path -> [lock fd, users] for the objects this process holds open (by path, not by

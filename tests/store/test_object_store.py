@@ -199,24 +199,3 @@ def test_an_object_held_in_one_folder_does_not_pin_it_in_another(tmp_path):
     assert len(kept) <= 2 and infos[0]["sha256"] + ".arrow" not in kept
     held()
 
-
-def test_no_empty_lock_file_outlives_its_download_or_its_object(tmp_path):
-    remote, infos = _objects(tmp_path, 6, size=1000)
-    folder = str(tmp_path / "objects")
-    store = ObjectStore(folder, 2500)  # room for two objects: four are evicted
-    fs = fsspec.filesystem("file")
-    for info in infos:
-        path, release = store.acquire(fs, os.path.join(remote, info["name"]), info)
-        with open(path, "rb") as f:
-            assert hashlib.sha256(f.read()).hexdigest() == info["sha256"]
-        release()
-    names = os.listdir(folder)
-    objects = {n[: -len(".arrow")] for n in names if n.endswith(".arrow")}
-    assert len(objects) == 2
-    assert not [n for n in names if n.endswith(".fetch")]
-    assert {n[: -len(".lock")] for n in names if n.endswith(".lock") and n[0] != "."} <= objects
-    # an evicted object comes back: a fresh lock file, the same bytes
-    path, release = store.acquire(fs, os.path.join(remote, infos[0]["name"]), infos[0])
-    with open(path, "rb") as f:
-        assert hashlib.sha256(f.read()).hexdigest() == infos[0]["sha256"]
-    release()
