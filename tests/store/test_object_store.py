@@ -198,4 +198,3 @@ def test_an_object_held_in_one_folder_does_not_pin_it_in_another(tmp_path):
     kept = sorted(n for n in os.listdir(tmp_path / "b") if n.endswith(".arrow"))
     assert len(kept) <= 2 and infos[0]["sha256"] + ".arrow" not in kept
     held()
-
