@@ -588,7 +588,8 @@ class ShardDataset(IterableDataset):
         touched = streams // math.gcd(streams, self.world_size)  # streams this rank reads
         keep = 2 * min(touched, 64) + 2
         plan = StreamPlan(layout, self._planning, counts, keep=keep, even=not self.eval)
-        if get_worker_info() is None:
+        # (a cache of one block's rows counts in milliseconds: no thread for it)
+        if get_worker_info() is None and int(layout.row_cum[-1]) > self.options.shuffle_block:
             self._count_ahead(epoch + 1)
         return plan
 

@@ -176,7 +176,10 @@ def test_stats_report_bytes_against_the_rank_share(many_shards):
 
 
 def test_the_next_epoch_is_counted_in_the_background(many_shards):
-    ds = ShardDataset(many_shards, 256, seed=0, streams=2)
+    small = ShardDataset(many_shards, 256, seed=0, streams=2)
+    small.plan()
+    assert small._counting is None  # one block's rows: counted at once, no thread
+    ds = ShardDataset(many_shards, 256, seed=0, streams=2, shuffle_block=100)
     ds.plan()
     assert ds._counting is not None
     ds._counting.join()
