@@ -15,6 +15,7 @@ from shardcache import ConfigError, ShardDataset
 
 accelerate = pytest.importorskip("accelerate")
 from accelerate.data_loader import IterableDatasetShard  # noqa: E402
+from trainer_ranks import CountingLM  # noqa: E402  (the model the torchrun runs train)
 
 FIX = r"shardcache\.loader\(\.\.\.\).*get_train_dataloader"
 
@@ -71,23 +72,6 @@ def test_accelerate_passes_a_shard_loader_through(cache_dir, accelerator):
     with loader:
         assert accelerator.prepare(loader) is loader
         assert ids(loader) == ids(ShardDataset(cache_dir, 128, seed=1))
-
-
-class CountingLM(torch.nn.Module):
-    """A stand-in causal LM that records the sample ids of every batch it trains on."""
-
-    def __init__(self, vocab: int) -> None:
-        super().__init__()
-        self.embed = torch.nn.Embedding(vocab, 8)
-        self.seen: list[list[int]] = []
-
-    def forward(self, input_ids, labels, attention_mask=None, meta=None, **_):
-        self.seen.append(meta["sample_ids"].tolist())
-        logits = self.embed(input_ids) @ self.embed.weight.T
-        loss = torch.nn.functional.cross_entropy(
-            logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten(), ignore_index=-100
-        )
-        return {"loss": loss}
 
 
 def hf_arguments(tmp_path, steps: int):
