@@ -572,13 +572,18 @@ class ShardDataset(IterableDataset):
             counts = self._counts.get(epoch)
             if counts is not None:
                 return counts
+        counts = self._machine_counts(layout, epoch)
+        self._counts = {e: c for e, c in self._counts.items() if e > epoch - 2}
+        self._counts[epoch] = counts
+        return counts
+
+    def _machine_counts(self, layout: StreamLayout, epoch: int) -> dict[int, np.ndarray]:
+        """The counts another process of this machine stored, else counted here and stored."""
         digest = self._plan_digest(epoch)
         counts = read_counts(digest)
         if counts is None or set(counts) != set(range(layout.streams)):
             counts = count_batches(layout, self._planning)
             write_counts(digest, counts)
-        self._counts = {e: c for e, c in self._counts.items() if e > epoch - 2}
-        self._counts[epoch] = counts
         return counts
 
     def _stream_plan(self, epoch: int) -> StreamPlan:
@@ -600,13 +605,7 @@ class ShardDataset(IterableDataset):
 
         def run() -> None:
             try:
-                layout = self._stream_layout(epoch)
-                digest = self._plan_digest(epoch)
-                counts = read_counts(digest)
-                if counts is None or set(counts) != set(range(layout.streams)):
-                    counts = count_batches(layout, self._planning)
-                    write_counts(digest, counts)
-                self._counts[epoch] = counts
+                self._counts[epoch] = self._machine_counts(self._stream_layout(epoch), epoch)
             except Exception:  # the epoch is counted again when it comes, and raises there
                 logger.debug("shardcache: counting epoch %d ahead failed", epoch, exc_info=True)
 
