@@ -28,6 +28,42 @@ from shardcache.config import ChatOptions
 from shardcache.errors import TokenizerError
 
 
+def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, str | None]:
+    """TRL's implicit-prompt shape: ``((prompt, chosen, rejected), None)``, else ``(None, reason)``.
+
+    Conversations (lists of valid messages): the prompt is the longest common prefix of whole
+    messages (equal as dicts: role, content and any other key), and both sides must go on with
+    an assistant turn and end with one; ``no_shared_prompt`` when they share nothing,
+    ``divergence_not_assistant`` / ``last_not_assistant`` otherwise, ``empty_completion`` when
+    a side is the prefix of the other. Strings: TRL's ``extract_prompt``: the longest common
+    *character* prefix, a space just before the first difference going to the completions (the
+    prefix may end inside a word: ``"... is f"`` + ``"our"`` / ``"ive"``).
+    """
+    n = min(len(chosen), len(rejected))
+    if isinstance(chosen, str):
+        if not chosen or not rejected:
+            return None, "empty_completion"
+        a = np.frombuffer(chosen[:n].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        b = np.frombuffer(rejected[:n].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        differ = np.flatnonzero(a != b)
+        cut = int(differ[0]) if len(differ) else n
+        if cut == n:  # one text is the other's prefix: a side has no completion
+            return None, "empty_completion"
+        if cut and chosen[cut - 1] == " ":
+            cut -= 1  # as TRL: the space before the completions starts them
+    else:
+        cut = next((i for i in range(n) if chosen[i] != rejected[i]), n)
+        if cut == n:
+            return None, "empty_completion"
+        if cut and (chosen[cut]["role"] != "assistant" or rejected[cut]["role"] != "assistant"):
+            return None, "divergence_not_assistant"
+        if cut and (chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant"):
+            return None, "last_not_assistant"
+    if cut == 0:
+        return None, "no_shared_prompt"
+    return (chosen[:cut], chosen[cut:], rejected[cut:]), None
+
+
 @dataclass
 class PairSample:
     """A pair's two sides (ids and trainable mask each), or the ``error`` it failed with."""
@@ -67,6 +103,9 @@ class PreferenceEncoder(ChatEncoder):
             "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
             "train_on": "completion",
             "strings": "prompt and completion tokenized apart, BOS as the tokenizer adds it",
+            "implicit_prompt": "messages: the longest common prefix of whole messages, before "
+            "an assistant turn; strings: the longest common character prefix, a space before "
+            "the first difference going to the completions",
             "append_eos": self.text.options.append_eos,
         }
 

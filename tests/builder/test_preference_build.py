@@ -159,3 +159,93 @@ def test_cli_preference_flag_builds_a_preference_cache(tmp_path, tokenizer_dir):
     result = CliRunner().invoke(main, [*args, "--preference", "--workers", "1"])
     assert result.exit_code == 0, result.output
     assert open_cache(out).num_sequences == 10
+
+
+def _rows(cache) -> list[tuple[int, int, list[int], list[bool]]]:
+    return [(s.provenance.record, s.provenance.piece, s.ids.tolist(), s.mask.tolist())
+            for s in _by_sample_id(cache)]  # fmt: skip
+
+
+@pytest.mark.parametrize("tokenizer", ["chatml_tokenizer_dir", "inst_tokenizer_dir"])
+def test_implicit_prompt_conversations_equal_the_explicit_shape(tokenizer, tmp_path, build_cache,
+                                                                request):  # fmt: skip
+    """TRL's implicit-prompt shape: whole conversations sharing a prefix give the ids and
+    masks of the explicit ``{prompt, chosen, rejected}`` record, byte for byte."""
+    folder = request.getfixturevalue(tokenizer)
+    explicit = make_chat_pairs(40, seed=11)  # prompts of 1 to 3 turns, some with a system turn
+    assert any(sum(m["role"] == "assistant" for m in r["prompt"]) for r in explicit)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                for r in explicit]  # fmt: skip
+    a = write_records(str(tmp_path / "explicit.jsonl"), explicit, "jsonl")
+    b = write_records(str(tmp_path / "implicit.jsonl"), implicit, "jsonl")
+    one = open_cache(build_cache(a, folder, kind="preference"))
+    two = open_cache(build_cache(b, folder, kind="preference"))
+    assert one.num_sequences == two.num_sequences == 2 * len(explicit)
+    assert _rows(one) == _rows(two)
+    assert one.manifest["stats"]["trainable_tokens"] == two.manifest["stats"]["trainable_tokens"]
+
+
+def test_implicit_prompt_strings_split_at_the_common_character_prefix(
+    tmp_path, build_cache, tokenizer_dir
+):
+    """Strings: TRL's ``extract_prompt``: the longest common character prefix, the space
+    before the first difference going to the completions; it may end inside a word."""
+    from shardcache.builder.preference import split_implicit_prompt
+
+    texts = [
+        ("The sky is blue.", "The sky is green.", ("The sky is", " blue.", " green.")),
+        ("The answer is four", "The answer is five", ("The answer is f", "our", "ive")),
+        ("data shard cache", "data token", ("data", " shard cache", " token")),
+    ]
+    for chosen, rejected, split in texts:
+        assert split_implicit_prompt(chosen, rejected) == (split, None)
+    implicit = [{"chosen": c, "rejected": r} for c, r, _ in texts]
+    explicit = [dict(zip(("prompt", "chosen", "rejected"), s)) for _, _, s in texts]
+    a = write_records(str(tmp_path / "explicit.jsonl"), explicit, "jsonl")
+    b = write_records(str(tmp_path / "implicit.jsonl"), implicit, "jsonl")
+    one = open_cache(build_cache(a, tokenizer_dir, kind="preference"))
+    two = open_cache(build_cache(b, tokenizer_dir, kind="preference"))
+    assert _rows(one) == _rows(two) and len(_rows(two)) == 6
+    backend = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+    eos = two.manifest["tokenizer"]["eos_id"]
+    for seq in _by_sample_id(two):
+        completion = explicit[seq.provenance.record][("chosen", "rejected")[seq.provenance.piece]]
+        want = [*backend.encode(completion, add_special_tokens=False).ids, eos]
+        assert seq.ids[seq.mask].tolist() == want
+
+
+def test_implicit_prompt_records_that_are_not_pairs_are_quarantined(
+    tmp_path, build_cache, chatml_tokenizer_dir
+):
+    def user(text: str) -> dict[str, str]:
+        return {"role": "user", "content": text}
+
+    def bot(text: str) -> dict[str, str]:
+        return {"role": "assistant", "content": text}
+
+    good = {"chosen": [user("q"), bot("yes")], "rejected": [user("q"), bot("no")]}
+    records = [
+        good,
+        {"chosen": [user("q"), bot("yes")], "rejected": [user("other"), bot("no")]},
+        {"chosen": [user("q"), bot("yes"), user("more?")], "rejected": [user("q"), bot("no")]},
+        {
+            "chosen": [user("q"), bot("a"), user("x"), bot("b")],
+            "rejected": [user("q"), bot("a"), user("y"), bot("c")],
+        },
+        {"chosen": [user("q"), bot("yes")], "rejected": [user("q"), bot("yes")]},
+        {"chosen": [user("q")], "rejected": [user("q"), bot("no")]},
+        {"chosen": "text", "rejected": [user("q"), bot("no")]},
+        {"chosen": "same start, then this", "rejected": "other"},
+        {"chosen": [user("q"), {"role": "assistant"}], "rejected": [user("q"), bot("no")]},
+        {"rejected": [user("q"), bot("no")]},
+        good,
+    ]
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference",
+                                   max_bad_fraction=1.0))  # fmt: skip
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 10]
+    assert cache.manifest["stats"]["bad_records"] == {
+        "no_shared_prompt": 2, "last_not_assistant": 1, "divergence_not_assistant": 1,
+        "empty_completion": 2, "mixed_preference_types": 1, "bad_message": 1,
+        "no_preference_field": 1,
+    }  # fmt: skip

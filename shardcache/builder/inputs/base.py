@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from shardcache.builder.chat import validate_messages
+from shardcache.builder.preference import split_implicit_prompt
 from shardcache.builder.stage_times import StageTimes
 from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
@@ -33,9 +34,12 @@ BAD_REASONS = (
     "too_deep",  # nested deeper than the JSON parser's recursion limit
     "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
-    "no_preference_field",  # preference: prompt, chosen or rejected missing
+    "no_preference_field",  # preference: chosen or rejected missing
     "mixed_preference_types",  # preference: not all strings, not all message lists
-    "empty_completion",  # preference: an empty chosen or rejected string
+    "empty_completion",  # preference: an empty chosen or rejected (nothing after the prompt)
+    "no_shared_prompt",  # preference, implicit prompt: chosen and rejected share no prefix
+    "divergence_not_assistant",  # implicit prompt: the first differing message is not assistant
+    "last_not_assistant",  # implicit prompt: a side's last message is not an assistant turn
 )
 #: A batch is flushed at this many characters even below ``batch_docs`` (bounds memory).
 MAX_BATCH_CHARS = 8 * 1024 * 1024
@@ -222,11 +226,22 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 def validate_pair(obj: dict[str, Any]) -> tuple[Any, str | None]:
     """A preference record's ``(prompt, chosen, rejected)``, else ``(None, reason)``.
 
-    All three are strings, or all three message lists (a prompt may be an empty list).
+    All three are strings, or all three message lists (a prompt may be an empty list). Without
+    a ``prompt`` (TRL's implicit-prompt shape), ``chosen`` and ``rejected`` are whole
+    conversations (or texts) and the prompt is their shared prefix (``split_implicit_prompt``).
     """
     values = [obj.get(name) for name in PAIR_FIELDS]
-    if any(v is None for v in values):
+    if values[1] is None or values[2] is None:
         return None, "no_preference_field"
+    if values[0] is None:
+        chosen, rejected = values[1:]
+        if isinstance(chosen, list) and isinstance(rejected, list):
+            reason = validate_messages(chosen) or validate_messages(rejected)
+            if reason is not None:
+                return None, reason
+        elif not (isinstance(chosen, str) and isinstance(rejected, str)):
+            return None, "mixed_preference_types"
+        return split_implicit_prompt(chosen, rejected)
     if all(isinstance(v, str) for v in values):
         if not values[1] or not values[2]:
             return None, "empty_completion"
