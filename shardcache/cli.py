@@ -986,7 +986,8 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     "--tokens",
     is_flag=True,
     help="Also re-tokenize a sample of the stored documents from their inputs with the "
-    "Hugging Face tokenizer and compare ids (and chat loss masks) with the cache.",
+    "Hugging Face tokenizer and compare ids (and the loss masks of chat and preference "
+    "caches) with the cache.",
 )
 @click.option(
     "--fraction",

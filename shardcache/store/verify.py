@@ -23,7 +23,7 @@ from shardcache.store.build_lock import sweep_dead_scratch
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
-from shardcache.store.manifest import read_manifest
+from shardcache.store.manifest import MASKED_KINDS, read_manifest
 from shardcache.store.remote import RemoteCache, cache_root, is_url, unreachable
 from shardcache.store.shards import arrow_numpy
 
@@ -139,8 +139,8 @@ def _check_shard(
             reader = pa.ipc.open_file(source)
             names = reader.schema.names
             expected = ["tokens", "record", "piece"]
-            if manifest.get("kind") == "chat":
-                expected.append("mask")  # chat caches store a loss mask per token
+            if manifest.get("kind") in MASKED_KINDS:
+                expected.append("mask")  # chat and preference caches store a loss mask
             if names != expected:
                 report.add(rel, "structure", f"columns {names}, expected {'/'.join(expected)}")
                 return 0, 0
