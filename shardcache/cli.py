@@ -169,13 +169,19 @@ def key_options(func: F) -> F:
         click.option(
             "--truncation", type=click.Choice(["truncate", "drop", "split"]),
             help="What to do with longer sequences: keep the first max-length tokens, drop "
-            "the document, or split it into consecutive pieces.  [default: truncate]",
+            "the document, or split it into consecutive pieces. Preference pairs: truncate "
+            "cuts the prompt to its last --max-prompt-length tokens and both completions to "
+            "what max-length leaves, drop drops the pair.  [default: truncate; pairs: drop]",
         ),
         click.option("--chat", is_flag=True, default=None, help="Chat data: render each "
                      "record's messages with a chat template and store loss masks."),
         click.option("--preference", is_flag=True, default=None, help="Preference pairs: "
-                     "records {prompt, chosen, rejected} (strings or message lists), stored "
+                     "records {prompt, chosen, rejected} (strings or message lists) or {chosen, "
+                     "rejected} sharing a prompt, stored "
                      "as two masked sequences per pair, loss on the completion only."),
+        click.option("--max-prompt-length", type=click.IntRange(min=1),
+                     help="Preference: the longest prompt, in tokens (below --max-length); "
+                     "a longer one is cut from the left or its pair dropped (--truncation)."),
         click.option("--messages-field", help="Chat: field holding the list of {role, content} "
                      "messages.  [default: messages]"),
         click.option("--chat-template", type=click.Path(dir_okay=False), help="Chat: a Jinja "

@@ -6,7 +6,9 @@ side holds the prompt and its completion; only the completion carries a loss. St
 prompt and the completion are tokenized apart and joined (BOS as the tokenizer adds it, EOS
 appended to the completion under ``append_eos``), as TRL tokenizes them. Message lists: the
 prompt plus the completion rendered with the chat template, the completion's assistant turns
-trainable (``ChatRenderer`` spans). A pair with a side over ``max_length`` is dropped whole.
+trainable (``ChatRenderer`` spans). Over ``max_length`` / ``max_prompt_length`` a pair is
+dropped whole, or with ``truncation = "truncate"`` both sides are cut alike: each prompt to its
+last ``max_prompt_length`` tokens, each side then to ``max_length`` (the completion's budget).
 """
 
 from __future__ import annotations
@@ -180,12 +182,11 @@ class PreferenceEncoder(ChatEncoder):
         return samples
 
     def finish(self, samples: list[PairSample], stats: Any) -> Encoded:
-        """Two rows per kept pair (chosen, rejected); a pair over the limits is dropped whole.
+        """Two rows per kept pair (chosen, rejected), cut or dropped together over the limits.
 
         ``stats.documents`` counts pairs, ``sequences`` rows; the ``Encoded`` has ``failed``
         entries for pairs that could not be encoded.
         """
-        limit = self.text.options.max_length
         append = self.text.options.append_eos and self.eos_id is not None
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
         for i, sample in enumerate(samples):
@@ -201,7 +202,8 @@ class PreferenceEncoder(ChatEncoder):
                     ids, mask = np.append(ids, self.eos_id), np.append(mask, True)
                 sides.append((ids, mask))
             total = sum(len(ids) for ids, _ in sides)
-            if limit is not None and max(len(ids) for ids, _ in sides) > limit:
+            sides = self._limit(sides)
+            if sides is None:
                 stats.dropped_documents += 1
                 stats.lost_tokens += total
                 continue
@@ -209,6 +211,10 @@ class PreferenceEncoder(ChatEncoder):
                 stats.dropped_no_trainable += 1
                 stats.lost_tokens += total
                 continue
+            kept = sum(len(ids) for ids, _ in sides)
+            if kept < total:
+                stats.truncated_documents += 1
+                stats.lost_tokens += total - kept
             for ids, mask in sides:
                 self._lint_sample(ids, mask)
                 keep_ids.append(ids)
@@ -216,6 +222,31 @@ class PreferenceEncoder(ChatEncoder):
             doc_index += [i, i]
         piece = np.tile(np.array([0, 1], dtype=np.int32), len(keep_ids) // 2)
         return self._encoded(keep_ids, keep_masks, doc_index, piece, stats, failed)
+
+    def _limit(
+        self, sides: list[tuple[np.ndarray, np.ndarray]]
+    ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Both sides within ``max_prompt_length`` / ``max_length``: as they are, cut, or None.
+
+        A side's prompt is every token before its first trainable one. ``truncate`` keeps the
+        prompt's last ``max_prompt_length`` tokens (TRL's ``keep_end``) and then the first
+        ``max_length`` tokens of the side: its completion gets ``max_length`` minus the kept
+        prompt. ``drop``: None (the pair is dropped whole) when a side is over either limit.
+        """
+        limit = self.text.options.max_length
+        prompt_limit = self.options.max_prompt_length
+        prompts = [int(np.argmax(mask)) if mask.any() else len(mask) for _, mask in sides]
+        over_prompt = prompt_limit is not None and max(prompts) > prompt_limit
+        if not over_prompt and (limit is None or max(len(ids) for ids, _ in sides) <= limit):
+            return sides
+        if self.text.options.truncation != "truncate":
+            return None
+        out = []
+        for (ids, mask), prompt in zip(sides, prompts):
+            cut = max(0, prompt - prompt_limit) if prompt_limit is not None else 0
+            keep = slice(cut, None if limit is None else cut + limit)
+            out.append((ids[keep], mask[keep]))
+        return out
 
 
 def pair_bucket_lengths(lengths: np.ndarray) -> np.ndarray:

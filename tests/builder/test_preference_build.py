@@ -138,7 +138,16 @@ def test_bad_pairs_are_quarantined(tmp_path, build_cache, tokenizer_dir):
     }  # fmt: skip
 
 
-@pytest.mark.parametrize("values", [{"truncation": "truncate"}, {"train_on": "all"}])
+@pytest.mark.parametrize(
+    "values",
+    [
+        {"truncation": "split"},
+        {"train_on": "all"},
+        {"truncation_side": "left"},
+        {"max_prompt_length": 8, "max_length": 8},
+        {"max_prompt_length": 8, "train_on": "last-assistant"},
+    ],
+)
 def test_preference_refuses_options_that_would_break_pairs(values, tmp_path, build_cache,
                                                            tokenizer_dir):  # fmt: skip
     from shardcache import ConfigError
@@ -249,3 +258,141 @@ def test_implicit_prompt_records_that_are_not_pairs_are_quarantined(
         "empty_completion": 2, "mixed_preference_types": 1, "bad_message": 1,
         "no_preference_field": 1,
     }  # fmt: skip
+
+
+def test_max_prompt_length_is_for_preference_data_only(tmp_path, build_cache, tokenizer_dir):
+    from shardcache import ConfigError
+
+    path = write_records(str(tmp_path / "t.jsonl"), [{"text": "a b c"}], "jsonl")
+    with pytest.raises(ConfigError, match=r"max_prompt_length: .*preference pairs only"):
+        build_cache(path, tokenizer_dir, max_prompt_length=8)
+    with pytest.raises(ConfigError, match=r"max_prompt_length: .*preference pairs only"):
+        build_cache(path, tokenizer_dir, chat=True, max_prompt_length=8)
+
+
+def _long_string_pairs(n: int, seed: int) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": " ".join(rng.choices(WORDS, k=rng.randint(1, 30))),
+            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 30))),
+            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 30))),
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.mark.parametrize("tokenizer", ["tokenizer_dir", "bos_tokenizer_dir"])
+def test_truncated_string_pairs_keep_the_prompt_end_and_the_completion_start(
+    tokenizer, tmp_path, build_cache, request
+):
+    """TRL's DPO truncation: the prompt keeps its last ``max_prompt_length`` tokens, each
+    completion the first ``max_length - prompt``; the trainable tokens of every pair are the
+    tokenizer's ids of its kept completions, and the report counts what was cut."""
+    folder = request.getfixturevalue(tokenizer)
+    records = _long_string_pairs(80, seed=31)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    limits = {"max_prompt_length": 12, "max_length": 30}
+    cache = open_cache(build_cache(path, folder, kind="preference", truncation="truncate",
+                                   **limits))  # fmt: skip
+    backend = Tokenizer.from_file(f"{folder}/tokenizer.json")
+    bos = [] if tokenizer == "tokenizer_dir" else [backend.token_to_id("<bos>")]
+    eos = cache.manifest["tokenizer"]["eos_id"]
+    seqs = _by_sample_id(cache)
+    assert len(seqs) == 2 * len(records)  # nothing dropped: every pair fits once cut
+    truncated = lost = 0
+    for k, record in enumerate(records):
+        prompt = bos + backend.encode(record["prompt"], add_special_tokens=False).ids
+        kept_prompt = prompt[-12:]
+        cut = False
+        for piece, side in enumerate(("chosen", "rejected")):
+            seq = seqs[2 * k + piece]
+            assert (seq.provenance.record, seq.provenance.piece) == (k, piece)
+            completion = [*backend.encode(record[side], add_special_tokens=False).ids, eos]
+            kept = completion[: 30 - len(kept_prompt)]
+            assert seq.ids.tolist() == kept_prompt + kept
+            assert seq.ids[seq.mask].tolist() == kept  # only completion tokens trainable
+            assert not seq.mask[: len(kept_prompt)].any()
+            lost += len(prompt) + len(completion) - len(seq.ids)
+            cut |= len(seq.ids) < len(prompt) + len(completion)
+        truncated += cut
+    stats = cache.manifest["stats"]
+    assert truncated > 10 and stats["truncated_documents"] == truncated
+    assert stats["lost_tokens"] == lost and stats["dropped_documents"] == 0
+    assert cache.manifest["key"]["components"]["truncation"]["max_prompt_length"] == 12
+
+
+def test_dropping_is_the_default_for_pairs_over_either_limit(tmp_path, build_cache,
+                                                             tokenizer_dir):  # fmt: skip
+    records = _long_string_pairs(60, seed=32)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, tokenizer_dir, kind="preference", max_prompt_length=10,
+                                   max_length=40))  # fmt: skip
+    backend = Tokenizer.from_file(f"{tokenizer_dir}/tokenizer.json")
+
+    def length(text: str) -> int:
+        return len(backend.encode(text, add_special_tokens=False).ids)
+
+    fits = [
+        k for k, r in enumerate(records)
+        if length(r["prompt"]) <= 10
+        and length(r["prompt"]) + max(length(r["chosen"]), length(r["rejected"])) + 1 <= 40
+    ]  # fmt: skip
+    assert 0 < len(fits) < len(records)
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == fits
+    stats = cache.manifest["stats"]
+    assert stats["dropped_documents"] == len(records) - len(fits)
+    assert stats["truncated_documents"] == 0
+
+
+def test_truncated_chat_pairs_match_the_untruncated_pairs_cut_by_the_rule(
+    tmp_path, build_cache, chatml_tokenizer_dir
+):
+    """Message lists: each side is the untruncated side with its prompt (every token before
+    the first trainable one) cut to its last ``max_prompt_length`` tokens, then cut to
+    ``max_length``; a pair's two prompts are cut alike."""
+    records = make_chat_pairs(60, seed=33)
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+
+    def by_record(cache) -> list:
+        seqs = cache.iter_sequences()
+        return sorted(seqs, key=lambda s: (s.provenance.record, s.provenance.piece))
+
+    whole = by_record(open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference")))
+    limits = {"truncation": "truncate", "max_prompt_length": 16, "max_length": 28}
+    cut = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference", **limits))
+    got = by_record(cut)
+    assert len(got) == len(whole)
+    truncated = 0
+    for k in range(0, len(whole), 2):
+        pair_cut = False
+        for a, b in ((whole[k], got[k]), (whole[k + 1], got[k + 1])):
+            assert a.provenance == b.provenance
+            prompt = int(a.mask.argmax())
+            start = max(0, prompt - 16)
+            assert b.ids.tolist() == a.ids[start : start + 28].tolist()
+            assert b.mask.tolist() == a.mask[start : start + 28].tolist()
+            pair_cut |= len(b.ids) < len(a.ids)
+        truncated += pair_cut
+        assert whole[k].ids[: whole[k].mask.argmax()].tolist() == (
+            whole[k + 1].ids[: whole[k + 1].mask.argmax()].tolist()
+        )  # the two sides share their prompt tokens
+    assert truncated > 10 and cut.manifest["stats"]["truncated_documents"] == truncated
+
+
+def test_cli_max_prompt_length(tmp_path, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    path = write_records(str(tmp_path / "p.jsonl"), _long_string_pairs(20, seed=34), "jsonl")
+    out = str(tmp_path / "cache")
+    args = ["build", "-i", path, "-t", tokenizer_dir, "-o", out, "-w", "1", "-q"]
+    limits = ["--max-prompt-length", "6", "--max-length", "20"]
+    result = CliRunner().invoke(main, [*args, *limits])
+    assert result.exit_code == 2 and "preference pairs only" in result.output
+    result = CliRunner().invoke(main, [*args, *limits, "--preference", "--truncation", "truncate"])
+    assert result.exit_code == 0, result.output
+    cache = open_cache(out)
+    assert cache.manifest["options"]["chat"]["max_prompt_length"] == 6
+    assert cache.num_sequences == 40 and max(len(s.ids) for s in cache.iter_sequences()) <= 20

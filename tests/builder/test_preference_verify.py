@@ -125,6 +125,10 @@ def test_check_a_preference_cache_against_its_recipe(recipe_cache, tmp_path):
     assert code == 0 and report["compatible"], _changed(report)
     code, report = _check(cache, recipe, "--max-length", "64")
     assert code == 1 and ("truncation", "max_length") in _changed(report)
+    code, report = _check(cache, recipe, "--max-prompt-length", "16")
+    assert code == 1 and _changed(report) == {("truncation", "max_prompt_length")}
+    code, report = _check(cache, recipe, "--truncation", "truncate")
+    assert code == 1 and _changed(report) == {("truncation", "strategy")}
     template = tmp_path / "other.jinja"
     template.write_text("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}")
     code, report = _check(cache, recipe, "--chat-template", str(template))
@@ -137,3 +141,12 @@ def test_check_a_preference_cache_against_its_recipe(recipe_cache, tmp_path):
     write_records(str(data / "pairs.jsonl"), make_chat_pairs(12, seed=25), "jsonl")
     code, report = _check(cache, recipe)
     assert code == 1 and {c for c, _ in _changed(report)} == {"data"}
+
+
+def test_verify_tokens_on_truncated_pairs(tmp_path, build_cache, chatml_tokenizer_dir):
+    path = write_records(str(tmp_path / "p.jsonl"), make_chat_pairs(30, seed=26), "jsonl")
+    out = build_cache(path, chatml_tokenizer_dir, kind="preference", truncation="truncate",
+                      max_prompt_length=12, max_length=24)  # fmt: skip
+    assert open_cache(out).manifest["stats"]["truncated_documents"] > 5
+    audit = audit_tokens(out, 1.0)
+    assert audit.ok and audit.sequences == 60, audit.mismatches[:3]
