@@ -22,6 +22,7 @@ from shardcache.builder.chat import (
     ChatEncoder,
     ChatLint,
     ChatRenderer,
+    ChatSample,
     bos_added_by_post_processor,
     encoding_mask,
 )
@@ -170,6 +171,9 @@ class PreferenceEncoder(ChatEncoder):
             ids = np.asarray(enc.ids, dtype=np.int64)
             mask, straddle = encoding_mask(enc, len(ids), r.spans)
             sides.append((*self._with_bos(ids, mask), straddle))
+        checked = [ChatSample(ids=s[0]) if not isinstance(s, str) else ChatSample(error=s)
+                   for s in sides]  # fmt: skip
+        self._lint_against_transformers(conversations, checked)  # as for chat data
         samples = []
         for k in range(len(pairs)):
             chosen, rejected = sides[2 * k], sides[2 * k + 1]
