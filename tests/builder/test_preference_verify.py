@@ -150,3 +150,41 @@ def test_verify_tokens_on_truncated_pairs(tmp_path, build_cache, chatml_tokenize
     assert open_cache(out).manifest["stats"]["truncated_documents"] > 5
     audit = audit_tokens(out, 1.0)
     assert audit.ok and audit.sequences == 60, audit.mismatches[:3]
+
+
+def _reseal(cache_dir: str, name: str, table) -> None:
+    """Write ``table`` as shard ``name`` and record its size and sha256 in the manifest."""
+    import os
+
+    import pyarrow as pa
+
+    from shardcache.store.files import sha256_file
+
+    path = os.path.join(cache_dir, "shards", name)
+    with pa.OSFile(path, "wb") as sink, pa.ipc.new_file(sink, table.schema) as writer:
+        writer.write_table(table)
+    manifest_path = os.path.join(cache_dir, "manifest.json")
+    with open(manifest_path) as f:
+        manifest = json.load(f)
+    entry = next(s for s in manifest["shards"] if s["name"] == name)
+    manifest["totals"]["shard_bytes"] += os.path.getsize(path) - entry["bytes"]
+    entry["bytes"], entry["sha256"] = os.path.getsize(path), sha256_file(path)
+    with open(manifest_path, "w") as f:
+        json.dump(manifest, f)
+
+
+def test_verify_finds_rows_that_are_not_pairs(pair_caches):
+    """A preference shard whose rows are not (chosen, rejected) of one record is a structure
+    problem, even when its checksum matches the manifest."""
+    import pyarrow as pa
+
+    out = pair_caches["strings"][0]
+    name = open_cache(out).manifest["shards"][0]["name"]
+    with open(f"{out}/shards/{name}", "rb") as f:  # in memory: the file is rewritten below
+        table = pa.ipc.open_file(pa.BufferReader(f.read())).read_all()
+    pieces = table.column("piece").to_numpy().copy()
+    pieces[[0, 1]] = pieces[[1, 0]]  # the first pair: rejected first
+    _reseal(out, name, table.set_column(2, "piece", pa.array(pieces, table.schema.field(2).type)))
+    report = verify_cache(out)
+    assert [(p.file, p.kind) for p in report.problems] == [(f"shards/{name}", "structure")]
+    assert "rows 0 and 1 are not a pair" in report.problems[0].message
