@@ -396,3 +396,39 @@ def test_cli_max_prompt_length(tmp_path, tokenizer_dir):
     cache = open_cache(out)
     assert cache.manifest["options"]["chat"]["max_prompt_length"] == 6
     assert cache.num_sequences == 40 and max(len(s.ids) for s in cache.iter_sequences()) <= 20
+
+
+@pytest.mark.parametrize("fmt", ["parquet", "feather"])
+def test_columnar_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, chatml_tokenizer_dir):
+    """Parquet and Arrow files: a pair is a row of the prompt, chosen and rejected columns (or
+    chosen and rejected alone: the implicit prompt); a file without them has only bad rows."""
+    import pyarrow as pa
+    import pyarrow.feather as feather
+
+    def write(name: str, records: list[dict]) -> str:
+        path = str(tmp_path / f"{name}.{fmt}")
+        if fmt == "parquet":
+            return write_records(path, records, "parquet")
+        feather.write_feather(pa.Table.from_pylist(records), path, chunksize=7)
+        return path
+
+    records = make_chat_pairs(20, seed=35)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"],
+                 "id": k} for k, r in enumerate(records)]  # fmt: skip
+    reference = _rows(open_cache(build_cache(
+        write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl"), chatml_tokenizer_dir,
+        kind="preference")))  # fmt: skip
+    for rows in (records, implicit):
+        built = build_cache(write(f"pairs-{len(rows[0])}", rows), chatml_tokenizer_dir,
+                            kind="preference", batch_docs=6)  # fmt: skip
+        assert _rows(open_cache(built)) == reference
+    strings = make_string_pairs(12, seed=36)
+    strings_cache = open_cache(build_cache(write("strings", strings), chatml_tokenizer_dir,
+                                           kind="preference"))  # fmt: skip
+    assert strings_cache.num_sequences == 24
+    from shardcache.errors import SourceError
+
+    with pytest.raises(SourceError, match="no_preference_field: 12"):
+        build_cache(write("no-rejected", [{"prompt": r["prompt"], "chosen": r["chosen"]}
+                                          for r in strings]), chatml_tokenizer_dir,
+                    kind="preference")  # fmt: skip

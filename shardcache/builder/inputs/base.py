@@ -342,9 +342,15 @@ class Batcher:
 
     def add_value(self, index: int, value: Any, text_field: str) -> list[TextBatch]:
         """Add a field's value read from a column (or a file): valid, or reported as bad."""
-        text, reason = validate_record({text_field: value}, text_field, self.kind)
+        return self.add_object(index, {text_field: value}, text_field, value)
+
+    def add_object(
+        self, index: int, obj: dict[str, Any], text_field: str, shown: Any = None
+    ) -> list[TextBatch]:
+        """Add a record read as an object (a row's columns): valid, or reported as bad."""
+        text, reason = validate_record(obj, text_field, self.kind)
         if reason is not None:
-            self.bad(index, reason, repr(value))
+            self.bad(index, reason, repr(obj if shown is None else shown))
             return []
         return self.add(index, text)
 
@@ -500,22 +506,39 @@ def hash_after_read(file: InputFile, part: InputSlice, hooks: ReadHooks) -> None
         hooks.on_bytes(file.size if part.whole else 0)
 
 
+def record_columns(kind: str, text_field: str, names: list[str]) -> list[str]:
+    """The columns a columnar file's records are read from (none: every row is bad).
+
+    ``text_field`` for text and chat; for preference pairs those of ``prompt``, ``chosen`` and
+    ``rejected`` it has, as long as it has ``chosen`` and ``rejected``.
+    """
+    if kind == "preference":
+        found = [name for name in PAIR_FIELDS if name in names]
+        return found if {"chosen", "rejected"} <= set(found) else []
+    return [text_field] if text_field in names else []
+
+
 def read_column(
     file: InputFile, batcher: Batcher, text_field: str, first_row: int,
     names: list[str], n_rows: int, batches: Iterator[Any], errors: tuple[type, ...],
     what: str,
 ) -> Iterator[TextBatch]:  # fmt: skip
-    """The records of a columnar file: ``batches`` of its ``text_field`` column (Arrow).
+    """The records of a columnar file: ``batches`` of its ``record_columns`` (Arrow).
 
     ``what`` names the format in messages.
 
-    A file without that column has ``n_rows`` bad records; an error raised by ``batches``
+    A file without those columns has ``n_rows`` bad records; an error raised by ``batches``
     (of the ``errors`` types) is the file's damage from the row reached on.
     """
-    if text_field not in names:  # every row lacks the field: bad records, as in jsonl
-        reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+    if not record_columns(batcher.kind, text_field, names):  # bad records, as in jsonl
+        reason = {"chat": "no_messages_field", "preference": "no_preference_field"}.get(
+            batcher.kind, "no_text_field"
+        )
         for row in range(first_row, first_row + n_rows):
             batcher.bad(row, reason, f"columns: {', '.join(names)}")
+        return
+    if batcher.kind == "preference":  # a pair is a row of several columns
+        yield from _read_rows(file, batcher, text_field, first_row, batches, errors, what)
         return
     row = first_row
     while True:
@@ -529,4 +552,23 @@ def read_column(
             break
         for value in record_batch.column(0).to_pylist():
             yield from batcher.add_value(row, value, text_field)
+            row += 1
+
+
+def _read_rows(
+    file: InputFile, batcher: Batcher, text_field: str, row: int, batches: Iterator[Any],
+    errors: tuple[type, ...], what: str,
+) -> Iterator[TextBatch]:  # fmt: skip
+    """``read_column`` for records of several columns: each row as an object."""
+    while True:
+        try:
+            record_batch = next(batches, None)
+        except errors as err:
+            message = f"{file.relpath}: cannot read {what} data at row {row}: {err}"
+            batcher.corrupt(row, 0, message, err)
+            break
+        if record_batch is None:
+            break
+        for obj in record_batch.to_pylist():
+            yield from batcher.add_object(row, obj, text_field)
             row += 1
