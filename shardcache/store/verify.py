@@ -189,7 +189,8 @@ def _check_shard(
                 if len(batch) and arrow_numpy(batch.column(1)).min() < 0:
                     report.add(rel, "structure", f"{where}: negative record index")
                 if pairs is not None:
-                    pairs.append((arrow_numpy(batch.column(1)), arrow_numpy(batch.column(2))))
+                    pairs.append((arrow_numpy(batch.column(1)).copy(),  # outlive the map
+                                  arrow_numpy(batch.column(2)).copy()))  # fmt: skip
                 if len(expected) == 4 and not np.array_equal(
                     arrow_numpy(batch.column(3).offsets), offsets
                 ):

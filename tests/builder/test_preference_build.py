@@ -396,6 +396,8 @@ def test_cli_max_prompt_length(tmp_path, tokenizer_dir):
     cache = open_cache(out)
     assert cache.manifest["options"]["chat"]["max_prompt_length"] == 6
     assert cache.num_sequences == 40 and max(len(s.ids) for s in cache.iter_sequences()) <= 20
+    info = CliRunner().invoke(main, ["info", out])
+    assert "max_length=20 strategy=truncate max_prompt_length=6" in info.output
 
 
 @pytest.mark.parametrize("fmt", ["parquet", "feather"])
