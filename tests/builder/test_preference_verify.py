@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 
 import numpy as np
 import pytest
@@ -138,6 +139,13 @@ def test_check_a_preference_cache_against_its_recipe(recipe_cache, tmp_path):
     assert code == 0, _changed(report)
     code, report = _check(cache, *tokenizer, "--chat")  # chat data is another kind
     assert code == 1 and ("template", "kind") in _changed(report)
+    changed = tmp_path / "tok"  # the same tokenizer, lower-casing its input
+    shutil.copytree(open_tokenizer(cache), changed)
+    spec = json.loads((changed / "tokenizer.json").read_text())
+    spec["normalizer"] = {"type": "Lowercase"}
+    (changed / "tokenizer.json").write_text(json.dumps(spec))
+    code, report = _check(cache, recipe, "-t", str(changed))
+    assert code == 1 and ("tokenizer", "normalizer") in _changed(report)
     write_records(str(data / "pairs.jsonl"), make_chat_pairs(12, seed=25), "jsonl")
     code, report = _check(cache, recipe)
     assert code == 1 and {c for c, _ in _changed(report)} == {"data"}
