@@ -434,3 +434,36 @@ def test_columnar_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, chatml
         build_cache(write("no-rejected", [{"prompt": r["prompt"], "chosen": r["chosen"]}
                                           for r in strings]), chatml_tokenizer_dir,
                     kind="preference")  # fmt: skip
+
+
+@pytest.mark.slow  # importing trl takes 6-15 s
+def test_implicit_prompt_split_is_trls_extract_prompt():
+    """Where both accept a record, the split is TRL's ``extract_prompt``'s, for texts (a
+    character prefix, ending inside a word or before a space) and conversations. Where one
+    side is the other's prefix, TRL leaves the last shared character (or message) to the
+    completions (its loop runs out); such a record is quarantined here."""
+    trl = pytest.importorskip("trl.data_utils")
+    from shardcache.builder.preference import split_implicit_prompt
+
+    rng = random.Random(37)
+    pairs = []
+    for _ in range(300):
+        shared = " ".join(rng.choices(WORDS, k=rng.randint(1, 6)))
+        shared = shared[: rng.randint(1, len(shared))]  # may end inside a word or on a space
+        pairs.append((shared + " ".join(rng.choices(WORDS, k=rng.randint(1, 4))),
+                      shared + " ".join(rng.choices(WORDS, k=rng.randint(1, 4)))))  # fmt: skip
+    for conv in make_conversations(100, seed=38):
+        other = {"role": "assistant", "content": " ".join(rng.choices(WORDS, k=3))}
+        pairs.append((conv, [*conv[:-1], other]))
+    accepted = 0
+    for chosen, rejected in pairs:
+        split, reason = split_implicit_prompt(chosen, rejected)
+        theirs = trl.extract_prompt({"chosen": chosen, "rejected": rejected})
+        if split is None:  # TRL's has an empty part, or one side is the other's prefix
+            assert reason in ("empty_completion", "no_shared_prompt")
+            n = min(len(chosen), len(rejected))
+            assert not all(theirs.values()) or chosen[:n] == rejected[:n]
+            continue
+        accepted += 1
+        assert split == (theirs["prompt"], theirs["chosen"], theirs["rejected"])
+    assert accepted > 350
