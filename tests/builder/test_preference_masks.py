@@ -10,6 +10,7 @@ cuts it: the full rendering minus the prompt rendered with the generation prompt
 from __future__ import annotations
 
 import random
+import types
 
 import pytest
 
@@ -157,3 +158,43 @@ def test_truncated_pairs_train_on_the_kept_completion_ids(tmp_path, build_cache,
         assert seq.ids[seq.mask].tolist() == kept
         cut += len(kept) < len(ids)
     assert cut > 10 and cache.manifest["stats"]["truncated_documents"] > 10
+
+
+@pytest.mark.slow  # importing trl takes 6-15 s
+@pytest.mark.filterwarnings("ignore::FutureWarning")  # TRL's config on transformers' arguments
+def test_conversational_pairs_equal_trls_dpo_tokenization(tmp_path, build_cache, qwen2_style_dir):
+    """TRL's own DPO preprocessing (``DPOTrainer._prepare_dataset``, then its collator with
+    ``max_length`` and ``truncation_mode="keep_start"``) gives the ids and completion masks
+    stored here with ``truncation = "truncate"``, ``max_length`` and no EOS appended (TRL
+    appends none to conversations), and drops the same pairs (a prompt filling max_length)."""
+    pytest.importorskip("trl")
+    from datasets import Dataset
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+    from trl.trainer.dpo_trainer import DataCollatorForPreference, DPOTrainer
+
+    if not hasattr(DPOTrainer, "_prepare_dataset"):
+        pytest.skip("this TRL version tokenizes elsewhere")
+    records = [{**r, "id": k} for k, r in enumerate(r for r in _pairs(80, seed=44)
+                                                   if "prompt" in r)]  # fmt: skip
+    hf = AutoTokenizer.from_pretrained(qwen2_style_dir)
+    config = DPOConfig(output_dir=str(tmp_path / "trl"), max_length=64, report_to="none",
+                       truncation_mode="keep_start", bf16=False, use_cpu=True)  # fmt: skip
+    theirs = DPOTrainer._prepare_dataset(
+        types.SimpleNamespace(_tokenizer=hf), Dataset.from_list(records), hf, config, "train"
+    )
+    collate = DataCollatorForPreference(pad_token_id=hf.pad_token_id, max_length=64,
+                                        truncation_mode="keep_start")  # fmt: skip
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, qwen2_style_dir, kind="preference", append_eos=False,
+                                   truncation="truncate", max_length=64))  # fmt: skip
+    ours = {(s.provenance.record, s.provenance.piece): s for s in cache.iter_sequences()}
+    assert sorted({r for r, _ in ours}) == sorted(theirs["id"]) and 10 < len(theirs) < 40
+    for row in theirs:
+        batch = collate([{k: row[k] for k in ("prompt_ids", "chosen_ids", "rejected_ids")}])
+        for side in (0, 1):  # rows: chosen, then rejected
+            real = batch["attention_mask"][side].bool()
+            seq = ours[(row["id"], side)]
+            assert seq.ids.tolist() == batch["input_ids"][side][real].tolist()
+            assert seq.mask.tolist() == batch["completion_mask"][side][real].bool().tolist()
+    assert cache.manifest["stats"]["truncated_documents"] > 0
