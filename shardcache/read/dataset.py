@@ -31,7 +31,14 @@ from shardcache.read import kernels
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
 from shardcache.read.collate import pack_batch, packed_layout, pad_batch
 from shardcache.read.mixed_cache import MixedCache
-from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, mixture_changes
+from shardcache.read.mixture import (
+    Mixture,
+    MixtureTable,
+    Source,
+    as_sources,
+    mixture_changes,
+    source_splits,
+)
 from shardcache.read.plan import (
     DEFAULT_SHUFFLE_BLOCK,
     EpochPlan,
@@ -148,16 +155,21 @@ class ShardDataset(IterableDataset):
         attention: ``"mask"`` (a 4-D block-causal mask), ``"varlen"`` (flash-attention keys)
             or ``"none"``: required with ``mode="pack"``, refused otherwise.
         ids_dtype: ``"int32"`` or ``"int64"``: ``input_ids``, ``position_ids``, ``attention_mask``.
-        tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in).
+        tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in;
+            ignored with ``eval=True``).
         remix: let ``load_state_dict`` take the state of another mixture (with a warning).
         readahead: how far a remote cache downloads ahead: an int of shards (0: on demand only),
             a [`ReadAheadOptions`][shardcache.ReadAheadOptions] or None (the defaults).
         split: read only one side of ``splits``: ``"train"``, ``"validation"`` or ``"test"``
             (documents, every piece of a split document together; docs/guide/evaluation.md).
-        splits: the held-out fractions ([`Split`][shardcache.Split]); required with ``split``.
+            A mixture splits every source as that cache alone, and its weights apply to the
+            sources' sides.
+        splits: the held-out fractions ([`Split`][shardcache.Split]); required with ``split``
+            (a mixture: for every source without its own ``Source(splits=...)``).
         eval: an evaluation pass: no shuffle, every planned sequence exactly once over all
             ranks, no drop or repeat; a rank with no batch left yields a filler batch (labels
-            all -100, ``meta["filler"]`` True) so every rank yields the same count.
+            all -100, ``meta["filler"]`` True) so every rank yields the same count. A mixture
+            reads every document of every source (of its side) once: no weights or repetitions.
         transform: ``transform(ids, mask, rng) -> (ids, mask)`` applied to every sequence (or
             packed piece) after it is read and before the batch is collated; ``rng`` is seeded
             by (seed, epoch, sample id, piece start), so a resumed stream is the same. It must
@@ -166,8 +178,8 @@ class ShardDataset(IterableDataset):
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
     Raises:
-        ConfigError: an option is missing, unknown or out of range (``split`` with a mixture,
-            ``eval`` with ``shuffle=True``).
+        ConfigError: an option is missing, unknown or out of range (``split`` without
+            ``splits``, a mixture source without a split, ``eval`` with ``shuffle=True``).
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
@@ -256,17 +268,14 @@ class ShardDataset(IterableDataset):
             #: the sample ids of the chosen side of ``splits`` (ascending), None without a split
             self._split_rows = _split_rows(cache, split, splits)
             self.split_name, self.splits = split, splits
+            self._source_splits: tuple[Split, ...] | None = None  # a mixture's, per source
             if splits is not None:
                 self._data_identity = _data_identity([cache], splits.to_json(), split)
         else:
-            if split is not None or splits is not None:
-                raise ConfigError(
-                    "split: a mixture's sources cannot be split yet; build a ShardDataset per "
-                    "cache with split= and splits=, or pass a single cache"
-                )
-            self._split_rows, self.split_name, self.splits = None, None, None
             self._sources = sources = as_sources(path)
             self.path = f"mixture({', '.join(s.label for s in sources)})"
+            self._source_splits = source_splits(sources, split, splits)
+            self._split_rows, self.split_name, self.splits = None, split, splits
             cache = self._open_cache(expect)
             assert isinstance(cache, MixedCache)
             if any(c.is_preference for c in cache.caches):
@@ -275,12 +284,22 @@ class ShardDataset(IterableDataset):
                     f"{self.path}: a mixture with a preference cache; pairs are read from one "
                     "cache at a time for now (ShardDataset(path)), see docs/guide/preference.md"
                 )
-            table = cache.table(tokens_per_epoch)
+            rows = None  # each source's side: the sample ids one cache's split reads
+            if self._source_splits is not None:
+                assert split is not None
+                rows = tuple(
+                    split_ids(c, own, split) for c, own in zip(cache.caches, self._source_splits)
+                )
+            table = cache.table(tokens_per_epoch, rows, split, once=self.eval)
             digests = tuple(cache_digest(c.manifest) for c in cache.caches)
-            self._mixture = Mixture(sources, table, cache.index, digests, tokens_per_epoch)
+            self._mixture = Mixture(
+                sources, table, cache.index, digests, tokens_per_epoch, rows, self.eval
+            )
             mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
             self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
-            terms = (mixture_json, table.tokens_per_epoch)
+            terms: tuple[Any, ...] = (mixture_json, table.tokens_per_epoch)
+            if rows is not None or self.eval:  # other documents than the weighted whole caches
+                terms = (*terms, self._split_state(), self.eval)
             self._data_identity = _data_identity(cache.caches, *terms)
         #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
         self._pairs = isinstance(cache, Cache) and cache.is_preference
@@ -797,8 +816,9 @@ class ShardDataset(IterableDataset):
         }
         if self._mixture is not None:
             state["mixture"] = self._mixture.state()
-        if self.splits is not None:
-            state["split"] = {"name": self.split_name, **self.splits.to_json()}
+        split_state = self._split_state()
+        if split_state is not None:
+            state["split"] = split_state
         if steps is None and self._worker is not None:
             state["worker"] = dict(self._worker)
         return state
@@ -832,9 +852,7 @@ class ShardDataset(IterableDataset):
                 "position means nothing here. Resume on the cache the state came from, or start "
                 "this cache from epoch 0 without loading the state"
             )
-        ours_split = (
-            None if self.splits is None else {"name": self.split_name, **self.splits.to_json()}
-        )
+        ours_split = self._split_state()
         if state.get("split") != ours_split:
             raise StateError(
                 f"reader state: it was taken on split {state.get('split')!r} but this dataset "
@@ -888,6 +906,20 @@ class ShardDataset(IterableDataset):
             {"world_size": state.get("world_size"), **worker} if isinstance(worker, dict) else None
         )
         self._publish()
+
+    def _split_state(self) -> dict[str, Any] | None:
+        """The split a reader state records: side and fractions (per source), or None."""
+        if self._source_splits is not None:
+            assert self._sources is not None
+            return {
+                "name": self.split_name,
+                "sources": {
+                    s.label: own.to_json() for s, own in zip(self._sources, self._source_splits)
+                },
+            }
+        if self.splits is None or self._sources is not None:
+            return None
+        return {"name": self.split_name, **self.splits.to_json()}
 
     def _check_mixture_state(self, state: dict[str, Any]) -> bool:
         """Whether ``state`` is of another mixture: warned with ``remix=True``, else StateError."""
