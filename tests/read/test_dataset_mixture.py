@@ -634,3 +634,11 @@ def test_a_split_mixture_resumes_exactly_and_refuses_another_split(caches):
         ).load_state_dict(state)
     with pytest.raises(StateError, match="split"):  # remix takes other weights, not other sides
         make(remix=True).load_state_dict({**state, "split": {**state["split"], "name": "test"}})
+
+
+def test_an_eval_pass_over_a_whole_mixture_reads_every_sequence_once(caches):
+    ds = ShardDataset(_sources(caches), 256, eval=True, tokens_per_epoch=10**7)  # (ignored)
+    got = _real(ds)
+    sizes = [open_cache(caches[key]).num_sequences for key in NAMES]
+    assert sorted(got) == [(s, i) for s, n in enumerate(sizes) for i in range(n)]
+    assert [r.documents for r in ds.mixture.sources] == sizes
