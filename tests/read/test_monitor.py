@@ -138,3 +138,62 @@ def test_rank_skew_under_two_gloo_ranks(tmp_path):
         assert fast["data_loading_max_s"] == slow["data_loading_max_s"] == slow["data_loading_s"]
         assert fast["data_loading_min_s"] == slow["data_loading_min_s"] == fast["data_loading_s"]
         assert slow["data_loading_s"] >= 0.02  # the slowed rank's sleep, at least
+
+
+def _stalled(records) -> list[str]:
+    return [r.getMessage() for r in records if r.getMessage().startswith("StallMonitor:")]
+
+
+def test_the_stall_warning_names_a_slow_gather_and_its_fix(cache_dir, caplog):
+    ds = ShardDataset(cache_dir, 128, seed=1, transform=slow_transform)
+    monitor = StallMonitor(ranks=False, warn_pct=5.0)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        run_steps(monitor, ds, 12, compute_s=0.005)
+    (message,) = _stalled(caplog.records)  # once
+    assert "the largest stage is gather (reading the sequences" in message
+    assert "num_workers" in message and monitor.warned
+
+
+def _slow_fetches(batches: int, fetch_s: float):
+    for k in range(batches):
+        time.sleep(fetch_s)  # as if waiting for a download
+        stages = {"plan_s": 0.0, "fetch_s": fetch_s, "gather_s": 1e-4, "collate_s": 1e-4}
+        yield {"input_ids": torch.zeros(2, 4), "meta": {"k": k, "stage_s": stages}}
+
+
+def test_the_stall_warning_names_a_slow_fetch_and_its_fix(caplog):
+    monitor = StallMonitor(ranks=False, warn_pct=5.0)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        run_steps(monitor, _slow_fetches(12, 0.004), 12, compute_s=0.004)
+    (message,) = _stalled(caplog.records)
+    assert "the largest stage is fetch (waiting for downloads from storage" in message
+    assert "ReadAheadOptions" in message and "SHARDCACHE_CACHE_DIR" in message
+
+
+def test_no_stall_warning_without_compute_or_under_the_threshold(caplog):
+    with caplog.at_level("WARNING", logger="shardcache"):
+        idle = StallMonitor(ranks=False, warn_pct=5.0)  # a loop with no model: all wait
+        run_steps(idle, _slow_fetches(12, 0.002), 12)
+        calm = StallMonitor(ranks=False, warn_pct=99.0)
+        run_steps(calm, _slow_fetches(12, 0.002), 12, compute_s=0.004)
+        off = StallMonitor(ranks=False, warn_pct=None)
+        run_steps(off, _slow_fetches(12, 0.004), 12, compute_s=0.002)
+    assert not _stalled(caplog.records)
+    assert not (idle.warned or calm.warned or off.warned)
+
+
+def test_stall_advice_picks_the_copy_or_the_largest_stage():
+    from shardcache.read.prefetch.monitor import stall_advice
+
+    reader = {"wait_reader_s": 1.0, "wait_copy_s": 0.1, "gather_s": 0.2, "pin_s": 0.5}
+    assert stall_advice(reader)[0] == "pin_s"
+    copy = {**reader, "wait_copy_s": 2.0}
+    stage, sentence = stall_advice(copy)
+    assert stage == "copy_s" and "host-to-device copy" in sentence and "2.000 s" in sentence
+    assert stall_advice({"collate_s": 0.3, "gather_s": 0.1})[0] == "collate_s"
+
+
+@pytest.mark.parametrize("bad", [-1, 101, "5", True])
+def test_a_bad_warn_pct_is_refused(bad):
+    with pytest.raises(ConfigError, match="warn_pct"):
+        StallMonitor(warn_pct=bad)
