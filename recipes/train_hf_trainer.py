@@ -97,10 +97,11 @@ class ShardTrainer(Trainer):
     ) -> Any:
         if self._token_loss is None:  # training: Trainer's own loss
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
-        # evaluation: the batch's mean over its own label tokens (a causal LM shifts labels),
-        # times their count, is its sum; an all-ignored filler batch adds nothing
+        # evaluation: the model's own mean over the batch's label tokens (a causal LM shifts
+        # labels; no num_items_in_batch, which Trainer would scale by the processes), times
+        # their count, is the batch's sum; an all-ignored filler batch adds nothing
         count = inputs["labels"][..., 1:].ne(-100).sum()
-        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch=count)
+        loss, outputs = super().compute_loss(model, inputs, True, num_items_in_batch=None)
         total = torch.where(count > 0, loss.detach().double() * count, 0.0)
         self._token_loss += torch.stack([total, count.double()]).to(self._token_loss.device)
         return (loss, outputs) if return_outputs else loss

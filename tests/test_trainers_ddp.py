@@ -91,3 +91,22 @@ def test_accelerate_splitting_the_dataset_again_is_refused_before_a_step(
     assert done.stderr.count("refused: ") == 2, output(done)  # both ranks, at start
     assert "DataLoaderDispatcher" in done.stderr and "get_train_dataloader" in done.stderr
     assert not list(tmp_path.glob("rank*.json"))  # no rank trained
+
+
+def test_hf_trainer_eval_loss_is_the_same_on_one_and_two_processes(cache_dir, tmp_path):
+    # Trainer.evaluate over ShardDataset(split="validation", eval=True) through the recipe's
+    # ShardTrainer: the per-token mean loss of the split, whatever the number of processes
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    for out, torchrun in ((one, False), (two, True)):
+        done = run("hf-eval", cache_dir, out, torchrun=torchrun)
+        assert done.returncode == 0, output(done)
+    (alone,) = [json.loads((one / "rank0.json").read_text())]
+    pair = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    assert alone["world_size"] == 1 and [r["world_size"] for r in pair] == [2, 2]
+    assert alone["fillers"] == 0 and sum(r["fillers"] for r in pair) == 1  # 9 batches, 2 ranks
+    assert pair[0]["batches"] == pair[1]["batches"] == 5 and alone["batches"] == 9
+    for report in (alone, *pair):
+        assert report["eval_tokens"] == report["reference_tokens"] == alone["reference_tokens"]
+        assert report["eval_loss"] == pytest.approx(alone["reference"], rel=1e-5, abs=1e-5)
+    assert pair[0]["eval_loss"] == pair[1]["eval_loss"]  # one figure, reduced over the ranks

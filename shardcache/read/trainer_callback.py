@@ -97,7 +97,17 @@ class StallMonitorCallback:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Hand the monitor to the train dataloader (a ``ShardLoader``)."""
+        """Hand the monitor to the train dataloader (a ``ShardLoader``).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState`` (``global_step``, ``log_history``).
+            control: its ``TrainerControl``.
+            **kwargs: the rest of the event's arguments (``train_dataloader`` is read).
+
+        Raises:
+            ConfigError: the train dataloader is not a ``ShardLoader``.
+        """
         loader = kwargs.get("train_dataloader")
         if not isinstance(loader, ShardLoader):
             raise ConfigError(
@@ -111,7 +121,14 @@ class StallMonitorCallback:
         self._window, self._steps = {}, 0
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Close a monitor step (every optimizer step, after its micro-batches)."""
+        """Close a monitor step (every optimizer step, after its micro-batches).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState`` (``global_step``, ``log_history``).
+            control: its ``TrainerControl``.
+            **kwargs: the rest of the event's arguments.
+        """
         for name, value in self.monitor.step(state.global_step).items():
             self._window[name] = self._window.get(name, 0.0) + value
         self._steps += 1
@@ -119,7 +136,15 @@ class StallMonitorCallback:
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Add the figures since the previous log to ``logs`` (and to its log history entry)."""
+        """Add the figures since the previous log to ``logs`` (and to its log history entry).
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState`` (``global_step``, ``log_history``).
+            control: its ``TrainerControl``.
+            logs: the figures being logged; the monitor's are added in place.
+            **kwargs: the rest of the event's arguments.
+        """
         if logs is None or self._steps == 0:
             return
         figures = self.figures()
@@ -147,7 +172,14 @@ class StallMonitorCallback:
         return out
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        """Take the monitor back from the train dataloader."""
+        """Take the monitor back from the train dataloader.
+
+        Args:
+            args: the Trainer's ``TrainingArguments``.
+            state: its ``TrainerState`` (``global_step``, ``log_history``).
+            control: its ``TrainerControl``.
+            **kwargs: the rest of the event's arguments.
+        """
         if self._loader is not None and self._loader.monitor is self.monitor:
             self._loader.monitor = None
         self._loader = None
