@@ -42,10 +42,11 @@ class StallMonitorCallback:
     The Trainer's train dataloader must be a [`ShardLoader`][shardcache.ShardLoader] (what
     ``shardcache.loader(...)`` returns; recipes/train_hf_trainer.py returns it from
     ``get_train_dataloader``). At every optimizer step the callback closes a step of its
-    [`StallMonitor`][shardcache.StallMonitor]; at every log it adds, over the steps since the
-    previous log: ``data_loading_pct`` (percent of the steps' time in the loader's ``next()``),
-    the means per step of ``step_s``, ``data_loading_s``, ``wait_reader_s``, ``wait_copy_s``
-    and the stage times (``plan_s`` ... ``copy_s``), and with ``ranks`` and more than one
+    [`StallMonitor`][shardcache.StallMonitor]; at every training log (one with ``loss`` or
+    ``train_loss``, not an evaluation's) it adds, over the steps since the previous one:
+    ``data_loading_pct`` (percent of the steps' time in the loader's ``next()``), the means
+    per step of ``step_s``, ``data_loading_s``, ``wait_reader_s``, ``wait_copy_s`` and the
+    stage times (``plan_s`` ... ``copy_s``), and with ``ranks`` and more than one
     process ``data_loading_max_s`` / ``data_loading_min_s`` (the mean wait per step of the
     slowest and the fastest rank: one all-reduce per log, on every rank, as Trainer logs on
     every rank). The figures reach ``trainer.state.log_history`` and the callbacks after this
@@ -136,7 +137,7 @@ class StallMonitorCallback:
     def on_log(
         self, args: Any, state: Any, control: Any, logs: dict[str, Any] | None = None, **kwargs: Any
     ) -> None:
-        """Add the figures since the previous log to ``logs`` (and to its log history entry).
+        """Add the figures since the previous training log to ``logs`` and its history entry.
 
         Args:
             args: the Trainer's ``TrainingArguments``.
@@ -145,8 +146,8 @@ class StallMonitorCallback:
             logs: the figures being logged; the monitor's are added in place.
             **kwargs: the rest of the event's arguments.
         """
-        if logs is None or self._steps == 0:
-            return
+        if logs is None or self._steps == 0 or not ({"loss", "train_loss"} & set(logs)):
+            return  # (an evaluation's metrics: the steps' figures go with the next training log)
         figures = self.figures()
         logs.update(figures)
         history = getattr(state, "log_history", None)

@@ -101,3 +101,23 @@ def test_events_it_does_not_handle_are_no_ops():
     with pytest.raises(AttributeError, match="not_an_event"):
         callback.not_an_event  # noqa: B018
     assert callback.figures() == {}  # no step ended yet
+
+
+def test_an_evaluation_log_leaves_the_figures_to_the_next_training_log():
+    import types
+
+    callback = StallMonitorCallback(ranks=False)
+    state = types.SimpleNamespace(global_step=0, log_history=[])
+    for step in (1, 2):
+        state.global_step = step
+        callback.on_step_end(None, state, None)
+    evaluation = {"eval_loss": 1.0}
+    state.log_history.append({**evaluation, "step": 2})
+    callback.on_log(None, state, None, logs=evaluation)
+    assert evaluation == {"eval_loss": 1.0} and state.log_history[-1] == {"eval_loss": 1.0,
+                                                                           "step": 2}  # fmt: skip
+    training = {"loss": 2.0}
+    state.log_history.append({**training, "step": 2})
+    callback.on_log(None, state, None, logs=training)
+    assert set(KEYS) <= set(training) and set(KEYS) <= set(state.log_history[-1])
+    assert callback.figures() == {}  # the window was reset by the log

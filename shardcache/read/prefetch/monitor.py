@@ -37,9 +37,10 @@ WARN_AFTER_STEPS = 8
 STALL_ADVICE = {
     "plan_s": (
         "planning the pass (charged to its first batch)",
-        "plan less often: longer passes (more batches per epoch), persistent DataLoader "
-        "workers (loader(..., persistent_workers=True)), or canonical streams "
-        "(ShardDataset(streams=...)) so that a rank plans only its own share",
+        "plan fewer rows at a time or less often: a smaller shuffle_block "
+        "(ShardDataset(shuffle_block=...): a rank plans that many rows of each of its streams "
+        "at a time), canonical streams rather than one global plan (streams=None, not 0), or "
+        "longer passes",
     ),
     "fetch_s": (
         "waiting for downloads from storage (read-ahead)",
