@@ -170,16 +170,68 @@ def test_the_stall_warning_names_a_slow_fetch_and_its_fix(caplog):
     assert "ReadAheadOptions" in message and "SHARDCACHE_CACHE_DIR" in message
 
 
-def test_no_stall_warning_without_compute_or_under_the_threshold(caplog):
+class _Clock:
+    """A ``time`` stand-in for the monitor: the tests move it, so the shares are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _clocked_steps(clock: _Clock, monitor, steps: int, fetch_s: float, compute_s: float):
+    def batches():
+        for k in range(steps):
+            clock.now += fetch_s
+            yield {
+                "input_ids": torch.zeros(2, 4),
+                "meta": {"k": k, "stage_s": {"fetch_s": fetch_s}},
+            }
+
+    for _ in monitor.wrap(batches()):
+        clock.now += compute_s
+        monitor.step()
+
+
+@pytest.mark.parametrize(
+    ("warn_pct", "compute_s", "warned"),
+    [
+        (5.0, 0.0, False),  # a loop with no model: all wait, no warning
+        (5.0, 0.0004, False),  # computing under 5% of the time: still none
+        (5.0, 0.0006, True),  # just over 5% computing, 94% waiting
+        (90.0, 0.001, True),  # 90.9% waiting
+        (95.0, 0.001, False),  # under the threshold
+        (None, 0.005, False),  # off
+    ],
+)
+def test_the_stall_warning_needs_compute_and_the_threshold(
+    warn_pct, compute_s, warned, monkeypatch, caplog
+):
+    from shardcache.read.prefetch import monitor as module
+
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    monitor = StallMonitor(ranks=False, warn_pct=warn_pct)
     with caplog.at_level("WARNING", logger="shardcache"):
-        idle = StallMonitor(ranks=False, warn_pct=5.0)  # a loop with no model: all wait
-        run_steps(idle, _slow_fetches(12, 0.002), 12)
-        calm = StallMonitor(ranks=False, warn_pct=99.0)
-        run_steps(calm, _slow_fetches(12, 0.002), 12, compute_s=0.004)
-        off = StallMonitor(ranks=False, warn_pct=None)
-        run_steps(off, _slow_fetches(12, 0.004), 12, compute_s=0.002)
-    assert not _stalled(caplog.records)
-    assert not (idle.warned or calm.warned or off.warned)
+        _clocked_steps(clock, monitor, 12, fetch_s=0.01, compute_s=compute_s)
+    assert monitor.warned == warned
+    assert len(_stalled(caplog.records)) == int(warned)
+
+
+def test_the_stall_warning_waits_for_nine_steps(monkeypatch, caplog):
+    from shardcache.read.prefetch import monitor as module
+
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        early = StallMonitor(ranks=False, warn_pct=5.0)
+        _clocked_steps(clock, early, 8, fetch_s=0.01, compute_s=0.002)
+        assert not early.warned  # the first step and 7 more: not judged yet
+        _clocked_steps(clock, early, 1, fetch_s=0.01, compute_s=0.002)
+    assert early.warned
+    (message,) = _stalled(caplog.records)
+    assert "83.3% of the time over steps 2-9" in message
 
 
 def test_stall_advice_picks_the_copy_or_the_largest_stage():
