@@ -73,6 +73,14 @@ def test_every_rank_trains_on_its_own_share_once(scenario, cache_dir, tmp_path):
     done = run(scenario, cache_dir, tmp_path)
     assert done.returncode == 0, output(done)
     assert_each_rank_read_its_share_once(cache_dir, tmp_path)
+    if scenario == "hf-loader":  # StallMonitorCallback: the wait of the slowest / fastest rank
+        loading = [json.loads((tmp_path / f"rank{r}.json").read_text())["data_loading"]
+                   for r in range(2)]  # fmt: skip
+        assert loading[0]["data_loading_max_s"] == loading[1]["data_loading_max_s"]
+        assert loading[0]["data_loading_min_s"] == loading[1]["data_loading_min_s"]
+        for figures in loading:
+            low, high = figures["data_loading_min_s"], figures["data_loading_max_s"]
+            assert 0 < low <= figures["data_loading_s"] <= high
 
 
 def test_lightning_own_launcher_with_the_dataset_built_before_fit(cache_dir, tmp_path):

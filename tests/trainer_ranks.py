@@ -57,7 +57,7 @@ def recipe(name: str):
     return module
 
 
-def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> int:
+def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> tuple[int, dict]:
     from transformers import Trainer, TrainingArguments
 
     steps = ShardDataset(cache, MAX_TOKENS, seed=SEED).batches_per_rank()  # (any rank: equal)
@@ -70,11 +70,14 @@ def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> int:
         trainer = recipe("train_hf_trainer").ShardTrainer(
             model=model, args=args, shard_loader=shard_loader
         )
+        shardcache.StallMonitorCallback().attach(trainer)  # the recipe's too
     else:  # what the user wrote: Trainer's own DataLoader, through accelerate
         trainer = Trainer(model=model, args=args, data_collator=lambda items: items[0],
                           train_dataset=ShardDataset(cache, MAX_TOKENS, seed=SEED))  # fmt: skip
     trainer.train()
-    return trainer.args.process_index
+    last = trainer.state.log_history[-1]  # the summary log: the monitor's figures of the run
+    loading = {k: v for k, v in last.items() if k.startswith("data_loading")}
+    return trainer.args.process_index, {"data_loading": loading}
 
 
 def hf_eval(cache: str, out: str, vocab: int) -> tuple[int, dict]:
@@ -176,7 +179,7 @@ def main() -> int:
         if scenario == "hf-eval":
             rank, report = hf_eval(cache, out, vocab)
         elif scenario in ("hf-dataset", "hf-loader"):
-            rank = hf(cache, out, model, use_loader=scenario == "hf-loader")
+            rank, report = hf(cache, out, model, use_loader=scenario == "hf-loader")
         elif scenario in ("accelerate-dataloader", "accelerate-loader"):
             rank = accelerate_run(cache, model, use_loader=scenario == "accelerate-loader")
         elif scenario == "lightning":
