@@ -29,8 +29,9 @@ What it shows (copy it):
   ``split="train"``). :class:`ShardTrainer` reads it without accelerate's wrappers
   (``get_eval_dataloader``) and reports ``eval_loss`` as the mean over every label token of
   the split, on any number of processes: Trainer's own figure averages the batches' mean
-  losses, which weighs a token by its batch's size and counts the all-ignored filler batches
-  of an evaluation pass under torchrun (see docs/guide/evaluation.md);
+  losses (a token weighs as much as its batch is small) and under torchrun pools each step's
+  batches over the ranks first, so it changes with the number of processes (see
+  docs/guide/evaluation.md);
 * ``remove_unused_columns`` does not apply (it is for ``datasets.Dataset``): the model receives
   the batch, ``meta`` included, which transformers' causal LMs ignore (strict models: see
   ``shardcache.model_inputs``).
@@ -66,7 +67,7 @@ class ShardTrainer(Trainer):
     """``Trainer`` whose batches come from shardcache, with a per-token evaluation loss.
 
     Training reads ``shard_loader``; evaluation reads ``eval_dataset`` (a ``ShardDataset`` with
-    ``eval=True``, or a ``ShardLoader`` over one) as it is, without accelerate's wrappers.
+    ``eval=True``) as it is, without accelerate's wrappers.
     ``eval_loss`` is the sum of the token losses of every label token over every process,
     divided by their count (``eval_tokens``).
     """
@@ -82,8 +83,6 @@ class ShardTrainer(Trainer):
 
     def get_eval_dataloader(self, eval_dataset: Any = None) -> Any:
         data = eval_dataset if eval_dataset is not None else self.eval_dataset
-        if isinstance(data, shardcache.ShardLoader):
-            return data
         if isinstance(data, shardcache.ShardDataset):
             return DataLoader(data, batch_size=None)  # whole batches, this rank's own
         return super().get_eval_dataloader(eval_dataset)
