@@ -50,6 +50,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.readahead import ReadAheadOptions
     from shardcache.read.splits import Split
+    from shardcache.read.trainer_callback import StallMonitorCallback
     from shardcache.read.transforms import FIM, SpanMask
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.export import ExportOptions, ExportReport, export_cache
@@ -96,6 +97,7 @@ _LAZY: dict[str, str] = {
     "SpanMask": "shardcache.read.transforms",
     "Split": "shardcache.read.splits",
     "StallMonitor": "shardcache.read.prefetch",
+    "StallMonitorCallback": "shardcache.read.trainer_callback",
     "SourceOptions": "shardcache.config",
     "SourceShare": "shardcache.read.mixture",
     "TokenizeOptions": "shardcache.config",
@@ -146,6 +148,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SpanMask",
     "Split",
     "StallMonitor",
+    "StallMonitorCallback",
     "StateError",
     "TokenizeOptions",
     "TokenizerError",
