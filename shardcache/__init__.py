@@ -38,7 +38,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StateError,
         TokenizerError,
     )
-    from shardcache.read.dataset import ShardDataset, model_inputs
+    from shardcache.read.dataset import ShardDataset, model_inputs, pair_logps
     from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.mixture import MixtureTable, Source, SourceShare
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
@@ -107,6 +107,7 @@ _LAZY: dict[str, str] = {
     "loader": "shardcache.read.loader",
     "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
+    "pair_logps": "shardcache.read.dataset",
     "plan_epoch": "shardcache.read.plan",
     "verify_cache": "shardcache.store.verify",
 }
@@ -159,6 +160,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "loader",
     "model_inputs",
     "open_cache",
+    "pair_logps",
     "plan_epoch",
     "verify_cache",
 ]

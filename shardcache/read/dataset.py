@@ -29,7 +29,7 @@ from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
 from shardcache.read import kernels
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
-from shardcache.read.collate import pack_batch, packed_layout, pad_batch
+from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
 from shardcache.read.mixed_cache import MixedCache
 from shardcache.read.mixture import (
     Mixture,
@@ -304,11 +304,13 @@ class ShardDataset(IterableDataset):
         #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
         self._pairs = isinstance(cache, Cache) and cache.is_preference
         if self._pairs:
-            _check_pair_options(cache, self.options, self._split_rows)
+            assert isinstance(cache, Cache)
+            _check_pair_options(cache, self.options)
+            self._split_rows = _pair_units(cache, self._split_rows)
         self.pad_id = cache.pad_id
         lengths = np.asarray(cache.lengths)
         self._lengths: np.ndarray | None = (
-            _pair_lengths(lengths, np.maximum) if self._pairs else lengths
+            _pair_lengths(lengths, self._pair_combine) if self._pairs else lengths
         )
         self._buckets: np.ndarray | None = None  # every sample id's: only the global plan's
         self._shard_index: ShardIndex | None = None  # a cache's (a mixture's is per epoch)
@@ -387,13 +389,6 @@ class ShardDataset(IterableDataset):
             open_shards = shards_within_file_limit(OPEN_SHARDS, len(self._sources))
             return MixedCache(self._sources, expect, open_shards=open_shards)
         cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
-        if cache.is_preference and self.options.mode != "pad":
-            cache.close()
-            raise ConfigError(
-                f"{self.path}: a preference cache reads in mode='pad' only (a pair's chosen and "
-                f"rejected rows adjacent in one batch); got mode={self.options.mode!r}: pack mode "
-                "for pairs is not built yet, see docs/guide/preference.md"
-            )
         if expect is not None:  # CacheKeyMismatch names the fields
             verify_manifest_key(cache.manifest, expect, self.path)
         return cache
@@ -440,8 +435,13 @@ class ShardDataset(IterableDataset):
         """The length of every planning unit: a sample id's, or a pair's longer side."""
         if self._lengths is None:
             lengths = self._sample_lengths()
-            self._lengths = _pair_lengths(lengths, np.maximum) if self._pairs else lengths
+            self._lengths = _pair_lengths(lengths, self._pair_combine) if self._pairs else lengths
         return self._lengths
+
+    @property
+    def _pair_combine(self) -> Any:
+        """A pair unit's length from its sides': the longer (pad: two rows), the sum (pack)."""
+        return np.add if self.options.mode == "pack" else np.maximum
 
     def _sample_lengths(self) -> np.ndarray:
         """The length of every sample id (a memory map of the cache's index)."""
@@ -449,8 +449,8 @@ class ShardDataset(IterableDataset):
 
     @property
     def _planning(self) -> PlanOptions:
-        """The planners' options: for pairs half the budget, as each unit is two rows."""
-        if not self._pairs:
+        """The planners' options: for pairs in pad mode half the budget (a unit is two rows)."""
+        if not self._pairs or self.options.mode == "pack":
             return self.options
         return dataclasses.replace(self.options, max_tokens=self.options.max_tokens // 2)
 
@@ -551,11 +551,8 @@ class ShardDataset(IterableDataset):
             if self._shard_index is None:
                 cache = self._open()
                 assert isinstance(cache, Cache)
-                if self._pairs:
-                    self._shard_index = _pair_shard_index(cache, self._all_lengths())
-                else:
-                    rows = self._split_rows
-                    self._shard_index = _shard_index(cache, self._all_lengths(), rows)
+                rows = self._split_rows
+                self._shard_index = _shard_index(cache, self._all_lengths(), rows, self._pairs)
             index = self._shard_index
         return StreamLayout(
             index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
@@ -1117,6 +1114,8 @@ class ShardDataset(IterableDataset):
         return batch
 
     def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
+        if self._pairs and self.options.mode == "pack":
+            return self._collate_pair_packed(plan, index)
         if self._pairs:  # units -> rows 2u (chosen), 2u + 1 (rejected), adjacent
             units = np.asarray(plan.batch(index), dtype=np.int64)
             batch = self.collate(_pair_samples(units))
@@ -1242,11 +1241,33 @@ class ShardDataset(IterableDataset):
             ids, starts, taken, row_bounds = plan.packed_segments(index)
             batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len)
             meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        self._add_attention(batch)
+        return _to_batch(batch, meta)
+
+    def _collate_pair_packed(self, plan: EpochPlan, index: int) -> Batch:
+        """A packed batch of pair units: unit u is segments 2u (chosen), 2u + 1 (rejected).
+
+        Both sides of a pair are whole segments of one row, adjacent; a row's padding is a
+        segment of its own after them (``pair_ids`` and ``side`` -1), never part of a pair's.
+        """
+        units, _, _, unit_bounds = plan.packed_segments(index)
+        ids = _pair_samples(units)
+        starts = np.zeros(len(ids), dtype=np.int64)
+        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, int(self.options.seq_len or 0))
+        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        sample_ids = np.asarray(meta["sample_ids"])
+        real = sample_ids >= 0
+        meta["pair_ids"] = np.where(real, sample_ids // 2, -1)
+        meta["side"] = np.where(real, sample_ids % 2, -1)
+        self._add_attention(batch)
+        return _to_batch(batch, meta)
+
+    def _add_attention(self, batch: dict[str, Any]) -> None:
+        """Add the keys of ``attention`` that keep a packed batch's segments apart."""
         if self.attention == "mask":
             batch["attention_mask"] = block_causal_mask(np.asarray(batch["position_ids"]))
         elif self.attention == "varlen":
             batch.update(varlen_keys(np.asarray(batch["position_ids"])))
-        return _to_batch(batch, meta)
 
     def _pack_numpy(
         self,
@@ -1258,7 +1279,8 @@ class ShardDataset(IterableDataset):
     ) -> dict[str, Any]:
         """A packed batch on the numpy path: gathered, then laid out by collate.py."""
         slots = (len(row_bounds) - 1) * seq_len
-        lengths = self._all_lengths()[ids] - starts if taken is None else taken
+        every = self._sample_lengths() if self._pairs else self._all_lengths()
+        lengths = every[ids] - starts if taken is None else taken
         laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
         layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
         got = self._gather(ids, starts, taken, layout)
@@ -1401,6 +1423,65 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "meta"}
 
 
+def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair of a preference batch, the summed log-probabilities of its two completions.
+
+    What a DPO-style loss compares: for every sequence of the batch, the sum over its target
+    tokens (labels other than -100: the completion, never the prompt or padding) of the
+    log-probability the model gave it, the logits at position ``t`` scoring the label at
+    ``t + 1`` of the same sequence. Pad mode: a sequence per row; pack mode: a segment of
+    ``meta["cu_seqlens"]`` (a row's padding is a segment of no pair).
+
+    Args:
+        logits: the model's ``R x L x V`` logits over ``batch["input_ids"]`` (any float dtype;
+            summed in float32).
+        batch: a batch of a preference cache from [`ShardDataset`][shardcache.ShardDataset],
+            pad or pack mode, with its ``labels`` and ``meta`` (``pair_ids``, ``side``).
+
+    Returns:
+        ``(chosen, rejected)``: float32 tensors with one value per pair of the batch, on the
+        device of ``logits``; entry ``k`` of both is pair ``meta["pair_ids"][meta["side"] ==
+        0][k]`` (the pairs in batch order).
+
+    Raises:
+        ConfigError: ``batch`` is not a batch of a preference cache, or ``logits`` do not match
+            its ``labels``.
+    """
+    meta = batch.get("meta") if isinstance(batch, dict) else None
+    if not isinstance(meta, dict) or "side" not in meta or "labels" not in batch:
+        raise ConfigError(
+            "pair_logps: batch has no labels and meta['side']; pass a batch that "
+            "ShardDataset yields over a preference cache (built with --preference)"
+        )
+    labels = batch["labels"]
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ConfigError(
+            f"pair_logps: logits of shape {tuple(logits.shape)} for labels of shape "
+            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
+            "(rows x length x vocabulary)"
+        )
+    device = logits.device
+    rows, width = labels.shape
+    targets = labels.to(device)[:, 1:]
+    scored = logits[:, :-1].float()
+    picked = scored.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_logps = picked - torch.logsumexp(scored, dim=-1)
+    valid = targets != IGNORE_INDEX
+    side = meta["side"].to(device)
+    if "cu_seqlens" in meta:  # pack mode: the segment of every target's flat position
+        at = (
+            torch.arange(1, width, device=device)
+            + width * torch.arange(rows, device=device)[:, None]
+        )
+        cu = meta["cu_seqlens"].to(device=device, dtype=torch.int64)
+        segment = torch.searchsorted(cu, at, right=True) - 1
+    else:  # pad mode: a row per sequence
+        segment = torch.arange(rows, device=device)[:, None].expand(rows, width - 1)
+    sums = torch.zeros(len(side), dtype=torch.float32, device=device)
+    sums.index_add_(0, segment[valid], token_logps[valid])
+    return sums[side == 0], sums[side == 1]
+
+
 class _SharedPosition:
     """``[generation, epoch, cursor, loaded]`` shared by a ShardDataset and its workers' copies.
 
@@ -1469,14 +1550,27 @@ def _split_rows(cache: Cache, split: str | None, splits: Split | None) -> np.nda
     return split_ids(cache, splits, split)
 
 
-def _shard_index(cache: Cache, lengths: np.ndarray, rows: np.ndarray | None) -> ShardIndex:
-    """The stream planner's view of a cache, or of the sample ids ``rows`` (a split) of it."""
-    if rows is None:
+def _shard_index(
+    cache: Cache, lengths: np.ndarray, rows: np.ndarray | None, pairs: bool = False
+) -> ShardIndex:
+    """The stream planner's view of a cache, or of the units ``rows`` (a split) of it.
+
+    ``pairs``: a preference cache, whose units are pairs (``lengths`` and ``rows`` per pair; its
+    shards are cut between pairs, so a shard's first pair is its first row halved).
+    """
+    shard_starts = np.asarray(cache.shard_starts, dtype=np.int64)
+    if pairs:
+        shard_starts = shard_starts // 2
+    elif rows is None:
         tokens = np.fromiter((int(i["tokens"]) for i in cache.shards), np.int64)
         return ShardIndex(cache.shard_starts, tokens, cache.shard_buckets, lengths)
-    starts = np.searchsorted(rows, cache.shard_starts, side="left").astype(np.int64)
-    cum = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths[rows], dtype=np.int64), out=cum[1:])
+    if rows is None:
+        starts, taken = shard_starts, np.asarray(lengths, dtype=np.int64)
+    else:
+        starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
+        taken = np.asarray(lengths[rows], dtype=np.int64)
+    cum = np.zeros(len(taken) + 1, dtype=np.int64)
+    np.cumsum(taken, out=cum[1:])
     return ShardIndex(
         starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, lengths, rows
     )
@@ -1493,23 +1587,43 @@ def _pair_samples(units: np.ndarray) -> np.ndarray:
     return (2 * np.asarray(units, dtype=np.int64)[:, None] + np.arange(2)).ravel()
 
 
-def _pair_shard_index(cache: Cache, units: np.ndarray) -> ShardIndex:
-    """The stream planner's view of a preference cache: shard rows and tokens in pair units."""
-    starts = np.asarray(cache.shard_starts, dtype=np.int64) // 2  # (shards cut between pairs)
-    cum = np.zeros(len(units) + 1, dtype=np.int64)
-    np.cumsum(units, out=cum[1:])
-    return ShardIndex(starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, units)
-
-
-def _check_pair_options(cache: Cache, options: PlanOptions, rows: np.ndarray | None) -> None:
-    """Refuse what pad-mode pair reading cannot honour: a split, a budget below a pair."""
-    if rows is not None:
+def _pair_units(cache: Cache, rows: np.ndarray | None) -> np.ndarray | None:
+    """The pairs of a split's sample ids ``rows`` (ascending): both sides share one record."""
+    if rows is None:
+        return None
+    units = rows[rows % 2 == 0] // 2
+    if len(rows) != 2 * len(units) or not np.array_equal(rows, _pair_samples(units)):
         cache.close()
         raise ConfigError(
-            "split: a preference cache cannot be split yet (a split would part a pair's two "
-            "rows); drop split= and splits=, or split the records before building"
+            f"split: {cache.path!r} holds pairs whose chosen and rejected sides have different "
+            "document keys, so a split would part them; rebuild the cache with this version "
+            "(both sides of a pair carry the pair's record)"
         )
+    return units
+
+
+def _check_pair_options(cache: Cache, options: PlanOptions) -> None:
+    """Refuse what pair reading cannot honour: a budget below a pair, a pair split in a row."""
     lengths = np.asarray(cache.lengths)
+    if options.mode == "pack":
+        if options.packing != "best_fit":
+            cache.close()
+            raise ConfigError(
+                f"packing: got {options.packing!r} with a preference cache; a pair's two "
+                "sequences go whole into one row, which packing='best_fit' does and 'concat' "
+                "(cutting every seq_len tokens) does not. Pass packing='best_fit'"
+            )
+        sums = np.asarray(lengths[0::2], dtype=np.int64) + lengths[1::2]
+        longest_pair = int(sums.max()) if len(sums) else 0
+        if longest_pair > int(options.seq_len or 0):
+            cache.close()
+            raise ConfigError(
+                f"seq_len: {options.seq_len} cannot hold a preference pair: a packed row holds "
+                f"both sequences of a pair, and the longest pair has {longest_pair} tokens "
+                f"(chosen + rejected); raise seq_len to at least {longest_pair}, or rebuild the "
+                "cache with a lower --max-length"
+            )
+        return
     longest = int(options.padded(int(lengths.max()))) if len(lengths) else 0
     if 2 * longest > options.max_tokens:
         cache.close()
