@@ -33,6 +33,7 @@ from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad
 from shardcache.read.mixed_cache import MixedCache
 from shardcache.read.mixture import (
     Mixture,
+    MixtureIndex,
     MixtureTable,
     Source,
     as_sources,
@@ -278,11 +279,16 @@ class ShardDataset(IterableDataset):
             self._split_rows, self.split_name, self.splits = None, split, splits
             cache = self._open_cache(expect)
             assert isinstance(cache, MixedCache)
-            if any(c.is_preference for c in cache.caches):
+            kinds = [c.is_preference for c in cache.caches]
+            if any(kinds) and not all(kinds):
                 cache.close()
+                pairs = [s.label for s, k in zip(sources, kinds) if k]
+                others = [s.label for s, k in zip(sources, kinds) if not k]
                 raise ConfigError(
-                    f"{self.path}: a mixture with a preference cache; pairs are read from one "
-                    "cache at a time for now (ShardDataset(path)), see docs/guide/preference.md"
+                    f"{self.path}: sources {pairs} are preference caches and {others} are not; "
+                    "a batch of pairs holds no plain sequence, so a mixture mixes preference "
+                    "caches with each other only. Read the others in a ShardDataset of their "
+                    "own, see docs/guide/preference.md"
                 )
             rows = None  # each source's side: the sample ids one cache's split reads
             if self._source_splits is not None:
@@ -290,10 +296,15 @@ class ShardDataset(IterableDataset):
                 rows = tuple(
                     split_ids(c, own, split) for c, own in zip(cache.caches, self._source_splits)
                 )
+                if all(kinds):  # a preference source's side in pairs
+                    rows = tuple(_pair_units(c, r) for c, r in zip(cache.caches, rows))
             table = cache.table(tokens_per_epoch, rows, split, once=self.eval)
             digests = tuple(cache_digest(c.manifest) for c in cache.caches)
+            # a mixture of preference caches plans pairs: unit u of source s is its pair
+            # u - offsets[s], sample ids 2u and 2u + 1 of the mixture's (even) sample space
+            index = cache.index if not all(kinds) else MixtureIndex(cache.index.offsets // 2)
             self._mixture = Mixture(
-                sources, table, cache.index, digests, tokens_per_epoch, rows, self.eval
+                sources, table, index, digests, tokens_per_epoch, rows, self.eval
             )
             mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
             self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
@@ -302,11 +313,15 @@ class ShardDataset(IterableDataset):
                 terms = (*terms, self._split_state(), self.eval)
             self._data_identity = _data_identity(cache.caches, *terms)
         #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
-        self._pairs = isinstance(cache, Cache) and cache.is_preference
+        self._pairs = (
+            all(c.is_preference for c in cache.caches)
+            if isinstance(cache, MixedCache)
+            else cache.is_preference
+        )
         if self._pairs:
-            assert isinstance(cache, Cache)
             _check_pair_options(cache, self.options)
-            self._split_rows = _pair_units(cache, self._split_rows)
+            if isinstance(cache, Cache) and self._split_rows is not None:
+                self._split_rows = _pair_units(cache, self._split_rows)
         self.pad_id = cache.pad_id
         lengths = np.asarray(cache.lengths)
         self._lengths: np.ndarray | None = (
@@ -438,6 +453,12 @@ class ShardDataset(IterableDataset):
             self._lengths = _pair_lengths(lengths, self._pair_combine) if self._pairs else lengths
         return self._lengths
 
+    def _counted_lengths(self) -> np.ndarray:
+        """The tokens every unit counts toward a mixture's targets: a pair's both sides'."""
+        if not self._pairs:
+            return self._all_lengths()
+        return _pair_lengths(self._sample_lengths(), np.add)
+
     @property
     def _pair_combine(self) -> Any:
         """A pair unit's length from its sides': the longer (pad: two rows), the sum (pack)."""
@@ -564,10 +585,13 @@ class ShardDataset(IterableDataset):
         cache = self._open()
         assert isinstance(cache, MixedCache)
         lengths, buckets = self._index()
-        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch))
-        offsets = cache.index.offsets
+        counted = self._counted_lengths()
+        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch, counted=counted))
+        offsets = self._mixture.index.offsets  # (a preference mixture's: in pairs)
+        halve = 2 if self._pairs else 1  # (a preference cache's shards are cut between pairs)
         shard_starts = np.concatenate(
-            [c.shard_starts[:-1] + offsets[s] for s, c in enumerate(cache.caches)] + [offsets[-1:]]
+            [c.shard_starts[:-1] // halve + offsets[s] for s, c in enumerate(cache.caches)]
+            + [offsets[-1:]]
         ).astype(np.int64)
         starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
         taken = np.asarray(lengths[rows], dtype=np.int64)
@@ -666,7 +690,7 @@ class ShardDataset(IterableDataset):
     def _plan_epoch(self, epoch: int) -> EpochPlan:
         args = (*self._index(), self._planning, self.seed, epoch)
         if self._mixture is not None:
-            return self._mixture.plan(*args)
+            return self._mixture.plan(*args, counted=self._counted_lengths())
         rows = self._split_rows
         if rows is None:
             return plan_epoch(*args)
@@ -1108,9 +1132,13 @@ class ShardDataset(IterableDataset):
         meta = batch["meta"]
         if self._mixture is not None and "source_ids" not in meta:  # (else the kernels did)
             # the numpy path: mixture ids -> (source, sample id in the source)
-            source, local = self._mixture.index.locate(meta["sample_ids"].numpy())
+            cache = self._open()
+            assert isinstance(cache, MixedCache)
+            source, local = cache.index.locate(meta["sample_ids"].numpy())
             meta["sample_ids"] = torch.from_numpy(local)
             meta["source_ids"] = torch.from_numpy(source)
+            if self._pairs:  # a pair's number in its source
+                meta["pair_ids"] = torch.from_numpy(np.where(local >= 0, local // 2, -1))
         return batch
 
     def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
@@ -1202,7 +1230,7 @@ class ShardDataset(IterableDataset):
         table = self._table(cache)
         if table is None:
             return None
-        sources = None if self._mixture is None else self._mixture.index.offsets
+        sources = None if self._mixture is None else self._open().index.offsets  # (samples)
         self._batch_kernels = kernels.BatchKernels(
             cache, table, plan, self.options.max_tokens, sources
         )
@@ -1587,10 +1615,8 @@ def _pair_samples(units: np.ndarray) -> np.ndarray:
     return (2 * np.asarray(units, dtype=np.int64)[:, None] + np.arange(2)).ravel()
 
 
-def _pair_units(cache: Cache, rows: np.ndarray | None) -> np.ndarray | None:
+def _pair_units(cache: Cache, rows: np.ndarray) -> np.ndarray:
     """The pairs of a split's sample ids ``rows`` (ascending): both sides share one record."""
-    if rows is None:
-        return None
     units = rows[rows % 2 == 0] // 2
     if len(rows) != 2 * len(units) or not np.array_equal(rows, _pair_samples(units)):
         cache.close()
@@ -1602,7 +1628,7 @@ def _pair_units(cache: Cache, rows: np.ndarray | None) -> np.ndarray | None:
     return units
 
 
-def _check_pair_options(cache: Cache, options: PlanOptions) -> None:
+def _check_pair_options(cache: Cache | MixedCache, options: PlanOptions) -> None:
     """Refuse what pair reading cannot honour: a budget below a pair, a pair split in a row."""
     lengths = np.asarray(cache.lengths)
     if options.mode == "pack":

@@ -526,17 +526,32 @@ class Mixture:
         seed: int,
         epoch: int,
         on_source: Callable[[str], None] | None = None,
+        counted: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The mixture ids an epoch plans over, one per use of a document."""
+        """The mixture ids an epoch plans over, one per use of a document.
+
+        ``counted``: the tokens each id counts toward its source's target (default ``lengths``;
+        a preference pair's both sides, where the planner's length is the longer side).
+        """
         keys = tuple(source_seed(d) for d in self.digests)
+        counted = lengths if counted is None else counted
         return mixture_documents(
-            lengths, self.index, self.table, keys, seed, epoch, on_source, self.rows, self.once
+            counted, self.index, self.table, keys, seed, epoch, on_source, self.rows, self.once
         )
 
     def plan(
-        self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
+        self,
+        lengths: np.ndarray,
+        buckets: np.ndarray,
+        options: PlanOptions,
+        seed: int,
+        epoch: int,
+        counted: np.ndarray | None = None,
     ) -> EpochPlan:
-        """The global batches of an epoch (logged, with a progress bar, when it is large)."""
+        """The global batches of an epoch (logged, with a progress bar, when it is large).
+
+        ``counted`` as for ``documents``; ``lengths`` are what the planner packs or pads.
+        """
         started = time.perf_counter()
         expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
         loud = expected >= LOG_MIN_DOCUMENTS
@@ -547,7 +562,7 @@ class Mixture:
             )  # fmt: skip
         progress = _PlanProgress(loud, epoch, len(self.sources), expected)
         try:
-            chosen = self.documents(lengths, seed, epoch, progress.source_done)
+            chosen = self.documents(lengths, seed, epoch, progress.source_done, counted)
             progress.batches_started()
             plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
             progress.batches_done()

@@ -1,0 +1,122 @@
+"""Mixtures of preference caches: pairs are the units, a repetition repeats a pair whole; a
+preference cache mixed with a non-preference one is refused."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import assert_resumable, make_string_pairs, make_texts, write_records
+from shardcache import ConfigError, ShardDataset, Source, open_cache
+
+PACK = {"mode": "pack", "seq_len": 64, "attention": "varlen"}
+
+
+def build(folder, records, tokenizer_dir, **values) -> str:
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    path = write_records(str(folder / "in.jsonl"), records, "jsonl")
+    out = str(folder / "cache")
+    build_cache(build_options_from_mapping({
+        "input": path, "tokenizer": tokenizer_dir, "output": out, "workers": 1, **values,
+    }))  # fmt: skip
+    return out
+
+
+@pytest.fixture(scope="module")
+def small_pairs(tmp_path_factory, tokenizer_dir) -> str:
+    """A second preference cache: 80 pairs, upsampled by the mixtures below."""
+    folder = tmp_path_factory.mktemp("prefs-small")
+    return build(folder, make_string_pairs(80, seed=9), tokenizer_dir, kind="preference",
+                 buckets="16,32", shard_size=4096)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def mixture(pairs_cache, small_pairs) -> list[Source]:
+    return [Source(pairs_cache, weight=1.0, name="big"),
+            Source(small_pairs, weight=0.5, max_repetitions=4.0, name="small")]  # fmt: skip
+
+
+def pairs_of(batch, caches) -> list[tuple[int, int]]:
+    """(source, pair) of every pair of a batch, each whole: chosen then rejected, adjacent, read
+    from its own source."""
+    meta = batch["meta"]
+    keys = ("sample_ids", "source_ids", "pair_ids", "side")
+    ids, sources, pairs, side = (meta[k].tolist() for k in keys)
+    if "cu_seqlens" in meta:
+        cu, flat = meta["cu_seqlens"].tolist(), batch["input_ids"].reshape(-1)
+        tokens = [flat[cu[k] : cu[k + 1]].tolist() for k in range(len(ids))]
+    else:
+        mask = batch["attention_mask"].bool()
+        tokens = [batch["input_ids"][r][mask[r]].tolist() for r in range(len(ids))]
+    out = []
+    for k, s in enumerate(side):
+        if s != 0:
+            assert s == 1 or ids[k] == -1
+            continue
+        assert side[k + 1] == 1 and (sources[k], pairs[k]) == (sources[k + 1], pairs[k + 1])
+        assert ids[k : k + 2] == [2 * pairs[k], 2 * pairs[k] + 1]
+        for j in (k, k + 1):
+            assert tokens[j] == caches[sources[j]].read(ids[j]).tolist()
+        out.append((sources[k], pairs[k]))
+    return out
+
+
+@pytest.mark.parametrize("streams", [0, 3])
+@pytest.mark.parametrize("extra", [{}, PACK])
+def test_a_mixture_of_preference_caches_reads_whole_pairs(mixture, streams, extra):
+    caches = [open_cache(s.path) for s in mixture]
+    ds = ShardDataset(mixture, 256, seed=1, streams=streams, shuffle_block=64, **extra)
+    table = ds.mixture
+    assert table is not None
+    assert [s.documents for s in table.sources] == [c.num_sequences // 2 for c in caches]
+    seen = [p for b in ds for p in pairs_of(b, caches)]
+    per_source = [[p for s, p in seen if s == k] for k in range(2)]
+    # the big source once at most, the small one upsampled: pairs repeated whole, none lost
+    assert len(per_source[0]) == len(set(per_source[0]))
+    small = np.bincount(per_source[1], minlength=caches[1].num_sequences // 2)
+    assert small.max() >= 2
+    if streams == 0:  # the global plan drops nothing: the small source's shares are exact
+        assert small.min() >= int(table.sources[1].repetitions)
+    lengths = [np.asarray(c.lengths, dtype=np.int64) for c in caches]
+    tokens = [sum(int(lengths[s][2 * p] + lengths[s][2 * p + 1]) for p in per_source[s])
+              for s in range(2)]  # fmt: skip
+    for row, got in zip(table.sources, tokens):
+        if streams == 0:
+            longest = int((lengths[0][0::2] + lengths[0][1::2]).max())
+            assert abs(got - row.tokens_per_epoch) <= 2 * longest
+        else:  # (streams even out: a few batches may drop)
+            assert got <= row.tokens_per_epoch + 64 and got > 0.8 * row.tokens_per_epoch
+
+
+def test_resume_is_exact(mixture):
+    def make():
+        return ShardDataset(mixture, 128, seed=5, rank=1, world_size=2, streams=2)
+
+    full = assert_resumable(
+        make, lambda ds: ds, key=lambda b: b["meta"]["sample_ids"].tolist(), steps=[0, 2, 7, 15]
+    )
+    assert len(full) > 15
+
+
+def test_ranks_equal_batches_no_pair_split(mixture):
+    caches = [open_cache(s.path) for s in mixture]
+    counts = []
+    for rank in range(3):
+        ds = ShardDataset(mixture, 128, seed=2, rank=rank, world_size=3, streams=3, **PACK)
+        batches = list(ds)
+        counts.append(len(batches))
+        for b in batches:
+            pairs_of(b, caches)
+    assert len(set(counts)) == 1 and counts[0] > 2
+
+
+def test_a_preference_cache_with_a_text_cache_is_refused(
+    pairs_cache, tmp_path_factory, tokenizer_dir
+):
+    folder = tmp_path_factory.mktemp("mix-text")
+    text = build(folder, [{"text": t} for t in make_texts(20, seed=3, max_words=20)],
+                 tokenizer_dir)  # fmt: skip
+    with pytest.raises(ConfigError, match=r"\['pairs'\] are preference caches and \['plain'\]"):
+        ShardDataset([Source(pairs_cache, name="pairs"), Source(text, name="plain")], 256)
