@@ -1468,8 +1468,8 @@ def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tenso
 
     Returns:
         ``(chosen, rejected)``: float32 tensors with one value per pair of the batch, on the
-        device of ``logits``; entry ``k`` of both is pair ``meta["pair_ids"][meta["side"] ==
-        0][k]`` (the pairs in batch order).
+        device of ``logits``; entry ``k`` of both is the batch's ``k``-th pair, whose id is
+        the ``k``-th ``meta["pair_ids"]`` entry with ``meta["side"]`` 0.
 
     Raises:
         ConfigError: ``batch`` is not a batch of a preference cache, or ``logits`` do not match
