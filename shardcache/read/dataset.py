@@ -1210,10 +1210,15 @@ class ShardDataset(IterableDataset):
 
     @property
     def reads_compiled(self) -> bool:
-        """Whether the compiled kernels build batches here (numba, a local uncompressed cache)."""
+        """Whether the compiled kernels build batches here (numba, a local uncompressed cache).
+
+        Never for preference pairs: the numpy path collates them.
+        """
         # (a remote cache keeps no Cache here)
         cache = self._cache
-        return self.transform is None and cache is not None and self._table(cache) is not None
+        if self._pairs or self.transform is not None or cache is None:
+            return False
+        return self._table(cache) is not None
 
     def _table(self, cache: Cache | MixedCache) -> MappedTable | None:
         if not self.kernels or not kernels.available(cache.dtype):

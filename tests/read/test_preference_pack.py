@@ -148,3 +148,13 @@ def test_a_pair_longer_than_a_row_says_how_long(pairs_cache):
 def test_concat_packing_is_refused(pairs_cache):
     with pytest.raises(ConfigError, match="packing='best_fit'"):
         pack(pairs_cache, packing="concat")
+
+
+@pytest.mark.parametrize("extra", [{}, {"mode": "pack", "seq_len": SEQ_LEN, "attention": "mask"}])
+def test_pairs_say_they_read_on_the_numpy_path(pairs_cache, extra):
+    """Pairs are collated by numpy, so ``shardcache.loader`` gives them workers by default."""
+    from shardcache import loader
+
+    ds = ShardDataset(pairs_cache, 4 * SEQ_LEN, **extra)
+    assert not ds.reads_compiled
+    assert loader(pairs_cache, 4 * SEQ_LEN, **extra).dataloader.num_workers > 0
