@@ -296,13 +296,15 @@ class ShardDataset(IterableDataset):
                 rows = tuple(
                     split_ids(c, own, split) for c, own in zip(cache.caches, self._source_splits)
                 )
-                if all(kinds):  # a preference source's side in pairs
-                    rows = tuple(_pair_units(c, r) for c, r in zip(cache.caches, rows))
             table = cache.table(tokens_per_epoch, rows, split, once=self.eval)
             digests = tuple(cache_digest(c.manifest) for c in cache.caches)
-            # a mixture of preference caches plans pairs: unit u of source s is its pair
-            # u - offsets[s], sample ids 2u and 2u + 1 of the mixture's (even) sample space
-            index = cache.index if not all(kinds) else MixtureIndex(cache.index.offsets // 2)
+            index = cache.index
+            if all(kinds):
+                # a mixture of preference caches plans pairs: unit u of source s is its pair
+                # u - offsets[s], sample ids 2u and 2u + 1 of the mixture's (even) sample space
+                index = MixtureIndex(cache.index.offsets // 2)
+                if rows is not None:
+                    rows = tuple(_pair_units(c, r) for c, r in zip(cache.caches, rows))
             self._mixture = Mixture(
                 sources, table, index, digests, tokens_per_epoch, rows, self.eval
             )

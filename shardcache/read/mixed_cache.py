@@ -168,19 +168,18 @@ class MixedCache:
         """The per-source targets (``solve_mixture``) of the caches, or of side ``side``.
 
         ``rows[s]``: the local ids of source ``s``'s side; ``once``: the table of an evaluation
-        pass (``once_table``). A preference cache's documents (and ``rows``) are its pairs,
-        each counting both sides' tokens.
+        pass (``once_table``). A preference cache's documents are its pairs (a side holds both
+        rows of a pair), each counting both sides' tokens.
         """
-        lengths = [np.asarray(c.lengths, dtype=np.int64) for c in self.caches]
-        lengths = [
-            n[0::2] + n[1::2] if c.is_preference else n for c, n in zip(self.caches, lengths)
-        ]
         if rows is None:
-            documents = [len(n) for n in lengths]
-            tokens = [int(np.sum(n, dtype=np.int64)) for n in lengths]
+            documents = [c.num_sequences // (2 if c.is_preference else 1) for c in self.caches]
+            tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
         else:
-            documents = [len(r) for r in rows]
-            tokens = [int(np.sum(n[r], dtype=np.int64)) for n, r in zip(lengths, rows)]
+            documents = [len(r) // (2 if c.is_preference else 1) for c, r in zip(self.caches, rows)]
+            tokens = [
+                int(np.sum(np.asarray(c.lengths)[r], dtype=np.int64))
+                for c, r in zip(self.caches, rows)
+            ]
         if once:
             return once_table(self.sources, documents, tokens)
         return solve_mixture(self.sources, documents, tokens, tokens_per_epoch, side)

@@ -3,11 +3,14 @@ preference cache mixed with a non-preference one is refused."""
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
 from conftest import assert_resumable, make_string_pairs, make_texts, write_records
-from shardcache import ConfigError, ShardDataset, Source, open_cache
+from shardcache import ConfigError, ShardDataset, Source, Split, open_cache
+from shardcache.read.splits import split_ids
 
 PACK = {"mode": "pack", "seq_len": 64, "attention": "varlen"}
 
@@ -120,3 +123,75 @@ def test_a_preference_cache_with_a_text_cache_is_refused(
                  tokenizer_dir)  # fmt: skip
     with pytest.raises(ConfigError, match=r"\['pairs'\] are preference caches and \['plain'\]"):
         ShardDataset([Source(pairs_cache, name="pairs"), Source(text, name="plain")], 256)
+
+
+# ---- held-out splits of every source -----------------------------------------------------------
+
+SPLIT = Split(validation=0.25, test=0.1)
+
+
+def side_pairs(mixture, name: str) -> set[tuple[int, int]]:
+    """(source, pair) of every pair on side ``name`` of ``SPLIT`` in each source."""
+    out = set()
+    for s, source in enumerate(mixture):
+        with open_cache(source.path) as cache:
+            rows = split_ids(cache, SPLIT, name)
+        assert np.array_equal(rows[1::2], rows[0::2] + 1)  # both sides of a pair, together
+        out |= {(s, int(r) // 2) for r in rows[0::2]}
+    return out
+
+
+@pytest.mark.parametrize("extra", [{"streams": 0}, {**PACK, "streams": 2}])
+def test_a_weighted_split_mixture_reads_whole_pairs_of_its_side(mixture, extra):
+    caches = [open_cache(s.path) for s in mixture]
+    ds = ShardDataset(mixture, 256, seed=4, split="train", splits=SPLIT, **extra)
+    table = ds.mixture
+    assert table is not None
+    want = side_pairs(mixture, "train")
+    assert [r.documents for r in table.sources] == [
+        sum(1 for s, _ in want if s == k) for k in range(2)
+    ]
+    seen = [p for b in ds for p in pairs_of(b, caches)]
+    assert set(seen) <= want
+    assert len({p for p in seen if p[0] == 0}) == len([p for p in seen if p[0] == 0])
+    assert max(seen.count(p) for p in seen if p[0] == 1) >= 2  # the small side upsampled
+
+
+@pytest.mark.parametrize("extra", [{"streams": 0}, {**PACK, "streams": 3}])
+def test_an_eval_pass_reads_every_pair_of_every_side_once(mixture, extra):
+    caches = [open_cache(s.path) for s in mixture]
+    want = side_pairs(mixture, "validation")
+    seen, counts = [], []
+    for rank in range(2):
+        ds = ShardDataset(mixture, 128, split="validation", splits=SPLIT, eval=True, rank=rank,
+                          world_size=2, **extra)  # fmt: skip
+        batches = list(ds)
+        counts.append(len(batches))
+        seen += [p for b in batches if not bool(b["meta"]["filler"]) for p in pairs_of(b, caches)]
+    assert counts[0] == counts[1]
+    assert sorted(seen) == sorted(want)
+
+
+def test_mix_counts_pairs_of_each_side(mixture, tmp_path):
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    recipe = tmp_path / "prefs.toml"
+    recipe.write_text(
+        'max_tokens = 256\nsplit = "train"\n[splits]\nvalidation = 0.25\ntest = 0.1\n'
+        + "".join(
+            f'[[source]]\npath = "{s.path}"\nname = "{s.label}"\nweight = {s.weight}\n'
+            f"max_repetitions = {s.max_repetitions}\n"
+            for s in mixture
+        )
+    )
+    got = CliRunner().invoke(main, ["mix", str(recipe), "--json"])
+    assert got.exit_code == 0, got.output
+    shown = json.loads(got.output)
+    ds = ShardDataset(mixture, 256, split="train", splits=SPLIT)
+    assert shown["sources"] == ds.mixture.to_json()["sources"]
+    want = side_pairs(mixture, "train")
+    assert [r["documents"] for r in shown["sources"]] == [
+        sum(1 for s, _ in want if s == k) for k in range(2)
+    ]
