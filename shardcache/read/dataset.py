@@ -1237,7 +1237,7 @@ class ShardDataset(IterableDataset):
         table = self._table(cache)
         if table is None:
             return None
-        sources = None if self._mixture is None else self._open().index.offsets  # (samples)
+        sources = None if self._mixture is None else self._mixture.index.offsets
         self._batch_kernels = kernels.BatchKernels(
             cache, table, plan, self.options.max_tokens, sources
         )
