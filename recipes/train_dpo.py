@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--lr", type=float, default=1e-3)
+    parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
     parser.add_argument(

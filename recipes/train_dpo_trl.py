@@ -49,7 +49,7 @@ PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
 
 
 def trl_pairs(cache_path: str) -> Dataset:
-    """The cache's pairs as TRL's pre-tokenized rows: ``prompt_ids``, ``chosen_ids``, ``rejected_ids``.
+    """The cache's pairs as TRL's rows of ``prompt_ids``, ``chosen_ids``, ``rejected_ids``.
 
     Row ``k`` is pair ``k``. Raises ``ValueError`` (naming the pair) when a side's trainable
     tokens are not one run to its end or the two sides' prompts differ.
@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> dict:
         max_length=None,  # the cache's max_length already bounds every side
         logging_steps=args.logging_steps,
         save_strategy="no",
-        gradient_checkpointing=False,  # TRL turns it on by default; a tiny model needs none
+        activation_checkpointing=False,  # TRL turns it on by default; a tiny model needs none
         report_to="none",
         seed=args.seed,
         use_cpu=not torch.cuda.is_available(),

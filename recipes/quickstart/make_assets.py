@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pkgutil
@@ -133,7 +134,7 @@ def write_preference_corpus() -> None:
     turns = []
     for line in data.splitlines():
         messages = json.loads(line)["messages"]
-        for question, answer in zip(messages, messages[1:]):
+        for question, answer in itertools.pairwise(messages):
             if question["role"] == "user" and answer["role"] == "assistant":
                 first = answer["content"].split("\n\n")[0].replace("\n", " ")
                 turns.append((question["content"], first.split(". ")[0].rstrip(".")[:200] + "."))
