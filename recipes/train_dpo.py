@@ -3,6 +3,8 @@
 
     shardcache build recipes/dpo.toml                       # 591 bundled pairs -> dpo-cache
     python recipes/train_dpo.py dpo-cache --steps 50
+    python recipes/train_dpo.py dpo-cache --steps 30 --save-state reader.json   # stop ...
+    python recipes/train_dpo.py dpo-cache --steps 20 --resume reader.json       # ... continue
     python recipes/train_dpo.py dpo-cache --overfit-batch --steps 20   # sanity check
 
 What it shows (copy it):
@@ -132,6 +134,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--resume", help="reader state JSON written by --save-state")
+    parser.add_argument("--save-state", help="write the reader state after the last step")
     parser.add_argument(
         "--overfit-batch", action="store_true", help="train on the first batch over and over"
     )
@@ -146,6 +150,9 @@ def main(argv: list[str] | None = None) -> dict:
     loader = shardcache.loader(
         args.cache, args.max_tokens, seed=args.seed, num_workers=args.num_workers, device=device
     )
+    if args.resume:
+        with open(args.resume, encoding="utf-8") as f:
+            loader.load_state_dict(json.load(f))
     vocab = int(cache.manifest["tokenizer"]["vocab_size"])
     longest = int(np.asarray(cache.lengths).max())
     policy = tiny_model(vocab, args.hidden, max(longest, 64), args.arch).to(device).train()
@@ -195,7 +202,10 @@ def main(argv: list[str] | None = None) -> dict:
                     break
             else:
                 epoch += 1
-        state = loader.state_dict()
+        state = loader.state_dict()  # exact: counts only the batches trained on
+    if args.save_state:
+        with open(args.save_state, "w", encoding="utf-8") as f:
+            json.dump(state, f)
     report = {
         "losses": losses,
         "accuracies": accuracies,

@@ -87,26 +87,12 @@ def test_dpo_recipe_builds_the_bundled_pairs(dpo_cache):
     assert cache.lookup(0).source.endswith("pairs.jsonl.zst") and cache.lookup(1).piece == 1
 
 
-def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(dpo_cache, capsys):
-    train = recipe("train_dpo")
-    report = train.main([dpo_cache, "--max-tokens", "512", "--steps", "6", "--overfit-batch",
-                         "--lr", "3e-4", "--hidden", "32",
-                         "--log-every", "3"])  # fmt: skip
-    losses = report["losses"]
-    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0: policy = reference
-    assert len(losses) == 6 and all(a > b for a, b in itertools.pairwise(losses))
-    assert report["accuracies"][-1] == 1.0
-    assert report["reference_forwards"] == 1  # the batch's reference log-probs, computed once
-    assert all(p == report["pairs"][0] for p in report["pairs"])
-    out = capsys.readouterr().out
-    assert "591 pairs" in out and "step 3: loss" in out and "step 6: loss" in out
-
-
-def test_train_dpo_epoch_reads_every_pair_once_llama(build_cache, tokenizer_dir, tmp_path):
+@pytest.fixture()
+def small_pairs_cache(build_cache, tokenizer_dir, tmp_path) -> str:
+    """60 string pairs of random words (vocab 600: fast steps)."""
     import random
 
     from conftest import WORDS, write_records
-    from shardcache import ShardDataset
 
     rng = random.Random(0)
     records = [
@@ -116,7 +102,13 @@ def test_train_dpo_epoch_reads_every_pair_once_llama(build_cache, tokenizer_dir,
         for _ in range(60)
     ]  # fmt: skip
     path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
-    cache = build_cache(path, tokenizer_dir, kind="preference", buckets="16,32")
+    return build_cache(path, tokenizer_dir, kind="preference", buckets="16,32")
+
+
+def test_train_dpo_epoch_reads_every_pair_once_llama(small_pairs_cache):
+    from shardcache import ShardDataset
+
+    cache = small_pairs_cache
     train = recipe("train_dpo")
     steps = len(ShardDataset(cache, 256, seed=0))
     report = train.main([cache, "--max-tokens", "256", "--steps", str(steps), "--arch", "llama",
@@ -125,6 +117,32 @@ def test_train_dpo_epoch_reads_every_pair_once_llama(build_cache, tokenizer_dir,
     assert sorted(pairs) == list(range(60)) and steps > 3
     assert report["reference_forwards"] == steps  # once per batch
     assert all(math.isfinite(x) for x in report["losses"])
+
+
+def test_train_dpo_resume_continues_the_same_pairs(small_pairs_cache, tmp_path):
+    train = recipe("train_dpo")
+    common = [small_pairs_cache, "--max-tokens", "192", "--hidden", "32", "--log-every", "100"]
+    full = train.main([*common, "--steps", "7"])
+    state = str(tmp_path / "reader.json")
+    head = train.main([*common, "--steps", "3", "--save-state", state])
+    tail = train.main([*common, "--steps", "4", "--resume", state])
+    assert head["pairs"] + tail["pairs"] == full["pairs"]
+    assert tail["state"] == full["state"]
+
+
+def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(small_pairs_cache, capsys):
+    train = recipe("train_dpo")
+    report = train.main([small_pairs_cache, "--max-tokens", "256", "--steps", "6",
+                         "--overfit-batch", "--lr", "3e-4", "--hidden", "32",
+                         "--log-every", "3"])  # fmt: skip
+    losses = report["losses"]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0: policy = reference
+    assert len(losses) == 6 and all(a > b for a, b in itertools.pairwise(losses))
+    assert report["accuracies"][-1] == 1.0
+    assert report["reference_forwards"] == 1  # the batch's reference log-probs, computed once
+    assert all(p == report["pairs"][0] for p in report["pairs"])
+    out = capsys.readouterr().out
+    assert "60 pairs" in out and "step 3: loss" in out and "step 6: loss" in out
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
