@@ -75,7 +75,8 @@ def trl_pairs(cache_path: str) -> Dataset:
         raise ValueError(
             f"{cache_path}: pair {k} (sample ids {2 * k}, {2 * k + 1}) does not split into a "
             "shared prompt and completions trained whole, the rows TRL's DPOTrainer reads "
-            f"({len(bad)} pairs like it); train on the cache's masks with recipes/train_dpo.py"
+            f"({len(bad)} of {len(prompt)} pairs are like it); train on the cache's masks with "
+            "recipes/train_dpo.py"
         )
     in_prompt = pos < first[row]
     chosen_row = row % 2 == 0

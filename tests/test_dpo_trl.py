@@ -179,3 +179,29 @@ def test_plain_dpo_trainer_tokenizes_again_so_cached_rows_need_the_adapter(pairs
     model = dpo.tiny_model(vocab, 32, 128)
     with pytest.raises(KeyError, match="chosen"):
         trl_trainer(adapter.trl_pairs(cache_path), tokenizer_dir, model, model, tmp_path)
+
+
+def test_trl_pairs_refuses_a_completion_with_an_untrained_turn_naming_the_pair(
+    tmp_path, build_cache, chatml_tokenizer_dir
+):
+    """TRL trains on the whole completion: a chosen side of two assistant turns around a user
+    turn (untrained) cannot become TRL's rows; a one-turn chat pair can."""
+
+    def turn(role: str, text: str) -> dict[str, str]:
+        return {"role": role, "content": text}
+
+    one = {"prompt": [turn("user", "2 + 2 ?")], "chosen": [turn("assistant", "4")],
+           "rejected": [turn("assistant", "5")]}  # fmt: skip
+    two = {"prompt": [turn("user", "3 + 3 ?")],
+           "chosen": [turn("assistant", "6"), turn("user", "sure ?"), turn("assistant", "yes")],
+           "rejected": [turn("assistant", "7")]}  # fmt: skip
+    adapter = recipe("train_dpo_trl")
+    path = write_records(str(tmp_path / "one.jsonl"), [one, one], "jsonl")
+    cache = build_cache(path, chatml_tokenizer_dir, kind="preference")
+    assert len(adapter.trl_pairs(cache)) == 2
+    path = write_records(str(tmp_path / "two.jsonl"), [one, two, one], "jsonl")
+    cache = build_cache(path, chatml_tokenizer_dir, kind="preference")
+    built = open_cache(cache)
+    k = next(k for k in range(3) if built.lookup(2 * k).record == 1)  # the two-turn pair
+    with pytest.raises(ValueError, match=rf"pair {k} \(sample ids {2 * k}, .*\(1 of 3 pairs"):
+        adapter.trl_pairs(cache)
