@@ -8,12 +8,13 @@ import importlib.util
 import math
 import os
 import random
+from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import WORDS, write_records
+from conftest import WORDS, make_conversations, write_records
 from shardcache import ShardDataset, open_cache
 
 trl = pytest.importorskip("trl")
@@ -45,26 +46,44 @@ def make_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
     ]
 
 
-#: (tokenizer fixture, model architecture): a tokenizer adding no BOS with Qwen2, one whose
-#: post-processor adds BOS with Llama
-SETUPS = [("tokenizer_dir", "qwen2"), ("bos_tokenizer_dir", "llama")]
+def make_chat_pairs(n: int, seed: int = 0) -> list[dict[str, list]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": conv[:-1],
+            "chosen": [conv[-1]],
+            "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, 3))}],
+        }
+        for conv in make_conversations(n, seed=seed)
+    ]
 
 
-@pytest.fixture(scope="module", params=SETUPS, ids=["no-bos-qwen2", "bos-llama"])
-def pairs(request, tmp_path_factory) -> tuple[list[dict[str, str]], str, str, str]:
-    """(records, tokenizer folder, preference cache of them, architecture): 14 string pairs."""
+#: (tokenizer fixture, model architecture, records): string pairs with a tokenizer adding no
+#: BOS (Qwen2) and one whose post-processor adds BOS (Llama); message-list pairs rendered with
+#: a ChatML template (built without EOS: TRL appends none to conversations)
+SETUPS = [
+    ("tokenizer_dir", "qwen2", "strings"),
+    ("bos_tokenizer_dir", "llama", "strings"),
+    ("chatml_tokenizer_dir", "qwen2", "chat"),
+]
+
+
+@pytest.fixture(scope="module", params=SETUPS, ids=["no-bos-qwen2", "bos-llama", "chatml-qwen2"])
+def pairs(request, tmp_path_factory) -> tuple[list[dict[str, Any]], str, str, str]:
+    """(records, tokenizer folder, preference cache of them, architecture): 14 pairs."""
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
-    tokenizer = request.getfixturevalue(request.param[0])
+    fixture, arch, shape = request.param
+    tokenizer = request.getfixturevalue(fixture)
     folder = tmp_path_factory.mktemp("trl-pairs")
-    records = make_pairs(14, seed=3)
+    records = make_pairs(14, seed=3) if shape == "strings" else make_chat_pairs(14, seed=3)
     path = write_records(str(folder / "pairs.jsonl"), records, "jsonl")
     out = str(folder / "cache")
     values = {"input": path, "tokenizer": tokenizer, "output": out, "workers": 1,
-              "kind": "preference", "buckets": "24"}  # fmt: skip
+              "kind": "preference", "buckets": "24", "append_eos": shape == "strings"}  # fmt: skip
     build_cache(build_options_from_mapping(values))
-    return records, tokenizer, out, request.param[1]
+    return records, tokenizer, out, arch
 
 
 def trl_trainer(records, tokenizer_dir, policy, reference, tmp_path, trainer_class=None):
