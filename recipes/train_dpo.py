@@ -6,19 +6,25 @@
     python recipes/train_dpo.py dpo-cache --steps 30 --save-state reader.json   # stop ...
     python recipes/train_dpo.py dpo-cache --steps 20 --resume reader.json       # ... continue
     python recipes/train_dpo.py dpo-cache --overfit-batch --steps 20   # sanity check
+    python recipes/train_dpo.py dpo-cache --mode pack --seq-len 256 --steps 50  # packed pairs
 
 What it shows (copy it):
 
-* ``ShardDataset(cache, max_tokens)`` on a preference cache (pad mode): rows ``2j`` and
-  ``2j + 1`` of a batch are pair ``j``'s chosen and rejected sequence (prompt + completion),
-  ``labels`` hold the completion tokens and ``-100`` on the prompt and the padding;
-* :func:`sequence_logps`: per row, the sum of the log-probabilities of the completion tokens
-  (the model's own shifted targets: logits at ``t`` score ``labels[t + 1]``);
+* ``ShardDataset(cache, max_tokens)`` on a preference cache. Pad mode (the default): rows
+  ``2j`` and ``2j + 1`` of a batch are pair ``j``'s chosen and rejected sequence (prompt +
+  completion). Pack mode (``--mode pack --seq-len N``, ``--attention mask`` by default): a
+  pair's two sequences are adjacent whole segments of one row, several pairs a row, kept
+  apart by ``position_ids`` and a block-diagonal ``attention_mask`` (or the varlen keys).
+  Either way ``labels`` hold the completion tokens and ``-100`` elsewhere;
+* :func:`pair_logps`: one forward over the batch's model inputs, then
+  ``shardcache.pair_logps``: per pair, the summed log-probs of its chosen and of its rejected
+  completion, the same numbers in both modes (tests/test_recipes.py checks it);
 * the reference model is a frozen copy of the policy at step 0: its log-probs are computed
   once per batch, under ``torch.no_grad()``, before the policy's forward;
 * :func:`dpo_loss`: the sigmoid DPO loss ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r -
   ref_r)))`` averaged over the batch's pairs, as TRL's ``DPOTrainer`` computes it
-  (``loss_type="sigmoid"``; tests/test_dpo_trl.py checks the two agree on the same records).
+  (``loss_type="sigmoid"``; tests/test_dpo_trl.py checks the two agree on the same records,
+  pad and pack mode).
 
 At step 0 the policy is the reference, so the loss is ``ln 2`` for every pair; it falls as the
 policy learns to prefer the chosen side. The model is a small random Qwen2 or Llama sized from
@@ -41,8 +47,6 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import shardcache
-
-IGNORE_INDEX = -100
 
 
 def tiny_model(
@@ -73,51 +77,74 @@ def tiny_model(
     raise SystemExit(f"--arch: got {arch!r}; use qwen2 or llama")
 
 
-def sequence_logps(model: torch.nn.Module, batch: dict[str, Any]) -> torch.Tensor:
-    """Per row, the summed log-probability of its completion tokens (``labels != -100``).
+def pair_logps(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair of the batch, the summed log-probs of its chosen and rejected completion.
 
-    The logits at position ``t`` predict token ``t + 1``, so row ``r``'s sum is over the
-    positions ``t`` with ``labels[r, t + 1] != -100``; the prompt and the padding add nothing.
+    One forward over the batch as ``ShardDataset`` gives it (pad rows, or packed rows with
+    their ``position_ids`` and ``attention_mask`` / varlen keys), then
+    ``shardcache.pair_logps``: entry ``k`` of both tensors is the ``k``-th pair of
+    ``meta["pair_ids"][meta["side"] == 0]``. ``labels`` are left out of the forward (the loss
+    is the DPO loss, not the model's own), and ``use_cache=False`` (a training forward; the
+    varlen keys need it with sdpa and eager).
     """
-    logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"],
-                   use_cache=False).logits[:, :-1].float()  # fmt: skip
-    targets = batch["labels"][:, 1:]
-    keep = targets != IGNORE_INDEX
-    token_logps = torch.gather(
-        logits.log_softmax(-1), 2, targets.clamp(min=0).unsqueeze(-1)
-    ).squeeze(-1)
-    return (token_logps * keep).sum(-1)
+    inputs = {k: v for k, v in shardcache.model_inputs(batch).items() if k != "labels"}
+    logits = model(**inputs, use_cache=False).logits
+    return shardcache.pair_logps(logits, batch)
+
+
+def dpo_losses(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair, the sigmoid DPO loss and the log-ratio difference ``delta``.
+
+    ``loss = -log sigmoid(beta * delta)``, ``delta = (pi_c - ref_c) - (pi_r - ref_r)``.
+    """
+    delta = (policy_chosen - reference_chosen) - (policy_rejected - reference_rejected)
+    return -F.logsigmoid(beta * delta), delta
 
 
 def dpo_loss(
-    policy: torch.Tensor, reference: torch.Tensor, beta: float
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    reference_chosen: torch.Tensor,
+    reference_rejected: torch.Tensor,
+    beta: float,
 ) -> tuple[torch.Tensor, dict[str, float]]:
-    """The sigmoid DPO loss of pair rows (``2j`` chosen, ``2j + 1`` rejected), mean over pairs.
+    """The sigmoid DPO loss of a batch's pairs (one value per pair each), mean over pairs.
 
     Returns the loss and the batch's metrics: ``accuracy`` (pairs whose chosen reward beats
     the rejected one) and ``margin`` (mean chosen minus rejected reward, ``beta`` times the
     log-ratios).
     """
-    chosen = policy[0::2] - reference[0::2]
-    rejected = policy[1::2] - reference[1::2]
-    delta = chosen - rejected
-    loss = -F.logsigmoid(beta * delta).mean()
+    losses, delta = dpo_losses(
+        policy_chosen, policy_rejected, reference_chosen, reference_rejected, beta
+    )
     with torch.no_grad():
         metrics = {
             "accuracy": (delta > 0).float().mean().item(),
             "margin": (beta * delta).mean().item(),
         }
-    return loss, metrics
+    return losses.mean(), metrics
 
 
-def check_pairs(batch: dict[str, Any]) -> None:
-    """Rows alternate chosen, rejected of the same pair (what ``dpo_loss`` relies on)."""
+def batch_pairs(batch: dict[str, Any]) -> np.ndarray:
+    """The batch's pair ids, in the order of ``pair_logps``' values (its ``side == 0`` entries).
+
+    Checks what the pairing relies on: a pair's chosen and rejected sequence come in the same
+    order (pad rows ``2j``, ``2j + 1``; pack segments ``k``, ``k + 1``), padding aside.
+    """
     meta = batch["meta"]
-    side, pairs = meta["side"], meta["pair_ids"]
-    if len(side) % 2 or (side[0::2] != 0).any() or (side[1::2] != 1).any():
-        raise SystemExit("batch rows are not chosen/rejected pairs: is the cache a preference one?")
-    if (pairs[0::2] != pairs[1::2]).any():
-        raise SystemExit("batch rows 2j and 2j + 1 belong to different pairs")
+    side, pairs = meta["side"].cpu().numpy(), meta["pair_ids"].cpu().numpy()
+    chosen, rejected = pairs[side == 0], pairs[side == 1]
+    if not len(chosen) or not np.isin(side, (-1, 0, 1)).all():
+        raise SystemExit("batch holds no chosen/rejected pairs: is the cache a preference one?")
+    if len(chosen) != len(rejected) or (chosen != rejected).any():
+        raise SystemExit("batch: the chosen and rejected sequences are not of the same pairs")
+    return chosen
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -126,6 +153,19 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("cache")
     parser.add_argument("--steps", type=int, default=100, help="optimizer steps to run")
     parser.add_argument("--max-tokens", type=int, default=4096, help="token budget per batch")
+    parser.add_argument(
+        "--mode", choices=["pad", "pack"], default="pad",
+        help="pad: a sequence per row; pack: whole pairs packed into rows of --seq-len",
+    )  # fmt: skip
+    parser.add_argument(
+        "--seq-len", type=int, default=None,
+        help="pack mode: row length (default: the longest pair, rounded up to 64)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--attention", choices=["mask", "varlen"], default="mask",
+        help="pack mode: how segments are kept apart (mask: 4-D mask, any attention "
+        "implementation; varlen: cu_seqlens keys, for flash attention)",
+    )  # fmt: skip
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--arch", choices=["qwen2", "llama"], default="qwen2")
     parser.add_argument("--num-workers", type=int, default=0)
@@ -147,21 +187,29 @@ def main(argv: list[str] | None = None) -> dict:
     cache = shardcache.open_cache(args.cache)
     if not cache.is_preference:
         raise SystemExit(f"{args.cache}: not a preference cache (build it with --preference)")
-    loader = shardcache.loader(
-        args.cache, args.max_tokens, seed=args.seed, num_workers=args.num_workers, device=device
-    )
+    lengths = np.asarray(cache.lengths, dtype=np.int64)
+    longest = int(lengths.max())
+    packing: dict[str, Any] = {}
+    if args.mode == "pack":  # a pair's two sequences are adjacent segments of one row
+        pair_longest = int((lengths[0::2] + lengths[1::2]).max())
+        seq_len = args.seq_len or -(-pair_longest // 64) * 64
+        packing = {"mode": "pack", "seq_len": seq_len, "attention": args.attention}
+        longest = max(longest, seq_len)  # a row's padding segment counts positions too
+    loader = shardcache.loader(args.cache, args.max_tokens, seed=args.seed,
+                               num_workers=args.num_workers, device=device, **packing)  # fmt: skip
     if args.resume:
         with open(args.resume, encoding="utf-8") as f:
             loader.load_state_dict(json.load(f))
     vocab = int(cache.manifest["tokenizer"]["vocab_size"])
-    longest = int(np.asarray(cache.lengths).max())
     policy = tiny_model(vocab, args.hidden, max(longest, 64), args.arch).to(device).train()
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen, the step-0 policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
     print(
         f"model: {sum(p.numel() for p in policy.parameters()) / 1e6:.1f}M parameters "
         f"({args.arch}, vocab {vocab}); {cache.num_sequences // 2} pairs, "
-        f"{len(loader)} batches per epoch; beta {args.beta}",
+        f"{len(loader)} batches per epoch ({args.mode} mode"
+        + (f", seq_len {packing['seq_len']}, attention {args.attention}" if packing else "")
+        + f"); beta {args.beta}",
         flush=True,
     )
 
@@ -170,26 +218,26 @@ def main(argv: list[str] | None = None) -> dict:
     consumed: list[list[int]] = []
     reference_forwards = 0
     epoch, step, started = loader.dataset.epoch, 0, time.perf_counter()
-    first: tuple[dict[str, Any], torch.Tensor] | None = None
+    first: tuple[dict[str, Any], np.ndarray, tuple[torch.Tensor, torch.Tensor]] | None = None
     with loader:
         while step < args.steps:
             loader.set_epoch(epoch)
             for batch in loader:
                 if args.overfit_batch and first is not None:
-                    batch, ref_logps = first  # the reference log-probs of the batch, kept
+                    batch, pairs, ref = first  # the reference log-probs of the batch, kept
                 else:
-                    check_pairs(batch)
+                    pairs = batch_pairs(batch)
                     with torch.no_grad():  # once per batch: the reference never changes
-                        ref_logps = sequence_logps(reference, batch)
+                        ref = pair_logps(reference, batch)
                     reference_forwards += 1
-                    first = first if first is not None else (batch, ref_logps)
-                loss, metrics = dpo_loss(sequence_logps(policy, batch), ref_logps, args.beta)
+                    first = first if first is not None else (batch, pairs, ref)
+                loss, metrics = dpo_loss(*pair_logps(policy, batch), *ref, args.beta)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
                 losses.append(loss.item())
                 accuracies.append(metrics["accuracy"])
-                consumed.append(batch["meta"]["pair_ids"][0::2].tolist())
+                consumed.append(pairs.tolist())
                 step += 1
                 if not math.isfinite(losses[-1]):
                     raise SystemExit(f"step {step}: loss is {losses[-1]}")

@@ -109,23 +109,30 @@ def trl_trainer(records, tokenizer_dir, policy, reference, tmp_path, trainer_cla
     )
 
 
-def our_pair_losses(cache_path, policy, reference) -> dict[int, float]:
-    """Per record index, the recipe's DPO loss of its pair, read as pair batches."""
+def our_pair_losses(cache_path, policy, reference, mode: str = "pad") -> dict[int, float]:
+    """Per record index, the recipe's DPO loss of its pair, read as pair batches (pad or pack)."""
     dpo = recipe("train_dpo")
     cache = open_cache(cache_path)
+    lengths = np.asarray(cache.lengths)
+    if mode == "pad":
+        budget, options = 6 * int(lengths.max()), {}  # three pairs or more a batch
+    else:  # rows just long enough for the longest pair, two rows a batch
+        seq_len = int((lengths[0::2] + lengths[1::2]).max())
+        budget, options = 2 * seq_len, {"mode": "pack", "seq_len": seq_len, "attention": "mask"}
     losses: dict[int, float] = {}
+    shared_rows = 0  # pack batches with more pairs than rows: pairs share a row
     with torch.no_grad():
-        budget = 6 * int(np.asarray(cache.lengths).max())  # three pairs or more a batch
-        for batch in ShardDataset(cache_path, budget, seed=0, streams=0):
-            dpo.check_pairs(batch)
-            chosen_minus_rejected = []
-            pol, ref = dpo.sequence_logps(policy, batch), dpo.sequence_logps(reference, batch)
-            for j, pair in enumerate(batch["meta"]["pair_ids"][0::2].tolist()):
-                loss, _ = dpo.dpo_loss(pol[2 * j : 2 * j + 2], ref[2 * j : 2 * j + 2], BETA)
-                losses[cache.lookup(2 * pair).record] = loss.item()
-                chosen_minus_rejected.append(loss.item())
-            whole, _ = dpo.dpo_loss(pol, ref, BETA)  # the batch mean is the pairs' mean
-            assert whole.item() == pytest.approx(np.mean(chosen_minus_rejected), abs=1e-6)
+        for batch in ShardDataset(cache_path, budget, seed=0, streams=0, **options):
+            pairs = dpo.batch_pairs(batch)
+            shared_rows += len(pairs) > batch["input_ids"].shape[0]
+            pol, ref = dpo.pair_logps(policy, batch), dpo.pair_logps(reference, batch)
+            each, _ = dpo.dpo_losses(*pol, *ref, BETA)
+            assert len(each) == len(pairs)
+            for pair, loss in zip(pairs.tolist(), each.tolist()):
+                losses[cache.lookup(2 * pair).record] = loss
+            whole, _ = dpo.dpo_loss(*pol, *ref, BETA)  # the batch mean is the pairs' mean
+            assert whole.item() == pytest.approx(each.mean().item(), abs=1e-6)
+    assert mode == "pad" or shared_rows > 0
     return losses
 
 
@@ -155,10 +162,11 @@ def test_dpo_loss_equals_trl_at_step_0(pairs, tmp_path):
                 for row in rows
             ]
             trl_mean = trainer.compute_loss(trainer.model, trainer.data_collator(rows)).item()
-        ours = our_pair_losses(cache_path, policy, reference)
-        assert sorted(ours) == list(range(len(records)))
-        assert [ours[k] for k in range(len(records))] == pytest.approx(trl_each, abs=1e-5)
-        assert np.mean(list(ours.values())) == pytest.approx(trl_mean, abs=1e-5)
+        for mode in ("pad", "pack"):
+            ours = our_pair_losses(cache_path, policy, reference, mode)
+            assert sorted(ours) == list(range(len(records))), mode
+            assert [ours[k] for k in range(len(records))] == pytest.approx(trl_each, abs=1e-5)
+            assert np.mean(list(ours.values())) == pytest.approx(trl_mean, abs=1e-5)
         if ln2:  # reference = policy: every pair's loss is ln 2
             assert trl_mean == pytest.approx(math.log(2), abs=1e-6)
         else:

@@ -123,18 +123,24 @@ def small_pairs_cache(build_cache, tokenizer_dir, tmp_path) -> str:
     return build_cache(path, tokenizer_dir, kind="preference", buckets="16,32")
 
 
-def test_train_dpo_epoch_reads_every_pair_once_llama(small_pairs_cache):
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_train_dpo_epoch_reads_every_pair_once_llama(small_pairs_cache, mode):
     from shardcache import ShardDataset
 
     cache = small_pairs_cache
     train = recipe("train_dpo")
-    steps = len(ShardDataset(cache, 256, seed=0))
+    packing = {"mode": "pack", "seq_len": 64, "attention": "mask"} if mode == "pack" else {}
+    steps = len(ShardDataset(cache, 256, seed=0, **packing))
     report = train.main([cache, "--max-tokens", "256", "--steps", str(steps), "--arch", "llama",
-                         "--hidden", "32", "--log-every", "100"])  # fmt: skip
+                         "--hidden", "32", "--log-every", "100", "--mode", mode,
+                         "--seq-len", "64"])  # fmt: skip
     pairs = [p for batch in report["pairs"] for p in batch]
     assert sorted(pairs) == list(range(60)) and steps > 3
     assert report["reference_forwards"] == steps  # once per batch
+    assert report["losses"][0] == pytest.approx(math.log(2), abs=1e-6)  # policy = reference
     assert all(math.isfinite(x) for x in report["losses"])
+    if mode == "pack":  # several pairs a row: 4 rows of 64 slots a batch
+        assert max(len(batch) for batch in report["pairs"]) > 256 // 64
 
 
 def test_train_dpo_resume_continues_the_same_pairs(small_pairs_cache, tmp_path):
@@ -148,11 +154,14 @@ def test_train_dpo_resume_continues_the_same_pairs(small_pairs_cache, tmp_path):
     assert tail["state"] == full["state"]
 
 
-def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(small_pairs_cache, capsys):
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(
+    small_pairs_cache, capsys, mode
+):
     train = recipe("train_dpo")
     report = train.main([small_pairs_cache, "--max-tokens", "256", "--steps", "6",
                          "--overfit-batch", "--lr", "3e-4", "--hidden", "32",
-                         "--log-every", "3"])  # fmt: skip
+                         "--log-every", "3", "--mode", mode])  # fmt: skip
     losses = report["losses"]
     assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0: policy = reference
     assert len(losses) == 6 and all(a > b for a, b in itertools.pairwise(losses))
@@ -161,14 +170,15 @@ def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(small_pa
     assert all(p == report["pairs"][0] for p in report["pairs"])
     out = capsys.readouterr().out
     assert "60 pairs" in out and "step 3: loss" in out and "step 6: loss" in out
+    assert f"({mode} mode" in out
 
 
 @pytest.mark.parametrize("arch", ["qwen2", "llama"])
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_dpo_sequence_logps_are_the_completion_tokens_of_each_sequence_alone(dpo_cache, arch, attn):
-    """Per row of a padded pair batch, ``sequence_logps`` is the sum over that sequence alone
-    (no padding) of the log-probs of its completion: the tokenizer's ids of the record's
-    ``chosen`` / ``rejected`` text plus EOS, after the ids of its prompt."""
+def test_dpo_pair_logps_are_the_completion_tokens_of_each_sequence_alone(dpo_cache, arch, attn):
+    """Per pair of a padded pair batch, the recipe's ``pair_logps`` are the sums over each
+    sequence alone (no padding) of the log-probs of its completion: the tokenizer's ids of the
+    record's ``chosen`` / ``rejected`` text plus EOS, after the ids of its prompt."""
     import json
 
     import numpy as np
@@ -189,8 +199,10 @@ def test_dpo_sequence_logps_are_the_completion_tokens_of_each_sequence_alone(dpo
     batch = next(iter(ShardDataset(dpo_cache, 1024, seed=1)))
     assert len(set((batch["attention_mask"].sum(1)).tolist())) > 1  # rows of unequal length
     with torch.no_grad():
-        padded = train.sequence_logps(model, batch)
-        for row, sample in enumerate(batch["meta"]["sample_ids"].tolist()):
+        chosen, rejected = train.pair_logps(model, batch)
+        pairs = train.batch_pairs(batch)
+        assert len(chosen) == len(rejected) == len(pairs) == batch["input_ids"].shape[0] // 2
+        for sample in batch["meta"]["sample_ids"].tolist():
             record = json.loads(lines[cache.lookup(sample).record])
             prompt = tok(record["prompt"])["input_ids"]
             completion = tok(record["chosen" if sample % 2 == 0 else "rejected"])["input_ids"]
@@ -199,4 +211,46 @@ def test_dpo_sequence_logps_are_the_completion_tokens_of_each_sequence_alone(dpo
             logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
             picked = logps[np.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1 :]
             assert len(picked) == len(completion) + 1
-            assert padded[row].item() == pytest.approx(picked.sum().item(), rel=1e-6)
+            got = (chosen if sample % 2 == 0 else rejected)[pairs.tolist().index(sample // 2)]
+            assert got.item() == pytest.approx(picked.sum().item(), rel=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("attention", ["mask", "varlen"])
+def test_dpo_pack_mode_equals_pad_mode_per_pair(small_pairs_cache, arch, attention):
+    """At step 0, every pair's log-probs (policy and reference) and DPO loss read from packed
+    rows equal those read from padded rows, pairs matched by ``meta["pair_ids"]``: the same
+    numbers whatever the batch shape (a reference unlike the policy, so losses are not ln 2)."""
+    import numpy as np
+    import torch
+
+    from shardcache import ShardDataset, open_cache
+
+    train = recipe("train_dpo")
+    vocab = int(open_cache(small_pairs_cache).manifest["tokenizer"]["vocab_size"])
+    torch.manual_seed(0)
+    policy = train.tiny_model(vocab, 32, 128, arch).eval()
+    torch.manual_seed(1)
+    reference = train.tiny_model(vocab, 32, 128, arch).eval()
+
+    def per_pair(dataset) -> dict[int, list[float]]:
+        """pair id -> [policy chosen, policy rejected, reference chosen, ref. rejected, loss]."""
+        values: dict[int, list[float]] = {}
+        with torch.no_grad():
+            for batch in dataset:
+                logps = [*train.pair_logps(policy, batch), *train.pair_logps(reference, batch)]
+                losses, _ = train.dpo_losses(*logps, 0.1)
+                table = torch.stack([*logps, losses], 1).tolist()
+                values.update(zip(train.batch_pairs(batch).tolist(), table))
+        return values
+
+    pad = per_pair(ShardDataset(small_pairs_cache, 256, seed=0, streams=0))
+    packed = ShardDataset(small_pairs_cache, 256, mode="pack", seq_len=64, attention=attention,
+                          seed=0, streams=0)  # fmt: skip
+    pack = per_pair(packed)
+    assert len(pack) > len(packed) * 256 // 64  # more pairs than rows: pairs share rows
+    assert sorted(pack) == sorted(pad) == list(range(60))
+    got = np.array([pack[k] for k in range(60)])
+    want = np.array([pad[k] for k in range(60)])
+    assert np.abs(got - want).max() <= 1e-5
+    assert np.abs(want[:, 4] - math.log(2)).max() > 1e-3  # not the trivial comparison
