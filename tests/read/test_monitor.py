@@ -57,6 +57,24 @@ def test_the_figures_add_up_to_the_step_with_a_slow_stage(cache_dir):
         assert f["data_loading_pct"] == pytest.approx(100 * f["data_loading_s"] / f["step_s"])
 
 
+def test_the_first_wait_includes_planning_the_pass(cache_dir, monkeypatch):
+    """ShardDataset plans its pass in ``iter()``, before the first ``next()``: a slow plan is
+    data loading (the step waits for it), not compute."""
+    ds = ShardDataset(cache_dir, 128, seed=1)
+    plan = ds.plan
+
+    def slow_plan():
+        time.sleep(0.2)
+        return plan()
+
+    monkeypatch.setattr(ds, "plan", slow_plan)
+    monitor = StallMonitor(ranks=False)
+    (_, first), *_ = run_steps(monitor, ds, 2)
+    assert first["plan_s"] >= 0.2  # a sleep lasts at least its length
+    assert first["data_loading_s"] >= first["plan_s"]
+    assert first["compute_s"] < first["plan_s"]
+
+
 def test_stage_times_travel_from_dataloader_workers(cache_dir):
     ds = ShardDataset(cache_dir, 128, seed=1, transform=slow_transform)
     monitor = StallMonitor(ranks=False)

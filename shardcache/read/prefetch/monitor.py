@@ -190,10 +190,13 @@ class StallMonitor:
             obj = upstream if upstream is not None else getattr(obj, "iterable", None)
 
     def _iterate(self, batches: Iterable[Any]) -> Iterator[Any]:
+        # iter() is timed with the first next(): a ShardDataset plans its pass in iter()
+        began: float | None = time.perf_counter()
         it = iter(batches)
         try:
             while True:
-                began = time.perf_counter()
+                if began is None:
+                    began = time.perf_counter()
                 if self._step_began is None:
                     self._step_began = began
                 try:
@@ -201,6 +204,7 @@ class StallMonitor:
                 except StopIteration:
                     return
                 self._loading_s += time.perf_counter() - began
+                began = None
                 self._batches += 1
                 meta = batch.get("meta") if isinstance(batch, dict) else None
                 stages = meta.get("stage_s") if isinstance(meta, dict) else None
