@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.read.plan import EpochPlan, PlanOptions, occurrences, plan_epoch
 
 logger = logging.getLogger("shardcache")
 #: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its
@@ -407,12 +407,14 @@ def mixture_epoch_plan(
 ) -> EpochPlan:
     """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back."""
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
+    repeats = occurrences(chosen)  # a repeated document's k-th use is repetition k
     return EpochPlan(
         plan.batch_offsets,
         chosen[plan.sample_ids],
         plan.row_offsets,
         plan.seg_starts,
         plan.seg_lengths,
+        None if repeats is None else repeats[plan.sample_ids],
     )
 
 

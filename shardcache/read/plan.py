@@ -54,6 +54,10 @@ class PlanOptions:
             ``0``: one global plan over the whole cache, every rank reading from all shards.
         shuffle_block: rows a stream shuffles together: larger mixes more, and a rank plans,
             holds and fetches that many rows of each of its streams at a time.
+        growth: tokens reserved for every sequence (pad mode, and ``best_fit`` rows) to grow
+            by at read time: each is planned as ``length + growth`` tokens, so no batch
+            exceeds ``max_tokens`` once a read-time transform lengthened it. ``ShardDataset``
+            sets it from its transform's ``max_growth``; refused with ``packing="concat"``.
 
     Raises:
         ConfigError: a field out of range or not valid in its mode (the message names it).
@@ -69,9 +73,11 @@ class PlanOptions:
     tail: str = "drop"
     streams: int | None = None
     shuffle_block: int = DEFAULT_SHUFFLE_BLOCK
+    growth: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
+        check_int("growth", self.growth, 0)
         if self.streams is not None:
             check_int("streams", self.streams, 0, MAX_STREAMS)
         check_int("shuffle_block", self.shuffle_block, 1)
@@ -94,6 +100,13 @@ class PlanOptions:
                 "seq_len: mode='pack' needs seq_len (the tokens per packed row), e.g. 4096"
             )
         check_int("seq_len", self.seq_len, 1)
+        if self.growth and self.packing == "concat":
+            raise ConfigError(
+                f"growth: {self.growth} tokens per sequence with packing='concat'; concat cuts "
+                "documents into pieces wherever rows end, so it cannot reserve room for a "
+                "transform that lengthens them: use packing='best_fit' or mode='pad', or a "
+                "transform that keeps the length (e.g. FIM(..., keep_length=True))"
+            )
         if self.seq_len > self.max_tokens:
             raise ConfigError(
                 f"seq_len: {self.seq_len} exceeds max_tokens={self.max_tokens}; a batch holds "
@@ -163,6 +176,8 @@ class EpochPlan:
         row_offsets: int64, one per row plus one, into segments; None: one segment per row.
         seg_starts: int64, each segment's first token in its sequence (None: 0).
         seg_lengths: int64, tokens each segment takes (None: the whole sequence).
+        repeats: int64, which use of its sequence in the epoch each segment is (0 for the
+            first; a mixture's upsampled source uses a document more than once), None: all 0.
     """
 
     batch_offsets: np.ndarray
@@ -170,6 +185,7 @@ class EpochPlan:
     row_offsets: np.ndarray | None = None
     seg_starts: np.ndarray | None = None
     seg_lengths: np.ndarray | None = None
+    repeats: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.batch_offsets) - 1
@@ -195,6 +211,20 @@ class EpochPlan:
             ``(sample_ids, starts, lengths)``; ``lengths`` is None when all are whole sequences.
         """
         return self.packed_segments(index)[:3]
+
+    def repeats_of(self, index: int) -> np.ndarray:
+        """Which use of its sequence in the epoch each segment of one batch is (int64, from 0).
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            One per segment.
+        """
+        lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
+        if self.repeats is None:
+            return np.zeros(hi - lo, dtype=np.int64)
+        return self.repeats[lo:hi]
 
     def row_bounds(self, index: int) -> np.ndarray:
         """Where the rows of one batch begin.
@@ -250,6 +280,28 @@ class EpochPlan:
 # --------------------------------------------------------------------------------------------
 
 
+def occurrences(ids: np.ndarray) -> np.ndarray | None:
+    """Each entry's count of equal entries before it (int64), or None when all differ.
+
+    The repetition number of a document an epoch uses more than once: a function of the
+    epoch's chosen ids alone, so the same for any world size, workers or resume point.
+    """
+    ids = np.asarray(ids, dtype=np.int64)
+    if len(ids) < 2:
+        return None
+    order = np.argsort(ids, kind="stable")
+    ranked = ids[order]
+    new = np.empty(len(ids), dtype=bool)
+    new[0] = True
+    np.not_equal(ranked[1:], ranked[:-1], out=new[1:])
+    if new.all():
+        return None
+    first = np.maximum.accumulate(np.where(new, np.arange(len(ids), dtype=np.int64), 0))
+    out = np.empty(len(ids), dtype=np.int64)
+    out[order] = np.arange(len(ids), dtype=np.int64) - first
+    return out
+
+
 def plan_epoch(
     lengths: np.ndarray,
     buckets: np.ndarray,
@@ -292,6 +344,8 @@ def plan_sequences(
 ) -> EpochPlan:
     """The batches of some sequences (int64 lengths, at least one) shuffled by ``rng``."""
     planner = _PLANNERS[options.mode if options.mode == "pad" else options.packing]
+    if options.growth:  # room for a read-time transform to lengthen every sequence
+        lengths = lengths + options.growth
     return planner(lengths, buckets, options, rng)
 
 
@@ -300,10 +354,12 @@ def _plan_pad(
 ) -> EpochPlan:
     longest = int(options.padded(int(lengths.max())))
     if longest > options.max_tokens:
+        grown = f", {options.growth} of them reserved for a transform" if options.growth else ""
         raise ConfigError(
             f"max_tokens: {options.max_tokens} is smaller than the longest sequence "
-            f"({int(lengths.max())} tokens, {longest} padded); raise max_tokens to at least "
-            f"{longest} or rebuild the cache with --max-length {options.max_tokens}"
+            f"({int(lengths.max())} tokens{grown}, {longest} padded); raise max_tokens to at "
+            f"least {longest} or rebuild the cache with --max-length "
+            f"{options.max_tokens - options.growth}"
         )
     n = len(lengths)
     # 1. per bucket, a (shuffled) order; windows of window_size consecutive ids of a bucket
@@ -360,9 +416,10 @@ def _plan_best_fit(
 ) -> EpochPlan:
     seq_len = int(options.seq_len or 0)
     if int(lengths.max()) > seq_len:
+        grown = f", {options.growth} of them reserved for a transform" if options.growth else ""
         raise ConfigError(
             f"seq_len: {seq_len} is smaller than the longest sequence ({int(lengths.max())} "
-            f"tokens) and packing='best_fit' never splits a sequence; use packing='concat', "
+            f"tokens{grown}) and packing='best_fit' never splits a sequence; use packing='concat', "
             f"raise seq_len to at least {int(lengths.max())}, or rebuild the cache with "
             f"--max-length {seq_len}"
         )

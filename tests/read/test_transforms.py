@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import json
 import pathlib
 import pickle
@@ -9,8 +11,22 @@ import pickle
 import numpy as np
 import pytest
 
-from shardcache import FIM, ConfigError, ShardDataset, SpanMask, open_cache
-from tests.conftest import _save_bpe, assert_resumable, make_texts
+from shardcache import (
+    FIM,
+    ConfigError,
+    ShardDataset,
+    Source,
+    SpanMask,
+    StateError,
+    open_cache,
+)
+from tests.conftest import (
+    _save_bpe,
+    assert_resumable,
+    make_conversations,
+    make_texts,
+    write_records,
+)
 
 SENTINELS = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
 
@@ -213,3 +229,181 @@ def test_span_mask_through_shard_dataset_resumes_exactly(cache_dir, ids_of):
         lambda: ShardDataset(cache_dir, 1024, seed=5, transform=sm), iter, _key, steps=[0, 7]
     )
     assert any(ids_of["<mask>"] in k[1] for k in full)
+
+
+def _stamp(ids, mask, rng):
+    """Overwrite every token with draws of ``rng``: the output shows which generator ran."""
+    return rng.integers(10, 60000, len(ids)).astype(ids.dtype), mask
+
+
+@pytest.mark.parametrize("streams", [0, 3])
+def test_a_repeated_document_gets_its_own_randomness_per_repetition(cache_dir, streams):
+    # one source used twice per epoch: every document twice, each copy its own generator
+    def make():
+        source = Source(cache_dir, max_repetitions=2)
+        return ShardDataset([source], 1024, seed=1, transform=_stamp, streams=streams,
+                            shuffle_block=2048)  # fmt: skip
+
+    copies = collections.defaultdict(list)
+    for batch in make():
+        ids, width = batch["meta"]["sample_ids"].tolist(), batch["attention_mask"].sum(dim=1)
+        for row, (sample, n) in enumerate(zip(ids, width.tolist())):
+            copies[sample].append(tuple(batch["input_ids"][row, :n].tolist()))
+    assert len(copies) > 5000 and all(len(c) == 2 for c in copies.values())
+    assert all(a != b for a, b in copies.values())
+    assert_resumable(make, iter, _key, steps=[3])
+
+
+# ---- transforms that lengthen a sequence: the plan reserves their growth ---------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Grow:
+    """Insert exactly ``max_growth`` random tokens at random places (inserted: not trainable)."""
+
+    max_growth: int
+
+    def __call__(self, ids, mask, rng):
+        at = np.sort(rng.integers(0, len(ids) + 1, self.max_growth))
+        out = np.insert(ids, at, rng.integers(10, 400, self.max_growth).astype(ids.dtype))
+        return out, None if mask is None else np.insert(mask, at, False)
+
+
+@pytest.mark.parametrize("streams", [0, 3])
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_lengthening_transform_never_exceeds_the_budget(cache_dir, mode, streams):
+    growth, budget = 5, 300  # sequences of up to 64 tokens: rows of up to 69 once grown
+    extra = {} if mode == "pad" else {"mode": "pack", "seq_len": 69, "attention": "none"}
+    ds = ShardDataset(cache_dir, budget, seed=3, transform=Grow(growth), streams=streams,
+                      shuffle_block=2048, **extra)  # fmt: skip
+    assert ds.options.growth == growth and ds.state_dict()["plan"]["growth"] == growth
+    with open_cache(cache_dir) as cache:
+        lengths = np.asarray(cache.lengths, dtype=np.int64)
+    seen = []
+    for batch in ds:
+        assert batch["input_ids"].numel() <= budget
+        meta = batch["meta"]
+        ids = meta["sample_ids"].numpy()
+        if mode == "pad":
+            got = batch["attention_mask"].sum(dim=1).numpy()
+        else:  # a segment never crosses its row (its positions restart at 0 inside the row)
+            got = np.diff(meta["cu_seqlens"].numpy())[ids >= 0]
+            ids = ids[ids >= 0]
+            assert int(batch["position_ids"].max()) < 69
+        assert np.array_equal(got, lengths[ids] + growth)  # every sequence grew by all of it
+        seen.extend(ids.tolist())
+    assert len(set(seen)) == len(seen)
+    if streams == 0:
+        assert sorted(seen) == list(range(len(lengths)))
+    else:  # (the streams even out by dropping a few batches)
+        assert len(seen) > 0.95 * len(lengths)
+
+
+def _grow_undeclared(ids, mask, rng):
+    return np.append(ids, ids[:2]), mask
+
+
+def test_a_transform_growing_more_than_it_declared_is_refused(cache_dir):
+    with pytest.raises(ConfigError, match=r"max_growth=0.*1 to \d+ tokens.*declare a larger"):
+        next(iter(ShardDataset(cache_dir, 1024, transform=_grow_undeclared)))
+    with pytest.raises(ConfigError, match=r"max_growth=1.*1 to"):
+        next(iter(ShardDataset(cache_dir, 1024, transform=_Claims(1, 2))))
+    with pytest.raises(ConfigError, match="max_growth=-1"):
+        ShardDataset(cache_dir, 1024, transform=_Claims(-1, 0))
+    with pytest.raises(ConfigError, match=r"packing='concat'.*best_fit"):
+        ShardDataset(cache_dir, 1024, mode="pack", seq_len=64, packing="concat",
+                     attention="none", transform=Grow(3))  # fmt: skip
+    # a length-keeping transform still packs with concat
+    ds = ShardDataset(cache_dir, 1024, mode="pack", seq_len=64, packing="concat",
+                      attention="none", transform=Grow(0))  # fmt: skip
+    assert ds.options.growth == 0 and next(iter(ds))["input_ids"].shape == (16, 64)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Claims:
+    """Declares ``max_growth`` but adds ``adds`` tokens."""
+
+    max_growth: int
+    adds: int
+
+    def __call__(self, ids, mask, rng):
+        return np.append(ids, np.full(self.adds, 11, ids.dtype)), mask
+
+
+def test_the_reserved_growth_is_part_of_the_plan_a_state_resumes(cache_dir):
+    def make(growth):
+        return ShardDataset(cache_dir, 512, seed=2, transform=Grow(growth))
+
+    ds = make(3)
+    it = iter(ds)
+    next(it)
+    state = json.loads(json.dumps(ds.state_dict(steps=1)))
+    with pytest.raises(StateError, match="growth: 3 -> 5"):
+        make(5).load_state_dict(state)
+    full = assert_resumable(lambda: make(3), iter, _key, steps=[4])
+    assert len(full) > len(list(ShardDataset(cache_dir, 512, seed=2)))  # fewer rows a batch
+    # a state of a version without ``growth`` is a state without growth
+    del state["plan"]["growth"]
+    ShardDataset(cache_dir, 512, seed=2).load_state_dict(state)
+
+
+@pytest.fixture(scope="module")
+def chat_cache(tmp_path_factory, chatml_tokenizer_dir):
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("xform-chat")
+    records = [{"messages": m} for m in make_conversations(30, seed=1)]
+    write_records(str(folder / "a.jsonl"), records, "jsonl")
+    out = str(tmp_path_factory.mktemp("xform-chat-cache") / "cache")
+    values = {"input": str(folder), "tokenizer": chatml_tokenizer_dir, "output": out,
+              "workers": 1, "chat": True, "max_length": 128}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class _Prepend:
+    """Put ``max_growth`` copies of token 7 first, untrained; ``keeps_mask`` as told."""
+
+    max_growth: int
+    keeps_mask: bool = True
+    drop_mask: bool = False
+
+    def __call__(self, ids, mask, rng):
+        out = np.concatenate([np.full(self.max_growth, 7, ids.dtype), ids])
+        if mask is None or self.drop_mask:
+            return out, None
+        return out, np.concatenate([np.zeros(self.max_growth, bool), mask])
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_lengthening_transform_carries_chat_loss_masks(chat_cache, mode):
+    extra = {} if mode == "pad" else {"mode": "pack", "seq_len": 131, "attention": "none"}
+    cache = open_cache(chat_cache)
+    seen = 0
+    for batch in ShardDataset(chat_cache, 1024, seed=2, transform=_Prepend(3), **extra):
+        ids, labels = batch["input_ids"], batch["labels"]
+        meta = batch["meta"]
+        if mode == "pad":
+            spans = [(r, 0, int(n)) for r, n in enumerate(batch["attention_mask"].sum(dim=1))]
+        else:
+            cu = meta["cu_seqlens"].tolist()
+            ids, labels = ids.reshape(1, -1), labels.reshape(1, -1)
+            spans = [(0, cu[k], cu[k + 1] - cu[k]) for k in range(len(cu) - 1)]
+        for (row, at, n), sid in zip(spans, meta["sample_ids"].tolist()):
+            if sid < 0:
+                continue
+            stored = cache.read(sid)
+            mask = cache.read_masks(np.array([sid]))[0]
+            assert n == len(stored) + 3
+            assert ids[row, at : at + n].tolist() == [7, 7, 7, *stored.tolist()]
+            want = [-100] * 3 + np.where(mask, stored.astype(np.int64), -100).tolist()
+            assert labels[row, at : at + n].tolist() == want
+            seen += 1
+    assert seen == cache.num_sequences
+    cache.close()
+    with pytest.raises(ConfigError, match=r"keeps_mask=False.*chat cache"):
+        ShardDataset(chat_cache, 1024, transform=_Prepend(3, keeps_mask=False))
+    with pytest.raises(ConfigError, match=r"no loss mask.*chat cache"):
+        next(iter(ShardDataset(chat_cache, 1024, transform=_Prepend(3, drop_mask=True))))
