@@ -76,7 +76,8 @@ FIM_IDS = (500, 501, 502)
 
 @pytest.mark.parametrize("spm_rate", [0.0, 0.5, 1.0])
 def test_fim_keeps_the_length_and_the_tokens_but_the_dropped_tail(spm_rate):
-    fim = FIM(0.5, *FIM_IDS, spm_rate=spm_rate)
+    fim = FIM(0.5, *FIM_IDS, spm_rate=spm_rate, keep_length=True)
+    assert fim.max_growth == 0
     applied = 0
     for ids, rng in _sequences(500):
         out, mask = fim(ids.copy(), None, rng)
@@ -97,7 +98,8 @@ def test_fim_orders_psm_and_spm():
     ids = np.arange(10, 30, dtype=np.int32)
     _, mid, suf = FIM_IDS
     for spm_rate in (0.0, 1.0):
-        out, _ = FIM(1.0, *FIM_IDS, spm_rate=spm_rate)(ids.copy(), None, np.random.default_rng(3))
+        fim = FIM(1.0, *FIM_IDS, spm_rate=spm_rate, keep_length=True)
+        out, _ = fim(ids.copy(), None, np.random.default_rng(3))
         i_suf, i_mid = int(np.flatnonzero(out == suf)[0]), int(np.flatnonzero(out == mid)[0])
         if spm_rate == 0.0:  # <pre> prefix <suf> suffix <mid> middle
             prefix, suffix, middle = out[1:i_suf], out[i_suf + 1 : i_mid], out[i_mid + 1 :]
@@ -108,25 +110,33 @@ def test_fim_orders_psm_and_spm():
         assert np.array_equal(body, ids[:-3])  # the three parts, back in order
 
 
-def test_fim_rate_over_many_sequences_is_within_one_percent():
+@pytest.mark.parametrize("keep_length", [True, False])
+def test_fim_rate_over_many_sequences_is_within_one_percent(keep_length):
     for rate in (0.1, 0.5, 0.9):
-        fim = FIM(rate, *FIM_IDS)
+        fim = FIM(rate, *FIM_IDS, keep_length=keep_length)
         hits = [fim(ids, None, rng)[0][0] == FIM_IDS[0] for ids, rng in _sequences(20000, 1)]
         assert abs(np.mean(hits) - rate) < 0.01
 
 
 def test_fim_leaves_sequences_too_short_for_the_sentinels():
-    fim = FIM(1.0, *FIM_IDS)
+    fim = FIM(1.0, *FIM_IDS, keep_length=True)
     for n in range(4):
         ids = np.arange(n, dtype=np.int64)
         assert np.array_equal(fim(ids.copy(), None, np.random.default_rng(0))[0], ids)
     out, _ = fim(np.arange(4, dtype=np.int64), None, np.random.default_rng(0))
     assert np.isin(out, FIM_IDS).sum() == 3
+    # the growing form rewrites any sequence of a token or more
+    grow = FIM(1.0, *FIM_IDS)
+    assert len(grow(np.zeros(0, np.int64), None, np.random.default_rng(0))[0]) == 0
+    out, _ = grow(np.array([42]), None, np.random.default_rng(0))
+    assert sorted(out.tolist()) == sorted([42, *FIM_IDS]) and out[0] == FIM_IDS[0]
 
 
-def test_fim_moves_the_loss_mask_with_its_tokens_and_masks_the_sentinels():
-    fim = FIM(1.0, *FIM_IDS, spm_rate=0.5)
+@pytest.mark.parametrize("keep_length", [True, False])
+def test_fim_moves_the_loss_mask_with_its_tokens_and_masks_the_sentinels(keep_length):
+    fim = FIM(1.0, *FIM_IDS, spm_rate=0.5, keep_length=keep_length, split_token=7)
     for ids, rng in _sequences(200, 2):
+        ids[::9] = 7  # fragments
         mask = (ids % 2).astype(bool)  # odd ids trainable: the mask follows each token
         out, new_mask = fim(ids.copy(), mask.copy(), rng)
         sentinel = np.isin(out, FIM_IDS)
@@ -177,18 +187,25 @@ def _key(batch):
     return tuple(batch["meta"]["sample_ids"].tolist()), tuple(batch["input_ids"].flatten().tolist())
 
 
-def test_fim_through_shard_dataset_resumes_exactly_and_keeps_its_rate(cache_dir, fim_tokenizer):
-    fim = FIM.from_tokenizer(fim_tokenizer, 0.5, 0.5)
+@pytest.mark.parametrize("keep_length", [True, False])
+def test_fim_through_shard_dataset_resumes_exactly_and_keeps_its_rate(
+    cache_dir, fim_tokenizer, keep_length
+):
+    fim = FIM.from_tokenizer(fim_tokenizer, 0.5, 0.5, keep_length=keep_length)
 
     def make():
         return ShardDataset(cache_dir, 1024, seed=4, transform=fim)
 
     full = assert_resumable(make, lambda ds: iter(ds), _key, steps=[0, 5, 40])
     plain = [_key(b) for b in ShardDataset(cache_dir, 1024, seed=4)]
-    assert [k[0] for k in full] == [k[0] for k in plain]  # the same plan, other tokens
+    if keep_length:
+        assert [k[0] for k in full] == [k[0] for k in plain]  # the same plan, other tokens
+    else:  # 3 tokens reserved a sequence: fewer rows a batch, the same sequences
+        assert make().options.growth == 3 and len(full) > len(plain)
+        assert sorted(i for k in full for i in k[0]) == sorted(i for k in plain for i in k[0])
     # the rate over epochs, counted on the sequences long enough for the sentinels
     with open_cache(cache_dir) as cache:
-        long_enough = cache.lengths >= 4
+        long_enough = cache.lengths >= (4 if keep_length else 1)
     applied = eligible = 0
     for epoch in range(3):
         ds = make()
@@ -200,6 +217,93 @@ def test_fim_through_shard_dataset_resumes_exactly_and_keeps_its_rate(cache_dir,
             eligible += int(long_enough[ids[rows]].sum())
     assert eligible > 15000
     assert abs(applied / eligible - 0.5) < 0.01
+
+
+def _unfim(out, prefix, middle, suffix):
+    """The fragment a rewritten one came from, and whether it was in SPM order."""
+    out = list(out)
+    i_suf, i_mid = out.index(suffix), out.index(middle)
+    assert out[0] == prefix and out.count(prefix) == out.count(suffix) == out.count(middle) == 1
+    if i_suf == 1:  # SPM: <pre> <suf> suffix <mid> prefix+middle (or PSM with no prefix)
+        return out[i_mid + 1 :] + out[2:i_mid], True
+    return out[1:i_suf] + out[i_mid + 1 :] + out[i_suf + 1 : i_mid], False
+
+
+def test_fim_grows_by_the_sentinels_and_keeps_every_token():
+    fim = FIM(0.5, *FIM_IDS, spm_rate=0.5)
+    assert fim.max_growth == 3 and fim.keeps_mask
+    grown = 0
+    for ids, rng in _sequences(500, 6):
+        out, _ = fim(ids.copy(), None, rng)
+        if len(out) == len(ids):
+            assert np.array_equal(out, ids)
+            continue
+        grown += 1
+        assert len(out) == len(ids) + 3 and out.dtype == ids.dtype
+        assert _unfim(out.tolist(), *FIM_IDS)[0] == ids.tolist()  # every token, rearranged
+    assert 200 < grown < 300
+
+
+def _fragmented(count, seed, split=7):
+    """Sequences of 1 to 8 fragments of 20..120 ids, ``split`` between them."""
+    rng = np.random.default_rng(seed)
+    for i in range(count):
+        parts = [
+            rng.integers(10, 400, int(rng.integers(20, 120))) for _ in range(rng.integers(1, 9))
+        ]
+        glued = [x for p in parts for x in (*p.tolist(), split)][:-1]
+        yield parts, np.array(glued, np.uint16), np.random.default_rng([seed, i])
+
+
+def test_fim_rewrites_each_fragment_at_its_rate_in_psm_and_spm():
+    fim = FIM(0.5, *FIM_IDS, spm_rate=0.3, split_token=7, max_fragments=8)
+    assert fim.max_growth == 24
+    fragments = rewritten = spm = 0
+    for parts, ids, rng in _fragmented(4000, 1):
+        out, _ = fim(ids, None, rng)
+        pieces = np.split(out, np.flatnonzero(out == 7))
+        pieces = [p[1:] if k else p for k, p in enumerate(pieces)]  # (the split token first)
+        assert len(pieces) == len(parts)  # the split tokens stay, one between two fragments
+        for piece, part in zip(pieces, parts):
+            fragments += 1
+            if np.array_equal(piece, part):
+                continue
+            original, in_spm = _unfim(piece.tolist(), *FIM_IDS)
+            assert original == part.tolist()
+            rewritten += 1
+            spm += in_spm
+        assert len(out) == len(ids) + 3 * (np.isin(out, FIM_IDS[0]).sum())
+    assert fragments > 15000
+    assert abs(rewritten / fragments - 0.5) < 0.01
+    assert abs(spm / rewritten - 0.3) < 0.02  # (a PSM with no prefix reads as SPM too)
+
+
+def test_fim_grows_at_most_max_fragments_then_keeps_the_length():
+    fim = FIM(1.0, *FIM_IDS, split_token=7, max_fragments=2)
+    assert fim.max_growth == 6
+    for parts, ids, rng in _fragmented(300, 2):
+        out, _ = fim(ids, None, rng)
+        assert len(out) == len(ids) + 3 * min(len(parts), 2)
+        assert np.isin(out, FIM_IDS[0]).sum() == len(parts)  # every fragment rewritten
+    keep = FIM(1.0, *FIM_IDS, split_token=7, keep_length=True)
+    for parts, ids, rng in _fragmented(100, 3):
+        out, _ = keep(ids, None, rng)
+        assert len(out) == len(ids) and np.isin(out, FIM_IDS[0]).sum() == len(parts)
+
+
+def test_fim_checks_its_split_options(fim_tokenizer, ids_of):
+    with pytest.raises(ConfigError, match="must differ"):
+        FIM(0.5, 5, 6, 7, split_token=6)
+    with pytest.raises(ConfigError, match="split_token: got -2"):
+        FIM(0.5, 5, 6, 7, split_token=-2)
+    with pytest.raises(ConfigError, match=r"max_fragments.*needs a split_token"):
+        FIM(0.5, 5, 6, 7, max_fragments=3)
+    with pytest.raises(ConfigError, match="max_fragments: got 0"):
+        FIM(0.5, 5, 6, 7, split_token=8, max_fragments=0)
+    fim = FIM.from_tokenizer(fim_tokenizer, 0.5, split_token="<mask>", max_fragments=4)
+    assert fim.split_token == ids_of["<mask>"] and fim.max_growth == 12
+    with pytest.raises(ConfigError, match="split_token '<sep>' is not among"):
+        FIM.from_tokenizer(fim_tokenizer, 0.5, split_token="<sep>")
 
 
 def test_span_mask_masks_its_rate_in_spans_and_keeps_the_rest():
