@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import itertools
+import math
 import os
 
 import pytest
@@ -62,3 +63,22 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
     assert len(losses) == 4 and all(a > b for a, b in itertools.pairwise(losses))
     assert report["last_epoch"] >= 1  # Trainer called set_epoch on the loader
     assert "12 steps; logged losses" in capsys.readouterr().out
+
+
+def test_train_fim_trains_with_fim_and_the_validation_loss_falls(tmp_path, corpus, build_cache):
+    from conftest import _save_bpe, make_texts
+
+    sentinels = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
+    tokenizer = _save_bpe(str(tmp_path / "tok"), make_texts(200, seed=2), 500, bos=False,
+                          extra_specials=sentinels)  # fmt: skip
+    folder, _ = corpus("jsonl", n_files=2, docs=40)
+    cache = build_cache(folder, tokenizer, max_length=64, truncation="split")
+    train = recipe("train_fim")
+    report = train.main([cache, "--max-tokens", "320", "--seq-len", "80", "--steps", "8",
+                         "--eval-every", "4", "--validation", "0.2", "--num-workers", "0",
+                         "--split-token", "<eos>", "--max-fragments", "2"])  # fmt: skip
+    assert report["growth"] == 6  # 3 sentinels for each of up to 2 fragments, reserved
+    assert 0.3 < report["fim_rows"] / report["rows"] <= 1  # (a row packs several documents)
+    steps, evals = zip(*report["eval_losses"])
+    assert steps == (0, 4, 8) and all(math.isfinite(x) for x in evals)
+    assert evals[-1] < evals[0]
