@@ -22,7 +22,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.plan import EpochPlan, PlanOptions, occurrences, plan_epoch
+from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
 
 logger = logging.getLogger("shardcache")
 #: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its
@@ -397,6 +397,24 @@ def mixture_documents(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def document_uses(chosen: np.ndarray, index: MixtureIndex) -> np.ndarray | None:
+    """Which use of its document in the epoch each of ``mixture_documents``' ids is (int64).
+
+    A source's ids there are whole passes in id order, then a window that holds no document
+    twice: its ``i``-th id is use ``i // n`` of ``n`` documents. None when no source repeats.
+    A function of the epoch's ids alone: the same for any world size, workers or resume.
+    """
+    chosen = np.asarray(chosen, dtype=np.int64)
+    sizes = np.diff(index.offsets)
+    source, _ = index.locate(chosen)
+    taken = np.bincount(source, minlength=len(sizes))
+    if (taken <= sizes).all():
+        return None
+    first = np.zeros(len(sizes), dtype=np.int64)  # each source's first place in ``chosen``
+    np.cumsum(taken[:-1], out=first[1:])
+    return (np.arange(len(chosen), dtype=np.int64) - first[source]) // sizes[source]
+
+
 def mixture_epoch_plan(
     lengths: np.ndarray,
     buckets: np.ndarray,
@@ -404,10 +422,15 @@ def mixture_epoch_plan(
     options: PlanOptions,
     seed: int,
     epoch: int,
+    index: MixtureIndex | None = None,
 ) -> EpochPlan:
-    """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back."""
+    """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back.
+
+    With the mixture's ``index``, the plan records each segment's use of its document
+    (``EpochPlan.repeats``, from ``document_uses``).
+    """
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
-    repeats = occurrences(chosen)  # a repeated document's k-th use is repetition k
+    repeats = None if index is None else document_uses(chosen, index)
     return EpochPlan(
         plan.batch_offsets,
         chosen[plan.sample_ids],
@@ -452,7 +475,7 @@ class Mixture:
                 lengths, self.index, self.table, keys, seed, epoch, progress.source_done
             )
             progress.batches_started()
-            plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+            plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch, self.index)
             progress.batches_done()
         finally:
             progress.close()

@@ -280,28 +280,6 @@ class EpochPlan:
 # --------------------------------------------------------------------------------------------
 
 
-def occurrences(ids: np.ndarray) -> np.ndarray | None:
-    """Each entry's count of equal entries before it (int64), or None when all differ.
-
-    The repetition number of a document an epoch uses more than once: a function of the
-    epoch's chosen ids alone, so the same for any world size, workers or resume point.
-    """
-    ids = np.asarray(ids, dtype=np.int64)
-    if len(ids) < 2:
-        return None
-    order = np.argsort(ids, kind="stable")
-    ranked = ids[order]
-    new = np.empty(len(ids), dtype=bool)
-    new[0] = True
-    np.not_equal(ranked[1:], ranked[:-1], out=new[1:])
-    if new.all():
-        return None
-    first = np.maximum.accumulate(np.where(new, np.arange(len(ids), dtype=np.int64), 0))
-    out = np.empty(len(ids), dtype=np.int64)
-    out[order] = np.arange(len(ids), dtype=np.int64) - first
-    return out
-
-
 def plan_epoch(
     lengths: np.ndarray,
     buckets: np.ndarray,

@@ -131,9 +131,13 @@ class StreamLayout:
         order = np.argsort(ids, kind="stable")
         repeats = None
         if self.index.rows is not None and len(ids):
-            first = np.searchsorted(self.index.rows, ids, side="left")
-            repeats = rows - first
-            repeats = repeats[order] if repeats.any() else None
+            # (a row equal to the one before it is a repeat; only then the search)
+            again = (rows > 0) & (ids == self.index.rows[np.maximum(rows - 1, 0)])
+            if again.any():
+                repeats = np.zeros(len(ids), dtype=np.int64)
+                first = np.searchsorted(self.index.rows, ids[again], side="left")
+                repeats[again] = rows[again] - first
+                repeats = repeats[order]
         return ids[order], buckets[order], repeats
 
     def block_tokens(self, stream: int, block: int) -> int:
