@@ -94,6 +94,20 @@ def _transform_growth(transform: Any) -> int:
     return int(growth)
 
 
+def _check_transform_tokens(transform: Any, cache: Cache | MixedCache) -> None:
+    """Let a transform refuse ids the cache's tokenizer lacks (its ``check_tokens``, if any)."""
+    check = getattr(transform, "check_tokens", None)
+    if not callable(check):
+        return
+    caches = cache.caches if isinstance(cache, MixedCache) else [cache]
+    largest = min(int(c.manifest["tokenizer"]["max_token_id"]) for c in caches)
+    try:
+        check(largest, np.dtype(cache.dtype))
+    except Exception:
+        cache.close()
+        raise
+
+
 def cache_digest(manifest: dict[str, Any]) -> str:
     """The identity of a cache's data in a reader state: its key digest, else its shards' sha256."""
     digest = manifest.get("key", {}).get("digest")
@@ -182,7 +196,9 @@ class ShardDataset(IterableDataset):
             by (seed, epoch, sample id, repetition, piece start), so a resumed stream is the
             same. It may lengthen a sequence by up to its ``max_growth`` attribute (default 0),
             which the plan reserves (``PlanOptions.growth``); a transform whose ``keeps_mask``
-            attribute is False is refused on a chat cache (docs/guide/transforms.md).
+            attribute is False is refused on a chat cache, and one with a ``check_tokens``
+            method is asked to refuse ids the cache's tokenizer lacks (FIM and SpanMask
+            check their sentinels) when the dataset is built (docs/guide/transforms.md).
         **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
@@ -303,6 +319,7 @@ class ShardDataset(IterableDataset):
             self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
             terms = (mixture_json, table.tokens_per_epoch)
             self._data_identity = _data_identity(cache.caches, *terms)
+        _check_transform_tokens(transform, cache)
         if cache.has_mask and transform is not None and not getattr(transform, "keeps_mask", True):
             cache.close()
             raise ConfigError(

@@ -38,6 +38,20 @@ def _check_token_id(name: str, value: int) -> None:
         raise ConfigError(f"{name}: got {value!r}, expected a token id (an int >= 0)")
 
 
+def _check_vocabulary(
+    what: str, names_ids: dict[str, int], max_token_id: int, dtype: np.dtype
+) -> None:
+    """Refuse ids past the tokenizer's largest id (another tokenizer's) or the cache's dtype."""
+    over = {k: v for k, v in names_ids.items() if v > max_token_id}
+    if over:
+        raise ConfigError(
+            f"{what}: token ids {over} are past the largest id {max_token_id} of the tokenizer "
+            "the cache was built with; take them from that tokenizer (FIM.from_tokenizer "
+            "reads them from its added tokens)"
+        )
+    _check_fits(np.zeros(0, dtype=dtype), names_ids)
+
+
 def _check_fits(ids: np.ndarray, names_ids: dict[str, int]) -> None:
     """Refuse sentinel ids that the cache's id dtype cannot hold (they would wrap silently)."""
     if ids.dtype.kind not in "iu":
@@ -127,6 +141,21 @@ class FIM:
                 f"keep_length={self.keep_length}; it counts the fragments that grow, so it "
                 "needs a split_token and keep_length=False (or leave it at 1)"
             )
+
+    def check_tokens(self, max_token_id: int, dtype: np.dtype) -> None:
+        """Refuse ids the cache's tokenizer does not have (``ShardDataset`` calls it at start).
+
+        Args:
+            max_token_id: the largest id of the tokenizer the cache was built with.
+            dtype: the cache's token dtype.
+
+        Raises:
+            ConfigError: a sentinel or split id past ``max_token_id`` or ``dtype``.
+        """
+        ids = self._sentinels()
+        if self.split_token is not None:
+            ids["split_token"] = self.split_token
+        _check_vocabulary("FIM", ids, max_token_id, dtype)
 
     @property
     def max_growth(self) -> int:
@@ -296,6 +325,18 @@ class SpanMask:
         span = self.mean_span
         if isinstance(span, bool) or not isinstance(span, (int, float)) or not span >= 1:
             raise ConfigError(f"SpanMask mean_span: got {span!r}, expected a number >= 1")
+
+    def check_tokens(self, max_token_id: int, dtype: np.dtype) -> None:
+        """Refuse a mask id the cache's tokenizer does not have (``ShardDataset`` calls it).
+
+        Args:
+            max_token_id: the largest id of the tokenizer the cache was built with.
+            dtype: the cache's token dtype.
+
+        Raises:
+            ConfigError: ``mask_id`` past ``max_token_id`` or ``dtype``.
+        """
+        _check_vocabulary("SpanMask", {"mask_id": self.mask_id}, max_token_id, dtype)
 
     def __call__(
         self, ids: np.ndarray, mask: np.ndarray | None, rng: np.random.Generator

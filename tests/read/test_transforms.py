@@ -512,3 +512,15 @@ def test_a_lengthening_transform_carries_chat_loss_masks(chat_cache, mode):
         ShardDataset(chat_cache, 1024, transform=_Prepend(3, keeps_mask=False))
     with pytest.raises(ConfigError, match=r"no loss mask.*chat cache"):
         next(iter(ShardDataset(chat_cache, 1024, transform=_Prepend(3, drop_mask=True))))
+
+
+def test_sentinel_ids_are_checked_against_the_caches_tokenizer_at_start(cache_dir, ids_of):
+    with open_cache(cache_dir) as cache:
+        largest = int(cache.manifest["tokenizer"]["max_token_id"])
+    with pytest.raises(ConfigError, match=rf"FIM: token ids \{{'suffix_id': {largest + 1}\}}"):
+        ShardDataset(cache_dir, 1024, transform=FIM(0.5, 1, 2, largest + 1))
+    with pytest.raises(ConfigError, match=r"SpanMask: .* past the largest id"):
+        ShardDataset(cache_dir, 1024, transform=SpanMask(0.1, 70000))
+    with pytest.raises(ConfigError, match="split_token"):
+        ShardDataset(cache_dir, 1024, transform=FIM(0.5, 1, 2, 3, split_token=largest + 5))
+    ShardDataset(cache_dir, 1024, transform=FIM(0.5, 1, 2, 3, split_token=ids_of["<mask>"]))
