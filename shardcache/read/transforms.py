@@ -220,12 +220,13 @@ class FIM:
                     "spelling the tokenizer has"
                 )
             split_token = added[split_token]
-        options = {"keep_length": keep_length, "split_token": split_token,
-                   "max_fragments": max_fragments}  # fmt: skip
         for names in FIM_SPELLINGS:
             if all(n in added for n in names):
                 prefix, middle, suffix = (added[n] for n in names)
-                return cls(rate, prefix, middle, suffix, spm_rate, **options)
+                return cls(
+                    rate, prefix, middle, suffix, spm_rate, keep_length=keep_length,
+                    split_token=split_token, max_fragments=max_fragments,
+                )  # fmt: skip
         looked = " or ".join(", ".join(names) for names in FIM_SPELLINGS)
         raise ConfigError(
             f"FIM.from_tokenizer: {path!r} has no FIM sentinels among its added tokens "
