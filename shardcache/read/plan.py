@@ -57,7 +57,7 @@ class PlanOptions:
         growth: tokens reserved for every sequence (pad mode, and ``best_fit`` rows) to grow
             by at read time: each is planned as ``length + growth`` tokens, so no batch
             exceeds ``max_tokens`` once a read-time transform lengthened it. ``ShardDataset``
-            sets it from its transform's ``max_growth``; refused with ``packing="concat"``.
+            raises it to its transform's ``max_growth``; refused with ``packing="concat"``.
 
     Raises:
         ConfigError: a field out of range or not valid in its mode (the message names it).
@@ -394,12 +394,16 @@ def _plan_best_fit(
 ) -> EpochPlan:
     seq_len = int(options.seq_len or 0)
     if int(lengths.max()) > seq_len:
-        grown = f", {options.growth} of them reserved for a transform" if options.growth else ""
+        grown, other = ", {} of them reserved for a transform", "use packing='concat', "
+        if options.growth:
+            grown, other = grown.format(options.growth), ""
+        else:
+            grown = ""
         raise ConfigError(
             f"seq_len: {seq_len} is smaller than the longest sequence ({int(lengths.max())} "
-            f"tokens{grown}) and packing='best_fit' never splits a sequence; use packing='concat', "
-            f"raise seq_len to at least {int(lengths.max())}, or rebuild the cache with "
-            f"--max-length {seq_len}"
+            f"tokens{grown}) and packing='best_fit' never splits a sequence; {other}raise "
+            f"seq_len to at least {int(lengths.max())}, or rebuild the cache with --max-length "
+            f"{seq_len - options.growth}"
         )
     n = len(lengths)
     order = _pack_order(n, rng)
