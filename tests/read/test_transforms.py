@@ -14,6 +14,7 @@ import pytest
 from shardcache import (
     FIM,
     ConfigError,
+    PlanOptions,
     ShardDataset,
     Source,
     SpanMask,
@@ -415,6 +416,12 @@ def test_a_transform_growing_more_than_it_declared_is_refused(cache_dir):
         next(iter(ShardDataset(cache_dir, 1024, transform=_Claims(1, 2))))
     with pytest.raises(ConfigError, match="max_growth=-1"):
         ShardDataset(cache_dir, 1024, transform=_Claims(-1, 0))
+    with pytest.raises(ConfigError, match="growth: got -1"):
+        PlanOptions(max_tokens=64, growth=-1)
+    # a growth given in the options and a transform's: the larger is reserved
+    given = PlanOptions(max_tokens=1024, growth=7)
+    assert ShardDataset(cache_dir, options=given, transform=Grow(3)).options.growth == 7
+    assert ShardDataset(cache_dir, 1024, transform=Grow(3), growth=1).options.growth == 3
     with pytest.raises(ConfigError, match=r"packing='concat'.*best_fit"):
         ShardDataset(cache_dir, 1024, mode="pack", seq_len=64, packing="concat",
                      attention="none", transform=Grow(3))  # fmt: skip
