@@ -204,8 +204,8 @@ class ShardDataset(IterableDataset):
 
     Raises:
         ConfigError: an option is missing, unknown or out of range (``split`` with a mixture,
-            ``eval`` with ``shuffle=True``, a transform's ``max_growth`` with
-            ``packing="concat"``, or a transform that cannot keep a chat cache's loss masks).
+            ``eval`` with ``shuffle=True``, a ``growth`` with ``packing="concat"`` and no
+            transform, or a transform that cannot keep a chat cache's loss masks).
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
@@ -262,6 +262,13 @@ class ShardDataset(IterableDataset):
             options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
         if growth > options.growth:  # the plan reserves what the transform may add
             options = dataclasses.replace(options, growth=growth)
+        concat = options.mode == "pack" and options.packing == "concat"
+        if options.growth and concat and transform is None:
+            raise ConfigError(
+                f"growth: {options.growth} with packing='concat' but no transform; concat "
+                "then plans documents longer than they are, for a transform to fill. Pass "
+                "the transform, or growth=0"
+            )
         self.options: PlanOptions = options
         self.attention: str | None = _check_attention(attention, options.mode)
         check_choice("ids_dtype", ids_dtype, IDS_DTYPES)
@@ -1324,6 +1331,8 @@ class ShardDataset(IterableDataset):
         repeats: np.ndarray | None = None,
     ) -> dict[str, Any]:
         """A packed batch on the numpy path: gathered, then laid out by collate.py."""
+        if self.transform is not None and taken is not None and self.options.growth:
+            return self._pack_grown_pieces(ids, starts, taken, row_bounds, seq_len, repeats)
         if self.transform is not None:  # flat and transformed (lengths may change), then laid out
             got = self._gather(ids, starts, taken, repeats=repeats)
             return pack_batch(
@@ -1346,6 +1355,38 @@ class ShardDataset(IterableDataset):
             got.mask,
             self.ids_dtype,
             laid_out,
+        )
+
+    def _pack_grown_pieces(
+        self,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        taken: np.ndarray,
+        row_bounds: np.ndarray,
+        seq_len: int,
+        repeats: np.ndarray | None,
+    ) -> dict[str, Any]:
+        """Concat pieces of documents that a transform may lengthen, laid out in rows.
+
+        The plan cut each document as ``length + growth`` tokens, so a piece is read from the
+        whole transformed document (seeded at start 0: every piece of it sees the same one),
+        padded to that length with pad tokens that carry no loss.
+        """
+        got = self._gather(ids, None, None, repeats=repeats)  # whole documents, transformed
+        ends = got.lengths  # (at most the stored length + growth: checked)
+        taken = np.asarray(taken, dtype=np.int64)
+        first = np.cumsum(taken) - taken
+        # each slot's place in its document as planned, and whether the transform filled it
+        pos = np.repeat(np.asarray(starts, dtype=np.int64) - first, taken)
+        pos += np.arange(int(taken.sum()), dtype=np.int64)
+        real = pos < np.repeat(ends, taken)
+        src = np.repeat(got.offsets[:-1], taken) + np.minimum(pos, np.repeat(ends - 1, taken))
+        src = np.maximum(src, 0)  # (an empty batch)
+        source = got.tokens[src] if len(got.tokens) else np.zeros(len(src), got.tokens.dtype)
+        tokens = np.where(real, source, self.pad_id).astype(got.tokens.dtype, copy=False)
+        mask = real if got.mask is None else real & got.mask[src]
+        return pack_batch(
+            tokens, taken, ids, starts, row_bounds, seq_len, self.pad_id, mask, self.ids_dtype
         )
 
 

@@ -54,10 +54,11 @@ class PlanOptions:
             ``0``: one global plan over the whole cache, every rank reading from all shards.
         shuffle_block: rows a stream shuffles together: larger mixes more, and a rank plans,
             holds and fetches that many rows of each of its streams at a time.
-        growth: tokens reserved for every sequence (pad mode, and ``best_fit`` rows) to grow
-            by at read time: each is planned as ``length + growth`` tokens, so no batch
-            exceeds ``max_tokens`` once a read-time transform lengthened it. ``ShardDataset``
-            raises it to its transform's ``max_growth``; refused with ``packing="concat"``.
+        growth: tokens reserved for every sequence to grow by at read time: each is planned
+            as ``length + growth`` tokens (with ``packing="concat"``, a document of that
+            length is cut into the rows), so no batch exceeds ``max_tokens`` once a read-time
+            transform lengthened it. ``ShardDataset`` raises it to its transform's
+            ``max_growth``.
 
     Raises:
         ConfigError: a field out of range or not valid in its mode (the message names it).
@@ -100,13 +101,6 @@ class PlanOptions:
                 "seq_len: mode='pack' needs seq_len (the tokens per packed row), e.g. 4096"
             )
         check_int("seq_len", self.seq_len, 1)
-        if self.growth and self.packing == "concat":
-            raise ConfigError(
-                f"growth: {self.growth} tokens per sequence with packing='concat'; concat cuts "
-                "documents into pieces wherever rows end, so it cannot reserve room for a "
-                "transform that lengthens them: use packing='best_fit' or mode='pad', or a "
-                "transform that keeps the length (e.g. FIM(..., keep_length=True))"
-            )
         if self.seq_len > self.max_tokens:
             raise ConfigError(
                 f"seq_len: {self.seq_len} exceeds max_tokens={self.max_tokens}; a batch holds "

@@ -204,9 +204,13 @@ def count_batches(
             rows = -(-tokens // seq_len)
             return -(-rows // rows_per_batch)
 
+        def block_total(s: int, b: int) -> int:  # (each document planned ``growth`` longer)
+            first, last = layout.block_rows(s, b)
+            return layout.block_tokens(s, b) + options.growth * (last - first)
+
         return {
             s: np.array(
-                [concat_batches(layout.block_tokens(s, b)) for b in range(int(layout.blocks[s]))],
+                [concat_batches(block_total(s, b)) for b in range(int(layout.blocks[s]))],
                 dtype=np.int64,
             )
             for s in chosen

@@ -376,16 +376,20 @@ class Grow:
 
 
 @pytest.mark.parametrize("streams", [0, 3])
-@pytest.mark.parametrize("mode", ["pad", "pack"])
+@pytest.mark.parametrize("mode", ["pad", "pack", "concat"])
 def test_a_lengthening_transform_never_exceeds_the_budget(cache_dir, mode, streams):
     growth, budget = 5, 300  # sequences of up to 64 tokens: rows of up to 69 once grown
-    extra = {} if mode == "pad" else {"mode": "pack", "seq_len": 69, "attention": "none"}
+    extra = {
+        "pad": {},
+        "pack": {"mode": "pack", "seq_len": 69, "attention": "none"},
+        "concat": {"mode": "pack", "seq_len": 50, "packing": "concat", "attention": "none"},
+    }[mode]
     ds = ShardDataset(cache_dir, budget, seed=3, transform=Grow(growth), streams=streams,
                       shuffle_block=2048, **extra)  # fmt: skip
     assert ds.options.growth == growth and ds.state_dict()["plan"]["growth"] == growth
     with open_cache(cache_dir) as cache:
         lengths = np.asarray(cache.lengths, dtype=np.int64)
-    seen = []
+    tokens = collections.Counter()
     for batch in ds:
         assert batch["input_ids"].numel() <= budget
         meta = batch["meta"]
@@ -395,14 +399,37 @@ def test_a_lengthening_transform_never_exceeds_the_budget(cache_dir, mode, strea
         else:  # a segment never crosses its row (its positions restart at 0 inside the row)
             got = np.diff(meta["cu_seqlens"].numpy())[ids >= 0]
             ids = ids[ids >= 0]
-            assert int(batch["position_ids"].max()) < 69
-        assert np.array_equal(got, lengths[ids] + growth)  # every sequence grew by all of it
-        seen.extend(ids.tolist())
-    assert len(set(seen)) == len(seen)
+            assert int(batch["position_ids"].max()) < extra["seq_len"]
+        for i, n in zip(ids.tolist(), got.tolist()):
+            tokens[i] += n
+    # every sequence grew by all of it (concat: over the pieces the rows hold)
     if streams == 0:
-        assert sorted(seen) == list(range(len(lengths)))
-    else:  # (the streams even out by dropping a few batches)
-        assert len(seen) > 0.95 * len(lengths)
+        assert sorted(tokens) == list(range(len(lengths)))
+        assert all(n == lengths[i] + growth for i, n in tokens.items())
+    else:  # (the streams even out by dropping a few batches: a piece may be missing)
+        assert len(tokens) > 0.95 * len(lengths)
+        assert all(n <= lengths[i] + growth for i, n in tokens.items())
+        assert sum(n == lengths[i] + growth for i, n in tokens.items()) > 0.95 * len(lengths)
+
+
+def test_concat_pieces_of_a_document_that_grew_less_than_planned_are_padded(cache_dir):
+    ds = ShardDataset(cache_dir, 300, seed=3, transform=_Claims(5, 2), mode="pack", seq_len=50,
+                      packing="concat", attention="none", streams=0)  # fmt: skip
+    with open_cache(cache_dir) as cache:
+        lengths = np.asarray(cache.lengths, dtype=np.int64)
+    pads, tokens = collections.Counter(), collections.Counter()
+    for batch in ds:
+        meta = batch["meta"]
+        cu, ids = meta["cu_seqlens"].tolist(), meta["sample_ids"].tolist()
+        flat, labels = batch["input_ids"].reshape(-1), batch["labels"].reshape(-1)
+        for k, i in enumerate(ids):
+            if i >= 0:
+                piece = flat[cu[k] : cu[k + 1]]
+                pad = piece == ds.pad_id
+                assert (labels[cu[k] : cu[k + 1]][pad] == -100).all()  # padding is never a target
+                pads[i] += int(pad.sum())
+                tokens[i] += len(piece)
+    assert all(tokens[i] == lengths[i] + 5 and pads[i] == 3 for i in range(len(lengths)))
 
 
 def _grow_undeclared(ids, mask, rng):
@@ -422,10 +449,10 @@ def test_a_transform_growing_more_than_it_declared_is_refused(cache_dir):
     given = PlanOptions(max_tokens=1024, growth=7)
     assert ShardDataset(cache_dir, options=given, transform=Grow(3)).options.growth == 7
     assert ShardDataset(cache_dir, 1024, transform=Grow(3), growth=1).options.growth == 3
-    with pytest.raises(ConfigError, match=r"packing='concat'.*best_fit"):
+    with pytest.raises(ConfigError, match=r"growth: 3 with packing='concat' but no transform"):
         ShardDataset(cache_dir, 1024, mode="pack", seq_len=64, packing="concat",
-                     attention="none", transform=Grow(3))  # fmt: skip
-    # a length-keeping transform still packs with concat
+                     attention="none", growth=3)  # fmt: skip
+    # a length-keeping transform packs with concat as before, piece by piece
     ds = ShardDataset(cache_dir, 1024, mode="pack", seq_len=64, packing="concat",
                       attention="none", transform=Grow(0))  # fmt: skip
     assert ds.options.growth == 0 and next(iter(ds))["input_ids"].shape == (16, 64)
@@ -531,3 +558,29 @@ def test_sentinel_ids_are_checked_against_the_caches_tokenizer_at_start(cache_di
     with pytest.raises(ConfigError, match="split_token"):
         ShardDataset(cache_dir, 1024, transform=FIM(0.5, 1, 2, 3, split_token=largest + 5))
     ShardDataset(cache_dir, 1024, transform=FIM(0.5, 1, 2, 3, split_token=ids_of["<mask>"]))
+
+
+def test_fim_in_concat_rows_rewrites_whole_documents_and_resumes(cache_dir, fim_tokenizer):
+    fim = FIM.from_tokenizer(fim_tokenizer, 0.5, 0.5)
+
+    def make():
+        return ShardDataset(cache_dir, 512, seed=6, transform=fim, mode="pack", seq_len=32,
+                            packing="concat", attention="none", streams=0)  # fmt: skip
+
+    sentinels = collections.Counter()
+    for batch in make():  # a document longer than a row is cut from its rewritten whole
+        meta = batch["meta"]
+        cu, ids = meta["cu_seqlens"].tolist(), meta["sample_ids"].tolist()
+        flat = batch["input_ids"].reshape(-1)
+        for k, i in enumerate(ids):
+            if i >= 0:
+                piece = flat[cu[k] : cu[k + 1]]
+                for s in (fim.prefix_id, fim.middle_id, fim.suffix_id):
+                    sentinels[i, s] += int((piece == s).sum())
+    with open_cache(cache_dir) as cache:
+        count = cache.num_sequences
+    per_doc = [tuple(sentinels[i, s] for s in (fim.prefix_id, fim.middle_id, fim.suffix_id))
+               for i in range(count)]  # fmt: skip
+    assert set(per_doc) == {(0, 0, 0), (1, 1, 1)}  # once each, over all of a document's pieces
+    assert abs(per_doc.count((1, 1, 1)) / count - 0.5) < 0.03
+    assert_resumable(make, iter, _key, steps=[7])
