@@ -79,9 +79,10 @@ class FIM:
     transform declares ``max_growth = 3 * max_fragments``, which ``ShardDataset`` reserves in
     its plan. Beyond ``max_fragments`` rewritten fragments of one sequence, the others are
     rewritten in the length-keeping form. ``keep_length=True`` is that form for every
-    fragment: its last 3 tokens give way to the sentinels (``max_growth = 0``; works with
-    ``packing="concat"``). A fragment needs 1 token to be rewritten (4 when it keeps its
-    length); shorter ones, and the others, are returned unchanged. Loss-mask entries move
+    fragment: its last 3 tokens give way to the sentinels (``max_growth = 0``; with
+    ``packing="concat"`` it rewrites each piece a row holds, the growing form whole
+    documents). A fragment needs 1 token to be rewritten (4 when it keeps its length);
+    shorter ones, and the others, are returned unchanged. Loss-mask entries move
     with their tokens; the sentinels are not trainable.
 
     Args:
