@@ -72,7 +72,11 @@ def main() -> None:
         "fim_keep": FIM(0.5, 0, 1, 2, spm_rate=0.5, keep_length=True),
         "fim": FIM(0.5, 0, 1, 2, spm_rate=0.5),
     }
-    extra = {} if args.mode == "pad" else {"mode": "pack", "packing": "concat", "seq_len": 2048}
+    extra = (
+        {}
+        if args.mode == "pad"
+        else {"mode": "pack", "packing": "concat", "seq_len": 2048, "attention": "none"}
+    )
     best: dict[str, float] = {}
     counts: dict[str, int] = {}
     compiled = None
