@@ -30,9 +30,16 @@ same one), within an epoch if need be. What it shows:
 * checkpointing the reader: ``loader.state_dict()`` after ``k`` steps (exact with workers and a
   prefetcher), ``--resume STATE`` to continue from such a state, with any world size.
 
+Where each step waits: a ``shardcache.StallMonitor`` around the loader (one all-reduce of two
+numbers per step for the slowest and fastest rank's wait); the progress line (rank 0) shows the
+share of the steps since the previous line spent waiting for data and the slowest / fastest
+rank's wait; ``--tensorboard DIR`` writes every step's figures there (rank 0; needs
+tensorboard).
+
 Progress is printed every ``--log-every`` steps (rank 0). ``--report PATH`` writes (rank 0,
 JSON) the steps per rank and epoch and the segments every rank consumed
-(``[sample_id, offset, length]``), so a test can check equal steps and exact coverage.
+(``[sample_id, offset, length]``), and each rank's summed data-loading figures, so a test can
+check equal steps and exact coverage.
 """
 
 from __future__ import annotations
@@ -107,6 +114,7 @@ def main() -> None:
     parser.add_argument("--save-state", help="write the reader state here at the end (rank 0)")
     parser.add_argument("--report", help="write steps and consumed segments here (rank 0)")
     parser.add_argument("--log-every", type=int, default=10, help="print progress every N steps")
+    parser.add_argument("--tensorboard", help="write the data-loading figures here (rank 0)")
     parser.add_argument("--model-vocab", type=int, default=MODEL_VOCAB,
                         help="at most this many output classes (token ids are folded)")  # fmt: skip
     args = parser.parse_args()
@@ -151,6 +159,16 @@ def main() -> None:
         print("measuring: steps/s, tokens/s per rank, time the step waited for its batch",
               flush=True)  # fmt: skip
 
+    writer = None
+    if args.tensorboard and rank == 0:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
+    # step() is a collective (max / min over the ranks): every rank calls it once per step
+    monitor = shardcache.StallMonitor(writer, prefix="data/")
+    loading: dict[str, float] = {}  # this rank's figures summed over its steps
+    window: dict[str, float] = {}  # rank 0's since the last progress line
+
     consumed: list[list[int]] = []
     state = loader.state_dict()
     steps_per_epoch: list[int] = []
@@ -160,10 +178,9 @@ def main() -> None:
             if budget is not None and budget <= 0:
                 break
             loader.set_epoch(epoch)  # same epoch after --resume: keeps the resumed position
-            expected, steps, tokens, waited = len(loader), 0, 0, 0.0
-            started = ready = time.perf_counter()
-            for batch in loader:
-                waited += time.perf_counter() - ready
+            expected, steps, tokens = len(loader), 0, 0
+            started = time.perf_counter()
+            for batch in monitor.wrap(loader):
                 if args.report:
                     cpu = {k: v.cpu() if torch.is_tensor(v) else v for k, v in batch.items()}
                     cpu["meta"] = {k: v.cpu() if torch.is_tensor(v) else v
@@ -175,15 +192,22 @@ def main() -> None:
                 optimizer.step()
                 steps += 1
                 tokens += int((batch["labels"] != -100).sum())
+                figures = monitor.step()
+                for name, value in figures.items():
+                    loading[name] = loading.get(name, 0.0) + value
+                    window[name] = window.get(name, 0.0) + value
                 if rank == 0 and (steps % args.log_every == 0 or steps == expected):
                     elapsed = time.perf_counter() - started
+                    pct = 100 * window["data_loading_s"] / max(window["step_s"], 1e-9)
                     print(
                         f"epoch {epoch} step {steps}/{expected}: loss {loss.item():.3f}, "
                         f"{steps / elapsed:.1f} steps/s, {tokens / elapsed:,.0f} trained "
-                        f"tokens/s (rank 0), waited for data {waited:.2f}s",
+                        f"tokens/s (rank 0), waited for data {pct:.1f}% of the time "
+                        f"(slowest rank {window.get('data_loading_max_s', 0.0):.3f}s, fastest "
+                        f"{window.get('data_loading_min_s', 0.0):.3f}s)",
                         flush=True,
                     )
-                ready = time.perf_counter()
+                    window = {}
                 if budget is not None and steps == budget:
                     break  # the loader's state is exact after a break too
             if budget is not None:
@@ -192,12 +216,14 @@ def main() -> None:
             steps_per_epoch.append(steps)
             state = loader.state_dict()  # exact even with workers and a prefetcher
 
+    if writer is not None:
+        writer.close()
     if args.save_state and rank == 0:
         with open(args.save_state, "w", encoding="utf-8") as f:
             json.dump(state, f)
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "steps": steps_per_epoch,
-                                      "segments": consumed})  # fmt: skip
+                                      "segments": consumed, "data_loading": loading})  # fmt: skip
     if args.report and rank == 0:
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump({"world_size": world, "ranks": gathered, "tail": ds.tail_report()}, f)

@@ -16,12 +16,17 @@ What it shows (copy it):
 * ``model(**shardcache.model_inputs(batch))``: the batch's ``meta`` (sample ids) stays out of
   the model call; the loss is the model's own (labels are -100 on padding and on each
   document's first token, so it is the token-weighted mean of the per-document losses);
+* ``shardcache.StallMonitor`` around the loader: every step's data-loading figures (the wait
+  for ``next()``, split into the reader and the copy, and the reader's stage times), printed
+  with the progress (the share of the steps since the last print spent waiting) and written
+  to TensorBoard with ``--tensorboard DIR`` (torch's ``SummaryWriter``; needs tensorboard);
 * ``loader.state_dict()`` after ``k`` steps is exact although workers and the prefetcher read
   ahead: ``--resume`` continues with exactly the batches not yet trained on.
 
 The model is a small random Qwen2 sized from the cache's vocabulary (``--hidden``, 2 layers);
 it is a stand-in: what is measured is that the loss falls and the stream resumes exactly.
-``--report PATH`` writes the per-step losses and the sample ids of every batch (JSON).
+``--report PATH`` writes the per-step losses, data-loading figures and the sample ids of every
+batch (JSON).
 """
 
 from __future__ import annotations
@@ -54,6 +59,15 @@ def tiny_model(vocab_size: int, hidden: int, max_positions: int) -> Qwen2ForCaus
     return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
 
 
+def waiting(figures: list[dict[str, float]]) -> str:
+    """The share of these steps spent waiting for data, and where the reader spent its time."""
+    step_s = sum(f["step_s"] for f in figures)
+    loading = sum(f["data_loading_s"] for f in figures)
+    stages = {s: sum(f[s + "_s"] for f in figures) for s in ("fetch", "gather", "collate")}
+    where = ", ".join(f"{s} {1e3 * v / len(figures):.2f} ms" for s, v in stages.items())
+    return f"waited for data {100 * loading / max(step_s, 1e-9):.1f}% of the time; {where}/step"
+
+
 def main(argv: list[str] | None = None) -> dict:
     parser = argparse.ArgumentParser(description="plain training loop over a shardcache cache")
     parser.add_argument("cache")
@@ -73,6 +87,7 @@ def main(argv: list[str] | None = None) -> dict:
         "--overfit-batch", action="store_true", help="train on the first batch over and over"
     )
     parser.add_argument("--report", help="write losses and consumed sample ids here (JSON)")
+    parser.add_argument("--tensorboard", help="write the data-loading figures here (a log dir)")
     args = parser.parse_args(argv)
 
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -99,15 +114,22 @@ def main(argv: list[str] | None = None) -> dict:
         flush=True,
     )
     use_cache = {"use_cache": False} if args.attention != "mask" else {}
+    writer = None
+    if args.tensorboard:
+        from torch.utils.tensorboard import SummaryWriter
+
+        writer = SummaryWriter(args.tensorboard)
+    monitor = shardcache.StallMonitor(writer, prefix="data/")
 
     losses: list[float] = []
     consumed: list[list[int]] = []
+    loading: list[dict[str, float]] = []
     epoch, step, started = loader.dataset.epoch, 0, time.perf_counter()
     first = None
     with loader:
         while step < args.steps:
             loader.set_epoch(epoch)  # the resumed epoch keeps its position
-            for batch in loader:
+            for batch in monitor.wrap(loader):
                 if args.overfit_batch:
                     first = first if first is not None else batch
                     batch = first
@@ -117,22 +139,25 @@ def main(argv: list[str] | None = None) -> dict:
                 optimizer.step()
                 losses.append(loss.item())
                 consumed.append(batch["meta"]["sample_ids"].tolist())
+                loading.append(monitor.step(step))  # a dict for any logger
                 step += 1
                 if not math.isfinite(losses[-1]):
                     raise SystemExit(f"step {step}: loss is {losses[-1]}")
                 if step % args.log_every == 0 or step == args.steps:
                     rate = step / (time.perf_counter() - started)
-                    print(f"epoch {epoch} step {step}: loss {losses[-1]:.4f} ({rate:.1f} steps/s)",
-                          flush=True)  # fmt: skip
+                    print(f"epoch {epoch} step {step}: loss {losses[-1]:.4f} ({rate:.1f} steps/s; "
+                          f"{waiting(loading[-args.log_every:])})", flush=True)  # fmt: skip
                 if step == args.steps:
                     break
             else:
                 epoch += 1  # the pass ended: next epoch
         state = loader.state_dict()  # exact: counts only the batches trained on
+    if writer is not None:
+        writer.close()
     if args.save_state:
         with open(args.save_state, "w", encoding="utf-8") as f:
             json.dump(state, f)
-    report = {"losses": losses, "batches": consumed, "state": state}
+    report = {"losses": losses, "batches": consumed, "state": state, "data_loading": loading}
     if args.report:
         with open(args.report, "w", encoding="utf-8") as f:
             json.dump(report, f)

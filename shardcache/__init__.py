@@ -38,7 +38,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StateError,
         TokenizerError,
     )
-    from shardcache.read.dataset import ShardDataset, model_inputs
+    from shardcache.read.dataset import ShardDataset, model_inputs, pair_logps
     from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.mixture import MixtureTable, Source, SourceShare
     from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
@@ -50,6 +50,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.readahead import ReadAheadOptions
     from shardcache.read.splits import Split
+    from shardcache.read.trainer_callback import StallMonitorCallback
     from shardcache.read.transforms import FIM, SpanMask
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.export import ExportOptions, ExportReport, export_cache
@@ -96,6 +97,7 @@ _LAZY: dict[str, str] = {
     "SpanMask": "shardcache.read.transforms",
     "Split": "shardcache.read.splits",
     "StallMonitor": "shardcache.read.prefetch",
+    "StallMonitorCallback": "shardcache.read.trainer_callback",
     "SourceOptions": "shardcache.config",
     "SourceShare": "shardcache.read.mixture",
     "TokenizeOptions": "shardcache.config",
@@ -105,6 +107,7 @@ _LAZY: dict[str, str] = {
     "loader": "shardcache.read.loader",
     "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
+    "pair_logps": "shardcache.read.dataset",
     "plan_epoch": "shardcache.read.plan",
     "verify_cache": "shardcache.store.verify",
 }
@@ -146,6 +149,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "SpanMask",
     "Split",
     "StallMonitor",
+    "StallMonitorCallback",
     "StateError",
     "TokenizeOptions",
     "TokenizerError",
@@ -156,6 +160,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "loader",
     "model_inputs",
     "open_cache",
+    "pair_logps",
     "plan_epoch",
     "verify_cache",
 ]

@@ -169,13 +169,19 @@ def key_options(func: F) -> F:
         click.option(
             "--truncation", type=click.Choice(["truncate", "drop", "split"]),
             help="What to do with longer sequences: keep the first max-length tokens, drop "
-            "the document, or split it into consecutive pieces.  [default: truncate]",
+            "the document, or split it into consecutive pieces. Preference pairs: truncate "
+            "cuts the prompt to its last --max-prompt-length tokens and both completions to "
+            "what max-length leaves, drop drops the pair.  [default: truncate; pairs: drop]",
         ),
         click.option("--chat", is_flag=True, default=None, help="Chat data: render each "
                      "record's messages with a chat template and store loss masks."),
         click.option("--preference", is_flag=True, default=None, help="Preference pairs: "
-                     "records {prompt, chosen, rejected} (strings or message lists), stored "
+                     "records {prompt, chosen, rejected} (strings or message lists) or {chosen, "
+                     "rejected} sharing a prompt, stored "
                      "as two masked sequences per pair, loss on the completion only."),
+        click.option("--max-prompt-length", type=click.IntRange(min=1),
+                     help="Preference: the longest prompt, in tokens (below --max-length); "
+                     "a longer one is cut from the left or its pair dropped (--truncation)."),
         click.option("--messages-field", help="Chat: field holding the list of {role, content} "
                      "messages.  [default: messages]"),
         click.option("--chat-template", type=click.Path(dir_okay=False), help="Chat: a Jinja "
@@ -459,14 +465,9 @@ def info(
             text += "\n\n" + format_histogram(histogram, cost)
         click.echo(text)
         if split is not None:
-            from shardcache.read.splits import SPLIT_NAMES
+            from shardcache.read.splits import format_split_summary
 
-            for name in SPLIT_NAMES:
-                side = summary["splits"][name]
-                counts = (side["documents"], side["sequences"], side["tokens"])
-                click.echo(
-                    "split {:<11}{:,} documents, {:,} sequences, {:,} tokens".format(name, *counts)
-                )
+            click.echo("\n".join(format_split_summary(summary["splits"])))
         if plot:
             click.echo(f"wrote {plot}", err=True)
 
@@ -831,25 +832,62 @@ def export_command(
 @main.command()
 @click.argument("recipe", type=click.Path(dir_okay=False))
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
+@click.option("--split", "split_spec", default=None, metavar="NAME=FRACTION,...",
+              help="Held-out fractions for every source without its own, in place of the "
+              "recipe's [splits], e.g. validation=0.01,test=0.001 (seed=N optional). Reads "
+              "every shard's record column.")  # fmt: skip
 @translate_errors
-def mix(recipe: str, as_json: bool) -> None:
+def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
     """Show what each source of a mixture RECIPE gives an epoch.
 
     Per source: documents and tokens available, share, tokens per epoch and repetitions (what
     ShardDataset(...).mixture says). Reads the manifests and length indexes only, never a shard.
     A mixture recipe is a TOML file with one [[source]] table (path, weight, max_repetitions,
-    name) per cache plus the batch options:
+    name, splits) per cache plus the batch options. With held-out splits (the recipe's [splits]
+    or a source's splits, or --split), the table is of the side the recipe reads (split,
+    default train), followed by each source's documents, sequences and tokens per side, as
+    shardcache info --split counts them; finding the sides reads every shard's record column.
 
     \b
       shardcache mix recipes/mixture.toml
       shardcache mix recipes/mixture.toml --json
+      shardcache mix recipes/mixture.toml --split validation=0.01,test=0.001
     """  # noqa: D301
     from shardcache.read.mixed_cache import MixedCache
+    from shardcache.read.mixture import source_splits
     from shardcache.read.mixture_recipe import load_mixture_recipe
+    from shardcache.read.splits import format_split_summary, split_ids, split_summary
 
     loaded = load_mixture_recipe(recipe)
-    table = MixedCache(loaded.sources).table(loaded.tokens_per_epoch)
-    click.echo(json.dumps(table.to_json(), indent=1) if as_json else table.format())
+    options = loaded.dataset_options()
+    splits = _parse_split(split_spec) if split_spec is not None else options.get("splits")
+    side = options.get("split", "train" if splits is not None else None)
+    per_source = source_splits(loaded.sources, side, splits)
+    mixed = MixedCache(loaded.sources)
+    try:
+        if per_source is None:
+            table = mixed.table(loaded.tokens_per_epoch)
+            click.echo(json.dumps(table.to_json(), indent=1) if as_json else table.format())
+            return
+        assert side is not None
+        keys = [c.document_keys() for c in mixed.caches]
+        caches = mixed.caches
+        rows = tuple(split_ids(c, own, side, k) for c, own, k in zip(caches, per_source, keys))
+        summaries = {
+            s.label: split_summary(c, own, k)
+            for s, c, own, k in zip(loaded.sources, mixed.caches, per_source, keys)
+        }
+        table = mixed.table(loaded.tokens_per_epoch, rows, side)
+    finally:
+        mixed.close()
+    if as_json:
+        click.echo(json.dumps({**table.to_json(), "split": side, "splits": summaries}, indent=1))
+        return
+    lines = [table.format(), f"(the {side} side of every source's split)"]
+    for name, summary in summaries.items():
+        fractions = ", ".join(f"{k}={v}" for k, v in summary["split"].items())
+        lines += [f"source {name} ({fractions}):", *format_split_summary(summary, "  ")]
+    click.echo("\n".join(lines))
 
 
 def _split_targets(targets: tuple[str, ...]) -> tuple[str | None, str | None]:
@@ -986,7 +1024,8 @@ def lock(recipe: str | None, inputs: tuple[str, ...], lock_path: str, no_data: b
     "--tokens",
     is_flag=True,
     help="Also re-tokenize a sample of the stored documents from their inputs with the "
-    "Hugging Face tokenizer and compare ids (and chat loss masks) with the cache.",
+    "Hugging Face tokenizer and compare ids (and the loss masks of chat and preference "
+    "caches) with the cache.",
 )
 @click.option(
     "--fraction",

@@ -138,6 +138,9 @@ class ChatOptions:
     lint_sample: int = 32  # conversations per partition compared with apply_chat_template
     #: preference pairs ({"prompt", "chosen", "rejected"}) instead of conversations
     preference: bool = False
+    #: preference: the longest prompt in tokens (None: no limit); a longer one is cut from the
+    #: left (``truncation = "truncate"``) or its pair dropped (``"drop"``)
+    max_prompt_length: int | None = None
 
     def __post_init__(self) -> None:
         if not self.messages_field:
@@ -149,6 +152,25 @@ class ChatOptions:
                 "completion carries a loss there, so leave train_on unset"
             )
         check_choice("truncation_side", self.truncation_side, TRUNCATION_SIDES)
+        if self.preference and self.truncation_side != "right":
+            raise ConfigError(
+                f"truncation_side: got {self.truncation_side!r} for preference data; a pair's "
+                "prompt is cut from the left (max_prompt_length) and its completions from the "
+                "right (max_length), so leave truncation_side unset"
+            )
+        if self.max_prompt_length is not None:
+            if not self.preference:
+                raise ConfigError(
+                    f"max_prompt_length: got {self.max_prompt_length!r} for chat data; it "
+                    'limits the prompt of preference pairs only (kind = "preference"): use '
+                    "max_length"
+                )
+            check_int("max_prompt_length", self.max_prompt_length, 1, unit="tokens")
+            if self.train_on != "assistant":
+                raise ConfigError(
+                    f"max_prompt_length: needs train_on = 'assistant' (got {self.train_on!r}): "
+                    "a pair's prompt is every token before its first trainable one"
+                )
         if self.template_path is not None and not os.path.isfile(self.template_path):
             raise ConfigError(
                 f"chat_template: {self.template_path!r} is not a file; give a Jinja template "
@@ -327,6 +349,7 @@ class BuildOptions:
             raise ConfigError(
                 f"workers: got {self.workers!r}, expected an integer >= 1 (or unset: all cores)"
             )
+        check_pair_limits(self.tokenize.max_length, self.chat)
         if (
             not isinstance(self.partition_size_bytes, int)
             or self.partition_size_bytes < MIN_PARTITION_SIZE_BYTES
@@ -357,6 +380,16 @@ class BuildOptions:
             The fields by name, each option group a dict of its own.
         """
         return dataclasses.asdict(self)
+
+
+def check_pair_limits(max_length: int | None, chat: ChatOptions | None) -> None:
+    """Raise ConfigError unless a pair's prompt limit leaves room for its completions."""
+    prompt = chat.max_prompt_length if chat is not None else None
+    if prompt is not None and max_length is not None and prompt >= max_length:
+        raise ConfigError(
+            f"max_prompt_length: got {prompt} with max_length {max_length}; a pair's completions "
+            "get max_length minus its prompt, so give a max_prompt_length below max_length"
+        )
 
 
 def parse_size(value: str | int, name: str = "shard_size") -> int:
@@ -403,7 +436,7 @@ RECIPE_KEYS = {
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
     "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
-    "verify_fraction", "exclude", "kind", "preference",
+    "verify_fraction", "exclude", "kind", "preference", "max_prompt_length",
 }  # fmt: skip
 
 
@@ -438,6 +471,11 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
     ``preference`` set: message lists render with the chat template.
     """
     kind = data_kind(values)
+    if kind != "preference" and values.get("max_prompt_length") is not None:
+        raise ConfigError(
+            f"max_prompt_length: got {values['max_prompt_length']!r} for {kind} data; it "
+            'limits the prompt of preference pairs only (kind = "preference"): use max_length'
+        )
     if kind == "text":
         return None
     if kind == "preference" and values.get("messages_field") is not None:
@@ -445,13 +483,16 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
             "messages_field: not used for preference data (records hold prompt, chosen and "
             "rejected); leave it out"
         )
-    return ChatOptions(
+    chat = ChatOptions(
         messages_field=values.get("messages_field") or "messages",
         template_path=values.get("chat_template"),
         train_on=values.get("train_on") or "assistant",
         truncation_side=values.get("truncation_side") or "right",
         preference=kind == "preference",
+        max_prompt_length=values.get("max_prompt_length"),
     )
+    check_pair_limits(values.get("max_length"), chat)
+    return chat
 
 
 def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
@@ -467,11 +508,11 @@ def tokenize_options_from_mapping(values: Mapping[str, Any]) -> TokenizeOptions:
     append_eos = values.get("append_eos")
     if kind == "preference":
         truncation = values.get("truncation") or "drop"
-        if truncation != "drop":
+        if truncation == "split":
             raise ConfigError(
-                f"truncation: got {truncation!r} for preference data; a pair longer than "
-                "max_length is dropped whole (both sides), so use truncation = 'drop' or leave "
-                "it unset"
+                "truncation: 'split' is for plain text (a piece of a pair has no prompt); use "
+                "drop (a pair over the limits is dropped whole, the default) or truncate (the "
+                "prompt cut from the left to max_prompt_length, both completions to max_length)"
             )
     else:
         truncation = values.get("truncation") or "truncate"

@@ -433,3 +433,60 @@ def s3(monkeypatch, tmp_path):
     finally:
         s3fs.S3FileSystem.clear_instance_cache()
         server.stop()
+
+
+def make_string_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
+            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
+            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
+        }
+        for _ in range(n)
+    ]
+
+
+@pytest.fixture(scope="session")
+def pairs_cache(tmp_path_factory, tokenizer_dir) -> str:
+    """A preference cache of 600 pairs in two buckets and a few dozen small shards."""
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path_factory.mktemp("prefs")
+    path = write_records(str(folder / "pairs.jsonl"), make_string_pairs(600, seed=4), "jsonl")
+    out = str(folder / "cache")
+    values = {
+        "input": path, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+        "kind": "preference", "buckets": "16,32", "shard_size": 4096,
+    }  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    return out
+
+
+def make_model(arch: str, impl: str, vocab_size: int) -> Any:
+    """A tiny randomly initialised causal LM (2 layers, float32, no download): arch qwen2|llama."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+
+    torch.manual_seed(0)
+    options = {
+        "vocab_size": vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "max_position_embeddings": 256,
+        # larger than the 0.02 default: attention far from uniform, leakage clearly visible
+        "initializer_range": 0.2,
+    }
+    config, cls = (
+        (Qwen2Config(**options), Qwen2ForCausalLM)
+        if arch == "qwen2"
+        else (LlamaConfig(**options), LlamaForCausalLM)
+    )
+    model = cls._from_config(config, attn_implementation=impl, dtype=torch.float32)
+    model.train()  # dropout is 0 in these configs; train() is what a training loop runs
+    assert model.config.use_cache  # the default under which position_ids alone leak
+    return model

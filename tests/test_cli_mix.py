@@ -1,5 +1,6 @@
 """``shardcache mix RECIPE``: the mixture table from manifests and length indexes, the same
-as ``ShardDataset(...).mixture``; the mixture recipe and its training loop."""
+as ``ShardDataset(...).mixture``, and each source's held-out sides; the mixture recipe and its
+training loop."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ import pytest
 from click.testing import CliRunner
 
 from conftest import make_texts, write_records
-from shardcache import ShardDataset
+from shardcache import ShardDataset, Split, open_cache
 from shardcache.cli import main
 from shardcache.read.mixture_recipe import load_mixture_recipe
+from shardcache.read.splits import split_ids, split_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -169,3 +171,72 @@ def test_the_mixture_training_loop_runs_resumes_and_delivers_the_shares(caches, 
     tail = train.main([*common, "--steps", "4", "--resume", state])
     assert tail["state"] == full["state"]
     assert {k: head["tokens"][k] + tail["tokens"][k] for k in head["tokens"]} == full["tokens"]
+
+
+SPLITS = "[splits]\nvalidation = 0.2\ntest = 0.1\n"
+OWN = "max_repetitions = 3\nsplits = { validation = 0.5, seed = 4 }"  # the code source's own
+
+
+def _mix_json(*args: str) -> dict:
+    result = CliRunner().invoke(main, ["mix", *args, "--json"])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.output)
+
+
+def test_mix_shows_each_source_s_sides_and_the_table_of_the_side_the_recipe_reads(caches):
+    path = _recipe(caches, SPLITS)
+    recipe = load_mixture_recipe(path)
+    assert recipe.dataset_options()["split"] == "train"  # a training run's side by default
+    ds = ShardDataset(recipe.sources, **recipe.dataset_options())
+    got = _mix_json(path)
+    assert {k: v for k, v in got.items() if k not in ("split", "splits")} == ds.mixture.to_json()
+    assert got["split"] == "train" and list(got["splits"]) == ["web", "the-code"]
+    for source in recipe.sources:
+        with open_cache(source.path) as cache:  # what shardcache info --split counts
+            assert got["splits"][source.label] == split_summary(cache, Split(0.2, 0.1))
+    text = CliRunner().invoke(main, ["mix", path])
+    assert text.exit_code == 0, text.output
+    assert ds.mixture.format() in text.output
+    assert "source the-code (validation=0.2, test=0.1, seed=0):" in text.output
+    assert "  split validation " in text.output
+    # the same fractions from --split, for a recipe without [splits]
+    assert _mix_json(_recipe(caches), "--split", "validation=0.2,test=0.1") == got
+
+
+def test_a_recipe_s_per_source_splits_reach_the_dataset_and_mix(caches):
+    path = os.path.join(caches, "own.toml")
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(RECIPE.format(extra=SPLITS).replace("max_repetitions = 3", OWN))
+    recipe = load_mixture_recipe(path)
+    own = Split(validation=0.5, seed=4)
+    assert recipe.sources[1].splits == own
+    options = recipe.dataset_options(split="validation")
+    ds = ShardDataset(recipe.sources, **options, eval=True)
+    got = {(int(s), int(i)) for b in ds if not bool(b["meta"]["filler"])
+           for s, i in zip(b["meta"]["source_ids"], b["meta"]["sample_ids"]) if s >= 0}  # fmt: skip
+    want = set()
+    for s, (source, split) in enumerate(zip(recipe.sources, (Split(0.2, 0.1), own))):
+        with open_cache(source.path) as cache:
+            want |= {(s, int(i)) for i in split_ids(cache, split, "validation")}
+    assert got == want
+    shown = _mix_json(path)
+    assert shown["splits"]["the-code"]["split"] == own.to_json()
+    # --split replaces the recipe's [splits], not a source's own
+    other = _mix_json(path, "--split", "validation=0.3")
+    assert other["splits"]["web"]["split"] == Split(0.3).to_json()
+    assert other["splits"]["the-code"]["split"] == own.to_json()
+
+
+@pytest.mark.parametrize(
+    ("extra", "args", "match"),
+    [('split = "valid"', [], "expected one of"),
+     ('split = "validation"', [], "have no held-out fractions"),
+     ("[splits]\nvalidation = 0.2\ntrain = 0.1\n", [], "unknown field(s) ['train']"),
+     ("", ["--split", "valid=0.1"], "unknown name 'valid'"),
+     ("", ["--split", "validation=0.6,test=0.4"], "sum to less than 1")],
+    ids=["bad-side", "side-without-splits", "bad-field", "bad-option", "no-train"],
+)  # fmt: skip
+def test_bad_splits_in_a_recipe_or_on_the_command_line_exit_2(caches, extra, args, match):
+    result = CliRunner().invoke(main, ["mix", _recipe(caches, extra), *args])
+    assert result.exit_code == 2, result.output
+    assert match in result.output and "Traceback" not in result.output

@@ -30,16 +30,27 @@ def cache_dir(corpus, build_cache, tokenizer_dir):
 SMALL = ["--max-tokens", "256", "--seq-len", "64"]
 
 
-def test_train_loop_loss_falls_on_a_repeated_batch(cache_dir, capsys):
+def test_train_loop_loss_falls_on_a_repeated_batch(cache_dir, capsys, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
     train = recipe("train_loop")
     report = train.main([cache_dir, *SMALL, "--steps", "8", "--overfit-batch",
-                         "--num-workers", "0", "--log-every", "4"])  # fmt: skip
+                         "--num-workers", "0", "--log-every", "4",
+                         "--tensorboard", str(tmp_path / "tb")])  # fmt: skip
     losses = report["losses"]
     assert len(losses) == 8 and all(a > b for a, b in itertools.pairwise(losses))
     batches = report["batches"]
     assert len(batches) == 8 and all(b == batches[0] for b in batches)  # one batch, repeated
     out = capsys.readouterr().out
     assert "parameters" in out and "step 4: loss" in out and "step 8: loss" in out
+    assert out.count("waited for data") == 2
+    loading = report["data_loading"]  # the StallMonitor's figures of every step
+    assert len(loading) == 8 and all(0 <= f["data_loading_pct"] <= 100 for f in loading)
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    scalars = events.Scalars("data/data_loading_pct")
+    assert [s.step for s in scalars] == list(range(8))
+    assert [s.value for s in scalars] == pytest.approx([f["data_loading_pct"] for f in loading])
 
 
 def test_train_loop_resume_continues_the_same_stream(cache_dir, tmp_path):
@@ -58,11 +69,18 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
     train = recipe("train_hf_trainer")
     report = train.main([cache_dir, *SMALL, "--output-dir", str(tmp_path / "out"),
                          "--max-steps", "12", "--logging-steps", "3",
-                         "--num-workers", "0"])  # fmt: skip
+                         "--num-workers", "0", "--validation", "0.25"])  # fmt: skip
     losses = report["losses"]
     assert len(losses) == 4 and all(a > b for a, b in itertools.pairwise(losses))
     assert report["last_epoch"] >= 1  # Trainer called set_epoch on the loader
-    assert "12 steps; logged losses" in capsys.readouterr().out
+    data = report["data_loading"]  # StallMonitorCallback's figures in the last log
+    assert set(data) == set(train.MONITOR_KEYS)
+    assert 0 <= data["data_loading_pct"] <= 100 and data["wait_reader_s"] >= 0
+    held_out = report["eval"]  # on the validation split, per token
+    assert held_out["eval_tokens"] > 0 and 0 < held_out["eval_loss"] < 20
+    out = capsys.readouterr().out
+    assert "12 steps; logged losses" in out and "data loading (last log)" in out
+    assert "eval_loss" in out
 
 
 def test_train_fim_trains_with_fim_and_the_validation_loss_falls(tmp_path, corpus, build_cache):

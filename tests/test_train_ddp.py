@@ -9,6 +9,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from shardcache import open_cache
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -36,6 +38,15 @@ def test_torchrun_two_ranks_full_epoch(corpus, build_cache, tokenizer_dir, tmp_p
     ranks = data["ranks"]
     assert data["world_size"] == 2 and len(ranks) == 2
     assert ranks[0]["steps"] == ranks[1]["steps"] and ranks[0]["steps"][0] > 0
+    assert "waited for data" in out.stdout and "slowest rank" in out.stdout
+    # the StallMonitor's figures: the same max / min over the ranks on both, bounding each
+    loading = [r["data_loading"] for r in ranks]
+    assert loading[0]["batches"] == loading[1]["batches"] == ranks[0]["steps"][0]
+    for name in ("data_loading_max_s", "data_loading_min_s"):
+        assert loading[0][name] == pytest.approx(loading[1][name])
+    for figures in loading:
+        assert figures["data_loading_min_s"] <= figures["data_loading_s"] + 1e-9
+        assert figures["data_loading_s"] <= figures["data_loading_max_s"] + 1e-9
     cache = open_cache(cache_dir)
     tokens = collections.Counter()
     for r in ranks:

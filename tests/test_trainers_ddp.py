@@ -73,6 +73,14 @@ def test_every_rank_trains_on_its_own_share_once(scenario, cache_dir, tmp_path):
     done = run(scenario, cache_dir, tmp_path)
     assert done.returncode == 0, output(done)
     assert_each_rank_read_its_share_once(cache_dir, tmp_path)
+    if scenario == "hf-loader":  # StallMonitorCallback: the wait of the slowest / fastest rank
+        loading = [json.loads((tmp_path / f"rank{r}.json").read_text())["data_loading"]
+                   for r in range(2)]  # fmt: skip
+        assert loading[0]["data_loading_max_s"] == loading[1]["data_loading_max_s"]
+        assert loading[0]["data_loading_min_s"] == loading[1]["data_loading_min_s"]
+        for figures in loading:
+            low, high = figures["data_loading_min_s"], figures["data_loading_max_s"]
+            assert 0 < low <= figures["data_loading_s"] <= high
 
 
 def test_lightning_own_launcher_with_the_dataset_built_before_fit(cache_dir, tmp_path):
@@ -91,3 +99,22 @@ def test_accelerate_splitting_the_dataset_again_is_refused_before_a_step(
     assert done.stderr.count("refused: ") == 2, output(done)  # both ranks, at start
     assert "DataLoaderDispatcher" in done.stderr and "get_train_dataloader" in done.stderr
     assert not list(tmp_path.glob("rank*.json"))  # no rank trained
+
+
+def test_hf_trainer_eval_loss_is_the_same_on_one_and_two_processes(cache_dir, tmp_path):
+    # Trainer.evaluate over ShardDataset(split="validation", eval=True) through the recipe's
+    # ShardTrainer: the per-token mean loss of the split, whatever the number of processes
+    one, two = tmp_path / "one", tmp_path / "two"
+    one.mkdir(), two.mkdir()
+    for out, torchrun in ((one, False), (two, True)):
+        done = run("hf-eval", cache_dir, out, torchrun=torchrun)
+        assert done.returncode == 0, output(done)
+    (alone,) = [json.loads((one / "rank0.json").read_text())]
+    pair = [json.loads((two / f"rank{r}.json").read_text()) for r in range(2)]
+    assert alone["world_size"] == 1 and [r["world_size"] for r in pair] == [2, 2]
+    assert alone["fillers"] == 0 and sum(r["fillers"] for r in pair) == 1  # 9 batches, 2 ranks
+    assert pair[0]["batches"] == pair[1]["batches"] == 5 and alone["batches"] == 9
+    for report in (alone, *pair):
+        assert report["eval_tokens"] == report["reference_tokens"] == alone["reference_tokens"]
+        assert report["eval_loss"] == pytest.approx(alone["reference"], rel=1e-5, abs=1e-5)
+    assert pair[0]["eval_loss"] == pair[1]["eval_loss"]  # one figure, reduced over the ranks

@@ -5,6 +5,10 @@
 Trains a stand-in model for one epoch (gloo, CPU) and writes ``OUT/rank<r>.json``: the rank, the
 world size and the ``meta["sample_ids"]`` of every batch the model received. A ConfigError
 (a refused set-up) is printed as ``refused: <message>`` with exit status 3.
+
+Scenario ``hf-eval`` trains nothing: it runs ``Trainer.evaluate`` of a seeded tiny Qwen2 over
+the ``validation`` split (``eval=True``) and writes the recipe's ``eval_loss``, Trainer's own
+figure for the same batches, and the per-token mean computed here batch by batch.
 """
 
 from __future__ import annotations
@@ -18,11 +22,15 @@ import torch
 from torch.utils.data import DataLoader
 
 import shardcache
-from shardcache import ConfigError, ShardDataset
+from shardcache import ConfigError, ShardDataset, Split
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 128
 SEED = 1
+#: The held-out split and batch budget of ``hf-eval`` (9 evaluation batches on the test
+#: cache: one rank of two gets a filler batch).
+EVAL_SPLITS = Split(validation=0.3)
+EVAL_TOKENS = 64
 
 
 class CountingLM(torch.nn.Module):
@@ -49,7 +57,7 @@ def recipe(name: str):
     return module
 
 
-def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> int:
+def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> tuple[int, dict]:
     from transformers import Trainer, TrainingArguments
 
     steps = ShardDataset(cache, MAX_TOKENS, seed=SEED).batches_per_rank()  # (any rank: equal)
@@ -62,11 +70,61 @@ def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> int:
         trainer = recipe("train_hf_trainer").ShardTrainer(
             model=model, args=args, shard_loader=shard_loader
         )
+        shardcache.StallMonitorCallback().attach(trainer)  # the recipe's too
     else:  # what the issue's user wrote: Trainer's own DataLoader, through accelerate
         trainer = Trainer(model=model, args=args, data_collator=lambda items: items[0],
                           train_dataset=ShardDataset(cache, MAX_TOKENS, seed=SEED))  # fmt: skip
     trainer.train()
-    return trainer.args.process_index
+    last = trainer.state.log_history[-1]  # the summary log: the monitor's figures of the run
+    loading = {k: v for k, v in last.items() if k.startswith("data_loading")}
+    return trainer.args.process_index, {"data_loading": loading}
+
+
+def hf_eval(cache: str, out: str, vocab: int) -> tuple[int, dict]:
+    from transformers import Trainer, TrainingArguments
+
+    shard_trainer = recipe("train_hf_trainer").ShardTrainer
+
+    class StraightTrainer(shard_trainer):
+        """The recipe's loaders with Trainer's own evaluation loss."""
+
+        compute_loss = Trainer.compute_loss
+        evaluation_loop = Trainer.evaluation_loop
+
+    torch.manual_seed(0)
+    model = recipe("train_loop").tiny_model(vocab, 32, 64)
+    args = TrainingArguments(output_dir=out, report_to=[], save_strategy="no", use_cpu=True,
+                             disable_tqdm=True)  # fmt: skip
+    ds = ShardDataset(cache, EVAL_TOKENS, split="validation", splits=EVAL_SPLITS, eval=True)
+    found = {}
+    for name, cls in (("recipe", shard_trainer), ("straight", StraightTrainer)):
+        shard_loader = shardcache.loader(cache, MAX_TOKENS, seed=SEED, num_workers=0)
+        trainer = cls(model=model, args=args, shard_loader=shard_loader, eval_dataset=ds)
+        found[name] = trainer.evaluate()
+    # the per-token mean by hand: each batch's mean loss times its label tokens, summed
+    sums = torch.zeros(3, dtype=torch.float64)
+    model.eval()
+    with torch.no_grad():
+        for batch in ds:
+            count = int(batch["labels"][:, 1:].ne(-100).sum())
+            sums[2] += float(batch["meta"]["filler"])
+            if count:
+                loss = model(**shardcache.model_inputs(batch)).loss
+                sums[0] += loss.double() * count
+                sums[1] += count
+    fillers = int(sums[2])
+    if torch.distributed.is_initialized():
+        torch.distributed.all_reduce(sums)
+    report = {
+        "eval_loss": found["recipe"]["eval_loss"],
+        "eval_tokens": found["recipe"]["eval_tokens"],
+        "straight_eval_loss": found["straight"]["eval_loss"],
+        "reference": float(sums[0] / sums[1]),
+        "reference_tokens": int(sums[1]),
+        "fillers": fillers,
+        "batches": len(ds),
+    }
+    return trainer.args.process_index, report
 
 
 def accelerate_run(cache: str, model: CountingLM, use_loader: bool) -> int:
@@ -116,9 +174,12 @@ def main() -> int:
     scenario, cache, out = sys.argv[1:4]
     vocab = int(shardcache.open_cache(cache).manifest["tokenizer"]["vocab_size"])
     model = CountingLM(vocab)
+    report: dict = {}
     try:
-        if scenario in ("hf-dataset", "hf-loader"):
-            rank = hf(cache, out, model, use_loader=scenario == "hf-loader")
+        if scenario == "hf-eval":
+            rank, report = hf_eval(cache, out, vocab)
+        elif scenario in ("hf-dataset", "hf-loader"):
+            rank, report = hf(cache, out, model, use_loader=scenario == "hf-loader")
         elif scenario in ("accelerate-dataloader", "accelerate-loader"):
             rank = accelerate_run(cache, model, use_loader=scenario == "accelerate-loader")
         elif scenario == "lightning":
@@ -130,7 +191,7 @@ def main() -> int:
         return 3
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
-        json.dump({"rank": rank, "world_size": world, "ids": model.seen}, f)
+        json.dump({"rank": rank, "world_size": world, "ids": model.seen, **report}, f)
     return 0
 
 

@@ -159,6 +159,14 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
     # the reference (HF) encodes the probe: the key never depends on the backend
     ids = text.encode_reference([probes[n] for n in names])
     side = encoder.options.truncation_side if "chat" in probes else "right"
+    truncation: dict[str, Any] = {
+        "max_length": options.max_length,
+        "strategy": options.truncation,
+        "side": side,
+    }
+    if getattr(encoder.options, "preference", False):  # pairs: the prompt has its own limit
+        truncation["side"] = "prompt from the left, completions from the right"
+        truncation["max_prompt_length"] = encoder.options.max_prompt_length
     component = getattr(text, "tokenizer_component", None)
     versions = library_versions()  # package metadata: transformers is not imported
     return CacheKey(
@@ -175,11 +183,7 @@ def compute_key(encoder: Any, data: Mapping[str, Any] | None) -> CacheKey:
                 "ids": {n: inline_value(list(map(int, i))) for n, i in zip(names, ids)},
             },
             "template": encoder.template_component(),
-            "truncation": {
-                "max_length": options.max_length,
-                "strategy": options.truncation,
-                "side": side,
-            },
+            "truncation": truncation,
             "data": dict(data) if data is not None else None,
             "versions": {
                 "transformers": versions["transformers"],

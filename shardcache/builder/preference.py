@@ -6,7 +6,9 @@ side holds the prompt and its completion; only the completion carries a loss. St
 prompt and the completion are tokenized apart and joined (BOS as the tokenizer adds it, EOS
 appended to the completion under ``append_eos``), as TRL tokenizes them. Message lists: the
 prompt plus the completion rendered with the chat template, the completion's assistant turns
-trainable (``ChatRenderer`` spans). A pair with a side over ``max_length`` is dropped whole.
+trainable (``ChatRenderer`` spans). Over ``max_length`` / ``max_prompt_length`` a pair is
+dropped whole, or with ``truncation = "truncate"`` both sides are cut alike: each prompt to its
+last ``max_prompt_length`` tokens, each side then to ``max_length`` (the completion's budget).
 """
 
 from __future__ import annotations
@@ -20,12 +22,49 @@ from shardcache.builder.chat import (
     ChatEncoder,
     ChatLint,
     ChatRenderer,
+    ChatSample,
     bos_added_by_post_processor,
     encoding_mask,
 )
 from shardcache.builder.tokenize import Encoded
 from shardcache.config import ChatOptions
 from shardcache.errors import TokenizerError
+
+
+def split_implicit_prompt(chosen: Any, rejected: Any) -> tuple[Any, str | None]:
+    """TRL's implicit-prompt shape: ``((prompt, chosen, rejected), None)``, else ``(None, reason)``.
+
+    Conversations (lists of valid messages): the prompt is the longest common prefix of whole
+    messages (equal as dicts: role, content and any other key), and both sides must go on with
+    an assistant turn and end with one; ``no_shared_prompt`` when they share nothing,
+    ``divergence_not_assistant`` / ``last_not_assistant`` otherwise, ``empty_completion`` when
+    a side is the prefix of the other. Strings: TRL's ``extract_prompt``: the longest common
+    *character* prefix, a space just before the first difference going to the completions (the
+    prefix may end inside a word: ``"... is f"`` + ``"our"`` / ``"ive"``).
+    """
+    n = min(len(chosen), len(rejected))
+    if isinstance(chosen, str):
+        if not chosen or not rejected:
+            return None, "empty_completion"
+        a = np.frombuffer(chosen[:n].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        b = np.frombuffer(rejected[:n].encode("utf-32-le", "surrogatepass"), dtype=np.uint32)
+        differ = np.flatnonzero(a != b)
+        cut = int(differ[0]) if len(differ) else n
+        if cut == n:  # one text is the other's prefix: a side has no completion
+            return None, "empty_completion"
+        if cut and chosen[cut - 1] == " ":
+            cut -= 1  # as TRL: the space before the completions starts them
+    else:
+        cut = next((i for i in range(n) if chosen[i] != rejected[i]), n)
+        if cut == n:
+            return None, "empty_completion"
+        if cut and (chosen[cut]["role"] != "assistant" or rejected[cut]["role"] != "assistant"):
+            return None, "divergence_not_assistant"
+        if cut and (chosen[-1]["role"] != "assistant" or rejected[-1]["role"] != "assistant"):
+            return None, "last_not_assistant"
+    if cut == 0:
+        return None, "no_shared_prompt"
+    return (chosen[:cut], chosen[cut:], rejected[cut:]), None
 
 
 @dataclass
@@ -67,6 +106,9 @@ class PreferenceEncoder(ChatEncoder):
             "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
             "train_on": "completion",
             "strings": "prompt and completion tokenized apart, BOS as the tokenizer adds it",
+            "implicit_prompt": "messages: the longest common prefix of whole messages, before "
+            "an assistant turn; strings: the longest common character prefix, a space before "
+            "the first difference going to the completions",
             "append_eos": self.text.options.append_eos,
         }
 
@@ -129,6 +171,9 @@ class PreferenceEncoder(ChatEncoder):
             ids = np.asarray(enc.ids, dtype=np.int64)
             mask, straddle = encoding_mask(enc, len(ids), r.spans)
             sides.append((*self._with_bos(ids, mask), straddle))
+        checked = [ChatSample(ids=s[0]) if not isinstance(s, str) else ChatSample(error=s)
+                   for s in sides]  # fmt: skip
+        self._lint_against_transformers(conversations, checked)  # as for chat data
         samples = []
         for k in range(len(pairs)):
             chosen, rejected = sides[2 * k], sides[2 * k + 1]
@@ -141,12 +186,11 @@ class PreferenceEncoder(ChatEncoder):
         return samples
 
     def finish(self, samples: list[PairSample], stats: Any) -> Encoded:
-        """Two rows per kept pair (chosen, rejected); a pair over the limits is dropped whole.
+        """Two rows per kept pair (chosen, rejected), cut or dropped together over the limits.
 
         ``stats.documents`` counts pairs, ``sequences`` rows; the ``Encoded`` has ``failed``
         entries for pairs that could not be encoded.
         """
-        limit = self.text.options.max_length
         append = self.text.options.append_eos and self.eos_id is not None
         keep_ids, keep_masks, doc_index, failed = [], [], [], []
         for i, sample in enumerate(samples):
@@ -162,7 +206,8 @@ class PreferenceEncoder(ChatEncoder):
                     ids, mask = np.append(ids, self.eos_id), np.append(mask, True)
                 sides.append((ids, mask))
             total = sum(len(ids) for ids, _ in sides)
-            if limit is not None and max(len(ids) for ids, _ in sides) > limit:
+            sides = self._limit(sides)
+            if sides is None:
                 stats.dropped_documents += 1
                 stats.lost_tokens += total
                 continue
@@ -170,6 +215,10 @@ class PreferenceEncoder(ChatEncoder):
                 stats.dropped_no_trainable += 1
                 stats.lost_tokens += total
                 continue
+            kept = sum(len(ids) for ids, _ in sides)
+            if kept < total:
+                stats.truncated_documents += 1
+                stats.lost_tokens += total - kept
             for ids, mask in sides:
                 self._lint_sample(ids, mask)
                 keep_ids.append(ids)
@@ -177,6 +226,31 @@ class PreferenceEncoder(ChatEncoder):
             doc_index += [i, i]
         piece = np.tile(np.array([0, 1], dtype=np.int32), len(keep_ids) // 2)
         return self._encoded(keep_ids, keep_masks, doc_index, piece, stats, failed)
+
+    def _limit(
+        self, sides: list[tuple[np.ndarray, np.ndarray]]
+    ) -> list[tuple[np.ndarray, np.ndarray]] | None:
+        """Both sides within ``max_prompt_length`` / ``max_length``: as they are, cut, or None.
+
+        A side's prompt is every token before its first trainable one. ``truncate`` keeps the
+        prompt's last ``max_prompt_length`` tokens (TRL's ``keep_end``) and then the first
+        ``max_length`` tokens of the side: its completion gets ``max_length`` minus the kept
+        prompt. ``drop``: None (the pair is dropped whole) when a side is over either limit.
+        """
+        limit = self.text.options.max_length
+        prompt_limit = self.options.max_prompt_length
+        prompts = [int(np.argmax(mask)) if mask.any() else len(mask) for _, mask in sides]
+        over_prompt = prompt_limit is not None and max(prompts) > prompt_limit
+        if not over_prompt and (limit is None or max(len(ids) for ids, _ in sides) <= limit):
+            return sides
+        if self.text.options.truncation != "truncate":
+            return None
+        out = []
+        for (ids, mask), prompt in zip(sides, prompts):
+            cut = max(0, prompt - prompt_limit) if prompt_limit is not None else 0
+            keep = slice(cut, None if limit is None else cut + limit)
+            out.append((ids[keep], mask[keep]))
+        return out
 
 
 def pair_bucket_lengths(lengths: np.ndarray) -> np.ndarray:

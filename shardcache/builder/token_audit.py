@@ -190,7 +190,7 @@ def audit_tokens(
     with contextlib.suppress(SourceError):  # inputs that are gone are reported missing
         found = {f.relpath: f for f in list_inputs(existing)} if existing else {}
     audit.missing_inputs = sorted(set(recorded) - set(found))
-    kind = "text" if options.chat is None else "chat"
+    kind = options.kind  # text, chat or preference: how records are read and validated
     names = sorted(set(recorded) & set(found))
     digests = {relpath: FileDigest() for relpath in names}
     progress = progress or Progress()

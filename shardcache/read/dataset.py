@@ -29,9 +29,17 @@ from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
 from shardcache.read import kernels
 from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
-from shardcache.read.collate import pack_batch, packed_layout, pad_batch
+from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
 from shardcache.read.mixed_cache import MixedCache
-from shardcache.read.mixture import Mixture, MixtureTable, Source, as_sources, mixture_changes
+from shardcache.read.mixture import (
+    Mixture,
+    MixtureIndex,
+    MixtureTable,
+    Source,
+    as_sources,
+    mixture_changes,
+    source_splits,
+)
 from shardcache.read.plan import (
     DEFAULT_SHUFFLE_BLOCK,
     EpochPlan,
@@ -181,16 +189,21 @@ class ShardDataset(IterableDataset):
         attention: ``"mask"`` (a 4-D block-causal mask), ``"varlen"`` (flash-attention keys)
             or ``"none"``: required with ``mode="pack"``, refused otherwise.
         ids_dtype: ``"int32"`` or ``"int64"``: ``input_ids``, ``position_ids``, ``attention_mask``.
-        tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in).
+        tokens_per_epoch: a mixture's epoch size (default: the largest every share fits in;
+            ignored with ``eval=True``).
         remix: let ``load_state_dict`` take the state of another mixture (with a warning).
         readahead: how far a remote cache downloads ahead: an int of shards (0: on demand only),
             a [`ReadAheadOptions`][shardcache.ReadAheadOptions] or None (the defaults).
         split: read only one side of ``splits``: ``"train"``, ``"validation"`` or ``"test"``
             (documents, every piece of a split document together; docs/guide/evaluation.md).
-        splits: the held-out fractions ([`Split`][shardcache.Split]); required with ``split``.
+            A mixture splits every source as that cache alone, and its weights apply to the
+            sources' sides.
+        splits: the held-out fractions ([`Split`][shardcache.Split]); required with ``split``
+            (a mixture: for every source without its own ``Source(splits=...)``).
         eval: an evaluation pass: no shuffle, every planned sequence exactly once over all
             ranks, no drop or repeat; a rank with no batch left yields a filler batch (labels
-            all -100, ``meta["filler"]`` True) so every rank yields the same count.
+            all -100, ``meta["filler"]`` True) so every rank yields the same count. A mixture
+            reads every document of every source (of its side) once: no weights or repetitions.
         transform: ``transform(ids, mask, rng) -> (ids, mask)`` applied to every sequence (or
             packed piece) after it is read and before the batch is collated; ``rng`` is seeded
             by (seed, epoch, sample id, repetition, piece start), so a resumed stream is the
@@ -203,9 +216,10 @@ class ShardDataset(IterableDataset):
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
     Raises:
-        ConfigError: an option is missing, unknown or out of range (``split`` with a mixture,
-            ``eval`` with ``shuffle=True``, a ``growth`` with ``packing="concat"`` and no
-            transform, or a transform that cannot keep a chat cache's loss masks).
+        ConfigError: an option is missing, unknown or out of range (``split`` without
+            ``splits``, a mixture source without a split, ``eval`` with ``shuffle=True``, a
+            ``growth`` with ``packing="concat"`` and no transform, or a transform that cannot
+            keep a chat cache's loss masks).
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
@@ -300,31 +314,50 @@ class ShardDataset(IterableDataset):
             #: the sample ids of the chosen side of ``splits`` (ascending), None without a split
             self._split_rows = _split_rows(cache, split, splits)
             self.split_name, self.splits = split, splits
+            self._source_splits: tuple[Split, ...] | None = None  # a mixture's, per source
             if splits is not None:
                 self._data_identity = _data_identity([cache], splits.to_json(), split)
         else:
-            if split is not None or splits is not None:
-                raise ConfigError(
-                    "split: a mixture's sources cannot be split yet; build a ShardDataset per "
-                    "cache with split= and splits=, or pass a single cache"
-                )
-            self._split_rows, self.split_name, self.splits = None, None, None
             self._sources = sources = as_sources(path)
             self.path = f"mixture({', '.join(s.label for s in sources)})"
+            self._source_splits = source_splits(sources, split, splits)
+            self._split_rows, self.split_name, self.splits = None, split, splits
             cache = self._open_cache(expect)
             assert isinstance(cache, MixedCache)
-            if any(c.is_preference for c in cache.caches):
+            kinds = [c.is_preference for c in cache.caches]
+            if any(kinds) and not all(kinds):
                 cache.close()
+                pairs = [s.label for s, k in zip(sources, kinds) if k]
+                others = [s.label for s, k in zip(sources, kinds) if not k]
                 raise ConfigError(
-                    f"{self.path}: a mixture with a preference cache; pairs are read from one "
-                    "cache at a time for now (ShardDataset(path)), see docs/guide/preference.md"
+                    f"{self.path}: sources {pairs} are preference caches and {others} are not; "
+                    "a batch of pairs holds no plain sequence, so a mixture mixes preference "
+                    "caches with each other only. Read the others in a ShardDataset of their "
+                    "own, see docs/guide/preference.md"
                 )
-            table = cache.table(tokens_per_epoch)
+            rows = None  # each source's side: the sample ids one cache's split reads
+            if self._source_splits is not None:
+                assert split is not None
+                rows = tuple(
+                    split_ids(c, own, split) for c, own in zip(cache.caches, self._source_splits)
+                )
+            table = cache.table(tokens_per_epoch, rows, split, once=self.eval)
             digests = tuple(cache_digest(c.manifest) for c in cache.caches)
-            self._mixture = Mixture(sources, table, cache.index, digests, tokens_per_epoch)
+            index = cache.index
+            if all(kinds):
+                # a mixture of preference caches plans pairs: unit u of source s is its pair
+                # u - offsets[s], sample ids 2u and 2u + 1 of the mixture's (even) sample space
+                index = MixtureIndex(cache.index.offsets // 2)
+                if rows is not None:
+                    rows = tuple(_pair_units(c, r) for c, r in zip(cache.caches, rows))
+            self._mixture = Mixture(
+                sources, table, index, digests, tokens_per_epoch, rows, self.eval
+            )
             mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
             self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
-            terms = (mixture_json, table.tokens_per_epoch)
+            terms: tuple[Any, ...] = (mixture_json, table.tokens_per_epoch)
+            if rows is not None or self.eval:  # other documents than the weighted whole caches
+                terms = (*terms, self._split_state(), self.eval)
             self._data_identity = _data_identity(cache.caches, *terms)
         _check_transform_tokens(transform, cache)
         if cache.has_mask and transform is not None and not getattr(transform, "keeps_mask", True):
@@ -335,13 +368,19 @@ class ShardDataset(IterableDataset):
                 "moves the mask with its tokens, or a plain-text cache"
             )
         #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
-        self._pairs = isinstance(cache, Cache) and cache.is_preference
+        self._pairs = (
+            all(c.is_preference for c in cache.caches)
+            if isinstance(cache, MixedCache)
+            else cache.is_preference
+        )
         if self._pairs:
-            _check_pair_options(cache, self.options, self._split_rows)
+            _check_pair_options(cache, self.options)
+            if isinstance(cache, Cache) and self._split_rows is not None:
+                self._split_rows = _pair_units(cache, self._split_rows)
         self.pad_id = cache.pad_id
         lengths = np.asarray(cache.lengths)
         self._lengths: np.ndarray | None = (
-            _pair_lengths(lengths, np.maximum) if self._pairs else lengths
+            _pair_lengths(lengths, self._pair_combine) if self._pairs else lengths
         )
         self._buckets: np.ndarray | None = None  # every sample id's: only the global plan's
         self._shard_index: ShardIndex | None = None  # a cache's (a mixture's is per epoch)
@@ -420,13 +459,6 @@ class ShardDataset(IterableDataset):
             open_shards = shards_within_file_limit(OPEN_SHARDS, len(self._sources))
             return MixedCache(self._sources, expect, open_shards=open_shards)
         cache = Cache(self.path, open_shards=shards_within_file_limit(OPEN_SHARDS))
-        if cache.is_preference and self.options.mode != "pad":
-            cache.close()
-            raise ConfigError(
-                f"{self.path}: a preference cache reads in mode='pad' only (a pair's chosen and "
-                f"rejected rows adjacent in one batch); got mode={self.options.mode!r}: pack mode "
-                "for pairs is not built yet, see docs/guide/preference.md"
-            )
         if expect is not None:  # CacheKeyMismatch names the fields
             verify_manifest_key(cache.manifest, expect, self.path)
         return cache
@@ -473,8 +505,19 @@ class ShardDataset(IterableDataset):
         """The length of every planning unit: a sample id's, or a pair's longer side."""
         if self._lengths is None:
             lengths = self._sample_lengths()
-            self._lengths = _pair_lengths(lengths, np.maximum) if self._pairs else lengths
+            self._lengths = _pair_lengths(lengths, self._pair_combine) if self._pairs else lengths
         return self._lengths
+
+    def _counted_lengths(self) -> np.ndarray:
+        """The tokens every unit counts toward a mixture's targets: a pair's both sides'."""
+        if not self._pairs:
+            return self._all_lengths()
+        return _pair_lengths(self._sample_lengths(), np.add)
+
+    @property
+    def _pair_combine(self) -> Any:
+        """A pair unit's length from its sides': the longer (pad: two rows), the sum (pack)."""
+        return np.add if self.options.mode == "pack" else np.maximum
 
     def _sample_lengths(self) -> np.ndarray:
         """The length of every sample id (a memory map of the cache's index)."""
@@ -482,9 +525,16 @@ class ShardDataset(IterableDataset):
 
     @property
     def _planning(self) -> PlanOptions:
-        """The planners' options: for pairs half the budget, as each unit is two rows."""
+        """The planners' options: for pairs in pad mode half the budget (a unit is two rows).
+
+        In pack mode a pair is one unit of its two sequences, each of which a transform may
+        lengthen: twice the growth.
+        """
         if not self._pairs:
             return self.options
+        if self.options.mode == "pack":
+            growth = 2 * self.options.growth
+            return dataclasses.replace(self.options, growth=growth) if growth else self.options
         return dataclasses.replace(self.options, max_tokens=self.options.max_tokens // 2)
 
     # ---- epochs and sizes ------------------------------------------------------------------
@@ -584,11 +634,8 @@ class ShardDataset(IterableDataset):
             if self._shard_index is None:
                 cache = self._open()
                 assert isinstance(cache, Cache)
-                if self._pairs:
-                    self._shard_index = _pair_shard_index(cache, self._all_lengths())
-                else:
-                    rows = self._split_rows
-                    self._shard_index = _shard_index(cache, self._all_lengths(), rows)
+                rows = self._split_rows
+                self._shard_index = _shard_index(cache, self._all_lengths(), rows, self._pairs)
             index = self._shard_index
         return StreamLayout(
             index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
@@ -600,10 +647,13 @@ class ShardDataset(IterableDataset):
         cache = self._open()
         assert isinstance(cache, MixedCache)
         lengths, buckets = self._index()
-        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch))
-        offsets = cache.index.offsets
+        counted = self._counted_lengths()
+        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch, counted=counted))
+        offsets = self._mixture.index.offsets  # (a preference mixture's: in pairs)
+        halve = 2 if self._pairs else 1  # (a preference cache's shards are cut between pairs)
         shard_starts = np.concatenate(
-            [c.shard_starts[:-1] + offsets[s] for s, c in enumerate(cache.caches)] + [offsets[-1:]]
+            [c.shard_starts[:-1] // halve + offsets[s] for s, c in enumerate(cache.caches)]
+            + [offsets[-1:]]
         ).astype(np.int64)
         starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
         taken = np.asarray(lengths[rows], dtype=np.int64)
@@ -702,7 +752,7 @@ class ShardDataset(IterableDataset):
     def _plan_epoch(self, epoch: int) -> EpochPlan:
         args = (*self._index(), self._planning, self.seed, epoch)
         if self._mixture is not None:
-            return self._mixture.plan(*args)
+            return self._mixture.plan(*args, counted=self._counted_lengths())
         rows = self._split_rows
         if rows is None:
             return plan_epoch(*args)
@@ -849,8 +899,9 @@ class ShardDataset(IterableDataset):
         }
         if self._mixture is not None:
             state["mixture"] = self._mixture.state()
-        if self.splits is not None:
-            state["split"] = {"name": self.split_name, **self.splits.to_json()}
+        split_state = self._split_state()
+        if split_state is not None:
+            state["split"] = split_state
         if steps is None and self._worker is not None:
             state["worker"] = dict(self._worker)
         return state
@@ -884,9 +935,7 @@ class ShardDataset(IterableDataset):
                 "position means nothing here. Resume on the cache the state came from, or start "
                 "this cache from epoch 0 without loading the state"
             )
-        ours_split = (
-            None if self.splits is None else {"name": self.split_name, **self.splits.to_json()}
-        )
+        ours_split = self._split_state()
         if state.get("split") != ours_split:
             raise StateError(
                 f"reader state: it was taken on split {state.get('split')!r} but this dataset "
@@ -940,6 +989,20 @@ class ShardDataset(IterableDataset):
             {"world_size": state.get("world_size"), **worker} if isinstance(worker, dict) else None
         )
         self._publish()
+
+    def _split_state(self) -> dict[str, Any] | None:
+        """The split a reader state records: side and fractions (per source), or None."""
+        if self._source_splits is not None:
+            assert self._sources is not None
+            return {
+                "name": self.split_name,
+                "sources": {
+                    s.label: own.to_json() for s, own in zip(self._sources, self._source_splits)
+                },
+            }
+        if self.splits is None or self._sources is not None:
+            return None
+        return {"name": self.split_name, **self.splits.to_json()}
 
     def _check_mixture_state(self, state: dict[str, Any]) -> bool:
         """Whether ``state`` is of another mixture: warned with ``remix=True``, else StateError."""
@@ -1131,12 +1194,18 @@ class ShardDataset(IterableDataset):
         meta = batch["meta"]
         if self._mixture is not None and "source_ids" not in meta:  # (else the kernels did)
             # the numpy path: mixture ids -> (source, sample id in the source)
-            source, local = self._mixture.index.locate(meta["sample_ids"].numpy())
+            cache = self._open()
+            assert isinstance(cache, MixedCache)
+            source, local = cache.index.locate(meta["sample_ids"].numpy())
             meta["sample_ids"] = torch.from_numpy(local)
             meta["source_ids"] = torch.from_numpy(source)
+            if self._pairs:  # a pair's number in its source
+                meta["pair_ids"] = torch.from_numpy(np.where(local >= 0, local // 2, -1))
         return batch
 
     def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
+        if self._pairs and self.options.mode == "pack":
+            return self._collate_pair_packed(plan, index)
         if self._pairs:  # units -> rows 2u (chosen), 2u + 1 (rejected), adjacent
             units = np.asarray(plan.batch(index), dtype=np.int64)
             batch = self.collate(_pair_samples(units))
@@ -1247,10 +1316,15 @@ class ShardDataset(IterableDataset):
 
     @property
     def reads_compiled(self) -> bool:
-        """Whether the compiled kernels build batches here (numba, a local uncompressed cache)."""
+        """Whether the compiled kernels build batches here (numba, a local uncompressed cache).
+
+        Never for preference pairs: the numpy path collates them.
+        """
         # (a remote cache keeps no Cache here)
         cache = self._cache
-        return self.transform is None and cache is not None and self._table(cache) is not None
+        if self._pairs or self.transform is not None or cache is None:
+            return False
+        return self._table(cache) is not None
 
     def _table(self, cache: Cache | MixedCache) -> MappedTable | None:
         if not self.kernels or not kernels.available(cache.dtype):
@@ -1315,11 +1389,33 @@ class ShardDataset(IterableDataset):
             repeats = plan.repeats_of(index) if self.transform is not None else None
             batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len, repeats)
             meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        self._add_attention(batch)
+        return _to_batch(batch, meta)
+
+    def _collate_pair_packed(self, plan: EpochPlan, index: int) -> Batch:
+        """A packed batch of pair units: unit u is segments 2u (chosen), 2u + 1 (rejected).
+
+        Both sides of a pair are whole segments of one row, adjacent; a row's padding is a
+        segment of its own after them (``pair_ids`` and ``side`` -1), never part of a pair's.
+        """
+        units, _, _, unit_bounds = plan.packed_segments(index)
+        ids = _pair_samples(units)
+        starts = np.zeros(len(ids), dtype=np.int64)
+        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, int(self.options.seq_len or 0))
+        meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
+        sample_ids = np.asarray(meta["sample_ids"])
+        real = sample_ids >= 0
+        meta["pair_ids"] = np.where(real, sample_ids // 2, -1)
+        meta["side"] = np.where(real, sample_ids % 2, -1)
+        self._add_attention(batch)
+        return _to_batch(batch, meta)
+
+    def _add_attention(self, batch: dict[str, Any]) -> None:
+        """Add the keys of ``attention`` that keep a packed batch's segments apart."""
         if self.attention == "mask":
             batch["attention_mask"] = block_causal_mask(np.asarray(batch["position_ids"]))
         elif self.attention == "varlen":
             batch.update(varlen_keys(np.asarray(batch["position_ids"])))
-        return _to_batch(batch, meta)
 
     def _pack_numpy(
         self,
@@ -1340,7 +1436,8 @@ class ShardDataset(IterableDataset):
                 self.ids_dtype,
             )  # fmt: skip
         slots = (len(row_bounds) - 1) * seq_len
-        lengths = self._all_lengths()[ids] - starts if taken is None else taken
+        every = self._sample_lengths() if self._pairs else self._all_lengths()
+        lengths = every[ids] - starts if taken is None else taken
         laid_out = int(lengths.sum()) != slots  # rows with padding: gathered into their rows
         layout = (packed_layout(lengths, row_bounds, seq_len), slots) if laid_out else None
         got = self._gather(ids, starts, taken, layout)
@@ -1515,6 +1612,65 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in batch.items() if k != "meta"}
 
 
+def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair of a preference batch, the summed log-probabilities of its two completions.
+
+    What a DPO-style loss compares: for every sequence of the batch, the sum over its target
+    tokens (labels other than -100: the completion, never the prompt or padding) of the
+    log-probability the model gave it, the logits at position ``t`` scoring the label at
+    ``t + 1`` of the same sequence. Pad mode: a sequence per row; pack mode: a segment of
+    ``meta["cu_seqlens"]`` (a row's padding is a segment of no pair).
+
+    Args:
+        logits: the model's ``R x L x V`` logits over ``batch["input_ids"]`` (any float dtype;
+            summed in float32).
+        batch: a batch of a preference cache from [`ShardDataset`][shardcache.ShardDataset],
+            pad or pack mode, with its ``labels`` and ``meta`` (``pair_ids``, ``side``).
+
+    Returns:
+        ``(chosen, rejected)``: float32 tensors with one value per pair of the batch, on the
+        device of ``logits``; entry ``k`` of both is the batch's ``k``-th pair, whose id is
+        the ``k``-th ``meta["pair_ids"]`` entry with ``meta["side"]`` 0.
+
+    Raises:
+        ConfigError: ``batch`` is not a batch of a preference cache, or ``logits`` do not match
+            its ``labels``.
+    """
+    meta = batch.get("meta") if isinstance(batch, dict) else None
+    if not isinstance(meta, dict) or "side" not in meta or "labels" not in batch:
+        raise ConfigError(
+            "pair_logps: batch has no labels and meta['side']; pass a batch that "
+            "ShardDataset yields over a preference cache (built with --preference)"
+        )
+    labels = batch["labels"]
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ConfigError(
+            f"pair_logps: logits of shape {tuple(logits.shape)} for labels of shape "
+            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
+            "(rows x length x vocabulary)"
+        )
+    device = logits.device
+    rows, width = labels.shape
+    targets = labels.to(device)[:, 1:]
+    scored = logits[:, :-1].float()
+    picked = scored.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_logps = picked - torch.logsumexp(scored, dim=-1)
+    valid = targets != IGNORE_INDEX
+    side = meta["side"].to(device)
+    if "cu_seqlens" in meta:  # pack mode: the segment of every target's flat position
+        at = (
+            torch.arange(1, width, device=device)
+            + width * torch.arange(rows, device=device)[:, None]
+        )
+        cu = meta["cu_seqlens"].to(device=device, dtype=torch.int64)
+        segment = torch.searchsorted(cu, at, right=True) - 1
+    else:  # pad mode: a row per sequence
+        segment = torch.arange(rows, device=device)[:, None].expand(rows, width - 1)
+    sums = torch.zeros(len(side), dtype=torch.float32, device=device)
+    sums.index_add_(0, segment[valid], token_logps[valid])
+    return sums[side == 0], sums[side == 1]
+
+
 class _SharedPosition:
     """``[generation, epoch, cursor, loaded]`` shared by a ShardDataset and its workers' copies.
 
@@ -1583,14 +1739,27 @@ def _split_rows(cache: Cache, split: str | None, splits: Split | None) -> np.nda
     return split_ids(cache, splits, split)
 
 
-def _shard_index(cache: Cache, lengths: np.ndarray, rows: np.ndarray | None) -> ShardIndex:
-    """The stream planner's view of a cache, or of the sample ids ``rows`` (a split) of it."""
-    if rows is None:
+def _shard_index(
+    cache: Cache, lengths: np.ndarray, rows: np.ndarray | None, pairs: bool = False
+) -> ShardIndex:
+    """The stream planner's view of a cache, or of the units ``rows`` (a split) of it.
+
+    ``pairs``: a preference cache, whose units are pairs (``lengths`` and ``rows`` per pair; its
+    shards are cut between pairs, so a shard's first pair is its first row halved).
+    """
+    shard_starts = np.asarray(cache.shard_starts, dtype=np.int64)
+    if pairs:
+        shard_starts = shard_starts // 2
+    elif rows is None:
         tokens = np.fromiter((int(i["tokens"]) for i in cache.shards), np.int64)
         return ShardIndex(cache.shard_starts, tokens, cache.shard_buckets, lengths)
-    starts = np.searchsorted(rows, cache.shard_starts, side="left").astype(np.int64)
-    cum = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(np.asarray(lengths[rows], dtype=np.int64), out=cum[1:])
+    if rows is None:
+        starts, taken = shard_starts, np.asarray(lengths, dtype=np.int64)
+    else:
+        starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
+        taken = np.asarray(lengths[rows], dtype=np.int64)
+    cum = np.zeros(len(taken) + 1, dtype=np.int64)
+    np.cumsum(taken, out=cum[1:])
     return ShardIndex(
         starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, lengths, rows
     )
@@ -1607,23 +1776,41 @@ def _pair_samples(units: np.ndarray) -> np.ndarray:
     return (2 * np.asarray(units, dtype=np.int64)[:, None] + np.arange(2)).ravel()
 
 
-def _pair_shard_index(cache: Cache, units: np.ndarray) -> ShardIndex:
-    """The stream planner's view of a preference cache: shard rows and tokens in pair units."""
-    starts = np.asarray(cache.shard_starts, dtype=np.int64) // 2  # (shards cut between pairs)
-    cum = np.zeros(len(units) + 1, dtype=np.int64)
-    np.cumsum(units, out=cum[1:])
-    return ShardIndex(starts, cum[starts[1:]] - cum[starts[:-1]], cache.shard_buckets, units)
-
-
-def _check_pair_options(cache: Cache, options: PlanOptions, rows: np.ndarray | None) -> None:
-    """Refuse what pad-mode pair reading cannot honour: a split, a budget below a pair."""
-    if rows is not None:
+def _pair_units(cache: Cache, rows: np.ndarray) -> np.ndarray:
+    """The pairs of a split's sample ids ``rows`` (ascending): both sides share one record."""
+    units = rows[rows % 2 == 0] // 2
+    if len(rows) != 2 * len(units) or not np.array_equal(rows, _pair_samples(units)):
         cache.close()
         raise ConfigError(
-            "split: a preference cache cannot be split yet (a split would part a pair's two "
-            "rows); drop split= and splits=, or split the records before building"
+            f"split: {cache.path!r} holds pairs whose chosen and rejected sides have different "
+            "document keys, so a split would part them; rebuild the cache with this version "
+            "(both sides of a pair carry the pair's record)"
         )
+    return units
+
+
+def _check_pair_options(cache: Cache | MixedCache, options: PlanOptions) -> None:
+    """Refuse what pair reading cannot honour: a budget below a pair, a pair split in a row."""
     lengths = np.asarray(cache.lengths)
+    if options.mode == "pack":
+        if options.packing != "best_fit":
+            cache.close()
+            raise ConfigError(
+                f"packing: got {options.packing!r} with a preference cache; a pair's two "
+                "sequences go whole into one row, which packing='best_fit' does and 'concat' "
+                "(cutting every seq_len tokens) does not. Pass packing='best_fit'"
+            )
+        sums = np.asarray(lengths[0::2], dtype=np.int64) + lengths[1::2]
+        longest_pair = int(sums.max()) if len(sums) else 0
+        if longest_pair > int(options.seq_len or 0):
+            cache.close()
+            raise ConfigError(
+                f"seq_len: {options.seq_len} cannot hold a preference pair: a packed row holds "
+                f"both sequences of a pair, and the longest pair has {longest_pair} tokens "
+                f"(chosen + rejected); raise seq_len to at least {longest_pair}, or rebuild the "
+                "cache with a lower --max-length"
+            )
+        return
     longest = int(options.padded(int(lengths.max()))) if len(lengths) else 0
     if 2 * longest > options.max_tokens:
         cache.close()

@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from shardcache.config import check_int
 from shardcache.errors import ConfigError, MissingDependencyError
 from shardcache.read.dataset import Batch, ShardDataset
-from shardcache.read.prefetch import DevicePrefetcher
+from shardcache.read.prefetch import DevicePrefetcher, StallMonitor
 
 #: The worker start method used when the platform offers it (see the module docstring).
 START_METHOD = "forkserver"
@@ -50,6 +50,9 @@ class ShardLoader:
         self._base: dict[str, Any] | None = None  # the position where the current pass began
         self._taken = 0  # batches handed out in the current pass
         self._finished = False  # the current pass ran to its end
+        #: Time every pass with this monitor (``StallMonitor.wrap``); ``StallMonitorCallback``
+        #: sets it, for a trainer that iterates the loader itself.
+        self.monitor: StallMonitor | None = None
 
     def __iter__(self) -> Iterator[Batch]:
         if self._base is not None and not self._finished:
@@ -58,7 +61,7 @@ class ShardLoader:
             self.dataset.load_state_dict(self.state_dict())
         self._base, self._taken, self._finished = self.dataset.state_dict(steps=0), 0, False
         source = self.prefetcher if self.prefetcher is not None else self.dataloader
-        batches = iter(source)
+        batches = iter(source) if self.monitor is None else self.monitor.wrap(source)
         try:
             for batch in batches:
                 self._taken += 1

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import CacheKeyMismatch
-from shardcache.read.mixture import MixtureIndex, MixtureTable, Source, solve_mixture
+from shardcache.read.mixture import MixtureIndex, MixtureTable, Source, once_table, solve_mixture
 from shardcache.store.cache import NO_MASK, Cache, Gathered, MappedTable
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url
@@ -158,11 +158,31 @@ class MixedCache:
         edges = sorted({int(high) for r in ranges for _, high in (r or []) if high is not None})
         return np.searchsorted(np.asarray(edges, dtype=np.int64), self.lengths).astype(np.int32)
 
-    def table(self, tokens_per_epoch: int | None = None) -> MixtureTable:
-        """The per-source targets (``solve_mixture``)."""
-        documents = [c.num_sequences for c in self.caches]
-        tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
-        return solve_mixture(self.sources, documents, tokens, tokens_per_epoch)
+    def table(
+        self,
+        tokens_per_epoch: int | None = None,
+        rows: tuple[np.ndarray, ...] | None = None,
+        side: str | None = None,
+        once: bool = False,
+    ) -> MixtureTable:
+        """The per-source targets (``solve_mixture``) of the caches, or of side ``side``.
+
+        ``rows[s]``: the local ids of source ``s``'s side; ``once``: the table of an evaluation
+        pass (``once_table``). A preference cache's documents are its pairs (a side holds both
+        rows of a pair), each counting both sides' tokens.
+        """
+        if rows is None:
+            documents = [c.num_sequences // (2 if c.is_preference else 1) for c in self.caches]
+            tokens = [int(np.sum(c.lengths, dtype=np.int64)) for c in self.caches]
+        else:
+            documents = [len(r) // (2 if c.is_preference else 1) for c, r in zip(self.caches, rows)]
+            tokens = [
+                int(np.sum(np.asarray(c.lengths)[r], dtype=np.int64))
+                for c, r in zip(self.caches, rows)
+            ]
+        if once:
+            return once_table(self.sources, documents, tokens)
+        return solve_mixture(self.sources, documents, tokens, tokens_per_epoch, side)
 
     def mapped_table(self) -> MappedTable | None:
         """The combined table over all sources' shards (one object), or None: use numpy."""

@@ -23,6 +23,7 @@ import numpy as np
 
 from shardcache.errors import ConfigError
 from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.read.splits import Split, as_split, check_split_name
 
 logger = logging.getLogger("shardcache")
 #: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its
@@ -42,6 +43,9 @@ class Source:
         max_repetitions: how often its tokens may be used in one epoch (> 0; above 1 upsamples).
         name: a label for tables, states and errors (default: the path's last part).
         expect: as ``ShardDataset(expect=...)``, for this source only.
+        splits: this source's held-out fractions ([`Split`][shardcache.Split], or a mapping
+            of its fields), in place of ``ShardDataset(splits=...)`` for this source only;
+            the side read is ``ShardDataset(split=...)``'s.
 
     Raises:
         ConfigError: a value out of range.
@@ -52,6 +56,7 @@ class Source:
     max_repetitions: float = 1.0
     name: str | None = None
     expect: Any = None
+    splits: Split | None = None
 
     def __post_init__(self) -> None:
         if not isinstance(self.path, (str, os.PathLike)) or not os.fspath(self.path):
@@ -70,6 +75,10 @@ class Source:
                 )
         if self.name is not None and (not isinstance(self.name, str) or not self.name):
             raise ConfigError(f"Source({self.path!r}).name: got {self.name!r}, expected a text")
+        if self.splits is not None:
+            object.__setattr__(
+                self, "splits", as_split(self.splits, f"Source({self.path!r}).splits")
+            )
 
     @property
     def label(self) -> str:
@@ -104,7 +113,7 @@ def as_sources(value: Any) -> tuple[Source, ...]:
             except TypeError as err:
                 raise ConfigError(
                     f"source {item!r}: {err}; the fields are path, weight, max_repetitions, "
-                    "name, expect"
+                    "name, expect, splits"
                 ) from None
         else:
             raise ConfigError(
@@ -120,6 +129,36 @@ def as_sources(value: Any) -> tuple[Source, ...]:
             "Source(name=...)"
         )
     return tuple(sources)
+
+
+def source_splits(
+    sources: tuple[Source, ...], split: str | None, splits: Split | None
+) -> tuple[Split, ...] | None:
+    """Every source's split (its own ``Source.splits``, else ``splits``) when ``split`` is given.
+
+    ConfigError: fractions without a side, a side without fractions, or a source without a split.
+    """
+    own = [s.label for s in sources if s.splits is not None]
+    if split is None and splits is None and not own:
+        return None
+    if splits is not None and not isinstance(splits, Split):
+        raise ConfigError(f"splits: got {splits!r}, expected a shardcache.Split")
+    if split is None:
+        given = "splits=" if splits is not None else f"Source(splits=...) of {own}"
+        raise ConfigError(
+            f"split: the mixture has held-out fractions ({given}) but no side to read; pass "
+            "split='train', 'validation' or 'test' as well (the same fractions for every side)"
+        )
+    check_split_name(split)
+    resolved = [s.splits if s.splits is not None else splits for s in sources]
+    missing = [s.label for s, r in zip(sources, resolved) if r is None]
+    if missing:
+        raise ConfigError(
+            f"split={split!r}: the source(s) {missing} have no held-out fractions; pass "
+            "splits=Split(...) (every source without its own), or give each "
+            "Source(..., splits=Split(...)) (Split() holds out nothing)"
+        )
+    return tuple(r for r in resolved if r is not None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -232,8 +271,13 @@ def solve_mixture(
     documents: list[int],
     tokens: list[int],
     tokens_per_epoch: int | None = None,
+    side: str | None = None,
 ) -> MixtureTable:
-    """Per-source token targets of an epoch (``tokens_per_epoch=None``: the largest that fits)."""
+    """Per-source token targets of an epoch (``tokens_per_epoch=None``: the largest that fits).
+
+    ``documents`` and ``tokens`` are what each source gives the mixture: its whole cache, or
+    the side ``side`` of its split.
+    """
     if tokens_per_epoch is not None and (
         isinstance(tokens_per_epoch, bool)
         or not isinstance(tokens_per_epoch, int)
@@ -245,6 +289,13 @@ def solve_mixture(
         )
     shares = _shares([s.weight for s in sources])
     for s, n in zip(sources, tokens):
+        if n <= 0 and side is not None:
+            raise ConfigError(
+                f"source {s.label!r} ({s.path}): its {side!r} side holds no document, so it "
+                f"cannot give its share of a weighted {side} mixture; raise its {side} fraction "
+                "(Source(splits=Split(...))), read the sides once with eval=True (a source "
+                "with no document is then read for nothing), or leave it out of this mixture"
+            )
         if n <= 0:
             raise ConfigError(
                 f"source {s.label!r} ({s.path}): the cache holds no tokens, so it cannot give "
@@ -304,6 +355,28 @@ def solve_mixture(
             )
         )
     return MixtureTable(tuple(rows), int(epoch))
+
+
+def once_table(
+    sources: tuple[Source, ...], documents: list[int], tokens: list[int]
+) -> MixtureTable:
+    """The table of an evaluation pass: every document of every source once (weights unused)."""
+    total = int(sum(tokens))
+    rows = [
+        SourceShare(
+            name=s.label,
+            path=s.path,
+            documents=int(docs),
+            tokens=int(n),
+            weight=float(s.weight),
+            share=n / total if total else 0.0,
+            max_repetitions=float(s.max_repetitions),
+            tokens_per_epoch=int(n),
+            repetitions=1.0,
+        )
+        for s, docs, n in zip(sources, documents, tokens)
+    ]
+    return MixtureTable(tuple(rows), total)
 
 
 # --------------------------------------------------------------------------------------------
@@ -386,33 +459,51 @@ def mixture_documents(
     seed: int,
     epoch: int,
     on_source: Callable[[str], None] | None = None,
+    rows: tuple[np.ndarray, ...] | None = None,
+    once: bool = False,
 ) -> np.ndarray:
-    """Every source's ``epoch_documents``, shifted into the mixture id space."""
+    """Every source's ``epoch_documents``, shifted into the mixture id space.
+
+    ``rows[s]``: the local ids of source ``s``'s side of a split (ascending), the only ones it
+    gives; ``once``: every one of them once, in id order, whatever the table (an evaluation
+    pass).
+    """
     parts = []
     for s, (row, key) in enumerate(zip(table.sources, keys)):
         lo, hi = int(index.offsets[s]), int(index.offsets[s + 1])
-        parts.append(epoch_documents(lengths[lo:hi], row.tokens_per_epoch, seed, key, epoch) + lo)
+        side = None if rows is None else np.asarray(rows[s], dtype=np.int64)
+        if once:
+            local = np.arange(hi - lo, dtype=np.int64) if side is None else side
+        else:
+            own = lengths[lo:hi] if side is None else lengths[lo:hi][side]
+            local = epoch_documents(own, row.tokens_per_epoch, seed, key, epoch)
+            if side is not None:
+                local = side[local]
+        parts.append(local + lo)
         if on_source is not None:
             on_source(row.name)
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
-def document_uses(chosen: np.ndarray, index: MixtureIndex) -> np.ndarray | None:
+def document_uses(
+    chosen: np.ndarray, index: MixtureIndex, sizes: np.ndarray | None = None
+) -> np.ndarray | None:
     """Which use of its document in the epoch each of ``mixture_documents``' ids is (int64).
 
-    A source's ids there are whole passes in id order, then a window that holds no document
-    twice: its ``i``-th id is use ``i // n`` of ``n`` documents. None when no source repeats.
-    A function of the epoch's ids alone: the same for any world size, workers or resume.
+    A source's ids there are whole passes in id order over the ``n`` documents it gives
+    (``sizes[s]``: its side of a split; default all of it), then a window that holds no
+    document twice: its ``i``-th id is use ``i // n``. None when no source repeats. A function
+    of the epoch's ids alone: the same for any world size, workers or resume point.
     """
     chosen = np.asarray(chosen, dtype=np.int64)
-    sizes = np.diff(index.offsets)
+    sizes = np.diff(index.offsets) if sizes is None else np.asarray(sizes, dtype=np.int64)
     source, _ = index.locate(chosen)
     taken = np.bincount(source, minlength=len(sizes))
     if (taken <= sizes).all():
         return None
     first = np.zeros(len(sizes), dtype=np.int64)  # each source's first place in ``chosen``
     np.cumsum(taken[:-1], out=first[1:])
-    return (np.arange(len(chosen), dtype=np.int64) - first[source]) // sizes[source]
+    return (np.arange(len(chosen), dtype=np.int64) - first[source]) // np.maximum(sizes, 1)[source]
 
 
 def mixture_epoch_plan(
@@ -423,14 +514,15 @@ def mixture_epoch_plan(
     seed: int,
     epoch: int,
     index: MixtureIndex | None = None,
+    sizes: np.ndarray | None = None,
 ) -> EpochPlan:
     """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back.
 
-    With the mixture's ``index``, the plan records each segment's use of its document
-    (``EpochPlan.repeats``, from ``document_uses``).
+    With the mixture's ``index`` (and ``sizes``, as for ``document_uses``), the plan records
+    each segment's use of its document (``EpochPlan.repeats``).
     """
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
-    repeats = None if index is None else document_uses(chosen, index)
+    repeats = None if index is None else document_uses(chosen, index, sizes)
     return EpochPlan(
         plan.batch_offsets,
         chosen[plan.sample_ids],
@@ -443,23 +535,52 @@ def mixture_epoch_plan(
 
 @dataclass(frozen=True)
 class Mixture:
-    """A mixture as a reader plans it (picklable: every DataLoader worker plans with it)."""
+    """A mixture as a reader plans it (picklable: every DataLoader worker plans with it).
+
+    ``rows``: per source, the local ids of the side of its split the mixture reads (None: all);
+    ``once``: an evaluation pass, every one of them once (``table`` from ``once_table``).
+    """
 
     sources: tuple[Source, ...]
     table: MixtureTable
     index: MixtureIndex
     digests: tuple[str, ...]
     tokens_per_epoch: int | None = None
+    rows: tuple[np.ndarray, ...] | None = None
+    once: bool = False
 
-    def documents(self, lengths: np.ndarray, seed: int, epoch: int) -> np.ndarray:
-        """The mixture ids an epoch plans over, one per use of a document."""
+    def documents(
+        self,
+        lengths: np.ndarray,
+        seed: int,
+        epoch: int,
+        on_source: Callable[[str], None] | None = None,
+        counted: np.ndarray | None = None,
+    ) -> np.ndarray:
+        """The mixture ids an epoch plans over, one per use of a document.
+
+        ``counted``: the tokens each id counts toward its source's target (default ``lengths``;
+        a preference pair's both sides, where the planner's length is the longer side).
+        """
         keys = tuple(source_seed(d) for d in self.digests)
-        return mixture_documents(lengths, self.index, self.table, keys, seed, epoch)
+        counted = lengths if counted is None else counted
+        return mixture_documents(
+            counted, self.index, self.table, keys, seed, epoch, on_source, self.rows, self.once
+        )
 
     def plan(
-        self, lengths: np.ndarray, buckets: np.ndarray, options: PlanOptions, seed: int, epoch: int
+        self,
+        lengths: np.ndarray,
+        buckets: np.ndarray,
+        options: PlanOptions,
+        seed: int,
+        epoch: int,
+        counted: np.ndarray | None = None,
     ) -> EpochPlan:
-        """The global batches of an epoch (logged, with a progress bar, when it is large)."""
+        """The global batches of an epoch (logged, with a progress bar, when it is large).
+
+        ``counted`` as for ``documents``; ``lengths`` are what the planner packs or pads.
+        """
         started = time.perf_counter()
         expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
         loud = expected >= LOG_MIN_DOCUMENTS
@@ -470,12 +591,12 @@ class Mixture:
             )  # fmt: skip
         progress = _PlanProgress(loud, epoch, len(self.sources), expected)
         try:
-            keys = tuple(source_seed(d) for d in self.digests)
-            chosen = mixture_documents(
-                lengths, self.index, self.table, keys, seed, epoch, progress.source_done
-            )
+            chosen = self.documents(lengths, seed, epoch, progress.source_done, counted)
             progress.batches_started()
-            plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch, self.index)
+            sizes = None if self.rows is None else [len(r) for r in self.rows]
+            plan = mixture_epoch_plan(
+                lengths, buckets, chosen, options, seed, epoch, self.index, sizes
+            )
             progress.batches_done()
         finally:
             progress.close()

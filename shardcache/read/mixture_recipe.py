@@ -8,26 +8,38 @@ from typing import Any
 
 from shardcache.config import check_known, read_toml
 from shardcache.errors import ConfigError
-from shardcache.read.mixture import Source, as_sources
+from shardcache.read.mixture import Source, as_sources, source_splits
 from shardcache.read.plan import PlanOptions
+from shardcache.read.splits import as_split, check_split_name
 
 #: Keys of a ``[[source]]`` table.
-SOURCE_KEYS = ("path", "weight", "max_repetitions", "name")
+SOURCE_KEYS = ("path", "weight", "max_repetitions", "name", "splits")
 #: Top-level keys besides the batch options (``PlanOptions`` fields) and ``source``.
-DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch")
+DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch", "split", "splits")
 
 
 @dataclass(frozen=True)
 class MixtureRecipe:
-    """A loaded mixture recipe: its sources and the other ``ShardDataset`` keywords."""
+    """A loaded mixture recipe: its sources and the other ``ShardDataset`` keywords.
+
+    With held-out fractions (a top-level ``[splits]`` table, or ``splits`` in a ``[[source]]``
+    table) the recipe reads its ``split`` side, ``"train"`` unless it names another.
+    """
 
     sources: tuple[Source, ...]
     tokens_per_epoch: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
 
-    def dataset_options(self) -> dict[str, Any]:
-        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``."""
-        return {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
+    def dataset_options(self, split: str | None = None) -> dict[str, Any]:
+        """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``.
+
+        ``split``: another side of the recipe's splits than its own (``"validation"`` for an
+        evaluation pass over the same recipe).
+        """
+        options = {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
+        if split is not None:
+            options["split"] = split
+        return options
 
 
 def _resolve(path: Any, base: str, where: str) -> str:
@@ -59,6 +71,13 @@ def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
         check_known(where, table, SOURCE_KEYS, noun="key")
         entries.append({**table, "path": _resolve(table.get("path"), base, where)})
     sources = as_sources(entries)
+    if "splits" in data:
+        data["splits"] = as_split(data["splits"], f"mixture recipe {path!r}: [splits]")
+    if "split" in data:
+        check_split_name(data["split"])
+    elif "splits" in data or any(s.splits is not None for s in sources):
+        data["split"] = "train"  # the side a training run reads; dataset_options(split=...)
+    source_splits(sources, data.get("split"), data.get("splits"))  # every source has one
     tokens_per_epoch = data.pop("tokens_per_epoch", None)
     if "max_tokens" not in data:
         raise ConfigError(

@@ -80,6 +80,25 @@ class Split:
         return np.searchsorted(cuts, uniform, side="right").astype(np.uint8)
 
 
+def as_split(value: Any, where: str) -> Split:
+    """A ``Split``, or one made of a mapping of its fields (a recipe's table); else ConfigError."""
+    if isinstance(value, Split):
+        return value
+    if isinstance(value, dict):
+        try:
+            return Split(**value)
+        except TypeError:
+            unknown = sorted(set(value) - set(Split.__dataclass_fields__))
+            raise ConfigError(
+                f"{where}: unknown field(s) {unknown}; a split has validation, test and seed, "
+                "e.g. {validation = 0.01, test = 0.001}"
+            ) from None
+    raise ConfigError(
+        f"{where}: got {value!r}, expected a shardcache.Split (or a mapping of validation, test "
+        "and seed)"
+    )
+
+
 def check_split_name(name: str) -> int:
     """The index of a split name in ``SPLIT_NAMES``; ConfigError listing them otherwise."""
     if name not in SPLIT_NAMES:
@@ -89,15 +108,19 @@ def check_split_name(name: str) -> int:
     return SPLIT_NAMES.index(name)
 
 
-def split_ids(cache: Cache, split: Split, name: str) -> np.ndarray:
-    """The sample ids (ascending, int64) of the documents of ``cache`` on side ``name``."""
+def split_ids(cache: Cache, split: Split, name: str, keys: np.ndarray | None = None) -> np.ndarray:
+    """The sample ids (ascending, int64) of the documents of ``cache`` on side ``name``.
+
+    ``keys``: the cache's ``document_keys()`` when the caller has them (else they are read).
+    """
     side = check_split_name(name)
-    return np.flatnonzero(split.labels(cache.document_keys()) == side).astype(np.int64)
+    keys = cache.document_keys() if keys is None else keys
+    return np.flatnonzero(split.labels(keys) == side).astype(np.int64)
 
 
-def split_summary(cache: Cache, split: Split) -> dict[str, Any]:
-    """Documents, sequences and tokens on each side of ``split`` (for ``shardcache info``)."""
-    keys = cache.document_keys()
+def split_summary(cache: Cache, split: Split, keys: np.ndarray | None = None) -> dict[str, Any]:
+    """Documents, sequences and tokens on each side of ``split`` (``shardcache info``, ``mix``)."""
+    keys = cache.document_keys() if keys is None else keys
     labels = split.labels(keys)
     lengths = np.asarray(cache.lengths, dtype=np.int64)
     out: dict[str, Any] = {"split": split.to_json()}
@@ -109,3 +132,12 @@ def split_summary(cache: Cache, split: Split) -> dict[str, Any]:
             "tokens": int(lengths[chosen].sum()),
         }
     return out
+
+
+def format_split_summary(summary: dict[str, Any], indent: str = "") -> list[str]:
+    """A ``split_summary`` as text lines, a side each."""
+    return [
+        f"{indent}split {name:<11}{summary[name]['documents']:,} documents, "
+        f"{summary[name]['sequences']:,} sequences, {summary[name]['tokens']:,} tokens"
+        for name in SPLIT_NAMES
+    ]

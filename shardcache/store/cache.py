@@ -18,7 +18,7 @@ from shardcache.errors import CorruptShardError
 from shardcache.store.files import sha256_text
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
-from shardcache.store.manifest import read_manifest
+from shardcache.store.manifest import MASKED_KINDS, read_manifest
 from shardcache.store.remote import RemoteCache, is_url
 from shardcache.store.shards import DecodedBatches, FlatRows, ShardReader
 
@@ -331,7 +331,7 @@ class Cache:
     @property
     def has_mask(self) -> bool:
         """True for chat and preference caches, whose shards store a loss mask per token."""
-        return self.manifest.get("kind") in ("chat", "preference")
+        return self.manifest.get("kind") in MASKED_KINDS
 
     @property
     def is_preference(self) -> bool:

@@ -34,6 +34,8 @@ from shardcache.store.layout import (
 MAX_COUNT = 2**63 - 1
 DTYPES = ("uint16", "uint32")
 KINDS = ("text", "chat", "preference")
+#: The kinds whose shards store a loss mask per token (a ``mask`` column).
+MASKED_KINDS = ("chat", "preference")
 TOTALS = ("documents", "sequences", "tokens", "shards", "shard_bytes", "input_bytes")
 STATS = ("truncated_documents", "dropped_documents", "split_documents", "empty_documents",
          "lost_tokens")  # fmt: skip

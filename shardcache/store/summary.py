@@ -40,16 +40,20 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
                 "shards": int((cache.shard_buckets == index).sum()),
             }
         )
+    truncation = {
+        "max_length": m["options"]["tokenize"]["max_length"],
+        "strategy": m["options"]["tokenize"]["truncation"],
+    }
+    prompt_limit = (m["options"].get("chat") or {}).get("max_prompt_length")
+    if prompt_limit is not None:  # preference pairs: the prompt's own limit
+        truncation["max_prompt_length"] = prompt_limit
     return {
         "path": cache.path,
         "format_version": m["format_version"],
         "shardcache_version": m["shardcache_version"],
         "tokenizer": m["tokenizer"],
         "dtype": m["dtype"],
-        "truncation": {
-            "max_length": m["options"]["tokenize"]["max_length"],
-            "strategy": m["options"]["tokenize"]["truncation"],
-        },
+        "truncation": truncation,
         "totals": m["totals"],
         "stats": m["stats"],
         "inputs": len(m["inputs"]),
@@ -146,12 +150,14 @@ def format_summary(s: dict[str, Any]) -> str:
     st = s["stats"]
     tok = s["tokenizer"]
     trunc = s["truncation"]
+    limit = trunc.get("max_prompt_length")  # preference pairs only
+    prompt = f" max_prompt_length={limit}" if limit is not None else ""
     lines = [
         f"cache        {s['path']}",
         f"format       v{s['format_version']} (shardcache {s['shardcache_version']})",
         f"tokenizer    {tok['path']} ({tok['class']}, vocab {tok['vocab_size']}, "
         f"max id {tok['max_token_id']}, {s['dtype']})",
-        f"truncation   max_length={trunc['max_length']} strategy={trunc['strategy']}",
+        f"truncation   max_length={trunc['max_length']} strategy={trunc['strategy']}{prompt}",
         f"inputs       {s['inputs']} files, {human_bytes(t['input_bytes'])}",
         f"documents    {t['documents']:,}",
         f"sequences    {t['sequences']:,}  (length min {s['length']['min']}, "

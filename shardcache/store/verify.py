@@ -23,7 +23,7 @@ from shardcache.store.build_lock import sweep_dead_scratch
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
-from shardcache.store.manifest import read_manifest
+from shardcache.store.manifest import MASKED_KINDS, read_manifest
 from shardcache.store.remote import RemoteCache, cache_root, is_url, unreachable
 from shardcache.store.shards import arrow_numpy
 
@@ -134,13 +134,16 @@ def _check_shard(
     max_length = manifest.get("options", {}).get("tokenize", {}).get("max_length")
     max_id = manifest.get("tokenizer", {}).get("max_token_id")
     rows = tokens = 0
+    pairs: list[tuple[np.ndarray, np.ndarray]] | None = (
+        [] if manifest.get("kind") == "preference" else None
+    )  # per record batch: records and pieces, to check that rows come in pairs
     try:
         with pa.memory_map(os.path.join(root, rel), "r") as source:
             reader = pa.ipc.open_file(source)
             names = reader.schema.names
             expected = ["tokens", "record", "piece"]
-            if manifest.get("kind") == "chat":
-                expected.append("mask")  # chat caches store a loss mask per token
+            if manifest.get("kind") in MASKED_KINDS:
+                expected.append("mask")  # chat and preference caches store a loss mask
             if names != expected:
                 report.add(rel, "structure", f"columns {names}, expected {'/'.join(expected)}")
                 return 0, 0
@@ -185,6 +188,9 @@ def _check_shard(
                     )
                 if len(batch) and arrow_numpy(batch.column(1)).min() < 0:
                     report.add(rel, "structure", f"{where}: negative record index")
+                if pairs is not None:
+                    pairs.append((arrow_numpy(batch.column(1)).copy(),  # outlive the map
+                                  arrow_numpy(batch.column(2)).copy()))  # fmt: skip
                 if len(expected) == 4 and not np.array_equal(
                     arrow_numpy(batch.column(3).offsets), offsets
                 ):
@@ -204,6 +210,8 @@ def _check_shard(
     except (OSError, pa.ArrowException) as err:
         report.add(rel, "structure", f"not a readable Arrow IPC file: {err}")
         return rows, tokens
+    if pairs is not None:
+        _check_pairs(report, rel, pairs)
     if rows != int(info["rows"]) or tokens != int(info["tokens"]):
         report.add(
             rel,
@@ -212,6 +220,28 @@ def _check_shard(
             f"{info['rows']} / {info['tokens']}",
         )
     return rows, tokens
+
+
+def _check_pairs(report: VerifyReport, rel: str, batches: list[tuple[Any, Any]]) -> None:
+    """A preference shard's rows are pairs: rows 2k, 2k + 1 one record's pieces 0 and 1."""
+    records = np.concatenate([r for r, _ in batches]) if batches else np.zeros(0, np.int64)
+    pieces = np.concatenate([p for _, p in batches]) if batches else np.zeros(0, np.int32)
+    if len(records) % 2:
+        report.add(rel, "structure", f"{len(records)} rows: a preference shard holds pairs, "
+                   "an even number of rows")  # fmt: skip
+        return
+    bad = np.flatnonzero((records[0::2] != records[1::2]) | (pieces[0::2] != 0)
+                         | (pieces[1::2] != 1))  # fmt: skip
+    if len(bad):
+        k = int(bad[0])
+        report.add(
+            rel,
+            "structure",
+            f"rows {2 * k} and {2 * k + 1} are not a pair (records {int(records[2 * k])} / "
+            f"{int(records[2 * k + 1])}, pieces {int(pieces[2 * k])} / "
+            f"{int(pieces[2 * k + 1])}; expected one record's chosen (piece 0) then its "
+            f"rejected (piece 1)); {len(bad)} such row pairs",
+        )
 
 
 def _load_index(report: VerifyReport, root: str, manifest: dict[str, Any]) -> np.ndarray | None:

@@ -9,10 +9,9 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 from transformers.modeling_flash_attention_utils import prepare_fa_kwargs_from_position_ids
 
-from conftest import make_conversations, make_texts, write_records
+from conftest import make_conversations, make_model, make_texts, write_records
 from shardcache import ConfigError, ShardDataset, open_cache
 from shardcache.builder.run import build_cache
 from shardcache.config import build_options_from_mapping
@@ -136,30 +135,6 @@ def test_packed_batch_keys_per_attention_mode(text_cache, attention):
 
 
 # ---- tiny transformers models ----------------------------------------------------------------
-
-
-def make_model(arch: str, impl: str, vocab_size: int):
-    torch.manual_seed(0)
-    options = {
-        "vocab_size": vocab_size,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "max_position_embeddings": 256,
-        # larger than the 0.02 default: attention far from uniform, leakage clearly visible
-        "initializer_range": 0.2,
-    }
-    config, cls = (
-        (Qwen2Config(**options), Qwen2ForCausalLM)
-        if arch == "qwen2"
-        else (LlamaConfig(**options), LlamaForCausalLM)
-    )
-    model = cls._from_config(config, attn_implementation=impl, dtype=torch.float32)
-    model.train()  # dropout is 0 in these configs; train() is what a training loop runs
-    assert model.config.use_cache  # the default under which position_ids alone leak
-    return model
 
 
 @pytest.fixture(scope="module", params=ARCH_IMPL, ids=lambda p: "-".join(p))

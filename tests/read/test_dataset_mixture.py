@@ -1,5 +1,6 @@
 """ShardDataset over a mixture of caches: token shares, repetition caps, rotation of a
-subsample, ranks x workers, elastic resume, tokenizer and state checks."""
+subsample, ranks x workers, elastic resume, tokenizer and state checks, held-out splits per
+source and evaluation passes."""
 
 from __future__ import annotations
 
@@ -15,8 +16,17 @@ import torch
 from torch.utils.data import DataLoader
 
 from conftest import make_texts, write_records
-from shardcache import CacheKeyMismatch, ConfigError, ShardDataset, Source, StateError, open_cache
+from shardcache import (
+    CacheKeyMismatch,
+    ConfigError,
+    ShardDataset,
+    Source,
+    Split,
+    StateError,
+    open_cache,
+)
 from shardcache.read.mixture import MixtureIndex
+from shardcache.read.splits import SPLIT_NAMES, split_ids
 from shardcache.store.key import CacheKey
 
 BUILD = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "workers": 1}
@@ -475,3 +485,160 @@ def test_a_closed_mixture_forgets_its_shards_and_the_dataset_reopens_it(caches):
     first = [_key(b) for b in ds]
     ds.close()
     assert [_key(b) for b in ds] == first
+
+
+# ---- held-out splits per source -------------------------------------------------------------
+
+SPLIT = Split(validation=0.2, test=0.1)
+NAMES = ("web", "code", "math")  # the sources of ``_sources``, in order
+
+
+def _side(caches, name: str, split: Split = SPLIT, source: int | None = None) -> set:
+    """(source, sample id) of every source's side ``name``, as that cache split alone reads it."""
+    out = set()
+    for s, key in enumerate(NAMES):
+        if source is None or s == source:
+            with open_cache(caches[key]) as cache:
+                out |= {(s, int(i)) for i in split_ids(cache, split, name)}
+    return out
+
+
+def _real(ds) -> list[tuple[int, int]]:
+    """(source, sample id) of every sequence of an evaluation pass, fillers left out."""
+    return [k for b in ds if not bool(b["meta"]["filler"]) for k in _key(b)]
+
+
+@pytest.mark.parametrize(
+    "extra",
+    [{"streams": 0}, {"streams": 4}, {**PACKED, "streams": 0}],
+    ids=["global", "streams", "pack"],
+)
+def test_an_eval_pass_over_a_split_mixture_reads_every_source_s_side_once(caches, extra):
+    everything: set = set()
+    for name in SPLIT_NAMES:
+        ds = ShardDataset(_sources(caches), 256, split=name, splits=SPLIT, eval=True, **extra)
+        got = _real(ds)
+        assert len(got) == len(set(got))  # no weights or repetitions: each sequence once
+        assert set(got) == _side(caches, name)  # document by document, each source's own split
+        assert not everything & set(got)  # the sides are disjoint over all documents
+        everything |= set(got)
+        table = ds.mixture
+        assert [r.repetitions for r in table.sources] == [1.0, 1.0, 1.0]
+        assert table.tokens_per_epoch == sum(r.tokens for r in table.sources)
+    sizes = [open_cache(caches[key]).num_sequences for key in NAMES]
+    assert everything == {(s, i) for s, n in enumerate(sizes) for i in range(n)}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("workers", [0, 2])
+def test_an_eval_pass_over_a_mixture_covers_its_side_once_with_equal_batches_per_rank(
+    caches, world, workers
+):
+    per_rank, real = [], []
+    for rank in range(world):
+        ds = ShardDataset(_sources(caches), 256, split="validation", splits=SPLIT, eval=True,
+                          rank=rank, world_size=world, streams=2, **PACKED)  # fmt: skip
+        batches = list(DataLoader(ds, batch_size=None, num_workers=workers))
+        assert len(batches) == len(ds)
+        per_rank.append(len(batches))
+        for b in batches:
+            if bool(b["meta"]["filler"]):
+                assert (b["labels"] == -100).all()
+            else:
+                real += _key(b)
+    assert len(set(per_rank)) == 1
+    assert sorted(real) == sorted(_side(caches, "validation"))
+
+
+@pytest.mark.parametrize("extra", [{}, PACKED], ids=["pad", "pack"])
+def test_a_weighted_mixture_of_a_side_uses_only_that_side_and_all_of_it(caches, extra):
+    ds = ShardDataset(_sources(caches), 256, seed=1, split="validation", splits=SPLIT, **extra)
+    side = _side(caches, "validation")
+    table = ds.mixture  # the table of the sides: what each source's validation side holds
+    for s, (row, key) in enumerate(zip(table.sources, NAMES)):
+        mine = sorted(i for t, i in side if t == s)
+        lengths = np.asarray(open_cache(caches[key]).lengths, dtype=np.int64)
+        assert (row.documents, row.tokens) == (len(mine), int(lengths[mine].sum()))
+        assert row.repetitions <= row.max_repetitions
+    seen: set = set()
+    for epoch in range(math.ceil(1 / min(r.repetitions for r in table.sources)) + 1):
+        ds.set_epoch(epoch)
+        got = collections.Counter(k for b in ds for k in _key(b))
+        assert set(got) <= side
+        caps = [math.ceil(r.repetitions) for r in table.sources]
+        assert all(n <= caps[s] for (s, _), n in got.items())
+        seen |= set(got)
+    assert seen == side  # every held-out document, in time
+    train = ShardDataset(_sources(caches), 256, seed=1, split="train", splits=SPLIT, streams=3)
+    assert not {k for b in train for k in _key(b)} & side
+
+
+def test_a_source_s_own_split_replaces_the_dataset_s(caches):
+    own = Split(validation=0.5, seed=7)
+    sources = _sources(caches)
+    sources[2] = Source(caches["math"], weight=0.2, max_repetitions=3, splits=own)
+    ds = ShardDataset(sources, 256, split="validation", splits=SPLIT, eval=True)
+    want = _side(caches, "validation", SPLIT, 0) | _side(caches, "validation", SPLIT, 1)
+    assert set(_real(ds)) == want | _side(caches, "validation", own, 2)
+    as_mapping = Source(caches["math"], splits={"validation": 0.5, "seed": 7})
+    assert as_mapping.splits == own  # (a recipe's table)
+    with pytest.raises(ConfigError, match=r"\['web', 'code'\] have no held-out fractions"):
+        ShardDataset(sources, 256, split="validation")
+    with pytest.raises(ConfigError, match=r"no side to read"):
+        ShardDataset(sources, 256)
+    with pytest.raises(ConfigError, match=r"no side to read"):
+        ShardDataset(_sources(caches), 256, splits=SPLIT)
+    with pytest.raises(ConfigError, match=r"expected one of"):
+        ShardDataset(_sources(caches), 256, split="valid", splits=SPLIT)
+    with pytest.raises(ConfigError, match=r"Source\(.*\)\.splits: unknown field\(s\) \['train'\]"):
+        Source(caches["math"], splits={"train": 0.5})
+
+
+def test_a_source_with_an_empty_side_is_refused_by_weights_and_read_for_nothing_by_eval(caches):
+    sources = _sources(caches)
+    sources[2] = Source(caches["math"], weight=0.2, splits=Split())  # holds nothing out
+    with pytest.raises(ConfigError, match=r"source 'math'.*'validation' side holds no document"):
+        ShardDataset(sources, 256, split="validation", splits=SPLIT)
+    ds = ShardDataset(sources, 256, split="validation", splits=SPLIT, eval=True)
+    assert ds.mixture.sources[2].documents == 0
+    assert set(_real(ds)) == _side(caches, "validation", SPLIT, 0) | _side(
+        caches, "validation", SPLIT, 1
+    )
+    train = ShardDataset(sources, 256, split="train", splits=SPLIT)  # all of math is train
+    assert train.mixture.sources[2].documents == open_cache(caches["math"]).num_sequences
+
+
+def test_a_split_mixture_resumes_exactly_and_refuses_another_split(caches):
+    from conftest import assert_resumable
+
+    def make(**kwargs):
+        options = {"split": "validation", "splits": SPLIT, **PACKED, **kwargs}
+        return ShardDataset(_sources(caches), 256, seed=2, **options)
+
+    full = assert_resumable(make, iter, _key, steps=[0, 1, 3])
+    assert {k for b in full for k in b} <= _side(caches, "validation")
+    state = json.loads(json.dumps(make().state_dict()))
+    assert state["split"]["sources"]["math"] == SPLIT.to_json()
+    for other in (
+        {"split": "train"},
+        {"splits": Split(validation=0.2, test=0.1, seed=1)},
+        {"split": None, "splits": None},
+    ):
+        with pytest.raises(StateError, match="split"):
+            make(**other).load_state_dict(state)
+    sources = _sources(caches)
+    sources[2] = Source(caches["math"], weight=0.2, max_repetitions=3, splits=Split(0.2))
+    with pytest.raises(StateError, match="split"):  # one source's split differs
+        ShardDataset(
+            sources, 256, seed=2, split="validation", splits=SPLIT, **PACKED
+        ).load_state_dict(state)
+    with pytest.raises(StateError, match="split"):  # remix takes other weights, not other sides
+        make(remix=True).load_state_dict({**state, "split": {**state["split"], "name": "test"}})
+
+
+def test_an_eval_pass_over_a_whole_mixture_reads_every_sequence_once(caches):
+    ds = ShardDataset(_sources(caches), 256, eval=True, tokens_per_epoch=10**7)  # (ignored)
+    got = _real(ds)
+    sizes = [open_cache(caches[key]).num_sequences for key in NAMES]
+    assert sorted(got) == [(s, i) for s, n in enumerate(sizes) for i in range(n)]
+    assert [r.documents for r in ds.mixture.sources] == sizes

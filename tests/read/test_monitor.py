@@ -138,3 +138,114 @@ def test_rank_skew_under_two_gloo_ranks(tmp_path):
         assert fast["data_loading_max_s"] == slow["data_loading_max_s"] == slow["data_loading_s"]
         assert fast["data_loading_min_s"] == slow["data_loading_min_s"] == fast["data_loading_s"]
         assert slow["data_loading_s"] >= 0.02  # the slowed rank's sleep, at least
+
+
+def _stalled(records) -> list[str]:
+    return [r.getMessage() for r in records if r.getMessage().startswith("StallMonitor:")]
+
+
+def test_the_stall_warning_names_a_slow_gather_and_its_fix(cache_dir, caplog):
+    ds = ShardDataset(cache_dir, 128, seed=1, transform=slow_transform)
+    monitor = StallMonitor(ranks=False, warn_pct=5.0)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        run_steps(monitor, ds, 12, compute_s=0.005)
+    (message,) = _stalled(caplog.records)  # once
+    assert "the largest stage is gather (reading the sequences" in message
+    assert "num_workers" in message and monitor.warned
+
+
+def _slow_fetches(batches: int, fetch_s: float):
+    for k in range(batches):
+        time.sleep(fetch_s)  # as if waiting for a download
+        stages = {"plan_s": 0.0, "fetch_s": fetch_s, "gather_s": 1e-4, "collate_s": 1e-4}
+        yield {"input_ids": torch.zeros(2, 4), "meta": {"k": k, "stage_s": stages}}
+
+
+def test_the_stall_warning_names_a_slow_fetch_and_its_fix(caplog):
+    monitor = StallMonitor(ranks=False, warn_pct=5.0)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        run_steps(monitor, _slow_fetches(12, 0.004), 12, compute_s=0.004)
+    (message,) = _stalled(caplog.records)
+    assert "the largest stage is fetch (waiting for downloads from storage" in message
+    assert "ReadAheadOptions" in message and "SHARDCACHE_CACHE_DIR" in message
+
+
+class _Clock:
+    """A ``time`` stand-in for the monitor: the tests move it, so the shares are exact."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
+def _clocked_steps(clock: _Clock, monitor, steps: int, fetch_s: float, compute_s: float):
+    def batches():
+        for k in range(steps):
+            clock.now += fetch_s
+            yield {
+                "input_ids": torch.zeros(2, 4),
+                "meta": {"k": k, "stage_s": {"fetch_s": fetch_s}},
+            }
+
+    for _ in monitor.wrap(batches()):
+        clock.now += compute_s
+        monitor.step()
+
+
+@pytest.mark.parametrize(
+    ("warn_pct", "compute_s", "warned"),
+    [
+        (5.0, 0.0, False),  # a loop with no model: all wait, no warning
+        (5.0, 0.0004, False),  # computing under 5% of the time: still none
+        (5.0, 0.0006, True),  # just over 5% computing, 94% waiting
+        (90.0, 0.001, True),  # 90.9% waiting
+        (95.0, 0.001, False),  # under the threshold
+        (None, 0.005, False),  # off
+    ],
+)
+def test_the_stall_warning_needs_compute_and_the_threshold(
+    warn_pct, compute_s, warned, monkeypatch, caplog
+):
+    from shardcache.read.prefetch import monitor as module
+
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    monitor = StallMonitor(ranks=False, warn_pct=warn_pct)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        _clocked_steps(clock, monitor, 12, fetch_s=0.01, compute_s=compute_s)
+    assert monitor.warned == warned
+    assert len(_stalled(caplog.records)) == int(warned)
+
+
+def test_the_stall_warning_waits_for_nine_steps(monkeypatch, caplog):
+    from shardcache.read.prefetch import monitor as module
+
+    clock = _Clock()
+    monkeypatch.setattr(module, "time", clock)
+    with caplog.at_level("WARNING", logger="shardcache"):
+        early = StallMonitor(ranks=False, warn_pct=5.0)
+        _clocked_steps(clock, early, 8, fetch_s=0.01, compute_s=0.002)
+        assert not early.warned  # the first step and 7 more: not judged yet
+        _clocked_steps(clock, early, 1, fetch_s=0.01, compute_s=0.002)
+    assert early.warned
+    (message,) = _stalled(caplog.records)
+    assert "83.3% of the time over steps 2-9" in message
+
+
+def test_stall_advice_picks_the_copy_or_the_largest_stage():
+    from shardcache.read.prefetch.monitor import stall_advice
+
+    reader = {"wait_reader_s": 1.0, "wait_copy_s": 0.1, "gather_s": 0.2, "pin_s": 0.5}
+    assert stall_advice(reader)[0] == "pin_s"
+    copy = {**reader, "wait_copy_s": 2.0}
+    stage, sentence = stall_advice(copy)
+    assert stage == "copy_s" and "host-to-device copy" in sentence and "2.000 s" in sentence
+    assert stall_advice({"collate_s": 0.3, "gather_s": 0.1})[0] == "collate_s"
+
+
+@pytest.mark.parametrize("bad", [-1, 101, "5", True])
+def test_a_bad_warn_pct_is_refused(bad):
+    with pytest.raises(ConfigError, match="warn_pct"):
+        StallMonitor(warn_pct=bad)

@@ -2,42 +2,11 @@
 
 from __future__ import annotations
 
-import random
-
 import numpy as np
 import pytest
 
-from conftest import WORDS, assert_resumable, write_records
+from conftest import assert_resumable
 from shardcache import ConfigError, ShardDataset, open_cache
-
-
-def make_string_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    return [
-        {
-            "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
-            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
-            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
-        }
-        for _ in range(n)
-    ]
-
-
-@pytest.fixture(scope="module")
-def pairs_cache(tmp_path_factory, tokenizer_dir) -> str:
-    """A preference cache of 600 pairs in two buckets and a few dozen small shards."""
-    from shardcache.builder.run import build_cache
-    from shardcache.config import build_options_from_mapping
-
-    folder = tmp_path_factory.mktemp("prefs")
-    path = write_records(str(folder / "pairs.jsonl"), make_string_pairs(600, seed=4), "jsonl")
-    out = str(folder / "cache")
-    values = {
-        "input": path, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
-        "kind": "preference", "buckets": "16,32", "shard_size": 4096,
-    }  # fmt: skip
-    build_cache(build_options_from_mapping(values))
-    return out
 
 
 def _pairs_of(batch) -> list[int]:
@@ -98,11 +67,6 @@ def test_resume_is_exact(pairs_cache, streams):
 
     full = assert_resumable(make, lambda ds: ds, key=lambda b: b["meta"]["sample_ids"].tolist())
     assert len(full) > 3
-
-
-def test_pack_mode_refused_naming_pad_mode(pairs_cache):
-    with pytest.raises(ConfigError, match="mode='pad'"):
-        ShardDataset(pairs_cache, 256, mode="pack", seq_len=64, attention="varlen")
 
 
 def test_budget_too_small_for_a_pair_says_how_much(pairs_cache):

@@ -25,6 +25,7 @@ from shardcache.builder.inputs.base import (
     flush_and_hash,
     open_input,
     read_column,
+    record_columns,
 )
 
 #: What ``datasets.Dataset.save_to_disk`` writes beside the data files.
@@ -60,9 +61,10 @@ def _read_arrow(
             return
         names = list(schema.names)
         n_rows = 0
-        if text_field not in names:
+        selected = record_columns(batcher.kind, text_field, names)
+        if not selected:
             n_rows = sum(b.num_rows for b in batches)
-        columns = (b.select([text_field]) for b in batches)
+        columns = (b.select(selected) for b in batches)
         yield from read_column(file, batcher, text_field, part.first_record, names, n_rows,
                                columns, (pa.ArrowException, OSError), "Arrow")  # fmt: skip
 

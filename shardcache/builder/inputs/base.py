@@ -16,6 +16,7 @@ from typing import Any, BinaryIO, Protocol
 import numpy as np
 
 from shardcache.builder.chat import validate_messages
+from shardcache.builder.preference import split_implicit_prompt
 from shardcache.builder.stage_times import StageTimes
 from shardcache.errors import BadRecordError, SourceError
 from shardcache.store.files import READ_CHUNK, HashingReader, sha256_file
@@ -33,9 +34,12 @@ BAD_REASONS = (
     "too_deep",  # nested deeper than the JSON parser's recursion limit
     "encode_error",  # the tokenizer failed on this record alone (the detail says how)
     "corrupt_file",  # a damaged compressed file / parquet row group: the rest is lost
-    "no_preference_field",  # preference: prompt, chosen or rejected missing
+    "no_preference_field",  # preference: chosen or rejected missing
     "mixed_preference_types",  # preference: not all strings, not all message lists
-    "empty_completion",  # preference: an empty chosen or rejected string
+    "empty_completion",  # preference: an empty chosen or rejected (nothing after the prompt)
+    "no_shared_prompt",  # preference, implicit prompt: chosen and rejected share no prefix
+    "divergence_not_assistant",  # implicit prompt: the first differing message is not assistant
+    "last_not_assistant",  # implicit prompt: a side's last message is not an assistant turn
 )
 #: A batch is flushed at this many characters even below ``batch_docs`` (bounds memory).
 MAX_BATCH_CHARS = 8 * 1024 * 1024
@@ -222,11 +226,22 @@ PAIR_FIELDS = ("prompt", "chosen", "rejected")
 def validate_pair(obj: dict[str, Any]) -> tuple[Any, str | None]:
     """A preference record's ``(prompt, chosen, rejected)``, else ``(None, reason)``.
 
-    All three are strings, or all three message lists (a prompt may be an empty list).
+    All three are strings, or all three message lists (a prompt may be an empty list). Without
+    a ``prompt`` (TRL's implicit-prompt shape), ``chosen`` and ``rejected`` are whole
+    conversations (or texts) and the prompt is their shared prefix (``split_implicit_prompt``).
     """
     values = [obj.get(name) for name in PAIR_FIELDS]
-    if any(v is None for v in values):
+    if values[1] is None or values[2] is None:
         return None, "no_preference_field"
+    if values[0] is None:
+        chosen, rejected = values[1:]
+        if isinstance(chosen, list) and isinstance(rejected, list):
+            reason = validate_messages(chosen) or validate_messages(rejected)
+            if reason is not None:
+                return None, reason
+        elif not (isinstance(chosen, str) and isinstance(rejected, str)):
+            return None, "mixed_preference_types"
+        return split_implicit_prompt(chosen, rejected)
     if all(isinstance(v, str) for v in values):
         if not values[1] or not values[2]:
             return None, "empty_completion"
@@ -327,9 +342,15 @@ class Batcher:
 
     def add_value(self, index: int, value: Any, text_field: str) -> list[TextBatch]:
         """Add a field's value read from a column (or a file): valid, or reported as bad."""
-        text, reason = validate_record({text_field: value}, text_field, self.kind)
+        return self.add_object(index, {text_field: value}, text_field, value)
+
+    def add_object(
+        self, index: int, obj: dict[str, Any], text_field: str, shown: Any = None
+    ) -> list[TextBatch]:
+        """Add a record read as an object (a row's columns): valid, or reported as bad."""
+        text, reason = validate_record(obj, text_field, self.kind)
         if reason is not None:
-            self.bad(index, reason, repr(value))
+            self.bad(index, reason, repr(obj if shown is None else shown))
             return []
         return self.add(index, text)
 
@@ -485,22 +506,39 @@ def hash_after_read(file: InputFile, part: InputSlice, hooks: ReadHooks) -> None
         hooks.on_bytes(file.size if part.whole else 0)
 
 
+def record_columns(kind: str, text_field: str, names: list[str]) -> list[str]:
+    """The columns a columnar file's records are read from (none: every row is bad).
+
+    ``text_field`` for text and chat; for preference pairs those of ``prompt``, ``chosen`` and
+    ``rejected`` it has, as long as it has ``chosen`` and ``rejected``.
+    """
+    if kind == "preference":
+        found = [name for name in PAIR_FIELDS if name in names]
+        return found if {"chosen", "rejected"} <= set(found) else []
+    return [text_field] if text_field in names else []
+
+
 def read_column(
     file: InputFile, batcher: Batcher, text_field: str, first_row: int,
     names: list[str], n_rows: int, batches: Iterator[Any], errors: tuple[type, ...],
     what: str,
 ) -> Iterator[TextBatch]:  # fmt: skip
-    """The records of a columnar file: ``batches`` of its ``text_field`` column (Arrow).
+    """The records of a columnar file: ``batches`` of its ``record_columns`` (Arrow).
 
     ``what`` names the format in messages.
 
-    A file without that column has ``n_rows`` bad records; an error raised by ``batches``
+    A file without those columns has ``n_rows`` bad records; an error raised by ``batches``
     (of the ``errors`` types) is the file's damage from the row reached on.
     """
-    if text_field not in names:  # every row lacks the field: bad records, as in jsonl
-        reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+    if not record_columns(batcher.kind, text_field, names):  # bad records, as in jsonl
+        reason = {"chat": "no_messages_field", "preference": "no_preference_field"}.get(
+            batcher.kind, "no_text_field"
+        )
         for row in range(first_row, first_row + n_rows):
             batcher.bad(row, reason, f"columns: {', '.join(names)}")
+        return
+    if batcher.kind == "preference":  # a pair is a row of several columns
+        yield from _read_rows(file, batcher, text_field, first_row, batches, errors, what)
         return
     row = first_row
     while True:
@@ -514,4 +552,23 @@ def read_column(
             break
         for value in record_batch.column(0).to_pylist():
             yield from batcher.add_value(row, value, text_field)
+            row += 1
+
+
+def _read_rows(
+    file: InputFile, batcher: Batcher, text_field: str, row: int, batches: Iterator[Any],
+    errors: tuple[type, ...], what: str,
+) -> Iterator[TextBatch]:  # fmt: skip
+    """``read_column`` for records of several columns: each row as an object."""
+    while True:
+        try:
+            record_batch = next(batches, None)
+        except errors as err:
+            message = f"{file.relpath}: cannot read {what} data at row {row}: {err}"
+            batcher.corrupt(row, 0, message, err)
+            break
+        if record_batch is None:
+            break
+        for obj in record_batch.to_pylist():
+            yield from batcher.add_object(row, obj, text_field)
             row += 1

@@ -20,6 +20,7 @@ from shardcache.builder.inputs.base import (
     flush_and_hash,
     open_input,
     read_column,
+    record_columns,
     sha256_input,
 )
 
@@ -68,8 +69,9 @@ def _read_parquet(
         meta = pf.metadata
         n_rows = sum(meta.row_group(g).num_rows for g in (groups or range(meta.num_row_groups)))
         names = pf.schema_arrow.names
-        batches = iter(()) if text_field not in names else pf.iter_batches(
-            batch_size=min(batcher.batch_docs, 65536), columns=[text_field], row_groups=groups
+        columns = record_columns(batcher.kind, text_field, names)
+        batches = iter(()) if not columns else pf.iter_batches(
+            batch_size=min(batcher.batch_docs, 65536), columns=columns, row_groups=groups
         )  # fmt: skip
         yield from read_column(file, batcher, text_field, part.first_record, names, n_rows,
                                batches, (pa.ArrowException, OSError), "parquet")  # fmt: skip

@@ -6,11 +6,14 @@ and collate seconds in ``meta["stage_s"]``, so they travel with the batch out of
 worker; a ``DevicePrefetcher`` counts its consumer wait, pinning and copies. The monitor times
 the consumer's ``next()`` itself and, once per step, turns the sums since the last step into
 one flat dict of floats (see ``StallMonitor.step``), written to a TensorBoard
-``SummaryWriter`` when given one.
+``SummaryWriter`` when given one. When the step waits for data more than ``warn_pct`` of the
+time while it also computes, the monitor logs one warning naming the stage that dominates the
+wait and what to change (``stall_advice``).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Iterator
 from typing import Any
@@ -19,11 +22,74 @@ import torch
 
 from shardcache.errors import ConfigError
 from shardcache.read.prefetch.prefetcher import DevicePrefetcher
+from shardcache.read.readahead import MIN_CONSUMER_SHARE
+
+logger = logging.getLogger("shardcache")
 
 #: The reader's stages, as keys of ``meta["stage_s"]`` and of the monitor's figures.
 READER_STAGES = ("plan_s", "fetch_s", "gather_s", "collate_s")
 #: The prefetcher's counters (cumulative) -> the monitor's per-step figures.
 PREFETCH_STAGES = {"pack_s": "pin_s", "copy_s": "copy_s"}
+#: Steps after the first (worker start-up, the plan) before the wait share is judged.
+WARN_AFTER_STEPS = 8
+
+#: Each stage a step can wait on: what it is, and what to change when it dominates the wait.
+STALL_ADVICE = {
+    "plan_s": (
+        "planning the pass (charged to its first batch)",
+        "plan fewer rows at a time or less often: a smaller shuffle_block "
+        "(ShardDataset(shuffle_block=...): a rank plans that many rows of each of its streams "
+        "at a time), canonical streams rather than one global plan (streams=None, not 0), or "
+        "longer passes",
+    ),
+    "fetch_s": (
+        "waiting for downloads from storage (read-ahead)",
+        "read further ahead (ShardDataset(readahead=ReadAheadOptions(shards=..., "
+        "threads=...))), raise SHARDCACHE_CACHE_SIZE if the window is held back by it, or "
+        "point SHARDCACHE_CACHE_DIR at a local disk (or copy the cache there)",
+    ),
+    "gather_s": (
+        "reading the sequences from the shards (and the transform)",
+        "more DataLoader workers (loader(..., num_workers=...)), the cache on a local disk "
+        "rather than a network file system, or a cheaper transform",
+    ),
+    "collate_s": (
+        "padding / packing the batch",
+        "more DataLoader workers (loader(..., num_workers=...)), or the compiled kernels "
+        "(pip install 'shardcache[fast]')",
+    ),
+    "pin_s": (
+        "packing the batch into pinned host memory (the DevicePrefetcher's packer thread)",
+        "a deeper prefetch (DevicePrefetcher(..., depth=...)) so that packing overlaps more "
+        "steps, or fewer tensors per batch",
+    ),
+    "copy_s": (
+        "the host-to-device copy",
+        "a deeper prefetch (DevicePrefetcher(..., depth=...)) so that the copy of the next "
+        "batch overlaps the step, or smaller batches (a lower max_tokens)",
+    ),
+}
+
+
+def stall_advice(figures: dict[str, float]) -> tuple[str, str]:
+    """The stage that dominates a wait, and the sentence that says what it is and what to change.
+
+    Args:
+        figures: ``StallMonitor.step`` figures (one step's, or sums over steps).
+
+    Returns:
+        ``(stage, sentence)``: ``stage`` is a key of ``STALL_ADVICE``: ``copy_s`` when
+        handing batches to the device (``wait_copy_s``) took longer than waiting for the
+        reader, else the largest of the reader's and the packer's stage times.
+    """
+    if figures.get("wait_copy_s", 0.0) > figures.get("wait_reader_s", 0.0):
+        stage = "copy_s"
+    else:
+        stages = [*READER_STAGES, "pin_s"]
+        stage = max(stages, key=lambda name: (figures.get(name, 0.0), -stages.index(name)))
+    what, change = STALL_ADVICE[stage]
+    seconds = figures.get("wait_copy_s" if stage == "copy_s" else stage, 0.0)
+    return stage, f"the largest stage is {stage[:-2]} ({what}, {seconds:.3f} s): {change}"
 
 
 class StallMonitor:
@@ -46,12 +112,33 @@ class StallMonitor:
         ranks: with ``torch.distributed`` initialized and more than one rank, add the max
             and min of ``data_loading_s`` over the ranks (one all-reduce per ``step()``, a
             collective: every rank must call ``step()`` the same number of times).
+        warn_pct: log one warning (logger ``"shardcache"``) when, after ``WARN_AFTER_STEPS``
+            steps past the first, the steps waited for data more than this percent of their
+            time while computing ``MIN_CONSUMER_SHARE`` of it or more (a loop with no model
+            waits all the time, which says nothing about training); it names the stage that
+            dominates the wait and what to change (``stall_advice``). None: never warn.
 
     Raises:
-        ConfigError: ``writer`` has no ``add_scalar``.
+        ConfigError: ``writer`` has no ``add_scalar``, or ``warn_pct`` is not in [0, 100].
     """
 
-    def __init__(self, writer: Any = None, *, prefix: str = "data/", ranks: bool = True) -> None:
+    def __init__(
+        self,
+        writer: Any = None,
+        *,
+        prefix: str = "data/",
+        ranks: bool = True,
+        warn_pct: float | None = 10.0,
+    ) -> None:
+        if warn_pct is not None and (
+            isinstance(warn_pct, bool)
+            or not isinstance(warn_pct, (int, float))
+            or not 0 <= warn_pct <= 100
+        ):
+            raise ConfigError(
+                f"StallMonitor warn_pct: got {warn_pct!r}, expected a percent in [0, 100], or "
+                "None to never warn"
+            )
         if writer is not None and not callable(getattr(writer, "add_scalar", None)):
             raise ConfigError(
                 f"StallMonitor: writer {writer!r} has no add_scalar(); pass a "
@@ -60,7 +147,10 @@ class StallMonitor:
         self.writer = writer
         self.prefix = prefix
         self.ranks = ranks
+        self.warn_pct = warn_pct
+        self.warned = False
         self.steps = 0
+        self._judged: dict[str, float] = {}  # sums over the steps judged for the warning
         self._prefetcher: DevicePrefetcher | None = None
         self._last_prefetch: dict[str, float] = {}
         self._step_began: float | None = None
@@ -174,7 +264,9 @@ class StallMonitor:
             for name, out in PREFETCH_STAGES.items():
                 figures[out] = delta[name]
         if self.ranks:
-            figures.update(_over_ranks(loading))
+            figures.update(over_ranks(loading))
+        if self.warn_pct is not None and not self.warned and self.steps > 0:
+            self._judge(figures)
         at = self.steps if step is None else step
         self.steps += 1
         self._step_began, self._loading_s, self._batches = now, 0.0, 0
@@ -184,8 +276,37 @@ class StallMonitor:
                 self.writer.add_scalar(self.prefix + name, value, at)
         return figures
 
+    def _judge(self, figures: dict[str, float]) -> None:
+        """Add a step (not the first) to the judged sums; warn once when they stall (see init)."""
+        for name, value in figures.items():
+            self._judged[name] = self._judged.get(name, 0.0) + value
+        judged = self._judged
+        step_s, loading = judged.get("step_s", 0.0), judged.get("data_loading_s", 0.0)
+        if self.steps < WARN_AFTER_STEPS or step_s <= 0:
+            return
+        if judged.get("compute_s", 0.0) < MIN_CONSUMER_SHARE * step_s:
+            return
+        pct = 100.0 * loading / step_s
+        assert self.warn_pct is not None
+        if pct <= self.warn_pct:
+            return
+        self.warned = True
+        _, advice = stall_advice(judged)
+        logger.warning(
+            "StallMonitor: the training step waited for data %.1f%% of the time over steps "
+            "2-%d (%.2f s of %.2f s: %.2f s waiting for the reader, %.2f s for the copy to "
+            "the device); %s",
+            pct,
+            self.steps + 1,
+            loading,
+            step_s,
+            judged.get("wait_reader_s", 0.0),
+            judged.get("wait_copy_s", 0.0),
+            advice,
+        )
 
-def _over_ranks(loading_s: float) -> dict[str, float]:
+
+def over_ranks(loading_s: float) -> dict[str, float]:
     """The max and min of ``loading_s`` over the ranks (empty without a process group)."""
     dist = torch.distributed
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() < 2:
