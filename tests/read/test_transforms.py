@@ -18,6 +18,7 @@ from shardcache import (
     ShardDataset,
     Source,
     SpanMask,
+    Split,
     StateError,
     open_cache,
 )
@@ -341,21 +342,22 @@ def _stamp(ids, mask, rng):
     return rng.integers(10, 60000, len(ids)).astype(ids.dtype), mask
 
 
-@pytest.mark.parametrize("streams", [0, 3])
-def test_a_repeated_document_gets_its_own_randomness_per_repetition(cache_dir, streams):
-    # one source used 2.5 times per epoch: every document twice or three times (two whole
-    # passes and a window), each copy its own generator
+@pytest.mark.parametrize(("streams", "side"), [(0, None), (3, None), (0, "train")])
+def test_a_repeated_document_gets_its_own_randomness_per_repetition(cache_dir, streams, side):
+    # one source used 2.5 times per epoch: every document (of the side) twice or three times
+    # (two whole passes and a window), each copy its own generator
     def make():
         source = Source(cache_dir, max_repetitions=2.5)
+        split = {} if side is None else {"split": side, "splits": Split(validation=0.3)}
         return ShardDataset([source], 1024, seed=1, transform=_stamp, streams=streams,
-                            shuffle_block=2048)  # fmt: skip
+                            shuffle_block=2048, **split)  # fmt: skip
 
     copies = collections.defaultdict(list)
     for batch in make():
         ids, width = batch["meta"]["sample_ids"].tolist(), batch["attention_mask"].sum(dim=1)
         for row, (sample, n) in enumerate(zip(ids, width.tolist())):
             copies[sample].append(tuple(batch["input_ids"][row, :n].tolist()))
-    assert len(copies) > 5000 and {len(c) for c in copies.values()} == {2, 3}
+    assert len(copies) > (3500 if side else 5000) and {len(c) for c in copies.values()} == {2, 3}
     assert all(len(set(c)) == len(c) for c in copies.values())
     assert_resumable(make, iter, _key, steps=[3])
 
