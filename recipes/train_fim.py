@@ -2,7 +2,7 @@
 """Train a code model with fill-in-the-middle, and evaluate it on a held-out split.
 
     python recipes/train_fim.py CACHE --steps 200
-    python recipes/train_fim.py CACHE --steps 200 --split-token "<|endoftext|>" --max-fragments 4
+    python recipes/train_fim.py CACHE --steps 200 --split-token eos --max-fragments 4
 
 What it shows (copy it):
 
@@ -68,7 +68,10 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--seq-len", type=int, default=1024, help="packed row length")
     parser.add_argument("--fim-rate", type=float, default=0.5)
     parser.add_argument("--spm-rate", type=float, default=0.5)
-    parser.add_argument("--split-token", help="cut sequences into fragments at this token")
+    parser.add_argument(
+        "--split-token",
+        help="cut sequences into fragments at this token: its spelling, its id, or 'eos'",
+    )
     parser.add_argument("--max-fragments", type=int, default=1)
     parser.add_argument("--validation", type=float, default=0.05, help="held-out share")
     parser.add_argument("--eval-every", type=int, default=50)
@@ -85,8 +88,13 @@ def main(argv: list[str] | None = None) -> dict:
     with shardcache.open_cache(args.cache) as cache:
         built_with = cache.manifest["tokenizer"]
     tokenizer = args.tokenizer or built_with["path"]
+    split_token: int | str | None = args.split_token
+    if split_token == "eos":  # the EOS the cache's documents end with (files joined by it)
+        split_token = int(built_with["eos_id"])
+    elif split_token is not None and split_token.isdigit():
+        split_token = int(split_token)
     fim = FIM.from_tokenizer(
-        tokenizer, args.fim_rate, args.spm_rate, split_token=args.split_token,
+        tokenizer, args.fim_rate, args.spm_rate, split_token=split_token,
         max_fragments=args.max_fragments,
     )  # fmt: skip
     splits = Split(validation=args.validation)
