@@ -83,6 +83,125 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
     assert "eval_loss" in out
 
 
+@pytest.fixture(scope="module")
+def dpo_cache(tmp_path_factory) -> str:
+    """The bundled preference pairs built with ``recipes/dpo.toml``."""
+    from click.testing import CliRunner
+
+    from shardcache.cli import main
+
+    out = str(tmp_path_factory.mktemp("dpo") / "cache")
+    recipe_path = os.path.join(ROOT, "recipes", "dpo.toml")
+    result = CliRunner().invoke(main, ["build", recipe_path, "-o", out, "-q"])
+    assert result.exit_code == 0, result.output
+    return out
+
+
+def test_dpo_recipe_builds_the_bundled_pairs(dpo_cache):
+    from shardcache import open_cache
+
+    cache = open_cache(dpo_cache)
+    assert cache.is_preference and cache.num_sequences == 2 * 591
+    assert cache.lookup(0).source.endswith("pairs.jsonl.zst") and cache.lookup(1).piece == 1
+
+
+@pytest.fixture()
+def small_pairs_cache(build_cache, tokenizer_dir, tmp_path) -> str:
+    """60 string pairs of random words (vocab 600: fast steps)."""
+    import random
+
+    from conftest import WORDS, write_records
+
+    rng = random.Random(0)
+    records = [
+        {"prompt": " ".join(rng.choices(WORDS, k=rng.randint(2, 6))),
+         "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 8))),
+         "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 8)))}
+        for _ in range(60)
+    ]  # fmt: skip
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    return build_cache(path, tokenizer_dir, kind="preference", buckets="16,32")
+
+
+def test_train_dpo_epoch_reads_every_pair_once_llama(small_pairs_cache):
+    from shardcache import ShardDataset
+
+    cache = small_pairs_cache
+    train = recipe("train_dpo")
+    steps = len(ShardDataset(cache, 256, seed=0))
+    report = train.main([cache, "--max-tokens", "256", "--steps", str(steps), "--arch", "llama",
+                         "--hidden", "32", "--log-every", "100"])  # fmt: skip
+    pairs = [p for batch in report["pairs"] for p in batch]
+    assert sorted(pairs) == list(range(60)) and steps > 3
+    assert report["reference_forwards"] == steps  # once per batch
+    assert all(math.isfinite(x) for x in report["losses"])
+
+
+def test_train_dpo_resume_continues_the_same_pairs(small_pairs_cache, tmp_path):
+    train = recipe("train_dpo")
+    common = [small_pairs_cache, "--max-tokens", "192", "--hidden", "32", "--log-every", "100"]
+    full = train.main([*common, "--steps", "7"])
+    state = str(tmp_path / "reader.json")
+    head = train.main([*common, "--steps", "3", "--save-state", state])
+    tail = train.main([*common, "--steps", "4", "--resume", state])
+    assert head["pairs"] + tail["pairs"] == full["pairs"]
+    assert tail["state"] == full["state"]
+
+
+def test_train_dpo_starts_at_ln2_and_the_loss_falls_on_a_repeated_batch(small_pairs_cache, capsys):
+    train = recipe("train_dpo")
+    report = train.main([small_pairs_cache, "--max-tokens", "256", "--steps", "6",
+                         "--overfit-batch", "--lr", "3e-4", "--hidden", "32",
+                         "--log-every", "3"])  # fmt: skip
+    losses = report["losses"]
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-6)  # step 0: policy = reference
+    assert len(losses) == 6 and all(a > b for a, b in itertools.pairwise(losses))
+    assert report["accuracies"][-1] == 1.0
+    assert report["reference_forwards"] == 1  # the batch's reference log-probs, computed once
+    assert all(p == report["pairs"][0] for p in report["pairs"])
+    out = capsys.readouterr().out
+    assert "60 pairs" in out and "step 3: loss" in out and "step 6: loss" in out
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "llama"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_dpo_sequence_logps_are_the_completion_tokens_of_each_sequence_alone(dpo_cache, arch, attn):
+    """Per row of a padded pair batch, ``sequence_logps`` is the sum over that sequence alone
+    (no padding) of the log-probs of its completion: the tokenizer's ids of the record's
+    ``chosen`` / ``rejected`` text plus EOS, after the ids of its prompt."""
+    import json
+
+    import numpy as np
+    import torch
+    import zstandard
+    from transformers import AutoTokenizer
+
+    from shardcache import ShardDataset, open_cache
+
+    train = recipe("train_dpo")
+    cache = open_cache(dpo_cache)
+    tok = AutoTokenizer.from_pretrained(os.path.join(ROOT, "recipes", "quickstart", "tokenizer"))
+    path = os.path.join(ROOT, "recipes", "quickstart", "preference", "pairs.jsonl.zst")
+    with open(path, "rb") as f:
+        lines = zstandard.ZstdDecompressor().stream_reader(f).read().decode().splitlines()
+    torch.manual_seed(0)
+    model = train.tiny_model(4096, 32, 256, arch, attn).eval()
+    batch = next(iter(ShardDataset(dpo_cache, 1024, seed=1)))
+    assert len(set((batch["attention_mask"].sum(1)).tolist())) > 1  # rows of unequal length
+    with torch.no_grad():
+        padded = train.sequence_logps(model, batch)
+        for row, sample in enumerate(batch["meta"]["sample_ids"].tolist()):
+            record = json.loads(lines[cache.lookup(sample).record])
+            prompt = tok(record["prompt"])["input_ids"]
+            completion = tok(record["chosen" if sample % 2 == 0 else "rejected"])["input_ids"]
+            ids = torch.tensor([prompt + completion + [tok.eos_token_id]])
+            assert ids[0].tolist() == cache.read(sample).tolist()
+            logps = model(input_ids=ids).logits[0, :-1].float().log_softmax(-1)
+            picked = logps[np.arange(ids.shape[1] - 1), ids[0, 1:]][len(prompt) - 1 :]
+            assert len(picked) == len(completion) + 1
+            assert padded[row].item() == pytest.approx(picked.sum().item(), rel=1e-6)
+
+
 def test_train_fim_trains_with_fim_and_the_validation_loss_falls(tmp_path, corpus, build_cache):
     from conftest import _save_bpe, make_texts
 

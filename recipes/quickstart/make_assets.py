@@ -4,8 +4,11 @@ The corpus is the docstrings of Python standard-library modules, classes and fun
 (Python Software Foundation License), split into three input files of two formats. The
 tokenizer is a byte-level BPE (vocab 4096) trained on that corpus with `tokenizers`, saved as
 a transformers fast-tokenizer folder. The chat corpus (chat/) turns the same docstrings into
-question/answer conversations for `recipes/sft-chat.toml`. Run from anywhere; it rewrites
-corpus/, tokenizer/ and chat/ beside this file (``--chat-only``: only chat/):
+question/answer conversations for `recipes/sft-chat.toml`, and the preference corpus
+(preference/) turns those answers into chosen/rejected pairs for `recipes/dpo.toml`. Run from
+anywhere; it rewrites corpus/, tokenizer/, chat/ and preference/ beside this file
+(``--chat-only``: only chat/ and preference/; ``--preference-only``: only preference/, from
+the committed chat/):
 
     python recipes/quickstart/make_assets.py
 """
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import itertools
 import json
 import os
 import pkgutil
@@ -122,9 +126,38 @@ def write_chat_corpus(docs: list[dict[str, str]]) -> None:
         f.write(zstandard.ZstdCompressor(level=19).compress(data))
 
 
+def write_preference_corpus() -> None:
+    """String pairs from the chat corpus: per question, the answer's first sentence is chosen
+    and the first sentence of the answer about another object (seven questions on) rejected."""
+    with open(os.path.join(HERE, "chat", "conversations.jsonl.zst"), "rb") as f:
+        data = zstandard.ZstdDecompressor().stream_reader(f).read().decode()
+    turns = []
+    for line in data.splitlines():
+        messages = json.loads(line)["messages"]
+        for question, answer in itertools.pairwise(messages):
+            if question["role"] == "user" and answer["role"] == "assistant":
+                first = answer["content"].split("\n\n")[0].replace("\n", " ")
+                turns.append((question["content"], first.split(". ")[0].rstrip(".")[:200] + "."))
+    lines = []
+    for i, (question, answer) in enumerate(turns):
+        other = turns[(i + 7) % len(turns)][1]
+        if other == answer:
+            continue
+        record = {"prompt": f"Q: {question}\nA:", "chosen": f" {answer}", "rejected": f" {other}"}
+        lines.append(json.dumps({"id": f"pair-{i}", **record}, ensure_ascii=False))
+    out = os.path.join(HERE, "preference")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "pairs.jsonl.zst"), "wb") as f:
+        f.write(zstandard.ZstdCompressor(level=19).compress(("\n".join(lines) + "\n").encode()))
+
+
 def main() -> None:
+    if "--preference-only" in sys.argv:
+        write_preference_corpus()
+        return
     docs = docstrings()
     write_chat_corpus(docs)
+    write_preference_corpus()
     if "--chat-only" in sys.argv:
         return
     write_corpus(docs)
