@@ -10,10 +10,13 @@ One process, no DataLoader, the same cache and plan for every configuration:
 * ``identity``: a transform that returns its input (the numpy path plus the per-sequence
   call and generator: the floor of any transform);
 * ``span_mask``: ``SpanMask(0.15, MASK_ID)``;
-* ``fim``: ``FIM(0.5, ...)`` with ``spm_rate=0.5``.
+* ``fim_keep``: ``FIM(0.5, ..., spm_rate=0.5, keep_length=True)`` (the length-keeping form);
+* ``fim``: ``FIM(0.5, ..., spm_rate=0.5)``, the sentinels added (``max_growth`` 3, reserved by
+  the plan: a few more batches, each timed the same way; in concat mode on whole documents).
 
 Each configuration reads ``--batches`` batches after one warm-up batch; the configurations are
-interleaved (none, identity, span_mask, fim, none, ...) and the best of ``--rounds`` is kept.
+interleaved (none, identity, span_mask, fim_keep, fim, none, ...) and the best of ``--rounds``
+is kept.
 Reports seconds per batch and the ratio to ``none``. The token ids used as sentinels and mask
 are the cache's first ids (the cost does not depend on which ids they are).
 """
@@ -66,9 +69,14 @@ def main() -> None:
         "none": None,
         "identity": identity,
         "span_mask": SpanMask(0.15, 3),
+        "fim_keep": FIM(0.5, 0, 1, 2, spm_rate=0.5, keep_length=True),
         "fim": FIM(0.5, 0, 1, 2, spm_rate=0.5),
     }
-    extra = {} if args.mode == "pad" else {"mode": "pack", "packing": "concat", "seq_len": 2048}
+    extra = (
+        {}
+        if args.mode == "pad"
+        else {"mode": "pack", "packing": "concat", "seq_len": 2048, "attention": "none"}
+    )
     best: dict[str, float] = {}
     counts: dict[str, int] = {}
     compiled = None

@@ -254,3 +254,22 @@ def test_dpo_pack_mode_equals_pad_mode_per_pair(small_pairs_cache, arch, attenti
     want = np.array([pad[k] for k in range(60)])
     assert np.abs(got - want).max() <= 1e-5
     assert np.abs(want[:, 4] - math.log(2)).max() > 1e-3  # not the trivial comparison
+
+
+def test_train_fim_trains_with_fim_and_the_validation_loss_falls(tmp_path, corpus, build_cache):
+    from conftest import _save_bpe, make_texts
+
+    sentinels = ("<fim_prefix>", "<fim_middle>", "<fim_suffix>")
+    tokenizer = _save_bpe(str(tmp_path / "tok"), make_texts(200, seed=2), 500, bos=False,
+                          extra_specials=sentinels)  # fmt: skip
+    folder, _ = corpus("jsonl", n_files=2, docs=40)
+    cache = build_cache(folder, tokenizer, max_length=64, truncation="split")
+    train = recipe("train_fim")
+    report = train.main([cache, "--max-tokens", "320", "--seq-len", "80", "--steps", "8",
+                         "--eval-every", "4", "--validation", "0.2", "--num-workers", "0",
+                         "--split-token", "<eos>", "--max-fragments", "2"])  # fmt: skip
+    assert report["growth"] == 6  # 3 sentinels for each of up to 2 fragments, reserved
+    assert 0.3 < report["fim_rows"] / report["rows"] <= 1  # (a row packs several documents)
+    steps, evals = zip(*report["eval_losses"])
+    assert steps == (0, 4, 8) and all(math.isfinite(x) for x in evals)
+    assert evals[-1] < evals[0]

@@ -71,7 +71,9 @@ from shardcache.store.key import verify_manifest_key
 
 STATE_VERSION = 1
 #: ``transform(ids, mask, rng) -> (ids, mask)``: a per-sequence read-time step (numpy int ids,
-#: the chat loss mask or None, a generator seeded by (seed, epoch, sample id, segment start)).
+#: the chat loss mask or None, a generator seeded by (seed, epoch, sample id, repetition,
+#: segment start)). Optional attributes: ``max_growth`` (int, tokens it may add; default 0) and
+#: ``keeps_mask`` (bool, whether it carries a chat loss mask; default True).
 Transform = Callable[
     [np.ndarray, "np.ndarray | None", np.random.Generator], "tuple[np.ndarray, np.ndarray | None]"
 ]
@@ -81,6 +83,37 @@ _TRANSFORM_KEY = 0x54524E53
 #: times). Each map holds a file descriptor, so fewer under a low open-file limit.
 OPEN_SHARDS = 256
 logger = logging.getLogger("shardcache")
+
+
+def _transform_growth(transform: Any) -> int:
+    """The tokens ``transform`` may add to a sequence (its ``max_growth``, default 0), checked."""
+    if transform is None:
+        return 0
+    if not callable(transform):
+        raise ConfigError(
+            f"transform: got {transform!r}, expected a function (ids, mask, rng) -> (ids, mask)"
+        )
+    growth = getattr(transform, "max_growth", 0)
+    if isinstance(growth, bool) or not isinstance(growth, (int, np.integer)) or growth < 0:
+        raise ConfigError(
+            f"transform: max_growth={growth!r}, expected an int >= 0 (the tokens it may add to "
+            "a sequence; 0 for a transform that keeps or shortens the length)"
+        )
+    return int(growth)
+
+
+def _check_transform_tokens(transform: Any, cache: Cache | MixedCache) -> None:
+    """Let a transform refuse ids the cache's tokenizer lacks (its ``check_tokens``, if any)."""
+    check = getattr(transform, "check_tokens", None)
+    if not callable(check):
+        return
+    caches = cache.caches if isinstance(cache, MixedCache) else [cache]
+    largest = min(int(c.manifest["tokenizer"]["max_token_id"]) for c in caches)
+    try:
+        check(largest, np.dtype(cache.dtype))
+    except Exception:
+        cache.close()
+        raise
 
 
 def cache_digest(manifest: dict[str, Any]) -> str:
@@ -173,14 +206,20 @@ class ShardDataset(IterableDataset):
             reads every document of every source (of its side) once: no weights or repetitions.
         transform: ``transform(ids, mask, rng) -> (ids, mask)`` applied to every sequence (or
             packed piece) after it is read and before the batch is collated; ``rng`` is seeded
-            by (seed, epoch, sample id, piece start), so a resumed stream is the same. It must
-            keep the length (docs/guide/transforms.md).
+            by (seed, epoch, sample id, repetition, piece start), so a resumed stream is the
+            same. It may lengthen a sequence by up to its ``max_growth`` attribute (default 0),
+            which the plan reserves (``PlanOptions.growth``); a transform whose ``keeps_mask``
+            attribute is False is refused on a chat cache, and one with a ``check_tokens``
+            method is asked to refuse ids the cache's tokenizer lacks (FIM and SpanMask
+            check their sentinels) when the dataset is built (docs/guide/transforms.md).
         **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
     Raises:
         ConfigError: an option is missing, unknown or out of range (``split`` without
-            ``splits``, a mixture source without a split, ``eval`` with ``shuffle=True``).
+            ``splits``, a mixture source without a split, ``eval`` with ``shuffle=True``, a
+            ``growth`` with ``packing="concat"`` and no transform, or a transform that cannot
+            keep a chat cache's loss masks).
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """
@@ -211,10 +250,7 @@ class ShardDataset(IterableDataset):
         self.eval = _check_eval(eval, shuffle, options)
         if self.eval and shuffle is None and options is None:
             shuffle = False
-        if transform is not None and not callable(transform):
-            raise ConfigError(
-                f"transform: got {transform!r}, expected a function (ids, mask, rng) -> (ids, mask)"
-            )
+        growth = _transform_growth(transform)
         self.transform = transform
         self.readahead: ReadAheadOptions = readahead_options(readahead)
         self._readahead: ReadAhead | None = None  # of the pass being read
@@ -238,6 +274,15 @@ class ShardDataset(IterableDataset):
             fields = PlanOptions.__dataclass_fields__
             check_known("ShardDataset", plan_options, fields, noun="batch option")
             options = PlanOptions(max_tokens=max_tokens, shuffle=shuffle, **plan_options)
+        if growth > options.growth:  # the plan reserves what the transform may add
+            options = dataclasses.replace(options, growth=growth)
+        concat = options.mode == "pack" and options.packing == "concat"
+        if options.growth and concat and transform is None:
+            raise ConfigError(
+                f"growth: {options.growth} with packing='concat' but no transform; concat "
+                "then plans documents longer than they are, for a transform to fill. Pass "
+                "the transform, or growth=0"
+            )
         self.options: PlanOptions = options
         self.attention: str | None = _check_attention(attention, options.mode)
         check_choice("ids_dtype", ids_dtype, IDS_DTYPES)
@@ -314,6 +359,14 @@ class ShardDataset(IterableDataset):
             if rows is not None or self.eval:  # other documents than the weighted whole caches
                 terms = (*terms, self._split_state(), self.eval)
             self._data_identity = _data_identity(cache.caches, *terms)
+        _check_transform_tokens(transform, cache)
+        if cache.has_mask and transform is not None and not getattr(transform, "keeps_mask", True):
+            cache.close()
+            raise ConfigError(
+                f"transform: {transform!r} says it cannot keep loss masks (keeps_mask=False) but "
+                f"{self.path} is a chat cache whose labels follow them; use a transform that "
+                "moves the mask with its tokens, or a plain-text cache"
+            )
         #: a preference cache: the planners see pair units (unit u = sample ids 2u, 2u + 1)
         self._pairs = (
             all(c.is_preference for c in cache.caches)
@@ -472,9 +525,16 @@ class ShardDataset(IterableDataset):
 
     @property
     def _planning(self) -> PlanOptions:
-        """The planners' options: for pairs in pad mode half the budget (a unit is two rows)."""
-        if not self._pairs or self.options.mode == "pack":
+        """The planners' options: for pairs in pad mode half the budget (a unit is two rows).
+
+        In pack mode a pair is one unit of its two sequences, each of which a transform may
+        lengthen: twice the growth.
+        """
+        if not self._pairs:
             return self.options
+        if self.options.mode == "pack":
+            growth = 2 * self.options.growth
+            return dataclasses.replace(self.options, growth=growth) if growth else self.options
         return dataclasses.replace(self.options, max_tokens=self.options.max_tokens // 2)
 
     # ---- epochs and sizes ------------------------------------------------------------------
@@ -883,7 +943,7 @@ class ShardDataset(IterableDataset):
                 "the ShardDataset with the split= and splits= of the state"
             )
         # a state of a version without streams was read with the global plan (streams=0)
-        theirs_plan = {"streams": 0, "shuffle_block": DEFAULT_SHUFFLE_BLOCK}
+        theirs_plan = {"streams": 0, "shuffle_block": DEFAULT_SHUFFLE_BLOCK, "growth": 0}
         theirs_plan.update(dict(state.get("plan") or {}))
         if self._auto_streams and theirs_plan["streams"] != self.options.streams:
             streams = theirs_plan["streams"]
@@ -1159,7 +1219,8 @@ class ShardDataset(IterableDataset):
                 multiple = self.options.pad_to_multiple_of
                 made = compiled.pad(index, multiple, self.pad_id, self.ids_dtype)
             if made is None:
-                return self.collate(plan.batch(index))
+                repeats = plan.repeats_of(index) if self.transform is not None else None
+                return self.collate(plan.batch(index), repeats)
             return _to_batch(*made)
         return self._collate_packed(plan, index, compiled)
 
@@ -1169,46 +1230,89 @@ class ShardDataset(IterableDataset):
         starts: np.ndarray | None = None,
         lengths: Any = None,
         layout: tuple[np.ndarray, int] | None = None,
+        repeats: np.ndarray | None = None,
     ) -> Gathered:
-        """``Cache.gather`` of segments (and chat loss masks), flat or placed by ``layout``."""
+        """``Cache.gather`` of segments (and chat loss masks), flat or placed by ``layout``.
+
+        With a transform, flat (``layout`` is ignored: a transformed segment may be longer) and
+        transformed; ``repeats`` gives each segment's repetition for its generator's seed.
+        """
         began = time.perf_counter()
         cache = self._open()
+        if self.transform is not None:
+            layout = None
         got = cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout, self.pad_id
         )
         if self.transform is not None:
-            at = got.offsets[:-1] if layout is None else np.asarray(layout[0], dtype=np.int64)
-            first = np.zeros(len(at), np.int64) if starts is None else np.asarray(starts)
-            self._apply_transform(got, at, np.asarray(sample_ids), first)
+            count = len(got.offsets) - 1
+            first = np.zeros(count, np.int64) if starts is None else np.asarray(starts)
+            uses = np.zeros(count, np.int64) if repeats is None else np.asarray(repeats)
+            got = self._apply_transform(got, np.asarray(sample_ids), first, uses)
         self._gather_s += time.perf_counter() - began
         return got
 
     def _apply_transform(
-        self, got: Gathered, at: np.ndarray, sample_ids: np.ndarray, starts: np.ndarray
-    ) -> None:
-        """Run ``transform`` on each gathered segment in place, with its own seeded generator."""
-        assert self.transform is not None
+        self, got: Gathered, sample_ids: np.ndarray, starts: np.ndarray, repeats: np.ndarray
+    ) -> Gathered:
+        """``transform`` run on each gathered segment with its own seeded generator, checked."""
+        transform = self.transform
+        assert transform is not None
         tokens, mask = got.tokens, got.mask
-        for k, (pos, n) in enumerate(zip(at.tolist(), got.lengths.tolist())):
-            rng = np.random.default_rng(
-                [self.seed, self.epoch, int(sample_ids[k]), int(starts[k]), _TRANSFORM_KEY]
-            )
-            seg_mask = None if mask is None else mask[pos : pos + n].copy()
-            out = self.transform(tokens[pos : pos + n].copy(), seg_mask, rng)
+        growth = self.options.growth
+        offsets = got.offsets.tolist()
+        keys = np.stack([sample_ids, repeats, starts]).T.tolist()
+        out_ids: list[np.ndarray] = []
+        out_masks: list[np.ndarray] = []
+        for k, (sample, use, start) in enumerate(keys):
+            lo, hi = offsets[k], offsets[k + 1]
+            n = hi - lo
+            rng = np.random.default_rng([self.seed, self.epoch, sample, use, start, _TRANSFORM_KEY])
+            seg_mask = None if mask is None else mask[lo:hi].copy()
+            out = transform(tokens[lo:hi].copy(), seg_mask, rng)
             if not isinstance(out, tuple) or len(out) != 2:
                 raise ConfigError(
                     f"transform: returned {type(out).__name__}, expected a tuple (ids, mask)"
                 )
             ids, new_mask = np.asarray(out[0]), out[1]
-            if ids.shape != (n,):
+            if ids.ndim != 1 or not min(n, 1) <= len(ids) <= n + growth:
                 raise ConfigError(
-                    f"transform: returned ids of shape {ids.shape} for sample {int(sample_ids[k])}"
-                    f" of {n} tokens; a transform must keep the length (the plan sized the batch "
-                    "for it): truncate or pad inside the transform"
+                    f"transform: returned ids of shape {ids.shape} for sample {sample} (piece "
+                    f"at token {start}) of {n} tokens, but it declared max_growth={growth}: the "
+                    f"plan reserved room for 1 to {n + growth} tokens. Return at most "
+                    "max_growth more tokens than given (truncate inside the transform), or "
+                    "declare a larger max_growth attribute on the transform"
                 )
-            tokens[pos : pos + n] = ids
-            if mask is not None and new_mask is not None:
-                mask[pos : pos + n] = np.asarray(new_mask, dtype=bool)
+            out_ids.append(ids)
+            if mask is None:
+                continue
+            if new_mask is None:
+                if len(ids) != n:
+                    raise ConfigError(
+                        f"transform: returned {len(ids)} ids but no loss mask for sample {sample} "
+                        f"of {n} tokens of a chat cache; the mask cannot follow tokens it was "
+                        "not given: return the mask moved with the tokens (inserted tokens "
+                        "False), or keep the length"
+                    )
+                new_mask = mask[lo:hi]
+            new_mask = np.asarray(new_mask, dtype=bool)
+            if new_mask.shape != ids.shape:
+                raise ConfigError(
+                    f"transform: returned a loss mask of shape {new_mask.shape} with ids of "
+                    f"shape {ids.shape} for sample {sample}; return one mask entry per token"
+                )
+            out_masks.append(new_mask)
+        new_offsets = np.zeros(len(out_ids) + 1, dtype=np.int64)
+        np.cumsum([len(ids) for ids in out_ids], out=new_offsets[1:])
+        new_tokens = (
+            np.concatenate(out_ids).astype(tokens.dtype, copy=False)
+            if out_ids
+            else tokens[:0].copy()
+        )
+        new_mask_all = None
+        if mask is not None:
+            new_mask_all = np.concatenate(out_masks) if out_masks else mask[:0].copy()
+        return Gathered(new_tokens, new_offsets, new_mask_all)
 
     @property
     def reads_compiled(self) -> bool:
@@ -1243,22 +1347,30 @@ class ShardDataset(IterableDataset):
         )
         return self._batch_kernels
 
-    def collate(self, sample_ids: np.ndarray) -> Batch:
+    def collate(self, sample_ids: np.ndarray, repeats: np.ndarray | None = None) -> Batch:
         """Read sequences and pad them into one batch, one per row (pad mode).
 
         Args:
             sample_ids: the sequences' global row numbers, one per row.
+            repeats: each sequence's repetition in the epoch (seeds the transform; None: 0).
 
         Returns:
-            The batch, rows padded to the longest (rounded up to ``pad_to_multiple_of``).
+            The batch, rows padded to the longest (rounded up to ``pad_to_multiple_of``),
+            transformed first when the dataset has a transform.
         """
         sample_ids = np.asarray(sample_ids)
-        width = int(self.options.padded(int(self._sample_lengths()[sample_ids].max())))
-        rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
-        got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
+        if self.transform is not None:  # flat, transformed, then padded to the longest result
+            got = self._gather(sample_ids, repeats=repeats)
+            width = int(self.options.padded(int(got.lengths.max())))
+            laid_out = False
+        else:
+            width = int(self.options.padded(int(self._sample_lengths()[sample_ids].max())))
+            rows = np.arange(0, len(sample_ids) * width, width, dtype=np.int64)
+            got = self._gather(sample_ids, layout=(rows, len(sample_ids) * width))  # padded rows
+            laid_out = True
         batch = pad_batch(
             got.tokens, got.lengths, sample_ids, self.pad_id, width, got.mask, self.ids_dtype,
-            laid_out=True,
+            laid_out=laid_out,
         )  # fmt: skip
         meta = {k: batch.pop(k) for k in ("sample_ids", "num_tokens")}
         return _to_batch(batch, meta)
@@ -1274,7 +1386,8 @@ class ShardDataset(IterableDataset):
             batch, meta = made
         else:
             ids, starts, taken, row_bounds = plan.packed_segments(index)
-            batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len)
+            repeats = plan.repeats_of(index) if self.transform is not None else None
+            batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len, repeats)
             meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         self._add_attention(batch)
         return _to_batch(batch, meta)
@@ -1311,8 +1424,17 @@ class ShardDataset(IterableDataset):
         taken: np.ndarray | None,
         row_bounds: np.ndarray,
         seq_len: int,
+        repeats: np.ndarray | None = None,
     ) -> dict[str, Any]:
         """A packed batch on the numpy path: gathered, then laid out by collate.py."""
+        if self.transform is not None and taken is not None and self.options.growth:
+            return self._pack_grown_pieces(ids, starts, taken, row_bounds, seq_len, repeats)
+        if self.transform is not None:  # flat and transformed (lengths may change), then laid out
+            got = self._gather(ids, starts, taken, repeats=repeats)
+            return pack_batch(
+                got.tokens, got.lengths, ids, starts, row_bounds, seq_len, self.pad_id, got.mask,
+                self.ids_dtype,
+            )  # fmt: skip
         slots = (len(row_bounds) - 1) * seq_len
         every = self._sample_lengths() if self._pairs else self._all_lengths()
         lengths = every[ids] - starts if taken is None else taken
@@ -1330,6 +1452,38 @@ class ShardDataset(IterableDataset):
             got.mask,
             self.ids_dtype,
             laid_out,
+        )
+
+    def _pack_grown_pieces(
+        self,
+        ids: np.ndarray,
+        starts: np.ndarray,
+        taken: np.ndarray,
+        row_bounds: np.ndarray,
+        seq_len: int,
+        repeats: np.ndarray | None,
+    ) -> dict[str, Any]:
+        """Concat pieces of documents that a transform may lengthen, laid out in rows.
+
+        The plan cut each document as ``length + growth`` tokens, so a piece is read from the
+        whole transformed document (seeded at start 0: every piece of it sees the same one),
+        padded to that length with pad tokens that carry no loss.
+        """
+        got = self._gather(ids, None, None, repeats=repeats)  # whole documents, transformed
+        ends = got.lengths  # (at most the stored length + growth: checked)
+        taken = np.asarray(taken, dtype=np.int64)
+        first = np.cumsum(taken) - taken
+        # each slot's place in its document as planned, and whether the transform filled it
+        pos = np.repeat(np.asarray(starts, dtype=np.int64) - first, taken)
+        pos += np.arange(int(taken.sum()), dtype=np.int64)
+        real = pos < np.repeat(ends, taken)
+        src = np.repeat(got.offsets[:-1], taken) + np.minimum(pos, np.repeat(ends - 1, taken))
+        src = np.maximum(src, 0)  # (an empty batch)
+        source = got.tokens[src] if len(got.tokens) else np.zeros(len(src), got.tokens.dtype)
+        tokens = np.where(real, source, self.pad_id).astype(got.tokens.dtype, copy=False)
+        mask = real if got.mask is None else real & got.mask[src]
+        return pack_batch(
+            tokens, taken, ids, starts, row_bounds, seq_len, self.pad_id, mask, self.ids_dtype
         )
 
 

@@ -485,6 +485,27 @@ def mixture_documents(
     return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
 
+def document_uses(
+    chosen: np.ndarray, index: MixtureIndex, sizes: np.ndarray | None = None
+) -> np.ndarray | None:
+    """Which use of its document in the epoch each of ``mixture_documents``' ids is (int64).
+
+    A source's ids there are whole passes in id order over the ``n`` documents it gives
+    (``sizes[s]``: its side of a split; default all of it), then a window that holds no
+    document twice: its ``i``-th id is use ``i // n``. None when no source repeats. A function
+    of the epoch's ids alone: the same for any world size, workers or resume point.
+    """
+    chosen = np.asarray(chosen, dtype=np.int64)
+    sizes = np.diff(index.offsets) if sizes is None else np.asarray(sizes, dtype=np.int64)
+    source, _ = index.locate(chosen)
+    taken = np.bincount(source, minlength=len(sizes))
+    if (taken <= sizes).all():
+        return None
+    first = np.zeros(len(sizes), dtype=np.int64)  # each source's first place in ``chosen``
+    np.cumsum(taken[:-1], out=first[1:])
+    return (np.arange(len(chosen), dtype=np.int64) - first[source]) // np.maximum(sizes, 1)[source]
+
+
 def mixture_epoch_plan(
     lengths: np.ndarray,
     buckets: np.ndarray,
@@ -492,15 +513,23 @@ def mixture_epoch_plan(
     options: PlanOptions,
     seed: int,
     epoch: int,
+    index: MixtureIndex | None = None,
+    sizes: np.ndarray | None = None,
 ) -> EpochPlan:
-    """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back."""
+    """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back.
+
+    With the mixture's ``index`` (and ``sizes``, as for ``document_uses``), the plan records
+    each segment's use of its document (``EpochPlan.repeats``).
+    """
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
+    repeats = None if index is None else document_uses(chosen, index, sizes)
     return EpochPlan(
         plan.batch_offsets,
         chosen[plan.sample_ids],
         plan.row_offsets,
         plan.seg_starts,
         plan.seg_lengths,
+        None if repeats is None else repeats[plan.sample_ids],
     )
 
 
@@ -564,7 +593,10 @@ class Mixture:
         try:
             chosen = self.documents(lengths, seed, epoch, progress.source_done, counted)
             progress.batches_started()
-            plan = mixture_epoch_plan(lengths, buckets, chosen, options, seed, epoch)
+            sizes = None if self.rows is None else [len(r) for r in self.rows]
+            plan = mixture_epoch_plan(
+                lengths, buckets, chosen, options, seed, epoch, self.index, sizes
+            )
             progress.batches_done()
         finally:
             progress.close()

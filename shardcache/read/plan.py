@@ -54,6 +54,11 @@ class PlanOptions:
             ``0``: one global plan over the whole cache, every rank reading from all shards.
         shuffle_block: rows a stream shuffles together: larger mixes more, and a rank plans,
             holds and fetches that many rows of each of its streams at a time.
+        growth: tokens reserved for every sequence to grow by at read time: each is planned
+            as ``length + growth`` tokens (with ``packing="concat"``, a document of that
+            length is cut into the rows), so no batch exceeds ``max_tokens`` once a read-time
+            transform lengthened it. ``ShardDataset`` raises it to its transform's
+            ``max_growth``.
 
     Raises:
         ConfigError: a field out of range or not valid in its mode (the message names it).
@@ -69,9 +74,11 @@ class PlanOptions:
     tail: str = "drop"
     streams: int | None = None
     shuffle_block: int = DEFAULT_SHUFFLE_BLOCK
+    growth: int = 0
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
+        check_int("growth", self.growth, 0)
         if self.streams is not None:
             check_int("streams", self.streams, 0, MAX_STREAMS)
         check_int("shuffle_block", self.shuffle_block, 1)
@@ -163,6 +170,8 @@ class EpochPlan:
         row_offsets: int64, one per row plus one, into segments; None: one segment per row.
         seg_starts: int64, each segment's first token in its sequence (None: 0).
         seg_lengths: int64, tokens each segment takes (None: the whole sequence).
+        repeats: int64, which use of its sequence in the epoch each segment is (0 for the
+            first; a mixture's upsampled source uses a document more than once), None: all 0.
     """
 
     batch_offsets: np.ndarray
@@ -170,6 +179,7 @@ class EpochPlan:
     row_offsets: np.ndarray | None = None
     seg_starts: np.ndarray | None = None
     seg_lengths: np.ndarray | None = None
+    repeats: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.batch_offsets) - 1
@@ -195,6 +205,20 @@ class EpochPlan:
             ``(sample_ids, starts, lengths)``; ``lengths`` is None when all are whole sequences.
         """
         return self.packed_segments(index)[:3]
+
+    def repeats_of(self, index: int) -> np.ndarray:
+        """Which use of its sequence in the epoch each segment of one batch is (int64, from 0).
+
+        Args:
+            index: the global batch.
+
+        Returns:
+            One per segment.
+        """
+        lo, hi = int(self.batch_offsets[index]), int(self.batch_offsets[index + 1])
+        if self.repeats is None:
+            return np.zeros(hi - lo, dtype=np.int64)
+        return self.repeats[lo:hi]
 
     def row_bounds(self, index: int) -> np.ndarray:
         """Where the rows of one batch begin.
@@ -292,6 +316,8 @@ def plan_sequences(
 ) -> EpochPlan:
     """The batches of some sequences (int64 lengths, at least one) shuffled by ``rng``."""
     planner = _PLANNERS[options.mode if options.mode == "pad" else options.packing]
+    if options.growth:  # room for a read-time transform to lengthen every sequence
+        lengths = lengths + options.growth
     return planner(lengths, buckets, options, rng)
 
 
@@ -300,10 +326,12 @@ def _plan_pad(
 ) -> EpochPlan:
     longest = int(options.padded(int(lengths.max())))
     if longest > options.max_tokens:
+        grown = f", {options.growth} of them reserved for a transform" if options.growth else ""
         raise ConfigError(
             f"max_tokens: {options.max_tokens} is smaller than the longest sequence "
-            f"({int(lengths.max())} tokens, {longest} padded); raise max_tokens to at least "
-            f"{longest} or rebuild the cache with --max-length {options.max_tokens}"
+            f"({int(lengths.max())} tokens{grown}, {longest} padded); raise max_tokens to at "
+            f"least {longest} or rebuild the cache with --max-length "
+            f"{options.max_tokens - options.growth}"
         )
     n = len(lengths)
     # 1. per bucket, a (shuffled) order; windows of window_size consecutive ids of a bucket
@@ -360,11 +388,16 @@ def _plan_best_fit(
 ) -> EpochPlan:
     seq_len = int(options.seq_len or 0)
     if int(lengths.max()) > seq_len:
+        grown, other = ", {} of them reserved for a transform", "use packing='concat', "
+        if options.growth:
+            grown, other = grown.format(options.growth), ""
+        else:
+            grown = ""
         raise ConfigError(
             f"seq_len: {seq_len} is smaller than the longest sequence ({int(lengths.max())} "
-            f"tokens) and packing='best_fit' never splits a sequence; use packing='concat', "
-            f"raise seq_len to at least {int(lengths.max())}, or rebuild the cache with "
-            f"--max-length {seq_len}"
+            f"tokens{grown}) and packing='best_fit' never splits a sequence; {other}raise "
+            f"seq_len to at least {int(lengths.max())}, or rebuild the cache with --max-length "
+            f"{seq_len - options.growth}"
         )
     n = len(lengths)
     order = _pack_order(n, rng)

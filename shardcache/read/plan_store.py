@@ -25,7 +25,7 @@ from shardcache.store.files import (
     write_npy_atomic,
 )
 
-PLAN_FILE_VERSION = 2
+PLAN_FILE_VERSION = 3
 #: In a stored plan's folder: array file name -> its sha256.
 DIGESTS_FILE = "sha256.json"
 PLANS_DIR = "plans"
@@ -33,7 +33,14 @@ PLANS_DIR = "plans"
 SHARE_MIN_SEQUENCES = 200_000
 #: Plans kept in the folder (a few epochs of a few option sets).
 KEEP_PLANS = 8
-_FIELDS = ("batch_offsets", "sample_ids", "row_offsets", "seg_starts", "seg_lengths")
+_FIELDS = (
+    "batch_offsets",
+    "sample_ids",
+    "row_offsets",
+    "seg_starts",
+    "seg_lengths",
+    "repeats",
+)
 
 
 def plan_digest(data_identity: str, options_json: str, seed: int, epoch: int) -> str:

@@ -101,6 +101,17 @@ class StreamLayout:
 
     def block_ids(self, stream: int, block: int) -> tuple[np.ndarray, np.ndarray]:
         """The sample ids (ascending) and buckets of one block."""
+        ids, buckets, _ = self.block_rows_of(stream, block)
+        return ids, buckets
+
+    def block_rows_of(
+        self, stream: int, block: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
+        """``block_ids`` and each id's repetition (None: every id used once).
+
+        A mixture's repeated document is adjacent rows of ``ShardIndex.rows`` (sorted): the
+        k-th of them is repetition k, wherever the block and stream boundaries fall.
+        """
         first, last = self.block_rows(stream, block)
         p0 = int(np.searchsorted(self.row_cum, first, side="right")) - 1
         p1 = int(np.searchsorted(self.row_cum, last, side="left"))
@@ -118,7 +129,16 @@ class StreamLayout:
         else:
             buckets = np.asarray(self.index.sample_buckets[ids])
         order = np.argsort(ids, kind="stable")
-        return ids[order], buckets[order]
+        repeats = None
+        if self.index.rows is not None and len(ids):
+            # (a row equal to the one before it is a repeat; only then the search)
+            again = (rows > 0) & (ids == self.index.rows[np.maximum(rows - 1, 0)])
+            if again.any():
+                repeats = np.zeros(len(ids), dtype=np.int64)
+                first = np.searchsorted(self.index.rows, ids[again], side="left")
+                repeats[again] = rows[again] - first
+                repeats = repeats[order]
+        return ids[order], buckets[order], repeats
 
     def block_tokens(self, stream: int, block: int) -> int:
         """The tokens of one block, reading lengths only of the shards it takes in part."""
@@ -150,7 +170,7 @@ class StreamLayout:
 
 def plan_block(layout: StreamLayout, options: PlanOptions, stream: int, block: int) -> EpochPlan:
     """One block's batches, its sample ids global; one stream of one block is ``plan_epoch``."""
-    ids, buckets = layout.block_ids(stream, block)
+    ids, buckets, repeats = layout.block_rows_of(stream, block)
     if len(ids) == 0:
         return EpochPlan(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
     rng = None
@@ -162,7 +182,7 @@ def plan_block(layout: StreamLayout, options: PlanOptions, stream: int, block: i
     plan = plan_sequences(lengths, buckets, options, rng)
     return EpochPlan(
         plan.batch_offsets, ids[plan.sample_ids], plan.row_offsets, plan.seg_starts,
-        plan.seg_lengths,
+        plan.seg_lengths, None if repeats is None else repeats[plan.sample_ids],
     )  # fmt: skip
 
 
@@ -184,9 +204,13 @@ def count_batches(
             rows = -(-tokens // seq_len)
             return -(-rows // rows_per_batch)
 
+        def block_total(s: int, b: int) -> int:  # (each document planned ``growth`` longer)
+            first, last = layout.block_rows(s, b)
+            return layout.block_tokens(s, b) + options.growth * (last - first)
+
         return {
             s: np.array(
-                [concat_batches(layout.block_tokens(s, b)) for b in range(int(layout.blocks[s]))],
+                [concat_batches(block_total(s, b)) for b in range(int(layout.blocks[s]))],
                 dtype=np.int64,
             )
             for s in chosen
@@ -326,6 +350,11 @@ class StreamPlan:
         """Where the rows of one global batch begin (as ``EpochPlan.row_bounds``)."""
         plan, local = self.locate(index)
         return plan.row_bounds(local)
+
+    def repeats_of(self, index: int) -> np.ndarray:
+        """Each segment's repetition in one global batch (as ``EpochPlan.repeats_of``)."""
+        plan, local = self.locate(index)
+        return plan.repeats_of(local)
 
     def packed_segments(
         self, index: int

@@ -250,3 +250,19 @@ def test_a_large_mixture_epoch_shows_its_planning_on_a_terminal(monkeypatch, ter
         assert "3/3" in shown
     else:
         assert shown == ""
+
+
+def test_document_uses_numbers_each_copy_of_a_document():
+    from shardcache.read.mixture import document_uses, epoch_documents
+
+    index = MixtureIndex.of([3, 2])
+    chosen = np.array([0, 1, 2, 0, 1, 2, 1, 3, 4])  # source 0: two passes and a window
+    assert document_uses(chosen, index).tolist() == [0, 0, 0, 1, 1, 1, 2, 0, 0]
+    assert document_uses(np.array([2, 0, 4]), index) is None  # nothing repeats
+    # what epoch_documents gives: every (document, use) once, for any epoch
+    lengths = np.arange(1, 8, dtype=np.int64)
+    for epoch in range(4):
+        docs = epoch_documents(lengths, int(lengths.sum() * 2.6), 0, 5, epoch)
+        uses = document_uses(docs, MixtureIndex.of([7]))
+        pairs = list(zip(docs.tolist(), uses.tolist()))
+        assert len(set(pairs)) == len(pairs) and max(uses) == 2

@@ -223,9 +223,14 @@ def test_a_transformed_stream_resumes_at_another_world_size(caches):
     assert rest
 
 
-def test_a_transform_must_keep_the_length(caches):
-    ds = ShardDataset(caches[0], 256, transform=lambda ids, mask, rng: (ids[:-1], mask))
-    with pytest.raises(ConfigError, match="keep the length"):
+def test_a_transform_may_shorten_but_not_grow_past_its_declared_growth(caches):
+    shorter = ShardDataset(caches[0], 256, transform=lambda ids, mask, rng: (ids[:1], mask))
+    assert int(next(iter(shorter))["attention_mask"].sum(dim=1).max()) == 1
+    ds = ShardDataset(caches[0], 256, transform=lambda ids, mask, rng: (ids[:0], mask))
+    with pytest.raises(ConfigError, match=r"of \d+ tokens, but it declared max_growth=0"):
+        next(iter(ds))
+    ds = ShardDataset(caches[0], 256, transform=lambda ids, mask, rng: (np.r_[ids, ids], mask))
+    with pytest.raises(ConfigError, match=r"declared max_growth=0.*1 to \d+ tokens"):
         next(iter(ds))
 
 
