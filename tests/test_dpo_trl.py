@@ -80,8 +80,14 @@ def pairs(request, tmp_path_factory) -> tuple[list[dict[str, Any]], str, str, st
     records = make_pairs(14, seed=3) if shape == "strings" else make_chat_pairs(14, seed=3)
     path = write_records(str(folder / "pairs.jsonl"), records, "jsonl")
     out = str(folder / "cache")
-    values = {"input": path, "tokenizer": tokenizer, "output": out, "workers": 1,
-              "kind": "preference", "buckets": "24", "append_eos": shape == "strings"}  # fmt: skip
+    values = {
+        "input": path,
+        "tokenizer": tokenizer,
+        "output": out,
+        "workers": 1,
+        "kind": "preference",
+        "buckets": "24",
+    }  # the defaults: as TRL, EOS on strings only
     build_cache(build_options_from_mapping(values))
     return records, tokenizer, out, arch
 

@@ -6,7 +6,8 @@ side holds the prompt and its completion; only the completion carries a loss. St
 prompt and the completion are tokenized apart and joined (BOS as the tokenizer adds it, EOS
 appended to the completion under ``append_eos``), as TRL tokenizes them. Message lists: the
 prompt plus the completion rendered with the chat template, the completion's assistant turns
-trainable (``ChatRenderer`` spans). Over ``max_length`` / ``max_prompt_length`` a pair is
+trainable (``ChatRenderer`` spans), ending as the template ends the turn: no EOS is appended (as
+for chat data, and as TRL's DPOTrainer does). Over ``max_length`` / ``max_prompt_length`` a pair is
 dropped whole, or with ``truncation = "truncate"`` both sides are cut alike: each prompt to its
 last ``max_prompt_length`` tokens, each side then to ``max_length`` (the completion's budget).
 """
@@ -74,6 +75,7 @@ class PairSample:
     sides: list[tuple[np.ndarray, np.ndarray]] | None = None
     error: str | None = None
     straddle: int = 0
+    chat: bool = False  # message lists: the template ends the turn, no EOS appended
 
 
 class PreferenceEncoder(ChatEncoder):
@@ -109,7 +111,7 @@ class PreferenceEncoder(ChatEncoder):
             "implicit_prompt": "messages: the longest common prefix of whole messages, before "
             "an assistant turn; strings: the longest common character prefix, a space before "
             "the first difference going to the completions",
-            "append_eos": self.text.options.append_eos,
+            "append_eos": {"strings": self.text.options.append_eos, "messages": False},
         }
 
     def probe_chat(self) -> str:
@@ -182,7 +184,7 @@ class PreferenceEncoder(ChatEncoder):
                 samples.append(PairSample(error=error))
                 continue
             samples.append(PairSample(sides=[chosen[:2], rejected[:2]],
-                                      straddle=chosen[2] + rejected[2]))  # fmt: skip
+                                      straddle=chosen[2] + rejected[2], chat=True))  # fmt: skip
         return samples
 
     def finish(self, samples: list[PairSample], stats: Any) -> Encoded:
@@ -202,7 +204,7 @@ class PreferenceEncoder(ChatEncoder):
             self.lint.boundary_tokens += sample.straddle
             sides = []
             for ids, mask in sample.sides:
-                if append and (len(ids) == 0 or ids[-1] != self.eos_id):
+                if append and not sample.chat and (len(ids) == 0 or ids[-1] != self.eos_id):
                     ids, mask = np.append(ids, self.eos_id), np.append(mask, True)
                 sides.append((ids, mask))
             total = sum(len(ids) for ids, _ in sides)

@@ -83,11 +83,12 @@ def test_chat_pairs_train_only_the_completion(tmp_path, build_cache, chatml_toke
         side = ("chosen", "rejected")[seq.provenance.piece]
         full = renderer.render_texts([record["prompt"] + record[side]])[0]
         start = len(renderer.render_texts([record["prompt"]])[0]) if record["prompt"] else 0
-        assert seq.ids.tolist()[:-1] == backend.encode(full, add_special_tokens=False).ids
+        # the template ends the turn: no EOS appended to message lists (as chat data, and TRL)
+        assert seq.ids.tolist() == backend.encode(full, add_special_tokens=False).ids
         trained = seq.ids[seq.mask].tolist()
         # the completion's content and end of turn are trained, nothing of the prompt
         completion = full[start:]
-        assert backend.decode(trained[:-1], skip_special_tokens=False).strip() in completion
+        assert backend.decode(trained, skip_special_tokens=False).strip() in completion
         assert not seq.mask[: len(backend.encode(full[:start], add_special_tokens=False).ids)].any()
 
 

@@ -106,7 +106,9 @@ def test_trainable_tokens_are_the_completion_ids_for_every_pair(append_eos, tmp_
     cache = open_cache(build_cache(path, qwen2_style_dir, kind="preference",
                                    append_eos=append_eos))  # fmt: skip
     hf = AutoTokenizer.from_pretrained(qwen2_style_dir)
-    eos = [hf.convert_tokens_to_ids("<|im_end|>")] if append_eos else []
+    # message lists end as the template ends the turn: no EOS appended whatever append_eos
+    # (which applies to string pairs), as for chat data and TRL's DPOTrainer
+    eos: list[int] = []
     seqs = sorted(cache.iter_sequences(), key=lambda s: s.sample_id)
     assert len(seqs) == 2 * len(records)  # every pair kept: 100% of them checked below
     for seq in seqs:
@@ -119,7 +121,6 @@ def test_trainable_tokens_are_the_completion_ids_for_every_pair(append_eos, tmp_
         prompt_text = hf.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
         full = hf.apply_chat_template(prompt + completion, tokenize=False)
         assert full.startswith(prompt_text)
-        # EOS is appended to the completion (the default for pairs, as TRL's DPOTrainer does)
         want = [*hf(full[len(prompt_text) :], add_special_tokens=False)["input_ids"], *eos]
         assert seq.ids[seq.mask].tolist() == want
         assert seq.ids.tolist() == [*hf(full, add_special_tokens=False)["input_ids"], *eos]
@@ -141,7 +142,6 @@ def test_truncated_pairs_train_on_the_kept_completion_ids(tmp_path, build_cache,
     limits = {"truncation": "truncate", "max_prompt_length": 24, "max_length": 40}
     cache = open_cache(build_cache(path, qwen2_style_dir, kind="preference", **limits))
     hf = AutoTokenizer.from_pretrained(qwen2_style_dir)
-    eos = hf.convert_tokens_to_ids("<|im_end|>")
     seqs = list(cache.iter_sequences())
     assert len(seqs) == 2 * len(records)
     cut = 0
@@ -152,7 +152,7 @@ def test_truncated_pairs_train_on_the_kept_completion_ids(tmp_path, build_cache,
                                              add_generation_prompt=True)  # fmt: skip
         full = hf.apply_chat_template(record["prompt"] + completion, tokenize=False)
         prompt = hf(prompt_text, add_special_tokens=False)["input_ids"][-24:]
-        ids = [*hf(full[len(prompt_text) :], add_special_tokens=False)["input_ids"], eos]
+        ids = hf(full[len(prompt_text) :], add_special_tokens=False)["input_ids"]
         kept = ids[: 40 - len(prompt)]
         assert seq.ids.tolist() == prompt + kept
         assert seq.ids[seq.mask].tolist() == kept
