@@ -288,3 +288,9 @@ def test_a_bad_schedule_in_a_recipe_exits_2_and_says_why(caches, extra, match):
     result = CliRunner().invoke(main, ["mix", _recipe(caches, extra)])
     assert result.exit_code == 2, result.output
     assert re.search(match, result.output), result.output
+
+
+def test_the_bundled_schedule_recipe_parses():
+    recipe = load_mixture_recipe(os.path.join(ROOT, "recipes", "mixture_schedule.toml"))
+    assert recipe.schedule is not None and len(recipe.schedule.points) == 2
+    assert recipe.dataset_options()["schedule"] is recipe.schedule

@@ -210,6 +210,7 @@ class ScheduleTable:
         window_tokens: the tokens of a full window.
         exhausted: per source label, the token position where its passes reach 1 (None: never).
         binding: the source whose cap ends the run (None: ``total_tokens`` given).
+        phase_windows: per phase, its first window and the window after its last (epochs).
     """
 
     phases: tuple[tuple[int, int, tuple[PhaseRow, ...]], ...]
@@ -218,6 +219,24 @@ class ScheduleTable:
     window_tokens: int
     exhausted: dict[str, int | None] = field(default_factory=dict)
     binding: str | None = None
+    phase_windows: tuple[tuple[int, int], ...] = ()
+
+    def phase_of(self, epoch: int) -> int:
+        """The phase that window (epoch) ``epoch`` belongs to.
+
+        Args:
+            epoch: a window of the run.
+
+        Returns:
+            The index into ``phases``.
+
+        Raises:
+            ConfigError: ``epoch`` is not a window of the run.
+        """
+        for p, (first, after) in enumerate(self.phase_windows):
+            if first <= epoch < after:
+                return p
+        raise ConfigError(f"epoch {epoch}: the run has {self.windows} windows (epochs)")
 
     def to_json(self) -> dict[str, Any]:
         """The table as a JSON-able dict.
@@ -233,8 +252,13 @@ class ScheduleTable:
             "binding": self.binding,
             "exhausted": dict(self.exhausted),
             "phases": [
-                {"start": a, "end": b, "sources": [dict(r.__dict__) for r in rows]}
-                for a, b, rows in self.phases
+                {
+                    "start": a,
+                    "end": b,
+                    "windows": list(w),
+                    "sources": [dict(r.__dict__) for r in rows],
+                }
+                for (a, b, rows), w in zip(self.phases, self.phase_windows)
             ],
         }
 
@@ -356,7 +380,7 @@ class ScheduleLayout:
         bounds = [p.at_tokens for p in points if p.at_tokens < end] + [end]
         phase_of = np.searchsorted(np.asarray(bounds[1:], dtype=np.int64), self.starts, "right")
         totals = np.asarray(self.tokens, dtype=np.float64)
-        phases = []
+        phases, windows = [], []
         for p in range(len(bounds) - 1):
             sel = np.flatnonzero(phase_of == p)
             lo, hi = (int(sel[0]), int(sel[-1]) + 1) if len(sel) else (0, 0)
@@ -372,6 +396,7 @@ class ScheduleLayout:
                 for s, name in enumerate(self.labels)
             )
             phases.append((bounds[p], bounds[p + 1], rows))
+            windows.append((lo, hi))
         exhausted: dict[str, int | None] = {}
         for s, name in enumerate(self.labels):
             w = int(np.searchsorted(self.cum[:, s], self.tokens[s], side="left"))
@@ -382,7 +407,13 @@ class ScheduleLayout:
             inside = (self.tokens[s] - int(self.cum[w, s])) / max(float(self.shares[w, s]), 1e-300)
             exhausted[name] = int(self.starts[w]) + min(round(inside), int(self.sizes[w]))
         return ScheduleTable(
-            tuple(phases), end, self.windows, int(self.sizes.max()), exhausted, self.binding
+            tuple(phases),
+            end,
+            self.windows,
+            int(self.sizes.max()),
+            exhausted,
+            self.binding,
+            tuple(windows),
         )
 
 

@@ -202,3 +202,31 @@ def test_schedule_refusals(caches):
         ShardDataset(_sources(caches), 256, schedule=_schedule(), tokens_per_epoch=100)
     with pytest.raises(ConfigError, match="one cache has no weights"):
         ShardDataset(caches["web"], 256, schedule=_schedule())
+
+
+def test_a_linear_schedule_gives_every_window_of_a_ramp_its_share_within_one_percent():
+    rng = np.random.default_rng(3)
+    lengths = [rng.integers(1, 40, size=n) for n in (40_000, 30_000)]  # ~800k and ~600k tokens
+    tokens = [int(x.sum()) for x in lengths]
+    sources = (Source("a", name="a", max_repetitions=3), Source("b", name="b", max_repetitions=3))
+    ramp = 1_000_000
+    schedule = Schedule(
+        [{"at_tokens": 0, "weights": {"a": 1.0}}, {"at_tokens": ramp, "weights": {"b": 1.0}}],
+        kind="linear",
+        window_tokens=50_000,
+        total_tokens=ramp + 100_000,
+    )
+    layout = resolve_schedule(schedule, sources, tokens)
+    in_ramp = layout.starts < ramp
+    assert layout.sizes[in_ramp].max() <= ramp // 100  # windows of 1% of the ramp
+    assert layout.sizes[~in_ramp].tolist() == [50_000, 50_000]
+    for w in range(layout.windows):
+        begin, end = layout.window_targets(w)
+        got = [
+            int(x[window_documents(x, int(begin[s]), int(end[s]), 0, s)].sum())
+            for s, x in enumerate(lengths)
+        ]
+        a, b = int(layout.starts[w]), int(layout.starts[w] + layout.sizes[w])
+        # the exact share of "b": the mean of the ramp over the window (1 after it)
+        want_b = (min(max((a + b) / 2, 0), ramp) / ramp) if b <= ramp else 1.0
+        assert abs(got[1] / sum(got) - want_b) <= 0.01, f"window {w} [{a}, {b})"
