@@ -393,7 +393,10 @@ class ShardDataset(IterableDataset):
 
     @property
     def mixture(self) -> MixtureTable | None:
-        """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None."""
+        """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None.
+
+        With a schedule its documents and tokens hold, its weights are not used (``schedule``).
+        """
         return None if self._mixture is None else self._mixture.table
 
     @property

@@ -230,3 +230,16 @@ def test_a_linear_schedule_gives_every_window_of_a_ramp_its_share_within_one_per
         # the exact share of "b": the mean of the ramp over the window (1 after it)
         want_b = (min(max((a + b) / 2, 0), ramp) / ramp) if b <= ramp else 1.0
         assert abs(got[1] / sum(got) - want_b) <= 0.01, f"window {w} [{a}, {b})"
+
+
+def test_a_scheduled_mixture_of_a_split_reads_only_that_side(caches):
+    from shardcache import Split
+
+    splits = Split(validation=0.2)
+    ds = ShardDataset(
+        _sources(caches), 256, seed=4, schedule=_schedule(), split="train", splits=splits
+    )
+    held = ShardDataset(_sources(caches), 256, split="validation", splits=splits, eval=True)
+    valid = {seg[:2] for b in held for seg in _segments(b)}
+    read = {seg[:2] for e in range(ds.epochs) for seg in _uses(ds, e)}
+    assert valid and read and not read & valid
