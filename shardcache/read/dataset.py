@@ -363,6 +363,8 @@ class ShardDataset(IterableDataset):
         self._counts: dict[int, dict[int, np.ndarray]] = {}
         self._counting: threading.Thread | None = None  # the next epoch's, in the background
         self._passes = 0  # passes started by this process (for fetched_over_share)
+        #: a scheduled mixture's tokens per source this process read, by epoch (window)
+        self._delivered: dict[int, np.ndarray] = {}
         self.cache_bytes = sum(
             int(info["bytes"])
             for c in (cache.caches if isinstance(cache, MixedCache) else [cache])
@@ -1141,6 +1143,8 @@ class ShardDataset(IterableDataset):
                 fetched = time.perf_counter()
                 self._gather_s = 0.0
                 batch = self.collate_batch(plan, int(mine[position]))
+                if self._layout is not None:
+                    self._count_delivered(plan, int(mine[position]))
                 if self.time_stages:
                     built = time.perf_counter() - fetched
                     batch["meta"]["stage_s"] = {
@@ -1175,6 +1179,39 @@ class ShardDataset(IterableDataset):
         else:
             self._consumed = start + self.world_size * len(mine)
 
+    def _count_delivered(self, plan: EpochPlan | StreamPlan, index: int) -> None:
+        """Add a global batch's tokens per source to this epoch's (a scheduled mixture's stats)."""
+        assert self._mixture is not None
+        ids, _, pieces = plan.segments(index)
+        ids = np.asarray(ids, dtype=np.int64)
+        real = ids >= 0
+        tokens = self._counted_lengths()[ids[real]] if pieces is None else pieces[real]
+        source, _ = self._mixture.index.locate(ids[real])
+        counts = np.bincount(
+            source,
+            weights=np.asarray(tokens, dtype=np.float64),
+            minlength=len(self._mixture.sources),
+        )
+        seen = self._delivered.setdefault(self.epoch, np.zeros(len(counts), dtype=np.int64))
+        seen += counts.astype(np.int64)
+
+    def _schedule_stats(self) -> dict[str, Any]:
+        """What this process delivered per source against the schedule's shares."""
+        layout = self._layout
+        assert layout is not None
+        delivered = np.zeros(len(layout.labels), dtype=np.int64)
+        expected = np.zeros(len(layout.labels), dtype=np.float64)
+        for epoch, counts in self._delivered.items():
+            delivered += counts
+            expected += layout.shares[epoch] * float(counts.sum())
+        total = max(int(delivered.sum()), 1)
+        return {
+            "epochs": sorted(self._delivered),
+            "delivered_tokens": dict(zip(layout.labels, delivered.tolist())),
+            "delivered_shares": dict(zip(layout.labels, (delivered / total).tolist())),
+            "scheduled_shares": dict(zip(layout.labels, (expected / total).tolist())),
+        }
+
     def stats(self) -> dict[str, Any]:
         """What reading from object storage cost this process, all passes (zeros for a local cache).
 
@@ -1184,7 +1221,10 @@ class ShardDataset(IterableDataset):
             batches), ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
             ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own);
             ``share_bytes`` (the cache's bytes over the world size) and ``fetched_over_share``
-            (bytes fetched per epoch read, over that share: about 1 when reading locally).
+            (bytes fetched per epoch read, over that share: about 1 when reading locally);
+            with a schedule, ``schedule``: the epochs (windows) read, ``delivered_tokens`` and
+            ``delivered_shares`` per source, and ``scheduled_shares`` (the schedule's shares of
+            each window, weighted by the tokens read in it).
         """
         stats = self._stats.as_dict()
         share = self.cache_bytes / self.world_size
@@ -1192,6 +1232,8 @@ class ShardDataset(IterableDataset):
         passes = max(self._passes, 1)
         stats["share_bytes"] = share
         stats["fetched_over_share"] = fetched / passes / share if share else 0.0
+        if self._layout is not None:
+            stats["schedule"] = self._schedule_stats()
         return stats
 
     def _log_tail(self, split: EpochSplit) -> None:

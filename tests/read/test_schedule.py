@@ -103,6 +103,14 @@ def test_delivered_shares_per_phase_and_no_document_reused_before_its_source_is_
     for phase, want in enumerate(targets):
         for s in range(3):
             assert abs(phase_tokens[phase][s] - want[s]) <= longest, (phase, s)
+    stats = ds.stats()["schedule"]
+    assert stats["epochs"] == list(range(6))
+    totals = [phase_tokens[0][s] + phase_tokens[1][s] for s in range(3)]
+    assert list(stats["delivered_tokens"].values()) == totals
+    want = {"web": 5_300 / 11_000, "code": 3_300 / 11_000, "math": 2_400 / 11_000}
+    for name, share in stats["scheduled_shares"].items():
+        assert abs(share - want[name]) <= 0.02
+        assert abs(stats["delivered_shares"][name] - share) <= 0.03
     with pytest.raises(ConfigError, match="6 windows"):
         ds.set_epoch(6)
 
