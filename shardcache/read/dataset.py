@@ -1185,7 +1185,13 @@ class ShardDataset(IterableDataset):
         ids, _, pieces = plan.segments(index)
         ids = np.asarray(ids, dtype=np.int64)
         real = ids >= 0
-        tokens = self._counted_lengths()[ids[real]] if pieces is None else pieces[real]
+        if pieces is not None:
+            tokens = pieces[real]
+        elif self._pairs:  # a pair unit counts both of its sides
+            sides = self._sample_lengths()
+            tokens = sides[2 * ids[real]].astype(np.int64) + sides[2 * ids[real] + 1]
+        else:
+            tokens = self._all_lengths()[ids[real]]
         source, _ = self._mixture.index.locate(ids[real])
         counts = np.bincount(
             source,
