@@ -251,3 +251,24 @@ def test_a_scheduled_mixture_of_a_split_reads_only_that_side(caches):
     valid = {seg[:2] for b in held for seg in _segments(b)}
     read = {seg[:2] for e in range(ds.epochs) for seg in _uses(ds, e)}
     assert valid and read and not read & valid
+
+
+def test_a_run_stopped_at_a_phase_boundary_resumes_into_the_next_phase(caches):
+    make = _make(caches)
+    states = []
+    for rank in range(4):  # every rank reads the whole last window of the first phase
+        ds = make(rank, 4)
+        ds.set_epoch(2)
+        assert len(list(ds)) == ds.batches_per_rank()
+        states.append(json.loads(json.dumps(ds.state_dict())))
+    uninterrupted = []
+    for rank in range(3):
+        ds = make(rank, 3)
+        ds.set_epoch(3)
+        uninterrupted.append(_keys(ds))
+    for rank in range(3):
+        ds = make(rank, 3)
+        ds.load_state_dict(states[0])
+        assert _keys(ds) == []  # the window is spent
+        ds.set_epoch(3)
+        assert _keys(ds) == uninterrupted[rank]
