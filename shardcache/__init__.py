@@ -49,6 +49,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StallMonitor,
     )
     from shardcache.read.readahead import ReadAheadOptions
+    from shardcache.read.schedule import Schedule, SchedulePoint, ScheduleTable
     from shardcache.read.splits import Split
     from shardcache.read.trainer_callback import StallMonitorCallback
     from shardcache.read.transforms import FIM, SpanMask
@@ -91,6 +92,9 @@ _LAZY: dict[str, str] = {
     "PrefetchStats": "shardcache.read.prefetch",
     "Provenance": "shardcache.store.cache",
     "ReadAheadOptions": "shardcache.read.readahead",
+    "Schedule": "shardcache.read.schedule",
+    "SchedulePoint": "shardcache.read.schedule",
+    "ScheduleTable": "shardcache.read.schedule",
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
     "Source": "shardcache.read.mixture",
@@ -139,6 +143,9 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PrefetchStats",
     "Provenance",
     "ReadAheadOptions",
+    "Schedule",
+    "SchedulePoint",
+    "ScheduleTable",
     "ShardDataset",
     "ShardLoader",
     "ShardcacheError",

@@ -867,6 +867,9 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
     try:
         if per_source is None:
             table = mixed.table(loaded.tokens_per_epoch)
+            if loaded.schedule is not None:
+                click.echo(_schedule_text(loaded, table, as_json, {}))
+                return
             click.echo(json.dumps(table.to_json(), indent=1) if as_json else table.format())
             return
         assert side is not None
@@ -880,6 +883,9 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
         table = mixed.table(loaded.tokens_per_epoch, rows, side)
     finally:
         mixed.close()
+    if loaded.schedule is not None:
+        click.echo(_schedule_text(loaded, table, as_json, {"split": side, "splits": summaries}))
+        return
     if as_json:
         click.echo(json.dumps({**table.to_json(), "split": side, "splits": summaries}, indent=1))
         return
@@ -888,6 +894,34 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
         fractions = ", ".join(f"{k}={v}" for k, v in summary["split"].items())
         lines += [f"source {name} ({fractions}):", *format_split_summary(summary, "  ")]
     click.echo("\n".join(lines))
+
+
+def _schedule_text(loaded: Any, table: Any, as_json: bool, extra: dict[str, Any]) -> str:
+    """``mix`` of a scheduled recipe: the sources, then per phase each one's share and passes."""
+    from shardcache.read.schedule import resolve_schedule
+
+    layout = resolve_schedule(loaded.schedule, loaded.sources, [r.tokens for r in table.sources])
+    schedule = layout.table()
+    sources = [
+        {k: r.to_json()[k] for k in ("name", "path", "documents", "tokens", "max_repetitions")}
+        for r in table.sources
+    ]
+    if as_json:
+        return json.dumps({"sources": sources, "schedule": schedule.to_json(), **extra}, indent=1)
+    head = ("source", "documents", "tokens", "max")
+    cells = [
+        (r["name"], f"{r['documents']:,}", f"{r['tokens']:,}", f"{r['max_repetitions']:g}")
+        for r in sources
+    ]
+    widths = [max(len(c[k]) for c in (head, *cells)) for k in range(4)]
+    lines = [
+        "  ".join(x.ljust(w) if k == 0 else x.rjust(w) for k, (x, w) in enumerate(zip(c, widths)))
+        for c in (head, *cells)
+    ]
+    lines.append(schedule.format())
+    if "split" in extra:
+        lines.append(f"(the {extra['split']} side of every source's split)")
+    return "\n".join(lines)
 
 
 def _split_targets(targets: tuple[str, ...]) -> tuple[str | None, str | None]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import re
 
 import pytest
 from click.testing import CliRunner
@@ -240,3 +241,56 @@ def test_bad_splits_in_a_recipe_or_on_the_command_line_exit_2(caches, extra, arg
     result = CliRunner().invoke(main, ["mix", _recipe(caches, extra), *args])
     assert result.exit_code == 2, result.output
     assert match in result.output and "Traceback" not in result.output
+
+
+SCHEDULE = """\
+window_tokens = 250
+total_tokens = 1100
+[[schedule]]
+at_tokens = 0
+weights = {web = 0.9, the-code = 0.1}
+[[schedule]]
+at_tokens = 600
+weights = {web = 0.5, the-code = 0.5}
+"""
+
+
+def test_mix_prints_a_recipe_s_schedule_phase_by_phase_as_the_dataset_has_it(caches):
+    path = _recipe(caches, SCHEDULE)
+    recipe = load_mixture_recipe(path)
+    assert recipe.schedule is not None and recipe.schedule.window_tokens == 250
+    ds = ShardDataset(recipe.sources, **recipe.dataset_options())
+    assert ds.epochs == 5  # 0-250-500-600 | 600-850-1,100
+    result = CliRunner().invoke(main, ["mix", path, "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["schedule"] == ds.schedule.to_json()
+    phases = shown["schedule"]["phases"]
+    assert [(p["start"], p["end"]) for p in phases] == [(0, 600), (600, 1100)]
+    assert [s["tokens"] for s in phases[0]["sources"]] == [540, 60]
+    assert [s["tokens"] for s in phases[1]["sources"]] == [250, 250]
+    text = CliRunner().invoke(main, ["mix", path])
+    assert text.exit_code == 0, text.output
+    assert "phase 2: tokens 600 .. 1,100" in text.output
+    assert "run: 1,100 tokens in 5 windows" in text.output
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ("window_tokens = 10\n", "no \\[\\[schedule\\]\\] table"),
+        ("[[schedule]]\nat_tokens = 0\nweights = {nope = 1}\n", "'nope'"),
+        ("[[schedule]]\nat_tokens = 5\nweights = {web = 1}\n", "start at at_tokens=0"),
+        (SCHEDULE.replace("1100", "400000"), "source 'web'.*max_repetitions=1 bounds"),
+    ],
+)
+def test_a_bad_schedule_in_a_recipe_exits_2_and_says_why(caches, extra, match):
+    result = CliRunner().invoke(main, ["mix", _recipe(caches, extra)])
+    assert result.exit_code == 2, result.output
+    assert re.search(match, result.output), result.output
+
+
+def test_the_bundled_schedule_recipe_parses():
+    recipe = load_mixture_recipe(os.path.join(ROOT, "recipes", "mixture_schedule.toml"))
+    assert recipe.schedule is not None and len(recipe.schedule.points) == 2
+    assert recipe.dataset_options()["schedule"] is recipe.schedule

@@ -57,6 +57,14 @@ from shardcache.read.readahead import (
     cache_readahead,
     readahead_options,
 )
+from shardcache.read.schedule import (
+    Schedule,
+    ScheduleLayout,
+    ScheduleTable,
+    as_schedule,
+    resolve_schedule,
+    schedule_changes,
+)
 from shardcache.read.splits import Split, check_split_name, split_ids
 from shardcache.read.streams import (
     ShardIndex,
@@ -212,6 +220,10 @@ class ShardDataset(IterableDataset):
             attribute is False is refused on a chat cache, and one with a ``check_tokens``
             method is asked to refuse ids the cache's tokenizer lacks (FIM and SpanMask
             check their sentinels) when the dataset is built (docs/guide/transforms.md).
+        schedule: a mixture's weights over the run ([`Schedule`][shardcache.Schedule], or a
+            list of its points): epoch ``w`` is the schedule's window ``w`` (``ds.epochs`` of
+            them), each source reads its documents without reuse before all were used, and
+            ``max_repetitions`` bound a source over the whole run (docs/guide/mixtures.md).
         **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
@@ -244,6 +256,7 @@ class ShardDataset(IterableDataset):
         splits: Split | None = None,
         eval: bool = False,
         transform: Transform | None = None,
+        schedule: Schedule | list[Any] | None = None,
         **plan_options: Any,
     ) -> None:
         super().__init__()
@@ -300,6 +313,17 @@ class ShardDataset(IterableDataset):
         self._mixture: Mixture | None = None  # a mixture of caches (mixture.py), else None
         self._sources: tuple[Source, ...] | None = None
         self.remix = remix
+        schedule = as_schedule(schedule)
+        if schedule is not None and isinstance(path, (str, os.PathLike)):
+            raise ConfigError(
+                "schedule: applies to a mixture (a list of Source); one cache has no weights. "
+                "Drop schedule or pass [Source(path), ...]"
+            )
+        if schedule is not None and tokens_per_epoch is not None:
+            raise ConfigError(
+                f"tokens_per_epoch={tokens_per_epoch!r} with a schedule: a schedule's epochs are "
+                "its windows; give Schedule(window_tokens=...) instead"
+            )
         if isinstance(path, (str, os.PathLike)):
             if tokens_per_epoch is not None:
                 raise ConfigError(
@@ -350,11 +374,15 @@ class ShardDataset(IterableDataset):
                 index = MixtureIndex(cache.index.offsets // 2)
                 if rows is not None:
                     rows = tuple(_pair_units(c, r) for c, r in zip(cache.caches, rows))
+            layout = None
+            if schedule is not None and not self.eval:
+                layout = resolve_schedule(schedule, sources, [r.tokens for r in table.sources])
             self._mixture = Mixture(
-                sources, table, index, digests, tokens_per_epoch, rows, self.eval
+                sources, table, index, digests, tokens_per_epoch, rows, self.eval, layout
             )
             mixture_json = json.dumps(self._mixture.state(), sort_keys=True)
-            self.cache_digest = hashlib.sha256(mixture_json.encode()).hexdigest()
+            shape_json = json.dumps(self._mixture.shape(), sort_keys=True)  # (no schedule)
+            self.cache_digest = hashlib.sha256(shape_json.encode()).hexdigest()
             terms: tuple[Any, ...] = (mixture_json, table.tokens_per_epoch)
             if rows is not None or self.eval:  # other documents than the weighted whole caches
                 terms = (*terms, self._split_state(), self.eval)
@@ -388,6 +416,8 @@ class ShardDataset(IterableDataset):
         self._counts: dict[int, dict[int, np.ndarray]] = {}
         self._counting: threading.Thread | None = None  # the next epoch's, in the background
         self._passes = 0  # passes started by this process (for fetched_over_share)
+        #: a scheduled mixture's tokens per source this process read, by epoch (window)
+        self._delivered: dict[int, np.ndarray] = {}
         self.cache_bytes = sum(
             int(info["bytes"])
             for c in (cache.caches if isinstance(cache, MixedCache) else [cache])
@@ -418,8 +448,27 @@ class ShardDataset(IterableDataset):
 
     @property
     def mixture(self) -> MixtureTable | None:
-        """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None."""
+        """A mixture's per-source numbers ([`MixtureTable`][shardcache.MixtureTable]), or None.
+
+        With a schedule its documents and tokens hold, its weights are not used (``schedule``).
+        """
         return None if self._mixture is None else self._mixture.table
+
+    @property
+    def schedule(self) -> ScheduleTable | None:
+        """A scheduled mixture's phases ([`ScheduleTable`][shardcache.ScheduleTable]), or None."""
+        layout = self._layout
+        return None if layout is None else layout.table()
+
+    @property
+    def _layout(self) -> ScheduleLayout | None:
+        return None if self._mixture is None else self._mixture.schedule
+
+    @property
+    def epochs(self) -> int | None:
+        """A scheduled mixture's epochs (its windows: the run), or None (epochs never end)."""
+        layout = self._layout
+        return None if layout is None else layout.windows
 
     @property
     def rank(self) -> int:
@@ -554,6 +603,8 @@ class ShardDataset(IterableDataset):
         epoch = int(epoch)
         if epoch < 0:
             raise ConfigError(f"set_epoch: got {epoch}, expected an epoch >= 0")
+        if self._layout is not None:
+            self._layout.window_targets(epoch)  # (ConfigError past the run's end)
         if epoch != self.epoch:
             self.epoch = epoch
             self._start = self._consumed = 0
@@ -617,7 +668,7 @@ class ShardDataset(IterableDataset):
         if self._mixture is None:
             rows = len(self._all_lengths() if self._split_rows is None else self._split_rows)
         else:  # (the documents an epoch chooses, as the mixture's table expects them)
-            rows = sum(round(s.repetitions * s.documents) for s in self._mixture.table.sources)
+            rows = self._mixture.expected_documents()
         return rows <= self.options.shuffle_block
 
     def _plan_digest(self, epoch: int) -> str:
@@ -1010,7 +1061,7 @@ class ShardDataset(IterableDataset):
             return False
         changes = mixture_changes(state.get("mixture"), self._mixture.state())
         if not changes:
-            return False
+            return self._check_schedule_state(state)
         listed = "; ".join(changes)
         if not self.remix:
             raise StateError(
@@ -1024,6 +1075,52 @@ class ShardDataset(IterableDataset):
             f"global batch {state.get('consumed')} with the new mixture ({listed}); documents "
             "before and after that point may repeat or be skipped this epoch",
             stacklevel=3,
+        )
+        return True
+
+    def _check_schedule_state(self, state: dict[str, Any]) -> bool:
+        """Accept a schedule changed only after the state's window (warned); else as a remix."""
+        assert self._mixture is not None
+        recorded = state.get("mixture")
+        theirs = recorded.get("schedule") if isinstance(recorded, dict) else None
+        layout = self._layout
+        ours = None if layout is None else layout.schedule.to_json()
+        if theirs == ours:
+            return False
+        changes = schedule_changes(theirs, ours)
+        listed = "; ".join(changes)
+        epoch = state.get("epoch")
+        if layout is not None and theirs is not None and isinstance(epoch, int) and epoch >= 0:
+            try:
+                old = resolve_schedule(
+                    Schedule.from_json(theirs), self._mixture.sources, list(layout.tokens)
+                )
+            except ConfigError:
+                old = None
+            if old is not None and old.same_until(layout, epoch):
+                warnings.warn(
+                    f"ShardDataset({self.path!r}): the schedule changed after the state's "
+                    f"epoch {epoch} ({listed}); the windows read so far are the same, so the "
+                    "stream up to here is unchanged and the new schedule applies from the first "
+                    "window it changes",
+                    UserWarning,
+                    stacklevel=4,
+                )
+                return False
+        if not self.remix:
+            raise StateError(
+                f"reader state: the schedule changed at or before the state's epoch {epoch} "
+                f"({listed}); the windows already read would hold other documents, so the "
+                "position means another place in the data. Change only points after the "
+                "current window, construct the ShardDataset with the state's schedule "
+                "(state['mixture']['schedule']), or pass remix=True to continue from the same "
+                "epoch and batch with the new schedule"
+            )
+        warnings.warn(
+            f"ShardDataset({self.path!r}): remix=True: continuing epoch {epoch} at global batch "
+            f"{state.get('consumed')} with the new schedule ({listed}); documents before and "
+            "after that point may repeat or be skipped",
+            stacklevel=4,
         )
         return True
 
@@ -1106,6 +1203,8 @@ class ShardDataset(IterableDataset):
                 fetched = time.perf_counter()
                 self._gather_s = 0.0
                 batch = self.collate_batch(plan, int(mine[position]))
+                if self._layout is not None:
+                    self._count_delivered(plan, int(mine[position]))
                 if self.time_stages:
                     built = time.perf_counter() - fetched
                     batch["meta"]["stage_s"] = {
@@ -1140,6 +1239,45 @@ class ShardDataset(IterableDataset):
         else:
             self._consumed = start + self.world_size * len(mine)
 
+    def _count_delivered(self, plan: EpochPlan | StreamPlan, index: int) -> None:
+        """Add a global batch's tokens per source to this epoch's (a scheduled mixture's stats)."""
+        assert self._mixture is not None
+        ids, _, pieces = plan.segments(index)
+        ids = np.asarray(ids, dtype=np.int64)
+        real = ids >= 0
+        if pieces is not None:
+            tokens = pieces[real]
+        elif self._pairs:  # a pair unit counts both of its sides
+            sides = self._sample_lengths()
+            tokens = sides[2 * ids[real]].astype(np.int64) + sides[2 * ids[real] + 1]
+        else:
+            tokens = self._all_lengths()[ids[real]]
+        source, _ = self._mixture.index.locate(ids[real])
+        counts = np.bincount(
+            source,
+            weights=np.asarray(tokens, dtype=np.float64),
+            minlength=len(self._mixture.sources),
+        )
+        seen = self._delivered.setdefault(self.epoch, np.zeros(len(counts), dtype=np.int64))
+        seen += counts.astype(np.int64)
+
+    def _schedule_stats(self) -> dict[str, Any]:
+        """What this process delivered per source against the schedule's shares."""
+        layout = self._layout
+        assert layout is not None
+        delivered = np.zeros(len(layout.labels), dtype=np.int64)
+        expected = np.zeros(len(layout.labels), dtype=np.float64)
+        for epoch, counts in self._delivered.items():
+            delivered += counts
+            expected += layout.shares[epoch] * float(counts.sum())
+        total = max(int(delivered.sum()), 1)
+        return {
+            "epochs": sorted(self._delivered),
+            "delivered_tokens": dict(zip(layout.labels, delivered.tolist())),
+            "delivered_shares": dict(zip(layout.labels, (delivered / total).tolist())),
+            "scheduled_shares": dict(zip(layout.labels, (expected / total).tolist())),
+        }
+
     def stats(self) -> dict[str, Any]:
         """What reading from object storage cost this process, all passes (zeros for a local cache).
 
@@ -1149,7 +1287,10 @@ class ShardDataset(IterableDataset):
             batches), ``bytes_ahead`` / ``shards_ahead``, ``bytes_on_demand`` /
             ``shards_on_demand``, ``retried``, ``warned`` (each DataLoader worker its own);
             ``share_bytes`` (the cache's bytes over the world size) and ``fetched_over_share``
-            (bytes fetched per epoch read, over that share: about 1 when reading locally).
+            (bytes fetched per epoch read, over that share: about 1 when reading locally);
+            with a schedule, ``schedule``: the epochs (windows) read, ``delivered_tokens`` and
+            ``delivered_shares`` per source, and ``scheduled_shares`` (the schedule's shares of
+            each window, weighted by the tokens read in it).
         """
         stats = self._stats.as_dict()
         share = self.cache_bytes / self.world_size
@@ -1157,6 +1298,8 @@ class ShardDataset(IterableDataset):
         passes = max(self._passes, 1)
         stats["share_bytes"] = share
         stats["fetched_over_share"] = fetched / passes / share if share else 0.0
+        if self._layout is not None:
+            stats["schedule"] = self._schedule_stats()
         return stats
 
     def _log_tail(self, split: EpochSplit) -> None:

@@ -254,7 +254,7 @@ class MixtureTable:
         return "\n".join(lines)
 
 
-def _shares(weights: list[float]) -> list[float]:
+def normalised_shares(weights: list[float]) -> list[float]:
     """Weights normalised to sum to 1, without overflow for weights near the float maximum.
 
     Scaling by a power of two is exact, so the shares are those of ``w / sum(w)`` whenever
@@ -287,7 +287,7 @@ def solve_mixture(
             f"tokens_per_epoch: got {tokens_per_epoch!r}, expected an integer in [1, 2**63 - 1] "
             "(or None: the largest epoch every source's share fits in)"
         )
-    shares = _shares([s.weight for s in sources])
+    shares = normalised_shares([s.weight for s in sources])
     for s, n in zip(sources, tokens):
         if n <= 0 and side is not None:
             raise ConfigError(
@@ -389,7 +389,7 @@ def source_seed(digest: str) -> int:
     return int.from_bytes(hashlib.sha256(digest.encode()).digest()[:8], "little")
 
 
-def _nearest_boundary(bounds: np.ndarray, position: int) -> int:
+def nearest_boundary(bounds: np.ndarray, position: int) -> int:
     """Index of the entry of sorted ``bounds`` nearest to ``position`` (ties: the lower)."""
     i = int(np.searchsorted(bounds, position, side="left"))
     if i == 0:
@@ -416,7 +416,7 @@ def epoch_documents(
 
         def boundary(position: int) -> int:  # a document index in the endless cyclic stream
             cycle, inside = divmod(position, total)
-            return cycle * n + _nearest_boundary(bounds, inside)
+            return cycle * n + nearest_boundary(bounds, inside)
 
         first = boundary(epoch * rest)
         last = min(boundary((epoch + 1) * rest), first + n)  # never a document twice
@@ -548,6 +548,15 @@ class Mixture:
     tokens_per_epoch: int | None = None
     rows: tuple[np.ndarray, ...] | None = None
     once: bool = False
+    #: a schedule resolved against the sources (``schedule.ScheduleLayout``): epoch ``w`` is its
+    #: window ``w``; None: every epoch has the table's targets
+    schedule: Any = None
+
+    def expected_documents(self) -> int:
+        """About how many documents an epoch (a schedule's largest window) plans over."""
+        if self.schedule is not None and not self.once:
+            return int(self.schedule.expected_documents([s.documents for s in self.table.sources]))
+        return sum(round(s.repetitions * s.documents) for s in self.table.sources)
 
     def documents(
         self,
@@ -564,6 +573,14 @@ class Mixture:
         """
         keys = tuple(source_seed(d) for d in self.digests)
         counted = lengths if counted is None else counted
+        if self.schedule is not None and not self.once:
+            chosen = self.schedule.documents(
+                counted, self.index.offsets, keys, seed, epoch, self.rows
+            )
+            if on_source is not None:
+                for row in self.table.sources:
+                    on_source(row.name)
+            return chosen
         return mixture_documents(
             counted, self.index, self.table, keys, seed, epoch, on_source, self.rows, self.once
         )
@@ -582,7 +599,7 @@ class Mixture:
         ``counted`` as for ``documents``; ``lengths`` are what the planner packs or pads.
         """
         started = time.perf_counter()
-        expected = sum(round(s.repetitions * s.documents) for s in self.table.sources)
+        expected = self.expected_documents()
         loud = expected >= LOG_MIN_DOCUMENTS
         if loud:
             logger.info(
@@ -608,7 +625,17 @@ class Mixture:
         return plan
 
     def state(self) -> dict[str, Any]:
-        """What a reader state records of the mixture (JSON-able), to detect a change on resume."""
+        """What a reader state records of the mixture (JSON-able), to detect a change on resume.
+
+        A schedule's is under ``"schedule"`` (checked on its own: a future phase may change).
+        """
+        state = self.shape()
+        if self.schedule is not None:
+            state["schedule"] = self.schedule.schedule.to_json()
+        return state
+
+    def shape(self) -> dict[str, Any]:
+        """The state without the schedule: the sources, their caches, weights and caps."""
         return {
             "tokens_per_epoch": self.tokens_per_epoch,
             "sources": [

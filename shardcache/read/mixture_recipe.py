@@ -10,18 +10,23 @@ from shardcache.config import check_known, read_toml
 from shardcache.errors import ConfigError
 from shardcache.read.mixture import Source, as_sources, source_splits
 from shardcache.read.plan import PlanOptions
+from shardcache.read.schedule import Schedule
 from shardcache.read.splits import as_split, check_split_name
 
 #: Keys of a ``[[source]]`` table.
 SOURCE_KEYS = ("path", "weight", "max_repetitions", "name", "splits")
 #: Top-level keys besides the batch options (``PlanOptions`` fields) and ``source``.
 DATASET_KEYS = ("seed", "attention", "ids_dtype", "tokens_per_epoch", "split", "splits")
+#: Top-level keys of a schedule besides its ``[[schedule]]`` points (``Schedule`` fields).
+SCHEDULE_KEYS = ("schedule_kind", "window_tokens", "total_tokens")
 
 
 @dataclass(frozen=True)
 class MixtureRecipe:
     """A loaded mixture recipe: its sources and the other ``ShardDataset`` keywords.
 
+    ``[[schedule]]`` tables (``at_tokens``, ``weights``) give a [`Schedule`][shardcache.Schedule]
+    (with the top-level ``schedule_kind``, ``window_tokens`` and ``total_tokens``).
     With held-out fractions (a top-level ``[splits]`` table, or ``splits`` in a ``[[source]]``
     table) the recipe reads its ``split`` side, ``"train"`` unless it names another.
     """
@@ -29,6 +34,7 @@ class MixtureRecipe:
     sources: tuple[Source, ...]
     tokens_per_epoch: int | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    schedule: Schedule | None = None
 
     def dataset_options(self, split: str | None = None) -> dict[str, Any]:
         """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``.
@@ -37,6 +43,8 @@ class MixtureRecipe:
         evaluation pass over the same recipe).
         """
         options = {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
+        if self.schedule is not None:
+            options["schedule"] = self.schedule
         if split is not None:
             options["split"] = split
         return options
@@ -56,8 +64,12 @@ def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
     data = read_toml(path, "mixture recipe")
     plan_fields = set(PlanOptions.__dataclass_fields__)
     check_known(
-        f"mixture recipe {path!r}", data, {*plan_fields, *DATASET_KEYS, "source"}, noun="key"
+        f"mixture recipe {path!r}",
+        data,
+        {*plan_fields, *DATASET_KEYS, *SCHEDULE_KEYS, "source", "schedule"},
+        noun="key",
     )
+    schedule = _schedule(data, path)
     tables = data.pop("source", None)
     if not isinstance(tables, list) or not tables or not all(isinstance(t, dict) for t in tables):
         raise ConfigError(
@@ -84,4 +96,31 @@ def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
             f"mixture recipe {path!r}: max_tokens is required (the token budget of a batch)"
         )
     PlanOptions(**{k: v for k, v in data.items() if k in plan_fields})  # checks the values
-    return MixtureRecipe(sources, tokens_per_epoch, data)
+    return MixtureRecipe(sources, tokens_per_epoch, data, schedule)
+
+
+def _schedule(data: dict[str, Any], path: str) -> Schedule | None:
+    """The recipe's schedule (its keys taken out of ``data``), or None."""
+    points = data.pop("schedule", None)
+    extra = {k: data.pop(k) for k in SCHEDULE_KEYS if k in data}
+    if points is None:
+        if extra:
+            raise ConfigError(
+                f"mixture recipe {path!r}: {sorted(extra)} configure a schedule but there is "
+                "no [[schedule]] table (at_tokens, weights); add the points or drop the keys"
+            )
+        return None
+    if not isinstance(points, list) or not all(isinstance(p, dict) for p in points):
+        raise ConfigError(
+            f"mixture recipe {path!r}: schedule must be [[schedule]] tables with at_tokens and "
+            f"weights, got {points!r}"
+        )
+    try:
+        return Schedule(
+            tuple(points),
+            extra.get("schedule_kind", "phases"),
+            extra.get("window_tokens"),
+            extra.get("total_tokens"),
+        )
+    except ConfigError as err:
+        raise ConfigError(f"mixture recipe {path!r}: {err}") from None

@@ -195,3 +195,30 @@ def test_mix_counts_pairs_of_each_side(mixture, tmp_path):
     assert [r["documents"] for r in shown["sources"]] == [
         sum(1 for s, _ in want if s == k) for k in range(2)
     ]
+
+
+@pytest.mark.parametrize("extra", [{}, PACK])
+def test_a_scheduled_preference_mixture_reads_whole_pairs_and_counts_both_sides(mixture, extra):
+    from shardcache import Schedule
+
+    caches = [open_cache(s.path) for s in mixture]
+    lengths = [np.asarray(c.lengths, dtype=np.int64) for c in caches]
+    small = int(lengths[1].sum())  # both sides of every pair of the small source
+    schedule = Schedule(
+        [{"at_tokens": 0, "weights": {"big": 1.0}}, {"at_tokens": small, "weights": {"small": 1}}],
+        window_tokens=small // 2,
+        total_tokens=2 * small,
+    )
+    ds = ShardDataset(mixture, 256, seed=1, schedule=schedule, **extra)
+    assert ds.epochs == 4
+    per_window = []
+    for epoch in range(ds.epochs):
+        ds.set_epoch(epoch)
+        pairs = [p for b in ds for p in pairs_of(b, caches)]
+        per_window.append({s for s, _ in pairs})
+        got = sum(int(lengths[s][2 * p] + lengths[s][2 * p + 1]) for s, p in pairs)
+        longest = int(max((x[0::2] + x[1::2]).max() for x in lengths))
+        assert abs(got - small // 2) <= longest  # a window's tokens count both sides of a pair
+    assert per_window == [{0}, {0}, {1}, {1}]
+    delivered = ds.stats()["schedule"]["delivered_tokens"]
+    assert delivered["small"] > 0 and abs(delivered["big"] - small) <= 2 * longest

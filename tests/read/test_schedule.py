@@ -1,0 +1,274 @@
+"""Mixture schedules: phase shares, per-source epochs over the run, exact resume, and changes
+of the schedule on resume (future: accepted; past: refused)."""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import json
+
+import numpy as np
+import pytest
+from test_dataset_mixture import _build, _resume_stream, _segments
+
+from shardcache import ConfigError, Schedule, ShardDataset, Source, StateError, open_cache
+from shardcache.read.mixture import MixtureIndex
+from shardcache.read.schedule import resolve_schedule, window_documents
+
+WINDOW = 2_000
+BOUNDARY = 5_000  # the second phase starts here: windows 0-1 full, window 2 cut to 1,000 tokens
+
+
+@pytest.fixture(scope="module")
+def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
+    """Three caches of one tokenizer: web (large), code, math (small)."""
+    root = tmp_path_factory.mktemp("schedule")
+    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
+    return {name: _build(root, name, tokenizer_dir, d, s) for name, (d, s) in sizes.items()}
+
+
+def _sources(caches) -> list[Source]:
+    return [
+        Source(caches["web"], name="web", max_repetitions=4),
+        Source(caches["code"], name="code", max_repetitions=8),
+        Source(caches["math"], name="math", max_repetitions=16),
+    ]
+
+
+def _schedule(late: dict[str, float] | None = None, **kwargs) -> Schedule:
+    late = late or {"web": 0.3, "code": 0.3, "math": 0.4}
+    points = [
+        {"at_tokens": 0, "weights": {"web": 0.7, "code": 0.3}},
+        {"at_tokens": BOUNDARY, "weights": late},
+    ]
+    return Schedule(points, window_tokens=WINDOW, total_tokens=11_000, **kwargs)
+
+
+def _uses(ds: ShardDataset, epoch: int) -> list[tuple[int, int, int]]:
+    """(source, local id, tokens) of every row of an epoch on one rank (pad mode: whole rows)."""
+    ds.set_epoch(epoch)
+    return [seg for batch in ds for seg in _segments(batch)]
+
+
+def test_windows_read_each_source_s_passes_without_reuse():
+    lengths = np.random.default_rng(0).integers(1, 50, size=37)
+    total = int(lengths.sum())
+    cuts = [0, 100, 101, 700, 700, total - 3, total + 40, 3 * total + 7]
+    taken = [window_documents(lengths, a, b, seed=5, key=9) for a, b in itertools.pairwise(cuts)]
+    stream = np.concatenate(taken)
+    for p in range(len(stream) // 37):  # every complete pass holds every document once
+        assert sorted(stream[37 * p : 37 * (p + 1)].tolist()) == list(range(37))
+    got = int(lengths[stream].sum())
+    assert abs(got - cuts[-1]) <= lengths.max()  # within one longest document of the target
+    again = window_documents(lengths, 700, total - 3, seed=5, key=9)
+    assert again.tolist() == taken[4].tolist()  # a window alone: the same documents
+
+
+def test_phase_targets_are_exact_and_caps_bound_the_whole_run(caches):
+    sources = tuple(_sources(caches))
+    tokens = [5_000, 2_000, 700]
+    layout = resolve_schedule(_schedule(), sources, tokens)
+    assert layout.starts.tolist() == [0, 2_000, 4_000, 5_000, 7_000, 9_000]
+    phase1 = layout.cum[3]
+    assert phase1.tolist() == [3_500, 1_500, 0]
+    assert (layout.cum[-1] - phase1).tolist() == [1_800, 1_800, 2_400]
+    table = layout.table()
+    assert [round(r.share, 4) for r in table.phases[1][2]] == [0.3, 0.3, 0.4]
+    assert table.exhausted["math"] is not None
+    with pytest.raises(ConfigError, match=r"source 'web'.*1,500 over"):
+        resolve_schedule(_schedule(), sources, [500, 2_000, 700])  # 3,500 > 4 x 500
+    with pytest.raises(ConfigError, match=r"source 'math'.*over"):
+        resolve_schedule(_schedule(), sources, [5_000, 2_000, 140])  # 2,400 > 16 x 140
+    capped = (sources[0], sources[1], Source(sources[2].path, name="math", max_repetitions=4))
+    end = resolve_schedule(Schedule(_schedule().points, window_tokens=WINDOW), capped, tokens)
+    assert end.binding == "math"  # 4 passes of 700 at 0.4 after 5,000: ends at 12,000
+    assert int(end.starts[-1] + end.sizes[-1]) == 12_000
+
+
+def test_delivered_shares_per_phase_and_no_document_reused_before_its_source_is_used_up(caches):
+    ds = ShardDataset(_sources(caches), 256, seed=1, schedule=_schedule())
+    assert ds.epochs == 6
+    opened = [open_cache(c) for c in (caches["web"], caches["code"], caches["math"])]
+    longest = max(int(np.max(c.lengths)) for c in opened)
+    uses = [collections.Counter() for _ in opened]
+    phase_tokens = [collections.Counter(), collections.Counter()]
+    for epoch in range(ds.epochs):
+        for s, i, n in _uses(ds, epoch):
+            phase_tokens[epoch >= 3][s] += n
+            uses[s][i] += 1
+        for s, counter in enumerate(uses):  # at every window's end: passes are whole
+            seen = [counter.get(i, 0) for i in range(opened[s].num_sequences)]
+            assert max(seen) - min(seen) <= 1, f"source {s} after epoch {epoch}"
+    targets = [(3_500, 1_500, 0), (1_800, 1_800, 2_400)]
+    for phase, want in enumerate(targets):
+        for s in range(3):
+            assert abs(phase_tokens[phase][s] - want[s]) <= longest, (phase, s)
+    stats = ds.stats()["schedule"]
+    assert stats["epochs"] == list(range(6))
+    totals = [phase_tokens[0][s] + phase_tokens[1][s] for s in range(3)]
+    assert list(stats["delivered_tokens"].values()) == totals
+    want = {"web": 5_300 / 11_000, "code": 3_300 / 11_000, "math": 2_400 / 11_000}
+    for name, share in stats["scheduled_shares"].items():
+        assert abs(share - want[name]) <= 0.02
+        assert abs(stats["delivered_shares"][name] - share) <= 0.03
+    with pytest.raises(ConfigError, match="6 windows"):
+        ds.set_epoch(6)
+
+
+def _make(caches, schedule=None, **kwargs):
+    def make(rank, world):
+        return ShardDataset(
+            _sources(caches),
+            64,
+            seed=2,
+            rank=rank,
+            world_size=world,
+            streams=4,
+            schedule=schedule or _schedule(),
+            **kwargs,
+        )
+
+    return make
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+@pytest.mark.parametrize("how", ["loop", "dataloader", "stateful"])
+def test_resume_at_another_world_size_and_workers_across_a_phase_boundary(caches, how):
+    base = _make(caches)
+    rng = np.random.default_rng(len(how))
+    workers = 0 if how == "loop" else 2
+    for epoch in (2, 3):  # the last window of the first phase, the first of the second
+
+        def make(rank, world, epoch=epoch):
+            ds = base(rank, world)
+            ds.set_epoch(epoch)
+            return ds
+
+        whole = make(0, 1)
+        index = MixtureIndex.of([s.documents for s in whole.mixture.sources])
+        plan = whole.plan()
+        steps = int(rng.integers(1, make(0, 4).batches_per_rank()))
+        head, rest = _resume_stream(make, 4, 3, workers, 0, steps, how)
+        tail = (len(plan) - 4 * steps) % 3
+        expected = []
+        for b in range(len(plan) - tail):
+            source, local = index.locate(plan.batch(b))
+            expected.append(tuple(zip(source.tolist(), local.tolist())))
+        assert sorted(head + rest) == sorted(expected), f"epoch {epoch} after {steps} steps"
+
+
+def _keys(ds) -> list:
+    return [tuple(seg[:2] for seg in _segments(b)) for b in ds]
+
+
+def test_a_future_phase_edited_on_resume_keeps_the_past_stream_and_the_past_is_refused(caches):
+    make = _make(caches)
+    first = make(0, 1)
+    first.set_epoch(2)
+    it = iter(first)
+    head = [tuple(seg[:2] for seg in _segments(next(it))) for _ in range(3)]
+    state = json.loads(json.dumps(first.state_dict()))
+    rest = [tuple(seg[:2] for seg in _segments(b)) for b in it]
+    first.set_epoch(3)
+    old_next = _keys(first)
+
+    edited = _make(caches, _schedule({"web": 0.1, "code": 0.1, "math": 0.8}))(0, 1)
+    with pytest.warns(UserWarning, match=r"schedule changed after the state's epoch 2"):
+        edited.load_state_dict(state)
+    assert _keys(edited) == rest  # the window being read is the same, byte for byte
+    edited.set_epoch(3)
+    assert _keys(edited) != old_next  # the edited phase applies from its first window
+    assert head  # (the head was read before the state)
+
+    moved = Schedule(
+        [
+            {"at_tokens": 0, "weights": {"web": 0.7, "code": 0.3}},
+            {"at_tokens": 4_500, "weights": {"web": 0.3, "code": 0.3, "math": 0.4}},
+        ],
+        window_tokens=WINDOW,
+        total_tokens=11_000,
+    )  # the boundary moves into window 2, which the state is reading
+    past = _make(caches, moved)(0, 1)
+    with pytest.raises(StateError, match=r"at_tokens=4500: added"):
+        past.load_state_dict(state)
+    remixed = _make(caches, moved, remix=True)(0, 1)
+    with pytest.warns(UserWarning, match="remix=True"):
+        remixed.load_state_dict(state)
+    unscheduled = ShardDataset(_sources(caches), 64, seed=2, streams=4)
+    with pytest.raises(StateError, match="schedule"):
+        unscheduled.load_state_dict(state)
+
+
+def test_schedule_refusals(caches):
+    with pytest.raises(ConfigError, match="start at at_tokens=0"):
+        Schedule([{"at_tokens": 5, "weights": {"web": 1}}])
+    with pytest.raises(ConfigError, match="increase strictly"):
+        Schedule([{"at_tokens": 0, "weights": {"web": 1}}, {"at_tokens": 0, "weights": {"a": 1}}])
+    with pytest.raises(ConfigError, match=r"\['nope'\]"):
+        ShardDataset(_sources(caches), 256, schedule=[{"at_tokens": 0, "weights": {"nope": 1}}])
+    with pytest.raises(ConfigError, match="window_tokens"):
+        ShardDataset(_sources(caches), 256, schedule=_schedule(), tokens_per_epoch=100)
+    with pytest.raises(ConfigError, match="one cache has no weights"):
+        ShardDataset(caches["web"], 256, schedule=_schedule())
+
+
+def test_a_linear_schedule_gives_every_window_of_a_ramp_its_share_within_one_percent():
+    rng = np.random.default_rng(3)
+    lengths = [rng.integers(1, 40, size=n) for n in (40_000, 30_000)]  # ~800k and ~600k tokens
+    tokens = [int(x.sum()) for x in lengths]
+    sources = (Source("a", name="a", max_repetitions=3), Source("b", name="b", max_repetitions=3))
+    ramp = 1_000_000
+    schedule = Schedule(
+        [{"at_tokens": 0, "weights": {"a": 1.0}}, {"at_tokens": ramp, "weights": {"b": 1.0}}],
+        kind="linear",
+        window_tokens=50_000,
+        total_tokens=ramp + 100_000,
+    )
+    layout = resolve_schedule(schedule, sources, tokens)
+    in_ramp = layout.starts < ramp
+    assert layout.sizes[in_ramp].max() <= ramp // 100  # windows of 1% of the ramp
+    assert layout.sizes[~in_ramp].tolist() == [50_000, 50_000]
+    for w in range(layout.windows):
+        begin, end = layout.window_targets(w)
+        got = [
+            int(x[window_documents(x, int(begin[s]), int(end[s]), 0, s)].sum())
+            for s, x in enumerate(lengths)
+        ]
+        a, b = int(layout.starts[w]), int(layout.starts[w] + layout.sizes[w])
+        # the exact share of "b": the mean of the ramp over the window (1 after it)
+        want_b = (min(max((a + b) / 2, 0), ramp) / ramp) if b <= ramp else 1.0
+        assert abs(got[1] / sum(got) - want_b) <= 0.01, f"window {w} [{a}, {b})"
+
+
+def test_a_scheduled_mixture_of_a_split_reads_only_that_side(caches):
+    from shardcache import Split
+
+    splits = Split(validation=0.2)
+    ds = ShardDataset(
+        _sources(caches), 256, seed=4, schedule=_schedule(), split="train", splits=splits
+    )
+    held = ShardDataset(_sources(caches), 256, split="validation", splits=splits, eval=True)
+    valid = {seg[:2] for b in held for seg in _segments(b)}
+    read = {seg[:2] for e in range(ds.epochs) for seg in _uses(ds, e)}
+    assert valid and read and not read & valid
+
+
+def test_a_run_stopped_at_a_phase_boundary_resumes_into_the_next_phase(caches):
+    make = _make(caches)
+    states = []
+    for rank in range(4):  # every rank reads the whole last window of the first phase
+        ds = make(rank, 4)
+        ds.set_epoch(2)
+        assert len(list(ds)) == ds.batches_per_rank()
+        states.append(json.loads(json.dumps(ds.state_dict())))
+    uninterrupted = []
+    for rank in range(3):
+        ds = make(rank, 3)
+        ds.set_epoch(3)
+        uninterrupted.append(_keys(ds))
+    for rank in range(3):
+        ds = make(rank, 3)
+        ds.load_state_dict(states[0])
+        assert _keys(ds) == []  # the window is spent
+        ds.set_epoch(3)
+        assert _keys(ds) == uninterrupted[rank]
