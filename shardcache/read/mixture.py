@@ -486,16 +486,33 @@ def mixture_documents(
 
 
 def document_uses(
-    chosen: np.ndarray, index: MixtureIndex, sizes: np.ndarray | None = None
+    chosen: np.ndarray,
+    index: MixtureIndex,
+    sizes: np.ndarray | None = None,
+    whole_passes: bool = True,
 ) -> np.ndarray | None:
-    """Which use of its document in the epoch each of ``mixture_documents``' ids is (int64).
+    """Which use of its document in the epoch each of ``chosen``'s ids is (int64).
 
-    A source's ids there are whole passes in id order over the ``n`` documents it gives
-    (``sizes[s]``: its side of a split; default all of it), then a window that holds no
-    document twice: its ``i``-th id is use ``i // n``. None when no source repeats. A function
-    of the epoch's ids alone: the same for any world size, workers or resume point.
+    ``whole_passes``: a source's ids are whole passes in id order over the ``n`` documents it
+    gives (``sizes[s]``: its side of a split; default all of it), then a window that holds no
+    document twice, as ``mixture_documents`` gives them: its ``i``-th id is use ``i // n`` (no
+    sort). Otherwise (a schedule's window: the end of one pass, then the start of the next,
+    each in its own order) a copy's use is the number of copies before it in ``chosen``. None
+    when no document repeats. A function of the epoch's ids alone: the same for any world size,
+    workers or resume point.
     """
     chosen = np.asarray(chosen, dtype=np.int64)
+    if not whole_passes:
+        order = np.argsort(chosen, kind="stable")  # copies of a document: in their order
+        ranked = chosen[order]
+        new = np.ones(len(ranked), dtype=bool)
+        new[1:] = ranked[1:] != ranked[:-1]
+        if new.all():
+            return None
+        at = np.arange(len(ranked), dtype=np.int64)
+        uses = np.empty(len(ranked), dtype=np.int64)
+        uses[order] = at - np.maximum.accumulate(np.where(new, at, 0))
+        return uses
     sizes = np.diff(index.offsets) if sizes is None else np.asarray(sizes, dtype=np.int64)
     source, _ = index.locate(chosen)
     taken = np.bincount(source, minlength=len(sizes))
@@ -515,14 +532,15 @@ def mixture_epoch_plan(
     epoch: int,
     index: MixtureIndex | None = None,
     sizes: np.ndarray | None = None,
+    whole_passes: bool = True,
 ) -> EpochPlan:
     """``plan_epoch`` over the ``chosen`` mixture ids (repeats included), sample ids mapped back.
 
-    With the mixture's ``index`` (and ``sizes``, as for ``document_uses``), the plan records
-    each segment's use of its document (``EpochPlan.repeats``).
+    With the mixture's ``index`` (``sizes``, ``whole_passes``: as ``document_uses``), the plan
+    records each segment's use of its document (``EpochPlan.repeats``).
     """
     plan = plan_epoch(lengths[chosen], buckets[chosen], options, seed, epoch)
-    repeats = None if index is None else document_uses(chosen, index, sizes)
+    repeats = None if index is None else document_uses(chosen, index, sizes, whole_passes)
     return EpochPlan(
         plan.batch_offsets,
         chosen[plan.sample_ids],
@@ -611,8 +629,9 @@ class Mixture:
             chosen = self.documents(lengths, seed, epoch, progress.source_done, counted)
             progress.batches_started()
             sizes = None if self.rows is None else [len(r) for r in self.rows]
+            whole_passes = self.schedule is None or self.once  # (see document_uses)
             plan = mixture_epoch_plan(
-                lengths, buckets, chosen, options, seed, epoch, self.index, sizes
+                lengths, buckets, chosen, options, seed, epoch, self.index, sizes, whole_passes
             )
             progress.batches_done()
         finally:

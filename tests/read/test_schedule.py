@@ -272,3 +272,30 @@ def test_a_run_stopped_at_a_phase_boundary_resumes_into_the_next_phase(caches):
         assert _keys(ds) == []  # the window is spent
         ds.set_epoch(3)
         assert _keys(ds) == uninterrupted[rank]
+
+
+def test_a_window_across_a_pass_numbers_each_copy_of_a_document_apart():
+    """A window holding the end of a source's pass and the start of the next may hold a
+    document twice, in any order: each copy has its own use (the transform's key), every
+    (document, use) once, with the global plan (streams count copies in their own way)."""
+    from shardcache.read.mixture import document_uses
+    from shardcache.read.schedule import window_documents
+
+    index = MixtureIndex.of([4])
+    assert document_uses(np.array([3, 3, 1, 2, 0]), index, whole_passes=False).tolist() == [
+        0, 1, 0, 0, 0
+    ]  # fmt: skip
+    assert document_uses(np.array([3, 1, 1]), index, whole_passes=False).tolist() == [0, 0, 1]
+    lengths = np.arange(1, 9, dtype=np.int64)
+    total = int(lengths.sum())
+    crossing = 0
+    for first in range(0, 3 * total, 5):
+        docs = window_documents(lengths, first, first + total // 2 + 7, seed=1, key=3)
+        uses = document_uses(docs, MixtureIndex.of([8]), whole_passes=False)
+        if uses is None:
+            assert len(set(docs.tolist())) == len(docs)
+            continue
+        crossing += 1
+        pairs = list(zip(docs.tolist(), uses.tolist()))
+        assert len(set(pairs)) == len(pairs)
+    assert crossing > 0
