@@ -437,6 +437,53 @@ def test_columnar_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, chatml
                     kind="preference")  # fmt: skip
 
 
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_delimited_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, tokenizer_dir):
+    """CSV and TSV files: a pair is a row of the prompt, chosen and rejected columns (strings),
+    or of chosen and rejected alone (the implicit prompt), built as the same records in JSON
+    lines; other columns are ignored. A short row or an empty side is a bad row, as in JSON
+    lines, and a file without the chosen or rejected column has only bad rows."""
+    import csv
+
+    def write(name: str, header: list[str], rows: list[list]) -> str:
+        path = tmp_path / f"{name}.{fmt}"
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f, delimiter="," if fmt == "csv" else "\t")
+            writer.writerow(header)
+            writer.writerows(rows)
+        return str(path)
+
+    def built(path: str, **options) -> list:
+        return _rows(open_cache(build_cache(path, tokenizer_dir, kind="preference", **options)))
+
+    records = make_string_pairs(30, seed=40)
+    records[2]["chosen"] = ' a "quoted", two-line\n\tanswer'
+    jsonl = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    header = ["id", "rejected", "prompt", "chosen"]
+    rows = [[k, r["rejected"], r["prompt"], r["chosen"]] for k, r in enumerate(records)]
+    assert built(write("explicit", header, rows), batch_docs=7) == built(jsonl)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                for r in records]  # fmt: skip
+    reference = built(write_records(str(tmp_path / "implicit.jsonl"), implicit, "jsonl"))
+    rows = [[r["chosen"], r["rejected"]] for r in implicit]
+    assert len(reference) > 40  # (a side that is the other's prefix is a bad record)
+    assert built(write("implicit", ["chosen", "rejected"], rows)) == reference
+    bad = write("bad", header, [rows_ for rows_ in (
+        [0, "r", "p", "c"], [1, "r", "p"], [2, "", "p", "c"], [3, "r", "p", "c"],
+    )])  # fmt: skip
+    cache = open_cache(build_cache(bad, tokenizer_dir, kind="preference", max_bad_fraction=1.0))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 3]
+    assert cache.manifest["stats"]["bad_records"] == {
+        "no_preference_field": 1, "empty_completion": 1,
+    }  # fmt: skip
+    from shardcache.errors import SourceError
+
+    with pytest.raises(SourceError, match="no_preference_field: 30"):
+        build_cache(write("no-rejected", ["prompt", "chosen"],
+                          [[r["prompt"], r["chosen"]] for r in records]),
+                    tokenizer_dir, kind="preference")  # fmt: skip
+
+
 @pytest.mark.slow  # importing trl takes 6-15 s
 def test_implicit_prompt_split_is_trls_extract_prompt():
     """Where both accept a record, the split is TRL's ``extract_prompt``'s, for texts (a
