@@ -468,9 +468,8 @@ def test_delimited_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, token
     rows = [[r["chosen"], r["rejected"]] for r in implicit]
     assert len(reference) > 40  # (a side that is the other's prefix is a bad record)
     assert built(write("implicit", ["chosen", "rejected"], rows)) == reference
-    bad = write("bad", header, [rows_ for rows_ in (
-        [0, "r", "p", "c"], [1, "r", "p"], [2, "", "p", "c"], [3, "r", "p", "c"],
-    )])  # fmt: skip
+    rows = [[0, "r", "p", "c"], [1, "r", "p"], [2, "", "p", "c"], [3, "r", "p", "c"]]
+    bad = write("bad", header, rows)  # row 1 has no chosen cell, row 2 an empty rejected
     cache = open_cache(build_cache(bad, tokenizer_dir, kind="preference", max_bad_fraction=1.0))
     assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 3]
     assert cache.manifest["stats"]["bad_records"] == {
