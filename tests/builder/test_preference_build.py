@@ -346,6 +346,31 @@ def test_dropping_is_the_default_for_pairs_over_either_limit(tmp_path, build_cac
     assert stats["truncated_documents"] == 0
 
 
+@pytest.mark.parametrize("truncation", ["drop", "truncate"])
+def test_a_pair_with_a_side_without_trainable_token_is_dropped_no_trainable(
+    truncation, tmp_path, build_cache, chatml_tokenizer_dir
+):
+    """A side whose completion has no assistant turn has no trainable token: the pair is
+    counted in ``dropped_no_trainable`` (as a chat build counts such a conversation), not in
+    ``dropped_documents``, even though its whole side is longer than ``max_prompt_length``
+    (a side's prompt is every token before its first trainable one)."""
+    records = make_chat_pairs(20, seed=39)
+    records[3]["chosen"] = [{"role": "user", "content": " ".join(["hello world"] * 30)}]
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    whole = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference"))
+    assert whole.manifest["stats"]["dropped_no_trainable"] == 1
+    longest_prompt = max(int(s.mask.argmax()) for s in whole.iter_sequences())
+    limits = {"max_prompt_length": longest_prompt, "max_length": 1024, "truncation": truncation}
+    cache = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference", **limits))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [
+        k for k in range(20) if k != 3
+    ]
+    stats = cache.manifest["stats"]
+    assert (stats["dropped_no_trainable"], stats["dropped_documents"]) == (1, 0)
+    assert stats["truncated_documents"] == 0
+    assert stats["lost_tokens"] == whole.manifest["stats"]["lost_tokens"] > 60
+
+
 def test_truncated_chat_pairs_match_the_untruncated_pairs_cut_by_the_rule(
     tmp_path, build_cache, chatml_tokenizer_dir
 ):
