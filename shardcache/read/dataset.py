@@ -1208,7 +1208,7 @@ class ShardDataset(IterableDataset):
             return self._collate_pair_packed(plan, index)
         if self._pairs:  # units -> rows 2u (chosen), 2u + 1 (rejected), adjacent
             units = np.asarray(plan.batch(index), dtype=np.int64)
-            batch = self.collate(_pair_samples(units))
+            batch = self.collate(_pair_samples(units), self._pair_repeats(plan, index))
             batch["meta"]["pair_ids"] = torch.from_numpy(np.repeat(units, 2))
             batch["meta"]["side"] = torch.from_numpy(np.tile(np.array([0, 1]), len(units)))
             return batch
@@ -1392,6 +1392,12 @@ class ShardDataset(IterableDataset):
         self._add_attention(batch)
         return _to_batch(batch, meta)
 
+    def _pair_repeats(self, plan: EpochPlan, index: int) -> np.ndarray | None:
+        """Each side's repetition in the epoch (its pair's, twice), for a transform's seed."""
+        if self.transform is None:
+            return None
+        return np.repeat(plan.repeats_of(index), 2)
+
     def _collate_pair_packed(self, plan: EpochPlan, index: int) -> Batch:
         """A packed batch of pair units: unit u is segments 2u (chosen), 2u + 1 (rejected).
 
@@ -1401,7 +1407,8 @@ class ShardDataset(IterableDataset):
         units, _, _, unit_bounds = plan.packed_segments(index)
         ids = _pair_samples(units)
         starts = np.zeros(len(ids), dtype=np.int64)
-        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, int(self.options.seq_len or 0))
+        seq_len, repeats = int(self.options.seq_len or 0), self._pair_repeats(plan, index)
+        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, seq_len, repeats)
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         sample_ids = np.asarray(meta["sample_ids"])
         real = sample_ids >= 0
