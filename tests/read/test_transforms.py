@@ -675,3 +675,40 @@ def test_a_repeated_pair_gets_its_own_randomness_per_repetition(pairs_cache, mod
     assert {len(c) for c in copies.values()} == {2, 3}
     assert all(len(set(c)) == len(c) for c in copies.values())
     assert_resumable(make, iter, _key, steps=[3])
+
+
+@pytest.mark.parametrize(("streams", "world"), [(0, 3), (5, 5), (5, 3)])
+def test_a_batch_that_tail_wrap_reads_again_gets_its_own_randomness(cache_dir, streams, world):
+    """``tail="wrap"`` evens the ranks out by reading some batches a second time in the epoch
+    (the global plan's first batches, or a shorter canonical stream's): each such read is a
+    second use of its sequences and gets its own transform randomness, as a mixture's repeated
+    document does; every first read is transformed as with ``tail="drop"``, and resume is exact.
+    (5 streams: one is a batch short, read again in the rounds; over 3 ranks the global plan
+    wraps too: a batch may be read three times.)"""
+
+    def make(rank: int, tail: str = "wrap") -> ShardDataset:
+        return ShardDataset(cache_dir, 1024, seed=1, transform=_stamp, streams=streams,
+                            shuffle_block=2048, rank=rank, world_size=world, tail=tail)  # fmt: skip
+
+    report = make(0).tail_report()
+    assert report["repeated_batches"] > 0 or streams == world
+    assert report.get("stream_repeated_batches", 0) > 0 or not streams
+    copies = collections.defaultdict(list)
+    for rank in range(world):
+        for batch in make(rank):
+            width = batch["attention_mask"].sum(dim=1).tolist()
+            for row, (sample, n) in enumerate(zip(batch["meta"]["sample_ids"].tolist(), width)):
+                copies[sample].append(tuple(batch["input_ids"][row, :n].tolist()))
+    assert max(len(c) for c in copies.values()) >= 2
+    assert all(len(set(c)) == len(c) for c in copies.values())
+    dropped = {
+        sample: tuple(batch["input_ids"][row, :n].tolist())
+        for rank in range(world)
+        for batch in make(rank, "drop")
+        for row, (sample, n) in enumerate(
+            zip(batch["meta"]["sample_ids"].tolist(), batch["attention_mask"].sum(dim=1).tolist())
+        )
+    }
+    assert all(copies[sample][0] == tokens for sample, tokens in dropped.items())
+    steps = len(list(make(world - 1)))
+    assert_resumable(lambda: make(world - 1), iter, _key, steps=[steps - 2, steps - 1])
