@@ -1196,8 +1196,9 @@ class ShardDataset(IterableDataset):
         Raises:
             CorruptShardError: a shard is damaged or disagrees with the length index.
         """
-        if isinstance(plan, StreamPlan):  # (a shorter stream's batch the rounds read again)
-            wrap = wrap * plan.wraps_per_round + plan.wrap_of(index)
+        if isinstance(plan, StreamPlan):
+            if self.transform is not None:  # (a shorter stream's batch the rounds read again)
+                wrap = wrap * plan.wraps_per_round + plan.wrap_of(index)
             plan, index = plan.locate(index)
         batch = self._collate_batch(plan, index, wrap)
         meta = batch["meta"]

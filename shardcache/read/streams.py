@@ -17,6 +17,7 @@ exchange (``own_streams``). One stream of one block is exactly ``plan_epoch``'s 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -332,7 +333,7 @@ class StreamPlan:
         t = index - self.full
         return int(self.tail_stream[t]), int(self.tail_k[t])
 
-    @property
+    @functools.cached_property
     def wraps_per_round(self) -> int:
         """One more than the most times the rounds read a stream's batch again (``wrap_of``)."""
         if self.dense or not self.rounds:
