@@ -677,14 +677,19 @@ def test_a_repeated_pair_gets_its_own_randomness_per_repetition(pairs_cache, mod
     assert_resumable(make, iter, _key, steps=[3])
 
 
-@pytest.mark.parametrize(("streams", "world"), [(0, 3), (5, 5), (5, 3)])
-def test_a_batch_that_tail_wrap_reads_again_gets_its_own_randomness(cache_dir, streams, world):
+@pytest.mark.parametrize(
+    ("cache", "streams", "world"),
+    [("cache_dir", 0, 3), ("cache_dir", 5, 5), ("cache_dir", 5, 3), ("pairs_cache", 0, 3)],
+)
+def test_a_batch_that_tail_wrap_reads_again_gets_its_own_randomness(cache, streams, world,
+                                                                    request):  # fmt: skip
     """``tail="wrap"`` evens the ranks out by reading some batches a second time in the epoch
     (the global plan's first batches, or a shorter canonical stream's): each such read is a
     second use of its sequences and gets its own transform randomness, as a mixture's repeated
     document does; every first read is transformed as with ``tail="drop"``, and resume is exact.
     (5 streams: one is a batch short, read again in the rounds; over 3 ranks the global plan
-    wraps too: a batch may be read three times.)"""
+    wraps too: a batch may be read three times. Preference pairs: each side.)"""
+    cache_dir = request.getfixturevalue(cache)
 
     def make(rank: int, tail: str = "wrap") -> ShardDataset:
         return ShardDataset(cache_dir, 1024, seed=1, transform=_stamp, streams=streams,
