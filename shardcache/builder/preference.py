@@ -237,12 +237,18 @@ class PreferenceEncoder(ChatEncoder):
         A side's prompt is every token before its first trainable one. ``truncate`` keeps the
         prompt's last ``max_prompt_length`` tokens (TRL's ``keep_end``) and then the first
         ``max_length`` tokens of the side: its completion gets ``max_length`` minus the kept
-        prompt. ``drop``: None (the pair is dropped whole) when a side is over either limit.
+        prompt. ``drop``: None (the pair is dropped whole) when a side is over either limit; a
+        side without a trainable token is over ``max_length`` only (it has no prompt: as in a
+        chat build, such a side within ``max_length`` is then ``dropped_no_trainable``).
         """
         limit = self.text.options.max_length
         prompt_limit = self.options.max_prompt_length
         prompts = [int(np.argmax(mask)) if mask.any() else len(mask) for _, mask in sides]
-        over_prompt = prompt_limit is not None and max(prompts) > prompt_limit
+        # a side without a trainable token has no prompt to limit: the caller drops the pair
+        # as ``dropped_no_trainable`` (a chat build's count), not as over the prompt limit
+        over_prompt = prompt_limit is not None and any(
+            p > prompt_limit for p, (_, mask) in zip(prompts, sides) if mask.any()
+        )
         if not over_prompt and (limit is None or max(len(ids) for ids, _ in sides) <= limit):
             return sides
         if self.text.options.truncation != "truncate":

@@ -80,13 +80,16 @@ from shardcache.store.key import verify_manifest_key
 STATE_VERSION = 1
 #: ``transform(ids, mask, rng) -> (ids, mask)``: a per-sequence read-time step (numpy int ids,
 #: the chat loss mask or None, a generator seeded by (seed, epoch, sample id, repetition,
-#: segment start)). Optional attributes: ``max_growth`` (int, tokens it may add; default 0) and
-#: ``keeps_mask`` (bool, whether it carries a chat loss mask; default True).
+#: segment start; and the wrap of a batch that ``tail="wrap"`` reads again)). Optional
+#: attributes: ``max_growth`` (int, tokens it may add; default 0) and ``keeps_mask`` (bool,
+#: whether it carries a chat loss mask; default True).
 Transform = Callable[
     [np.ndarray, "np.ndarray | None", np.random.Generator], "tuple[np.ndarray, np.ndarray | None]"
 ]
 #: Mixed into a transform's seed so that it is no other generator of the same numbers.
 _TRANSFORM_KEY = 0x54524E53
+#: A batch's wrap rides in the high bits of its segments' repetitions (a mixture's are small).
+_WRAP_SHIFT = 32
 #: Open shards kept per reader process during a pass (a shuffled pass returns to a shard many
 #: times). Each map holds a file descriptor, so fewer under a low open-file limit.
 OPEN_SHARDS = 256
@@ -1202,7 +1205,9 @@ class ShardDataset(IterableDataset):
                     readahead.ready(n)
                 fetched = time.perf_counter()
                 self._gather_s = 0.0
-                batch = self.collate_batch(plan, int(mine[position]))
+                virtual = start + self.rank + self.world_size * position  # (past the end: wrapped)
+                wrap = virtual // len(plan) if self.transform is not None else 0
+                batch = self.collate_batch(plan, int(mine[position]), wrap)
                 if self._layout is not None:
                     self._count_delivered(plan, int(mine[position]))
                 if self.time_stages:
@@ -1318,12 +1323,15 @@ class ShardDataset(IterableDataset):
 
     # ---- collation -------------------------------------------------------------------------
 
-    def collate_batch(self, plan: EpochPlan | StreamPlan, index: int) -> Batch:
+    def collate_batch(self, plan: EpochPlan | StreamPlan, index: int, wrap: int = 0) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors.
 
         Args:
             plan: an epoch plan of this dataset.
             index: the global batch.
+            wrap: how many times ``tail="wrap"`` went round the epoch's global batches before
+                this read of the batch (0: its first read). A transform seeds a read again
+                anew; without a transform it changes nothing.
 
         Returns:
             The batch.
@@ -1332,8 +1340,10 @@ class ShardDataset(IterableDataset):
             CorruptShardError: a shard is damaged or disagrees with the length index.
         """
         if isinstance(plan, StreamPlan):
+            if self.transform is not None:  # (a shorter stream's batch the rounds read again)
+                wrap = wrap * plan.wraps_per_round + plan.wrap_of(index)
             plan, index = plan.locate(index)
-        batch = self._collate_batch(plan, index)
+        batch = self._collate_batch(plan, index, wrap)
         meta = batch["meta"]
         if self._mixture is not None and "source_ids" not in meta:  # (else the kernels did)
             # the numpy path: mixture ids -> (source, sample id in the source)
@@ -1346,12 +1356,12 @@ class ShardDataset(IterableDataset):
                 meta["pair_ids"] = torch.from_numpy(np.where(local >= 0, local // 2, -1))
         return batch
 
-    def _collate_batch(self, plan: EpochPlan, index: int) -> Batch:
+    def _collate_batch(self, plan: EpochPlan, index: int, wrap: int = 0) -> Batch:
         if self._pairs and self.options.mode == "pack":
-            return self._collate_pair_packed(plan, index)
+            return self._collate_pair_packed(plan, index, wrap)
         if self._pairs:  # units -> rows 2u (chosen), 2u + 1 (rejected), adjacent
             units = np.asarray(plan.batch(index), dtype=np.int64)
-            batch = self.collate(_pair_samples(units))
+            batch = self.collate(_pair_samples(units), self._repeats(plan, index, wrap, 2))
             batch["meta"]["pair_ids"] = torch.from_numpy(np.repeat(units, 2))
             batch["meta"]["side"] = torch.from_numpy(np.tile(np.array([0, 1]), len(units)))
             return batch
@@ -1362,10 +1372,21 @@ class ShardDataset(IterableDataset):
                 multiple = self.options.pad_to_multiple_of
                 made = compiled.pad(index, multiple, self.pad_id, self.ids_dtype)
             if made is None:
-                repeats = plan.repeats_of(index) if self.transform is not None else None
-                return self.collate(plan.batch(index), repeats)
+                return self.collate(plan.batch(index), self._repeats(plan, index, wrap))
             return _to_batch(*made)
-        return self._collate_packed(plan, index, compiled)
+        return self._collate_packed(plan, index, compiled, wrap)
+
+    def _repeats(self, plan: EpochPlan, index: int, wrap: int, per: int = 1) -> np.ndarray | None:
+        """What seeds a transform per segment: its repetition, the batch's ``wrap`` above it.
+
+        ``per``: segments a planned unit reads (2 for a pair). None without a transform.
+        """
+        if self.transform is None:
+            return None
+        repeats = plan.repeats_of(index)
+        if per != 1:
+            repeats = np.repeat(repeats, per)
+        return repeats + (np.int64(wrap) << _WRAP_SHIFT) if wrap else repeats
 
     def _gather(
         self,
@@ -1404,13 +1425,17 @@ class ShardDataset(IterableDataset):
         tokens, mask = got.tokens, got.mask
         growth = self.options.growth
         offsets = got.offsets.tolist()
-        keys = np.stack([sample_ids, repeats, starts]).T.tolist()
+        uses, wraps = repeats & ((1 << _WRAP_SHIFT) - 1), repeats >> _WRAP_SHIFT
+        keys = np.stack([sample_ids, uses, starts, wraps]).T.tolist()
         out_ids: list[np.ndarray] = []
         out_masks: list[np.ndarray] = []
-        for k, (sample, use, start) in enumerate(keys):
+        for k, (sample, use, start, wrap) in enumerate(keys):
             lo, hi = offsets[k], offsets[k + 1]
             n = hi - lo
-            rng = np.random.default_rng([self.seed, self.epoch, sample, use, start, _TRANSFORM_KEY])
+            key = [self.seed, self.epoch, sample, use, start, _TRANSFORM_KEY]
+            if wrap:  # read again by tail="wrap": its own generator (a first read's is as before)
+                key.append(wrap)
+            rng = np.random.default_rng(key)
             seg_mask = None if mask is None else mask[lo:hi].copy()
             out = transform(tokens[lo:hi].copy(), seg_mask, rng)
             if not isinstance(out, tuple) or len(out) != 2:
@@ -1519,7 +1544,7 @@ class ShardDataset(IterableDataset):
         return _to_batch(batch, meta)
 
     def _collate_packed(
-        self, plan: EpochPlan, index: int, compiled: kernels.BatchKernels | None
+        self, plan: EpochPlan, index: int, compiled: kernels.BatchKernels | None, wrap: int = 0
     ) -> Batch:
         seq_len = int(self.options.seq_len or 0)
         made = None
@@ -1529,13 +1554,13 @@ class ShardDataset(IterableDataset):
             batch, meta = made
         else:
             ids, starts, taken, row_bounds = plan.packed_segments(index)
-            repeats = plan.repeats_of(index) if self.transform is not None else None
+            repeats = self._repeats(plan, index, wrap)
             batch = self._pack_numpy(ids, starts, taken, row_bounds, seq_len, repeats)
             meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         self._add_attention(batch)
         return _to_batch(batch, meta)
 
-    def _collate_pair_packed(self, plan: EpochPlan, index: int) -> Batch:
+    def _collate_pair_packed(self, plan: EpochPlan, index: int, wrap: int = 0) -> Batch:
         """A packed batch of pair units: unit u is segments 2u (chosen), 2u + 1 (rejected).
 
         Both sides of a pair are whole segments of one row, adjacent; a row's padding is a
@@ -1544,7 +1569,8 @@ class ShardDataset(IterableDataset):
         units, _, _, unit_bounds = plan.packed_segments(index)
         ids = _pair_samples(units)
         starts = np.zeros(len(ids), dtype=np.int64)
-        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, int(self.options.seq_len or 0))
+        seq_len, repeats = int(self.options.seq_len or 0), self._repeats(plan, index, wrap, 2)
+        batch = self._pack_numpy(ids, starts, None, 2 * unit_bounds, seq_len, repeats)
         meta = {k: batch.pop(k) for k in META_KEYS if k in batch}
         sample_ids = np.asarray(meta["sample_ids"])
         real = sample_ids >= 0

@@ -17,6 +17,7 @@ exchange (``own_streams``). One stream of one block is exactly ``plan_epoch``'s 
 
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -331,6 +332,24 @@ class StreamPlan:
             return stream, k % int(self.stream_batches[stream])  # (wrap: a repeat)
         t = index - self.full
         return int(self.tail_stream[t]), int(self.tail_k[t])
+
+    @functools.cached_property
+    def wraps_per_round(self) -> int:
+        """One more than the most times the rounds read a stream's batch again (``wrap_of``)."""
+        if self.dense or not self.rounds:
+            return 1
+        return -(-self.rounds // int(self.stream_batches.min()))
+
+    def wrap_of(self, index: int) -> int:
+        """How many times the rounds went round its stream before global batch ``index``.
+
+        0 for a batch's first read; ``tail="wrap"`` reads a shorter stream's first batches
+        again (1, 2, ...) until every stream has the longest's count.
+        """
+        if not 0 <= index < self.full:  # (the longer streams' batches after the rounds: once)
+            return 0
+        stream, k = index % self.layout.streams, index // self.layout.streams
+        return k // int(self.stream_batches[stream])
 
     def locate(self, index: int) -> tuple[EpochPlan, int]:
         """The block plan holding a global batch, and the batch's index in it."""

@@ -346,6 +346,31 @@ def test_dropping_is_the_default_for_pairs_over_either_limit(tmp_path, build_cac
     assert stats["truncated_documents"] == 0
 
 
+@pytest.mark.parametrize("truncation", ["drop", "truncate"])
+def test_a_pair_with_a_side_without_trainable_token_is_dropped_no_trainable(
+    truncation, tmp_path, build_cache, chatml_tokenizer_dir
+):
+    """A side whose completion has no assistant turn has no trainable token: the pair is
+    counted in ``dropped_no_trainable`` (as a chat build counts such a conversation), not in
+    ``dropped_documents``, even though its whole side is longer than ``max_prompt_length``
+    (a side's prompt is every token before its first trainable one)."""
+    records = make_chat_pairs(20, seed=39)
+    records[3]["chosen"] = [{"role": "user", "content": " ".join(["hello world"] * 30)}]
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    whole = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference"))
+    assert whole.manifest["stats"]["dropped_no_trainable"] == 1
+    longest_prompt = max(int(s.mask.argmax()) for s in whole.iter_sequences())
+    limits = {"max_prompt_length": longest_prompt, "max_length": 1024, "truncation": truncation}
+    cache = open_cache(build_cache(path, chatml_tokenizer_dir, kind="preference", **limits))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [
+        k for k in range(20) if k != 3
+    ]
+    stats = cache.manifest["stats"]
+    assert (stats["dropped_no_trainable"], stats["dropped_documents"]) == (1, 0)
+    assert stats["truncated_documents"] == 0
+    assert stats["lost_tokens"] == whole.manifest["stats"]["lost_tokens"] > 60
+
+
 def test_truncated_chat_pairs_match_the_untruncated_pairs_cut_by_the_rule(
     tmp_path, build_cache, chatml_tokenizer_dir
 ):
@@ -435,6 +460,52 @@ def test_columnar_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, chatml
         build_cache(write("no-rejected", [{"prompt": r["prompt"], "chosen": r["chosen"]}
                                           for r in strings]), chatml_tokenizer_dir,
                     kind="preference")  # fmt: skip
+
+
+@pytest.mark.parametrize("fmt", ["csv", "tsv"])
+def test_delimited_pairs_build_the_jsonl_cache(fmt, tmp_path, build_cache, tokenizer_dir):
+    """CSV and TSV files: a pair is a row of the prompt, chosen and rejected columns (strings),
+    or of chosen and rejected alone (the implicit prompt), built as the same records in JSON
+    lines; other columns are ignored. A short row or an empty side is a bad row, as in JSON
+    lines, and a file without the chosen or rejected column has only bad rows."""
+    import csv
+
+    def write(name: str, header: list[str], rows: list[list]) -> str:
+        path = tmp_path / f"{name}.{fmt}"
+        with open(path, "w", encoding="utf-8", newline="") as f:
+            writer = csv.writer(f, delimiter="," if fmt == "csv" else "\t")
+            writer.writerow(header)
+            writer.writerows(rows)
+        return str(path)
+
+    def built(path: str, **options) -> list:
+        return _rows(open_cache(build_cache(path, tokenizer_dir, kind="preference", **options)))
+
+    records = make_string_pairs(30, seed=40)
+    records[2]["chosen"] = ' a "quoted", two-line\n\tanswer'
+    jsonl = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    header = ["id", "rejected", "prompt", "chosen"]
+    rows = [[k, r["rejected"], r["prompt"], r["chosen"]] for k, r in enumerate(records)]
+    assert built(write("explicit", header, rows), batch_docs=7) == built(jsonl)
+    implicit = [{"chosen": r["prompt"] + r["chosen"], "rejected": r["prompt"] + r["rejected"]}
+                for r in records]  # fmt: skip
+    reference = built(write_records(str(tmp_path / "implicit.jsonl"), implicit, "jsonl"))
+    rows = [[r["chosen"], r["rejected"]] for r in implicit]
+    assert len(reference) > 40  # (a side that is the other's prefix is a bad record)
+    assert built(write("implicit", ["chosen", "rejected"], rows)) == reference
+    rows = [[0, "r", "p", "c"], [1, "r", "p"], [2, "", "p", "c"], [3, "r", "p", "c"]]
+    bad = write("bad", header, rows)  # row 1 has no chosen cell, row 2 an empty rejected
+    cache = open_cache(build_cache(bad, tokenizer_dir, kind="preference", max_bad_fraction=1.0))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 3]
+    assert cache.manifest["stats"]["bad_records"] == {
+        "no_preference_field": 1, "empty_completion": 1,
+    }  # fmt: skip
+    from shardcache.errors import SourceError
+
+    with pytest.raises(SourceError, match="no_preference_field: 30"):
+        build_cache(write("no-rejected", ["prompt", "chosen"],
+                          [[r["prompt"], r["chosen"]] for r in records]),
+                    tokenizer_dir, kind="preference")  # fmt: skip
 
 
 @pytest.mark.slow  # importing trl takes 6-15 s

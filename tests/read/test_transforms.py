@@ -586,3 +586,134 @@ def test_fim_in_concat_rows_rewrites_whole_documents_and_resumes(cache_dir, fim_
     assert set(per_doc) == {(0, 0, 0), (1, 1, 1)}  # once each, over all of a document's pieces
     assert abs(per_doc.count((1, 1, 1)) / count - 0.5) < 0.03
     assert_resumable(make, iter, _key, steps=[7])
+
+
+# ---- preference pairs: a lengthening transform on both sides of a pair -----------------------
+
+
+@pytest.mark.parametrize("streams", [0, 2])
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_lengthening_transform_on_preference_pairs(pairs_cache, mode, streams):
+    """``Grow`` adds exactly ``growth`` untrained tokens to each side: no batch is over its
+    budget, a pair's two sides stay in one batch (pad: adjacent rows; pack: adjacent segments
+    of one row), every side is its stored length plus the growth in ``cu_seqlens`` and the
+    attention mask, and ``pair_logps`` sums exactly the stored completion tokens."""
+    import torch
+
+    import shardcache
+
+    growth = 4
+    with open_cache(pairs_cache) as cache:
+        lengths = np.asarray(cache.lengths, dtype=np.int64)
+        trained = np.array([m.sum() for m in cache.read_masks(np.arange(len(lengths)))])
+    longest_pair = int((lengths[0::2] + lengths[1::2]).max())
+    budget = 6 * (longest_pair + 2 * growth)
+    extra = {"mode": "pack", "seq_len": longest_pair + 2 * growth, "attention": "varlen"}
+    ds = ShardDataset(pairs_cache, budget, seed=4, transform=Grow(growth), streams=streams,
+                      **(extra if mode == "pack" else {}))  # fmt: skip
+    assert ds.options.growth == growth
+    seen = collections.Counter()
+    vocab = 1000
+    for batch in ds:
+        ids = batch["input_ids"]
+        assert ids.numel() <= budget
+        meta = batch["meta"]
+        samples, pairs, side = (meta[k].numpy() for k in ("sample_ids", "pair_ids", "side"))
+        real = samples >= 0
+        if mode == "pad":
+            got = batch["attention_mask"].sum(dim=1).numpy()
+            rows = np.arange(len(samples))
+        else:
+            cu = meta["cu_seqlens"].numpy()
+            got = np.diff(cu)
+            rows = cu[:-1] // ids.shape[1]
+            assert (rows == (cu[1:] - 1) // ids.shape[1]).all()  # no segment crosses a row
+            assert int(meta["num_tokens"]) == int(got[real].sum())
+        samples, pairs, side, got, rows = (a[real] for a in (samples, pairs, side, got, rows))
+        # chosen then rejected, adjacent, in one row (pack) or two adjacent rows (pad)
+        assert (side[0::2] == 0).all() and (side[1::2] == 1).all()
+        assert (pairs[0::2] == pairs[1::2]).all() and (samples == 2 * pairs + side).all()
+        if mode == "pack":
+            assert (rows[0::2] == rows[1::2]).all()
+        assert (got == lengths[samples] + growth).all()
+        chosen, rejected = shardcache.pair_logps(torch.zeros(*ids.shape, vocab), batch)
+        per_token = -float(np.log(vocab))
+        assert np.allclose(chosen.numpy(), trained[samples[0::2]] * per_token)
+        assert np.allclose(rejected.numpy(), trained[samples[1::2]] * per_token)
+        seen.update(pairs[0::2].tolist())
+    if streams == 0:  # every pair once
+        assert sorted(seen) == list(range(len(lengths) // 2)) and set(seen.values()) == {1}
+    else:
+        assert set(seen.values()) == {1} and len(seen) > 0.9 * len(lengths) // 2
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_a_repeated_pair_gets_its_own_randomness_per_repetition(pairs_cache, mode):
+    """A preference source used 2.5 times an epoch repeats pairs whole; each copy of a side is
+    transformed with its own generator, as a repeated document of a text cache is."""
+    extra = {"mode": "pack", "seq_len": 96, "attention": "varlen"} if mode == "pack" else {}
+
+    def make():
+        return ShardDataset([Source(pairs_cache, max_repetitions=2.5)], 1024, seed=1,
+                            transform=_stamp, streams=0, **extra)  # fmt: skip
+
+    copies = collections.defaultdict(list)
+    for batch in make():
+        meta = batch["meta"]
+        if mode == "pad":
+            spans = [(r, 0, int(n)) for r, n in enumerate(batch["attention_mask"].sum(dim=1))]
+            ids = batch["input_ids"]
+        else:
+            cu = meta["cu_seqlens"].tolist()
+            ids = batch["input_ids"].reshape(1, -1)
+            spans = [(0, cu[k], cu[k + 1] - cu[k]) for k in range(len(cu) - 1)]
+        for (row, at, n), sample in zip(spans, meta["sample_ids"].tolist()):
+            if sample >= 0:
+                copies[sample].append(tuple(ids[row, at : at + n].tolist()))
+    with open_cache(pairs_cache) as cache:
+        assert len(copies) == cache.num_sequences
+    assert {len(c) for c in copies.values()} == {2, 3}
+    assert all(len(set(c)) == len(c) for c in copies.values())
+    assert_resumable(make, iter, _key, steps=[3])
+
+
+@pytest.mark.parametrize(
+    ("cache", "streams", "world"),
+    [("cache_dir", 0, 3), ("cache_dir", 5, 5), ("cache_dir", 5, 3), ("pairs_cache", 0, 3)],
+)
+def test_a_batch_that_tail_wrap_reads_again_gets_its_own_randomness(cache, streams, world,
+                                                                    request):  # fmt: skip
+    """``tail="wrap"`` evens the ranks out by reading some batches a second time in the epoch
+    (the global plan's first batches, or a shorter canonical stream's): each such read is a
+    second use of its sequences and gets its own transform randomness, as a mixture's repeated
+    document does; every first read is transformed as with ``tail="drop"``, and resume is exact.
+    (5 streams: one is a batch short, read again in the rounds; over 3 ranks the global plan
+    wraps too: a batch may be read three times. Preference pairs: each side.)"""
+    cache_dir = request.getfixturevalue(cache)
+
+    def make(rank: int, tail: str = "wrap") -> ShardDataset:
+        return ShardDataset(cache_dir, 1024, seed=1, transform=_stamp, streams=streams,
+                            shuffle_block=2048, rank=rank, world_size=world, tail=tail)  # fmt: skip
+
+    report = make(0).tail_report()
+    assert report["repeated_batches"] > 0 or streams == world
+    assert report.get("stream_repeated_batches", 0) > 0 or not streams
+    copies = collections.defaultdict(list)
+    for rank in range(world):
+        for batch in make(rank):
+            width = batch["attention_mask"].sum(dim=1).tolist()
+            for row, (sample, n) in enumerate(zip(batch["meta"]["sample_ids"].tolist(), width)):
+                copies[sample].append(tuple(batch["input_ids"][row, :n].tolist()))
+    assert max(len(c) for c in copies.values()) >= 2
+    assert all(len(set(c)) == len(c) for c in copies.values())
+    dropped = {
+        sample: tuple(batch["input_ids"][row, :n].tolist())
+        for rank in range(world)
+        for batch in make(rank, "drop")
+        for row, (sample, n) in enumerate(
+            zip(batch["meta"]["sample_ids"].tolist(), batch["attention_mask"].sum(dim=1).tolist())
+        )
+    }
+    assert all(copies[sample][0] == tokens for sample, tokens in dropped.items())
+    steps = len(list(make(world - 1)))
+    assert_resumable(lambda: make(world - 1), iter, _key, steps=[steps - 2, steps - 1])

@@ -1,5 +1,7 @@
 """CSV and TSV files with a header row: a record is a data row, its text a named column.
 
+Preference pairs are a row of the ``prompt``, ``chosen`` and ``rejected`` columns (strings).
+
 Quoted fields may span lines, so files are not split. The raw bytes are hashed while read.
 Text is UTF-8 (a leading BOM dropped); bytes that are not end the read as a damaged file.
 """
@@ -21,6 +23,7 @@ from shardcache.builder.inputs.base import (
     WholeFiles,
     open_hashing,
     open_input,
+    record_columns,
 )
 from shardcache.store.files import HashingReader
 
@@ -33,6 +36,38 @@ def _rows(raw: HashingReader, delimiter: str) -> tuple[list[str], Iterator[list[
     text = io.TextIOWrapper(buffered, encoding="utf-8-sig", newline="")
     rows = csv.reader(text, delimiter=delimiter)
     return next(rows, []), rows
+
+
+def _read_values(
+    header: list[str], rows: Iterator[list[str]], batcher: Batcher, text_field: str
+) -> Iterator[TextBatch]:
+    """Text (or chat) records: each row's ``text_field`` cell; a row without one is bad."""
+    column = header.index(text_field) if text_field in header else -1
+    reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
+    for row, values in enumerate(rows):
+        if column < 0 or column >= len(values):
+            batcher.bad(row, reason, f"columns: {', '.join(header)}")
+            continue
+        yield from batcher.add_value(row, values[column], text_field)
+
+
+def _read_pairs(
+    header: list[str], rows: Iterator[list[str]], batcher: Batcher, text_field: str
+) -> Iterator[TextBatch]:
+    """Preference records: the ``prompt``, ``chosen`` and ``rejected`` cells of each row.
+
+    Cells are strings (a cell holding JSON is its text, not a message list). A row too short to
+    hold a side lacks it (``no_preference_field``); without a ``chosen`` or ``rejected`` column
+    every row is bad, as for Parquet and Arrow files.
+    """
+    names = record_columns(batcher.kind, text_field, header)
+    columns = [(name, header.index(name)) for name in names]
+    for row, values in enumerate(rows):
+        if not columns:
+            batcher.bad(row, "no_preference_field", f"columns: {', '.join(header)}")
+            continue
+        obj = {name: values[i] for name, i in columns if i < len(values)}
+        yield from batcher.add_object(row, obj, text_field, values)
 
 
 @dataclass(frozen=True)
@@ -56,13 +91,10 @@ class DelimitedFormat(WholeFiles):
         with raw:
             try:
                 header, rows = _rows(raw, self.delimiter)
-                column = header.index(text_field) if text_field in header else -1
-                reason = "no_messages_field" if batcher.kind == "chat" else "no_text_field"
-                for row, values in enumerate(rows):
-                    if column < 0 or column >= len(values):
-                        batcher.bad(row, reason, f"columns: {', '.join(header)}")
-                        continue
-                    yield from batcher.add_value(row, values[column], text_field)
+                if batcher.kind == "preference":  # a pair is a row of several columns
+                    yield from _read_pairs(header, rows, batcher, text_field)
+                else:
+                    yield from _read_values(header, rows, batcher, text_field)
             except (UnicodeDecodeError, csv.Error) as err:
                 message = f"{file.relpath}: cannot read {self.name} data at row {row + 2}: {err}"
                 batcher.corrupt(row + 1, raw.bytes_read, message, err)
