@@ -71,6 +71,7 @@ from shardcache.read.streams import (
     StreamLayout,
     StreamPlan,
     count_batches,
+    mixture_shard_index,
     own_streams,
 )
 from shardcache.read.trainers import refuse_accelerate_wrapper
@@ -702,20 +703,14 @@ class ShardDataset(IterableDataset):
         assert isinstance(cache, MixedCache)
         lengths, buckets = self._index()
         counted = self._counted_lengths()
-        rows = np.sort(self._mixture.documents(lengths, self.seed, epoch, counted=counted))
+        chosen = self._mixture.documents(lengths, self.seed, epoch, counted=counted)
         offsets = self._mixture.index.offsets  # (a preference mixture's: in pairs)
         halve = 2 if self._pairs else 1  # (a preference cache's shards are cut between pairs)
         shard_starts = np.concatenate(
             [c.shard_starts[:-1] // halve + offsets[s] for s, c in enumerate(cache.caches)]
             + [offsets[-1:]]
         ).astype(np.int64)
-        starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
-        taken = np.asarray(lengths[rows], dtype=np.int64)
-        cum = np.zeros(len(rows) + 1, dtype=np.int64)
-        np.cumsum(taken, out=cum[1:])
-        tokens = cum[starts[1:]] - cum[starts[:-1]]
-        shard_buckets = np.zeros(len(tokens), dtype=np.int32)  # (sample_buckets decide)
-        return ShardIndex(starts, tokens, shard_buckets, lengths, rows, buckets)
+        return mixture_shard_index(chosen, shard_starts, lengths, buckets)
 
     def _stream_counts(self, layout: StreamLayout, epoch: int) -> dict[int, np.ndarray]:
         """Every block's batch count: this process's, this machine's, or computed here."""

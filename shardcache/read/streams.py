@@ -58,6 +58,25 @@ class ShardIndex:
         return np.asarray(self.lengths[ids], dtype=np.int64)
 
 
+def mixture_shard_index(
+    chosen: np.ndarray, shard_starts: np.ndarray, lengths: np.ndarray, sample_buckets: np.ndarray
+) -> ShardIndex:
+    """A mixture epoch's chosen documents (repeats included) by the shard that holds them.
+
+    ``chosen``: the mixture ids the epoch plans over (``Mixture.documents``, any order);
+    ``shard_starts``: every source's shards' first mixture ids, in order, then the id space's
+    end; ``lengths`` and ``sample_buckets``: every mixture id's length and bucket.
+    """
+    rows = np.sort(chosen)
+    starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
+    taken = np.asarray(lengths[rows], dtype=np.int64)
+    cum = np.zeros(len(rows) + 1, dtype=np.int64)
+    np.cumsum(taken, out=cum[1:])
+    tokens = cum[starts[1:]] - cum[starts[:-1]]
+    shard_buckets = np.zeros(len(tokens), dtype=np.int32)  # (sample_buckets decide)
+    return ShardIndex(starts, tokens, shard_buckets, lengths, rows, sample_buckets)
+
+
 class StreamLayout:
     """An epoch's streams: the permuted shards, and each stream's range of permuted rows."""
 
