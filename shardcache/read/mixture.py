@@ -341,20 +341,25 @@ def solve_mixture(
                 f"weight (its share must be at least {0.5 / epoch:.3g}) or remove it from the "
                 "mixture"
             )
-        rows.append(
-            SourceShare(
-                name=s.label,
-                path=s.path,
-                documents=int(docs),
-                tokens=int(n),
-                weight=float(s.weight),
-                share=share,
-                max_repetitions=float(s.max_repetitions),
-                tokens_per_epoch=int(target),
-                repetitions=target / n,
-            )
-        )
+        rows.append(_share_row(s, docs, n, share, target))
     return MixtureTable(tuple(rows), int(epoch))
+
+
+def _share_row(
+    source: Source, documents: int, tokens: int, share: float, target: int
+) -> SourceShare:
+    """A source's row of a table: its ``target`` tokens an epoch out of ``tokens``."""
+    return SourceShare(
+        name=source.label,
+        path=source.path,
+        documents=int(documents),
+        tokens=int(tokens),
+        weight=float(source.weight),
+        share=share,
+        max_repetitions=float(source.max_repetitions),
+        tokens_per_epoch=int(target),
+        repetitions=target / tokens if tokens else 1.0,
+    )
 
 
 def once_table(
@@ -363,17 +368,7 @@ def once_table(
     """The table of an evaluation pass: every document of every source once (weights unused)."""
     total = int(sum(tokens))
     rows = [
-        SourceShare(
-            name=s.label,
-            path=s.path,
-            documents=int(docs),
-            tokens=int(n),
-            weight=float(s.weight),
-            share=n / total if total else 0.0,
-            max_repetitions=float(s.max_repetitions),
-            tokens_per_epoch=int(n),
-            repetitions=1.0,
-        )
+        _share_row(s, docs, n, n / total if total else 0.0, n)
         for s, docs, n in zip(sources, documents, tokens)
     ]
     return MixtureTable(tuple(rows), total)

@@ -537,9 +537,7 @@ def read_column(
         for row in range(first_row, first_row + n_rows):
             batcher.bad(row, reason, f"columns: {', '.join(names)}")
         return
-    if batcher.kind == "preference":  # a pair is a row of several columns
-        yield from _read_rows(file, batcher, text_field, first_row, batches, errors, what)
-        return
+    pairs = batcher.kind == "preference"  # a pair is a row of several columns
     row = first_row
     while True:
         try:
@@ -550,25 +548,11 @@ def read_column(
             break
         if record_batch is None:
             break
+        if pairs:
+            for obj in record_batch.to_pylist():
+                yield from batcher.add_object(row, obj, text_field)
+                row += 1
+            continue
         for value in record_batch.column(0).to_pylist():
             yield from batcher.add_value(row, value, text_field)
-            row += 1
-
-
-def _read_rows(
-    file: InputFile, batcher: Batcher, text_field: str, row: int, batches: Iterator[Any],
-    errors: tuple[type, ...], what: str,
-) -> Iterator[TextBatch]:  # fmt: skip
-    """``read_column`` for records of several columns: each row as an object."""
-    while True:
-        try:
-            record_batch = next(batches, None)
-        except errors as err:
-            message = f"{file.relpath}: cannot read {what} data at row {row}: {err}"
-            batcher.corrupt(row, 0, message, err)
-            break
-        if record_batch is None:
-            break
-        for obj in record_batch.to_pylist():
-            yield from batcher.add_object(row, obj, text_field)
             row += 1
