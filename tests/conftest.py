@@ -4,6 +4,7 @@ nothing outside the repository and tmp folders."""
 from __future__ import annotations
 
 import gzip
+import importlib.util
 import json
 import os
 import random
@@ -315,6 +316,32 @@ def assert_resumable(
     return full
 
 
+def eval_pass(
+    make: Callable[[int], Any], world: int, workers: int, key: Callable[[Any], Iterable[Any]]
+) -> list[Any]:
+    """An evaluation pass over ``world`` ranks, ``make(rank)`` each, through a DataLoader.
+
+    Asserts what every evaluation pass holds: each rank yields ``len(ds)`` batches, the same
+    count on every rank, and a filler batch has no label. Returns ``key(batch)`` of every real
+    batch, concatenated.
+    """
+    from torch.utils.data import DataLoader
+
+    per_rank, real = [], []
+    for rank in range(world):
+        ds = make(rank)
+        batches = list(DataLoader(ds, batch_size=None, num_workers=workers))
+        assert len(batches) == len(ds)
+        per_rank.append(len(batches))
+        for b in batches:
+            if bool(b["meta"]["filler"]):
+                assert (b["labels"] == -100).all()
+            else:
+                real += key(b)
+    assert len(set(per_rank)) == 1
+    return real
+
+
 def folder_files(folder: str) -> dict[str, bytes]:
     """Every file under ``folder``: relative path -> bytes."""
     out = {}
@@ -435,16 +462,39 @@ def s3(monkeypatch, tmp_path):
         server.stop()
 
 
-def make_string_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
+def make_string_pairs(n: int, seed: int = 0, longest: int = 14) -> list[dict[str, str]]:
+    """``n`` preference records of strings: completions of 1 to ``longest`` words."""
     rng = random.Random(seed)
     return [
         {
             "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
-            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
-            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 14))),
+            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, longest))),
+            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, longest))),
         }
         for _ in range(n)
     ]
+
+
+def make_chat_pairs(n: int, seed: int = 0) -> list[dict[str, list]]:
+    """``n`` preference records of message lists: a conversation's last turn chosen."""
+    rng = random.Random(seed)
+    return [
+        {
+            "prompt": conv[:-1],
+            "chosen": [conv[-1]],
+            "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, 3))}],
+        }
+        for conv in make_conversations(n, seed=seed)
+    ]
+
+
+def load_recipe(name: str) -> Any:
+    """Import ``recipes/<name>.py`` (recipes are scripts, not a package)."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    spec = importlib.util.spec_from_file_location(name, os.path.join(root, "recipes", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 @pytest.fixture(scope="session")

@@ -4,17 +4,16 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import math
 import os
-import random
 from typing import Any
 
 import numpy as np
 import pytest
 import torch
 
-from conftest import WORDS, make_conversations, write_records
+from conftest import load_recipe as recipe
+from conftest import make_chat_pairs, make_string_pairs, write_records
 from shardcache import ShardDataset, open_cache
 
 trl = pytest.importorskip("trl")
@@ -26,36 +25,9 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BETA = 0.1
 
 
-def recipe(name: str):
-    """Import ``recipes/<name>.py`` (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def make_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    return [
-        {
-            "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
-            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-        }
-        for _ in range(n)
-    ]
-
-
-def make_chat_pairs(n: int, seed: int = 0) -> list[dict[str, list]]:
-    rng = random.Random(seed)
-    return [
-        {
-            "prompt": conv[:-1],
-            "chosen": [conv[-1]],
-            "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, 3))}],
-        }
-        for conv in make_conversations(n, seed=seed)
-    ]
+    """String pairs with completions of at most 10 words."""
+    return make_string_pairs(n, seed, longest=10)
 
 
 #: (tokenizer fixture, model architecture, records): string pairs with a tokenizer adding no

@@ -3,22 +3,15 @@ is finite and falls, the reader state resumes the same stream, progress is print
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import math
 import os
 
 import pytest
 
+from conftest import load_recipe as recipe
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-
-def recipe(name: str):
-    """Import ``recipes/<name>.py`` (recipes are scripts, not a package)."""
-    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "recipes", f"{name}.py"))
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 @pytest.fixture()

@@ -7,35 +7,16 @@ import random
 import pytest
 from tokenizers import Tokenizer
 
-from conftest import WORDS, make_conversations, write_records
+import conftest
+from conftest import WORDS, make_chat_pairs, make_conversations, write_records
 from shardcache import open_cache
 from shardcache.builder.chat import ChatRenderer
 from shardcache.config import ChatOptions
 
 
 def make_string_pairs(n: int, seed: int = 0) -> list[dict[str, str]]:
-    rng = random.Random(seed)
-    return [
-        {
-            "prompt": " ".join(rng.sample(WORDS, rng.randint(2, 8))),
-            "chosen": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-            "rejected": " " + " ".join(rng.choices(WORDS, k=rng.randint(1, 10))),
-        }
-        for _ in range(n)
-    ]
-
-
-def make_chat_pairs(n: int, seed: int = 0) -> list[dict[str, list]]:
-    rng = random.Random(seed)
-    pairs = []
-    for conv in make_conversations(n, seed=seed):
-        prompt = conv[:-1]
-        pairs.append({
-            "prompt": prompt,
-            "chosen": [conv[-1]],
-            "rejected": [{"role": "assistant", "content": " ".join(rng.sample(WORDS, 3))}],
-        })  # fmt: skip
-    return pairs
+    """String pairs with completions of at most 10 words (fits this module's limits)."""
+    return conftest.make_string_pairs(n, seed, longest=10)
 
 
 def _by_sample_id(cache) -> list:

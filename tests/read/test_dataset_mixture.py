@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from conftest import make_texts, write_records
+from conftest import eval_pass, make_texts, write_records
 from shardcache import (
     CacheKeyMismatch,
     ConfigError,
@@ -534,19 +534,11 @@ def test_an_eval_pass_over_a_split_mixture_reads_every_source_s_side_once(caches
 def test_an_eval_pass_over_a_mixture_covers_its_side_once_with_equal_batches_per_rank(
     caches, world, workers
 ):
-    per_rank, real = [], []
-    for rank in range(world):
-        ds = ShardDataset(_sources(caches), 256, split="validation", splits=SPLIT, eval=True,
-                          rank=rank, world_size=world, streams=2, **PACKED)  # fmt: skip
-        batches = list(DataLoader(ds, batch_size=None, num_workers=workers))
-        assert len(batches) == len(ds)
-        per_rank.append(len(batches))
-        for b in batches:
-            if bool(b["meta"]["filler"]):
-                assert (b["labels"] == -100).all()
-            else:
-                real += _key(b)
-    assert len(set(per_rank)) == 1
+    def make(rank):
+        return ShardDataset(_sources(caches), 256, split="validation", splits=SPLIT, eval=True,
+                            rank=rank, world_size=world, streams=2, **PACKED)  # fmt: skip
+
+    real = eval_pass(make, world, workers, _key)
     assert sorted(real) == sorted(_side(caches, "validation"))
 
 

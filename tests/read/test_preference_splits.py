@@ -5,9 +5,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from torch.utils.data import DataLoader
 
-from conftest import assert_resumable
+from conftest import assert_resumable, eval_pass
 from shardcache import ShardDataset, Split, StateError, open_cache
 from shardcache.read.splits import SPLIT_NAMES, split_ids
 
@@ -65,19 +64,12 @@ def test_an_eval_pass_covers_its_pairs_once_with_equal_batches_per_rank(
     pairs_cache, world, workers, extra
 ):
     want = split_pairs(pairs_cache, "validation")
-    per_rank, got = [], []
-    for rank in range(world):
-        ds = ShardDataset(pairs_cache, 128, split="validation", splits=SPLIT, eval=True,
-                          rank=rank, world_size=world, **extra)  # fmt: skip
-        batches = list(DataLoader(ds, batch_size=None, num_workers=workers))
-        assert len(batches) == len(ds)
-        per_rank.append(len(batches))
-        for b in batches:
-            if bool(b["meta"]["filler"]):
-                assert (b["labels"] == -100).all()
-            else:
-                got += pairs_of(b)
-    assert len(set(per_rank)) == 1
+
+    def make(rank):
+        return ShardDataset(pairs_cache, 128, split="validation", splits=SPLIT, eval=True,
+                            rank=rank, world_size=world, **extra)  # fmt: skip
+
+    got = eval_pass(make, world, workers, pairs_of)
     assert sorted(got) == want  # every pair of the split exactly once
 
 

@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 from torch.utils.data import DataLoader
 
+from conftest import eval_pass
 from shardcache import ConfigError, ShardDataset, Split, StateError, open_cache
 from shardcache.read.splits import SPLIT_NAMES, split_ids, split_summary
 
@@ -136,19 +137,12 @@ def test_an_eval_pass_covers_its_split_once_with_equal_batches_per_rank(
 ):
     with open_cache(caches[0]) as cache:
         want = split_ids(cache, SPLIT, "validation").tolist()
-    per_rank, real = [], []
-    for rank in range(world):
-        ds = ShardDataset(caches[0], 512, split="validation", splits=SPLIT, eval=True,
-                          rank=rank, world_size=world, **extra)  # fmt: skip
-        batches = list(DataLoader(ds, batch_size=None, num_workers=workers))
-        assert len(batches) == len(ds)
-        per_rank.append(len(batches))
-        for b in batches:
-            if bool(b["meta"]["filler"]):
-                assert (b["labels"] == -100).all()
-            else:
-                real.append(b)
-    assert len(set(per_rank)) == 1
+
+    def make(rank):
+        return ShardDataset(caches[0], 512, split="validation", splits=SPLIT, eval=True,
+                            rank=rank, world_size=world, **extra)  # fmt: skip
+
+    real = eval_pass(make, world, workers, lambda b: [b])
     assert sorted(_ids(real)) == want  # every sequence of the split exactly once
 
 
