@@ -215,3 +215,5 @@ def main(argv: list[str] | None = None) -> dict:
 
 if __name__ == "__main__":
     main()
+    if torch.distributed.is_initialized():  # under torchrun: leave the group before exiting
+        torch.distributed.destroy_process_group()

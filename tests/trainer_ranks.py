@@ -192,6 +192,9 @@ def main() -> int:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     with open(os.path.join(out, f"rank{rank}.json"), "w", encoding="utf-8") as f:
         json.dump({"rank": rank, "world_size": world, "ids": model.seen, **report}, f)
+    if torch.distributed.is_initialized():  # (left to exit, gloo's threads may abort the rank)
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
     return 0
 
 
