@@ -60,10 +60,10 @@ SPLITS = Split(validation=0.15, test=0.05)
 PAIR_SPLITS = Split(validation=0.2)
 
 
-def _mix(root: str, **extra: Any) -> list[Source]:
+def _mix(root: str) -> list[Source]:
     return [
-        Source(os.path.join(root, "matrix/text_a"), weight=0.7, name="a", max_repetitions=2, **extra),
-        Source(os.path.join(root, "matrix/text_b"), weight=0.3, name="b", max_repetitions=2, **extra),
+        Source(os.path.join(root, "matrix/text_a"), weight=0.7, name="a", max_repetitions=2),
+        Source(os.path.join(root, "matrix/text_b"), weight=0.3, name="b", max_repetitions=2),
     ]
 
 
@@ -150,8 +150,8 @@ CONFIGS: dict[str, Config] = {
                  "schedule": _schedule()}),
     "sched-bestfit-streams-fim": (
         _mix, 0,
-        lambda: {**BEST_FIT, "seq_len": 80, "seed": 20, "attention": "none", "schedule": _schedule(),
-                 "transform": _fim()}),
+        lambda: {**BEST_FIT, "seq_len": 80, "seed": 20, "attention": "none",
+                 "schedule": _schedule(), "transform": _fim()}),
     "pairs-pad-streams": (_at("matrix/pairs_a"), 1, lambda: {**PAD, "seed": 21}),
     "pairs-pack-global-reverse": (
         _at("matrix/pairs_a"), 0,
@@ -300,7 +300,6 @@ def _build() -> None:  # pragma: no cover - run by hand (module docstring)
 
     sys.path.insert(0, os.path.join(HERE, ".."))
     from conftest import _save_bpe, make_string_pairs, make_texts, write_records
-
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
