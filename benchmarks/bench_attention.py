@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Cost of the pack-mode attention keys (shardcache.read.attention) per batch, on the host.
+"""Cost of the pack-mode attention keys (shardcache.read.collate.attention) per batch, on the host.
 
     python benchmarks/bench_attention.py                      # R=2 x L=4096, ~8 docs per row
     python benchmarks/bench_attention.py --rows 1 --seq-len 8192 --docs 16
@@ -20,7 +20,7 @@ import time
 import numpy as np
 from results import record_result
 
-from shardcache.read.attention import block_causal_mask, varlen_keys
+from shardcache.read.collate.attention import block_causal_mask, varlen_keys
 
 
 def positions(rows: int, seq_len: int, docs: int, seed: int) -> np.ndarray:

@@ -48,7 +48,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from shardcache import PlanOptions, plan_epoch
 from shardcache.read.dataset import ShardDataset
-from shardcache.read.mixture import Mixture, MixtureIndex, Source, solve_mixture
+from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source, solve_mixture
 
 REPEATS = 3
 MODES = {
@@ -96,7 +96,7 @@ import sys, time
 t0 = time.perf_counter()
 sys.path.insert(0, {root!r})
 from shardcache.read.dataset import ShardDataset
-from shardcache.read.mixture import Source
+from shardcache.read.selection.mixture import Source
 t1 = time.perf_counter()
 sources = [Source({path!r}, name=f"s{{i}}") for i in range({count})]
 ds = ShardDataset(sources, 16384, seed=0, rank=0, world_size=1{extra})

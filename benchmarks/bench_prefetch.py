@@ -57,7 +57,7 @@ from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from shardcache.read.prefetch import DevicePrefetcher, TorchDeviceBackend
+from shardcache.read.device_prefetch import DevicePrefetcher, TorchDeviceBackend
 
 MiB = 1 << 20
 POOL = 6  # pre-generated batches per worker: generation costs nothing during the run

@@ -212,7 +212,7 @@ def stalls(args: argparse.Namespace, work: str, corpus: str, tok: str) -> dict:
     from shardcache import ShardDataset
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
-    from shardcache.read.readahead import ReadAheadOptions
+    from shardcache.read.fetch.shard_readahead import ReadAheadOptions
 
     local = os.path.join(work, "stalls-cache")
     values = {"input": corpus, "tokenizer": tok, "output": local, "workers": 2,

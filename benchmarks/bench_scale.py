@@ -55,7 +55,7 @@ Both sides run in the same run, interleaved; times are the best of ``--repeats``
     PYTHONPATH=. python benchmarks/bench_scale.py --quick         # small sizes, a smoke run
     PYTHONPATH=. python benchmarks/bench_scale.py --part sim --sequences 2M,20M,200M
 
-The streams side needs ``shardcache.read.streams`` (sim, shuffle) and ``PlanOptions.streams``
+The streams side needs ``shardcache.read.plan.streams`` (sim, shuffle) and ``PlanOptions.streams``
 (remote); without them only today's side runs, and the output says so. Not collected by
 pytest. The remote part needs s3fs, moto[server] and boto3 (``pip install -e ".[s3,remote-test]"``).
 """
@@ -117,9 +117,9 @@ def rss_mib() -> float:
 
 
 def streams_module() -> Any:
-    """``shardcache.read.streams``, or None where it has not landed."""
+    """``shardcache.read.plan.streams``, or None where it has not landed."""
     try:
-        import shardcache.read.streams as streams
+        import shardcache.read.plan.streams as streams
     except ImportError:
         return None
     return streams
@@ -127,7 +127,7 @@ def streams_module() -> Any:
 
 def plan_options(args: argparse.Namespace, mode: str) -> Any:
     """The batch options of a measurement (``streams`` left out: the planners take it apart)."""
-    from shardcache.read.plan import PlanOptions
+    from shardcache.read.plan.epoch_plan import PlanOptions
 
     if mode == "pack":
         return PlanOptions(max_tokens=args.max_tokens, mode="pack", seq_len=args.seq_len,
@@ -224,7 +224,7 @@ def sample_ranks(world: int) -> list[int]:
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """``measure`` subcommand: time and memory of one rank's plan to its first batch."""
-    from shardcache.read.plan import plan_epoch, split_epoch
+    from shardcache.read.plan.epoch_plan import plan_epoch, split_epoch
 
     options = plan_options(args, args.mode)
     worlds = counts(args.worlds)
@@ -346,7 +346,7 @@ def simulate(args: argparse.Namespace, work: str) -> dict[str, Any]:
     )
     have_streams = streams_module() is not None
     if not have_streams:
-        print("sim: shardcache.read.streams is not importable here: today's side only")
+        print("sim: shardcache.read.plan.streams is not importable here: today's side only")
     made: dict[int, str] = {}
     for n in sorted(set(sizes) | set(today_sizes)):
         start = time.perf_counter()
@@ -438,14 +438,14 @@ def shuffle_quality(
     order: np.ndarray, shard_starts: np.ndarray, groups: int = 32, slices: int = 20
 ) -> dict[str, float]:
     """The library's measure of how an epoch's order mixes (``streams.order_mixing``)."""
-    from shardcache.read.streams import order_mixing
+    from shardcache.read.plan.streams import order_mixing
 
     return order_mixing(order, shard_starts, groups, slices)
 
 
 def shuffle(args: argparse.Namespace, work: str) -> dict[str, Any]:
     """Part 2 (see the module docstring)."""
-    from shardcache.read.plan import plan_epoch
+    from shardcache.read.plan.epoch_plan import plan_epoch
 
     n = count(args.shuffle_sequences)
     lengths, shards = load_index(make_index(work, n, args.rows_per_shard))
@@ -464,7 +464,7 @@ def shuffle(args: argparse.Namespace, work: str) -> dict[str, Any]:
     )
     streams = streams_module()
     if streams is None:
-        print("shuffle: shardcache.read.streams is not importable here: today's side only")
+        print("shuffle: shardcache.read.plan.streams is not importable here: today's side only")
     else:
         index = streams.ShardIndex(starts, shards["tokens"], shards["buckets"], lengths)
         for world in counts(args.shuffle_worlds):
@@ -601,7 +601,7 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
     import boto3
 
     from shardcache import open_cache
-    from shardcache.read.plan import PlanOptions
+    from shardcache.read.plan.epoch_plan import PlanOptions
 
     local = build_remote_cache(args, work)
     cache = open_cache(local)

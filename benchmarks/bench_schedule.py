@@ -71,16 +71,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from bench_scale import BUCKET_EDGES, count, counts, human, load_index, make_index
 
-from shardcache.read.mixture import Mixture, MixtureIndex, Source, solve_mixture
-from shardcache.read.plan import PlanOptions, split_epoch
-from shardcache.read.schedule import Schedule, resolve_schedule
-from shardcache.read.streams import (
+from shardcache.read.plan.epoch_plan import PlanOptions, split_epoch
+from shardcache.read.plan.streams import (
     StreamLayout,
     StreamPlan,
     count_batches,
     mixture_shard_index,
     own_streams,
 )
+from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source, solve_mixture
+from shardcache.read.selection.schedule import Schedule, resolve_schedule
 
 REPEATS = 3
 #: bench_scale's shards (its default ``--rows-per-shard``)

@@ -33,7 +33,7 @@ import torch
 from transformers import Qwen2Config, Qwen2ForCausalLM
 
 import shardcache
-from shardcache.read.mixture_recipe import load_mixture_recipe
+from shardcache.read.selection.mixture_recipe import load_mixture_recipe
 
 
 def tiny_model(vocab_size: int, hidden: int, max_positions: int) -> Qwen2ForCausalLM:

@@ -39,20 +39,20 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         TokenizerError,
     )
     from shardcache.read.dataset import ShardDataset, model_inputs, pair_logps
-    from shardcache.read.loader import ShardLoader, loader
-    from shardcache.read.mixture import MixtureTable, Source, SourceShare
-    from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
-    from shardcache.read.prefetch import (
+    from shardcache.read.device_prefetch import (
         DevicePrefetcher,
         PrefetchOptions,
         PrefetchStats,
         StallMonitor,
     )
-    from shardcache.read.readahead import ReadAheadOptions
-    from shardcache.read.schedule import Schedule, SchedulePoint, ScheduleTable
-    from shardcache.read.splits import Split
+    from shardcache.read.fetch.shard_readahead import ReadAheadOptions
+    from shardcache.read.loader import ShardLoader, loader
+    from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
+    from shardcache.read.samples.transforms import FIM, SpanMask
+    from shardcache.read.selection.mixture import MixtureTable, Source, SourceShare
+    from shardcache.read.selection.schedule import Schedule, SchedulePoint, ScheduleTable
+    from shardcache.read.selection.splits import Split
     from shardcache.read.trainer_callback import StallMonitorCallback
-    from shardcache.read.transforms import FIM, SpanMask
     from shardcache.store.cache import Cache, Provenance, open_cache
     from shardcache.store.export import ExportOptions, ExportReport, export_cache
     from shardcache.store.layout import FORMAT_VERSION
@@ -79,31 +79,31 @@ _LAZY: dict[str, str] = {
     "BuildOptions": "shardcache.config",
     "BuildReport": "shardcache.builder.report",
     "Cache": "shardcache.store.cache",
-    "DevicePrefetcher": "shardcache.read.prefetch",
-    "EpochPlan": "shardcache.read.plan",
+    "DevicePrefetcher": "shardcache.read.device_prefetch",
+    "EpochPlan": "shardcache.read.plan.epoch_plan",
     "ExportOptions": "shardcache.store.export",
     "ExportReport": "shardcache.store.export",
-    "FIM": "shardcache.read.transforms",
+    "FIM": "shardcache.read.samples.transforms",
     "FORMAT_VERSION": "shardcache.store.layout",
     "LayoutOptions": "shardcache.config",
-    "MixtureTable": "shardcache.read.mixture",
-    "PlanOptions": "shardcache.read.plan",
-    "PrefetchOptions": "shardcache.read.prefetch",
-    "PrefetchStats": "shardcache.read.prefetch",
+    "MixtureTable": "shardcache.read.selection.mixture",
+    "PlanOptions": "shardcache.read.plan.epoch_plan",
+    "PrefetchOptions": "shardcache.read.device_prefetch",
+    "PrefetchStats": "shardcache.read.device_prefetch",
     "Provenance": "shardcache.store.cache",
-    "ReadAheadOptions": "shardcache.read.readahead",
-    "Schedule": "shardcache.read.schedule",
-    "SchedulePoint": "shardcache.read.schedule",
-    "ScheduleTable": "shardcache.read.schedule",
+    "ReadAheadOptions": "shardcache.read.fetch.shard_readahead",
+    "Schedule": "shardcache.read.selection.schedule",
+    "SchedulePoint": "shardcache.read.selection.schedule",
+    "ScheduleTable": "shardcache.read.selection.schedule",
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
-    "Source": "shardcache.read.mixture",
-    "SpanMask": "shardcache.read.transforms",
-    "Split": "shardcache.read.splits",
-    "StallMonitor": "shardcache.read.prefetch",
+    "Source": "shardcache.read.selection.mixture",
+    "SpanMask": "shardcache.read.samples.transforms",
+    "Split": "shardcache.read.selection.splits",
+    "StallMonitor": "shardcache.read.device_prefetch",
     "StallMonitorCallback": "shardcache.read.trainer_callback",
     "SourceOptions": "shardcache.config",
-    "SourceShare": "shardcache.read.mixture",
+    "SourceShare": "shardcache.read.selection.mixture",
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",
@@ -112,7 +112,7 @@ _LAZY: dict[str, str] = {
     "model_inputs": "shardcache.read.dataset",
     "open_cache": "shardcache.store.cache",
     "pair_logps": "shardcache.read.dataset",
-    "plan_epoch": "shardcache.read.plan",
+    "plan_epoch": "shardcache.read.plan.epoch_plan",
     "verify_cache": "shardcache.store.verify",
 }
 

@@ -446,7 +446,7 @@ def info(
     with open_cache(cache) as opened:
         summary = cache_summary(opened)
         if split is not None:
-            from shardcache.read.splits import split_summary
+            from shardcache.read.selection.splits import split_summary
 
             summary["splits"] = split_summary(opened, split)
         histogram = cost = None
@@ -465,7 +465,7 @@ def info(
             text += "\n\n" + format_histogram(histogram, cost)
         click.echo(text)
         if split is not None:
-            from shardcache.read.splits import format_split_summary
+            from shardcache.read.selection.splits import format_split_summary
 
             click.echo("\n".join(format_split_summary(summary["splits"])))
         if plot:
@@ -474,7 +474,7 @@ def info(
 
 def _length_cost(opened: Any, max_tokens: int | None, seq_len: int | None) -> dict[str, Any]:
     """Pad-mode padding and pack-mode fill of one planned epoch at a token budget."""
-    from shardcache.read.padding import pack_fill, pad_cost
+    from shardcache.read.plan.padding_cost import pack_fill, pad_cost
 
     longest = int(opened.lengths.max())
     budget = max_tokens or 8 * longest
@@ -759,7 +759,7 @@ def profile(
 
 def _parse_split(spec: str) -> Any:
     """``--split validation=0.01,test=0.001[,seed=N]`` as a ``Split`` (BadParameter if not)."""
-    from shardcache.read.splits import Split
+    from shardcache.read.selection.splits import Split
 
     values: dict[str, Any] = {}
     for part in spec.split(","):
@@ -853,10 +853,10 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
       shardcache mix recipes/mixture.toml --json
       shardcache mix recipes/mixture.toml --split validation=0.01,test=0.001
     """  # noqa: D301
-    from shardcache.read.mixed_cache import MixedCache
-    from shardcache.read.mixture import source_splits
-    from shardcache.read.mixture_recipe import load_mixture_recipe
-    from shardcache.read.splits import format_split_summary, split_ids, split_summary
+    from shardcache.read.selection.mixed_cache import MixedCache
+    from shardcache.read.selection.mixture import source_splits
+    from shardcache.read.selection.mixture_recipe import load_mixture_recipe
+    from shardcache.read.selection.splits import format_split_summary, split_ids, split_summary
 
     loaded = load_mixture_recipe(recipe)
     options = loaded.dataset_options()
@@ -898,7 +898,7 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
 
 def _schedule_text(loaded: Any, table: Any, as_json: bool, extra: dict[str, Any]) -> str:
     """``mix`` of a scheduled recipe: the sources, then per phase each one's share and passes."""
-    from shardcache.read.schedule import resolve_schedule
+    from shardcache.read.selection.schedule import resolve_schedule
 
     layout = resolve_schedule(loaded.schedule, loaded.sources, [r.tokens for r in table.sources])
     schedule = layout.table()

@@ -15,8 +15,8 @@ from click.testing import CliRunner
 from conftest import make_texts, write_records
 from shardcache import ShardDataset, Split, open_cache
 from shardcache.cli import main
-from shardcache.read.mixture_recipe import load_mixture_recipe
-from shardcache.read.splits import split_ids, split_summary
+from shardcache.read.selection.mixture_recipe import load_mixture_recipe
+from shardcache.read.selection.splits import split_ids, split_summary
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 

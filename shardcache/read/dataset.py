@@ -27,11 +27,36 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from shardcache.config import check_choice, check_int, check_known
 from shardcache.errors import ConfigError, StateError
-from shardcache.read import kernels
-from shardcache.read.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
-from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
-from shardcache.read.mixed_cache import MixedCache
-from shardcache.read.mixture import (
+from shardcache.read.collate import kernels
+from shardcache.read.collate.attention import ATTENTION_MODES, block_causal_mask, varlen_keys
+from shardcache.read.collate.layout import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
+from shardcache.read.device_prefetch.tree import packed_offsets, packed_view
+from shardcache.read.fetch.shard_readahead import (
+    ReadAhead,
+    ReadAheadOptions,
+    ReadStats,
+    cache_readahead,
+    readahead_options,
+)
+from shardcache.read.plan.epoch_plan import (
+    DEFAULT_SHUFFLE_BLOCK,
+    EpochPlan,
+    EpochSplit,
+    PlanOptions,
+    plan_epoch,
+    split_epoch,
+)
+from shardcache.read.plan.plan_store import plan_digest, read_counts, shared_plan, write_counts
+from shardcache.read.plan.streams import (
+    ShardIndex,
+    StreamLayout,
+    StreamPlan,
+    count_batches,
+    mixture_shard_index,
+    own_streams,
+)
+from shardcache.read.selection.mixed_cache import MixedCache
+from shardcache.read.selection.mixture import (
     Mixture,
     MixtureIndex,
     MixtureTable,
@@ -40,24 +65,7 @@ from shardcache.read.mixture import (
     mixture_changes,
     source_splits,
 )
-from shardcache.read.plan import (
-    DEFAULT_SHUFFLE_BLOCK,
-    EpochPlan,
-    EpochSplit,
-    PlanOptions,
-    plan_epoch,
-    split_epoch,
-)
-from shardcache.read.plan_store import plan_digest, read_counts, shared_plan, write_counts
-from shardcache.read.prefetch.tree import packed_offsets, packed_view
-from shardcache.read.readahead import (
-    ReadAhead,
-    ReadAheadOptions,
-    ReadStats,
-    cache_readahead,
-    readahead_options,
-)
-from shardcache.read.schedule import (
+from shardcache.read.selection.schedule import (
     Schedule,
     ScheduleLayout,
     ScheduleTable,
@@ -65,15 +73,7 @@ from shardcache.read.schedule import (
     resolve_schedule,
     schedule_changes,
 )
-from shardcache.read.splits import Split, check_split_name, split_ids
-from shardcache.read.streams import (
-    ShardIndex,
-    StreamLayout,
-    StreamPlan,
-    count_batches,
-    mixture_shard_index,
-    own_streams,
-)
+from shardcache.read.selection.splits import Split, check_split_name, split_ids
 from shardcache.read.trainers import refuse_accelerate_wrapper
 from shardcache.store.cache import Cache, Gathered, MappedTable, shards_within_file_limit
 from shardcache.store.key import verify_manifest_key

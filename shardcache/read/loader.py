@@ -18,7 +18,7 @@ from torch.utils.data import DataLoader
 from shardcache.config import check_int
 from shardcache.errors import ConfigError, MissingDependencyError
 from shardcache.read.dataset import Batch, ShardDataset
-from shardcache.read.prefetch import DevicePrefetcher, StallMonitor
+from shardcache.read.device_prefetch import DevicePrefetcher, StallMonitor
 
 #: The worker start method used when the platform offers it (see the module docstring).
 START_METHOD = "forkserver"

@@ -17,9 +17,9 @@ from typing import Any
 
 from shardcache.config import check_int
 from shardcache.errors import ConfigError
+from shardcache.read.device_prefetch import DevicePrefetcher, StallMonitor
+from shardcache.read.device_prefetch.prefetcher import MAX_DEPTH
 from shardcache.read.loader import ShardLoader, loader
-from shardcache.read.prefetch import DevicePrefetcher, StallMonitor
-from shardcache.read.prefetch.prefetcher import MAX_DEPTH
 
 #: The stage figures of a row (``StallMonitor.step`` names), in pipeline order.
 STAGES = ("plan_s", "fetch_s", "gather_s", "collate_s", "pin_s", "copy_s")

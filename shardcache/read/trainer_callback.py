@@ -14,8 +14,8 @@ from collections.abc import Callable
 from typing import Any
 
 from shardcache.errors import ConfigError
+from shardcache.read.device_prefetch.monitor import StallMonitor, over_ranks
 from shardcache.read.loader import ShardLoader
-from shardcache.read.prefetch.monitor import StallMonitor, over_ranks
 
 #: Figures added to the logs as means per step since the previous log (seconds).
 MEAN_FIGURES = (

@@ -15,7 +15,7 @@ from conftest import make_conversations, make_model, make_texts, write_records
 from shardcache import ConfigError, ShardDataset, open_cache
 from shardcache.builder.run import build_cache
 from shardcache.config import build_options_from_mapping
-from shardcache.read.attention import block_causal_mask, segment_starts, varlen_keys
+from shardcache.read.collate.attention import block_causal_mask, segment_starts, varlen_keys
 from shardcache.read.dataset import model_inputs
 
 ATOL = 1e-4

@@ -1,4 +1,4 @@
-"""Direct tests of the pure-numpy batch collation (shardcache.read.collate), and property
+"""Direct tests of the pure-numpy batch collation (shardcache.read.collate.layout), and property
 tests that the vectorised collation equals the per-sequence reference it replaced (kept here
 as ``_reference_pad`` / ``_reference_pack``) for random plans of every mode, with and without
 chat loss masks."""
@@ -12,8 +12,8 @@ import numpy as np
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcache.read.collate import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
-from shardcache.read.plan import PlanOptions, plan_epoch
+from shardcache.read.collate.layout import IGNORE_INDEX, pack_batch, packed_layout, pad_batch
+from shardcache.read.plan.epoch_plan import PlanOptions, plan_epoch
 
 PAD = 0
 
@@ -172,7 +172,7 @@ def test_pack_batch_matches_a_token_by_token_reference(case):
 
 
 def test_collate_does_not_import_torch():
-    code = "import sys, shardcache.read.collate; print('torch' in sys.modules)"
+    code = "import sys, shardcache.read.collate.layout; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
 

@@ -25,8 +25,8 @@ from shardcache import (
     StateError,
     open_cache,
 )
-from shardcache.read.mixture import MixtureIndex
-from shardcache.read.splits import SPLIT_NAMES, split_ids
+from shardcache.read.selection.mixture import MixtureIndex
+from shardcache.read.selection.splits import SPLIT_NAMES, split_ids
 from shardcache.store.key import CacheKey
 
 BUILD = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "workers": 1}
@@ -403,7 +403,7 @@ def test_the_compiled_reader_writes_source_ids_itself(caches, extra, monkeypatch
 def test_a_mixture_reads_with_the_kernels_a_single_cache_loaded(caches, extra):
     """A mixture's table and plan have the types of a single cache's (a read-only length
     index), so its first batch compiles no kernel of its own."""
-    from shardcache.read import kernels_jit
+    from shardcache.read.collate import kernels_jit
 
     next(iter(ShardDataset(caches["web"], 256, **extra)))
     loaded = (set(kernels_jit.pad.signatures), set(kernels_jit.pack.signatures))
@@ -471,7 +471,7 @@ def test_chat_and_plain_text_sources_give_the_numpy_paths_batches_compiled(
 
 
 def test_a_closed_mixture_forgets_its_shards_and_the_dataset_reopens_it(caches):
-    from shardcache.read.mixed_cache import MixedCache
+    from shardcache.read.selection.mixed_cache import MixedCache
 
     mixed = MixedCache(tuple(_sources(caches)))
     table = mixed.mapped_table()

@@ -12,7 +12,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from shardcache import ShardDataset, Source, open_cache
-from shardcache.read.streams import StreamPlan
+from shardcache.read.plan.streams import StreamPlan
 
 PACK = {"mode": "pack", "seq_len": 64, "attention": "none"}
 

@@ -1,4 +1,4 @@
-"""The compiled batch kernels (shardcache.read.kernels) against the numpy path they replace:
+"""The compiled batch kernels (shardcache.read.collate.kernels) against the numpy path they replace:
 every batch of whole epochs, in every mode, both id types, uint16 and uint32 shards, shuffled
 or not, must be identical; a kernel that meets a bad segment hands the batch back to the numpy
 path, which raises the descriptive error."""
@@ -12,7 +12,7 @@ import pytest
 
 from conftest import assert_batches_equal
 from shardcache import ShardDataset
-from shardcache.read import kernels
+from shardcache.read.collate import kernels
 from shardcache.store.cache import Cache
 
 pytest.importorskip("numba")
@@ -185,7 +185,7 @@ def test_token_ids_above_the_tokenizer_are_refused(caches, monkeypatch):
 def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, caplog):
     """A numba that cannot compile or load the kernels turns them off with a warning; reading
     goes on through numpy."""
-    from shardcache.read import kernels_jit
+    from shardcache.read.collate import kernels_jit
 
     monkeypatch.setattr(kernels, "disabled", None)
     kernels._compiled.cache_clear()

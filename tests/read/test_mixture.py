@@ -14,7 +14,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError
-from shardcache.read.mixture import (
+from shardcache.read.plan.epoch_plan import PlanOptions
+from shardcache.read.selection.mixture import (
     Mixture,
     MixtureIndex,
     Source,
@@ -26,7 +27,6 @@ from shardcache.read.mixture import (
     solve_mixture,
     source_seed,
 )
-from shardcache.read.plan import PlanOptions
 
 
 def _lengths(n: int, seed: int, high: int = 50) -> np.ndarray:
@@ -212,7 +212,7 @@ def test_changes_of_a_mixture_are_listed_field_by_field():
 
 
 def test_a_large_mixture_epoch_logs_its_planning(caplog, monkeypatch):
-    from shardcache.read import mixture as mixture_module
+    from shardcache.read.selection import mixture as mixture_module
 
     monkeypatch.setattr(mixture_module, "LOG_MIN_DOCUMENTS", 10)
     parts = [_lengths(20, 1), _lengths(20, 2)]
@@ -233,7 +233,7 @@ class _Terminal(io.StringIO):
 
 @pytest.mark.parametrize("terminal", [True, False])
 def test_a_large_mixture_epoch_shows_its_planning_on_a_terminal(monkeypatch, terminal):
-    from shardcache.read import mixture as mixture_module
+    from shardcache.read.selection import mixture as mixture_module
 
     monkeypatch.setattr(mixture_module, "LOG_MIN_DOCUMENTS", 10)
     stderr = _Terminal() if terminal else io.StringIO()
@@ -253,7 +253,7 @@ def test_a_large_mixture_epoch_shows_its_planning_on_a_terminal(monkeypatch, ter
 
 
 def test_document_uses_numbers_each_copy_of_a_document():
-    from shardcache.read.mixture import document_uses, epoch_documents
+    from shardcache.read.selection.mixture import document_uses, epoch_documents
 
     index = MixtureIndex.of([3, 2])
     chosen = np.array([0, 1, 2, 0, 1, 2, 1, 3, 4])  # source 0: two passes and a window

@@ -226,7 +226,7 @@ def _clocked_steps(clock: _Clock, monitor, steps: int, fetch_s: float, compute_s
 def test_the_stall_warning_needs_compute_and_the_threshold(
     warn_pct, compute_s, warned, monkeypatch, caplog
 ):
-    from shardcache.read.prefetch import monitor as module
+    from shardcache.read.device_prefetch import monitor as module
 
     clock = _Clock()
     monkeypatch.setattr(module, "time", clock)
@@ -238,7 +238,7 @@ def test_the_stall_warning_needs_compute_and_the_threshold(
 
 
 def test_the_stall_warning_waits_for_nine_steps(monkeypatch, caplog):
-    from shardcache.read.prefetch import monitor as module
+    from shardcache.read.device_prefetch import monitor as module
 
     clock = _Clock()
     monkeypatch.setattr(module, "time", clock)
@@ -253,7 +253,7 @@ def test_the_stall_warning_waits_for_nine_steps(monkeypatch, caplog):
 
 
 def test_stall_advice_picks_the_copy_or_the_largest_stage():
-    from shardcache.read.prefetch.monitor import stall_advice
+    from shardcache.read.device_prefetch.monitor import stall_advice
 
     reader = {"wait_reader_s": 1.0, "wait_copy_s": 0.1, "gather_s": 0.2, "pin_s": 0.5}
     assert stall_advice(reader)[0] == "pin_s"

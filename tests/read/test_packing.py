@@ -10,9 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcache.read import packing
-from shardcache.read.packing import best_fit_bins
-from shardcache.read.plan import PlanOptions, plan_epoch
+from shardcache.read.plan import packing
+from shardcache.read.plan.epoch_plan import PlanOptions, plan_epoch
+from shardcache.read.plan.packing import best_fit_bins
 
 
 def _windows(sizes: list[int], window: int) -> tuple[np.ndarray, np.ndarray]:

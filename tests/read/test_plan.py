@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from shardcache import ConfigError, PlanOptions, plan_epoch
-from shardcache.read.plan import split_epoch, worker_batches
+from shardcache.read.plan.epoch_plan import split_epoch, worker_batches
 
 
 @settings(max_examples=60, deadline=None)

@@ -10,7 +10,7 @@ import pytest
 
 from conftest import assert_resumable, make_string_pairs, make_texts, write_records
 from shardcache import ConfigError, ShardDataset, Source, Split, open_cache
-from shardcache.read.splits import split_ids
+from shardcache.read.selection.splits import split_ids
 
 PACK = {"mode": "pack", "seq_len": 64, "attention": "varlen"}
 

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import assert_resumable, eval_pass
 from shardcache import ShardDataset, Split, StateError, open_cache
-from shardcache.read.splits import SPLIT_NAMES, split_ids
+from shardcache.read.selection.splits import SPLIT_NAMES, split_ids
 
 SPLIT = Split(validation=0.2, test=0.1)
 PACK = {"mode": "pack", "seq_len": 64, "attention": "varlen"}

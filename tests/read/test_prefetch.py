@@ -1,4 +1,4 @@
-"""Tests for shardcache.read.prefetch.DevicePrefetcher.
+"""Tests for shardcache.read.device_prefetch.DevicePrefetcher.
 
 Most tests run the real prefetcher logic against ``FakeBackend``, a device simulated with threads:
 the copy stream is a worker thread that performs each "H2D copy" late (after a delay, in chunks),
@@ -31,13 +31,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from shardcache.errors import ConfigError
-from shardcache.read.prefetch import (
+from shardcache.read.device_prefetch import (
     DeviceBackend,
     DevicePrefetcher,
     PrefetchOptions,
     PrefetchStats,
 )
-from shardcache.read.prefetch.tree import PACK_ALIGN, packed_offsets, packed_view
+from shardcache.read.device_prefetch.tree import PACK_ALIGN, packed_offsets, packed_view
 
 POISON = 0xAB
 THREAD_NAME = "shardcache-prefetch"

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from shardcache.errors import CacheError, ConfigError
-from shardcache.read.readahead import (
+from shardcache.read.fetch.shard_readahead import (
     ReadAhead,
     ReadAheadOptions,
     ReadStats,

@@ -15,7 +15,7 @@ import pytest
 
 from conftest import assert_batches_equal, make_texts, write_records
 from shardcache import ShardDataset
-from shardcache.read.readahead import ReadAheadOptions, shards_of
+from shardcache.read.fetch.shard_readahead import ReadAheadOptions, shards_of
 from shardcache.store.cache import Cache
 
 pytestmark = [

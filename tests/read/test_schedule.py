@@ -12,8 +12,8 @@ import pytest
 from test_dataset_mixture import _build, _resume_stream, _segments
 
 from shardcache import ConfigError, Schedule, ShardDataset, Source, StateError, open_cache
-from shardcache.read.mixture import MixtureIndex
-from shardcache.read.schedule import resolve_schedule, window_documents
+from shardcache.read.selection.mixture import MixtureIndex
+from shardcache.read.selection.schedule import resolve_schedule, window_documents
 
 WINDOW = 2_000
 BOUNDARY = 5_000  # the second phase starts here: windows 0-1 full, window 2 cut to 1,000 tokens
@@ -278,8 +278,8 @@ def test_a_window_across_a_pass_numbers_each_copy_of_a_document_apart():
     """A window holding the end of a source's pass and the start of the next may hold a
     document twice, in any order: each copy has its own use (the transform's key), every
     (document, use) once, with the global plan (streams count copies in their own way)."""
-    from shardcache.read.mixture import document_uses
-    from shardcache.read.schedule import window_documents
+    from shardcache.read.selection.mixture import document_uses
+    from shardcache.read.selection.schedule import window_documents
 
     index = MixtureIndex.of([4])
     assert document_uses(np.array([3, 3, 1, 2, 0]), index, whole_passes=False).tolist() == [

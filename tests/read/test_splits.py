@@ -10,7 +10,7 @@ from torch.utils.data import DataLoader
 
 from conftest import eval_pass
 from shardcache import ConfigError, ShardDataset, Split, StateError, open_cache
-from shardcache.read.splits import SPLIT_NAMES, split_ids, split_summary
+from shardcache.read.selection.splits import SPLIT_NAMES, split_ids, split_summary
 
 SPLIT = Split(validation=0.2, test=0.1)
 PACK = {"mode": "pack", "seq_len": 64, "attention": "none"}

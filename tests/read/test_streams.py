@@ -1,4 +1,4 @@
-"""Canonical streams: the plan each rank computes only its part of (shardcache/read/streams.py)."""
+"""Canonical streams: the plan each rank computes only its part of (read/plan/streams.py)."""
 
 from __future__ import annotations
 
@@ -7,8 +7,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from shardcache.read.plan import PlanOptions, plan_epoch, split_epoch
-from shardcache.read.streams import (
+from shardcache.read.plan.epoch_plan import PlanOptions, plan_epoch, split_epoch
+from shardcache.read.plan.streams import (
     ShardIndex,
     StreamLayout,
     StreamPlan,

@@ -155,7 +155,7 @@ def test_an_open_shard_keeps_no_arrays_per_row(short_rows, kernels):
     import tracemalloc
 
     from shardcache import ShardDataset
-    from shardcache.read import collate
+    from shardcache.read.collate import layout as collate
 
     rows = open_cache(short_rows).num_sequences
     assert rows > 5000

@@ -527,7 +527,7 @@ def test_a_mixture_of_s3_sources_reads_as_the_local_one(s3, reference, corpus, t
     mixture of the same caches on local disk, and through DataLoader workers."""
     from torch.utils.data import DataLoader
 
-    from shardcache.read.mixture import Source
+    from shardcache.read.selection.mixture import Source
 
     _, web = reference
     other, _ = corpus("jsonl", n_files=1, docs=30, seed=7)

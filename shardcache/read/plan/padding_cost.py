@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.read.plan import PlanOptions, plan_epoch
+from shardcache.read.plan.epoch_plan import PlanOptions, plan_epoch
 
 
 def pad_cost(

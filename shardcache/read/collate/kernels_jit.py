@@ -1,4 +1,4 @@
-"""The numba kernels behind ``shardcache.read.kernels`` (imported only with numba).
+"""The numba kernels behind ``shardcache.read.collate.kernels`` (imported only with numba).
 
 ``pack`` and ``pad`` (``cache=True``: compiled once per machine) return 0, ``NEED_SHARD`` (open
 the shard in ``info[3]`` and call again) or an error code below zero. For a mixture, source
@@ -15,7 +15,7 @@ from llvmlite import ir
 from numba import types
 from numba.extending import intrinsic
 
-from shardcache.read.collate import IGNORE_INDEX
+from shardcache.read.collate.layout import IGNORE_INDEX
 from shardcache.store.cache import NO_MASK
 
 BAD_SEGMENT = -1  # a segment outside its sequence

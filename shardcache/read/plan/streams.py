@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from shardcache.read.plan import EpochPlan, PlanOptions, plan_sequences
+from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_sequences
 
 #: Mixed into the seed of the shard permutation so that it never equals a block's stream.
 _LAYOUT_KEY = 0x5354524D

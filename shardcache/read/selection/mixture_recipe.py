@@ -8,10 +8,10 @@ from typing import Any
 
 from shardcache.config import check_known, read_toml
 from shardcache.errors import ConfigError
-from shardcache.read.mixture import Source, as_sources, source_splits
-from shardcache.read.plan import PlanOptions
-from shardcache.read.schedule import Schedule
-from shardcache.read.splits import as_split, check_split_name
+from shardcache.read.plan.epoch_plan import PlanOptions
+from shardcache.read.selection.mixture import Source, as_sources, source_splits
+from shardcache.read.selection.schedule import Schedule
+from shardcache.read.selection.splits import as_split, check_split_name
 
 #: Keys of a ``[[source]]`` table.
 SOURCE_KEYS = ("path", "weight", "max_repetitions", "name", "splits")

@@ -21,8 +21,8 @@ from typing import Any
 import torch
 
 from shardcache.errors import ConfigError
-from shardcache.read.prefetch.prefetcher import DevicePrefetcher
-from shardcache.read.readahead import MIN_CONSUMER_SHARE
+from shardcache.read.device_prefetch.prefetcher import DevicePrefetcher
+from shardcache.read.fetch.shard_readahead import MIN_CONSUMER_SHARE
 
 logger = logging.getLogger("shardcache")
 

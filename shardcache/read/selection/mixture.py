@@ -22,8 +22,8 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.plan import EpochPlan, PlanOptions, plan_epoch
-from shardcache.read.splits import Split, as_split, check_split_name
+from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
+from shardcache.read.selection.splits import Split, as_split, check_split_name
 
 logger = logging.getLogger("shardcache")
 #: A mixture's epoch of at least this many documents logs its planning (INFO) and shows its

@@ -16,7 +16,7 @@ import numpy as np
 
 from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
-from shardcache.read.packing import best_fit_bins, cut_batches, stable_order
+from shardcache.read.plan.packing import best_fit_bins, cut_batches, stable_order
 
 #: Sequences per window. Larger windows sort more sequences of similar length together (less
 #: padding in pad mode, tighter rows in best_fit) but mix the order less;

@@ -22,9 +22,9 @@ import numpy as np
 
 from shardcache.config import check_fraction, check_int, parse_size
 from shardcache.errors import CacheError, ConfigError, ShardcacheError
-from shardcache.read.mixed_cache import MixedCache
-from shardcache.read.plan import EpochPlan
-from shardcache.read.streams import StreamPlan
+from shardcache.read.plan.epoch_plan import EpochPlan
+from shardcache.read.plan.streams import StreamPlan
+from shardcache.read.selection.mixed_cache import MixedCache
 from shardcache.store.cache import Cache
 from shardcache.store.remote import RemoteCache, cache_size_bytes
 

@@ -36,9 +36,9 @@ from typing import Any
 import torch
 
 from shardcache.errors import ConfigError
-from shardcache.read.prefetch.backend import DeviceBackend
-from shardcache.read.prefetch.options import PrefetchOptions, PrefetchStats
-from shardcache.read.prefetch.tree import (
+from shardcache.read.device_prefetch.backend import DeviceBackend
+from shardcache.read.device_prefetch.options import PrefetchOptions, PrefetchStats
+from shardcache.read.device_prefetch.tree import (
     cast_tree,
     flatten,
     packed_offsets,

@@ -13,7 +13,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from shardcache.read.plan import EpochPlan
+from shardcache.read.plan.epoch_plan import EpochPlan
 from shardcache.store.files import (
     cache_root,
     exclusive_lock,

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.mixture import (
+from shardcache.read.selection.mixture import (
     MAX_TOKENS_PER_EPOCH,
     Source,
     nearest_boundary,

@@ -24,14 +24,14 @@ from typing import Any
 import torch
 
 from shardcache.errors import ConfigError
-from shardcache.read.prefetch.backend import (
+from shardcache.read.device_prefetch.backend import (
     DeviceBackend,
     TorchDeviceBackend,
     default_device,
     parse_device,
 )
-from shardcache.read.prefetch.options import PrefetchOptions, PrefetchStats
-from shardcache.read.prefetch.ring import Ring
+from shardcache.read.device_prefetch.options import PrefetchOptions, PrefetchStats
+from shardcache.read.device_prefetch.ring import Ring
 
 #: The most batches ``DevicePrefetcher`` stages ahead.
 MAX_DEPTH = 64

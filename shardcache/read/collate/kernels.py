@@ -32,7 +32,7 @@ def _compiled() -> Any | None:
     if disabled is not None:
         return None
     try:
-        from shardcache.read import kernels_jit
+        from shardcache.read.collate import kernels_jit
     except ImportError:
         return None
     return kernels_jit

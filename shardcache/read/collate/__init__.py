@@ -1,0 +1,1 @@
+"""collate stage of the read pipeline."""

@@ -1,0 +1,1 @@
+"""fetch stage of the read pipeline."""

@@ -1,0 +1,1 @@
+"""samples stage of the read pipeline."""

@@ -1,0 +1,1 @@
+"""selection stage of the read pipeline."""
