@@ -48,7 +48,8 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from shardcache import PlanOptions, plan_epoch
 from shardcache.read.dataset import ShardDataset
-from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source, solve_mixture
+from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source
+from shardcache.read.selection.mixture_table import solve_mixture
 
 REPEATS = 3
 MODES = {

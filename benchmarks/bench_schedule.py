@@ -79,7 +79,8 @@ from shardcache.read.plan.streams import (
     mixture_shard_index,
     own_streams,
 )
-from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source, solve_mixture
+from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source
+from shardcache.read.selection.mixture_table import solve_mixture
 from shardcache.read.selection.schedule import Schedule, resolve_schedule
 
 REPEATS = 3

@@ -49,7 +49,8 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.samples.transforms import FIM, SpanMask
-    from shardcache.read.selection.mixture import MixtureTable, Source, SourceShare
+    from shardcache.read.selection.mixture import Source
+    from shardcache.read.selection.mixture_table import MixtureTable, SourceShare
     from shardcache.read.selection.schedule import Schedule, SchedulePoint, ScheduleTable
     from shardcache.read.selection.splits import Split
     from shardcache.read.trainer_callback import StallMonitorCallback
@@ -86,7 +87,7 @@ _LAZY: dict[str, str] = {
     "FIM": "shardcache.read.samples.transforms",
     "FORMAT_VERSION": "shardcache.store.layout",
     "LayoutOptions": "shardcache.config",
-    "MixtureTable": "shardcache.read.selection.mixture",
+    "MixtureTable": "shardcache.read.selection.mixture_table",
     "PlanOptions": "shardcache.read.plan.epoch_plan",
     "PrefetchOptions": "shardcache.read.device_prefetch",
     "PrefetchStats": "shardcache.read.device_prefetch",
@@ -103,7 +104,7 @@ _LAZY: dict[str, str] = {
     "StallMonitor": "shardcache.read.device_prefetch",
     "StallMonitorCallback": "shardcache.read.trainer_callback",
     "SourceOptions": "shardcache.config",
-    "SourceShare": "shardcache.read.selection.mixture",
+    "SourceShare": "shardcache.read.selection.mixture_table",
     "TokenizeOptions": "shardcache.config",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",

@@ -24,9 +24,9 @@ from shardcache.read.selection.mixture import (
     mixture_changes,
     mixture_documents,
     mixture_epoch_plan,
-    solve_mixture,
     source_seed,
 )
+from shardcache.read.selection.mixture_table import solve_mixture
 
 
 def _lengths(n: int, seed: int, high: int = 50) -> np.ndarray:

@@ -15,13 +15,8 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import CacheKeyMismatch
-from shardcache.read.selection.mixture import (
-    MixtureIndex,
-    MixtureTable,
-    Source,
-    once_table,
-    solve_mixture,
-)
+from shardcache.read.selection.mixture import MixtureIndex, Source
+from shardcache.read.selection.mixture_table import MixtureTable, once_table, solve_mixture
 from shardcache.store.cache import NO_MASK, Cache, Gathered, MappedTable
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url

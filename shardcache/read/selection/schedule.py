@@ -21,12 +21,8 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.selection.mixture import (
-    MAX_TOKENS_PER_EPOCH,
-    Source,
-    nearest_boundary,
-    normalised_shares,
-)
+from shardcache.read.selection.mixture import Source, nearest_boundary
+from shardcache.read.selection.mixture_table import MAX_TOKENS_PER_EPOCH, normalised_shares
 
 #: Schedule kinds: piecewise-constant weights, or weights interpolated between points.
 KINDS = ("phases", "linear")
