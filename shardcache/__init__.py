@@ -38,7 +38,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
         StateError,
         TokenizerError,
     )
-    from shardcache.read.dataset import ShardDataset, model_inputs, pair_logps
+    from shardcache.read.dataset import ShardDataset
     from shardcache.read.device_prefetch import (
         DevicePrefetcher,
         PrefetchOptions,
@@ -47,7 +47,9 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.fetch.shard_readahead import ReadAheadOptions
     from shardcache.read.loader import ShardLoader, loader
+    from shardcache.read.losses import model_inputs, pair_logps
     from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
+    from shardcache.read.samples.chain import Transform
     from shardcache.read.samples.transforms import FIM, SpanMask
     from shardcache.read.selection.mixture import Source
     from shardcache.read.selection.mixture_table import MixtureTable, SourceShare
@@ -106,13 +108,14 @@ _LAZY: dict[str, str] = {
     "SourceOptions": "shardcache.config",
     "SourceShare": "shardcache.read.selection.mixture_table",
     "TokenizeOptions": "shardcache.config",
+    "Transform": "shardcache.read.samples.chain",
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",
     "export_cache": "shardcache.store.export",
     "loader": "shardcache.read.loader",
-    "model_inputs": "shardcache.read.dataset",
+    "model_inputs": "shardcache.read.losses",
     "open_cache": "shardcache.store.cache",
-    "pair_logps": "shardcache.read.dataset",
+    "pair_logps": "shardcache.read.losses",
     "plan_epoch": "shardcache.read.plan.epoch_plan",
     "verify_cache": "shardcache.store.verify",
 }
@@ -161,6 +164,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "StateError",
     "TokenizeOptions",
     "TokenizerError",
+    "Transform",
     "VerifyReport",
     "__version__",
     "build_cache",

@@ -16,7 +16,7 @@ from shardcache import ConfigError, ShardDataset, open_cache
 from shardcache.builder.run import build_cache
 from shardcache.config import build_options_from_mapping
 from shardcache.read.collate.attention import block_causal_mask, segment_starts, varlen_keys
-from shardcache.read.dataset import model_inputs
+from shardcache.read.losses import model_inputs
 
 ATOL = 1e-4
 ARCH_IMPL = [(a, i) for a in ("qwen2", "llama") for i in ("sdpa", "eager")]

@@ -19,7 +19,8 @@ from torch.utils.data import DataLoader
 
 from conftest import assert_batches_equal, assert_resumable
 from shardcache import ConfigError, PlanOptions, ShardDataset, StateError, open_cache
-from shardcache.read.dataset import Batch, cache_digest
+from shardcache.read.batch import Batch
+from shardcache.read.selection.units import cache_digest
 
 
 @pytest.fixture()
@@ -464,7 +465,7 @@ def test_zstd_cache_gives_the_same_batches_within_the_decode_budget(
         got = []
         ds = ShardDataset(packed, max_tokens=256, seed=2, **mode)
         for batch in ds:
-            decoded = ds._cache._shards.decoded
+            decoded = ds._selection._cache._shards.decoded
             assert decoded.nbytes <= (8 << 10) + (4 << 10)  # the budget + one record batch
             got.append(batch)
         assert len(got) == len(want)

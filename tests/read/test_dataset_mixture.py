@@ -367,7 +367,7 @@ def test_the_compiled_reader_builds_the_same_batches_as_the_numpy_path(
 ):
     """One table over every source's shards: the same batches as the numpy path, also when
     each source keeps one shard open (shards close and reopen between and inside batches)."""
-    from shardcache.read import dataset as dataset_module
+    from shardcache.read.selection import units as dataset_module
 
     monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
     compiled = ShardDataset(_sources(caches), 256, seed=5, **extra)
@@ -459,7 +459,7 @@ def test_chat_and_plain_text_sources_mix_with_their_own_loss_masks(chat_and_text
 def test_chat_and_plain_text_sources_give_the_numpy_paths_batches_compiled(
     chat_and_text, extra, open_shards, monkeypatch
 ):
-    from shardcache.read import dataset as dataset_module
+    from shardcache.read.selection import units as dataset_module
 
     monkeypatch.setattr(dataset_module, "OPEN_SHARDS", open_shards)
     sources = [Source(p, weight=0.5) for p in chat_and_text]

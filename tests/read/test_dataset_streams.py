@@ -178,14 +178,14 @@ def test_stats_report_bytes_against_the_rank_share(many_shards):
 def test_the_next_epoch_is_counted_in_the_background(many_shards):
     small = ShardDataset(many_shards, 256, seed=0, streams=2)
     small.plan()
-    assert small._counting is None  # one block's rows: counted at once, no thread
+    assert small._planner._counting is None  # one block's rows: counted at once, no thread
     ds = ShardDataset(many_shards, 256, seed=0, streams=2, shuffle_block=100)
     ds.plan()
-    assert ds._counting is not None
-    ds._counting.join()
-    assert 1 in ds._counts
+    assert ds._planner._counting is not None
+    ds._planner._counting.join()
+    assert 1 in ds._planner._counts
     ds.set_epoch(1)
-    counts = ds._counts[1]
+    counts = ds._planner._counts[1]
     assert len(ds.plan()) == 2 * min(int(c.sum()) for c in counts.values())  # (tail="drop")
     assert ds.plan().counts().keys() == counts.keys()
 

@@ -13,6 +13,7 @@ import pytest
 from conftest import assert_batches_equal
 from shardcache import ShardDataset
 from shardcache.read.collate import kernels
+from shardcache.read.collate.collator import Compiled
 from shardcache.store.cache import Cache
 
 pytest.importorskip("numba")
@@ -114,14 +115,14 @@ def test_a_segment_outside_its_sequence_is_the_numpy_paths_error(caches):
     ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
                       attention="none")  # fmt: skip
     plan = ds.plan()
-    compiled = ds._compiled(plan)
+    compiled = Compiled(ds._selection, ds.options.max_tokens).of(plan)
     assert compiled.pack(0, 48, 0, np.dtype(np.int32)) is not None
     late = plan.seg_starts.copy()
     late[0] += 1000  # the same lengths, from past the sequence's end
     bad = type(plan)(plan.batch_offsets, plan.sample_ids, plan.row_offsets, late, plan.seg_lengths)
     with pytest.raises(IndexError, match="past the end"):
-        ds._compiled(bad).pack(0, 48, 0, np.dtype(np.int32))
-    ds._cache.gather = None  # the numpy path is not taken
+        Compiled(ds._selection, ds.options.max_tokens).of(bad).pack(0, 48, 0, np.dtype(np.int32))
+    ds._selection._cache.gather = None  # the numpy path is not taken
     with pytest.raises(IndexError, match="past the end"):
         ds.collate_batch(bad, 0)
     reference = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat",
@@ -142,25 +143,25 @@ def test_shards_open_on_demand_and_closed_ones_are_never_read(caches):
     reference = ShardDataset(path, **options)
     reference.kernels = False
     plan = ds.plan()
-    starts = ds._cache.shard_starts
+    starts = ds._selection._cache.shard_starts
     touched = [
         len(set(np.searchsorted(starts, plan.segments(i)[0], side="right").tolist()))
         for i in range(len(plan))
     ]
     most = max(touched)
-    assert len(ds._cache.shards) > 2 * most
-    ds._cache = Cache(path, open_shards=most)
-    table = ds._cache.mapped_table()
+    assert len(ds._selection._cache.shards) > 2 * most
+    ds._selection._cache = Cache(path, open_shards=most)
+    table = ds._selection._cache.mapped_table()
     gathered = []
-    real = ds._cache.gather
-    ds._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
+    real = ds._selection._cache.gather
+    ds._selection._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
     for index in range(len(plan)):
         assert_batches_equal(ds.collate_batch(plan, index), reference.collate_batch(plan, index))
         assert touched[index] <= np.count_nonzero(table.addresses) <= most
     assert not gathered
-    ds._cache = Cache(path, open_shards=most - 1)
-    real = ds._cache.gather
-    ds._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
+    ds._selection._cache = Cache(path, open_shards=most - 1)
+    real = ds._selection._cache.gather
+    ds._selection._cache.gather = lambda *a, **k: gathered.append(1) or real(*a, **k)
     for index in range(len(plan)):
         assert_batches_equal(ds.collate_batch(plan, index), reference.collate_batch(plan, index))
     assert 0 < len(gathered) < len(plan)
@@ -172,12 +173,12 @@ def test_token_ids_above_the_tokenizer_are_refused(caches, monkeypatch):
 
     ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
                       attention="none")  # fmt: skip
-    ds._cache = Cache(caches["u16"])
-    monkeypatch.setattr(ds._cache, "_max_id", 3)
+    ds._selection._cache = Cache(caches["u16"])
+    monkeypatch.setattr(ds._selection._cache, "_max_id", 3)
     monkeypatch.setattr(
-        ds._cache._shards, "reader_options", {"max_token_id": 3, "with_mask": False}
+        ds._selection._cache._shards, "reader_options", {"max_token_id": 3, "with_mask": False}
     )
-    ds._cache.gather = None  # the kernel's refusal names the file, not a numpy re-read
+    ds._selection._cache.gather = None  # the kernel's refusal names the file, not a numpy re-read
     with pytest.raises(CorruptShardError, match="record batch 0 holds token id"):
         next(iter(ds))
 
@@ -199,7 +200,9 @@ def test_kernels_that_fail_to_load_leave_the_numpy_path(caches, monkeypatch, cap
     assert "LLVM exploded" in caplog.text and not kernels.available(np.dtype(np.uint16))
     ds = ShardDataset(caches["u16"], max_tokens=256, mode="pack", packing="concat", seq_len=48,
                       attention="none")  # fmt: skip
-    assert ds._compiled(ds.plan()) is None and len(list(ds)) > 1
+    assert (
+        Compiled(ds._selection, ds.options.max_tokens).of(ds.plan()) is None and len(list(ds)) > 1
+    )
     monkeypatch.setattr(kernels, "disabled", None)
     kernels._compiled.cache_clear()
 
@@ -240,14 +243,14 @@ def test_a_pass_opens_each_shard_once_and_closes_them_at_its_end(many_shards, mo
     monkeypatch.setattr(shards_module.ShardReader, "__init__", counting)
     ds = ShardDataset(path, max_tokens=256, shuffle=False, mode="pack", packing="concat",
                       seq_len=48, attention="none")  # fmt: skip
-    names = [s["name"] for s in ds._cache.shards]
+    names = [s["name"] for s in ds._selection._cache.shards]
     assert len(names) > 64  # more than the old LRU held
     first = list(ds)
     assert sorted(opened) == sorted(names)
-    assert ds._cache._shards._open == {}
+    assert ds._selection._cache._shards._open == {}
     opened.clear()
     second = list(ds)
     assert sorted(opened) == sorted(names)
-    assert ds._cache._shards._open == {}
+    assert ds._selection._cache._shards._open == {}
     for a, b in zip(first, second, strict=True):
         assert_batches_equal(a, b)

@@ -1,4 +1,4 @@
-"""The epoch plan is computed once per machine and epoch and shared (read/plan_store.py)."""
+"""The epoch plan is computed once per machine and epoch and shared (read/plan/plan_store.py)."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from torch.utils.data import DataLoader
 
 from conftest import assert_batches_equal
 from shardcache import PlanOptions, ShardDataset, plan_epoch
-from shardcache.read import dataset, plan_store
+from shardcache.read.plan import plan_store
+from shardcache.read.selection import selection
 
 
 @pytest.fixture()
@@ -23,14 +24,14 @@ def planned(tmp_path, monkeypatch):
     monkeypatch.setattr(plan_store, "SHARE_MIN_SEQUENCES", 0)  # share even a small plan
     log = tmp_path / "planned.log"
     log.write_text("")
-    real = dataset.plan_epoch
+    real = selection.plan_epoch
 
     def counting(lengths, buckets, options, seed, epoch):
         with open(log, "a") as f:
             f.write(f"{epoch}\n")
         return real(lengths, buckets, options, seed, epoch)
 
-    monkeypatch.setattr(dataset, "plan_epoch", counting)
+    monkeypatch.setattr(selection, "plan_epoch", counting)
     return lambda: [int(x) for x in log.read_text().split()]
 
 

@@ -10,6 +10,7 @@ from torch.utils.data import DataLoader
 
 from conftest import eval_pass
 from shardcache import ConfigError, ShardDataset, Split, StateError, open_cache
+from shardcache.read.collate.collator import compiled_table
 from shardcache.read.selection.splits import SPLIT_NAMES, split_ids, split_summary
 
 SPLIT = Split(validation=0.2, test=0.1)
@@ -239,7 +240,9 @@ def test_no_transform_keeps_the_compiled_path(caches):
     with_transform = ShardDataset(caches[0], 256, transform=reverse_some)
     next(iter(with_transform))
     assert not with_transform.reads_compiled
-    assert ds.reads_compiled == (ds._table(ds._open()) is not None)  # unchanged without one
+    assert ds.reads_compiled == (
+        compiled_table(ds._selection, ds.kernels) is not None
+    )  # unchanged without one
 
 
 def test_info_shows_each_side_of_a_split(caches):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from shardcache.config import check_choice
 from shardcache.errors import ConfigError
 
 #: The values of ``ShardDataset(attention=...)`` in pack mode.
@@ -65,3 +66,23 @@ def varlen_keys(position_ids: np.ndarray) -> dict[str, np.ndarray | int]:
         "max_length_q": longest,
         "max_length_k": longest,
     }
+
+
+def check_attention(attention: str | None, mode: str) -> str | None:
+    """Check ``attention``: required in pack mode (no silent default), refused in pad mode."""
+    if mode == "pack":
+        if attention is None:
+            raise ConfigError(
+                "attention: mode='pack' needs attention= one of "
+                f"{', '.join(ATTENTION_MODES)}: 'mask' (4-D block-causal attention_mask; exact "
+                "with sdpa/eager), 'varlen' (cu_seq_lens_* for flash attention; sdpa/eager "
+                "need use_cache=False), 'none' (documents attend to each other). Without it, "
+                "transformers lets every document attend to the ones packed before it"
+            )
+        check_choice("attention", attention, ATTENTION_MODES)
+    elif attention is not None:
+        raise ConfigError(
+            f"attention: got {attention!r} with mode={mode!r}; it applies to mode='pack' only "
+            "(padded rows carry a 2-D attention_mask that every model honours). Drop attention="
+        )
+    return attention

@@ -22,9 +22,7 @@ import numpy as np
 
 from shardcache.config import check_fraction, check_int, parse_size
 from shardcache.errors import CacheError, ConfigError, ShardcacheError
-from shardcache.read.plan.epoch_plan import EpochPlan
-from shardcache.read.plan.streams import StreamPlan
-from shardcache.read.selection.mixed_cache import MixedCache
+from shardcache.read.selection.mixture import MixtureIndex
 from shardcache.store.cache import Cache
 from shardcache.store.remote import RemoteCache, cache_size_bytes
 
@@ -378,20 +376,24 @@ def shards_of(shard_starts: np.ndarray, ids: np.ndarray) -> list[int]:
 
 
 def cache_readahead(
-    cache: Cache | MixedCache,
-    plan: EpochPlan | StreamPlan,
+    caches: list[Cache],
+    index: MixtureIndex | None,
+    close_idle: Callable[[list[set[int] | None], int], Any],
+    plan: Any,
     batches: np.ndarray,
     options: ReadAheadOptions,
     stats: ReadStats,
     where: str,
 ) -> ReadAhead | None:
-    """A ``ReadAhead`` for this reader's shards in object storage (None when none)."""
-    mixed = isinstance(cache, MixedCache)
-    caches = cache.caches if isinstance(cache, MixedCache) else [cache]
+    """A ``ReadAhead`` for this reader's shards in object storage (None when none).
+
+    ``caches`` are the sources (one for one cache), ``index`` maps a mixture's ids to them
+    (None for one cache), ``close_idle(shards, room)`` closes every source's other shards;
+    ``plan.batch(j)`` gives the sample ids of global batch ``j``.
+    """
     remotes = [c.remote for c in caches]
     if all(r is None for r in remotes):
         return None
-    index = cache.index if isinstance(cache, MixedCache) else None
 
     def needs(position: int) -> list[Key]:
         ids = plan.batch(int(batches[position]))
@@ -426,10 +428,7 @@ def cache_readahead(
         shards = [set() if r is not None else None for r in remotes]
         for source, shard in keep:  # type: ignore[misc]
             shards[source].add(shard)  # type: ignore[union-attr]
-        if mixed:
-            cache.close_idle(shards, room)  # type: ignore[arg-type]
-        else:
-            cache.close_idle(shards[0], room)  # type: ignore[arg-type]
+        close_idle(shards, room)
 
     return ReadAhead(
         len(batches),

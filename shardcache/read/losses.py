@@ -1,0 +1,81 @@
+"""What a training loop computes from a batch: model keyword arguments, pairs' log-probs."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from shardcache.errors import ConfigError
+from shardcache.read.collate.layout import IGNORE_INDEX
+
+
+def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
+    """The keyword arguments of a model that rejects unknown ones.
+
+    Args:
+        batch: a batch of [`ShardDataset`][shardcache.ShardDataset].
+
+    Returns:
+        A new dict: ``batch`` without its ``"meta"``.
+    """
+    return {k: v for k, v in batch.items() if k != "meta"}
+
+
+def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per pair of a preference batch, the summed log-probabilities of its two completions.
+
+    What a DPO-style loss compares: for every sequence of the batch, the sum over its target
+    tokens (labels other than -100: the completion, never the prompt or padding) of the
+    log-probability the model gave it, the logits at position ``t`` scoring the label at
+    ``t + 1`` of the same sequence. Pad mode: a sequence per row; pack mode: a segment of
+    ``meta["cu_seqlens"]`` (a row's padding is a segment of no pair).
+
+    Args:
+        logits: the model's ``R x L x V`` logits over ``batch["input_ids"]`` (any float dtype;
+            summed in float32).
+        batch: a batch of a preference cache from [`ShardDataset`][shardcache.ShardDataset],
+            pad or pack mode, with its ``labels`` and ``meta`` (``pair_ids``, ``side``).
+
+    Returns:
+        ``(chosen, rejected)``: float32 tensors with one value per pair of the batch, on the
+        device of ``logits``; entry ``k`` of both is the batch's ``k``-th pair, whose id is
+        the ``k``-th ``meta["pair_ids"]`` entry with ``meta["side"]`` 0.
+
+    Raises:
+        ConfigError: ``batch`` is not a batch of a preference cache, or ``logits`` do not match
+            its ``labels``.
+    """
+    meta = batch.get("meta") if isinstance(batch, dict) else None
+    if not isinstance(meta, dict) or "side" not in meta or "labels" not in batch:
+        raise ConfigError(
+            "pair_logps: batch has no labels and meta['side']; pass a batch that "
+            "ShardDataset yields over a preference cache (built with --preference)"
+        )
+    labels = batch["labels"]
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ConfigError(
+            f"pair_logps: logits of shape {tuple(logits.shape)} for labels of shape "
+            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
+            "(rows x length x vocabulary)"
+        )
+    device = logits.device
+    rows, width = labels.shape
+    targets = labels.to(device)[:, 1:]
+    scored = logits[:, :-1].float()
+    picked = scored.gather(-1, targets.clamp(min=0).unsqueeze(-1)).squeeze(-1)
+    token_logps = picked - torch.logsumexp(scored, dim=-1)
+    valid = targets != IGNORE_INDEX
+    side = meta["side"].to(device)
+    if "cu_seqlens" in meta:  # pack mode: the segment of every target's flat position
+        at = (
+            torch.arange(1, width, device=device)
+            + width * torch.arange(rows, device=device)[:, None]
+        )
+        cu = meta["cu_seqlens"].to(device=device, dtype=torch.int64)
+        segment = torch.searchsorted(cu, at, right=True) - 1
+    else:  # pad mode: a row per sequence
+        segment = torch.arange(rows, device=device)[:, None].expand(rows, width - 1)
+    sums = torch.zeros(len(side), dtype=torch.float32, device=device)
+    sums.index_add_(0, segment[valid], token_logps[valid])
+    return sums[side == 0], sums[side == 1]
