@@ -68,6 +68,45 @@ def translate_errors(func: F) -> F:
     return wrapper  # type: ignore[return-value]
 
 
+class RegistryChoice(click.Choice):
+    """A choice among the names a registry holds, read each time click needs them.
+
+    The registry's module is imported then, not with the CLI (``shardcache info`` stays free of
+    the read layer), and a name registered after the CLI was imported is a valid choice.
+    """
+
+    def __init__(self, names: Callable[[], tuple[str, ...]]) -> None:
+        self.names = names
+        super().__init__((), case_sensitive=True)
+
+    @property  # type: ignore[override]
+    def choices(self) -> tuple[str, ...]:
+        """The registry's names now."""
+        return tuple(self.names())
+
+    @choices.setter
+    def choices(self, value: object) -> None:
+        """Ignore ``click.Choice``'s own list: the registry is the only one."""
+
+
+def _plan_modes() -> tuple[str, ...]:
+    from shardcache.read.plan.policies import modes
+
+    return modes()
+
+
+def _packings() -> tuple[str, ...]:
+    from shardcache.read.plan.policies import packings
+
+    return packings()
+
+
+def _export_formats() -> tuple[str, ...]:
+    from shardcache.store.export import EXPORTERS
+
+    return tuple(EXPORTERS)
+
+
 @click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, "-V", "--version", prog_name="shardcache")
 def main() -> None:
@@ -566,11 +605,11 @@ def _show_batch(opened: Any, index: int, options: dict[str, Any]) -> dict[str, A
               "planned with the options below at world size 1.")  # fmt: skip
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="--batch: the token budget of a batch.")  # fmt: skip
-@click.option("--mode", type=click.Choice(["pad", "pack"]), default="pad", show_default=True,
+@click.option("--mode", type=RegistryChoice(_plan_modes), default="pad", show_default=True,
               help="--batch: pad or pack.")  # fmt: skip
 @click.option("--seq-len", type=click.IntRange(min=1), help="--batch --mode pack: the row "
               "length.  [default: --max-tokens]")  # fmt: skip
-@click.option("--packing", type=click.Choice(["best_fit", "concat"]), default="best_fit",
+@click.option("--packing", type=RegistryChoice(_packings), default="best_fit",
               show_default=True, help="--batch --mode pack: how rows are filled.")  # fmt: skip
 @click.option("--epoch", type=click.IntRange(min=0), default=0, show_default=True,
               help="--batch: the epoch.")  # fmt: skip
@@ -683,7 +722,7 @@ def _int_list(text: str, param: str, none: str | None = None) -> tuple[Any, ...]
               "needed by --depth.")  # fmt: skip
 @click.option("--max-tokens", type=click.IntRange(min=1), default=4096, show_default=True,
               help="The token budget of a batch.")  # fmt: skip
-@click.option("--mode", type=click.Choice(["pad", "pack"]), default="pad", show_default=True,
+@click.option("--mode", type=RegistryChoice(_plan_modes), default="pad", show_default=True,
               help="pad or pack.")  # fmt: skip
 @click.option("--seq-len", type=click.IntRange(min=1), help="--mode pack: the row length.  "
               "[default: --max-tokens]")  # fmt: skip
@@ -783,7 +822,7 @@ def _parse_split(spec: str) -> Any:
 @main.command("export")
 @click.argument("cache")
 @click.argument("output")
-@click.option("--format", "-f", "fmt", required=True, type=click.Choice(["megatron", "hf"]),
+@click.option("--format", "-f", "fmt", required=True, type=RegistryChoice(_export_formats),
               help="megatron: OUTPUT.bin + OUTPUT.idx for megatron-core's IndexedDataset; hf: "
               "a folder for datasets.load_from_disk.")  # fmt: skip
 @click.option("--drop-loss-mask", is_flag=True, help="megatron: export a chat cache's ids "

@@ -443,6 +443,7 @@ RECIPE_KEYS = {
 CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
 
 
+#: The data kinds a cache may hold (its manifest's ``kind``): the one list every layer reads.
 KINDS = ("text", "chat", "preference")
 
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import KINDS
 from shardcache.errors import CacheError, CacheNotFoundError, CorruptShardError
 from shardcache.store.build_lock import running_build
 from shardcache.store.layout import (
@@ -33,9 +34,8 @@ from shardcache.store.layout import (
 #: Counts and sizes fit an int64 (numpy arrays of row starts, ``np.fromiter``).
 MAX_COUNT = 2**63 - 1
 DTYPES = ("uint16", "uint32")
-KINDS = ("text", "chat", "preference")
-#: The kinds whose shards store a loss mask per token (a ``mask`` column).
-MASKED_KINDS = ("chat", "preference")
+#: The kinds whose shards store a loss mask per token (a ``mask`` column): all but plain text.
+MASKED_KINDS = tuple(kind for kind in KINDS if kind != "text")
 TOTALS = ("documents", "sequences", "tokens", "shards", "shard_bytes", "input_bytes")
 STATS = ("truncated_documents", "dropped_documents", "split_documents", "empty_documents",
          "lost_tokens")  # fmt: skip
