@@ -88,7 +88,9 @@ def _contracts() -> list[tuple[str, object, object]]:
         if inspect.isfunction(value):
             out.append((name, value, value))
         elif inspect.isclass(value) and not issubclass(value, BaseException):
-            out.append((name, value.__init__, value))  # the class docstring documents __init__
+            # the class docstring documents __init__ (a Protocol is never constructed)
+            init = object.__init__ if getattr(value, "_is_protocol", False) else value.__init__
+            out.append((name, init, value))
             for attr, member in vars(value).items():
                 if inspect.isfunction(member) and not attr.startswith("_"):
                     out.append((f"{name}.{attr}", member, member))
