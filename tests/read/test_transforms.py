@@ -7,6 +7,7 @@ import dataclasses
 import json
 import pathlib
 import pickle
+import re
 
 import numpy as np
 import pytest
@@ -338,8 +339,8 @@ def test_span_mask_through_shard_dataset_resumes_exactly(cache_dir, ids_of):
 
 
 def _stamp(ids, mask, rng):
-    """Overwrite every token with draws of ``rng``: the output shows which generator ran."""
-    return rng.integers(10, 60000, len(ids)).astype(ids.dtype), mask
+    """Overwrite every token with real ids drawn by ``rng``: the output shows which one ran."""
+    return rng.integers(10, 400, len(ids)).astype(ids.dtype), mask
 
 
 @pytest.mark.parametrize(("streams", "side"), [(0, None), (3, None), (0, "train")])
@@ -717,3 +718,61 @@ def test_a_batch_that_tail_wrap_reads_again_gets_its_own_randomness(cache, strea
     assert all(copies[sample][0] == tokens for sample, tokens in dropped.items())
     steps = len(list(make(world - 1)))
     assert_resumable(lambda: make(world - 1), iter, _key, steps=[steps - 2, steps - 1])
+
+
+# ---- every id a transform returns is checked (issue 57) ---------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class _Puts:
+    """Put ``value`` (any Python or numpy value) at the first token, as ``dtype``."""
+
+    value: object
+    dtype: str = "int64"
+
+    def __call__(self, ids, mask, rng):
+        out = ids.astype(self.dtype)
+        out[0] = self.value
+        return out, mask
+
+
+@pytest.mark.parametrize(
+    ("value", "dtype", "match"),
+    [
+        (-1, "int64", r"returned id -1 .*ids are 0 to {top}"),
+        ("top+1", "int64", r"returned id {over} .*past the largest id {top}"),
+        (2**32 + 7, "int64", r"returned id 4294967303 .*past the largest id .*wrap to 7"),
+        (2**32 + 7, "uint64", r"returned id 4294967303 "),
+        (1035.7, "float64", r"returned id 1035\.7 .*not a whole number"),
+        (float("nan"), "float64", r"returned id nan "),
+        (True, "bool", r"returned ids of dtype bool"),
+    ],
+)
+@pytest.mark.parametrize("cache", ["cache_dir", "chat_cache"])
+def test_every_id_a_transform_returns_is_checked(cache, value, dtype, match, request):
+    """A returned id below 0, past the cache's largest id, not whole, or that the ids dtype
+    cannot hold (it would wrap) is refused with the transform, the sample and the value named;
+    a transform is never compiled (it forces the numpy path), so this check is the only one."""
+    path = request.getfixturevalue(cache)
+    with open_cache(path) as opened:
+        top = int(opened.manifest["tokenizer"]["max_token_id"])
+    value = top + 1 if value == "top+1" else value
+    transform = _Puts(value, dtype)
+    ds = ShardDataset(path, 1024, transform=transform)
+    assert not ds.reads_compiled
+    want = rf"transform {re.escape(repr(transform))}: sample \d+ .*"
+    with pytest.raises(ConfigError, match=want + match.format(top=top, over=top + 1)):
+        next(iter(ds))
+
+
+@pytest.mark.parametrize("cache", ["cache_dir", "chat_cache"])
+def test_ids_a_transform_returns_at_the_edges_of_the_vocabulary_are_kept(cache, request):
+    """0 and the largest id are real ids; whole floats are ids: labels are -100 or a real id."""
+    path = request.getfixturevalue(cache)
+    with open_cache(path) as opened:
+        top = int(opened.manifest["tokenizer"]["max_token_id"])
+    for transform in (_Puts(0), _Puts(top, "uint64"), _Puts(float(top), "float64")):
+        for batch in ShardDataset(path, 1024, transform=transform):
+            ids, labels = batch["input_ids"], batch["labels"]
+            assert int(ids.min()) >= 0 and int(ids.max()) <= top
+            assert ((labels == -100) | ((labels >= 0) & (labels <= top))).all()

@@ -4,7 +4,11 @@ A ``Transform`` is any callable ``(ids, mask, rng) -> (ids, mask)`` (a function,
 ``SpanMask``, your own class): nothing in the library changes to add one. ``ShardDataset``
 takes one or a sequence; ``TransformChain`` runs them in order on every gathered segment, each
 with a generator of its own seeded by (seed, epoch, sample id, repetition, segment start, and
-the wrap of a batch ``tail="wrap"`` reads again), and checks what each returns.
+the wrap of a batch ``tail="wrap"`` reads again), and checks what each returns: its shape and
+length, its loss mask, and every id (an int from 0 to the cache's largest id, so that a label is
+-100 or a real id and no value wraps in the batch's ids dtype), a few numpy reductions per
+segment. A transform always runs on the numpy path (the compiled batch path runs none), so this
+check is the only one its ids pass.
 """
 
 from __future__ import annotations
@@ -97,11 +101,16 @@ class TransformChain:
         seed: int,
         epoch: int,
         growth: int,
+        max_token_id: int,
     ) -> Gathered:
         """The chain run on each gathered segment with its own seeded generators, checked.
 
         ``repeats`` carry each segment's repetition, a wrap in their high bits; ``growth`` is
-        what the plan reserved per segment.
+        what the plan reserved per segment; ``max_token_id`` the largest id a step may return.
+
+        Raises:
+            ConfigError: a step returned something else than ``(ids, mask)`` of the allowed
+                length, or an id that is not an int from 0 to ``max_token_id``.
         """
         tokens, mask = got.tokens, got.mask
         offsets = got.offsets.tolist()
@@ -121,6 +130,7 @@ class TransformChain:
                 given = None if seg_mask is None else seg_mask.copy()  # (kept as it was)
                 out = transform(ids.copy(), given, rng)
                 ids, seg_mask = _checked(out, ids, seg_mask, n, growth, sample, start)
+                _check_ids(ids, max_token_id, tokens.dtype, transform, sample, start)
             out_ids.append(ids)
             if seg_mask is not None:
                 out_masks.append(seg_mask)
@@ -176,3 +186,51 @@ def _checked(
             f"shape {ids.shape} for sample {sample}; return one mask entry per token"
         )
     return ids, new_mask
+
+
+def _check_ids(
+    ids: np.ndarray, top: int, dtype: np.dtype, transform: Any, sample: int, start: int
+) -> None:
+    """Refuse an id that is not a whole number from 0 to ``top`` (the cache's largest id).
+
+    One reduction per segment on the common path: a signed array viewed as unsigned puts the
+    negative ids above every real one. Only a failing segment is searched for its first bad id.
+    """
+    kind = ids.dtype.kind
+    if kind in "iu":
+        if not ids.size:
+            return
+        as_unsigned = ids if kind == "u" else ids.view(f"u{ids.dtype.itemsize}")
+        if int(as_unsigned.max()) <= top:
+            return
+        bad = (ids < 0) | (ids > top)
+    elif kind == "f":
+        with np.errstate(invalid="ignore"):
+            bad = ~(np.isfinite(ids) & (ids >= 0) & (ids <= top) & (ids == np.trunc(ids)))
+        if not bad.any():
+            return
+    else:
+        raise ConfigError(
+            f"transform {transform!r}: sample {sample} (piece at token {start}) returned ids "
+            f"of dtype {ids.dtype}; return an array of integer token ids (the ids it was given "
+            "are numpy ints)"
+        )
+    at = int(np.flatnonzero(bad)[0])
+    value = ids[at].item()
+    if kind == "f" and not np.isfinite(value):
+        why = "not a finite number"
+    elif kind == "f" and value != int(value):
+        why = "not a whole number"
+    elif value < 0:
+        why = "below 0"
+    else:
+        why = f"past the largest id {top} of the tokenizer the cache was built with"
+        info = np.iinfo(dtype)
+        if value > info.max:
+            wrapped = np.array([value], dtype=np.uint64).astype(dtype)[0]
+            why += f"; in the batch's {dtype} ids it would wrap to {wrapped}"
+    raise ConfigError(
+        f"transform {transform!r}: sample {sample} (piece at token {start}) returned id "
+        f"{value} at position {at}: {why}. The cache's ids are 0 to {top}, so that a label is "
+        "-100 or a real id; return ids of the tokenizer the cache was built with"
+    )

@@ -113,8 +113,9 @@ class SequenceReader:
             first = np.zeros(count, np.int64) if starts is None else np.asarray(starts)
             uses = np.zeros(count, np.int64) if repeats is None else np.asarray(repeats)
             got = chain.apply(
-                got, np.asarray(sample_ids), first, uses, self.seed, epoch, self.growth
-            )
+                got, np.asarray(sample_ids), first, uses, self.seed, epoch, self.growth,
+                self.selection.max_token_id,
+            )  # fmt: skip
         self.gather_s += time.perf_counter() - began
         return got
 
