@@ -33,14 +33,16 @@ def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tenso
 
     Args:
         logits: the model's ``R x L x V`` logits over ``batch["input_ids"]`` (any float dtype;
-            summed in float32).
+            each token's log-softmax in float32, the sum accumulated in float64).
         batch: a batch of a preference cache from [`ShardDataset`][shardcache.ShardDataset],
             pad or pack mode, with its ``labels`` and ``meta`` (``pair_ids``, ``side``).
 
     Returns:
         ``(chosen, rejected)``: float32 tensors with one value per pair of the batch, on the
         device of ``logits``; entry ``k`` of both is the batch's ``k``-th pair, whose id is
-        the ``k``-th ``meta["pair_ids"]`` entry with ``meta["side"]`` 0.
+        the ``k``-th ``meta["pair_ids"]`` entry with ``meta["side"]`` 0. Each value is within
+        one float32 ulp of its sum (``1.2e-7 * |sum|``) of the float64 sum of the float32
+        logits' log-probs: the per-token log-softmax is float32, the accumulation float64.
 
     Raises:
         ConfigError: ``batch`` is not a batch of a preference cache, or ``logits`` do not match
@@ -76,6 +78,10 @@ def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tenso
         segment = torch.searchsorted(cu, at, right=True) - 1
     else:  # pad mode: a row per sequence
         segment = torch.arange(rows, device=device)[:, None].expand(rows, width - 1)
-    sums = torch.zeros(len(side), dtype=torch.float32, device=device)
-    sums.index_add_(0, segment[valid], token_logps[valid])
+    # each token's log-prob is a float32 difference; their sum is accumulated in float64 (not
+    # float32, which loses a few ulps of a sum of thousands) where the device has float64
+    wide = device if device.type != "mps" else torch.device("cpu")
+    sums = torch.zeros(len(side), dtype=torch.float64, device=wide)
+    sums.index_add_(0, segment[valid].to(wide), token_logps[valid].to(wide, torch.float64))
+    sums = sums.to(device=device, dtype=torch.float32)
     return sums[side == 0], sums[side == 1]

@@ -98,3 +98,31 @@ def test_a_batch_without_pairs_is_refused(pairs_cache, tokenizer_dir):
     pad = next(iter(ShardDataset(pairs_cache, 256, seed=2, streams=0)))
     with pytest.raises(ConfigError, match="logits of shape"):
         pair_logps(torch.zeros(1, 2, 8), pad)
+
+
+@pytest.mark.parametrize("mode", ["pad", "pack"])
+def test_sums_hold_their_documented_tolerance_at_qwens_vocabulary(mode):
+    """At Qwen's 151,646 ids and sums of thousands, each value is within one float32 ulp of its
+    sum (``2**-23 * |sum|``) of a float64 reference over the same float32 logits: the tokens'
+    log-probs are accumulated in float64 (a float32 ``index_add_`` was 2-4 ulps off)."""
+    vocab, rows, width = 151_646, 4, 256
+    gen = torch.Generator().manual_seed(3)
+    logits = torch.randn(rows, width, vocab, generator=gen) * 4
+    ids = torch.randint(0, vocab, (rows, width), generator=gen)
+    labels = ids.clone()
+    labels[:, :8] = -100  # the prompt, and each sequence's first token
+    side = torch.tensor([0, 1, 0, 1])
+    meta = {"side": side, "pair_ids": torch.tensor([0, 0, 1, 1])}
+    if mode == "pack":  # the same rows as one segment each of a packed batch
+        meta["cu_seqlens"] = torch.arange(rows + 1, dtype=torch.int32) * width
+    chosen, rejected = pair_logps(logits, {"input_ids": ids, "labels": labels, "meta": meta})
+    got = torch.stack([chosen, rejected], 1).flatten().double()
+    want = torch.empty(rows, dtype=torch.float64)
+    for row in range(rows):  # one row at a time: a float64 copy of all of them is 1.2 GB
+        wide = logits[row, :-1].double()
+        target = labels[row, 1:]
+        picked = wide.gather(-1, target.clamp(min=0)[:, None])[:, 0] - wide.logsumexp(-1)
+        want[row] = picked[target != -100].sum()
+    assert (want.abs() > 4000).all()
+    ulp = torch.finfo(torch.float32).eps * want.abs()
+    assert ((got - want).abs() <= ulp).all(), ((got - want).abs() / ulp).tolist()
