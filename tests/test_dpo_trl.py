@@ -210,3 +210,34 @@ def test_trl_pairs_refuses_a_completion_with_an_untrained_turn_naming_the_pair(
     k = next(k for k in range(3) if built.lookup(2 * k).record == 1)  # the two-turn pair
     with pytest.raises(ValueError, match=rf"pair {k} \(sample ids {2 * k}, .*\(1 of 3 pairs"):
         adapter.trl_pairs(cache)
+
+
+def test_trl_tokenizes_prompt_and_completion_as_one_text_the_cache_apart(
+    tmp_path, build_cache, tokenizer_dir
+):
+    """What docs/guide/preference.md says of string pairs: TRL tokenizes the prompt alone and
+    prompt + completion as one text (the completion starts where they diverge), the cache
+    tokenizes them apart. The ids agree when the prompt ends on a token boundary (a completion
+    starting with a space) and differ when a token spans the boundary (a prompt ending mid-word)."""
+    from transformers import AutoTokenizer
+
+    from conftest import WORDS
+
+    tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    # a word the tokenizer spells as one token after a space, cut in two across the boundary
+    word = next(w for w in WORDS if len(w) >= 4 and len(tok(" " + w).input_ids) == 1)
+    glued = {"prompt": "say " + word[:2], "chosen": word[2:] + " now", "rejected": " no"}
+    spaced = {"prompt": "say " + word, "chosen": " now", "rejected": " no"}
+    records = [spaced, glued]
+    path = write_records(str(tmp_path / "pairs.jsonl"), records, "jsonl")
+    cache = open_cache(build_cache(path, tokenizer_dir, kind="preference"))
+    dpo = recipe("train_dpo")
+    model = dpo.tiny_model(int(cache.manifest["tokenizer"]["vocab_size"]), 32, 128)
+    rows = trl_trainer(records, tokenizer_dir, model, model, tmp_path).train_dataset
+    same = {}
+    for sample in range(cache.num_sequences):
+        record = cache.lookup(sample).record
+        row = rows[record]
+        side = row["chosen_ids"] if sample % 2 == 0 else row["rejected_ids"]
+        same[record, sample % 2] = cache.read(sample).tolist() == row["prompt_ids"] + side
+    assert same == {(0, 0): True, (0, 1): True, (1, 0): False, (1, 1): True}
