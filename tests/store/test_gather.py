@@ -162,7 +162,7 @@ def test_an_open_shard_keeps_no_arrays_per_row(short_rows, kernels):
     ds = ShardDataset(short_rows, max_tokens=64, shuffle=False)
     ds.kernels = kernels
     ds.plan()  # the plan and the cache's table are O(rows) by design: made before measuring
-    ds._cache._starts_table()
+    ds._selection._cache._starts_table()
     collate._ramp(1, np.dtype(np.int64))  # a process-wide 64k ramp the numpy path keeps
     gc.collect()
     tracemalloc.start()
@@ -175,5 +175,5 @@ def test_an_open_shard_keeps_no_arrays_per_row(short_rows, kernels):
         kept = tracemalloc.get_traced_memory()[0] - before
     finally:
         tracemalloc.stop()
-    assert ds._cache._shards._open  # the shards are still open
+    assert ds._selection._cache._shards._open  # the shards are still open
     assert kept < 4 * rows, f"{kept} bytes kept for {rows} rows"
