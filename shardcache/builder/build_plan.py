@@ -372,6 +372,7 @@ def completed(storage: Storage, partitions: list[Partition]) -> dict[str, Partit
             result.partition == p.id
             and result.source == p.file.relpath
             and f"{p.id}.lengths.npy" in parts
+            and f"{p.id}.content_keys.npy" in parts  # (a version before content keys: redone)
             and f"{p.id}.quarantine.jsonl" in parts
             and all(shards.get(shard.name) == shard.bytes for shard in result.shards)
         ):

@@ -50,6 +50,7 @@ from shardcache.store.files import (
 )
 from shardcache.store.layout import (
     BUILD_STATE,
+    CONTENT_KEYS_FILE,
     FORMAT_VERSION,
     LENGTHS_FILE,
     MANIFEST,
@@ -63,6 +64,8 @@ from shardcache.store.manifest import parse_manifest_text
 from shardcache.store.storage import Storage, open_storage
 from shardcache.version import __version__
 
+#: The manifest's ``index`` entries and their files.
+INDEX_FILES = {"lengths": LENGTHS_FILE, "content_keys": CONTENT_KEYS_FILE}
 #: Scratch folders of URL commits: ``<prefix><pid>-<random>`` in the temporary folder.
 COMMIT_SCRATCH_PREFIX = "shardcache-commit-"
 
@@ -90,7 +93,7 @@ def commit(
     sweep_dead_scratch(tempfile.gettempdir())
     with storage.staging(f"commit-{os.getpid()}") as out:  # see COMMIT_SCRATCH_PREFIX
         staged = [f"{PARTS_DIR}/{r.partition}.{ext}" for r in results
-                  for ext in ("lengths.npy", "quarantine.jsonl")]  # fmt: skip
+                  for ext in ("lengths.npy", "content_keys.npy", "quarantine.jsonl")]  # fmt: skip
         storage.fetch(out, staged)
         q_bytes, q_sha, q_lines = concat_files_atomic(
             os.path.join(out, QUARANTINE),
@@ -116,18 +119,18 @@ def commit(
         storage.fetch(out, [f"{SHARD_DIR}/{m.name}" for g in joining for m in g.members])
         threads = min(options.num_workers, MAX_MERGE_THREADS)
         compacted = compact(out, groups, layout.compression, layout.shard_size_bytes, threads)
-        lengths_path = os.path.join(out, LENGTHS_FILE)
-        write_npy_concat_atomic(lengths_path, compacted.lengths)
+        write_npy_concat_atomic(os.path.join(out, LENGTHS_FILE), compacted.lengths)
+        write_npy_concat_atomic(os.path.join(out, CONTENT_KEYS_FILE), compacted.content_keys())
         fault_point("commit")
         manifest = _manifest(plan, results, encoder, compacted, per_file, stats, bad, lint)
-        manifest["index"] = {"lengths": {"name": LENGTHS_FILE,
-                                         "bytes": os.path.getsize(lengths_path),
-                                         "sha256": sha256_file(lengths_path)}}  # fmt: skip
+        manifest["index"] = {key: {"name": name, "bytes": os.path.getsize(os.path.join(out, name)),
+                                   "sha256": sha256_file(os.path.join(out, name))}
+                             for key, name in INDEX_FILES.items()}  # fmt: skip
         manifest["quarantine"] = {"name": QUARANTINE, "bytes": q_bytes, "sha256": q_sha,
                                   "records": q_lines}  # fmt: skip
         merged = [f"{SHARD_DIR}/{g.name}" for g in joining]
         _remove_unlisted(storage, results, {n.split("/", 1)[1] for n in merged})
-        storage.publish(out, [*merged, LENGTHS_FILE, QUARANTINE])
+        storage.publish(out, [*merged, *INDEX_FILES.values(), QUARANTINE])
         fault_point("commit")
         write_json_atomic(os.path.join(out, MANIFEST), manifest)
         storage.publish(out, [MANIFEST])  # the commit point
@@ -205,7 +208,8 @@ def _remove_unlisted(storage: Storage, results: list[PartitionResult], merged: s
     listed = {s.name for r in results for s in r.shards} | merged
     storage.remove([f"{SHARD_DIR}/{n}" for n in storage.sizes(SHARD_DIR) if n not in listed])
     keep = {f"{r.partition}.{ext}" for r in results
-            for ext in ("json", "lengths.npy", "quarantine.jsonl")} | {BUILD_STATE}  # fmt: skip
+            for ext in ("json", "lengths.npy", "content_keys.npy", "quarantine.jsonl")
+            } | {BUILD_STATE}  # fmt: skip
     storage.remove([f"{PARTS_DIR}/{n}" for n in storage.sizes(PARTS_DIR) if n not in keep])
     storage.remove_folders([SHARES_DIR])
 

@@ -50,6 +50,12 @@ class Compacted:
     lengths: list[LengthSlice]
     joined: list[str]
 
+    def content_keys(self) -> list[LengthSlice]:
+        """The slices of the partitions' ``parts/<id>.content_keys.npy`` of the same rows."""
+        suffix = ".lengths.npy"
+        return [(path[: -len(suffix)] + ".content_keys.npy", start, stop)
+                for path, start, stop in self.lengths]  # fmt: skip
+
 
 def plan_groups(shards: list[ShardInfo], target_tokens: int) -> list[list[int]]:
     """Index groups of one bucket's shards: a full one alone, consecutive smaller ones joined.

@@ -21,6 +21,7 @@ import numpy as np
 
 from shardcache.builder.bucket import assign_buckets
 from shardcache.builder.build_plan import BuildPlan, Partition, PartitionResult
+from shardcache.builder.content_keys import content_keys
 from shardcache.builder.encoders import Encoder, reference_only, take_lint
 from shardcache.builder.fault_points import fault_point
 from shardcache.builder.inputs import reader_of
@@ -173,7 +174,9 @@ def build_partition(
         write_json_atomic(os.path.join(staged, record), result.to_json())
         fault_point("part")
         files = [f"{SHARD_DIR}/{s.name}" for s in result.shards]
-        files += [f"{PARTS_DIR}/{partition.id}.lengths.npy"]
+        files += [
+            f"{PARTS_DIR}/{partition.id}.{ext}" for ext in ("lengths.npy", "content_keys.npy")
+        ]
         files += [f"{PARTS_DIR}/{partition.id}.quarantine.jsonl", record]  # the record last
         storage.publish(staged, files)
     return result
@@ -445,6 +448,7 @@ def _open_writers(plan: BuildPlan, partition: Partition, encoder: Encoder) -> li
 
 def _write_batch(
     writers: list[BucketWriter],
+    keys: list[list[np.ndarray]],
     batch: TextBatch,
     encoded: Encoded,
     edges: tuple[int, ...],
@@ -452,13 +456,18 @@ def _write_batch(
     times: StageTimes,
     pairs: bool = False,
 ) -> None:
-    """Bucket a batch's sequences, append them to the writers and count its documents."""
+    """Bucket a batch's sequences, append them to the writers and count its documents.
+
+    ``keys[b]`` gets the content key of every row added to ``writers[b]``, in the same order.
+    """
     with times.cpu("bucket"):
         groups = by_bucket(encoded, batch.records, edges, pairs)
+        doc_keys = content_keys(batch.texts)  # of whole records: every piece shares its key
     with times.cpu("write"):
         for b, group in groups:
             add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
                      group.lengths, group.records, group.piece, group.mask)  # fmt: skip
+            keys[b].append(doc_keys[group.doc_index])
     kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
     kept[[doc for doc, *_ in encoded.failed]] = 0
     for source, start, end in batch.runs(np.arange(len(batch.texts))):
@@ -470,6 +479,7 @@ def _encode_and_write(
     encoder: Encoder,
     batches: Iterator[TextBatch],
     writers: list[BucketWriter],
+    keys: list[list[np.ndarray]],
     bad: _PartitionBad,
     stats: TruncationStats,
     documents: Counter[str],
@@ -492,7 +502,7 @@ def _encode_and_write(
         for doc, reason, detail in encoded.failed:  # conversations the template refused
             bad.batch_bad(batch, doc, reason, detail)
         bad.write_batch_failures()
-        _write_batch(writers, batch, encoded, plan.edges, documents, times,
+        _write_batch(writers, keys, batch, encoded, plan.edges, documents, times,
                      plan.options.kind == "preference")  # fmt: skip
         progress.update(len(batch.texts), int(encoded.lengths.sum()))
         fault_point("batch")
@@ -506,12 +516,17 @@ def _partition_result(
     partition: Partition,
     encoder: Encoder,
     writers: list[BucketWriter],
+    keys: list[list[np.ndarray]],
     bad: _PartitionBad,
     digests: dict[str, FileDigest],
     documents: Counter[str],
     stats: TruncationStats,
 ) -> PartitionResult:
-    """Merge the quarantine, write the lengths and gather the partition's result."""
+    """Merge the quarantine, write the lengths and content keys, gather the partition's result.
+
+    Both files list the partition's rows writer by writer, each writer's in the order it got
+    them: the order of its shards' rows.
+    """
     counts = bad.reader.counts + bad.template.counts
     bad_per_file = bad.reader.per_source + bad.template.per_source
     sources = [f.relpath for f in partition.files]
@@ -520,10 +535,17 @@ def _partition_result(
     merge_bad_logs(bad.path, [bad.reader.path, bad.template.path], sources)
     shards = [s for w in writers for s in w.shards]
     lengths = [arr for w in writers for arr in w.lengths]
-    write_npy_atomic(
-        os.path.join(plan.options.output, PARTS_DIR, f"{partition.id}.lengths.npy"),
-        np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.uint32),
-    )
+    row_keys = [arr for arrays in keys for arr in arrays]
+    lengths_array = np.concatenate(lengths) if lengths else np.zeros(0, dtype=np.uint32)
+    keys_array = np.concatenate(row_keys) if row_keys else np.zeros(0, dtype=np.uint64)
+    if len(keys_array) != len(lengths_array):  # a bug, never the input's fault
+        raise RuntimeError(
+            f"partition {partition.id}: {len(keys_array)} content keys for "
+            f"{len(lengths_array)} rows written"
+        )
+    parts = os.path.join(plan.options.output, PARTS_DIR)
+    write_npy_atomic(os.path.join(parts, f"{partition.id}.lengths.npy"), lengths_array)
+    write_npy_atomic(os.path.join(parts, f"{partition.id}.content_keys.npy"), keys_array)
     return PartitionResult(
         partition=partition.id,
         source=partition.file.relpath,
@@ -555,6 +577,7 @@ def map_partition(
     stats = TruncationStats()
     bad = _PartitionBad(plan, partition)
     writers = _open_writers(plan, partition, encoder)
+    keys: list[list[np.ndarray]] = [[] for _ in writers]  # per writer: its rows' content keys
     times = times or StageTimes()
     take_lint(encoder)  # lint counts are per partition (whatever ran before in this process)
     digests = {f.relpath: FileDigest() for f in partition.files}
@@ -568,12 +591,13 @@ def map_partition(
 
     batches = _read_batches(plan, partition, bad, digests, on_bytes, times)
     try:
-        _encode_and_write(plan, encoder, batches, writers, bad, stats, documents, progress,
-                          times)  # fmt: skip
+        _encode_and_write(plan, encoder, batches, writers, keys, bad, stats, documents,
+                          progress, times)  # fmt: skip
     finally:
         bad.close()
     for k, file in enumerate(partition.files):  # before anything of this partition is final
         check_read(plan, file, partition.span if k == 0 else InputSlice(), digests[file.relpath])
     if read_bytes < partition.nbytes:  # compressed/columnar readers report approximately
         progress.advance(partition.nbytes - read_bytes)
-    return _partition_result(plan, partition, encoder, writers, bad, digests, documents, stats)
+    return _partition_result(plan, partition, encoder, writers, keys, bad, digests, documents,
+                             stats)  # fmt: skip

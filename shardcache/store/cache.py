@@ -14,10 +14,10 @@ from typing import Any
 
 import numpy as np
 
-from shardcache.errors import CorruptShardError
+from shardcache.errors import ConfigError, CorruptShardError
 from shardcache.store.files import sha256_text
 from shardcache.store.integrity import check_file
-from shardcache.store.layout import LENGTHS_FILE, cache_path, shard_path
+from shardcache.store.layout import CONTENT_KEYS_FILE, LENGTHS_FILE, cache_path, shard_path
 from shardcache.store.manifest import MASKED_KINDS, read_manifest
 from shardcache.store.remote import RemoteCache, is_url
 from shardcache.store.shards import DecodedBatches, FlatRows, ShardReader
@@ -292,6 +292,7 @@ class Cache:
         )  # fmt: skip
         #: the object store behind a URL (None for a local folder)
         self.remote = remote
+        self._content_keys: np.ndarray | None = None  # read when first asked for
         if remote is not None:
             remote.shed = self._shards.shed
 
@@ -306,6 +307,7 @@ class Cache:
         self._shards.close()
         self._table = None
         self.lengths = self._lengths_plain = np.zeros(0, dtype=self.lengths.dtype)
+        self._content_keys = None
 
     def __enter__(self) -> Cache:
         return self
@@ -578,16 +580,65 @@ class Cache:
         """
         return self._shards.get(index).provenance_all()
 
-    def document_keys(self) -> np.ndarray:
-        """A 64-bit key of every sample id's document: a hash of its input file and record.
+    @property
+    def content_keys(self) -> np.ndarray | None:
+        """The content key of every sample id's document; None in a cache built before them.
 
-        Every piece of a document cut by ``truncation="split"`` has its document's key, and the
-        key depends on neither shard sizes, workers nor bucket edges, so a rebuild of the same
-        inputs gives each document the same key. Reads the record column of every shard.
+        A 64-bit hash of the document's whole text (a conversation's or a pair's canonical
+        JSON), stored at build time in ``index/content_keys.npy`` (checked against the
+        manifest's sha256 when first used): the pieces of a document and the two sides of a
+        pair share it, and equal documents have equal keys wherever their files are.
+
+        Raises:
+            CorruptShardError: the file is damaged or disagrees with the manifest.
+        """
+        if self._content_keys is not None or "content_keys" not in self.manifest["index"]:
+            return self._content_keys
+        entry = self.manifest["index"]["content_keys"]
+        path = (
+            self.remote.index_path("content_keys")
+            if self.remote is not None
+            else cache_path(self.path, CONTENT_KEYS_FILE)
+        )
+        check_file(path, entry, "content key index")
+        try:
+            keys = np.load(path, mmap_mode="r", allow_pickle=False)
+        except (OSError, ValueError) as err:
+            raise CorruptShardError(
+                f"{path}: cannot read the content key index ({err}); rebuild the cache"
+            ) from err
+        if keys.dtype != np.uint64 or keys.shape != (self.num_sequences,):
+            raise CorruptShardError(
+                f"{path}: content keys of dtype {keys.dtype} and shape {keys.shape}, expected "
+                f"{self.num_sequences} uint64; the cache is damaged: rebuild it"
+            )
+        self._content_keys = keys.view(np.ndarray)
+        return self._content_keys
+
+    def document_keys(self, key: str = "content") -> np.ndarray:
+        """A 64-bit key of every sample id's document, the identity held-out splits draw.
+
+        ``"content"``: the stored ``content_keys`` (no shard is read); a cache built before
+        them has only its path keys, given instead (``content_keys`` is None there).
+        ``"path"``: a hash of the document's input file and record index, which reads the
+        record column of every shard. Either way every piece of a document cut by
+        ``truncation="split"`` has its document's key, and a rebuild of the same inputs with
+        other shard sizes, workers or bucket edges gives each document the same key; only
+        content keys stay the same when input files are renamed, re-cut or duplicated.
+
+        Args:
+            key: ``"content"`` or ``"path"``.
 
         Returns:
             uint64, one per sample id.
+
+        Raises:
+            ConfigError: another ``key``.
         """
+        if key not in ("content", "path"):
+            raise ConfigError(f"document_keys: key={key!r}, expected 'content' or 'path'")
+        if key == "content" and self.content_keys is not None:
+            return self.content_keys
         keys = np.empty(self.num_sequences, dtype=np.uint64)
         for index, info in enumerate(self.shards):
             records = self._shards.get(index).records()

@@ -1,7 +1,8 @@
 """The folder layout of a cache and the one place a manifest name becomes a path.
 
 A cache folder holds ``manifest.json`` (written last: its presence means committed),
-``index/lengths.npy``, ``quarantine.jsonl``, ``shards/*.arrow``, and while building ``parts/``,
+``index/lengths.npy``, ``index/content_keys.npy`` (caches built before content keys: none),
+``quarantine.jsonl``, ``shards/*.arrow``, and while building ``parts/``,
 ``.shares/`` and ``.lock``. Manifest names become paths only after the checks here, so a crafted
 manifest cannot make a reader open, or a download write, outside its folder.
 """
@@ -19,6 +20,8 @@ SHARD_DIR = "shards"
 INDEX_DIR = "index"
 PARTS_DIR = "parts"
 LENGTHS_FILE = "index/lengths.npy"
+#: A 64-bit hash of every sequence's document content (uint64, in sample-id order).
+CONTENT_KEYS_FILE = "index/content_keys.npy"
 QUARANTINE = "quarantine.jsonl"
 SHARES_DIR = ".shares"
 BUILD_STATE = "build.json"  # in parts/: the plan + the options fingerprint

@@ -19,6 +19,7 @@ from shardcache.config import KINDS
 from shardcache.errors import CacheError, CacheNotFoundError, CorruptShardError
 from shardcache.store.build_lock import running_build
 from shardcache.store.layout import (
+    CONTENT_KEYS_FILE,
     FORMAT_VERSION,
     LENGTHS_FILE,
     MANIFEST,
@@ -173,8 +174,11 @@ def validate_manifest(manifest: Any, where: str) -> dict[str, Any]:
             c.int(c.get(run, "rows", f"{field}.sources[{k}].rows"), f"{field}.sources[{k}].rows")
         if sum(run["rows"] for run in runs) != shard["rows"]:
             raise c.fail(f"{field}.sources", runs, f"runs adding up to its {shard['rows']} rows")
-    lengths = c.obj(c.obj(manifest, "index", "index"), "lengths", "index.lengths")
-    _check_file_entry(c, lengths, "index.lengths", LENGTHS_FILE)
+    index = c.obj(manifest, "index", "index")
+    _check_file_entry(c, c.obj(index, "lengths", "index.lengths"), "index.lengths", LENGTHS_FILE)
+    if "content_keys" in index:  # caches built before content keys: none
+        keys = c.obj(index, "content_keys", "index.content_keys")
+        _check_file_entry(c, keys, "index.content_keys", CONTENT_KEYS_FILE)
     if "quarantine" in manifest:  # caches built before the quarantine was checksummed: none
         quarantine = c.obj(manifest, "quarantine", "quarantine")
         _check_file_entry(c, quarantine, "quarantine", QUARANTINE)

@@ -38,7 +38,6 @@ from shardcache.store.files import (
 )
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import (
-    LENGTHS_FILE,
     MANIFEST,
     PARTS_DIR,
     SHARD_DIR,
@@ -433,11 +432,23 @@ class RemoteCache:
     @property
     def lengths_path(self) -> str:
         """The local copy of the length index (content-addressed, downloaded once)."""
-        entry = self.manifest["index"]["lengths"]
-        sha = check_digest(entry["sha256"], "index.lengths.sha256")
+        return self.index_path("lengths")
+
+    def index_path(self, key: str) -> str:
+        """The local copy of the manifest's index file ``key`` (content-addressed, downloaded once).
+
+        Args:
+            key: an entry of the manifest's ``index`` (``"lengths"``, ``"content_keys"``).
+
+        Returns:
+            Its local path.
+        """
+        entry = self.manifest["index"][key]
+        sha = check_digest(entry["sha256"], f"index.{key}.sha256")
         path = os.path.join(cache_root(), "index", f"{sha}.npy")
         if not os.path.isfile(path) or os.path.getsize(path) != int(entry["bytes"]):
-            download(self.fs, f"{self.root}/{LENGTHS_FILE}", path, entry["sha256"], entry["bytes"])
+            # the name was checked against the layout's when the manifest was read
+            download(self.fs, f"{self.root}/{entry['name']}", path, entry["sha256"], entry["bytes"])
         return path
 
     def fetch_shard(

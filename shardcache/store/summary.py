@@ -64,6 +64,8 @@ def cache_summary(cache: Cache) -> dict[str, Any]:
             "max": int(lengths.max()) if len(lengths) else 0,
         },
         "key_digest": (m.get("key") or {}).get("digest"),
+        # what held-out splits draw documents by (caches built before content keys: path)
+        "split_keys": "content" if "content_keys" in m["index"] else "path",
         "kind": m.get("kind", "text"),
         "encoder": m.get("encoder") or {},
     }
@@ -175,6 +177,14 @@ def format_summary(s: dict[str, Any]) -> str:
     lines += encoder_lines(s.get("encoder") or {})
     if s.get("key_digest"):
         lines.append(f"key          {s['key_digest']}")
+    if s.get("split_keys") == "content":
+        lines.append("split keys   content (a hash of each document's text)")
+    else:
+        lines.append(
+            "split keys   path keys (input file and record index): built before content keys, "
+            "so a renamed, re-cut or duplicated input file moves or doubles documents across "
+            "split sides; rebuild the cache for content keys"
+        )
     rows = [("bucket", "lengths", "sequences", "tokens", "shards")]
     for b in s["buckets"]:
         high = "inf" if b["max_length"] is None else str(b["max_length"])

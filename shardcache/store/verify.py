@@ -2,8 +2,8 @@
 
 Checks what the manifest promises: the manifest, every listed shard (size, sha256, schema,
 offsets, counts, lengths within bucket and ``max_length``, ids ``<= max_token_id``), the length
-index, the quarantine file and the totals. Unlisted shard files are ``extra_files``, not
-problems. Memory is one record batch at a time.
+index, the content key index (where the cache has one), the quarantine file and the totals.
+Unlisted shard files are ``extra_files``, not problems. Memory is one record batch at a time.
 """
 
 from __future__ import annotations
@@ -264,6 +264,32 @@ def _load_index(report: VerifyReport, root: str, manifest: dict[str, Any]) -> np
     return index
 
 
+def _check_content_keys(
+    report: VerifyReport, root: str, manifest: dict[str, Any], rows: int
+) -> None:
+    """Check the content key index: sha256, one uint64 per row, a pair's sides on one key."""
+    entry = manifest["index"].get("content_keys")
+    if not isinstance(entry, dict):
+        return  # caches built before content keys
+    rel = entry["name"]
+    if not _check_file(report, root, rel, entry):
+        return
+    try:
+        keys = np.load(os.path.join(root, rel), mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError) as err:
+        report.add(rel, "index", f"not a readable .npy file: {err}")
+        return
+    if keys.dtype != np.uint64 or keys.shape != (rows,):
+        report.add(rel, "index", f"dtype {keys.dtype} / shape {keys.shape}, expected {rows} "
+                   "uint64 (one per row)")  # fmt: skip
+        return
+    if manifest.get("kind") == "preference" and rows % 2 == 0:
+        parted = np.flatnonzero(keys[0::2] != keys[1::2])
+        if len(parted):
+            report.add(rel, "index", f"{len(parted)} pairs whose sides have different content "
+                       f"keys (first: rows {2 * parted[0]} and {2 * parted[0] + 1})")  # fmt: skip
+
+
 def _check_quarantine(report: VerifyReport, root: str, manifest: dict[str, Any]) -> None:
     """Check the quarantine file against the manifest's record and bad-record counts."""
     entry = manifest.get("quarantine")
@@ -328,6 +354,7 @@ def verify_cache(path: str | os.PathLike[str]) -> VerifyReport:
             "index",
             f"{len(index)} entries, the shards hold {first_row} rows",
         )
+    _check_content_keys(report, root, manifest, first_row)
     _check_quarantine(report, root, manifest)
     totals = manifest["totals"]
     found = {
@@ -375,9 +402,9 @@ def verify_remote(url: str) -> VerifyReport:
     folder = tempfile.mkdtemp(prefix=f"verify-{os.getpid()}-", dir=cache_root())
     try:
         names = [MANIFEST]
-        index = manifest.get("index", {}).get("lengths", {}).get("name")
-        if index:
-            names.append(index)
+        for entry in manifest.get("index", {}).values():  # the lengths and content keys
+            if isinstance(entry, dict) and entry.get("name"):
+                names.append(entry["name"])
         if manifest.get("quarantine"):
             names.append(manifest["quarantine"]["name"])
         names += [f"{SHARD_DIR}/{s['name']}" for s in manifest.get("shards", [])]

@@ -30,7 +30,8 @@ def test_a_clean_cache_verifies(cache_dir):
     report = verify_cache(cache_dir)
     assert report.ok, report.problems
     manifest = open_cache(cache_dir).manifest
-    assert report.files_checked == len(manifest["shards"]) + 3  # + manifest, index, quarantine
+    # + manifest, length index, content keys, quarantine
+    assert report.files_checked == len(manifest["shards"]) + 4
     result = CliRunner().invoke(main, ["verify", cache_dir, "--json"])
     assert result.exit_code == 0 and json.loads(result.output)["ok"] is True
 
