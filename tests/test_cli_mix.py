@@ -294,3 +294,14 @@ def test_the_bundled_schedule_recipe_parses():
     recipe = load_mixture_recipe(os.path.join(ROOT, "recipes", "mixture_schedule.toml"))
     assert recipe.schedule is not None and len(recipe.schedule.points) == 2
     assert recipe.dataset_options()["schedule"] is recipe.schedule
+
+
+@pytest.mark.parametrize("at", [10**14, 10**16, 10**18])
+def test_a_schedule_point_past_what_can_be_planned_is_one_line_exit_2(caches, at):
+    """A point at 1e14..1e18 tokens would cut billions of windows (a MemoryError before)."""
+    extra = SCHEDULE.replace("total_tokens = 1100\n", "").replace("600", str(at))
+    result = CliRunner().invoke(main, ["mix", _recipe(caches, extra)])
+    assert result.exit_code == 2, result.output
+    errors = [line for line in result.output.splitlines() if line.startswith("Error")]
+    assert len(errors) == 1 and "Traceback" not in result.output, result.output
+    assert re.search(rf"Schedule: [\d,]+ windows .*at_tokens={at:,}.*window_tokens=", errors[0])

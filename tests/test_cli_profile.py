@@ -70,6 +70,10 @@ def test_pack_mode_runs(small_cache):
         ["--batches", "0"],
         ["--seq-len", "32"],  # pad mode
         ["--mode", "squash"],
+        ["--step-ms", "inf"],  # was an OverflowError from time.sleep
+        ["--step-ms", "nan"],
+        # batch arrays of 15 GiB: refused before any is allocated (was an OOM kill)
+        ["--mode", "pack", "--seq-len", "999999999", "--max-tokens", "999999999"],
     ],
 )
 def test_a_bad_option_exits_2_without_a_traceback(small_cache, args):
@@ -117,3 +121,14 @@ def test_options_are_validated():
         ProfileOptions(depth=(2,))
     with pytest.raises(ConfigError, match="workers"):
         ProfileOptions(workers=())
+
+
+def test_a_step_or_a_batch_past_what_can_run_is_refused_naming_it():
+    from shardcache import PlanOptions
+    from shardcache.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"step_ms: got inf, .*from 0 to 3,600,000"):
+        ProfileOptions(step_ms=float("inf"))
+    with pytest.raises(ConfigError, match=r"max_tokens: got 999,999,999, .*14\.9 GiB"):
+        PlanOptions(max_tokens=999_999_999, mode="pack", seq_len=999_999_999)
+    assert PlanOptions(max_tokens=1 << 27).max_tokens == 1 << 27  # the bound itself is allowed

@@ -7,9 +7,11 @@ copies its threads' locks (process group, CUDA, OpenMP).
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import warnings
+import weakref
 from collections.abc import Iterator
 from typing import Any
 
@@ -24,6 +26,20 @@ from shardcache.read.device_prefetch import DevicePrefetcher, StallMonitor
 START_METHOD = "forkserver"
 #: Workers when the numpy path builds the batches (``loader(num_workers=None)``).
 DEFAULT_WORKERS = 2
+
+
+def stop_workers(batches: Any, persistent: bool = False) -> None:
+    """Stop the worker processes of a DataLoader iterator now, freeing their queues' semaphores.
+
+    What the iterator's finalizer does, done when the pass ends rather than when the iterator
+    is collected. A persistent workers' iterator is its DataLoader's to reuse: it is stopped
+    only when ``persistent`` (the loader closing); anything else is left as it is.
+    """
+    shutdown = getattr(batches, "_shutdown_workers", None)
+    if shutdown is None or (getattr(batches, "_persistent_workers", False) and not persistent):
+        return
+    with contextlib.suppress(AttributeError):  # an iterator its start-up left half made
+        shutdown()
 
 
 class ShardLoader:
@@ -53,8 +69,17 @@ class ShardLoader:
         #: Time every pass with this monitor (``StallMonitor.wrap``); ``StallMonitorCallback``
         #: sets it, for a trainer that iterates the loader itself.
         self.monitor: StallMonitor | None = None
+        self._passes: weakref.WeakSet[Any] = weakref.WeakSet()  # passes not yet ended
 
     def __iter__(self) -> Iterator[Batch]:
+        # kept so that close() can end a pass whose loop an exception left (Ctrl-C): its frames,
+        # held by the traceback, would keep the DataLoader's workers until the process exits
+        passed = self._pass()
+        self._passes.add(passed)
+        return passed
+
+    def _pass(self) -> Iterator[Batch]:
+        """One pass over the batches; its end (or ``close()``) stops the workers it started."""
         if self._base is not None and not self._finished:
             # the previous pass was left early (break): continue after the last batch handed
             # out, not where the readers had got to (workers and the prefetcher read ahead)
@@ -69,8 +94,9 @@ class ShardLoader:
             self._finished = True
         finally:
             close = getattr(batches, "close", None)
-            if close is not None:  # a generator (the prefetcher's epoch): stop it now
+            if close is not None:  # a generator (the prefetcher's epoch, a monitor): stop it now
                 close()
+            stop_workers(batches)
 
     def __len__(self) -> int:
         return len(self.dataset)
@@ -112,7 +138,18 @@ class ShardLoader:
         self._base = None
 
     def close(self) -> None:
-        """Stop the prefetcher (freeing pinned memory) and close the dataset; idempotent."""
+        """Stop the workers, the prefetcher and the dataset; idempotent.
+
+        Ends any pass still open and stops the DataLoader's workers (persistent ones too), the
+        prefetcher (freeing pinned memory), then closes the dataset.
+        """
+        for passed in list(self._passes):
+            passed.close()
+        self._passes.clear()
+        persistent = getattr(self.dataloader, "_iterator", None)
+        if persistent is not None:
+            stop_workers(persistent, persistent=True)
+            self.dataloader._iterator = None
         if self.prefetcher is not None:
             self.prefetcher.close()
         self.dataset.close()

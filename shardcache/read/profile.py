@@ -23,6 +23,8 @@ from shardcache.read.loader import ShardLoader, loader
 
 #: The stage figures of a row (``StallMonitor.step`` names), in pipeline order.
 STAGES = ("plan_s", "fetch_s", "gather_s", "collate_s", "pin_s", "copy_s")
+#: The longest simulated step: an hour (a longer one is a typo, and ``inf`` cannot be slept).
+MAX_STEP_MS = 3_600_000.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -30,7 +32,7 @@ class ProfileOptions:
     """What ``profile_reader`` runs, validated at construction.
 
     Args:
-        step_ms: the simulated training step per batch, in milliseconds (>= 0).
+        step_ms: the simulated training step per batch, in milliseconds (0 to an hour).
         batches: batches read per setting after the first (>= 1).
         workers: DataLoader worker counts to try.
         readahead: read-ahead shard counts to try (None: the reader's default).
@@ -50,8 +52,15 @@ class ProfileOptions:
 
     def __post_init__(self) -> None:
         value = self.step_ms
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-            raise ConfigError(f"step_ms: got {value!r}, expected a number of milliseconds >= 0")
+        if (
+            isinstance(value, bool)
+            or not isinstance(value, (int, float))
+            or not 0 <= value <= MAX_STEP_MS
+        ):
+            raise ConfigError(
+                f"step_ms: got {value!r}, expected a number of milliseconds from 0 to "
+                f"{MAX_STEP_MS:,.0f} (an hour): the time a training step takes"
+            )
         check_int("batches", self.batches, 1)
         for name in ("workers", "readahead", "depth"):
             if not getattr(self, name):

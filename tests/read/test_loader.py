@@ -157,3 +157,32 @@ def test_by_default_a_cache_the_kernels_read_is_read_in_process(cache_dir, corpu
     packed = build_cache(folder, tokenizer_dir, compression="zstd")
     zstd = shardcache.loader(packed, 128)
     assert not zstd.dataset.reads_compiled and zstd.dataloader.num_workers == 2
+
+
+def _live_workers() -> list:
+    import multiprocessing
+
+    return [p for p in multiprocessing.active_children() if p.is_alive()]
+
+
+@pytest.mark.parametrize("persistent", [False, True])
+@pytest.mark.parametrize("monitored", [False, True])
+def test_an_interrupted_pass_stops_its_workers_when_the_loader_closes(
+    cache_dir, persistent, monitored
+):
+    """Ctrl-C in a loop over a ``with loader(...)`` (``shardcache profile -w 64``): leaving the
+    block stops the DataLoader's workers and frees their queues' semaphores at once, while the
+    KeyboardInterrupt's traceback still holds the loop's frames (before, the workers lived until
+    the interpreter exited, and a second Ctrl-C's ``os._exit`` leaked their semaphores)."""
+    assert not _live_workers()
+    caught = None
+    try:
+        with shardcache.loader(cache_dir, 256, num_workers=2,
+                               persistent_workers=persistent) as batches:  # fmt: skip
+            stream = shardcache.StallMonitor(warn_pct=None).wrap(batches) if monitored else batches
+            for _ in stream:
+                raise KeyboardInterrupt
+    except KeyboardInterrupt as err:
+        caught = err  # the traceback keeps every frame of the loop alive
+    assert caught is not None and caught.__traceback__ is not None
+    assert not _live_workers()

@@ -299,3 +299,14 @@ def test_a_window_across_a_pass_numbers_each_copy_of_a_document_apart():
         pairs = list(zip(docs.tolist(), uses.tolist()))
         assert len(set(pairs)) == len(pairs)
     assert crossing > 0
+
+
+def test_a_schedule_of_more_windows_than_can_be_planned_is_refused_naming_the_count():
+    """``window_tokens=1`` over 200,000 tokens: 200,000 one-token windows (epochs), mostly empty
+    at any batch size, refused before one is cut; a run within the bound is planned."""
+    sources = (Source("a", name="a"),)
+    points = [{"at_tokens": 0, "weights": {"a": 1.0}}]
+    with pytest.raises(ConfigError, match=r"200,000 windows of up to 1 tokens .*window_tokens=2"):
+        resolve_schedule(Schedule(points, window_tokens=1), sources, [200_000])
+    layout = resolve_schedule(Schedule(points, window_tokens=2), sources, [200_000])
+    assert layout.windows == 100_000

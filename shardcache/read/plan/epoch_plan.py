@@ -30,6 +30,13 @@ MAX_STREAMS = 1 << 20
 TAILS = ("drop", "wrap")
 
 
+#: The most tokens a batch may hold: past it the batch arrays alone take gigabytes, a typo (an
+#: extra digit, a ``seq_len`` given as ``max_tokens``) that would otherwise end in an OOM kill.
+MAX_BATCH_TOKENS = 1 << 27
+#: The fewest bytes a batch array set takes per token (int32 ids and positions, int64 labels).
+BATCH_BYTES_PER_TOKEN = 16
+
+
 @dataclass(frozen=True)
 class PlanOptions:
     """How an epoch is cut into batches; validated at construction, round-trips through JSON.
@@ -77,6 +84,14 @@ class PlanOptions:
 
     def __post_init__(self) -> None:
         check_int("max_tokens", self.max_tokens, 1)
+        if self.max_tokens > MAX_BATCH_TOKENS:
+            gib = self.max_tokens * BATCH_BYTES_PER_TOKEN / 2**30
+            raise ConfigError(
+                f"max_tokens: got {self.max_tokens:,}, a batch whose arrays need at least "
+                f"{gib:,.1f} GiB ({BATCH_BYTES_PER_TOKEN} bytes a token: ids, labels, positions); "
+                f"the most a batch may hold is {MAX_BATCH_TOKENS:,} tokens. Pass the tokens of "
+                "one rank's batch (e.g. 16384), and seq_len at most that"
+            )
         check_int("growth", self.growth, 0)
         if self.streams is not None:
             check_int("streams", self.streams, 0, MAX_STREAMS)

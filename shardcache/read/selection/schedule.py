@@ -28,6 +28,10 @@ from shardcache.read.selection.mixture_table import MAX_TOKENS_PER_EPOCH, normal
 KINDS = ("phases", "linear")
 #: A linear ramp is cut into windows of at most this share of its tokens.
 LINEAR_WINDOW_SHARE = 0.01
+#: The most windows a schedule may cut the run into: each is an epoch of the run, planned and
+#: stored apart, so millions of them (``window_tokens=1``, or a point at 1e14 tokens) are
+#: mostly empty epochs and arrays of gigabytes; past it the schedule is refused.
+MAX_SCHEDULE_WINDOWS = 100_000
 
 
 @dataclass(frozen=True)
@@ -428,6 +432,21 @@ def _weights_matrix(schedule: Schedule, labels: tuple[str, ...]) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64)
 
 
+def _check_window_count(count: int, window: int, at: int, where: str) -> None:
+    """Refuse a run of more than ``MAX_SCHEDULE_WINDOWS`` windows, before any is cut."""
+    if count <= MAX_SCHEDULE_WINDOWS:
+        return
+    wider = -(-at // MAX_SCHEDULE_WINDOWS)
+    raise ConfigError(
+        f"Schedule: {count:,} windows of up to {window:,} tokens up to {where} "
+        f"(at_tokens={at:,}), past the {MAX_SCHEDULE_WINDOWS:,} that can be planned: each "
+        "window is an epoch of the run, planned apart (millions of them are arrays of "
+        "gigabytes, and mostly empty epochs when a window is smaller than a batch). Give "
+        f"window_tokens={wider:,} or more, or points and total_tokens within "
+        f"{MAX_SCHEDULE_WINDOWS:,} windows"
+    )
+
+
 def resolve_schedule(
     schedule: Schedule, sources: tuple[Source, ...], tokens: list[int]
 ) -> ScheduleLayout:
@@ -452,11 +471,16 @@ def resolve_schedule(
         return np.minimum(a + size * np.arange(count + 1, dtype=np.int64), b)
 
     # windows up to the last point (each segment between two points on its own)
-    edges = [np.zeros(1, dtype=np.int64)]
+    segments = []
     for a, b in itertools.pairwise(ats):
         size = window
         if linear:
             size = max(1, min(window, math.ceil((b - a) * LINEAR_WINDOW_SHARE)))
+        segments.append((a, b, size))
+    counted = sum(-(-(b - a) // size) for a, b, size in segments)
+    _check_window_count(counted, window, ats[-1], "its last point")
+    edges = [np.zeros(1, dtype=np.int64)]
+    for a, b, size in segments:
         edges.append(cut(a, b, size)[1:])
     fixed = np.concatenate(edges)
     starts, ends = fixed[:-1], fixed[1:]
@@ -480,6 +504,7 @@ def resolve_schedule(
         total, binding = ats[-1] + math.floor(room[s]), labels[s]
         if total <= ats[-1]:
             raise _over_cap(sources[s], tokens[s], used[s] + 1, ats[-1] + 1, "the last point")
+    _check_window_count(counted + -(-(total - ats[-1]) // window), window, total, "the run's end")
     tail = cut(ats[-1], total, window)
     starts = np.concatenate([starts, tail[:-1]])
     ends = np.concatenate([ends, tail[1:]])
