@@ -32,6 +32,11 @@ What it shows (copy it):
   losses (a token weighs as much as its batch is small) and under torchrun pools each step's
   batches over the ranks first, so it changes with the number of processes (see
   docs/guide/evaluation.md);
+* per-message loss weights: a cache built with ``--weight-field`` gives batches a
+  ``loss_weights`` tensor; ``ShardTrainer.compute_loss`` then takes
+  ``shardcache.weighted_loss`` of the logits (``sum(w * token_loss) / sum(w)`` over the batch;
+  with gradient accumulation, the mean of the micro-batches' figures), and ``eval_loss`` is the
+  weighted mean over the split (``eval_tokens``: the sum of the weights);
 * ``remove_unused_columns`` does not apply (it is for ``datasets.Dataset``): the model receives
   the batch, ``meta`` included, which transformers' causal LMs ignore (strict models: see
   ``shardcache.model_inputs``).
@@ -94,6 +99,8 @@ class ShardTrainer(Trainer):
         return_outputs: bool = False,
         num_items_in_batch: Any = None,
     ) -> Any:
+        if "loss_weights" in inputs:  # a cache with per-message loss weights
+            return self._weighted_loss(model, inputs, return_outputs, num_items_in_batch)
         if self._token_loss is None:  # training: Trainer's own loss
             return super().compute_loss(model, inputs, return_outputs, num_items_in_batch)
         # evaluation: the model's own mean over the batch's label tokens (a causal LM shifts
@@ -104,6 +111,33 @@ class ShardTrainer(Trainer):
         total = torch.where(count > 0, loss.detach().double() * count, 0.0)
         self._token_loss += torch.stack([total, count.double()]).to(self._token_loss.device)
         return (loss, outputs) if return_outputs else loss
+
+    def _weighted_loss(
+        self, model: Any, inputs: dict[str, Any], return_outputs: bool, num_items_in_batch: Any
+    ) -> Any:
+        """``shardcache.weighted_loss`` of the batch; in evaluation its sum and weight add up."""
+        feed = {k: v for k, v in shardcache.model_inputs(inputs).items() if k != "labels"}
+        outputs = model(**feed)
+        loss = shardcache.weighted_loss(outputs.logits, inputs)
+        if self._token_loss is not None:
+            weight = inputs["loss_weights"][..., 1:].double().sum()
+            total = loss.detach().double() * weight
+            self._token_loss += torch.stack([total, weight]).to(self._token_loss.device)
+        elif self._scaled_for_accumulation(num_items_in_batch):
+            # Trainer leaves a loss it takes as normalised by num_items_in_batch undivided
+            steps = getattr(self, "current_gradient_accumulation_steps", None)
+            loss = loss / (steps or self.args.gradient_accumulation_steps)
+        return (loss, outputs) if return_outputs else loss
+
+    def _scaled_for_accumulation(self, num_items_in_batch: Any) -> bool:
+        """Whether Trainer takes the loss as already divided over the accumulated batches."""
+        scaled = getattr(self, "loss_is_scaled_for_ga", None)
+        if scaled is not None:
+            return bool(scaled)
+        accepts = getattr(self, "model_accepts_loss_kwargs", False)
+        return bool(accepts and num_items_in_batch is not None) or (
+            getattr(self, "compute_loss_func", None) is not None
+        )
 
     def evaluation_loop(self, *args: Any, **kwargs: Any) -> Any:
         self._token_loss = torch.zeros(2, dtype=torch.float64, device=self.args.device)
@@ -117,7 +151,7 @@ class ShardTrainer(Trainer):
         total, count = sums.tolist()
         prefix = kwargs.get("metric_key_prefix", args[4] if len(args) > 4 else "eval")
         output.metrics[f"{prefix}_loss"] = total / count if count else float("nan")
-        output.metrics[f"{prefix}_tokens"] = int(count)
+        output.metrics[f"{prefix}_tokens"] = int(count) if count == int(count) else count
         return output
 
 

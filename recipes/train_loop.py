@@ -15,7 +15,10 @@ What it shows (copy it):
   started safely, batches moved to the device ahead of the step;
 * ``model(**shardcache.model_inputs(batch))``: the batch's ``meta`` (sample ids) stays out of
   the model call; the loss is the model's own (labels are -100 on padding and on each
-  document's first token, so it is the token-weighted mean of the per-document losses);
+  document's first token, so it is the token-weighted mean of the per-document losses); a
+  cache built with ``--weight-field`` (per-message loss weights) gives batches a
+  ``loss_weights`` tensor, and :func:`batch_loss` takes ``shardcache.weighted_loss`` of the
+  logits instead: ``sum(w * token_loss) / sum(w)`` over the batch;
 * ``shardcache.StallMonitor`` around the loader: every step's data-loading figures (the wait
   for ``next()``, split into the reader and the copy, and the reader's stage times), printed
   with the progress (the share of the steps since the last print spent waiting) and written
@@ -57,6 +60,15 @@ def tiny_model(vocab_size: int, hidden: int, max_positions: int) -> Qwen2ForCaus
         tie_word_embeddings=True,
     )
     return Qwen2ForCausalLM._from_config(config, attn_implementation="sdpa")
+
+
+def batch_loss(model: torch.nn.Module, batch: dict, **kwargs: object) -> torch.Tensor:
+    """The model's own loss, or the per-token weighted loss of a batch with ``loss_weights``."""
+    inputs = shardcache.model_inputs(batch)
+    if "loss_weights" not in batch:
+        return model(**inputs, **kwargs).loss
+    inputs.pop("labels")  # the model's unweighted loss is not needed
+    return shardcache.weighted_loss(model(**inputs, **kwargs).logits, batch)
 
 
 def waiting(figures: list[dict[str, float]]) -> str:
@@ -133,7 +145,7 @@ def main(argv: list[str] | None = None) -> dict:
                 if args.overfit_batch:
                     first = first if first is not None else batch
                     batch = first
-                loss = model(**shardcache.model_inputs(batch), **use_cache).loss
+                loss = batch_loss(model, batch, **use_cache)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()

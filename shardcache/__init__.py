@@ -47,7 +47,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     )
     from shardcache.read.fetch.shard_readahead import ReadAheadOptions
     from shardcache.read.loader import ShardLoader, loader
-    from shardcache.read.losses import model_inputs, pair_logps
+    from shardcache.read.losses import model_inputs, pair_logps, weighted_loss
     from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
     from shardcache.read.samples.chain import Transform
     from shardcache.read.samples.transforms import FIM, SpanMask
@@ -116,6 +116,7 @@ _LAZY: dict[str, str] = {
     "model_inputs": "shardcache.read.losses",
     "open_cache": "shardcache.store.cache",
     "pair_logps": "shardcache.read.losses",
+    "weighted_loss": "shardcache.read.losses",
     "plan_epoch": "shardcache.read.plan.epoch_plan",
     "verify_cache": "shardcache.store.verify",
 }
@@ -175,6 +176,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "pair_logps",
     "plan_epoch",
     "verify_cache",
+    "weighted_loss",
 ]
 
 

@@ -229,6 +229,9 @@ def key_options(func: F) -> F:
                      help="Chat: which tokens carry a loss.  [default: assistant]"),
         click.option("--truncation-side", type=click.Choice(["right", "left"]),
                      help="Chat: which end of a long conversation is cut.  [default: right]"),
+        click.option("--weight-field", help="Chat: read a per-message loss weight in [0, 1] "
+                     "from this message field (axolotl: weight; absent = 1) and store it per "
+                     "token; batches carry loss_weights.  [default: weights not read]"),
         click.option("--data-version", help="A version name for the data, recorded in the "
                      "cache key instead of the input files' hashes."),
     ]  # fmt: skip

@@ -141,10 +141,25 @@ class ChatOptions:
     #: preference: the longest prompt in tokens (None: no limit); a longer one is cut from the
     #: left (``truncation = "truncate"``) or its pair dropped (``"drop"``)
     max_prompt_length: int | None = None
+    #: the message field holding a per-message loss weight (axolotl's ``weight``: a number in
+    #: [0, 1], absent = 1); None: weights are not read and the cache stores none
+    weight_field: str | None = None
 
     def __post_init__(self) -> None:
         if not self.messages_field:
             raise ConfigError("messages_field: must be a non-empty field name, got ''")
+        if self.weight_field is not None:
+            if not isinstance(self.weight_field, str) or not self.weight_field:
+                raise ConfigError(
+                    f"weight_field: must be a non-empty message field name (e.g. 'weight'), "
+                    f"got {self.weight_field!r}"
+                )
+            if self.train_on == "all":
+                raise ConfigError(
+                    f"weight_field: got {self.weight_field!r} with train_on = 'all'; a weight "
+                    "scales the tokens of a trainable message, and 'all' trains on the template "
+                    "text between messages too: use train_on = 'assistant' or 'last-assistant'"
+                )
         check_choice("train_on", self.train_on, TRAIN_ON)
         if self.preference and self.train_on == "all":
             raise ConfigError(
@@ -436,11 +451,11 @@ RECIPE_KEYS = {
     "max_length", "truncation", "buckets", "shard_size", "compression", "output", "batch_docs",
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
     "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
-    "verify_fraction", "exclude", "kind", "preference", "max_prompt_length",
+    "verify_fraction", "exclude", "kind", "preference", "max_prompt_length", "weight_field",
 }  # fmt: skip
 
 
-CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side")
+CHAT_KEYS = ("messages_field", "chat_template", "train_on", "truncation_side", "weight_field")
 
 
 #: The data kinds a cache may hold (its manifest's ``kind``): the one list every layer reads.
@@ -491,6 +506,7 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
         truncation_side=values.get("truncation_side") or "right",
         preference=kind == "preference",
         max_prompt_length=values.get("max_prompt_length"),
+        weight_field=values.get("weight_field") or None,
     )
     check_pair_limits(values.get("max_length"), chat)
     return chat

@@ -5,6 +5,8 @@ assistant turn is the character span between the renderings of its prefix with a
 without it, and a template whose prefix renderings are not prefixes of the full text is a
 bad record (``template_not_incremental``), never guessed. The text is tokenized once; a
 token is trainable when its first character lies in a trainable span (docs/guide/chat.md).
+With ``ChatOptions.weight_field`` each message may carry a loss weight in [0, 1]: a trainable
+token gets the weight of its message (a weight-0 message is not trained), untrainable ones 0.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ CHAT_BAD_REASONS = (
     "template_error",
     "template_not_incremental",
     "template_budget",  # rendering took longer than RENDER_SECONDS or wrote > RENDER_CHARS
+    "bad_weight",  # a message's loss weight is not a finite number in [0, 1]
 )
 
 #: Render budget per conversation (all its prefix renders): a looping template must not hang
@@ -185,11 +188,15 @@ class _FastRender:
 
 @dataclass
 class Rendered:
-    """A rendered conversation with its trainable ``[start, end)`` spans, or an ``error``."""
+    """A rendered conversation with its trainable ``[start, end)`` spans, or an ``error``.
+
+    ``messages``: the message each span renders (its index in the conversation).
+    """
 
     text: str = ""
     spans: list[tuple[int, int]] = field(default_factory=list)
     error: str | None = None
+    messages: list[int] = field(default_factory=list)
 
 
 class ChatRenderer:
@@ -284,13 +291,14 @@ class ChatRenderer:
             starts = _render_batch(prompts, self.template, self.variables, True) if prompts else []
         if train_on == "all":
             return Rendered(full, [(0, len(full))])
-        spans = []
-        for start_text, end_text in zip(starts, ends):
+        spans, which = [], []
+        for start_text, end_text, i in zip(starts, ends, assistant):
             if not (full.startswith(end_text) and end_text.startswith(start_text)):
                 return Rendered(error="template_not_incremental")
             if len(end_text) > len(start_text):
                 spans.append((len(start_text), len(end_text)))
-        return Rendered(full, spans)
+                which.append(i)
+        return Rendered(full, spans, messages=which)
 
 
 def encoding_mask(
@@ -298,12 +306,36 @@ def encoding_mask(
 ) -> tuple[np.ndarray, int]:
     """``token_mask`` through a ``tokenizers.Encoding``'s char -> token map."""
     mask = np.zeros(n_tokens, dtype=bool)
-    straddle = 0
+    ranges, straddle = _span_tokens(encoding, spans)
+    for first, last in ranges:
+        mask[first : last + 1] = True
+    return mask, straddle
+
+
+def encoding_weights(
+    encoding: Any, n_tokens: int, spans: list[tuple[int, int]], span_weights: Sequence[float]
+) -> tuple[np.ndarray, int]:
+    """``encoding_mask`` as float32 loss weights: span ``k``'s tokens get ``span_weights[k]``.
+
+    Tokens outside every span weigh 0, so ``weights > 0`` is the mask of the spans whose weight
+    is not 0.
+    """
+    weights = np.zeros(n_tokens, dtype=np.float32)
+    ranges, straddle = _span_tokens(encoding, spans)
+    for (first, last), weight in zip(ranges, span_weights):
+        weights[first : last + 1] = weight
+    return weights, straddle
+
+
+def _span_tokens(encoding: Any, spans: list[tuple[int, int]]) -> tuple[list[tuple[int, int]], int]:
+    """Per span, its first and last trainable token (``first > last``: none), and straddlers."""
+    ranges, straddle = [], 0
     for lo, hi in spans:
         first = next((t for c in range(lo, hi) if (t := encoding.char_to_token(c)) is not None),
                      None)  # fmt: skip
         if first is None:
-            continue  # the span holds no token (e.g. whitespace the pre-tokenizer drops)
+            ranges.append((0, -1))  # no token (e.g. whitespace the pre-tokenizer drops)
+            continue
         last = next(t for c in range(hi - 1, lo - 1, -1)
                     if (t := encoding.char_to_token(c)) is not None)  # fmt: skip
         start, _ = encoding.token_to_chars(first)
@@ -312,8 +344,34 @@ def encoding_mask(
             first += 1
         if encoding.token_to_chars(last)[1] > hi:
             straddle += 1
-        mask[first : last + 1] = True
-    return mask, straddle
+        ranges.append((first, last))
+    return ranges, straddle
+
+
+def message_weights(messages: list[dict[str, Any]], weight_field: str) -> list[float] | str:
+    """Each message's loss weight (absent or None: 1), or a ``bad_weight`` reason.
+
+    The reason names the first message whose weight is not a finite number in [0, 1] (a bool
+    is not a number here).
+    """
+    weights = []
+    for i, message in enumerate(messages):
+        value = message.get(weight_field)
+        if value is None:
+            weights.append(1.0)
+            continue
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            return (
+                f"bad_weight: message {i} has {weight_field}={value!r} "
+                f"({type(value).__name__}); give a number in [0, 1] or leave it out (1)"
+            )
+        if not 0.0 <= value <= 1.0:  # (False for NaN too)
+            return (
+                f"bad_weight: message {i} has {weight_field}={value!r}; a loss weight is a "
+                "finite number in [0, 1] (0: not trained, 1: trained fully)"
+            )
+        weights.append(float(value))
+    return weights
 
 
 def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.ndarray, int]:
@@ -330,12 +388,16 @@ def token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> tuple[np.nd
 
 @dataclass
 class ChatSample:
-    """One conversation's ids and trainable mask, or (both None) the ``error`` it failed with."""
+    """One conversation's ids and trainable mask, or (both None) the ``error`` it failed with.
+
+    ``weights``: float32 loss weights per token (``ChatOptions.weight_field``), else None.
+    """
 
     ids: np.ndarray | None = None
     mask: np.ndarray | None = None
     error: str | None = None
     straddle: int = 0
+    weights: np.ndarray | None = None
 
 
 class ChatEncoder:
@@ -365,12 +427,22 @@ class ChatEncoder:
         self._checked = 0
 
     def describe(self) -> dict[str, Any]:
-        """The manifest's tokenizer facts, with ``chat_template``: where the template came from."""
-        return {**self.text.describe(), "chat_template": self.renderer.template_kind}
+        """The manifest's tokenizer facts, with ``chat_template``: where the template came from.
+
+        With message weights, ``loss_weights`` names their field: the cache's shards then store
+        a ``weights`` column (``Cache.has_weights``).
+        """
+        described = {**self.text.describe(), "chat_template": self.renderer.template_kind}
+        if self.options.weight_field is not None:
+            described["loss_weights"] = self.options.weight_field
+        return described
 
     def template_component(self) -> dict[str, Any]:
-        """The template part of the cache key: source, options, ``train_on``, BOS/EOS policy."""
-        return {
+        """The template part of the cache key: source, options, ``train_on``, BOS/EOS policy.
+
+        ``loss_weights`` (the weight policy) only with message weights: other keys are unchanged.
+        """
+        component = {
             "kind": "chat",
             "source": self.renderer.template,
             "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
@@ -378,6 +450,18 @@ class ChatEncoder:
             "bos_policy": "template, plus one BOS if the tokenizer adds BOS and none is written",
             "append_eos": self.text.options.append_eos,
         }
+        return self._with_weights(component)
+
+    def _with_weights(self, component: dict[str, Any]) -> dict[str, Any]:
+        """A template component with the loss-weight policy, when message weights are read."""
+        if self.options.weight_field is None:
+            return component
+        policy = {
+            "field": self.options.weight_field,
+            "policy": "a trainable token weighs its message's weight (absent: 1, 0: not "
+            "trained); other tokens 0; float32",
+        }
+        return {**component, "loss_weights": policy}
 
     def probe_chat(self) -> str:
         """A demo conversation's rendering for the key's behaviour probe.
@@ -408,22 +492,40 @@ class ChatEncoder:
 
         ``keys`` is unused: HF alone encodes chat data, so nothing is verified.
         """
-        rendered = self.renderer.render(conversations)
+        field_name = self.options.weight_field
+        weights_of: list[list[float] | str | None] = [None] * len(conversations)
+        if field_name is not None:
+            weights_of = [message_weights(m, field_name) for m in conversations]
+        # a conversation with a bad weight is not rendered: it is a bad record
+        todo = [k for k, w in enumerate(weights_of) if not isinstance(w, str)]
+        rendered_todo = self.renderer.render([conversations[k] for k in todo])
+        rendered: list[Rendered] = [Rendered(error=w) if isinstance(w, str) else Rendered()
+                                    for w in weights_of]  # fmt: skip
+        for k, r in zip(todo, rendered_todo):
+            rendered[k] = r
         good = [r for r in rendered if r.error is None]
         encodings = self.backend.encode_batch([r.text for r in good], add_special_tokens=False)
         it = iter(encodings)
         samples = []
-        for r in rendered:
+        for r, message_w in zip(rendered, weights_of):
             if r.error is not None:
                 samples.append(ChatSample(error=r.error))
                 continue
             enc = next(it)
             ids = np.asarray(enc.ids, dtype=np.int64)
-            mask, straddle = encoding_mask(enc, len(ids), r.spans)
+            weights = None
+            if isinstance(message_w, list):
+                span_w = [message_w[i] for i in r.messages]
+                weights, straddle = encoding_weights(enc, len(ids), r.spans, span_w)
+                mask = weights > 0
+            else:
+                mask, straddle = encoding_mask(enc, len(ids), r.spans)
             if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
                 ids = np.concatenate([[self.bos_id], ids])
                 mask = np.concatenate([[False], mask])
-            samples.append(ChatSample(ids=ids, mask=mask, straddle=straddle))
+                if weights is not None:
+                    weights = np.concatenate([np.zeros(1, np.float32), weights])
+            samples.append(ChatSample(ids=ids, mask=mask, straddle=straddle, weights=weights))
         self._lint_against_transformers(conversations, samples)
         return samples
 
@@ -459,7 +561,9 @@ class ChatEncoder:
     def finish(self, samples: list[ChatSample], stats: Any) -> Any:
         """Truncate, drop samples with no trainable token, and lint, counting into ``stats``.
 
-        The ``Encoded`` has a ``mask``, and ``failed`` entries for conversations not rendered.
+        The ``Encoded`` has a ``mask`` (float32 loss weights instead with message weights, 0
+        where untrainable: what a ``with_weights`` shard writer takes), and ``failed`` entries
+        for conversations not rendered.
         """
         limit = self.text.options.max_length
         strategy = self.text.options.truncation
@@ -474,13 +578,16 @@ class ChatEncoder:
             ids, mask = sample.ids, sample.mask
             self.lint.boundary_tokens += sample.straddle
             self._lint_sample(ids, mask)
+            # with message weights the weights are the mask (0: untrainable): cut alike
+            if sample.weights is not None:
+                mask = sample.weights
             if (
                 self.text.options.append_eos
                 and self.eos_id is not None
                 and (len(ids) == 0 or ids[-1] != self.eos_id)
             ):
                 ids = np.append(ids, self.eos_id)
-                mask = np.append(mask, bool(mask[-1]) if len(mask) else False)
+                mask = np.append(mask, mask[-1] if len(mask) else mask.dtype.type(0))
             if limit is not None and len(ids) > limit:
                 if strategy == "drop":
                     stats.dropped_documents += 1
@@ -503,13 +610,17 @@ class ChatEncoder:
         self, keep_ids: list[np.ndarray], keep_masks: list[np.ndarray], doc_index: list[int],
         piece: np.ndarray | None, stats: Any, failed: Any,
     ) -> Encoded:  # fmt: skip
-        """The kept sequences as one ``Encoded``, counted in ``stats`` (piece 0 unless given)."""
+        """The kept sequences as one ``Encoded``, counted in ``stats`` (piece 0 unless given).
+
+        ``keep_masks`` are bool masks, or float32 loss weights (message weights) kept as such.
+        """
         lengths = np.fromiter(map(len, keep_ids), dtype=np.int64, count=len(keep_ids))
         tokens = (np.concatenate(keep_ids) if keep_ids else np.zeros(0)).astype(self.dtype)
-        mask = np.concatenate(keep_masks) if keep_masks else np.zeros(0, dtype=bool)
+        empty = np.zeros(0, np.float32 if self.options.weight_field is not None else bool)
+        mask = np.concatenate(keep_masks) if keep_masks else empty
         stats.sequences += len(lengths)
         stats.tokens += int(lengths.sum())
-        stats.trainable_tokens += int(mask.sum())
+        stats.trainable_tokens += int(np.count_nonzero(mask))
         if piece is None:
             piece = np.zeros(len(lengths), dtype=np.int32)
         return Encoded(
@@ -518,6 +629,7 @@ class ChatEncoder:
         )  # fmt: skip
 
     def _lint_sample(self, ids: np.ndarray, mask: np.ndarray) -> None:
+        mask = mask > 0  # (float32 loss weights of a weighted pair's side)
         bos = self.bos_id if self.bos_id is not None else getattr(self.hf, "bos_token_id", None)
         if bos is not None and len(ids) >= 2 and ids[0] == bos and ids[1] == bos:
             self.lint.double_bos += 1

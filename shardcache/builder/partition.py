@@ -441,6 +441,7 @@ def _open_writers(plan: BuildPlan, partition: Partition, encoder: Encoder) -> li
             options.layout.compression,
             with_mask=options.chat is not None,
             row_multiple=2 if options.kind == "preference" else 1,
+            with_weights=options.chat is not None and options.chat.weight_field is not None,
         )
         for bucket in range(len(plan.edges) + 1)
     ]

@@ -26,6 +26,8 @@ from shardcache.builder.chat import (
     ChatSample,
     bos_added_by_post_processor,
     encoding_mask,
+    encoding_weights,
+    message_weights,
 )
 from shardcache.builder.tokenize import Encoded
 from shardcache.config import ChatOptions
@@ -101,8 +103,11 @@ class PreferenceEncoder(ChatEncoder):
             self._no_template = None
 
     def template_component(self) -> dict[str, Any]:
-        """The template part of the cache key: kind ``preference``, the chat template, EOS."""
-        return {
+        """The template part of the cache key: kind ``preference``, the chat template, EOS.
+
+        ``loss_weights`` (the weight policy) only with message weights, as for chat.
+        """
+        component = {
             "kind": "preference",
             "source": self.renderer.template,
             "options": {"add_generation_prompt": False, "variables": self.renderer.variables},
@@ -113,6 +118,7 @@ class PreferenceEncoder(ChatEncoder):
             "the first difference going to the completions",
             "append_eos": {"strings": self.text.options.append_eos, "messages": False},
         }
+        return self._with_weights(component)
 
     def probe_chat(self) -> str:
         """The chat probe; ``<no chat template>`` when the tokenizer has none."""
@@ -136,8 +142,9 @@ class PreferenceEncoder(ChatEncoder):
         return [s if s is not None else PairSample(error="template_error") for s in out]
 
     def _with_bos(self, ids: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """BOS prepended when the post-processor adds it; ``mask``: bool, or float32 weights."""
         if self.bos_id is not None and (len(ids) == 0 or ids[0] != self.bos_id):
-            return np.concatenate([[self.bos_id], ids]), np.concatenate([[False], mask])
+            return np.concatenate([[self.bos_id], ids]), np.r_[np.zeros(1, mask.dtype), mask]
         return ids, mask
 
     def _encode_strings(self, pairs: list[tuple[str, str, str]]) -> list[PairSample]:
@@ -164,14 +171,23 @@ class PreferenceEncoder(ChatEncoder):
         good = [r for r in rendered if r.error is None]
         encodings = iter(self.backend.encode_batch([r.text for r in good],
                                                    add_special_tokens=False))  # fmt: skip
+        field_name = self.options.weight_field
         sides: list[Any] = []
-        for r in rendered:
+        for r, conversation in zip(rendered, conversations):
             if r.error is not None:
                 sides.append(r.error)
                 continue
             enc = next(encodings)
             ids = np.asarray(enc.ids, dtype=np.int64)
-            mask, straddle = encoding_mask(enc, len(ids), r.spans)
+            if field_name is None:
+                mask, straddle = encoding_mask(enc, len(ids), r.spans)
+            else:  # float32 loss weights stand in for the mask (0: untrainable)
+                weights = message_weights(conversation, field_name)
+                if isinstance(weights, str):
+                    sides.append(weights)
+                    continue
+                span_w = [weights[i] for i in r.messages]
+                mask, straddle = encoding_weights(enc, len(ids), r.spans, span_w)
             sides.append((*self._with_bos(ids, mask), straddle))
         checked = [ChatSample(ids=s[0]) if not isinstance(s, str) else ChatSample(error=s)
                    for s in sides]  # fmt: skip
@@ -243,7 +259,7 @@ class PreferenceEncoder(ChatEncoder):
         """
         limit = self.text.options.max_length
         prompt_limit = self.options.max_prompt_length
-        prompts = [int(np.argmax(mask)) if mask.any() else len(mask) for _, mask in sides]
+        prompts = [int(np.argmax(mask > 0)) if mask.any() else len(mask) for _, mask in sides]
         # a side without a trainable token has no prompt to limit: the caller drops the pair
         # as ``dropped_no_trainable`` (a chat build's count), not as over the prompt limit
         over_prompt = prompt_limit is not None and any(

@@ -81,9 +81,14 @@ def to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
 
 
 def mark_filler(batch: Batch, filler: bool) -> None:
-    """Flag an evaluation batch in ``meta["filler"]``; a filler's labels are all -100."""
+    """Flag an evaluation batch in ``meta["filler"]``; a filler's labels are all -100.
+
+    (Its ``loss_weights``, of a weighted cache, all 0.)
+    """
     if filler:
         batch["labels"] = torch.full_like(batch["labels"], -100)
+        if "loss_weights" in batch:
+            batch["loss_weights"] = torch.zeros_like(batch["loss_weights"])
     batch["meta"]["filler"] = torch.tensor(filler)
 
 

@@ -1,4 +1,7 @@
-"""What a training loop computes from a batch: model keyword arguments, pairs' log-probs."""
+"""What a training loop computes from a batch: model keyword arguments, pairs' log-probs.
+
+And the per-token weighted loss of a cache with per-message loss weights.
+"""
 
 from __future__ import annotations
 
@@ -17,9 +20,62 @@ def model_inputs(batch: dict[str, Any]) -> dict[str, Any]:
         batch: a batch of [`ShardDataset`][shardcache.ShardDataset].
 
     Returns:
-        A new dict: ``batch`` without its ``"meta"``.
+        A new dict: ``batch`` without its ``"meta"`` and ``"loss_weights"`` (no model takes
+        them: a weighted cache's loss is ``weighted_loss`` of the model's logits).
     """
-    return {k: v for k, v in batch.items() if k != "meta"}
+    return {k: v for k, v in batch.items() if k not in NOT_MODEL_INPUTS}
+
+
+#: Batch keys that are not model keyword arguments.
+NOT_MODEL_INPUTS = ("meta", "loss_weights")
+
+
+def weighted_loss(logits: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
+    """The per-token weighted cross-entropy of a batch of a cache with loss weights.
+
+    ``sum(w * token_loss) / sum(w)`` over every target of the batch: the logits at position
+    ``t`` score the label at ``t + 1`` (as a causal LM's own loss), ``w`` is the label's entry of
+    ``batch["loss_weights"]`` (0 wherever the label is -100: padding, prompts, weight-0
+    messages, a packed segment's first token). With every weight 1 it is the model's own mean
+    token loss; it is the same whatever the rows hold (pad or pack, any batching), so the loss of
+    a batch equals the weighted sum of its sequences' token losses over their weights.
+
+    Args:
+        logits: the model's ``R x L x V`` logits over ``batch["input_ids"]`` (any float dtype;
+            reduced in float32).
+        batch: a batch with ``labels`` and ``loss_weights`` (``ShardDataset`` over a cache built
+            with ``--weight-field``).
+
+    Returns:
+        A float32 scalar on the device of ``logits`` (0, still differentiable, when the batch
+        has no weight).
+
+    Raises:
+        ConfigError: ``batch`` has no ``loss_weights``, or ``logits`` do not match its labels.
+    """
+    if not isinstance(batch, dict) or "loss_weights" not in batch or "labels" not in batch:
+        raise ConfigError(
+            "weighted_loss: the batch has no loss_weights; pass a batch that ShardDataset "
+            "yields over a cache built with --weight-field (else use the model's own loss)"
+        )
+    labels = batch["labels"]
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ConfigError(
+            f"weighted_loss: logits of shape {tuple(logits.shape)} for labels of shape "
+            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
+            "(rows x length x vocabulary)"
+        )
+    device = logits.device
+    targets = labels.to(device)[:, 1:]
+    weights = batch["loss_weights"].to(device=device, dtype=torch.float32)[:, 1:]
+    weights = torch.where(targets != IGNORE_INDEX, weights, 0.0)
+    token_loss = torch.nn.functional.cross_entropy(
+        logits[:, :-1].float().flatten(0, 1),
+        targets.clamp(min=0).flatten(),
+        reduction="none",
+    )
+    total = (token_loss * weights.flatten()).sum()
+    return total / weights.sum().clamp(min=torch.finfo(torch.float32).tiny)
 
 
 def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:

@@ -123,11 +123,15 @@ class ShardCache:
 
 @dataclass(frozen=True)
 class Gathered:
-    """Segments read by ``Cache.gather``: tokens, int64 offsets (one more than segments), mask."""
+    """Segments read by ``Cache.gather``: tokens, int64 offsets (one more than segments), mask.
+
+    ``weights``: float32 loss weights per token (0 where the mask is not set), when asked.
+    """
 
     tokens: np.ndarray
     offsets: np.ndarray
     mask: np.ndarray | None = None
+    weights: np.ndarray | None = None
 
     @property
     def lengths(self) -> np.ndarray:
@@ -276,7 +280,11 @@ class Cache:
             else lambda info: (shard_path(self.path, info["name"]), _no_release)
         )
         self._max_id = int(self.manifest["tokenizer"]["max_token_id"])  # (validated)
-        options = {"max_token_id": self._max_id, "with_mask": self.has_mask}
+        options = {
+            "max_token_id": self._max_id,
+            "with_mask": self.has_mask,
+            "with_weights": self.has_weights,
+        }
         # the mapped-shard table (mapped_table): shards whose rows were checked against the
         # index and recorded, and the token arrays of the open ones by address
         self._recorded = np.zeros(len(self.shards), dtype=bool)
@@ -336,6 +344,15 @@ class Cache:
         return self.manifest.get("kind") in MASKED_KINDS
 
     @property
+    def has_weights(self) -> bool:
+        """True for chat and preference caches built with per-message loss weights.
+
+        Their shards store a ``weights`` column beside the mask; the manifest's tokenizer facts
+        name the message field they came from (``loss_weights``).
+        """
+        return bool((self.manifest.get("tokenizer") or {}).get("loss_weights"))
+
+    @property
     def is_preference(self) -> bool:
         """True for preference caches: pair ``k`` is sample ids ``2k`` (chosen), ``2k + 1``."""
         return self.manifest.get("kind") == "preference"
@@ -377,6 +394,7 @@ class Cache:
         dtype: np.dtype | type | None = None,
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
+        with_weights: bool = False,
     ) -> Gathered:
         """The tokens of several segments, in the order given, one copy per record batch.
 
@@ -389,9 +407,12 @@ class Cache:
             layout: ``(dst, size)`` places segment ``k`` at ``dst[k]`` of a ``size``-token array
                 instead of concatenating them (padded rows without a second copy).
             fill: the value of the slots ``layout`` leaves empty (their mask is False).
+            with_weights: also gather the loss weights (float32; a cache without stored
+                weights: 1 where the mask is set, 0 elsewhere; empty slots 0).
 
         Returns:
-            The tokens, the segments' offsets (also with ``layout``) and the masks when asked.
+            The tokens, the segments' offsets (also with ``layout``), and the masks and weights
+            when asked.
         """
         if self._shards.closed:
             raise ValueError(f"{self.path}: the cache is closed: open it again to read")
@@ -411,6 +432,7 @@ class Cache:
         if layout is None:
             tokens = np.empty(int(offsets[-1]), dtype=out_dtype)
             mask = np.empty(len(tokens), dtype=bool) if with_mask else None
+            weights = np.empty(len(tokens), dtype=np.float32) if with_weights else None
             dst = offsets
         else:
             dst, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
@@ -418,6 +440,7 @@ class Cache:
                 raise IndexError(f"{self.path}: layout: segments fall outside the {size} slots")
             tokens = np.full(size, fill, dtype=out_dtype)
             mask = np.zeros(size, dtype=bool) if with_mask else None
+            weights = np.zeros(size, dtype=np.float32) if with_weights else None
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
         rows = ids - self.shard_starts[shard]
         # segments grouped by shard (stable: in order inside a shard)
@@ -425,8 +448,10 @@ class Cache:
         cuts = np.flatnonzero(np.diff(shard[order])) + 1
         for sel in np.split(order, cuts) if n else []:
             reader = self._shards.get(int(shard[sel[0]]))
-            reader.gather_into(rows[sel], first[sel], take[sel], dst[sel], tokens, mask, full[sel])
-        return Gathered(tokens, offsets, mask)
+            reader.gather_into(
+                rows[sel], first[sel], take[sel], dst[sel], tokens, mask, full[sel], weights
+            )
+        return Gathered(tokens, offsets, mask, weights)
 
     def mapped_table(self) -> MappedTable | None:
         """The table of memory-mapped shards for compiled readers.
@@ -555,6 +580,20 @@ class Cache:
         got = self.gather(sample_ids, with_mask=True)
         assert got.mask is not None
         return np.split(got.mask, got.offsets[1:-1])
+
+    def read_weights(self, sample_ids: np.ndarray) -> list[np.ndarray]:
+        """The loss weights of several sequences.
+
+        Args:
+            sample_ids: their global row numbers.
+
+        Returns:
+            One float32 array per sequence: the stored weights (``has_weights``), else 1 where
+            the mask is set and 0 elsewhere.
+        """
+        got = self.gather(sample_ids, with_mask=True, with_weights=True)
+        assert got.weights is not None
+        return np.split(got.weights, got.offsets[1:-1])
 
     def lookup(self, sample_id: int) -> Provenance:
         """Where a sample id came from.

@@ -1,7 +1,8 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
 Schema ``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add
-``mask: list<bool>``): sequences of one bucket in input order, cut into record batches of about
+``mask: list<bool>``, and ``weights: list<float32>`` when built with per-message loss weights):
+sequences of one bucket in input order, cut into record batches of about
 ``RECORD_BATCH_BYTES`` token bytes, so split points depend only on the lengths. Uncompressed
 batches are read zero-copy from the memory map, compressed ones into a byte-bounded LRU.
 """
@@ -28,8 +29,11 @@ from shardcache.store.integrity import check_file
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
-def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
-    """The Arrow schema of a shard: ``tokens`` (uint16/uint32), ``record``, ``piece``, ``mask``."""
+def shard_schema(dtype: np.dtype, with_mask: bool = False, with_weights: bool = False) -> pa.Schema:
+    """The Arrow schema of a shard: ``tokens`` (uint16/uint32), ``record``, ``piece``, ``mask``.
+
+    ``with_weights`` (a chat cache with per-message loss weights) adds ``weights`` after ``mask``.
+    """
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
         pa.field("tokens", pa.list_(value_type), nullable=False),
@@ -38,13 +42,15 @@ def shard_schema(dtype: np.dtype, with_mask: bool = False) -> pa.Schema:
     ]
     if with_mask:
         fields.append(pa.field("mask", pa.list_(pa.bool_()), nullable=False))
+    if with_weights:
+        fields.append(pa.field("weights", pa.list_(pa.float32()), nullable=False))
     return pa.schema(fields)
 
 
 _NUMPY_OF_ARROW = {
     pa.int8(): np.int8, pa.int16(): np.int16, pa.int32(): np.int32, pa.int64(): np.int64,
     pa.uint8(): np.uint8, pa.uint16(): np.uint16, pa.uint32(): np.uint32,
-    pa.uint64(): np.uint64,
+    pa.uint64(): np.uint64, pa.float32(): np.float32,
 }  # fmt: skip
 
 
@@ -52,7 +58,7 @@ _ARROW_OF_NUMPY = {np.dtype(v): k for k, v in _NUMPY_OF_ARROW.items()}
 
 
 def numpy_arrow(array: np.ndarray) -> pa.Array:
-    """A zero-copy Arrow array over 1-d numpy integers (bools: bit-packed, a copy).
+    """A zero-copy Arrow array over 1-d numpy integers or float32 (bools: bit-packed, a copy).
 
     Avoids the pandas import that ``pa.array`` makes.
     """
@@ -116,7 +122,8 @@ class BucketWriter:
     reaches ``shard_size_bytes``, except with ``name`` (one shard, for ``merge_shards``).
     ``source`` may change between ``add`` calls: a shard with rows of several files records runs.
     With ``row_multiple`` (preference pairs: 2) every record batch holds a multiple of that many
-    rows, given ``add`` calls that do.
+    rows, given ``add`` calls that do. With ``with_weights`` (and ``with_mask``) the ``mask`` given
+    to ``add`` is float32 loss weights per token: stored as ``mask`` (weight > 0) and ``weights``.
     """
 
     def __init__(
@@ -131,8 +138,12 @@ class BucketWriter:
         with_mask: bool = False,
         name: str | None = None,
         row_multiple: int = 1,
+        with_weights: bool = False,
     ):
+        if with_weights and not with_mask:
+            raise ValueError("BucketWriter: with_weights needs with_mask")
         self.cache_dir = cache_dir
+        self.with_weights = with_weights
         self.row_multiple = row_multiple  # record batches (so shards) cut only at such rows
         self.with_mask = with_mask
         self.name = name  # one shard of this name, never rotated (merge_shards)
@@ -143,7 +154,7 @@ class BucketWriter:
         self.shard_size_bytes = shard_size_bytes
         self.batch_bytes = min(RECORD_BATCH_BYTES, shard_size_bytes)
         self.compression = None if compression == "none" else compression
-        self.schema = shard_schema(self.dtype, with_mask)
+        self.schema = shard_schema(self.dtype, with_mask, with_weights)
         self.shards: list[ShardInfo] = []
         self.lengths: list[np.ndarray] = []  # per closed shard
         self._pending: list[tuple[np.ndarray, ...]] = []
@@ -173,7 +184,8 @@ class BucketWriter:
     ) -> None:
         """Append sequences: flat ``tokens`` (and ``mask``), per-row lengths, records and pieces.
 
-        ``mask`` must be given exactly when the writer is ``with_mask`` (else ``ValueError``).
+        ``mask`` must be given exactly when the writer is ``with_mask`` (else ``ValueError``);
+        a ``with_weights`` writer takes the per-token loss weights there (0: not trained).
         A shard write's ``OSError`` names the file.
         """
         if (mask is None) == self.with_mask:
@@ -221,6 +233,9 @@ class BucketWriter:
         ]
         if mask is not None:
             columns.append(pa.ListArray.from_arrays(offsets, numpy_arrow(mask.astype(bool))))
+        if mask is not None and self.with_weights:
+            weights = numpy_arrow(mask.astype(np.float32, copy=False))
+            columns.append(pa.ListArray.from_arrays(offsets, weights))
         batch = pa.record_batch(columns, schema=self.schema)
         path = shard_path(self.cache_dir, self._shard_name()) + ".tmp"
         try:
@@ -325,9 +340,11 @@ def merge_shards(
         schema = reader.schema
         field = schema.field("tokens").type.value_type
         with_mask = "mask" in schema.names
+        with_weights = "weights" in schema.names
         if writer is None:
             writer = BucketWriter(cache_dir, "merged", "", member.bucket, np.dtype(str(field)),
-                                  shard_size_bytes, compression, with_mask, name)  # fmt: skip
+                                  shard_size_bytes, compression, with_mask, name,
+                                  with_weights=with_weights)  # fmt: skip
         if not schema.equals(writer.schema):
             raise CorruptShardError(
                 f"{source}: its schema {schema} is not a shard's of this cache "
@@ -339,7 +356,9 @@ def merge_shards(
             offsets = arrow_numpy(tokens.offsets)
             values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]
             mask = None
-            if with_mask:
+            if with_weights:  # the weights say the mask too (weight > 0)
+                mask = arrow_numpy(batch.column(4).values)[offsets[0] : offsets[-1]]
+            elif with_mask:
                 bits = batch.column(3).values.to_numpy(zero_copy_only=False)
                 mask = bits[offsets[0] : offsets[-1]]
             writer.add(values, np.diff(offsets), arrow_numpy(batch.column(1)),
@@ -394,6 +413,8 @@ def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class _Batch:
     """One decoded record batch: token values, int32 offsets, provenance, packed loss mask.
 
+    ``weights``: float32 loss weights per token value (a chat cache with message weights), or None.
+
     For uncompressed shards these are views of the mapped file: no heap per row.
     """
 
@@ -404,6 +425,7 @@ class _Batch:
     mask_bits: np.ndarray | None
     mask_shift: int
     nbytes: int
+    weights: np.ndarray | None = None
 
     def mask_at(self, positions: np.ndarray) -> np.ndarray:
         """The loss-mask bits at token positions (all True without a stored mask)."""
@@ -411,6 +433,12 @@ class _Batch:
             return np.ones(len(positions), dtype=bool)
         bit = positions + self.mask_shift
         return ((self.mask_bits[bit >> 3] >> (bit & 7).astype(np.uint8)) & 1).astype(bool)
+
+    def weights_at(self, positions: np.ndarray) -> np.ndarray:
+        """The loss weights (float32) at token positions: stored, else 1 where the mask is set."""
+        if self.weights is None:
+            return self.mask_at(positions).astype(np.float32)
+        return self.weights[positions]
 
 
 @dataclass
@@ -521,7 +549,8 @@ class ShardReader:
 
     Opening checks size, sha256, schema and counts against ``info``, decoding nothing; a record
     batch is decoded on first read and checked then (offsets, counts, ids ``<= max_token_id``).
-    ``with_mask`` None accepts either. Views handed out keep the pages mapped after ``close``.
+    ``with_mask`` (``with_weights``) None accepts either. Views handed out keep the pages mapped
+    after ``close``.
     """
 
     def __init__(
@@ -534,6 +563,7 @@ class ShardReader:
         max_token_id: int | None = None,
         with_mask: bool | None = None,
         decoded: DecodedBatches | None = None,
+        with_weights: bool | None = None,
     ):
         self.path = path
         self.rows = int(info["rows"])
@@ -562,7 +592,9 @@ class ShardReader:
                 f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
             ) from err
         self.has_mask = "mask" in schema.names
-        self._check_schema(schema, with_mask)
+        #: the shard stores loss weights per token (a ``weights`` column)
+        self.has_weights = "weights" in schema.names
+        self._check_schema(schema, with_mask, with_weights)
         if len(rows) != self._reader.num_record_batches:
             raise CorruptShardError(
                 f"{path}: {len(rows)} record batches in the stream but "
@@ -581,9 +613,15 @@ class ShardReader:
         self._resident: list[_Batch | None] = [None] * len(rows)
         self._ids_checked = [False] * len(rows)
 
-    def _check_schema(self, schema: pa.Schema, with_mask: bool | None) -> None:
+    def _check_schema(
+        self, schema: pa.Schema, with_mask: bool | None, with_weights: bool | None
+    ) -> None:
         """Raise ``CorruptShardError`` unless the schema is this cache's (token type first)."""
-        expected = shard_schema(self.dtype, self.has_mask if with_mask is None else with_mask)
+        expected = shard_schema(
+            self.dtype,
+            self.has_mask if with_mask is None else with_mask,
+            self.has_weights if with_weights is None else with_weights,
+        )
         names = schema.names
         if names[:1] == ["tokens"] and pa.types.is_list(schema.field(0).type):
             value_type = schema.field(0).type.value_type
@@ -663,6 +701,7 @@ class ShardReader:
                 f"but its header says {self._batch_rows[b]} / {self._batch_tokens[b]}; rebuild"
             )
         bits, shift = _mask_bits(path, b, batch.column(3), offsets) if self.has_mask else (None, 0)
+        weights = _weights(path, b, batch.column(4), offsets) if self.has_weights else None
         return _Batch(
             values=values,
             offsets=offsets,
@@ -671,6 +710,7 @@ class ShardReader:
             mask_bits=bits,
             mask_shift=shift,
             nbytes=batch.nbytes if self.compressed else 0,
+            weights=weights,
         )
 
     def check_ids(self) -> None:
@@ -760,10 +800,12 @@ class ShardReader:
         tokens_out: np.ndarray,
         mask_out: np.ndarray | None,
         full_lengths: np.ndarray,
+        weights_out: np.ndarray | None = None,
     ) -> None:
         """Copy ``lengths[k]`` tokens from ``starts[k]`` of ``rows[k]`` to ``out_offsets[k]``.
 
-        The loss mask goes to ``mask_out`` when given; indices are computed once per record batch.
+        The loss mask goes to ``mask_out`` when given, the loss weights to ``weights_out`` (a shard
+        without weights: 1 where the mask is set); indices are computed once per record batch.
         The caller checked the segments against the length index's ``full_lengths``; here the stored
         rows are checked against it (``CorruptShardError`` when they differ).
         """
@@ -788,7 +830,8 @@ class ShardReader:
                     "shards disagree: run `shardcache verify` and rebuild"
                 )
             first = starts[sel]
-            if mask_out is None and int(take.sum()) >= LONG_SEGMENT_TOKENS * len(take):
+            slices = mask_out is None and weights_out is None
+            if slices and int(take.sum()) >= LONG_SEGMENT_TOKENS * len(take):
                 values = batch.values
                 pairs = zip((lo + first).tolist(), out_offsets[sel].tolist(), take.tolist())
                 for source, target, count in pairs:
@@ -799,6 +842,8 @@ class ShardReader:
             tokens_out[dst] = batch.values[src]
             if mask_out is not None:
                 mask_out[dst] = batch.mask_at(src)
+            if weights_out is not None:
+                weights_out[dst] = batch.weights_at(src)
 
     def tokens(self, row: int) -> np.ndarray:
         """The ids of one row, a read-only view; ``IndexError`` when out of range."""
@@ -818,6 +863,16 @@ class ShardReader:
             batch = self._batch(b)
             lo, hi = int(batch.offsets[r]), int(batch.offsets[r + 1])
             out.append(batch.mask_at(np.arange(lo, hi, dtype=np.int64)))
+        return out
+
+    def weights_many(self, rows: list[int]) -> list[np.ndarray]:
+        """The loss weights (float32 per token) of several rows; see ``_Batch.weights_at``."""
+        out = []
+        for row in rows:
+            b, r = self._locate(row)
+            batch = self._batch(b)
+            lo, hi = int(batch.offsets[r]), int(batch.offsets[r + 1])
+            out.append(batch.weights_at(np.arange(lo, hi, dtype=np.int64)))
         return out
 
     def provenance(self, row: int) -> tuple[int, int]:
@@ -863,3 +918,13 @@ def _mask_bits(
     data = values.buffers()[1]
     bits = np.frombuffer(data, dtype=np.uint8) if data is not None else np.zeros(0, np.uint8)
     return bits, values.offset
+
+
+def _weights(path: str, b: int, column: pa.ListArray, offsets: np.ndarray) -> np.ndarray:
+    """The float32 values of a ``weights`` column, checked to line up with the tokens."""
+    values = column.values
+    if values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
+        raise CorruptShardError(
+            f"{path}: the loss weights of record batch {b} do not line up with its tokens; rebuild"
+        )
+    return arrow_numpy(values)

@@ -2,7 +2,9 @@
 
 No tokenizer here (the store never imports one): rendering takes a ``decode(ids) -> str``
 callable from the caller. A run is a stretch of consecutive tokens that all have, or all lack,
-a loss; trainable runs are marked with colour on a terminal, ``[[...]]`` otherwise.
+a loss; trainable runs are marked with colour on a terminal, ``[[...]]`` otherwise. A cache
+with per-message loss weights also cuts runs where the weight changes, and a trainable run whose
+weight is not 1 is followed by ``{w=...}``.
 """
 
 from __future__ import annotations
@@ -120,12 +122,15 @@ def select_samples(
     return np.sort(rng.choice(pool, size=min(sample, len(pool)), replace=False))
 
 
-def mask_runs(mask: np.ndarray) -> list[tuple[int, int, bool]]:
-    """``(start, end, trainable)`` of each run of equal mask values."""
+def mask_runs(mask: np.ndarray, weights: np.ndarray | None = None) -> list[tuple[int, int, bool]]:
+    """``(start, end, trainable)`` of each run of equal mask values (and equal ``weights``)."""
     mask = np.asarray(mask, dtype=bool)
     if not len(mask):
         return []
-    cuts = np.flatnonzero(mask[1:] != mask[:-1]) + 1
+    change = mask[1:] != mask[:-1]
+    if weights is not None:
+        change |= weights[1:] != weights[:-1]
+    cuts = np.flatnonzero(change) + 1
     starts = np.concatenate(([0], cuts))
     ends = np.concatenate((cuts, [len(mask)]))
     return [(int(s), int(e), bool(mask[s])) for s, e in zip(starts, ends)]
@@ -148,34 +153,57 @@ def run_texts(ids: np.ndarray, decode: Decode, boundaries: bool) -> list[str]:
 
 
 def render_tokens(
-    ids: np.ndarray, mask: np.ndarray | None, decode: Decode, options: RenderOptions
+    ids: np.ndarray,
+    mask: np.ndarray | None,
+    decode: Decode,
+    options: RenderOptions,
+    weights: np.ndarray | None = None,
 ) -> str:
-    """One sequence as text, trainable runs marked (``mask`` None: nothing is marked)."""
+    """One sequence as text, trainable runs marked (``mask`` None: nothing is marked).
+
+    With ``weights`` (loss weights per token) a trainable run weighing other than 1 is followed
+    by ``{w=...}``.
+    """
     ids = np.asarray(ids)
     plain = mask is None
-    runs = mask_runs(np.ones(len(ids), bool) if plain else np.asarray(mask, dtype=bool))
+    flags = np.ones(len(ids), bool) if plain else np.asarray(mask, dtype=bool)
+    runs = mask_runs(flags, None if plain else weights)
     parts = []
     for start, end, trainable in runs:
         text = BOUNDARY.join(run_texts(ids[start:end], decode, options.boundaries))
         if plain or not trainable:
             parts.append(text)
-        elif options.color:
+            continue
+        if options.color:
             parts.append(_style(text, TRAINABLE_STYLE))
         else:
             parts.append(f"{OPEN}{text}{CLOSE}")
+        if weights is not None and float(weights[start]) != 1.0:
+            weight = f"{{w={float(weights[start]):g}}}"
+            parts.append(_style(weight, PADDING_STYLE) if options.color else weight)
     return BOUNDARY.join(parts) if options.boundaries else "".join(parts)
 
 
 def runs_json(
-    ids: np.ndarray, mask: np.ndarray | None, decode: Decode, boundaries: bool
+    ids: np.ndarray,
+    mask: np.ndarray | None,
+    decode: Decode,
+    boundaries: bool,
+    weights: np.ndarray | None = None,
 ) -> list[dict[str, Any]]:
-    """The runs of a sequence as JSON: start, end, trainable, text (and tokens on request)."""
+    """The runs of a sequence as JSON: start, end, trainable, text (and tokens on request).
+
+    With ``weights`` (loss weights per token) runs also cut where the weight changes, and each
+    has its ``weight``.
+    """
     ids = np.asarray(ids)
     flags = np.ones(len(ids), bool) if mask is None else np.asarray(mask, dtype=bool)
     out = []
-    for start, end, trainable in mask_runs(flags):
+    for start, end, trainable in mask_runs(flags, weights):
         run: dict[str, Any] = {"start": start, "end": end, "trainable": trainable,
                                "text": decode(ids[start:end].tolist())}  # fmt: skip
+        if weights is not None:
+            run["weight"] = float(weights[start])
         if boundaries:
             run["tokens"] = run_texts(ids[start:end], decode, True)
         out.append(run)
@@ -188,10 +216,11 @@ def sequence_json(
     """One sequence for ``show --json``: provenance, its document's pieces, ids, mask, runs."""
     ids = np.asarray(cache.read(sample_id))
     mask = cache.read_masks(np.array([sample_id]))[0] if cache.has_mask else None
+    weights = cache.read_weights(np.array([sample_id]))[0] if cache.has_weights else None
     where = cache.lookup(sample_id)
     pieces = document_pieces(cache, where.source, where.record)
     shard = int(np.searchsorted(cache.shard_starts, sample_id, side="right")) - 1
-    return {
+    entry = {
         "sample_id": sample_id,
         "source": where.source,
         "record": where.record,
@@ -204,8 +233,11 @@ def sequence_json(
         "ids": ids.tolist(),
         "mask": None if mask is None else mask.astype(int).tolist(),
         "text": decode(ids.tolist()),
-        "runs": runs_json(ids, mask, decode, boundaries),
+        "runs": runs_json(ids, mask, decode, boundaries, weights),
     }
+    if weights is not None:  # (a cache with per-message loss weights)
+        entry["weights"] = weights.tolist()
+    return entry
 
 
 def format_sequence(entry: dict[str, Any], decode: Decode, options: RenderOptions) -> str:
@@ -219,13 +251,17 @@ def format_sequence(entry: dict[str, Any], decode: Decode, options: RenderOption
         if entry["mask"] is None
         else f"{entry['trainable']} trainable, marked {_marking(options)}"
     )
+    weights = entry.get("weights")
+    if weights is not None:
+        trainable += ", loss weight other than 1 shown as {w=...}"
+        weights = np.asarray(weights, dtype=np.float32)
     head = (
         f"#{entry['sample_id']}  {entry['source']} line {entry['line']} (record "
         f"{entry['record']}){', ' + piece if len(pieces) > 1 else ''}  ·  "
         f"{entry['length']} tokens, {trainable}  ·  bucket {entry['bucket']}"
     )
     mask = None if entry["mask"] is None else np.asarray(entry["mask"], dtype=bool)
-    return head + "\n" + render_tokens(np.asarray(entry["ids"]), mask, decode, options)
+    return head + "\n" + render_tokens(np.asarray(entry["ids"]), mask, decode, options, weights)
 
 
 def batch_segments(
@@ -259,9 +295,11 @@ def batch_json(
     """A collated batch for ``show --batch --json``: its rows' segments, as the model sees them.
 
     ``batch`` holds numpy arrays: ``input_ids``, ``labels``, ``attention_mask`` (pad mode) and
-    ``meta``. A token is trainable where its label is not -100.
+    ``meta``, and ``loss_weights`` for a cache with loss weights. A token is trainable where its
+    label is not -100.
     """
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
+    loss_weights = batch.get("loss_weights")
     mask = batch.get("attention_mask")
     mask = None if mask is None else np.asarray(mask)
     offsets = batch["meta"].get("sample_offsets")
@@ -276,13 +314,16 @@ def batch_json(
                            piece=where.piece)  # fmt: skip
             if offsets is not None:
                 segment["offset"] = int(np.asarray(offsets)[k])
+        weights = None if loss_weights is None else np.asarray(loss_weights)[row, start:end]
         segment.update(
             padding=sample_id < 0,
             trainable=int(trained.sum()),
             ids=tokens.tolist(),
             labels=labels[row, start:end].tolist(),
-            runs=runs_json(tokens, trained, decode, boundaries) if sample_id >= 0 else [],
+            runs=runs_json(tokens, trained, decode, boundaries, weights) if sample_id >= 0 else [],
         )
+        if weights is not None:
+            segment["loss_weights"] = weights.tolist()
         rows[row]["segments"].append(segment)
     shape = list(ids.shape)
     return {"shape": shape, "num_tokens": int(batch["meta"]["num_tokens"]), "rows": rows}
@@ -312,6 +353,8 @@ def format_batch(data: dict[str, Any], decode: Decode, options: RenderOptions) -
             )
             ids = np.asarray(seg["ids"])
             trained = np.asarray(seg["labels"]) != -100
-            text = render_tokens(ids, trained, decode, options)
+            weights = seg.get("loss_weights")
+            weights = None if weights is None else np.asarray(weights, dtype=np.float32)
+            text = render_tokens(ids, trained, decode, options, weights)
             lines.append("    " + text.replace("\n", "\n    "))
     return "\n".join(lines)

@@ -3,8 +3,9 @@
 ``collator(...)`` picks, at construction, the collator of the batch mode and sample kind (pad or
 pack; sequences or pairs) and, inside it, the gather-and-lay-out path of its options (compiled
 kernels, transformed segments, grown concat pieces, or numpy rows laid out as read): no batch
-chooses among them. A collator returns numpy ``(arrays, meta)``; the dataset front makes them
-tensors.
+chooses among them. A reader that gathers loss weights (a weighted cache) takes the numpy path,
+and its batches carry ``loss_weights``. A collator returns numpy ``(arrays, meta)``; the dataset
+front makes them tensors.
 """
 
 from __future__ import annotations
@@ -82,7 +83,7 @@ def pad_rows(
         laid_out = True
     batch = pad_batch(
         got.tokens, got.lengths, sample_ids, pad_id, width, got.mask, reader.ids_dtype,
-        laid_out=laid_out,
+        laid_out=laid_out, loss_weights=got.weights,
     )  # fmt: skip
     meta = {k: batch.pop(k) for k in ("sample_ids", "num_tokens")}
     return batch, meta
@@ -195,7 +196,7 @@ class PackCollator:
         got = reader.gather(ids, epoch, starts, taken, layout)
         return pack_batch(
             got.tokens, got.lengths, ids, starts, row_bounds, seq_len, reader.selection.pad_id,
-            got.mask, reader.ids_dtype, laid_out,
+            got.mask, reader.ids_dtype, laid_out, got.weights,
         )  # fmt: skip
 
     def _transformed(
@@ -212,7 +213,7 @@ class PackCollator:
         got = reader.gather(ids, epoch, starts, taken, repeats=repeats)
         return pack_batch(
             got.tokens, got.lengths, ids, starts, row_bounds, self.seq_len,
-            reader.selection.pad_id, got.mask, reader.ids_dtype,
+            reader.selection.pad_id, got.mask, reader.ids_dtype, loss_weights=got.weights,
         )  # fmt: skip
 
     def _grown_pieces(
@@ -245,9 +246,11 @@ class PackCollator:
         source = got.tokens[src] if len(got.tokens) else np.zeros(len(src), got.tokens.dtype)
         tokens = np.where(real, source, pad_id).astype(got.tokens.dtype, copy=False)
         mask = real if got.mask is None else real & got.mask[src]
+        weights = None if got.weights is None else np.where(mask, got.weights[src], 0)
         return pack_batch(
-            tokens, taken, ids, starts, row_bounds, self.seq_len, pad_id, mask, reader.ids_dtype
-        )
+            tokens, taken, ids, starts, row_bounds, self.seq_len, pad_id, mask, reader.ids_dtype,
+            loss_weights=weights,
+        )  # fmt: skip
 
 
 class PairPackCollator(PackCollator):
@@ -310,11 +313,11 @@ def collator(
     """The collator of ``options.mode`` and the reader's kind, its path chosen here, once.
 
     The compiled kernels read plain sequences without transforms, when ``use_kernels`` and
-    numba allow it; pairs and transformed segments take the numpy path.
+    numba allow it; pairs, transformed segments and loss weights take the numpy path.
     """
     pairs = reader.selection.pairs
     compiled = None
-    if use_kernels and not pairs and reader.chain is None:
+    if use_kernels and not pairs and reader.chain is None and not reader.weighted:
         compiled = Compiled(reader.selection, options.max_tokens)
     made = COLLATORS[(options.mode, pairs)](reader, options, compiled, attention)
     made.uses_kernels = use_kernels

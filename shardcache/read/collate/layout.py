@@ -21,11 +21,13 @@ def pad_batch(
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
+    loss_weights: np.ndarray | None = None,
 ) -> dict[str, np.ndarray | int]:
     """Pad whole sequences into one ``len(lengths) x width`` batch (``width`` None: the longest).
 
-    ``laid_out``: ``tokens`` (and ``loss_mask``) are already in their padded rows, as
-    ``Cache.gather(layout=...)`` leaves them; else concatenated.
+    ``laid_out``: ``tokens`` (and ``loss_mask``, ``loss_weights``) are already in their padded
+    rows, as ``Cache.gather(layout=...)`` leaves them; else concatenated. ``loss_weights``
+    (float32 per token) adds a ``loss_weights`` array shaped as ``labels``, 0 where they are -100.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
@@ -45,13 +47,29 @@ def pad_batch(
             labels[mask] = tokens
         else:  # (int64 first: -100 does not fit the unsigned cache dtype)
             labels[mask] = np.where(loss_mask, tokens.astype(np.int64), IGNORE_INDEX)
-    return {
+    batch: dict[str, np.ndarray | int] = {
         "input_ids": input_ids,
         "attention_mask": mask.astype(ids_dtype),
         "labels": labels,
         "sample_ids": np.array(sample_ids, dtype=np.int64),  # a copy: plans may be read-only
         "num_tokens": int(lengths.sum()),
     }
+    if loss_weights is not None:
+        batch["loss_weights"] = _weights_of(labels, loss_weights, None if laid_out else mask)
+    return batch
+
+
+def _weights_of(labels: np.ndarray, weights: np.ndarray, slots: np.ndarray | None) -> np.ndarray:
+    """Float32 loss weights shaped as ``labels``, 0 where they are -100.
+
+    ``weights`` are laid out in the rows already (``slots`` None) or go to the ``slots`` set.
+    """
+    if slots is None:
+        laid = weights.reshape(labels.shape)
+    else:
+        laid = np.zeros(labels.shape, dtype=np.float32)
+        laid[slots] = weights
+    return np.where(labels != IGNORE_INDEX, laid, np.float32(0)).astype(np.float32, copy=False)
 
 
 def pack_batch(
@@ -65,14 +83,17 @@ def pack_batch(
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
+    loss_weights: np.ndarray | None = None,
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
-    Row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``; ``laid_out`` as for
-    ``pad_batch``. When every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
+    Row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``; ``laid_out`` and
+    ``loss_weights`` as for ``pad_batch`` (a segment's first token, never a target, weighs 0).
+    When every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
     """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
     num_rows = len(row_bounds) - 1
+    real = None
     if loss_mask is None and not laid_out and len(tokens) == num_rows * seq_len:
         # every row full: the segments are the slots, in order; no padding, no scatter
         lengths_out = seg_lengths
@@ -101,9 +122,10 @@ def pack_batch(
     np.cumsum(lengths_out, out=cu_seqlens[1:])
     labels[cu_seqlens[:-1]] = IGNORE_INDEX  # a segment's first token is never a target
     shape = (num_rows, seq_len)
-    return {
+    labels = labels.reshape(shape)
+    batch: dict[str, np.ndarray | int] = {
         "input_ids": flat,
-        "labels": labels.reshape(shape),
+        "labels": labels,
         "position_ids": restarting_positions(cu_seqlens, ids_dtype).reshape(shape),
         "cu_seqlens": cu_seqlens.astype(np.int32),
         "max_seqlen": int(lengths_out.max()),
@@ -111,6 +133,10 @@ def pack_batch(
         "sample_offsets": offsets,
         "num_tokens": int(seg_lengths.sum()),
     }
+    if loss_weights is not None:
+        slots = None if laid_out or real is None else real
+        batch["loss_weights"] = _weights_of(labels, loss_weights, slots)
+    return batch
 
 
 def packed_layout(seg_lengths: np.ndarray, row_bounds: np.ndarray, seq_len: int) -> np.ndarray:

@@ -3,7 +3,9 @@
 A reader turns planned units into the sample ids whose tokens it reads (a sequence is its own
 unit; a preference pair is its two sides, adjacent), gathers their tokens and, where the cache
 has them, their chat loss masks from the selection's shards, then runs the transform chain on
-every segment. The collators lay what it returns out in rows.
+every segment. A cache with per-message loss weights has readers of its own that gather the
+weights too (``Gathered.weights``) and move them with the tokens through the transforms. The
+collators lay what it returns out in rows.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def check_transforms(chain: TransformChain | None, selection: Selection) -> None
             f"{selection.path} is a chat cache whose labels follow them; use a transform that "
             "moves the mask with its tokens, or a plain-text cache"
         )
+    if chain.max_growth and _weighted(selection):
+        selection.close()
+        raise ConfigError(
+            f"transform: {chain!r} declares max_growth={chain.max_growth} but {selection.path} "
+            "stores loss weights per token, which stay at their positions through a transform: "
+            "a transform of a weighted cache must keep each sequence's length (max_growth=0); "
+            "drop the transform, or build the cache without --weight-field"
+        )
+
+
+def _weighted(selection: Selection) -> bool:
+    """Whether the selection's cache (a mixture: any source) stores loss weights."""
+    return bool(getattr(selection.open(), "has_weights", False))
 
 
 class SequenceReader:
@@ -52,6 +67,8 @@ class SequenceReader:
 
     #: sample ids (segments) a planned unit reads
     per_unit = 1
+    #: whether it gathers loss weights (``Gathered.weights``) beside the mask
+    weighted = False
 
     def __init__(
         self,
@@ -106,8 +123,9 @@ class SequenceReader:
             layout = None
         got = cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout,
-            self.selection.pad_id,
+            self.selection.pad_id, with_weights=self.weighted,
         )  # fmt: skip
+        given = got
         if chain is not None:
             count = len(got.offsets) - 1
             first = np.zeros(count, np.int64) if starts is None else np.asarray(starts)
@@ -116,7 +134,12 @@ class SequenceReader:
                 got, np.asarray(sample_ids), first, uses, self.seed, epoch, self.growth,
                 self.selection.max_token_id,
             )  # fmt: skip
+            got = self.transformed(given, got)
         self.gather_s += time.perf_counter() - began
+        return got
+
+    def transformed(self, given: Gathered, got: Gathered) -> Gathered:
+        """What the chain made of ``given`` (here as it is: nothing else follows the tokens)."""
         return got
 
 
@@ -130,8 +153,45 @@ class PairReader(SequenceReader):
         return pair_samples(units)
 
 
-#: The sample readers by kind: a selection of pairs reads ``"pair"``, others ``"sequence"``.
-READERS: dict[str, type[SequenceReader]] = {"sequence": SequenceReader, "pair": PairReader}
+class WeightedReader(SequenceReader):
+    """Chat sequences with per-message loss weights: the ``weights`` column gathered too.
+
+    Through transforms, weights stay at their token positions (a transform must keep each
+    segment's length: ``ConfigError`` otherwise); a token the returned mask leaves untrainable
+    weighs 0, one it makes trainable that was not weighs 1.
+    """
+
+    weighted = True
+
+    def transformed(self, given: Gathered, got: Gathered) -> Gathered:
+        """``got`` with ``given``'s weights moved as its mask moved."""
+        if not np.array_equal(given.offsets, got.offsets):
+            k = int(np.flatnonzero(given.lengths != got.lengths)[0])
+            raise ConfigError(
+                f"transform: {self.chain!r} turned segment {k} of {int(given.lengths[k])} tokens "
+                f"into {int(got.lengths[k])} tokens, but {self.selection.path} stores loss "
+                "weights per token, which stay at their positions: a transform of a weighted "
+                "cache must keep each sequence's length (pad or mask tokens instead of adding "
+                "or removing them), or build the cache without --weight-field"
+            )
+        assert given.weights is not None and given.mask is not None and got.mask is not None
+        kept = np.where(given.mask, given.weights, np.float32(1))
+        weights = np.where(got.mask, kept, np.float32(0)).astype(np.float32, copy=False)
+        return Gathered(got.tokens, got.offsets, got.mask, weights)
+
+
+class WeightedPairReader(WeightedReader, PairReader):
+    """Preference pairs with per-message loss weights: ``PairReader`` units, weights gathered."""
+
+
+#: The sample readers by kind: a selection of pairs reads ``"pair"``, others ``"sequence"``;
+#: a cache with loss weights (any source of a mixture) ``"weighted"`` / ``"weighted_pair"``.
+READERS: dict[str, type[SequenceReader]] = {
+    "sequence": SequenceReader,
+    "pair": PairReader,
+    "weighted": WeightedReader,
+    "weighted_pair": WeightedPairReader,
+}
 
 
 def sample_reader(
@@ -143,4 +203,6 @@ def sample_reader(
 ) -> SequenceReader:
     """The reader of the selection's sample kind."""
     kind = "pair" if selection.pairs else "sequence"
+    if _weighted(selection):
+        kind = "weighted_pair" if selection.pairs else "weighted"
     return READERS[kind](selection, ids_dtype, chain, seed, growth)

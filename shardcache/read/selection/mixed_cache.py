@@ -137,6 +137,11 @@ class MixedCache:
         return any(c.has_mask for c in self.caches)
 
     @property
+    def has_weights(self) -> bool:
+        """True when any source stores loss weights (the others' weigh 1 where they train)."""
+        return any(c.has_weights for c in self.caches)
+
+    @property
     def num_sequences(self) -> int:
         """Sequences of all sources together."""
         return int(self.index.offsets[-1])
@@ -281,6 +286,7 @@ class MixedCache:
         dtype: np.dtype | type | None = None,
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
+        with_weights: bool = False,
     ) -> Gathered:
         """``Cache.gather`` over mixture ids, one gather per source (IndexError: out of range)."""
         ids = np.asarray(sample_ids, dtype=np.int64)
@@ -301,9 +307,11 @@ class MixedCache:
         touched = np.unique(source)
         if len(touched) == 1:  # one source: its own gather does the whole layout
             s = int(touched[0])
-            got = self.caches[s].gather(local, first, take, with_mask, dtype, layout, fill)
+            got = self.caches[s].gather(
+                local, first, take, with_mask, dtype, layout, fill, with_weights
+            )
             self._sync_all()
-            return Gathered(got.tokens, offsets, got.mask)
+            return Gathered(got.tokens, offsets, got.mask, got.weights)
         out_dtype = self.dtype if dtype is None else dtype
         if layout is None:
             dst, size = offsets[:-1], int(offsets[-1])
@@ -312,12 +320,17 @@ class MixedCache:
             dst, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
             tokens = np.full(size, fill, dtype=out_dtype)
         mask = np.zeros(size, dtype=bool) if with_mask else None
+        weights = np.zeros(size, dtype=np.float32) if with_weights else None
         for s in touched.tolist():
             sel = np.flatnonzero(source == s)
-            got = self.caches[s].gather(local[sel], first[sel], take[sel], with_mask, dtype)
+            got = self.caches[s].gather(
+                local[sel], first[sel], take[sel], with_mask, dtype, with_weights=with_weights
+            )
             where = flat_ranges(dst[sel], take[sel])
             tokens[where] = got.tokens
             if mask is not None and got.mask is not None:
                 mask[where] = got.mask
+            if weights is not None and got.weights is not None:
+                weights[where] = got.weights
         self._sync_all()  # the sources may have opened and closed shards
-        return Gathered(tokens, offsets, mask)
+        return Gathered(tokens, offsets, mask, weights)
