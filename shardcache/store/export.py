@@ -3,16 +3,21 @@
 Exported sequence ``i`` is the cache's sample id ``i`` (its provenance: ``Cache.lookup(i)``), and
 each sequence is one document: pieces of a document cut by ``truncation="split"`` stay separate
 documents, as Megatron's GPT dataset reads every sequence as a document. Writers stream about
-``chunk_tokens`` tokens at a time (memory does not grow with the cache), write under temporary
-names and rename at the end, so a crash leaves no output under the final name. One writer per
-format behind ``EXPORTERS``.
+``chunk_tokens`` tokens at a time (memory does not grow with the cache) into a temporary folder
+``OUT.<pid>.<hex>.tmp/`` next to the output, locked while it is written, and rename into place at
+the end: an error removes it; a killed run leaves it, and the next export to that output finds
+it unlocked and cleans up after it. Megatron's ``.bin`` is renamed first and ``.idx`` (which
+readers open first) last, from that folder, so a ``.bin`` without its ``.idx`` exists only while
+the folder does, and the next run removes it. One writer per format behind ``EXPORTERS``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import json
 import os
+import re
 import shutil
 import struct
 from collections.abc import Callable, Iterator
@@ -120,6 +125,87 @@ def _refuse_existing(paths: list[str]) -> None:
         )
 
 
+#: The name of the lock file in an export's temporary folder, held while it is written.
+TMP_LOCK = "export.lock"
+
+
+@contextlib.contextmanager
+def _export_folder(output: str) -> Iterator[str]:
+    """A locked temporary folder next to ``output``, after cleaning up killed runs' leftovers.
+
+    Removed when the block raises; the block renames what it wrote out of it, and the folder
+    goes when the block ends.
+    """
+    output = os.path.abspath(output)
+    parent = os.path.dirname(output)
+    os.makedirs(parent, exist_ok=True)
+    _clean_leftovers(output)
+    tmp = private_tmp(output)
+    os.makedirs(tmp)
+    try:
+        fd = os.open(os.path.join(tmp, TMP_LOCK), os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield tmp
+        finally:
+            os.close(fd)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    fsync_dir(parent)
+
+
+def _clean_leftovers(output: str) -> None:
+    """Remove the temporary folders of killed exports to ``output`` (and a lone ``.bin``).
+
+    A folder whose lock no process holds is a killed run's; one still locked is a live
+    export's, refused. A Megatron run killed between its two renames left ``OUT.bin`` without
+    ``OUT.idx`` and its ``.idx`` in the folder: that ``.bin`` is removed with it.
+    """
+    parent, base = os.path.split(output)
+    pattern = re.compile(re.escape(base) + r"\.\d+\.[0-9a-f]{8}\.tmp")
+    for name in sorted(os.listdir(parent)):
+        folder = os.path.join(parent, name)
+        if not pattern.fullmatch(name) or not os.path.isdir(folder):
+            continue
+        lock = os.path.join(folder, TMP_LOCK)
+        with contextlib.suppress(FileNotFoundError), open(lock, "rb") as f:
+            try:
+                fcntl.flock(f.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise CacheError(
+                    f"export: another export to {output!r} is running (its temporary folder "
+                    f"{folder!r} is locked); wait for it, or choose another output"
+                ) from None
+        killed_between = os.path.exists(os.path.join(folder, "data.idx")) and not os.path.exists(
+            os.path.join(folder, "data.bin")
+        )
+        if killed_between and not os.path.exists(output + ".idx"):
+            with contextlib.suppress(FileNotFoundError):
+                os.remove(output + ".bin")
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _check_outside(cache: Cache, output: str) -> None:
+    """Refuse an output inside the cache's folder (it would write into the cache)."""
+    if cache.remote:
+        return
+    root = os.path.realpath(cache.path)
+    target = os.path.realpath(output)
+    if os.path.commonpath([root, target]) == root:
+        raise ConfigError(
+            f"export: the output {output!r} is inside the cache {cache.path!r}; an export "
+            "would write into the cache's folder. Choose an output outside it"
+        )
+
+
+def _write_synced(path: str, write: Callable[[BinaryIO], None]) -> None:
+    """Write a new file in an export's temporary folder and fsync it."""
+    with open(path, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+
+
 def megatron_dtype(cache: Cache) -> np.dtype:
     """The token type Megatron's ``preprocess_data`` would pick for the cache's vocabulary."""
     tokenizer = cache.manifest["tokenizer"]
@@ -164,19 +250,26 @@ def write_megatron(
             "--drop-loss-mask to export the ids alone"
         )
     bin_path, idx_path = output + ".bin", output + ".idx"
-    _refuse_existing([bin_path, idx_path])
     dtype = megatron_dtype(cache)
-    folder = os.path.dirname(os.path.abspath(output))
-    os.makedirs(folder, exist_ok=True)
     n = cache.num_sequences
-    # exits in reverse order: .bin is renamed first, .idx (which readers open first) last
-    with atomic_file(idx_path, private=True) as idx, atomic_file(bin_path, private=True) as data:
+
+    def write_data(data: BinaryIO) -> None:
         for lo, hi in _chunks(cache.lengths, 0, n, options.chunk_tokens):
             got = cache.gather(np.arange(lo, hi, dtype=np.int64), dtype=dtype)
             data.write(got.tokens.tobytes())
             if progress is not None:
                 progress(len(got.tokens))
-        _write_megatron_index(idx, cache.lengths, dtype)
+
+    with _export_folder(output) as tmp:
+        _refuse_existing([bin_path, idx_path])
+        _write_synced(os.path.join(tmp, "data.bin"), write_data)
+        _write_synced(os.path.join(tmp, "data.idx"),
+                      lambda f: _write_megatron_index(f, cache.lengths, dtype))  # fmt: skip
+        _refuse_existing([bin_path, idx_path])
+        # .bin first, .idx (which readers open first) last: a kill between the two leaves
+        # data.idx in the folder, which tells the next run that the lone .bin is this run's
+        os.rename(os.path.join(tmp, "data.bin"), bin_path)
+        os.rename(os.path.join(tmp, "data.idx"), idx_path)
     return ExportReport("megatron", output, [bin_path, idx_path], n, cache.num_tokens,
                         dtype.name, False)  # fmt: skip
 
@@ -207,11 +300,9 @@ def write_hf(
     schema = _hf_schema(with_mask)
     bounds = hf_shard_bounds(cache, with_mask, options.shard_size_bytes)
     names = [f"data-{i:05d}-of-{len(bounds) - 1:05d}.arrow" for i in range(len(bounds) - 1)]
-    parent = os.path.dirname(os.path.abspath(output))
-    os.makedirs(parent, exist_ok=True)
-    tmp = private_tmp(os.path.abspath(output))
-    os.makedirs(tmp)
-    try:
+    with _export_folder(output) as work:
+        tmp = os.path.join(work, "dataset")  # the folder renamed to ``output``, without the lock
+        os.makedirs(tmp)
         for name, lo, hi in zip(names, bounds[:-1], bounds[1:]):
             with atomic_file(os.path.join(tmp, name)) as f, pa.ipc.new_stream(f, schema) as out:
                 for a, b in _chunks(cache.lengths, int(lo), int(hi), options.chunk_tokens):
@@ -242,10 +333,6 @@ def write_hf(
                 f.write((json.dumps(obj, indent=2) + "\n").encode())
         _refuse_existing([output])
         os.rename(tmp, output)
-        fsync_dir(parent)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     files = [os.path.join(output, name) for name in [*names, "dataset_info.json", "state.json"]]
     return ExportReport("hf", output, files, cache.num_sequences, cache.num_tokens, "int32",
                         with_mask)  # fmt: skip
@@ -293,14 +380,17 @@ def export_cache(
 
     Raises:
         ConfigError: a chat cache to megatron without ``drop_loss_mask``; a prefix ending in
-            ``.bin`` or ``.idx``.
+            ``.bin`` or ``.idx``; an output inside the cache's folder.
         CacheNotFoundError: no committed cache there.
-        CacheError: the output exists (nothing is written).
+        CacheError: the output exists (nothing is written), or another export to it is
+            running.
         CorruptShardError: a shard is damaged (nothing is left under the output's name).
     """
     writer = exporter_for(options.format)
     out = os.fspath(output)
     if isinstance(cache, Cache):
+        _check_outside(cache, out)
         return writer(cache, out, options, progress)
     with contextlib.closing(open_cache(cache)) as opened:
+        _check_outside(opened, out)
         return writer(opened, out, options, progress)

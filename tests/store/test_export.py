@@ -272,3 +272,83 @@ def test_chunks_cover_every_sequence_once_within_the_budget(monkeypatch):
         assert all(a[1] == b[0] for a, b in itertools.pairwise(chunks))
         sizes = [int(lengths[lo:hi].sum()) for lo, hi in chunks]
         assert all(s <= budget or hi - lo == 1 for s, (lo, hi) in zip(sizes, chunks))
+
+
+# ---- atomic exports, leftovers of a killed run, an output inside the cache (issue 57) ----------
+
+_KILLED_EXPORT = """
+import os, sys
+from shardcache.store.export import ExportOptions, export_cache
+fmt, cache, out, kill_at = sys.argv[1:5]
+renames = []
+real = os.rename
+def rename(src, dst, *args, **kwargs):
+    renames.append(dst)
+    if len(renames) == int(kill_at):
+        os._exit(9)  # a SIGKILL here: no cleanup runs
+    return real(src, dst, *args, **kwargs)
+os.rename = rename
+export_cache(cache, out, ExportOptions(fmt))
+"""
+
+
+def _kill_export(fmt: str, cache: str, out: str, kill_at: int) -> None:
+    """Run an export in a process that dies at its ``kill_at``-th rename (before it)."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-c", _KILLED_EXPORT, fmt, cache, out, str(kill_at)],
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 9, done.stderr
+
+
+@pytest.mark.parametrize("kill_at", [1, 2])
+def test_megatron_files_appear_together_and_a_rerun_cleans_a_killed_run(
+    split_cache, tmp_path, kill_at
+):
+    """Killed before its first rename or between the two: never a .idx without its .bin, and a
+    lone .bin is the killed run's (its temporary folder says so): the rerun removes it, writes
+    both, and leaves no temporary folder."""
+    prefix = str(tmp_path / "out" / "m")
+    _kill_export("megatron", split_cache, prefix, kill_at)
+    names = sorted(os.listdir(tmp_path / "out"))
+    assert "m.idx" not in names
+    assert any(n.endswith(".tmp") for n in names), names  # the killed run's temporary folder
+    report = export_cache(split_cache, prefix, ExportOptions("megatron"))
+    assert sorted(os.listdir(tmp_path / "out")) == ["m.bin", "m.idx"]
+    clean = str(tmp_path / "clean")
+    export_cache(split_cache, clean, ExportOptions("megatron"))
+    for ext in (".bin", ".idx"):
+        with open(prefix + ext, "rb") as a, open(clean + ext, "rb") as b:
+            assert a.read() == b.read()
+    assert report.files == [prefix + ".bin", prefix + ".idx"]
+
+
+def test_a_lone_bin_that_no_killed_run_left_is_refused_not_removed(split_cache, tmp_path):
+    prefix = str(tmp_path / "m")
+    with open(prefix + ".bin", "wb") as f:
+        f.write(b"mine")
+    with pytest.raises(CacheError, match="already exists"):
+        export_cache(split_cache, prefix, ExportOptions("megatron"))
+    with open(prefix + ".bin", "rb") as f:
+        assert f.read() == b"mine"
+
+
+def test_hf_temporary_folders_are_removed_on_an_error_and_after_a_kill(split_cache, tmp_path):
+    out = str(tmp_path / "exports" / "hf")
+    _kill_export("hf", split_cache, out, 1)
+    left = os.listdir(tmp_path / "exports")
+    assert len(left) == 1 and left[0].startswith("hf.") and left[0].endswith(".tmp"), left
+    export_cache(split_cache, out, ExportOptions("hf"))
+    assert os.listdir(tmp_path / "exports") == ["hf"]
+
+
+def test_an_export_inside_the_cache_folder_is_refused(split_cache, tmp_path):
+    before = sorted(os.listdir(split_cache))
+    for fmt, out in (("megatron", "m"), ("hf", "hf"), ("megatron", "sub/m")):
+        inside = os.path.join(split_cache, out)
+        with pytest.raises(ConfigError, match=rf"{inside}' is inside the cache '{split_cache}'"):
+            export_cache(split_cache, inside, ExportOptions(fmt))
+    assert sorted(os.listdir(split_cache)) == before
+    result = CliRunner().invoke(main, ["export", split_cache, "-f", "hf", split_cache + "/x"])
+    assert result.exit_code == 2 and "Traceback" not in result.output, result.output
