@@ -807,6 +807,12 @@ def _parse_split(spec: str) -> Any:
     for part in spec.split(","):
         name, _, value = part.partition("=")
         name = name.strip()
+        if name in values:  # (the last would win silently)
+            raise click.BadParameter(
+                f"{name!r} is given twice in {spec!r}; give each name once, e.g. "
+                "validation=0.05,test=0.01",
+                param_hint="--split",
+            )
         try:
             if name not in ("validation", "test", "seed"):
                 raise ValueError(f"unknown name {name!r}: use validation, test and seed")

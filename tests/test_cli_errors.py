@@ -46,3 +46,13 @@ def test_chat_without_messages_suggests_messages_field(tmp_path, chatml_tokenize
     result = CliRunner().invoke(main, args)
     assert result.exit_code == 1
     assert f"--messages-field {field}" in result.output and "--text-field" not in result.output
+
+
+def test_info_split_with_a_repeated_name_exits_2(corpus, tokenizer_dir, build_cache):
+    """``--split validation=0.05,validation=0.2`` took the last fraction silently."""
+    folder, _ = corpus("jsonl", n_files=1, docs=20)
+    cache = build_cache(folder, tokenizer_dir)
+    result = CliRunner().invoke(main, ["info", cache, "--split",
+                                       "validation=0.05,validation=0.2"])  # fmt: skip
+    assert result.exit_code == 2, result.output
+    assert "'validation' is given twice" in result.output and "Traceback" not in result.output

@@ -234,8 +234,10 @@ def test_a_recipe_s_per_source_splits_reach_the_dataset_and_mix(caches):
      ('split = "validation"', [], "have no held-out fractions"),
      ("[splits]\nvalidation = 0.2\ntrain = 0.1\n", [], "unknown field(s) ['train']"),
      ("", ["--split", "valid=0.1"], "unknown name 'valid'"),
-     ("", ["--split", "validation=0.6,test=0.4"], "sum to less than 1")],
-    ids=["bad-side", "side-without-splits", "bad-field", "bad-option", "no-train"],
+     ("", ["--split", "validation=0.6,test=0.4"], "sum to less than 1"),
+     ("", ["--split", "validation=0.05,validation=0.2"], "'validation' is given twice")],
+    ids=["bad-side", "side-without-splits", "bad-field", "bad-option", "no-train",
+         "repeated-name"],
 )  # fmt: skip
 def test_bad_splits_in_a_recipe_or_on_the_command_line_exit_2(caches, extra, args, match):
     result = CliRunner().invoke(main, ["mix", _recipe(caches, extra), *args])
