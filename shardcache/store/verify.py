@@ -113,6 +113,24 @@ def _check_file(report: VerifyReport, root: str, rel: str, entry: dict[str, Any]
     return True
 
 
+def _weights_problem(batch: pa.RecordBatch, offsets: np.ndarray) -> str | None:
+    """What is wrong with a record batch's loss weights (column 4), or None.
+
+    They must line up with the tokens, be finite numbers in [0, 1], and be > 0 exactly where
+    the loss mask is set.
+    """
+    column = batch.column(4)
+    if column.values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
+        return "the loss weights do not line up"
+    weights = arrow_numpy(column.values)
+    if len(weights) and not bool(np.all((weights >= 0) & (weights <= 1))):
+        return "a loss weight outside [0, 1] (or not a number)"
+    mask = batch.column(3).values.to_numpy(zero_copy_only=False)
+    if not np.array_equal(weights > 0, mask):
+        return "the loss weights are not > 0 exactly where the loss mask is set"
+    return None
+
+
 def _check_shard(
     report: VerifyReport,
     root: str,
@@ -144,6 +162,8 @@ def _check_shard(
             expected = ["tokens", "record", "piece"]
             if manifest.get("kind") in MASKED_KINDS:
                 expected.append("mask")  # chat and preference caches store a loss mask
+            if manifest.get("tokenizer", {}).get("loss_weights"):
+                expected.append("weights")  # built with per-message loss weights
             if names != expected:
                 report.add(rel, "structure", f"columns {names}, expected {'/'.join(expected)}")
                 return 0, 0
@@ -195,6 +215,10 @@ def _check_shard(
                     arrow_numpy(batch.column(3).offsets), offsets
                 ):
                     report.add(rel, "structure", f"{where}: the loss mask does not line up")
+                if len(expected) == 5:
+                    problem = _weights_problem(batch, offsets)
+                    if problem:
+                        report.add(rel, "structure", f"{where}: {problem}")
                 if index is not None:
                     start = first_row + rows
                     stored = index[start : start + len(lengths)]

@@ -199,3 +199,31 @@ def test_preference_pairs_carry_weights(tmp_path, build_cache, chatml_tokenizer_
     batch = next(iter(ShardDataset(out, max_tokens=512)))
     assert batch["loss_weights"].shape == batch["labels"].shape
     assert ((batch["labels"] == -100) == (batch["loss_weights"] == 0)).all()
+
+
+def test_merged_and_compressed_shards_keep_their_weights(tmp_path, build_cache,
+                                                         chatml_tokenizer_dir):  # fmt: skip
+    from shardcache import verify_cache
+
+    folder = tmp_path / "chat"
+    folder.mkdir()
+    weights = {}
+    for f in range(4):
+        records = _weigh(make_conversations(20, seed=30 + f), [0.5, 1, 0.25])
+        write_records(str(folder / f"c{f}.jsonl"), records, "jsonl")
+        alone = build_cache(str(folder / f"c{f}.jsonl"), chatml_tokenizer_dir, chat=True,
+                            weight_field="weight")  # fmt: skip
+        for record, (_, _, w) in _by_record(alone).items():
+            weights[(f"c{f}.jsonl", record)] = w.tolist()
+    out = build_cache(str(folder), chatml_tokenizer_dir, chat=True, weight_field="weight",
+                      compression="zstd")  # fmt: skip
+    with open_cache(out) as cache:
+        assert any("sources" in s for s in cache.shards)  # partial shards were merged
+        got = cache.read_weights(np.arange(cache.num_sequences))
+        seen = {
+            (s.provenance.source, s.provenance.record): got[s.sample_id].tolist()
+            for s in cache.iter_sequences()
+        }
+    assert seen == weights
+    report = verify_cache(out)
+    assert report.ok, report.problems
