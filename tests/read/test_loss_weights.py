@@ -100,6 +100,16 @@ def test_batches_carry_the_stored_weights(weighted, stored, layout):
     assert any(set(np.unique(w).tolist()) - {0.0, 1.0} for w in stored)  # fractions stored
 
 
+def test_canonical_streams_over_two_ranks_carry_the_weights(weighted, stored):
+    seen = []
+    for rank in range(2):
+        ds = ShardDataset(weighted, max_tokens=192, seed=3, rank=rank, world_size=2, streams=2)
+        for batch in ds:
+            check_batch(batch, stored)
+            seen += batch["meta"]["sample_ids"].tolist()
+    assert set(seen) == set(range(len(stored)))
+
+
 def test_the_kernels_option_changes_nothing(weighted):
     def run(kernels: bool) -> list:
         ds = ShardDataset(weighted, max_tokens=192, seed=1, mode="pack", seq_len=96,
