@@ -607,8 +607,8 @@ def test_a_split_mixture_resumes_exactly_and_refuses_another_split(caches):
         options = {"split": "validation", "splits": SPLIT, **PACKED, **kwargs}
         return ShardDataset(_sources(caches), 256, seed=2, **options)
 
-    full = assert_resumable(make, iter, _key, steps=[0, 1, 3])
-    assert {k for b in full for k in b} <= _side(caches, "validation")
+    full = assert_resumable(make, iter, _key)  # at every step (the side is a few batches)
+    assert len(full) >= 2 and {k for b in full for k in b} <= _side(caches, "validation")
     state = json.loads(json.dumps(make().state_dict()))
     assert state["split"]["sources"]["math"] == SPLIT.to_json()
     for other in (

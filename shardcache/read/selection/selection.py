@@ -37,7 +37,7 @@ from shardcache.read.selection.schedule import (
     resolve_schedule,
     schedule_changes,
 )
-from shardcache.read.selection.splits import Split, check_split_name, split_ids
+from shardcache.read.selection.splits import Split, check_split_name, split_ids, split_state
 from shardcache.read.selection.units import (
     OPEN_SHARDS,
     Units,
@@ -202,9 +202,11 @@ class CacheSelection(Units):
         self.data_identity = data_identity([cache])
         #: the sample ids of the chosen side of ``splits`` (ascending), None without a split
         self._rows = _split_rows(cache, split, splits)
-        self._split, self._splits = split, splits
-        if splits is not None:
-            self.data_identity = data_identity([cache], splits.to_json(), split)
+        self._split = split
+        #: what a reader state records of the split (split_state), None without one
+        self._split_json = None if splits is None else split_state(cache, splits)
+        if self._split_json is not None:
+            self.data_identity = data_identity([cache], self._split_json, split)
         self._cache = cache
         self._shard_index: ShardIndex | None = None
         self._described(cache)
@@ -274,9 +276,9 @@ class CacheSelection(Units):
 
     def split_state(self) -> dict[str, Any] | None:
         """The split a reader state records, or None."""
-        if self._splits is None:
+        if self._split_json is None:
             return None
-        return {"name": self._split, **self._splits.to_json()}
+        return {"name": self._split, **self._split_json}
 
     def state(self) -> dict[str, Any]:
         """What a reader state records of the selection beyond its digest."""
@@ -331,11 +333,13 @@ class MixtureSelection(Units):
                 "own, see docs/guide/preference.md"
             )
         rows = None  # each source's side: the sample ids one cache's split reads
+        #: what a reader state records of each source's split (split_state), None without
+        self._split_json: dict[str, Any] | None = None
         if self._source_splits is not None:
             assert split is not None
-            rows = tuple(
-                split_ids(c, own, split) for c, own in zip(cache.caches, self._source_splits)
-            )
+            pairs = list(zip(cache.caches, self._source_splits))
+            rows = tuple(split_ids(c, own, split) for c, own in pairs)
+            self._split_json = {s.label: split_state(c, own) for s, (c, own) in zip(sources, pairs)}
         table = cache.table(tokens_per_epoch, rows, split, once=eval)
         digests = tuple(cache_digest(c.manifest) for c in cache.caches)
         index = cache.index
@@ -438,12 +442,7 @@ class MixtureSelection(Units):
         """The split a reader state records, or None."""
         if self._source_splits is None:
             return None
-        return {
-            "name": self._split,
-            "sources": {
-                s.label: own.to_json() for s, own in zip(self._sources, self._source_splits)
-            },
-        }
+        return {"name": self._split, "sources": self._split_json}
 
     def state(self) -> dict[str, Any]:
         """What a reader state records of the selection beyond its digest."""
