@@ -144,6 +144,9 @@ class ChatOptions:
     #: the message field holding a per-message loss weight (axolotl's ``weight``: a number in
     #: [0, 1], absent = 1); None: weights are not read and the cache stores none
     weight_field: str | None = None
+    #: preference: keep pairs whose chosen and rejected encode alike (quarantined as
+    #: ``identical_sides`` by default: such a pair teaches nothing)
+    keep_identical_pairs: bool = False
 
     def __post_init__(self) -> None:
         if not self.messages_field:
@@ -172,6 +175,15 @@ class ChatOptions:
                 f"truncation_side: got {self.truncation_side!r} for preference data; a pair's "
                 "prompt is cut from the left (max_prompt_length) and its completions from the "
                 "right (max_length), so leave truncation_side unset"
+            )
+        if not isinstance(self.keep_identical_pairs, bool):
+            raise ConfigError(
+                f"keep_identical_pairs: got {self.keep_identical_pairs!r}, expected true or false"
+            )
+        if self.keep_identical_pairs and not self.preference:
+            raise ConfigError(
+                "keep_identical_pairs: true for chat data; it keeps preference pairs whose "
+                'chosen and rejected are the same (kind = "preference") only: leave it out'
             )
         if self.max_prompt_length is not None:
             if not self.preference:
@@ -452,6 +464,7 @@ RECIPE_KEYS = {
     "data_version", "workers", "partition_size", "chat", "messages_field", "chat_template",
     "train_on", "truncation_side", "strict_lint", "max_bad_fraction", "encoder",
     "verify_fraction", "exclude", "kind", "preference", "max_prompt_length", "weight_field",
+    "keep_identical_pairs",
 }  # fmt: skip
 
 
@@ -492,6 +505,12 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
             f"max_prompt_length: got {values['max_prompt_length']!r} for {kind} data; it "
             'limits the prompt of preference pairs only (kind = "preference"): use max_length'
         )
+    keep_identical = values.get("keep_identical_pairs")
+    if kind != "preference" and keep_identical:
+        raise ConfigError(
+            f"keep_identical_pairs: true for {kind} data; it keeps preference pairs whose "
+            'chosen and rejected are the same (kind = "preference") only: leave it out'
+        )
     if kind == "text":
         return None
     if kind == "preference" and values.get("messages_field") is not None:
@@ -507,6 +526,7 @@ def chat_options_from_mapping(values: Mapping[str, Any]) -> ChatOptions | None:
         preference=kind == "preference",
         max_prompt_length=values.get("max_prompt_length"),
         weight_field=values.get("weight_field") or None,
+        keep_identical_pairs=False if keep_identical is None else keep_identical,
     )
     check_pair_limits(values.get("max_length"), chat)
     return chat

@@ -118,6 +118,8 @@ class PreferenceEncoder(ChatEncoder):
             "the first difference going to the completions",
             "append_eos": {"strings": self.text.options.append_eos, "messages": False},
         }
+        if self.options.keep_identical_pairs:  # (the default, quarantined, adds nothing)
+            component["identical_sides"] = "kept"
         return self._with_weights(component)
 
     def probe_chat(self) -> str:
@@ -216,13 +218,21 @@ class PreferenceEncoder(ChatEncoder):
                 reason = (sample.error or "template_error").split(":")[0]
                 failed.append((i, reason, sample.error or reason))
                 continue
-            stats.documents += 1
-            self.lint.boundary_tokens += sample.straddle
             sides = []
             for ids, mask in sample.sides:
                 if append and not sample.chat and (len(ids) == 0 or ids[-1] != self.eos_id):
                     ids, mask = np.append(ids, self.eos_id), np.append(mask, True)
                 sides.append((ids, mask))
+            if not self.options.keep_identical_pairs and _identical(*sides):
+                detail = (
+                    f"identical_sides: chosen and rejected are the same {len(sides[0][0])} "
+                    "tokens, a pair with no preference; fix the record, or build with "
+                    "--keep-identical-pairs (keep_identical_pairs = true) to keep such pairs"
+                )
+                failed.append((i, "identical_sides", detail))
+                continue
+            stats.documents += 1
+            self.lint.boundary_tokens += sample.straddle
             total = sum(len(ids) for ids, _ in sides)
             sides = self._limit(sides)
             if sides is None:
@@ -275,6 +285,13 @@ class PreferenceEncoder(ChatEncoder):
             keep = slice(cut, None if limit is None else cut + limit)
             out.append((ids[keep], mask[keep]))
         return out
+
+
+def _identical(
+    chosen: tuple[np.ndarray, np.ndarray], rejected: tuple[np.ndarray, np.ndarray]
+) -> bool:
+    """Whether a pair's two sides are the same ids with the same mask (or loss weights)."""
+    return np.array_equal(chosen[0], rejected[0]) and np.array_equal(chosen[1], rejected[1])
 
 
 def pair_bucket_lengths(lengths: np.ndarray) -> np.ndarray:

@@ -520,3 +520,47 @@ def test_implicit_prompt_split_is_trls_extract_prompt():
         accepted += 1
         assert split == (theirs["prompt"], theirs["chosen"], theirs["rejected"])
     assert accepted > 350
+
+
+@pytest.mark.parametrize("shape", ["strings", "messages"])
+def test_pairs_with_identical_sides_are_quarantined_unless_kept(
+    shape, tmp_path, build_cache, tokenizer_dir, chatml_tokenizer_dir
+):
+    """chosen == rejected teaches nothing (a DPO loss of ln 2 whatever the model): such a pair
+    is a bad record ``identical_sides``; ``keep_identical_pairs`` (``--keep-identical-pairs``)
+    keeps it, and only then is the policy part of the cache key."""
+    if shape == "strings":
+        good = make_string_pairs(2, seed=5)
+        same = {"prompt": "p", "chosen": " same words", "rejected": " same words"}
+        tokenizer = tokenizer_dir
+    else:
+        good = make_chat_pairs(2, seed=5)
+        turn = [{"role": "assistant", "content": "same words"}]
+        same = {"prompt": good[0]["prompt"], "chosen": turn, "rejected": list(turn)}
+        tokenizer = chatml_tokenizer_dir
+    path = write_records(str(tmp_path / "pairs.jsonl"), [good[0], same, good[1]], "jsonl")
+    cache = open_cache(build_cache(path, tokenizer, kind="preference", max_bad_fraction=1.0))
+    assert sorted({s.provenance.record for s in cache.iter_sequences()}) == [0, 2]
+    assert cache.manifest["stats"]["bad_records"] == {"identical_sides": 1}
+    kept = open_cache(build_cache(path, tokenizer, kind="preference", keep_identical_pairs=True))
+    assert sorted({s.provenance.record for s in kept.iter_sequences()}) == [0, 1, 2]
+    assert not kept.manifest["stats"].get("bad_records")
+    assert kept.manifest["key"]["digest"] != cache.manifest["key"]["digest"]
+
+
+def test_keep_identical_pairs_is_for_preference_data_only(tmp_path, build_cache, tokenizer_dir):
+    from click.testing import CliRunner
+
+    from shardcache import ConfigError
+    from shardcache.cli import main
+
+    path = write_records(str(tmp_path / "t.jsonl"), [{"text": "a b"}], "jsonl")
+    with pytest.raises(ConfigError, match="keep_identical_pairs: .*preference"):
+        build_cache(path, tokenizer_dir, keep_identical_pairs=True)
+    pairs = write_records(str(tmp_path / "p.jsonl"), [{"prompt": "p", "chosen": " x",
+                                                      "rejected": " x"}] * 2, "jsonl")  # fmt: skip
+    out = str(tmp_path / "cli")
+    args = ["build", "-i", pairs, "-t", tokenizer_dir, "-o", out, "--workers", "1"]
+    result = CliRunner().invoke(main, [*args, "--preference", "--keep-identical-pairs"])
+    assert result.exit_code == 0, result.output
+    assert open_cache(out).num_sequences == 4

@@ -40,6 +40,7 @@ BAD_REASONS = (
     "no_shared_prompt",  # preference, implicit prompt: chosen and rejected share no prefix
     "divergence_not_assistant",  # implicit prompt: the first differing message is not assistant
     "last_not_assistant",  # implicit prompt: a side's last message is not an assistant turn
+    "identical_sides",  # preference: chosen and rejected encode alike (keep_identical_pairs)
 )
 #: A batch is flushed at this many characters even below ``batch_docs`` (bounds memory).
 MAX_BATCH_CHARS = 8 * 1024 * 1024
