@@ -274,18 +274,21 @@ def write_megatron(
                         dtype.name, False)  # fmt: skip
 
 
-def _hf_schema(with_mask: bool) -> pa.Schema:
+def _hf_schema(with_mask: bool, with_weights: bool = False) -> pa.Schema:
     fields = [pa.field("input_ids", pa.list_(pa.int32()))]
     if with_mask:
         fields.append(pa.field("loss_mask", pa.list_(pa.int8())))
+    if with_weights:  # a cache with per-message loss weights
+        fields.append(pa.field("loss_weights", pa.list_(pa.float32())))
     return pa.schema(fields)
 
 
 def hf_shard_bounds(cache: Cache, with_mask: bool, shard_size_bytes: int) -> np.ndarray:
     """Sample-id bounds of the data files: equal row counts, as ``save_to_disk`` shards."""
     n = cache.num_sequences
-    per_token = 4 + (1 if with_mask else 0)
-    per_row = 4 + (4 if with_mask else 0)  # list offsets
+    weights = cache.has_weights
+    per_token = 4 + (1 if with_mask else 0) + (4 if weights else 0)
+    per_row = 4 + (4 if with_mask else 0) + (4 if weights else 0)  # list offsets
     size = cache.num_tokens * per_token + n * per_row
     files = max(1, min(n, -(-size // shard_size_bytes)))
     return np.linspace(0, n, files + 1).round().astype(np.int64)
@@ -296,8 +299,8 @@ def write_hf(
 ) -> ExportReport:
     """Write a folder that ``datasets.load_from_disk`` reads: Arrow stream files + two JSONs."""
     _refuse_existing([output])
-    with_mask = cache.has_mask
-    schema = _hf_schema(with_mask)
+    with_mask, with_weights = cache.has_mask, cache.has_weights
+    schema = _hf_schema(with_mask, with_weights)
     bounds = hf_shard_bounds(cache, with_mask, options.shard_size_bytes)
     names = [f"data-{i:05d}-of-{len(bounds) - 1:05d}.arrow" for i in range(len(bounds) - 1)]
     with _export_folder(output) as work:
@@ -307,12 +310,15 @@ def write_hf(
             with atomic_file(os.path.join(tmp, name)) as f, pa.ipc.new_stream(f, schema) as out:
                 for a, b in _chunks(cache.lengths, int(lo), int(hi), options.chunk_tokens):
                     got = cache.gather(np.arange(a, b, dtype=np.int64), with_mask=with_mask,
-                                       dtype=np.int32)  # fmt: skip
+                                       dtype=np.int32, with_weights=with_weights)  # fmt: skip
                     offsets = numpy_arrow(got.offsets.astype(np.int32))
                     columns = [pa.ListArray.from_arrays(offsets, numpy_arrow(got.tokens))]
                     if got.mask is not None:
                         mask = numpy_arrow(got.mask.view(np.int8))
                         columns.append(pa.ListArray.from_arrays(offsets, mask))
+                    if got.weights is not None:
+                        weights = numpy_arrow(got.weights)
+                        columns.append(pa.ListArray.from_arrays(offsets, weights))
                     out.write_batch(pa.record_batch(columns, schema=schema))
                     if progress is not None:
                         progress(len(got.tokens))

@@ -236,6 +236,21 @@ def test_show_prints_the_stored_weights(weighted, stored):
     )
 
 
+def test_the_hf_export_keeps_the_weights(weighted, stored, tmp_path):
+    datasets = pytest.importorskip("datasets")
+    from shardcache import ExportOptions, export_cache
+
+    out = str(tmp_path / "hf")
+    report = export_cache(weighted, out, ExportOptions("hf"))
+    assert report.loss_mask
+    dataset = datasets.load_from_disk(out)
+    assert dataset.column_names == ["input_ids", "loss_mask", "loss_weights"]
+    got = dataset["loss_weights"]
+    assert len(got) == len(stored)
+    for row, want in zip(got, stored):
+        np.testing.assert_array_equal(np.asarray(row, np.float32), want)
+
+
 def reference_loss(model, batch: dict, stored: list[np.ndarray]) -> torch.Tensor:
     """The weighted loss sequence by sequence: each segment alone through the model."""
     total, weight = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float64)
