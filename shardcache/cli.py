@@ -448,9 +448,11 @@ def commit_command(
 @click.option("--json", "as_json", is_flag=True, help="Print the summary as JSON.")
 @click.option("--split", "split_spec", default=None, metavar="NAME=FRACTION,...",
               help="Also count the documents, sequences and tokens of each side of a held-out "
-              "split, e.g. validation=0.01,test=0.001 (seed=N optional): the sides "
-              "ShardDataset(split=..., splits=Split(...)) reads. Reads every shard's record "
-              "column.")  # fmt: skip
+              "split, e.g. validation=0.01,test=0.001 (seed=N and key=content|path optional): "
+              "the sides ShardDataset(split=..., splits=Split(...)) reads, the key it draws "
+              "documents by and the documents on more than one side (0 with content keys). "
+              "Path keys (a cache built before content keys, or key=path) read every shard's "
+              "record column.")  # fmt: skip
 @translate_errors
 def info(
     cache: str,
@@ -817,9 +819,9 @@ def _parse_split(spec: str) -> Any:
                 param_hint="--split",
             )
         try:
-            if name not in ("validation", "test", "seed"):
-                raise ValueError(f"unknown name {name!r}: use validation, test and seed")
-            values[name] = int(value) if name == "seed" else float(value)
+            if name not in ("validation", "test", "seed", "key"):
+                raise ValueError(f"unknown name {name!r}: use validation, test, seed and key")
+            values[name] = {"seed": int, "key": str.strip}.get(name, float)(value)
         except ValueError as err:
             raise click.BadParameter(
                 f"{part!r}: {err}; write NAME=FRACTION pairs, e.g. validation=0.01,test=0.001",
@@ -885,8 +887,8 @@ def export_command(
 @click.option("--json", "as_json", is_flag=True, help="Print the table as JSON.")
 @click.option("--split", "split_spec", default=None, metavar="NAME=FRACTION,...",
               help="Held-out fractions for every source without its own, in place of the "
-              "recipe's [splits], e.g. validation=0.01,test=0.001 (seed=N optional). Reads "
-              "every shard's record column.")  # fmt: skip
+              "recipe's [splits], e.g. validation=0.01,test=0.001 (seed=N and key=content|path "
+              "optional). Path keys read every shard's record column.")  # fmt: skip
 @translate_errors
 def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
     """Show what each source of a mixture RECIPE gives an epoch.
@@ -907,7 +909,12 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
     from shardcache.read.selection.mixed_cache import MixedCache
     from shardcache.read.selection.mixture import source_splits
     from shardcache.read.selection.mixture_recipe import load_mixture_recipe
-    from shardcache.read.selection.splits import format_split_summary, split_ids, split_summary
+    from shardcache.read.selection.splits import (
+        format_split_summary,
+        split_ids,
+        split_keys,
+        split_summary,
+    )
 
     loaded = load_mixture_recipe(recipe)
     options = loaded.dataset_options()
@@ -924,7 +931,7 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
             click.echo(json.dumps(table.to_json(), indent=1) if as_json else table.format())
             return
         assert side is not None
-        keys = [c.document_keys() for c in mixed.caches]
+        keys = [split_keys(c, own) for c, own in zip(mixed.caches, per_source)]
         caches = mixed.caches
         rows = tuple(split_ids(c, own, side, k) for c, own, k in zip(caches, per_source, keys))
         summaries = {
@@ -942,7 +949,7 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
         return
     lines = [table.format(), f"(the {side} side of every source's split)"]
     for name, summary in summaries.items():
-        fractions = ", ".join(f"{k}={v}" for k, v in summary["split"].items())
+        fractions = ", ".join(f"{k}={v}" for k, v in summary["split"].items() if k != "key")
         lines += [f"source {name} ({fractions}):", *format_split_summary(summary, "  ")]
     click.echo("\n".join(lines))
 
