@@ -555,7 +555,7 @@ def test_keep_identical_pairs_is_for_preference_data_only(tmp_path, build_cache,
     from shardcache.cli import main
 
     path = write_records(str(tmp_path / "t.jsonl"), [{"text": "a b"}], "jsonl")
-    with pytest.raises(ConfigError, match="keep_identical_pairs: .*preference"):
+    with pytest.raises(ConfigError, match=r"keep_identical_pairs: .*preference"):
         build_cache(path, tokenizer_dir, keep_identical_pairs=True)
     pairs = write_records(str(tmp_path / "p.jsonl"), [{"prompt": "p", "chosen": " x",
                                                       "rejected": " x"}] * 2, "jsonl")  # fmt: skip
