@@ -899,7 +899,8 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
     name, splits) per cache plus the batch options. With held-out splits (the recipe's [splits]
     or a source's splits, or --split), the table is of the side the recipe reads (split,
     default train), followed by each source's documents, sequences and tokens per side, as
-    shardcache info --split counts them; finding the sides reads every shard's record column.
+    shardcache info --split counts them; finding the sides reads each cache's content key index
+    (path keys: every shard's record column).
 
     \b
       shardcache mix recipes/mixture.toml

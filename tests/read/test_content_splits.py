@@ -242,3 +242,12 @@ def test_an_old_cache_reads_with_path_keys_and_says_so(old_cache, caplog):
     plain = CliRunner().invoke(main, ["info", old_cache])  # without --split too
     assert plain.exit_code == 0 and "split keys   path keys" in plain.output
     assert verify_cache(old_cache).ok
+
+
+def test_a_cache_at_a_url_reads_its_content_keys(three_files):
+    url = "file://" + os.path.abspath(three_files)
+    with open_cache(three_files) as local, open_cache(url) as remote:
+        assert remote.remote is not None
+        assert np.array_equal(remote.content_keys, local.content_keys)
+        assert np.array_equal(split_ids(remote, SPLIT, "test"), split_ids(local, SPLIT, "test"))
+    assert verify_cache(url).ok
