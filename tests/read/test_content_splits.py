@@ -251,3 +251,33 @@ def test_a_cache_at_a_url_reads_its_content_keys(three_files):
         assert np.array_equal(remote.content_keys, local.content_keys)
         assert np.array_equal(split_ids(remote, SPLIT, "test"), split_ids(local, SPLIT, "test"))
     assert verify_cache(url).ok
+
+
+def test_a_conversation_given_twice_has_one_key(tmp_path, build_cache, chatml_tokenizer_dir):
+    from conftest import make_conversations, write_records
+
+    convs = make_conversations(60, seed=2)
+    for name in ("a", "b"):  # the same file twice, in another order the second time
+        (tmp_path / name).mkdir()
+        order = convs if name == "a" else convs[::-1]
+        write_records(str(tmp_path / name / "x.jsonl"), [{"messages": m} for m in order], "jsonl")
+    with open_cache(build_cache(str(tmp_path), chatml_tokenizer_dir, chat=True)) as cache:
+        keys = cache.document_keys()
+        records = [(s.provenance.source, s.provenance.record) for s in cache.iter_sequences()]
+        summary = split_summary(cache, SPLIT)
+    by_conv: dict[str, set[int]] = {}
+    for (source, record), key in zip(records, keys.tolist()):
+        conv = convs[record] if source.startswith("a/") else convs[::-1][record]
+        by_conv.setdefault(json.dumps(conv), set()).add(key)
+    assert len(by_conv) == 60 and all(len(k) == 1 for k in by_conv.values())
+    assert len({next(iter(k)) for k in by_conv.values()}) == 60
+    assert summary["documents_on_several_sides"] == 0
+
+
+def test_both_sides_of_a_pair_share_its_content_key(pairs_cache):
+    with open_cache(pairs_cache) as cache:
+        keys = cache.content_keys
+        assert keys is not None and np.array_equal(keys[0::2], keys[1::2])
+        assert len(np.unique(keys)) == cache.num_sequences // 2  # one per pair
+    # verify checks that too (what else it reports of this cache is not about content keys)
+    assert not [p for p in verify_cache(pairs_cache).problems if "content_keys" in p.file]
