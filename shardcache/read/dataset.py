@@ -258,7 +258,6 @@ class ShardDataset(IterableDataset):
                 planner.reset(dataclasses.replace(planner.options, streams=self._ranks.world_size))
         return self._ranks.world_size
 
-
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch (reshuffles); persistent DataLoader workers follow it.
 
@@ -366,7 +365,6 @@ class ShardDataset(IterableDataset):
         epoch = self.epoch if epoch is None else int(epoch)
         return self._planner.tail_report(epoch, self.split(epoch), self._tail)
 
-
     def state_dict(self, *, steps: int | None = None) -> dict[str, Any]:
         """The resumable position, JSON-able.
 
@@ -424,7 +422,6 @@ class ShardDataset(IterableDataset):
         self._generation = self._published.publish(
             self.epoch, self._consumed, self._loaded, get_worker_info() is not None
         )
-
 
     def __iter__(self) -> Iterator[Batch]:
         refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
@@ -540,7 +537,6 @@ class ShardDataset(IterableDataset):
         if schedule is not None:
             stats["schedule"] = schedule
         return stats
-
 
     def collate_batch(self, plan: EpochPlan | StreamPlan, index: int, wrap: int = 0) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors.

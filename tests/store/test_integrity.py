@@ -160,8 +160,11 @@ def test_token_ids_above_the_vocabulary_are_a_corrupt_shard(cache_dir):
     big = pa.array(np.full(len(tokens.values), 65_000, dtype=np.uint16))
     table = table.set_column(0, "tokens", pa.ListArray.from_arrays(tokens.offsets, big))
     _replace_shard(cache_dir, 0, table)
+    from shardcache.read.collate.collator import pad_rows
+
+    ds = ShardDataset(cache_dir, max_tokens=4096)  # the numpy path: the reader's own check
     with pytest.raises(CorruptShardError, match="token id 65000"):
-        ShardDataset(cache_dir, max_tokens=4096).collate(np.arange(int(info["rows"])))
+        pad_rows(ds._samples, ds.options, np.arange(int(info["rows"])), 0)
 
 
 def test_looking_for_a_record_makes_no_folders(tmp_path, monkeypatch):
