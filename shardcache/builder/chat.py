@@ -562,8 +562,8 @@ class ChatEncoder:
         """Truncate, drop samples with no trainable token, and lint, counting into ``stats``.
 
         The ``Encoded`` has a ``mask`` (float32 loss weights instead with message weights, 0
-        where untrainable: what a ``with_weights`` shard writer takes), and ``failed`` entries
-        for conversations not rendered.
+        where untrainable: the ``weights`` column travels as the mask, ``in_mask`` in its
+        spec), and ``failed`` entries for conversations not rendered.
         """
         limit = self.text.options.max_length
         strategy = self.text.options.truncation

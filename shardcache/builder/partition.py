@@ -51,6 +51,7 @@ from shardcache.errors import (
     BadRecordError,
     EncoderError,
 )
+from shardcache.store.columns import built_columns
 from shardcache.store.files import (
     write_json_atomic,
     write_npy_atomic,
@@ -250,8 +251,8 @@ def partition_timings(times: StageTimes, process_cpu: float) -> dict[str, float]
 class BucketRows:
     """The sequences of one bucket of a batch, in input order.
 
-    ``tokens`` and ``mask`` (None: text) are flat; the other arrays hold one entry per sequence
-    (``doc_index``: its document's position in the batch).
+    ``tokens``, ``mask`` (None: text) and ``columns`` (per-token columns by name) are flat; the
+    other arrays hold one entry per sequence (``doc_index``: its document's position in the batch).
     """
 
     tokens: np.ndarray
@@ -260,6 +261,7 @@ class BucketRows:
     piece: np.ndarray
     doc_index: np.ndarray
     mask: np.ndarray | None
+    columns: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
 
 def by_bucket(
@@ -297,8 +299,9 @@ def by_bucket(
     for b in np.flatnonzero(np.diff(row_bounds)).tolist():
         rows = slice(int(row_bounds[b]), int(row_bounds[b + 1]))
         mask = None if encoded.mask is None else gather(encoded.mask, b)
+        columns = {name: gather(values, b) for name, values in encoded.columns.items()}
         groups.append((b, BucketRows(gather(encoded.tokens, b), lengths[rows], rows_records[rows],
-                                     piece[rows], doc_index[rows], mask)))  # fmt: skip
+                                     piece[rows], doc_index[rows], mask, columns)))  # fmt: skip
     return groups
 
 
@@ -310,17 +313,20 @@ def add_rows(
     records: np.ndarray,
     pieces: np.ndarray,
     mask: np.ndarray | None,
+    columns: dict[str, np.ndarray] | None = None,
 ) -> None:
     """Append rows to a bucket's writer, each run ``(file, start, end)`` under its file."""
     ends = np.concatenate([[0], np.cumsum(lengths)]) if len(runs) > 1 else None
+    columns = columns or {}
     for source, start, end in runs:
         writer.source = source
         if ends is None:
-            writer.add(tokens, lengths, records, pieces, mask)
+            writer.add(tokens, lengths, records, pieces, mask, columns)
             continue
         t0, t1 = int(ends[start]), int(ends[end])
         writer.add(tokens[t0:t1], lengths[start:end], records[start:end], pieces[start:end],
-                   None if mask is None else mask[t0:t1])  # fmt: skip
+                   None if mask is None else mask[t0:t1],
+                   {name: values[t0:t1] for name, values in columns.items()})  # fmt: skip
 
 
 def remove_partition_files(out: str, partition_id: str) -> None:
@@ -441,7 +447,7 @@ def _open_writers(plan: BuildPlan, partition: Partition, encoder: Encoder) -> li
             options.layout.compression,
             with_mask=options.chat is not None,
             row_multiple=2 if options.kind == "preference" else 1,
-            with_weights=options.chat is not None and options.chat.weight_field is not None,
+            columns=built_columns(options.chat),
         )
         for bucket in range(len(plan.edges) + 1)
     ]
@@ -467,7 +473,8 @@ def _write_batch(
     with times.cpu("write"):
         for b, group in groups:
             add_rows(writers[b], batch.runs(group.doc_index), group.tokens,
-                     group.lengths, group.records, group.piece, group.mask)  # fmt: skip
+                     group.lengths, group.records, group.piece, group.mask,
+                     group.columns)  # fmt: skip
             keys[b].append(doc_keys[group.doc_index])
     kept = np.ones(len(batch.texts), dtype=np.int64)  # documents: all but failed ones
     kept[[doc for doc, *_ in encoded.failed]] = 0

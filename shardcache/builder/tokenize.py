@@ -53,7 +53,9 @@ class Encoded:
     """Sequences of one batch as flat arrays.
 
     Per sequence: its document's position in the batch and its piece number (0 unless split);
-    ``mask`` flags trainable tokens (chat; None: all).
+    ``mask`` flags trainable tokens (chat; None: all). ``columns``: per-token columns
+    (``store/columns.py`` names) flat like ``tokens``, written beside the mask; a column the
+    spec marks ``in_mask`` travels as ``mask`` instead.
     """
 
     tokens: np.ndarray
@@ -62,6 +64,7 @@ class Encoded:
     piece: np.ndarray
     mask: np.ndarray | None = None
     failed: list[tuple[int, str, str]] = field(default_factory=list)
+    columns: dict[str, np.ndarray] = field(default_factory=dict)
 
 
 @dataclass

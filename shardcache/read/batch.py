@@ -14,6 +14,7 @@ import torch
 
 from shardcache.errors import ConfigError
 from shardcache.read.device_prefetch.tree import packed_offsets, packed_view
+from shardcache.store.columns import TOKEN_COLUMNS
 
 #: The integer types ``ShardDataset(ids_dtype=...)`` delivers ids in.
 IDS_DTYPES = ("int32", "int64")
@@ -83,12 +84,13 @@ def to_batch(arrays: dict[str, Any], meta: dict[str, Any]) -> Batch:
 def mark_filler(batch: Batch, filler: bool) -> None:
     """Flag an evaluation batch in ``meta["filler"]``; a filler's labels are all -100.
 
-    (Its ``loss_weights``, of a weighted cache, all 0.)
+    Its per-token columns (``loss_weights``) all hold their ``fill``, as wherever labels are -100.
     """
     if filler:
         batch["labels"] = torch.full_like(batch["labels"], -100)
-        if "loss_weights" in batch:
-            batch["loss_weights"] = torch.zeros_like(batch["loss_weights"])
+        for spec in TOKEN_COLUMNS.values():
+            if spec.batch_key in batch:
+                batch[spec.batch_key] = torch.full_like(batch[spec.batch_key], spec.fill)
     batch["meta"]["filler"] = torch.tensor(filler)
 
 

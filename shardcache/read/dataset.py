@@ -565,13 +565,13 @@ class ShardDataset(IterableDataset):
     def reads_compiled(self) -> bool:
         """Whether the compiled kernels build batches here (numba, a local uncompressed cache).
 
-        Never for preference pairs, with a transform or with loss weights: the numpy path
-        collates them.
+        Never for preference pairs, with a transform or with per-token columns (loss
+        weights): the numpy path collates them.
         """
         selection = self._selection
         if selection.pairs or self._samples.chain is not None or not selection.is_open():
             return False
-        if self._samples.weighted:
+        if self._samples.columns:
             return False
         return compiled_table(selection, self.kernels) is not None
 

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import os
 from collections import OrderedDict
-from collections.abc import Callable, Container, Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Container, Iterator, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 
 from shardcache.errors import ConfigError, CorruptShardError
+from shardcache.store.columns import TOKEN_COLUMNS, stored_columns
 from shardcache.store.files import sha256_text
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import CONTENT_KEYS_FILE, LENGTHS_FILE, cache_path, shard_path
@@ -125,13 +126,14 @@ class ShardCache:
 class Gathered:
     """Segments read by ``Cache.gather``: tokens, int64 offsets (one more than segments), mask.
 
-    ``weights``: float32 loss weights per token (0 where the mask is not set), when asked.
+    ``extras``: the per-token columns asked for (``TOKEN_COLUMNS`` names), each lined up with
+    ``tokens``.
     """
 
     tokens: np.ndarray
     offsets: np.ndarray
     mask: np.ndarray | None = None
-    weights: np.ndarray | None = None
+    extras: Mapping[str, np.ndarray] = field(default_factory=dict)
 
     @property
     def lengths(self) -> np.ndarray:
@@ -283,7 +285,7 @@ class Cache:
         options = {
             "max_token_id": self._max_id,
             "with_mask": self.has_mask,
-            "with_weights": self.has_weights,
+            "columns": self.columns,
         }
         # the mapped-shard table (mapped_table): shards whose rows were checked against the
         # index and recorded, and the token arrays of the open ones by address
@@ -344,13 +346,17 @@ class Cache:
         return self.manifest.get("kind") in MASKED_KINDS
 
     @property
-    def has_weights(self) -> bool:
-        """True for chat and preference caches built with per-message loss weights.
+    def columns(self) -> tuple[str, ...]:
+        """The per-token columns its shards store beside the mask (``TOKEN_COLUMNS`` names).
 
-        Their shards store a ``weights`` column beside the mask; the manifest's tokenizer facts
-        name the message field they came from (``loss_weights``).
+        The manifest's tokenizer facts name the build option each came from.
         """
-        return bool((self.manifest.get("tokenizer") or {}).get("loss_weights"))
+        return stored_columns(self.manifest)
+
+    @property
+    def has_weights(self) -> bool:
+        """True when its shards store per-message loss weights (``"weights" in columns``)."""
+        return "weights" in self.columns
 
     @property
     def is_preference(self) -> bool:
@@ -394,7 +400,7 @@ class Cache:
         dtype: np.dtype | type | None = None,
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
-        with_weights: bool = False,
+        columns: tuple[str, ...] = (),
     ) -> Gathered:
         """The tokens of several segments, in the order given, one copy per record batch.
 
@@ -407,12 +413,12 @@ class Cache:
             layout: ``(dst, size)`` places segment ``k`` at ``dst[k]`` of a ``size``-token array
                 instead of concatenating them (padded rows without a second copy).
             fill: the value of the slots ``layout`` leaves empty (their mask is False).
-            with_weights: also gather the loss weights (float32; a cache without stored
-                weights: 1 where the mask is set, 0 elsewhere; empty slots 0).
+            columns: also gather these per-token columns (``TOKEN_COLUMNS`` names; one the
+                cache does not store: its spec's default; empty slots its ``fill``).
 
         Returns:
-            The tokens, the segments' offsets (also with ``layout``), and the masks and weights
-            when asked.
+            The tokens, the segments' offsets (also with ``layout``), and the masks and
+            columns when asked.
         """
         if self._shards.closed:
             raise ValueError(f"{self.path}: the cache is closed: open it again to read")
@@ -432,7 +438,7 @@ class Cache:
         if layout is None:
             tokens = np.empty(int(offsets[-1]), dtype=out_dtype)
             mask = np.empty(len(tokens), dtype=bool) if with_mask else None
-            weights = np.empty(len(tokens), dtype=np.float32) if with_weights else None
+            extras = {n: np.empty(len(tokens), TOKEN_COLUMNS[n].dtype) for n in columns}
             dst = offsets
         else:
             dst, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
@@ -440,7 +446,8 @@ class Cache:
                 raise IndexError(f"{self.path}: layout: segments fall outside the {size} slots")
             tokens = np.full(size, fill, dtype=out_dtype)
             mask = np.zeros(size, dtype=bool) if with_mask else None
-            weights = np.zeros(size, dtype=np.float32) if with_weights else None
+            extras = {n: np.full(size, TOKEN_COLUMNS[n].fill, TOKEN_COLUMNS[n].dtype)
+                      for n in columns}  # fmt: skip
         shard = np.searchsorted(self.shard_starts, ids, side="right") - 1
         rows = ids - self.shard_starts[shard]
         # segments grouped by shard (stable: in order inside a shard)
@@ -449,9 +456,9 @@ class Cache:
         for sel in np.split(order, cuts) if n else []:
             reader = self._shards.get(int(shard[sel[0]]))
             reader.gather_into(
-                rows[sel], first[sel], take[sel], dst[sel], tokens, mask, full[sel], weights
+                rows[sel], first[sel], take[sel], dst[sel], tokens, mask, full[sel], extras
             )
-        return Gathered(tokens, offsets, mask, weights)
+        return Gathered(tokens, offsets, mask, extras)
 
     def mapped_table(self) -> MappedTable | None:
         """The table of memory-mapped shards for compiled readers.
@@ -581,8 +588,22 @@ class Cache:
         assert got.mask is not None
         return np.split(got.mask, got.offsets[1:-1])
 
+    def read_column(self, name: str, sample_ids: np.ndarray) -> list[np.ndarray]:
+        """A per-token column's values of several sequences.
+
+        Args:
+            name: a ``TOKEN_COLUMNS`` name (``KeyError`` otherwise).
+            sample_ids: their global row numbers.
+
+        Returns:
+            One array per sequence: the stored values, else the column's default (its
+            ``trained`` value where the mask is set, its ``fill`` elsewhere).
+        """
+        got = self.gather(sample_ids, columns=(name,))
+        return np.split(got.extras[name], got.offsets[1:-1])
+
     def read_weights(self, sample_ids: np.ndarray) -> list[np.ndarray]:
-        """The loss weights of several sequences.
+        """The loss weights of several sequences: ``read_column("weights", sample_ids)``.
 
         Args:
             sample_ids: their global row numbers.
@@ -591,9 +612,7 @@ class Cache:
             One float32 array per sequence: the stored weights (``has_weights``), else 1 where
             the mask is set and 0 elsewhere.
         """
-        got = self.gather(sample_ids, with_mask=True, with_weights=True)
-        assert got.weights is not None
-        return np.split(got.weights, got.offsets[1:-1])
+        return self.read_column("weights", sample_ids)
 
     def lookup(self, sample_id: int) -> Provenance:
         """Where a sample id came from.

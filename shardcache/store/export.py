@@ -20,7 +20,7 @@ import os
 import re
 import shutil
 import struct
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import BinaryIO
 
@@ -29,6 +29,7 @@ import pyarrow as pa
 
 from shardcache.errors import CacheError, ConfigError
 from shardcache.store.cache import Cache, open_cache
+from shardcache.store.columns import TOKEN_COLUMNS
 from shardcache.store.files import atomic_file, fsync_dir, private_tmp
 from shardcache.store.shards import numpy_arrow
 
@@ -274,21 +275,23 @@ def write_megatron(
                         dtype.name, False)  # fmt: skip
 
 
-def _hf_schema(with_mask: bool, with_weights: bool = False) -> pa.Schema:
+def _hf_schema(with_mask: bool, columns: Sequence[str] = ()) -> pa.Schema:
+    """``input_ids``, ``loss_mask``, then one list per per-token column, named by its batch key."""
     fields = [pa.field("input_ids", pa.list_(pa.int32()))]
     if with_mask:
         fields.append(pa.field("loss_mask", pa.list_(pa.int8())))
-    if with_weights:  # a cache with per-message loss weights
-        fields.append(pa.field("loss_weights", pa.list_(pa.float32())))
+    for name in columns:
+        spec = TOKEN_COLUMNS[name]
+        fields.append(pa.field(spec.batch_key, pa.list_(spec.arrow_type)))
     return pa.schema(fields)
 
 
 def hf_shard_bounds(cache: Cache, with_mask: bool, shard_size_bytes: int) -> np.ndarray:
     """Sample-id bounds of the data files: equal row counts, as ``save_to_disk`` shards."""
     n = cache.num_sequences
-    weights = cache.has_weights
-    per_token = 4 + (1 if with_mask else 0) + (4 if weights else 0)
-    per_row = 4 + (4 if with_mask else 0) + (4 if weights else 0)  # list offsets
+    columns = [TOKEN_COLUMNS[name] for name in cache.columns]
+    per_token = 4 + (1 if with_mask else 0) + sum(c.dtype.itemsize for c in columns)
+    per_row = 4 + (4 if with_mask else 0) + 4 * len(columns)  # list offsets
     size = cache.num_tokens * per_token + n * per_row
     files = max(1, min(n, -(-size // shard_size_bytes)))
     return np.linspace(0, n, files + 1).round().astype(np.int64)
@@ -299,8 +302,8 @@ def write_hf(
 ) -> ExportReport:
     """Write a folder that ``datasets.load_from_disk`` reads: Arrow stream files + two JSONs."""
     _refuse_existing([output])
-    with_mask, with_weights = cache.has_mask, cache.has_weights
-    schema = _hf_schema(with_mask, with_weights)
+    with_mask, extras = cache.has_mask, cache.columns
+    schema = _hf_schema(with_mask, extras)
     bounds = hf_shard_bounds(cache, with_mask, options.shard_size_bytes)
     names = [f"data-{i:05d}-of-{len(bounds) - 1:05d}.arrow" for i in range(len(bounds) - 1)]
     with _export_folder(output) as work:
@@ -310,15 +313,14 @@ def write_hf(
             with atomic_file(os.path.join(tmp, name)) as f, pa.ipc.new_stream(f, schema) as out:
                 for a, b in _chunks(cache.lengths, int(lo), int(hi), options.chunk_tokens):
                     got = cache.gather(np.arange(a, b, dtype=np.int64), with_mask=with_mask,
-                                       dtype=np.int32, with_weights=with_weights)  # fmt: skip
+                                       dtype=np.int32, columns=extras)  # fmt: skip
                     offsets = numpy_arrow(got.offsets.astype(np.int32))
                     columns = [pa.ListArray.from_arrays(offsets, numpy_arrow(got.tokens))]
                     if got.mask is not None:
                         mask = numpy_arrow(got.mask.view(np.int8))
                         columns.append(pa.ListArray.from_arrays(offsets, mask))
-                    if got.weights is not None:
-                        weights = numpy_arrow(got.weights)
-                        columns.append(pa.ListArray.from_arrays(offsets, weights))
+                    for values in got.extras.values():
+                        columns.append(pa.ListArray.from_arrays(offsets, numpy_arrow(values)))
                     out.write_batch(pa.record_batch(columns, schema=schema))
                     if progress is not None:
                         progress(len(got.tokens))

@@ -1,8 +1,8 @@
 """Shard files: Arrow IPC files of token sequences, their writer and their reader.
 
 Schema ``tokens: list<uint16|uint32>, record: int64, piece: int32`` (chat caches add
-``mask: list<bool>``, and ``weights: list<float32>`` when built with per-message loss weights):
-sequences of one bucket in input order, cut into record batches of about
+``mask: list<bool>``, then the per-token columns of ``store/columns.py`` the cache stores, each
+a list beside the tokens): sequences of one bucket in input order, cut into record batches of about
 ``RECORD_BATCH_BYTES`` token bytes, so split points depend only on the lengths. Uncompressed
 batches are read zero-copy from the memory map, compressed ones into a byte-bounded LRU.
 """
@@ -15,7 +15,7 @@ import mmap
 import os
 import struct
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,15 +24,18 @@ import pyarrow as pa
 
 from shardcache.config import parse_size
 from shardcache.errors import CorruptShardError
+from shardcache.store.columns import TOKEN_COLUMNS
 from shardcache.store.files import HashingWriter, resource_limit_error, sha256_bytes
 from shardcache.store.integrity import check_file
 from shardcache.store.layout import RECORD_BATCH_BYTES, shard_path
 
 
-def shard_schema(dtype: np.dtype, with_mask: bool = False, with_weights: bool = False) -> pa.Schema:
+def shard_schema(
+    dtype: np.dtype, with_mask: bool = False, columns: Sequence[str] = ()
+) -> pa.Schema:
     """The Arrow schema of a shard: ``tokens`` (uint16/uint32), ``record``, ``piece``, ``mask``.
 
-    ``with_weights`` (a chat cache with per-message loss weights) adds ``weights`` after ``mask``.
+    ``columns`` (names of ``TOKEN_COLUMNS``, in its order) follow ``mask``, one list each.
     """
     value_type = pa.uint16() if dtype == np.uint16 else pa.uint32()
     fields = [
@@ -42,8 +45,8 @@ def shard_schema(dtype: np.dtype, with_mask: bool = False, with_weights: bool = 
     ]
     if with_mask:
         fields.append(pa.field("mask", pa.list_(pa.bool_()), nullable=False))
-    if with_weights:
-        fields.append(pa.field("weights", pa.list_(pa.float32()), nullable=False))
+    for name in columns:
+        fields.append(pa.field(name, pa.list_(TOKEN_COLUMNS[name].arrow_type), nullable=False))
     return pa.schema(fields)
 
 
@@ -122,8 +125,9 @@ class BucketWriter:
     reaches ``shard_size_bytes``, except with ``name`` (one shard, for ``merge_shards``).
     ``source`` may change between ``add`` calls: a shard with rows of several files records runs.
     With ``row_multiple`` (preference pairs: 2) every record batch holds a multiple of that many
-    rows, given ``add`` calls that do. With ``with_weights`` (and ``with_mask``) the ``mask`` given
-    to ``add`` is float32 loss weights per token: stored as ``mask`` (weight > 0) and ``weights``.
+    rows, given ``add`` calls that do. ``columns`` (names of ``TOKEN_COLUMNS``, with ``with_mask``)
+    are stored after the mask, their values given to ``add``; an ``in_mask`` column not given there
+    takes the ``mask`` given, whose bool (``!= 0``) is then the stored mask.
     """
 
     def __init__(
@@ -138,12 +142,12 @@ class BucketWriter:
         with_mask: bool = False,
         name: str | None = None,
         row_multiple: int = 1,
-        with_weights: bool = False,
+        columns: Sequence[str] = (),
     ):
-        if with_weights and not with_mask:
-            raise ValueError("BucketWriter: with_weights needs with_mask")
+        if columns and not with_mask:
+            raise ValueError(f"BucketWriter: the columns {list(columns)} need with_mask")
         self.cache_dir = cache_dir
-        self.with_weights = with_weights
+        self.columns = tuple(columns)
         self.row_multiple = row_multiple  # record batches (so shards) cut only at such rows
         self.with_mask = with_mask
         self.name = name  # one shard of this name, never rotated (merge_shards)
@@ -154,7 +158,7 @@ class BucketWriter:
         self.shard_size_bytes = shard_size_bytes
         self.batch_bytes = min(RECORD_BATCH_BYTES, shard_size_bytes)
         self.compression = None if compression == "none" else compression
-        self.schema = shard_schema(self.dtype, with_mask, with_weights)
+        self.schema = shard_schema(self.dtype, with_mask, self.columns)
         self.shards: list[ShardInfo] = []
         self.lengths: list[np.ndarray] = []  # per closed shard
         self._pending: list[tuple[np.ndarray, ...]] = []
@@ -181,12 +185,13 @@ class BucketWriter:
         records: np.ndarray,
         pieces: np.ndarray,
         mask: np.ndarray | None = None,
+        columns: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Append sequences: flat ``tokens`` (and ``mask``), per-row lengths, records and pieces.
 
         ``mask`` must be given exactly when the writer is ``with_mask`` (else ``ValueError``);
-        a ``with_weights`` writer takes the per-token loss weights there (0: not trained).
-        A shard write's ``OSError`` names the file.
+        ``columns`` holds the flat values of the writer's columns (an ``in_mask`` column left
+        out takes ``mask``). A shard write's ``OSError`` names the file.
         """
         if (mask is None) == self.with_mask:
             raise ValueError(
@@ -194,6 +199,7 @@ class BucketWriter:
             )
         if mask is None:
             mask = np.zeros(0, dtype=bool)
+        values = self._column_values(mask, columns or {})
         itemsize = self.dtype.itemsize
         while len(lengths):
             room = self.batch_bytes - self._pending_bytes
@@ -203,14 +209,28 @@ class BucketWriter:
             cut = min(cut + (-cut % self.row_multiple), len(lengths))
             n_tok = int(lengths[:cut].sum())
             self._pending.append(
-                (tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut], mask[:n_tok])
-            )
+                (tokens[:n_tok], lengths[:cut], records[:cut], pieces[:cut], mask[:n_tok],
+                 *(v[:n_tok] for v in values))
+            )  # fmt: skip
             _add_run(self._pending_runs, self.source, cut)
             self._pending_bytes += n_tok * itemsize
             tokens, lengths, mask = tokens[n_tok:], lengths[cut:], mask[n_tok:]
+            values = [v[n_tok:] for v in values]
             records, pieces = records[cut:], pieces[cut:]
             if self._pending_bytes >= self.batch_bytes:
                 self._write_batch()
+
+    def _column_values(self, mask: np.ndarray, given: Mapping[str, np.ndarray]) -> list[np.ndarray]:
+        """The flat values of each of the writer's columns, in order (``ValueError``: missing)."""
+        out = []
+        for name in self.columns:
+            if name in given:
+                out.append(given[name])
+            elif TOKEN_COLUMNS[name].in_mask:
+                out.append(mask)
+            else:
+                raise ValueError(f"BucketWriter: no values given for the column {name!r}")
+        return out
 
     def _write_batch(self) -> None:
         """Write the pending sequences as one record batch, closing the shard when it is full."""
@@ -221,6 +241,8 @@ class BucketWriter:
         records = np.concatenate([p[2] for p in self._pending])
         pieces = np.concatenate([p[3] for p in self._pending])
         mask = np.concatenate([p[4] for p in self._pending]) if self.with_mask else None
+        count = len(self.columns)
+        values = [np.concatenate([p[5 + k] for p in self._pending]) for k in range(count)]
         self._pending, self._pending_bytes = [], 0
         for source, rows in self._pending_runs:
             _add_run(self._shard_runs, source, rows)
@@ -233,9 +255,9 @@ class BucketWriter:
         ]
         if mask is not None:
             columns.append(pa.ListArray.from_arrays(offsets, numpy_arrow(mask.astype(bool))))
-        if mask is not None and self.with_weights:
-            weights = numpy_arrow(mask.astype(np.float32, copy=False))
-            columns.append(pa.ListArray.from_arrays(offsets, weights))
+        for name, column in zip(self.columns, values):
+            stored = column.astype(TOKEN_COLUMNS[name].dtype, copy=False)
+            columns.append(pa.ListArray.from_arrays(offsets, numpy_arrow(stored)))
         batch = pa.record_batch(columns, schema=self.schema)
         path = shard_path(self.cache_dir, self._shard_name()) + ".tmp"
         try:
@@ -340,11 +362,11 @@ def merge_shards(
         schema = reader.schema
         field = schema.field("tokens").type.value_type
         with_mask = "mask" in schema.names
-        with_weights = "weights" in schema.names
+        stored = [n for n in schema.names if n in TOKEN_COLUMNS]
         if writer is None:
             writer = BucketWriter(cache_dir, "merged", "", member.bucket, np.dtype(str(field)),
                                   shard_size_bytes, compression, with_mask, name,
-                                  with_weights=with_weights)  # fmt: skip
+                                  columns=stored)  # fmt: skip
         if not schema.equals(writer.schema):
             raise CorruptShardError(
                 f"{source}: its schema {schema} is not a shard's of this cache "
@@ -356,13 +378,14 @@ def merge_shards(
             offsets = arrow_numpy(tokens.offsets)
             values = arrow_numpy(tokens.values)[offsets[0] : offsets[-1]]
             mask = None
-            if with_weights:  # the weights say the mask too (weight > 0)
-                mask = arrow_numpy(batch.column(4).values)[offsets[0] : offsets[-1]]
-            elif with_mask:
+            if with_mask:
                 bits = batch.column(3).values.to_numpy(zero_copy_only=False)
                 mask = bits[offsets[0] : offsets[-1]]
+            columns = {
+                n: arrow_numpy(batch.column(n).values)[offsets[0] : offsets[-1]] for n in stored
+            }
             writer.add(values, np.diff(offsets), arrow_numpy(batch.column(1)),
-                       arrow_numpy(batch.column(2)), mask)  # fmt: skip
+                       arrow_numpy(batch.column(2)), mask, columns)  # fmt: skip
     if writer is None:
         raise ValueError("merge_shards: no members")
     writer.close()
@@ -413,7 +436,7 @@ def flat_ranges(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 class _Batch:
     """One decoded record batch: token values, int32 offsets, provenance, packed loss mask.
 
-    ``weights``: float32 loss weights per token value (a chat cache with message weights), or None.
+    ``columns``: the stored per-token columns' values by name (``TOKEN_COLUMNS``), per token value.
 
     For uncompressed shards these are views of the mapped file: no heap per row.
     """
@@ -425,7 +448,7 @@ class _Batch:
     mask_bits: np.ndarray | None
     mask_shift: int
     nbytes: int
-    weights: np.ndarray | None = None
+    columns: dict[str, np.ndarray] = dataclasses.field(default_factory=dict)
 
     def mask_at(self, positions: np.ndarray) -> np.ndarray:
         """The loss-mask bits at token positions (all True without a stored mask)."""
@@ -434,11 +457,12 @@ class _Batch:
         bit = positions + self.mask_shift
         return ((self.mask_bits[bit >> 3] >> (bit & 7).astype(np.uint8)) & 1).astype(bool)
 
-    def weights_at(self, positions: np.ndarray) -> np.ndarray:
-        """The loss weights (float32) at token positions: stored, else 1 where the mask is set."""
-        if self.weights is None:
-            return self.mask_at(positions).astype(np.float32)
-        return self.weights[positions]
+    def column_at(self, name: str, positions: np.ndarray) -> np.ndarray:
+        """A per-token column's values at token positions: stored, else its ``default``."""
+        stored = self.columns.get(name)
+        if stored is None:
+            return TOKEN_COLUMNS[name].default(self.mask_at(positions))
+        return stored[positions]
 
 
 @dataclass
@@ -549,8 +573,8 @@ class ShardReader:
 
     Opening checks size, sha256, schema and counts against ``info``, decoding nothing; a record
     batch is decoded on first read and checked then (offsets, counts, ids ``<= max_token_id``).
-    ``with_mask`` (``with_weights``) None accepts either. Views handed out keep the pages mapped
-    after ``close``.
+    ``with_mask`` (``columns``) None accepts what the shard has. Views handed out keep the pages
+    mapped after ``close``.
     """
 
     def __init__(
@@ -563,7 +587,7 @@ class ShardReader:
         max_token_id: int | None = None,
         with_mask: bool | None = None,
         decoded: DecodedBatches | None = None,
-        with_weights: bool | None = None,
+        columns: Sequence[str] | None = None,
     ):
         self.path = path
         self.rows = int(info["rows"])
@@ -592,9 +616,9 @@ class ShardReader:
                 f"{path}: not a readable shard ({err}); run `shardcache verify` and rebuild"
             ) from err
         self.has_mask = "mask" in schema.names
-        #: the shard stores loss weights per token (a ``weights`` column)
-        self.has_weights = "weights" in schema.names
-        self._check_schema(schema, with_mask, with_weights)
+        #: the per-token columns the shard stores (``TOKEN_COLUMNS`` names), by schema position
+        self.columns = {n: i for i, n in enumerate(schema.names) if n in TOKEN_COLUMNS}
+        self._check_schema(schema, with_mask, columns)
         if len(rows) != self._reader.num_record_batches:
             raise CorruptShardError(
                 f"{path}: {len(rows)} record batches in the stream but "
@@ -614,13 +638,13 @@ class ShardReader:
         self._ids_checked = [False] * len(rows)
 
     def _check_schema(
-        self, schema: pa.Schema, with_mask: bool | None, with_weights: bool | None
+        self, schema: pa.Schema, with_mask: bool | None, columns: Sequence[str] | None
     ) -> None:
         """Raise ``CorruptShardError`` unless the schema is this cache's (token type first)."""
         expected = shard_schema(
             self.dtype,
             self.has_mask if with_mask is None else with_mask,
-            self.has_weights if with_weights is None else with_weights,
+            tuple(self.columns) if columns is None else columns,
         )
         names = schema.names
         if names[:1] == ["tokens"] and pa.types.is_list(schema.field(0).type):
@@ -701,7 +725,8 @@ class ShardReader:
                 f"but its header says {self._batch_rows[b]} / {self._batch_tokens[b]}; rebuild"
             )
         bits, shift = _mask_bits(path, b, batch.column(3), offsets) if self.has_mask else (None, 0)
-        weights = _weights(path, b, batch.column(4), offsets) if self.has_weights else None
+        columns = {n: _column_values(path, b, n, batch.column(i), offsets)
+                   for n, i in self.columns.items()}  # fmt: skip
         return _Batch(
             values=values,
             offsets=offsets,
@@ -710,7 +735,7 @@ class ShardReader:
             mask_bits=bits,
             mask_shift=shift,
             nbytes=batch.nbytes if self.compressed else 0,
-            weights=weights,
+            columns=columns,
         )
 
     def check_ids(self) -> None:
@@ -800,12 +825,13 @@ class ShardReader:
         tokens_out: np.ndarray,
         mask_out: np.ndarray | None,
         full_lengths: np.ndarray,
-        weights_out: np.ndarray | None = None,
+        columns_out: Mapping[str, np.ndarray] | None = None,
     ) -> None:
         """Copy ``lengths[k]`` tokens from ``starts[k]`` of ``rows[k]`` to ``out_offsets[k]``.
 
-        The loss mask goes to ``mask_out`` when given, the loss weights to ``weights_out`` (a shard
-        without weights: 1 where the mask is set); indices are computed once per record batch.
+        The loss mask goes to ``mask_out`` when given, each per-token column to its array of
+        ``columns_out`` (one the shard lacks: its default); indices are computed once per record
+        batch.
         The caller checked the segments against the length index's ``full_lengths``; here the stored
         rows are checked against it (``CorruptShardError`` when they differ).
         """
@@ -830,7 +856,7 @@ class ShardReader:
                     "shards disagree: run `shardcache verify` and rebuild"
                 )
             first = starts[sel]
-            slices = mask_out is None and weights_out is None
+            slices = mask_out is None and not columns_out
             if slices and int(take.sum()) >= LONG_SEGMENT_TOKENS * len(take):
                 values = batch.values
                 pairs = zip((lo + first).tolist(), out_offsets[sel].tolist(), take.tolist())
@@ -842,8 +868,8 @@ class ShardReader:
             tokens_out[dst] = batch.values[src]
             if mask_out is not None:
                 mask_out[dst] = batch.mask_at(src)
-            if weights_out is not None:
-                weights_out[dst] = batch.weights_at(src)
+            for name, out in (columns_out or {}).items():
+                out[dst] = batch.column_at(name, src)
 
     def tokens(self, row: int) -> np.ndarray:
         """The ids of one row, a read-only view; ``IndexError`` when out of range."""
@@ -863,16 +889,6 @@ class ShardReader:
             batch = self._batch(b)
             lo, hi = int(batch.offsets[r]), int(batch.offsets[r + 1])
             out.append(batch.mask_at(np.arange(lo, hi, dtype=np.int64)))
-        return out
-
-    def weights_many(self, rows: list[int]) -> list[np.ndarray]:
-        """The loss weights (float32 per token) of several rows; see ``_Batch.weights_at``."""
-        out = []
-        for row in rows:
-            b, r = self._locate(row)
-            batch = self._batch(b)
-            lo, hi = int(batch.offsets[r]), int(batch.offsets[r + 1])
-            out.append(batch.weights_at(np.arange(lo, hi, dtype=np.int64)))
         return out
 
     def provenance(self, row: int) -> tuple[int, int]:
@@ -920,11 +936,14 @@ def _mask_bits(
     return bits, values.offset
 
 
-def _weights(path: str, b: int, column: pa.ListArray, offsets: np.ndarray) -> np.ndarray:
-    """The float32 values of a ``weights`` column, checked to line up with the tokens."""
+def _column_values(
+    path: str, b: int, name: str, column: pa.ListArray, offsets: np.ndarray
+) -> np.ndarray:
+    """The values of a per-token column, checked to line up with the tokens."""
     values = column.values
     if values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
         raise CorruptShardError(
-            f"{path}: the loss weights of record batch {b} do not line up with its tokens; rebuild"
+            f"{path}: the {TOKEN_COLUMNS[name].label} of record batch {b} do not line up with "
+            "its tokens; rebuild"
         )
     return arrow_numpy(values)

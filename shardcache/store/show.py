@@ -3,13 +3,14 @@
 No tokenizer here (the store never imports one): rendering takes a ``decode(ids) -> str``
 callable from the caller. A run is a stretch of consecutive tokens that all have, or all lack,
 a loss; trainable runs are marked with colour on a terminal, ``[[...]]`` otherwise. A cache
-with per-message loss weights also cuts runs where the weight changes, and a trainable run whose
-weight is not 1 is followed by ``{w=...}``.
+with per-token columns (``store/columns.py``: loss weights) also cuts runs where a column's value
+changes, and a trainable run whose value is not the column's ``trained`` one is followed by its
+tag (``{w=...}``).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -17,6 +18,7 @@ import numpy as np
 
 from shardcache.errors import ConfigError
 from shardcache.store.cache import Cache, shard_runs
+from shardcache.store.columns import TOKEN_COLUMNS
 
 #: Decodes token ids to text (the CLI passes the cache's tokenizer).
 Decode = Callable[[Sequence[int]], str]
@@ -122,14 +124,14 @@ def select_samples(
     return np.sort(rng.choice(pool, size=min(sample, len(pool)), replace=False))
 
 
-def mask_runs(mask: np.ndarray, weights: np.ndarray | None = None) -> list[tuple[int, int, bool]]:
-    """``(start, end, trainable)`` of each run of equal mask values (and equal ``weights``)."""
+def mask_runs(mask: np.ndarray, columns: Sequence[np.ndarray] = ()) -> list[tuple[int, int, bool]]:
+    """``(start, end, trainable)`` of each run of equal mask values (and equal ``columns``)."""
     mask = np.asarray(mask, dtype=bool)
     if not len(mask):
         return []
     change = mask[1:] != mask[:-1]
-    if weights is not None:
-        change |= weights[1:] != weights[:-1]
+    for values in columns:
+        change |= values[1:] != values[:-1]
     cuts = np.flatnonzero(change) + 1
     starts = np.concatenate(([0], cuts))
     ends = np.concatenate((cuts, [len(mask)]))
@@ -157,17 +159,18 @@ def render_tokens(
     mask: np.ndarray | None,
     decode: Decode,
     options: RenderOptions,
-    weights: np.ndarray | None = None,
+    extras: Mapping[str, np.ndarray] | None = None,
 ) -> str:
     """One sequence as text, trainable runs marked (``mask`` None: nothing is marked).
 
-    With ``weights`` (loss weights per token) a trainable run weighing other than 1 is followed
-    by ``{w=...}``.
+    With ``extras`` (per-token columns by name) a trainable run whose value of a column is not
+    its ``trained`` one is followed by the column's tag (``{w=...}``).
     """
     ids = np.asarray(ids)
     plain = mask is None
+    extras = {} if plain or extras is None else extras
     flags = np.ones(len(ids), bool) if plain else np.asarray(mask, dtype=bool)
-    runs = mask_runs(flags, None if plain else weights)
+    runs = mask_runs(flags, list(extras.values()))
     parts = []
     for start, end, trainable in runs:
         text = BOUNDARY.join(run_texts(ids[start:end], decode, options.boundaries))
@@ -178,9 +181,11 @@ def render_tokens(
             parts.append(_style(text, TRAINABLE_STYLE))
         else:
             parts.append(f"{OPEN}{text}{CLOSE}")
-        if weights is not None and float(weights[start]) != 1.0:
-            weight = f"{{w={float(weights[start]):g}}}"
-            parts.append(_style(weight, PADDING_STYLE) if options.color else weight)
+        for name, values in extras.items():
+            spec, value = TOKEN_COLUMNS[name], values[start].item()
+            if value != spec.trained:
+                tag = f"{{{spec.tag}={value:g}}}"
+                parts.append(_style(tag, PADDING_STYLE) if options.color else tag)
     return BOUNDARY.join(parts) if options.boundaries else "".join(parts)
 
 
@@ -189,21 +194,22 @@ def runs_json(
     mask: np.ndarray | None,
     decode: Decode,
     boundaries: bool,
-    weights: np.ndarray | None = None,
+    extras: Mapping[str, np.ndarray] | None = None,
 ) -> list[dict[str, Any]]:
     """The runs of a sequence as JSON: start, end, trainable, text (and tokens on request).
 
-    With ``weights`` (loss weights per token) runs also cut where the weight changes, and each
-    has its ``weight``.
+    With ``extras`` (per-token columns by name) runs also cut where a value changes, and each
+    has its value under the column's ``run_key`` (``weight``).
     """
     ids = np.asarray(ids)
+    extras = extras or {}
     flags = np.ones(len(ids), bool) if mask is None else np.asarray(mask, dtype=bool)
     out = []
-    for start, end, trainable in mask_runs(flags, weights):
+    for start, end, trainable in mask_runs(flags, list(extras.values())):
         run: dict[str, Any] = {"start": start, "end": end, "trainable": trainable,
                                "text": decode(ids[start:end].tolist())}  # fmt: skip
-        if weights is not None:
-            run["weight"] = float(weights[start])
+        for name, values in extras.items():
+            run[TOKEN_COLUMNS[name].run_key] = values[start].item()
         if boundaries:
             run["tokens"] = run_texts(ids[start:end], decode, True)
         out.append(run)
@@ -216,7 +222,7 @@ def sequence_json(
     """One sequence for ``show --json``: provenance, its document's pieces, ids, mask, runs."""
     ids = np.asarray(cache.read(sample_id))
     mask = cache.read_masks(np.array([sample_id]))[0] if cache.has_mask else None
-    weights = cache.read_weights(np.array([sample_id]))[0] if cache.has_weights else None
+    extras = {name: cache.read_column(name, np.array([sample_id]))[0] for name in cache.columns}
     where = cache.lookup(sample_id)
     pieces = document_pieces(cache, where.source, where.record)
     shard = int(np.searchsorted(cache.shard_starts, sample_id, side="right")) - 1
@@ -233,10 +239,10 @@ def sequence_json(
         "ids": ids.tolist(),
         "mask": None if mask is None else mask.astype(int).tolist(),
         "text": decode(ids.tolist()),
-        "runs": runs_json(ids, mask, decode, boundaries, weights),
+        "runs": runs_json(ids, mask, decode, boundaries, extras),
     }
-    if weights is not None:  # (a cache with per-message loss weights)
-        entry["weights"] = weights.tolist()
+    for name, values in extras.items():  # each per-token column the cache stores
+        entry[name] = values.tolist()
     return entry
 
 
@@ -251,17 +257,19 @@ def format_sequence(entry: dict[str, Any], decode: Decode, options: RenderOption
         if entry["mask"] is None
         else f"{entry['trainable']} trainable, marked {_marking(options)}"
     )
-    weights = entry.get("weights")
-    if weights is not None:
-        trainable += ", loss weight other than 1 shown as {w=...}"
-        weights = np.asarray(weights, dtype=np.float32)
+    extras = {}
+    for name, spec in TOKEN_COLUMNS.items():
+        if entry.get(name) is not None:
+            shown = f"{{{spec.tag}=...}}"
+            trainable += f", {spec.singular} other than {spec.trained:g} shown as {shown}"
+            extras[name] = np.asarray(entry[name], dtype=spec.dtype)
     head = (
         f"#{entry['sample_id']}  {entry['source']} line {entry['line']} (record "
         f"{entry['record']}){', ' + piece if len(pieces) > 1 else ''}  ·  "
         f"{entry['length']} tokens, {trainable}  ·  bucket {entry['bucket']}"
     )
     mask = None if entry["mask"] is None else np.asarray(entry["mask"], dtype=bool)
-    return head + "\n" + render_tokens(np.asarray(entry["ids"]), mask, decode, options, weights)
+    return head + "\n" + render_tokens(np.asarray(entry["ids"]), mask, decode, options, extras)
 
 
 def batch_segments(
@@ -295,11 +303,13 @@ def batch_json(
     """A collated batch for ``show --batch --json``: its rows' segments, as the model sees them.
 
     ``batch`` holds numpy arrays: ``input_ids``, ``labels``, ``attention_mask`` (pad mode) and
-    ``meta``, and ``loss_weights`` for a cache with loss weights. A token is trainable where its
-    label is not -100.
+    ``meta``, and the per-token columns' arrays by batch key (``loss_weights``). A token is
+    trainable where its label is not -100.
     """
     ids, labels = np.asarray(batch["input_ids"]), np.asarray(batch["labels"])
-    loss_weights = batch.get("loss_weights")
+    laid = {
+        n: np.asarray(batch[c.batch_key]) for n, c in TOKEN_COLUMNS.items() if c.batch_key in batch
+    }
     mask = batch.get("attention_mask")
     mask = None if mask is None else np.asarray(mask)
     offsets = batch["meta"].get("sample_offsets")
@@ -314,16 +324,16 @@ def batch_json(
                            piece=where.piece)  # fmt: skip
             if offsets is not None:
                 segment["offset"] = int(np.asarray(offsets)[k])
-        weights = None if loss_weights is None else np.asarray(loss_weights)[row, start:end]
+        extras = {name: values[row, start:end] for name, values in laid.items()}
         segment.update(
             padding=sample_id < 0,
             trainable=int(trained.sum()),
             ids=tokens.tolist(),
             labels=labels[row, start:end].tolist(),
-            runs=runs_json(tokens, trained, decode, boundaries, weights) if sample_id >= 0 else [],
+            runs=runs_json(tokens, trained, decode, boundaries, extras) if sample_id >= 0 else [],
         )
-        if weights is not None:
-            segment["loss_weights"] = weights.tolist()
+        for name, values in extras.items():
+            segment[TOKEN_COLUMNS[name].batch_key] = values.tolist()
         rows[row]["segments"].append(segment)
     shape = list(ids.shape)
     return {"shape": shape, "num_tokens": int(batch["meta"]["num_tokens"]), "rows": rows}
@@ -353,8 +363,8 @@ def format_batch(data: dict[str, Any], decode: Decode, options: RenderOptions) -
             )
             ids = np.asarray(seg["ids"])
             trained = np.asarray(seg["labels"]) != -100
-            weights = seg.get("loss_weights")
-            weights = None if weights is None else np.asarray(weights, dtype=np.float32)
-            text = render_tokens(ids, trained, decode, options, weights)
+            extras = {n: np.asarray(seg[c.batch_key], dtype=c.dtype)
+                      for n, c in TOKEN_COLUMNS.items() if c.batch_key in seg}  # fmt: skip
+            text = render_tokens(ids, trained, decode, options, extras)
             lines.append("    " + text.replace("\n", "\n    "))
     return "\n".join(lines)

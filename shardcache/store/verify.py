@@ -20,6 +20,7 @@ import pyarrow as pa
 
 from shardcache.errors import CacheError, CacheNotFoundError
 from shardcache.store.build_lock import sweep_dead_scratch
+from shardcache.store.columns import TOKEN_COLUMNS, stored_columns
 from shardcache.store.files import sha256_file
 from shardcache.store.integrity import record_verified
 from shardcache.store.layout import MANIFEST, SHARD_DIR, check_relative_name
@@ -113,22 +114,18 @@ def _check_file(report: VerifyReport, root: str, rel: str, entry: dict[str, Any]
     return True
 
 
-def _weights_problem(batch: pa.RecordBatch, offsets: np.ndarray) -> str | None:
-    """What is wrong with a record batch's loss weights (column 4), or None.
+def _column_problem(batch: pa.RecordBatch, name: str, offsets: np.ndarray) -> str | None:
+    """What is wrong with a record batch's per-token column ``name``, or None.
 
-    They must line up with the tokens, be finite numbers in [0, 1], and be > 0 exactly where
-    the loss mask is set.
+    Its values must line up with the tokens and pass the column's own ``check`` against the
+    loss mask (column 3).
     """
-    column = batch.column(4)
+    spec = TOKEN_COLUMNS[name]
+    column = batch.column(name)
     if column.values.null_count or not np.array_equal(arrow_numpy(column.offsets), offsets):
-        return "the loss weights do not line up"
-    weights = arrow_numpy(column.values)
-    if len(weights) and not bool(np.all((weights >= 0) & (weights <= 1))):
-        return "a loss weight outside [0, 1] (or not a number)"
+        return f"the {spec.label} do not line up"
     mask = batch.column(3).values.to_numpy(zero_copy_only=False)
-    if not np.array_equal(weights > 0, mask):
-        return "the loss weights are not > 0 exactly where the loss mask is set"
-    return None
+    return spec.check(arrow_numpy(column.values), mask)
 
 
 def _check_shard(
@@ -162,8 +159,8 @@ def _check_shard(
             expected = ["tokens", "record", "piece"]
             if manifest.get("kind") in MASKED_KINDS:
                 expected.append("mask")  # chat and preference caches store a loss mask
-            if manifest.get("tokenizer", {}).get("loss_weights"):
-                expected.append("weights")  # built with per-message loss weights
+            columns = stored_columns(manifest)  # per-token columns the build option named
+            expected += columns
             if names != expected:
                 report.add(rel, "structure", f"columns {names}, expected {'/'.join(expected)}")
                 return 0, 0
@@ -211,12 +208,12 @@ def _check_shard(
                 if pairs is not None:
                     pairs.append((arrow_numpy(batch.column(1)).copy(),  # outlive the map
                                   arrow_numpy(batch.column(2)).copy()))  # fmt: skip
-                if len(expected) == 4 and not np.array_equal(
+                if len(expected) > 3 and not np.array_equal(
                     arrow_numpy(batch.column(3).offsets), offsets
                 ):
                     report.add(rel, "structure", f"{where}: the loss mask does not line up")
-                if len(expected) == 5:
-                    problem = _weights_problem(batch, offsets)
+                for name in columns:
+                    problem = _column_problem(batch, name, offsets)
                     if problem:
                         report.add(rel, "structure", f"{where}: {problem}")
                 if index is not None:

@@ -3,9 +3,9 @@
 ``collator(...)`` picks, at construction, the collator of the batch mode and sample kind (pad or
 pack; sequences or pairs) and, inside it, the gather-and-lay-out path of its options (compiled
 kernels, transformed segments, grown concat pieces, or numpy rows laid out as read): no batch
-chooses among them. A reader that gathers loss weights (a weighted cache) takes the numpy path,
-and its batches carry ``loss_weights``. A collator returns numpy ``(arrays, meta)``; the dataset
-front makes them tensors.
+chooses among them. A reader that gathers per-token columns (``store/columns.py``) takes the
+numpy path, and its batches carry them under their batch keys. A collator returns numpy
+``(arrays, meta)``; the dataset front makes them tensors.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions
 from shardcache.read.samples.readers import SequenceReader
 from shardcache.read.selection.selection import Selection
 from shardcache.store.cache import MappedTable
+from shardcache.store.columns import TOKEN_COLUMNS
 
 #: Bookkeeping keys, kept under ``batch["meta"]`` (never model inputs).
 META_KEYS = ("sample_ids", "sample_offsets", "cu_seqlens", "max_seqlen", "num_tokens")
@@ -83,7 +84,7 @@ def pad_rows(
         laid_out = True
     batch = pad_batch(
         got.tokens, got.lengths, sample_ids, pad_id, width, got.mask, reader.ids_dtype,
-        laid_out=laid_out, loss_weights=got.weights,
+        laid_out=laid_out, extras=got.extras,
     )  # fmt: skip
     meta = {k: batch.pop(k) for k in ("sample_ids", "num_tokens")}
     return batch, meta
@@ -196,7 +197,7 @@ class PackCollator:
         got = reader.gather(ids, epoch, starts, taken, layout)
         return pack_batch(
             got.tokens, got.lengths, ids, starts, row_bounds, seq_len, reader.selection.pad_id,
-            got.mask, reader.ids_dtype, laid_out, got.weights,
+            got.mask, reader.ids_dtype, laid_out, got.extras,
         )  # fmt: skip
 
     def _transformed(
@@ -213,7 +214,7 @@ class PackCollator:
         got = reader.gather(ids, epoch, starts, taken, repeats=repeats)
         return pack_batch(
             got.tokens, got.lengths, ids, starts, row_bounds, self.seq_len,
-            reader.selection.pad_id, got.mask, reader.ids_dtype, loss_weights=got.weights,
+            reader.selection.pad_id, got.mask, reader.ids_dtype, extras=got.extras,
         )  # fmt: skip
 
     def _grown_pieces(
@@ -246,10 +247,11 @@ class PackCollator:
         source = got.tokens[src] if len(got.tokens) else np.zeros(len(src), got.tokens.dtype)
         tokens = np.where(real, source, pad_id).astype(got.tokens.dtype, copy=False)
         mask = real if got.mask is None else real & got.mask[src]
-        weights = None if got.weights is None else np.where(mask, got.weights[src], 0)
+        extras = {name: np.where(mask, values[src], TOKEN_COLUMNS[name].fill)
+                  for name, values in got.extras.items()}  # fmt: skip
         return pack_batch(
             tokens, taken, ids, starts, row_bounds, self.seq_len, pad_id, mask, reader.ids_dtype,
-            loss_weights=weights,
+            extras=extras,
         )  # fmt: skip
 
 
@@ -313,11 +315,11 @@ def collator(
     """The collator of ``options.mode`` and the reader's kind, its path chosen here, once.
 
     The compiled kernels read plain sequences without transforms, when ``use_kernels`` and
-    numba allow it; pairs, transformed segments and loss weights take the numpy path.
+    numba allow it; pairs, transformed segments and per-token columns take the numpy path.
     """
     pairs = reader.selection.pairs
     compiled = None
-    if use_kernels and not pairs and reader.chain is None and not reader.weighted:
+    if use_kernels and not pairs and reader.chain is None and not reader.columns:
         compiled = Compiled(reader.selection, options.max_tokens)
     made = COLLATORS[(options.mode, pairs)](reader, options, compiled, attention)
     made.uses_kernels = use_kernels

@@ -1,12 +1,17 @@
 """Batch collation on the numpy path: gathered tokens of planned segments -> batch arrays.
 
 Pure numpy, no file access, a fixed number of numpy calls a batch; ``kernels`` builds the same
-arrays (batch contents: ``shardcache.read.dataset``).
+arrays (batch contents: ``shardcache.read.dataset``). The per-token columns a reader gathers
+(``store/columns.py``) are laid out beside the labels, each under its ``batch_key``.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+
 import numpy as np
+
+from shardcache.store.columns import TOKEN_COLUMNS
 
 #: The label of a position that carries no loss (the Hugging Face / PyTorch ignore index).
 IGNORE_INDEX = -100
@@ -21,13 +26,14 @@ def pad_batch(
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
-    loss_weights: np.ndarray | None = None,
+    extras: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray | int]:
     """Pad whole sequences into one ``len(lengths) x width`` batch (``width`` None: the longest).
 
-    ``laid_out``: ``tokens`` (and ``loss_mask``, ``loss_weights``) are already in their padded
-    rows, as ``Cache.gather(layout=...)`` leaves them; else concatenated. ``loss_weights``
-    (float32 per token) adds a ``loss_weights`` array shaped as ``labels``, 0 where they are -100.
+    ``laid_out``: ``tokens`` (and ``loss_mask``, ``extras``) are already in their padded rows, as
+    ``Cache.gather(layout=...)`` leaves them; else concatenated. Each of ``extras`` (per-token
+    columns by name) adds an array under its ``batch_key``, shaped as ``labels``, of the
+    column's dtype and its ``fill`` where they are -100.
     """
     lengths = np.asarray(lengths, dtype=np.int64)
     if width is None:
@@ -54,22 +60,31 @@ def pad_batch(
         "sample_ids": np.array(sample_ids, dtype=np.int64),  # a copy: plans may be read-only
         "num_tokens": int(lengths.sum()),
     }
-    if loss_weights is not None:
-        batch["loss_weights"] = _weights_of(labels, loss_weights, None if laid_out else mask)
+    _lay_extras(batch, labels, extras, None if laid_out else mask)
     return batch
 
 
-def _weights_of(labels: np.ndarray, weights: np.ndarray, slots: np.ndarray | None) -> np.ndarray:
-    """Float32 loss weights shaped as ``labels``, 0 where they are -100.
+def _lay_extras(
+    batch: dict[str, np.ndarray | int],
+    labels: np.ndarray,
+    extras: Mapping[str, np.ndarray] | None,
+    slots: np.ndarray | None,
+) -> None:
+    """Add each per-token column to ``batch`` shaped as ``labels``, its ``fill`` where -100.
 
-    ``weights`` are laid out in the rows already (``slots`` None) or go to the ``slots`` set.
+    The values are laid out in the rows already (``slots`` None) or go to the ``slots`` set.
     """
-    if slots is None:
-        laid = weights.reshape(labels.shape)
-    else:
-        laid = np.zeros(labels.shape, dtype=np.float32)
-        laid[slots] = weights
-    return np.where(labels != IGNORE_INDEX, laid, np.float32(0)).astype(np.float32, copy=False)
+    for name, values in (extras or {}).items():
+        spec = TOKEN_COLUMNS[name]
+        fill = spec.dtype.type(spec.fill)
+        if slots is None:
+            laid = values.reshape(labels.shape)
+        else:
+            laid = np.full(labels.shape, fill, dtype=spec.dtype)
+            laid[slots] = values
+        batch[spec.batch_key] = np.where(labels != IGNORE_INDEX, laid, fill).astype(
+            spec.dtype, copy=False
+        )
 
 
 def pack_batch(
@@ -83,12 +98,12 @@ def pack_batch(
     loss_mask: np.ndarray | None = None,
     ids_dtype: np.dtype | type = np.int64,
     laid_out: bool = False,
-    loss_weights: np.ndarray | None = None,
+    extras: Mapping[str, np.ndarray] | None = None,
 ) -> dict[str, np.ndarray | int]:
     """Lay segments out in ``len(row_bounds) - 1`` rows of exactly ``seq_len`` slots.
 
     Row ``r`` holds segments ``row_bounds[r] : row_bounds[r + 1]``; ``laid_out`` and
-    ``loss_weights`` as for ``pad_batch`` (a segment's first token, never a target, weighs 0).
+    ``extras`` as for ``pad_batch`` (a segment's first token, never a target, gets the fill).
     When every row is full, ``input_ids`` is ``tokens`` itself, reshaped.
     """
     seg_lengths = np.asarray(seg_lengths, dtype=np.int64)
@@ -133,9 +148,7 @@ def pack_batch(
         "sample_offsets": offsets,
         "num_tokens": int(seg_lengths.sum()),
     }
-    if loss_weights is not None:
-        slots = None if laid_out or real is None else real
-        batch["loss_weights"] = _weights_of(labels, loss_weights, slots)
+    _lay_extras(batch, labels, extras, None if laid_out or real is None else real)
     return batch
 
 

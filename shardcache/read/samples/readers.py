@@ -3,9 +3,10 @@
 A reader turns planned units into the sample ids whose tokens it reads (a sequence is its own
 unit; a preference pair is its two sides, adjacent), gathers their tokens and, where the cache
 has them, their chat loss masks from the selection's shards, then runs the transform chain on
-every segment. A cache with per-message loss weights has readers of its own that gather the
-weights too (``Gathered.weights``) and move them with the tokens through the transforms. The
-collators lay what it returns out in rows.
+every segment. Every reader also gathers the per-token columns the selection's caches store
+(``store/columns.py``: ``Gathered.extras``, a source without one reads its default) and keeps
+them at their token positions through the transforms. The collators lay what it returns out
+in rows.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from shardcache.read.samples.chain import WRAP_SHIFT, TransformChain
 from shardcache.read.selection.selection import Selection
 from shardcache.read.selection.units import pair_samples
 from shardcache.store.cache import Gathered
+from shardcache.store.columns import TOKEN_COLUMNS
 
 
 def check_transforms(chain: TransformChain | None, selection: Selection) -> None:
@@ -39,19 +41,30 @@ def check_transforms(chain: TransformChain | None, selection: Selection) -> None
             f"{selection.path} is a chat cache whose labels follow them; use a transform that "
             "moves the mask with its tokens, or a plain-text cache"
         )
-    if chain.max_growth and _weighted(selection):
+    columns = _columns(selection)
+    if chain.max_growth and columns:
         selection.close()
         raise ConfigError(
             f"transform: {chain!r} declares max_growth={chain.max_growth} but {selection.path} "
-            "stores loss weights per token, which stay at their positions through a transform: "
-            "a transform of a weighted cache must keep each sequence's length (max_growth=0); "
-            "drop the transform, or build the cache without --weight-field"
+            f"stores {_labels(columns)} per token, which stay at their positions through a "
+            "transform: a transform of such a cache must keep each sequence's length "
+            f"(max_growth=0); drop the transform, or build the cache without {_flags(columns)}"
         )
 
 
-def _weighted(selection: Selection) -> bool:
-    """Whether the selection's cache (a mixture: any source) stores loss weights."""
-    return bool(getattr(selection.open(), "has_weights", False))
+def _columns(selection: Selection) -> tuple[str, ...]:
+    """The per-token columns the selection's cache (a mixture: any source) stores."""
+    return tuple(getattr(selection.open(), "columns", ()))
+
+
+def _labels(columns: tuple[str, ...]) -> str:
+    """The columns' words for messages (``loss weights``)."""
+    return " and ".join(TOKEN_COLUMNS[n].label for n in columns)
+
+
+def _flags(columns: tuple[str, ...]) -> str:
+    """The build flags that made the columns (``--weight-field``)."""
+    return " and ".join(TOKEN_COLUMNS[n].build_flag for n in columns)
 
 
 class SequenceReader:
@@ -67,8 +80,6 @@ class SequenceReader:
 
     #: sample ids (segments) a planned unit reads
     per_unit = 1
-    #: whether it gathers loss weights (``Gathered.weights``) beside the mask
-    weighted = False
 
     def __init__(
         self,
@@ -83,6 +94,8 @@ class SequenceReader:
         self.chain = chain
         self.seed = seed
         self.growth = growth
+        #: the per-token columns it gathers beside the mask (``Gathered.extras``)
+        self.columns = _columns(selection)
         #: seconds spent gathering since the caller last reset it (stage timing)
         self.gather_s = 0.0
 
@@ -123,7 +136,7 @@ class SequenceReader:
             layout = None
         got = cache.gather(
             sample_ids, starts, lengths, cache.has_mask, self.ids_dtype, layout,
-            self.selection.pad_id, with_weights=self.weighted,
+            self.selection.pad_id, self.columns,
         )  # fmt: skip
         given = got
         if chain is not None:
@@ -134,13 +147,34 @@ class SequenceReader:
                 got, np.asarray(sample_ids), first, uses, self.seed, epoch, self.growth,
                 self.selection.max_token_id,
             )  # fmt: skip
-            got = self.transformed(given, got)
+            if self.columns:
+                got = self._moved(given, got)
         self.gather_s += time.perf_counter() - began
         return got
 
-    def transformed(self, given: Gathered, got: Gathered) -> Gathered:
-        """What the chain made of ``given`` (here as it is: nothing else follows the tokens)."""
-        return got
+    def _moved(self, given: Gathered, got: Gathered) -> Gathered:
+        """``got`` with ``given``'s per-token columns kept at their positions as the mask moved.
+
+        A token the returned mask leaves untrainable gets the column's ``fill``, one it makes
+        trainable that was not its ``trained`` value; a length change is a ``ConfigError``.
+        """
+        if not np.array_equal(given.offsets, got.offsets):
+            k = int(np.flatnonzero(given.lengths != got.lengths)[0])
+            raise ConfigError(
+                f"transform: {self.chain!r} turned segment {k} of {int(given.lengths[k])} tokens "
+                f"into {int(got.lengths[k])} tokens, but {self.selection.path} stores "
+                f"{_labels(self.columns)} per token, which stay at their positions: a transform "
+                "of such a cache must keep each sequence's length (pad or mask tokens instead "
+                f"of adding or removing them), or build the cache without {_flags(self.columns)}"
+            )
+        was = np.ones(len(given.tokens), bool) if given.mask is None else given.mask
+        now = np.ones(len(got.tokens), bool) if got.mask is None else got.mask
+        extras = {}
+        for name, values in given.extras.items():
+            spec = TOKEN_COLUMNS[name]
+            kept = np.where(was, values, spec.dtype.type(spec.trained))
+            extras[name] = np.where(now, kept, spec.dtype.type(spec.fill)).astype(spec.dtype)
+        return Gathered(got.tokens, got.offsets, got.mask, extras)
 
 
 class PairReader(SequenceReader):
@@ -153,45 +187,8 @@ class PairReader(SequenceReader):
         return pair_samples(units)
 
 
-class WeightedReader(SequenceReader):
-    """Chat sequences with per-message loss weights: the ``weights`` column gathered too.
-
-    Through transforms, weights stay at their token positions (a transform must keep each
-    segment's length: ``ConfigError`` otherwise); a token the returned mask leaves untrainable
-    weighs 0, one it makes trainable that was not weighs 1.
-    """
-
-    weighted = True
-
-    def transformed(self, given: Gathered, got: Gathered) -> Gathered:
-        """``got`` with ``given``'s weights moved as its mask moved."""
-        if not np.array_equal(given.offsets, got.offsets):
-            k = int(np.flatnonzero(given.lengths != got.lengths)[0])
-            raise ConfigError(
-                f"transform: {self.chain!r} turned segment {k} of {int(given.lengths[k])} tokens "
-                f"into {int(got.lengths[k])} tokens, but {self.selection.path} stores loss "
-                "weights per token, which stay at their positions: a transform of a weighted "
-                "cache must keep each sequence's length (pad or mask tokens instead of adding "
-                "or removing them), or build the cache without --weight-field"
-            )
-        assert given.weights is not None and given.mask is not None and got.mask is not None
-        kept = np.where(given.mask, given.weights, np.float32(1))
-        weights = np.where(got.mask, kept, np.float32(0)).astype(np.float32, copy=False)
-        return Gathered(got.tokens, got.offsets, got.mask, weights)
-
-
-class WeightedPairReader(WeightedReader, PairReader):
-    """Preference pairs with per-message loss weights: ``PairReader`` units, weights gathered."""
-
-
-#: The sample readers by kind: a selection of pairs reads ``"pair"``, others ``"sequence"``;
-#: a cache with loss weights (any source of a mixture) ``"weighted"`` / ``"weighted_pair"``.
-READERS: dict[str, type[SequenceReader]] = {
-    "sequence": SequenceReader,
-    "pair": PairReader,
-    "weighted": WeightedReader,
-    "weighted_pair": WeightedPairReader,
-}
+#: The sample readers by kind: a selection of pairs reads ``"pair"``, others ``"sequence"``.
+READERS: dict[str, type[SequenceReader]] = {"sequence": SequenceReader, "pair": PairReader}
 
 
 def sample_reader(
@@ -203,6 +200,4 @@ def sample_reader(
 ) -> SequenceReader:
     """The reader of the selection's sample kind."""
     kind = "pair" if selection.pairs else "sequence"
-    if _weighted(selection):
-        kind = "weighted_pair" if selection.pairs else "weighted"
     return READERS[kind](selection, ids_dtype, chain, seed, growth)

@@ -18,6 +18,7 @@ from shardcache.errors import CacheKeyMismatch
 from shardcache.read.selection.mixture import MixtureIndex, Source
 from shardcache.read.selection.mixture_table import MixtureTable, once_table, solve_mixture
 from shardcache.store.cache import NO_MASK, Cache, Gathered, MappedTable
+from shardcache.store.columns import TOKEN_COLUMNS, ordered
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url
 from shardcache.store.shards import flat_ranges
@@ -137,9 +138,9 @@ class MixedCache:
         return any(c.has_mask for c in self.caches)
 
     @property
-    def has_weights(self) -> bool:
-        """True when any source stores loss weights (the others' weigh 1 where they train)."""
-        return any(c.has_weights for c in self.caches)
+    def columns(self) -> tuple[str, ...]:
+        """The per-token columns any source stores (the others read their defaults)."""
+        return ordered(name for c in self.caches for name in c.columns)
 
     @property
     def num_sequences(self) -> int:
@@ -286,7 +287,7 @@ class MixedCache:
         dtype: np.dtype | type | None = None,
         layout: tuple[np.ndarray, int] | None = None,
         fill: int = 0,
-        with_weights: bool = False,
+        columns: tuple[str, ...] = (),
     ) -> Gathered:
         """``Cache.gather`` over mixture ids, one gather per source (IndexError: out of range)."""
         ids = np.asarray(sample_ids, dtype=np.int64)
@@ -307,11 +308,9 @@ class MixedCache:
         touched = np.unique(source)
         if len(touched) == 1:  # one source: its own gather does the whole layout
             s = int(touched[0])
-            got = self.caches[s].gather(
-                local, first, take, with_mask, dtype, layout, fill, with_weights
-            )
+            got = self.caches[s].gather(local, first, take, with_mask, dtype, layout, fill, columns)
             self._sync_all()
-            return Gathered(got.tokens, offsets, got.mask, got.weights)
+            return Gathered(got.tokens, offsets, got.mask, got.extras)
         out_dtype = self.dtype if dtype is None else dtype
         if layout is None:
             dst, size = offsets[:-1], int(offsets[-1])
@@ -320,17 +319,18 @@ class MixedCache:
             dst, size = np.asarray(layout[0], dtype=np.int64), int(layout[1])
             tokens = np.full(size, fill, dtype=out_dtype)
         mask = np.zeros(size, dtype=bool) if with_mask else None
-        weights = np.zeros(size, dtype=np.float32) if with_weights else None
+        specs = [TOKEN_COLUMNS[n] for n in columns]
+        extras = {c.name: np.full(size, c.fill, c.dtype) for c in specs}  # empty slots: fill
         for s in touched.tolist():
             sel = np.flatnonzero(source == s)
             got = self.caches[s].gather(
-                local[sel], first[sel], take[sel], with_mask, dtype, with_weights=with_weights
+                local[sel], first[sel], take[sel], with_mask, dtype, columns=columns
             )
             where = flat_ranges(dst[sel], take[sel])
             tokens[where] = got.tokens
             if mask is not None and got.mask is not None:
                 mask[where] = got.mask
-            if weights is not None and got.weights is not None:
-                weights[where] = got.weights
+            for name, values in got.extras.items():
+                extras[name][where] = values
         self._sync_all()  # the sources may have opened and closed shards
-        return Gathered(tokens, offsets, mask, weights)
+        return Gathered(tokens, offsets, mask, extras)
