@@ -54,7 +54,7 @@ def check_transforms(chain: TransformChain | None, selection: Selection) -> None
 
 def _columns(selection: Selection) -> tuple[str, ...]:
     """The per-token columns the selection's cache (a mixture: any source) stores."""
-    return tuple(getattr(selection.open(), "columns", ()))
+    return selection.columns
 
 
 def _labels(columns: tuple[str, ...]) -> str:

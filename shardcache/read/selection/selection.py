@@ -62,6 +62,7 @@ class Selection(Protocol):
         has_mask: the units carry chat loss masks.
         dtype: the token ids' dtype.
         max_token_id: the largest id every source's tokenizer has.
+        columns: the per-token columns stored beside the tokens (any source's).
         mixture: a mixture's per-source numbers, or None.
         schedule: a scheduled mixture's layout, or None.
     """
@@ -75,6 +76,7 @@ class Selection(Protocol):
     has_mask: bool
     dtype: np.dtype
     max_token_id: int
+    columns: tuple[str, ...]
     mixture: MixtureTable | None
     schedule: ScheduleLayout | None
 

@@ -54,8 +54,13 @@ class Units:
     _cache: Any
 
     def _described(self, cache: Cache | MixedCache) -> None:
-        """What the sample readers check transforms against: masks, id dtype, largest id."""
+        """What the sample readers need of the open cache: masks, columns, id dtype, largest id.
+
+        Taken now: a remote cache is closed before DataLoader workers fork, and must not be
+        opened again in this process to ask.
+        """
         self.has_mask = bool(cache.has_mask)
+        self.columns: tuple[str, ...] = tuple(getattr(cache, "columns", ()))
         self.dtype = np.dtype(cache.dtype)
         self.max_token_id = min(
             int(c.manifest["tokenizer"]["max_token_id"]) for c in self._caches(cache)
