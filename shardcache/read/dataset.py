@@ -31,7 +31,7 @@ from shardcache.errors import ConfigError
 from shardcache.read.batch import IDS_DTYPES, Batch, mark_filler, to_batch
 from shardcache.read.collate import kernels
 from shardcache.read.collate.attention import check_attention
-from shardcache.read.collate.collator import PackCollator, PadCollator, collator, compiled_table
+from shardcache.read.collate.collator import Collator, collator, compiled_table
 from shardcache.read.fetch.fetcher import Fetcher
 from shardcache.read.fetch.shard_readahead import ReadAheadOptions, readahead_options
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
@@ -181,7 +181,7 @@ class ShardDataset(IterableDataset):
         #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
         #: takes the numpy path (the reference: same batches, slower).
         self.kernels = True
-        self._collator: PadCollator | PackCollator | None = None  # chosen once per setting
+        self._collator: Collator | None = None  # chosen once per setting
         self._start = 0  # global cursor where the current pass started (set/load/restart)
         self._consumed = 0  # live global cursor (this process's iteration)
         self._worker: dict[str, int] | None = None  # worker-level position while iterating

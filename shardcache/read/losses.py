@@ -58,13 +58,7 @@ def weighted_loss(logits: torch.Tensor, batch: dict[str, Any]) -> torch.Tensor:
             "weighted_loss: the batch has no loss_weights; pass a batch that ShardDataset "
             "yields over a cache built with --weight-field (else use the model's own loss)"
         )
-    labels = batch["labels"]
-    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
-        raise ConfigError(
-            f"weighted_loss: logits of shape {tuple(logits.shape)} for labels of shape "
-            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
-            "(rows x length x vocabulary)"
-        )
+    labels = _labels_for(logits, batch, "weighted_loss")
     device = logits.device
     targets = labels.to(device)[:, 1:]
     weights = batch["loss_weights"].to(device=device, dtype=torch.float32)[:, 1:]
@@ -110,13 +104,7 @@ def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tenso
             "pair_logps: batch has no labels and meta['side']; pass a batch that "
             "ShardDataset yields over a preference cache (built with --preference)"
         )
-    labels = batch["labels"]
-    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
-        raise ConfigError(
-            f"pair_logps: logits of shape {tuple(logits.shape)} for labels of shape "
-            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
-            "(rows x length x vocabulary)"
-        )
+    labels = _labels_for(logits, batch, "pair_logps")
     device = logits.device
     rows, width = labels.shape
     targets = labels.to(device)[:, 1:]
@@ -141,3 +129,15 @@ def pair_logps(logits: torch.Tensor, batch: dict[str, Any]) -> tuple[torch.Tenso
     sums.index_add_(0, segment[valid].to(wide), token_logps[valid].to(wide, torch.float64))
     sums = sums.to(device=device, dtype=torch.float32)
     return sums[side == 0], sums[side == 1]
+
+
+def _labels_for(logits: torch.Tensor, batch: dict[str, Any], where: str) -> torch.Tensor:
+    """The batch's labels, checked against the ``R x L x V`` logits (ConfigError)."""
+    labels = batch["labels"]
+    if logits.ndim != 3 or tuple(logits.shape[:2]) != tuple(labels.shape):
+        raise ConfigError(
+            f"{where}: logits of shape {tuple(logits.shape)} for labels of shape "
+            f"{tuple(labels.shape)}; pass the model's logits over this batch's input_ids "
+            "(rows x length x vocabulary)"
+        )
+    return labels

@@ -90,8 +90,15 @@ def pad_rows(
     return batch, meta
 
 
-class PadCollator:
-    """Pad mode: a sequence per row, rows padded to the batch's longest."""
+class Collator:
+    """What every collator holds: its reader, the batch options, the compiled kernels or None.
+
+    Args:
+        reader: the sample reader of the selection's kind.
+        options: the batch options.
+        compiled: the compiled kernels (plain sequences without transforms), or None.
+        attention: the attention keys of packed rows (pack mode).
+    """
 
     #: what ``ShardDataset.kernels`` was when the collator was chosen
     uses_kernels = True
@@ -105,17 +112,24 @@ class PadCollator:
     ) -> None:
         self.reader, self.options, self.compiled = reader, options, compiled
 
+    def _kernel(self, plan: EpochPlan) -> kernels.BatchKernels | None:
+        """The compiled kernels of ``plan``, or None (the numpy path reads the batch)."""
+        return None if self.compiled is None else self.compiled.of(plan)
+
+
+class PadCollator(Collator):
+    """Pad mode: a sequence per row, rows padded to the batch's longest."""
+
     def __call__(self, plan: EpochPlan, index: int, wrap: int, epoch: int) -> Arrays:
         """The arrays and meta of global batch ``index`` of ``plan``."""
-        if self.compiled is not None:
-            kernel = self.compiled.of(plan)
-            if kernel is not None:  # one pass, straight from the mapped shards
-                made = kernel.pad(
-                    index, self.options.pad_to_multiple_of, self.reader.selection.pad_id,
-                    self.reader.ids_dtype,
-                )  # fmt: skip
-                if made is not None:
-                    return made
+        kernel = self._kernel(plan)
+        if kernel is not None:  # one pass, straight from the mapped shards
+            made = kernel.pad(
+                index, self.options.pad_to_multiple_of, self.reader.selection.pad_id,
+                self.reader.ids_dtype,
+            )  # fmt: skip
+            if made is not None:
+                return made
         repeats = self.reader.repeats(plan, index, wrap)
         return pad_rows(self.reader, self.options, plan.batch(index), epoch, repeats)
 
@@ -135,11 +149,8 @@ class PairPadCollator(PadCollator):
         return batch, meta
 
 
-class PackCollator:
+class PackCollator(Collator):
     """Pack mode: segments laid out in rows of ``seq_len``, kept apart by ``attention``."""
-
-    #: what ``ShardDataset.kernels`` was when the collator was chosen
-    uses_kernels = True
 
     def __init__(
         self,
@@ -148,7 +159,7 @@ class PackCollator:
         compiled: Compiled | None,
         attention: str | None = None,
     ) -> None:
-        self.reader, self.options, self.compiled = reader, options, compiled
+        super().__init__(reader, options, compiled)
         self.seq_len = int(options.seq_len or 0)
         self._attention = ATTENTION[attention or "none"]
         grows = options.packing == "concat" and bool(options.growth)
@@ -163,12 +174,10 @@ class PackCollator:
 
     def __call__(self, plan: EpochPlan, index: int, wrap: int, epoch: int) -> Arrays:
         """The arrays and meta of global batch ``index`` of ``plan``."""
-        made = None
-        if self.compiled is not None:
-            kernel = self.compiled.of(plan)
-            if kernel is not None:  # one pass, straight from the mapped shards
-                pad_id = self.reader.selection.pad_id
-                made = kernel.pack(index, self.seq_len, pad_id, self.reader.ids_dtype)
+        made, kernel = None, self._kernel(plan)
+        if kernel is not None:  # one pass, straight from the mapped shards
+            pad_id = self.reader.selection.pad_id
+            made = kernel.pack(index, self.seq_len, pad_id, self.reader.ids_dtype)
         if made is not None:
             batch, meta = made
         else:
@@ -298,7 +307,7 @@ ATTENTION: dict[str, Callable[[dict[str, Any]], None]] = {
 }
 
 #: The collators by (mode, sample kind).
-COLLATORS: dict[tuple[str, bool], type[PadCollator] | type[PackCollator]] = {
+COLLATORS: dict[tuple[str, bool], type[Collator]] = {
     ("pad", False): PadCollator,
     ("pad", True): PairPadCollator,
     ("pack", False): PackCollator,
@@ -311,7 +320,7 @@ def collator(
     options: PlanOptions,
     attention: str | None,
     use_kernels: bool,
-) -> PadCollator | PackCollator:
+) -> Collator:
     """The collator of ``options.mode`` and the reader's kind, its path chosen here, once.
 
     The compiled kernels read plain sequences without transforms, when ``use_kernels`` and
