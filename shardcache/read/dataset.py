@@ -31,7 +31,7 @@ from shardcache.errors import ConfigError
 from shardcache.read.batch import IDS_DTYPES, Batch, mark_filler, to_batch
 from shardcache.read.collate import kernels
 from shardcache.read.collate.attention import check_attention
-from shardcache.read.collate.collator import Collator, collator, compiled_table
+from shardcache.read.collate.collator import Collator, collator, compiled_table, kernels_read
 from shardcache.read.fetch.fetcher import Fetcher
 from shardcache.read.fetch.shard_readahead import ReadAheadOptions, readahead_options
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
@@ -473,6 +473,7 @@ class ShardDataset(IterableDataset):
         where = f"ShardDataset({self.path!r})"
         selection, samples, fetch = self._selection, self._samples, self._fetch
         scheduled = selection.schedule is not None
+        rank, world = self.rank, self.world_size  # (a pass keeps its process group)
         readahead = fetch.begin(selection, plan, samples.samples, mine[positions], where)
         try:
             for n, position in enumerate(positions.tolist()):
@@ -481,7 +482,7 @@ class ShardDataset(IterableDataset):
                     readahead.ready(n)
                 fetched = time.perf_counter()
                 samples.gather_s = 0.0
-                virtual = start + self.rank + self.world_size * position  # (past the end: wrapped)
+                virtual = start + rank + world * position  # (past the end: wrapped)
                 wrap = virtual // len(plan) if samples.chain is not None else 0
                 index = int(mine[position])
                 batch = self.collate_batch(plan, index, wrap)
@@ -500,7 +501,7 @@ class ShardDataset(IterableDataset):
                 if self.eval:  # past the plan's end: a wrapped batch that must not count
                     mark_filler(batch, virtual >= len(plan))
                 # a batch counts as consumed once it is handed out (the torchdata convention)
-                self._consumed = start + self.world_size * (position + 1)
+                self._consumed = start + world * (position + 1)
                 if self._worker is not None:
                     self._worker["yielded"] += 1
                 handed = time.perf_counter()
@@ -569,9 +570,7 @@ class ShardDataset(IterableDataset):
         weights): the numpy path collates them.
         """
         selection = self._selection
-        if selection.pairs or self._samples.chain is not None or not selection.is_open():
-            return False
-        if self._samples.columns:
+        if not kernels_read(self._samples) or not selection.is_open():
             return False
         return compiled_table(selection, self.kernels) is not None
 

@@ -315,6 +315,14 @@ COLLATORS: dict[tuple[str, bool], type[Collator]] = {
 }
 
 
+def kernels_read(reader: SequenceReader) -> bool:
+    """Whether the compiled kernels can build this reader's batches (else: the numpy path).
+
+    Plain sequences read as stored: no pairs, no transform, no per-token column.
+    """
+    return not reader.selection.pairs and reader.chain is None and not reader.columns
+
+
 def collator(
     reader: SequenceReader,
     options: PlanOptions,
@@ -326,10 +334,9 @@ def collator(
     The compiled kernels read plain sequences without transforms, when ``use_kernels`` and
     numba allow it; pairs, transformed segments and per-token columns take the numpy path.
     """
-    pairs = reader.selection.pairs
     compiled = None
-    if use_kernels and not pairs and reader.chain is None and not reader.columns:
+    if use_kernels and kernels_read(reader):
         compiled = Compiled(reader.selection, options.max_tokens)
-    made = COLLATORS[(options.mode, pairs)](reader, options, compiled, attention)
+    made = COLLATORS[(options.mode, reader.selection.pairs)](reader, options, compiled, attention)
     made.uses_kernels = use_kernels
     return made

@@ -11,9 +11,11 @@ it has.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import os
+import warnings
 from typing import Any, Protocol
 
 import numpy as np
@@ -259,7 +261,7 @@ class CacheSelection(Units):
         if rows is None:
             return plan_epoch(lengths, buckets, planning, seed, epoch)
         plan = plan_epoch(lengths[rows], buckets[rows], planning, seed, epoch)
-        return _replace_ids(plan, rows[plan.sample_ids])
+        return dataclasses.replace(plan, sample_ids=rows[plan.sample_ids])
 
     def shard_index(self, seed: int, epoch: int) -> ShardIndex:
         """An epoch's units by the shard that holds them."""
@@ -558,15 +560,7 @@ class MixtureSelection(Units):
 
 
 def _warn(message: str) -> None:
-    import warnings
-
     warnings.warn(message, UserWarning, stacklevel=5)
-
-
-def _replace_ids(plan: EpochPlan, sample_ids: np.ndarray) -> EpochPlan:
-    import dataclasses
-
-    return dataclasses.replace(plan, sample_ids=sample_ids)
 
 
 def _split_rows(cache: Cache, split: str | None, splits: Split | None) -> np.ndarray | None:
