@@ -176,7 +176,7 @@ class ShardDataset(IterableDataset):
         self.cache_digest = selection.cache_digest
         self.pad_id = selection.pad_id
         self.cache_bytes = selection.cache_bytes
-        self._planner = Planner(selection, options, seed, even=not self.eval)
+        self._planner = Planner(selection, options, seed)
         self._samples = sample_reader(selection, self.ids_dtype, chain, seed, options.growth)
         #: Read batches with the compiled kernels (kernels.py) when numba is installed; False
         #: takes the numpy path (the reference: same batches, slower).
@@ -351,19 +351,27 @@ class ShardDataset(IterableDataset):
         return n
 
     def tail_report(self, epoch: int | None = None) -> dict[str, Any]:
-        """What a whole epoch drops (``tail="drop"``) or repeats (``"wrap"``) to even out ranks.
+        """What an epoch drops (``tail="drop"``) or repeats (``"wrap"``) to even out ranks.
+
+        Over canonical streams as over the global plan this is at most ``world_size - 1``
+        batches: the streams' own batch counts are not evened out, their longer streams' last
+        batches are dealt to all ranks.
 
         Args:
-            epoch: the epoch (None: the current one).
+            epoch: the epoch (None: the current one, from the pass's start: after
+                ``load_state_dict``, the loaded position).
 
         Returns:
-            A JSON-able dict: tail mode, world size, global and per-rank batches, and the batches,
-            segments and tokens dropped and repeated; with canonical streams also
-            ``stream_dropped_*`` / ``stream_repeated_*``: what evening the streams' counts out
-            left out of the epoch's batches or put in twice.
+            A JSON-able dict: tail mode, world size, global batches, the global cursor the
+            count starts at (``start``), per-rank batches, and the batches, segments and
+            tokens dropped and repeated.
         """
+        if epoch is None or int(epoch) == self.epoch:
+            split = self.split(start=_pass_start(self, self._start))
+        else:
+            split = self.split(int(epoch))
         epoch = self.epoch if epoch is None else int(epoch)
-        return self._planner.tail_report(epoch, self.split(epoch), self._tail)
+        return self._planner.tail_report(epoch, split, self._tail)
 
     def state_dict(self, *, steps: int | None = None) -> dict[str, Any]:
         """The resumable position, JSON-able.
@@ -557,7 +565,7 @@ class ShardDataset(IterableDataset):
         """
         if self._collator is None or self._collator.uses_kernels != self.kernels:
             self._collator = collator(self._samples, self.options, self.attention, self.kernels)
-        part, index, wrap = locate(plan, index, wrap, self._samples.chain is not None)
+        part, index = locate(plan, index)
         arrays, meta = self._collator(part, index, wrap, self.epoch)
         self._selection.annotate(meta)
         return to_batch(arrays, meta)

@@ -55,14 +55,12 @@ class Planner:
         selection: what an epoch reads.
         options: the batch options (``streams`` resolved).
         seed: the plan's seed.
-        even: every stream yields the same count (False for an evaluation pass).
     """
 
-    def __init__(self, selection: Selection, options: PlanOptions, seed: int, even: bool) -> None:
+    def __init__(self, selection: Selection, options: PlanOptions, seed: int) -> None:
         self.selection = selection
         self.options = options
         self.seed = seed
-        self.even = even
         self._plan: tuple[int, EpochPlan | StreamPlan] | None = None
         #: stream batch counts by epoch (small; travel to workers with the dataset)
         self._counts: dict[int, dict[int, np.ndarray]] = {}
@@ -210,7 +208,7 @@ class Planner:
         streams = int(self.options.streams or 1)
         touched = streams // math.gcd(streams, world_size)  # streams this rank reads
         keep = 2 * min(touched, 64) + 2
-        plan = StreamPlan(layout, self.planning, counts, keep=keep, even=self.even)
+        plan = StreamPlan(layout, self.planning, counts, keep=keep)
         # (a cache of one block's rows counts in milliseconds: no thread for it)
         if ahead and int(layout.row_cum[-1]) > self.options.shuffle_block:
             self._count_ahead(epoch + 1)
@@ -245,18 +243,11 @@ class Planner:
             return segs, tokens
 
         dropped, repeated = count(split.dropped), count(split.repeated)
-        extra: dict[str, int] = {}
-        if isinstance(plan, StreamPlan):
-            for name, pairs in (("dropped", plan.dropped()), ("repeated", plan.repeated())):
-                located = [plan.stream_batch(s, k) for s, k in pairs]
-                extra[f"stream_{name}_batches"] = len(pairs)
-                extra[f"stream_{name}_segments"] = per * sum(len(p.batch(i)) for p, i in located)
-                extra[f"stream_{name}_tokens"] = sum(p.token_count(lengths, i) for p, i in located)
         return {
-            **extra,
             "tail": tail,
             "world_size": split.world_size,
             "global_batches": len(plan),
+            "start": split.start,
             "batches_per_rank": split.batches_per_rank,
             "dropped_batches": len(split.dropped),
             "dropped_segments": dropped[0],
@@ -267,19 +258,11 @@ class Planner:
         }
 
 
-def locate(
-    plan: EpochPlan | StreamPlan, index: int, wrap: int, transformed: bool
-) -> tuple[EpochPlan, int, int]:
-    """Global batch ``index`` of ``plan`` as a batch of an ``EpochPlan``, with its wrap.
-
-    A stream's batch is a batch of one of its blocks; with transforms, a shorter stream's batch
-    that the rounds read again counts its own wraps.
-    """
+def locate(plan: EpochPlan | StreamPlan, index: int) -> tuple[EpochPlan, int]:
+    """Global batch ``index`` of ``plan`` as a batch of an ``EpochPlan`` (a stream's block)."""
     if isinstance(plan, StreamPlan):
-        if transformed:
-            wrap = wrap * plan.wraps_per_round + plan.wrap_of(index)
-        return (*plan.locate(index), wrap)
-    return plan, index, wrap
+        return plan.locate(index)
+    return plan, index
 
 
 def batch_options(

@@ -3,12 +3,12 @@
 Each epoch the shards are permuted (seeded by seed and epoch) and their rows, in that order,
 are cut by tokens into ``C`` streams; a stream is cut into blocks of ``shuffle_block`` rows, and
 each block is planned on its own by the global planner (``plan.plan_sequences``: every mode and
-packing) with a seed of its own. Global batch ``j`` is batch ``j // C`` of stream ``j % C``;
-every stream gives the same count (``tail="drop"`` cuts streams to the shortest's count,
-``"wrap"`` repeats a shorter stream's first batches). Ranks take global batches ``c + r + kW``
-as with the global plan, so when ``W`` divides ``C`` a rank reads only the shards of its
-``C / W`` streams, about ``1 / W`` of the cache per epoch; any ``W`` and ``num_workers`` read
-the same global sequence.
+packing) with a seed of its own. Global batch ``j`` is batch ``j // C`` of stream ``j % C`` while
+every stream has one; the longer streams' last batches follow (``StreamPlan``), so an epoch
+holds every batch of every stream once. Ranks take global batches ``c + r + kW`` as with the
+global plan, so when ``W`` divides ``C`` a rank reads only the shards of its ``C / W`` streams
+(about ``1 / W`` of the cache per epoch) but for its share of the longer streams' last batches;
+any ``W`` and ``num_workers`` read the same global sequence.
 
 Memory is the shard table (``O(shards)``) plus the block plans in use; the only ``O(epoch)``
 cost is time: the batch count of every block, which a rank may compute for its own streams and
@@ -17,7 +17,6 @@ exchange (``own_streams``). One stream of one block is exactly ``plan_epoch``'s 
 
 from __future__ import annotations
 
-import functools
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -250,8 +249,14 @@ class StreamPlan:
     It answers what an ``EpochPlan`` answers (``len``, ``batch``, ``segments``, ``row_bounds``,
     ``packed_segments``, ``token_count``) for a global batch index, planning the block that
     holds it on first use and keeping the last ``keep`` blocks (default: two per stream).
-    ``even=False`` keeps every batch of every stream (the longer streams' last ones after the
-    rounds, not local): an evaluation pass must read each sequence once.
+
+    Every batch of every stream is in the plan once: batch ``k`` of the streams that have one,
+    in stream order, then batch ``k + 1`` (``(k, stream)`` order). While every stream has a
+    ``k``-th batch that is rounds of ``C`` (global batch ``j`` is batch ``j // C`` of stream
+    ``j % C``, so a rank of ``W`` dividing ``C`` reads its own streams); the longer streams'
+    last batches follow, dealt to all ranks like the rest. Evening the ranks out is then the
+    global plan's (``split_epoch``: at most ``W - 1`` batches dropped or repeated). Memory is
+    ``O(C)``: the batch of an index is found over the distinct stream lengths.
     """
 
     def __init__(
@@ -260,7 +265,6 @@ class StreamPlan:
         options: PlanOptions,
         counts: dict[int, np.ndarray] | None = None,
         keep: int | None = None,
-        even: bool = True,
     ) -> None:
         self.layout, self.options = layout, options
         if counts is None:
@@ -275,53 +279,24 @@ class StreamPlan:
             self.block_offsets.append(off)
         per_stream = np.array([int(o[-1]) for o in self.block_offsets], dtype=np.int64)
         self.stream_batches = per_stream
-        streams = layout.streams
-        shortest = int(per_stream.min()) if streams else 0
-        #: whole rounds, one batch of every stream each: every stream the same count, so a
-        #: rank keeps its streams to the end. ``tail="drop"`` cuts every stream to the
-        #: shortest's count, ``"wrap"`` repeats a shorter stream's first batches up to the
-        #: longest's; with an empty stream (fewer rows than streams) the longer streams'
-        #: batches follow the rounds instead, round by round (exact, not local)
-        self.dense = shortest == 0 or not even  # (even=False: an evaluation pass reads all)
-        if self.dense:
-            self.rounds = 0
-        else:
-            self.rounds = shortest if options.tail == "drop" else int(per_stream.max())
-        self.full = self.rounds * streams
-        extra = np.maximum(per_stream - self.rounds, 0) if self.dense else np.zeros_like(per_stream)
-        tail_stream = np.repeat(np.arange(streams, dtype=np.int64), extra)
-        tail_k = np.arange(int(extra.sum()), dtype=np.int64) - np.repeat(
-            np.r_[0, np.cumsum(extra)[:-1]] - self.rounds, extra
+        # levels: the distinct stream lengths (and 0); between two levels the same streams
+        # have a k-th batch, ``alive`` of them, and ``level_start`` is the first global index
+        levels = np.unique(np.r_[0, per_stream])
+        self._levels = levels
+        self._alive = np.array(
+            [int((per_stream > level).sum()) for level in levels[:-1]], dtype=np.int64
         )
-        order = np.lexsort((tail_stream, tail_k))
-        self.tail_stream, self.tail_k = tail_stream[order], tail_k[order]
-        self._total = self.full + len(self.tail_stream)
+        self._level_start = np.zeros(len(levels), dtype=np.int64)
+        np.cumsum(np.diff(levels) * self._alive, out=self._level_start[1:])
+        self._total = int(per_stream.sum())
+        #: global batches of whole rounds (every stream's k-th batch in turn)
+        self.full = int(levels[1] if len(levels) > 1 else 0) * layout.streams
         # (default: two blocks of every stream, what reading the global order in turn needs)
         self.keep = max(int(keep), 1) if keep is not None else 2 * layout.streams + 2
         self._blocks: OrderedDict[tuple[int, int], EpochPlan] = OrderedDict()
 
     def __len__(self) -> int:
         return self._total
-
-    def dropped(self) -> list[tuple[int, int]]:
-        """``(stream, batch)`` of the batches the rounds leave out (``tail="drop"``)."""
-        if self.dense:
-            return []
-        return [
-            (s, k)
-            for s, n in enumerate(self.stream_batches.tolist())
-            for k in range(self.rounds, n)
-        ]
-
-    def repeated(self) -> list[tuple[int, int]]:
-        """``(stream, batch)`` of the batches the rounds read twice (``tail="wrap"``)."""
-        if self.dense:
-            return []
-        return [
-            (s, k % n)
-            for s, n in enumerate(self.stream_batches.tolist())
-            for k in range(n, self.rounds)
-        ]
 
     def stream_batch(self, stream: int, k: int) -> tuple[EpochPlan, int]:
         """The block plan holding batch ``k`` of a stream, and the batch's index in it."""
@@ -346,29 +321,14 @@ class StreamPlan:
         """``(stream, batch within the stream)`` of a global batch."""
         if not 0 <= index < self._total:
             raise IndexError(f"global batch {index} of a plan of {self._total}")
+        streams = self.layout.streams
         if index < self.full:
-            stream, k = index % self.layout.streams, index // self.layout.streams
-            return stream, k % int(self.stream_batches[stream])  # (wrap: a repeat)
-        t = index - self.full
-        return int(self.tail_stream[t]), int(self.tail_k[t])
-
-    @functools.cached_property
-    def wraps_per_round(self) -> int:
-        """One more than the most times the rounds read a stream's batch again (``wrap_of``)."""
-        if self.dense or not self.rounds:
-            return 1
-        return -(-self.rounds // int(self.stream_batches.min()))
-
-    def wrap_of(self, index: int) -> int:
-        """How many times the rounds went round its stream before global batch ``index``.
-
-        0 for a batch's first read; ``tail="wrap"`` reads a shorter stream's first batches
-        again (1, 2, ...) until every stream has the longest's count.
-        """
-        if not 0 <= index < self.full:  # (the longer streams' batches after the rounds: once)
-            return 0
-        stream, k = index % self.layout.streams, index // self.layout.streams
-        return k // int(self.stream_batches[stream])
+            return index % streams, index // streams
+        level = int(np.searchsorted(self._level_start, index, side="right")) - 1
+        alive = int(self._alive[level])
+        step, nth = divmod(index - int(self._level_start[level]), alive)
+        k = int(self._levels[level]) + step
+        return int(np.flatnonzero(self.stream_batches > k)[nth]), k
 
     def locate(self, index: int) -> tuple[EpochPlan, int]:
         """The block plan holding a global batch, and the batch's index in it."""
