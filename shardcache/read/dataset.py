@@ -38,6 +38,7 @@ from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, 
 from shardcache.read.plan.planner import Planner, batch_options, check_eval, locate, log_tail
 from shardcache.read.plan.streams import StreamPlan
 from shardcache.read.position import Ranks, SharedPosition, check_worker_resume
+from shardcache.read.run_record import RunLog, RunRecord, dataset_spec
 from shardcache.read.samples.chain import Transform, TransformChain
 from shardcache.read.samples.readers import check_transforms, sample_reader
 from shardcache.read.selection.mixture import Source
@@ -174,6 +175,13 @@ class ShardDataset(IterableDataset):
         selection.finish(options)
         self._selection = selection
         self.cache_digest = selection.cache_digest
+        mixed = selection.state().get("mixture")
+        digests = [s["digest"] for s in mixed["sources"]] if mixed else [self.cache_digest]
+        self._run = RunLog(dataset_spec(
+            path, digests, split=split, splits=splits, eval=self.eval,
+            tokens_per_epoch=tokens_per_epoch, schedule=as_schedule(schedule),
+            ids_dtype=ids_dtype, attention=self.attention, transform=transform,
+        ))  # fmt: skip
         self.pad_id = selection.pad_id
         self.cache_bytes = selection.cache_bytes
         self._planner = Planner(selection, options, seed)
@@ -329,7 +337,9 @@ class ShardDataset(IterableDataset):
         Returns:
             The split.
         """
-        return split_epoch(len(self.plan(epoch)), self.world_size, start, self._tail)
+        epoch = self.epoch if epoch is None else int(epoch)
+        total = self._run.counts[epoch] = len(self.plan(epoch))
+        return split_epoch(total, self.world_size, start, self._tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
         """How many batches every rank yields in a whole epoch (for LR schedulers).
@@ -400,19 +410,61 @@ class ShardDataset(IterableDataset):
                 )
             consumed = start + self.world_size * steps
         worker = self._worker if steps is None else None
-        return take_state(
+        state = take_state(
             self._selection, self.seed, self.options, self.epoch, consumed, self.world_size, worker
         )
+        state["run"] = self.run_record().to_json()
+        return state
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    @property
+    def grad_accum(self) -> int:
+        """Micro-batches per rank and optimizer step (gradient accumulation), for the run record.
+
+        Default: a loaded state's run's, else 1. Set it before ``load_state_dict`` when a resume
+        changes it. ``write_run_record(..., grad_accum=)`` sets it too.
+        """
+        return self._run.accumulation()
+
+    @grad_accum.setter
+    def grad_accum(self, value: int) -> None:
+        check_int("grad_accum", value, 1)
+        self._run.grad_accum = value
+
+    def run_record(self) -> RunRecord:
+        """The run record: what recomputes this reader's stream, and where each step reads.
+
+        Also inside every state (``state["run"]``); ``write_run_record`` writes it beside the
+        checkpoints, and ``shardcache rewind`` reads it (docs/guide/loss-spikes.md).
+
+        Returns:
+            The record: how the reader was opened (sources with their key digests, split,
+            transforms), the batch options and seed, the segments of the run (world size,
+            gradient accumulation, the cursor each starts at), skipped steps and the batch
+            counts of the epochs planned.
+        """
+        options = self.options.to_json()
+        return self._run.record(self.cache_digest, self.seed, options, self.world_size)
+
+    def load_state_dict(
+        self, state: dict[str, Any], *, skip_steps: Sequence[tuple[int, int]] | None = None
+    ) -> None:
         """Continue from a state, at any world size and ``num_workers``.
 
         Args:
             state: what ``state_dict`` returned, or a whole ``StatefulDataLoader`` state (its
                 worker states together give the global cursor).
+            skip_steps: optimizer step ranges ``(first, end)`` (steps ``first .. end - 1``, in
+                the numbering and shape of the run that took ``state``) to continue as if
+                read: when the state's step ``s`` is in one, the stream goes on with step
+                ``end``'s batches, as the uninterrupted run read them, every rank even; the
+                trainer counts on from ``s``. Ranges before ``s`` are ignored. Recorded in the
+                run record and ``stats()["skipped_steps"]``. A state without a run record
+                counts steps from its own position.
 
         Raises:
             StateError: the state is of another cache, plan or mixture (see ``remix``), or damaged.
+            ConfigError: a skip range is malformed, starts after the state's step, or the state
+                was taken inside a step.
         """
         state, remixed = check_data(state, self._selection, self.remix)
         options = check_plan(state, self.seed, self.options, self._auto_streams)
@@ -424,6 +476,12 @@ class ShardDataset(IterableDataset):
         consumed, self._worker_resume = check_cursor(
             state, total, self.world_size, remixed, self.path
         )
+        self._run.counts = {epoch: total}
+        moved = self._run.resume(
+            state, (epoch, consumed), lambda e: len(self.plan(e)), self._tail, skip_steps, remixed
+        )
+        if moved is not None:  # a skip: the cursor of the step after the skipped ones
+            (epoch, consumed), self._worker_resume = moved, None
         self.epoch = epoch
         self._start = self._consumed = consumed
         self._loaded = True
@@ -454,6 +512,7 @@ class ShardDataset(IterableDataset):
         else:
             start, skip = _pass_start(self, self._consumed), 0
         split = split_epoch(len(plan), self.world_size, start, self._tail)
+        self._run.counts[self.epoch] = len(plan)
         mine = split.for_rank(self.rank)
         if start == 0 and worker_id == 0 and split.batches_per_rank == 0:
             _warn_empty(self, len(plan))
@@ -539,9 +598,12 @@ class ShardDataset(IterableDataset):
             (bytes fetched per epoch read, over that share: about 1 when reading locally);
             with a schedule, ``schedule``: the epochs (windows) read, ``delivered_tokens`` and
             ``delivered_shares`` per source, and ``scheduled_shares`` (the schedule's shares of
-            each window, weighted by the tokens read in it).
+            each window, weighted by the tokens read in it); after a resume with
+            ``skip_steps``, ``skipped_steps``: each range with the cursors it moved between.
         """
         stats = self._fetch.as_dict(self.cache_bytes, self.world_size)
+        if self._run.skipped:
+            stats["skipped_steps"] = self._run.stats()
         schedule = self._selection.schedule_stats()
         if schedule is not None:
             stats["schedule"] = schedule
