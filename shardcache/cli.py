@@ -714,9 +714,10 @@ def _int_list(text: str, param: str, none: str | None = None) -> tuple[Any, ...]
 
 @main.command()
 @click.argument("cache")
-@click.option("--step-ms", type=click.FloatRange(min=0), default=0.0, show_default=True,
+@click.option("--step-ms", type=click.FloatRange(min=0), default=0.0,
               help="The simulated training step per batch, in milliseconds: the model's "
-              "forward and backward.")  # fmt: skip
+              "forward and backward. Needed for a recommendation.  [default: 0: no step; the "
+              "rows time the reader alone and name the fastest]")  # fmt: skip
 @click.option("--batches", "-n", type=click.IntRange(min=1), default=50, show_default=True,
               help="Batches per setting, after a first one (reported apart).")  # fmt: skip
 @click.option("--workers", "-w", default="0,1,2,4", show_default=True, metavar="N,N,...",
@@ -762,9 +763,10 @@ def profile(
     and prints per setting the wait share (percent of the step spent waiting for the next
     batch), the wait per batch split into reader and copy waits, the reader's stage times per
     batch (plan, fetch, gather, collate; pin and copy with a prefetcher) and the first batch's
-    wait (worker start-up). Recommends the setting with the lowest wait share and names its
-    largest stage. Progress goes to stderr. Exit 2 on a bad option, 1 when the cache cannot
-    be read.
+    wait (worker start-up). With --step-ms, recommends the setting with the lowest wait share
+    and names its largest stage; without, names the fastest reader and recommends nothing (a
+    wait share means something only against a real step). Progress goes to stderr. Exit 2
+    on a bad option, 1 when the cache cannot be read.
 
     \b
     Example:

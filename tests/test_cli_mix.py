@@ -18,6 +18,10 @@ from shardcache.cli import main
 from shardcache.read.selection.mixture_recipe import load_mixture_recipe
 from shardcache.read.selection.splits import split_ids, split_summary
 
+#: An eval pass over these weighted sources on purpose: the warning that the weights do not
+#: apply is tested in tests/read/test_construction_checks.py.
+UNWEIGHTED_EVAL = pytest.mark.filterwarnings("ignore:.*eval=True reads every document:UserWarning")
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
@@ -204,6 +208,7 @@ def test_mix_shows_each_source_s_sides_and_the_table_of_the_side_the_recipe_read
     assert _mix_json(_recipe(caches), "--split", "validation=0.2,test=0.1") == got
 
 
+@UNWEIGHTED_EVAL
 def test_a_recipe_s_per_source_splits_reach_the_dataset_and_mix(caches):
     path = os.path.join(caches, "own.toml")
     with open(path, "w", encoding="utf-8") as f:

@@ -107,11 +107,35 @@ def test_the_recommendation_is_the_row_with_the_lowest_wait(small_cache, monkeyp
         return {**real(batches, options), "wait_pct": next(shares)}
 
     monkeypatch.setattr(profile, "_run_setting", fake)
-    options = ProfileOptions(batches=1, workers=(0,), readahead=(None, 0, 1))
+    options = ProfileOptions(step_ms=1.0, batches=1, workers=(0,), readahead=(None, 0, 1))
     report = profile_reader(small_cache, 64, options)
     assert [r["wait_pct"] for r in report["rows"]] == [40.0, 5.0, 20.0]
     assert report["recommended"] == 1
     assert "recommended: workers=0 readahead=0 depth=-" in format_profile(report)
+
+
+def test_without_a_step_nothing_is_recommended_and_the_fastest_is_named(small_cache, monkeypatch):
+    # before: with no --step-ms the loop was the reader alone (a ~2 ms "step"), and the setting
+    # with the lowest of those ~100% wait shares was recommended as if it were a training step's
+    import shardcache.read.profile as profile
+
+    code, out = _profile(small_cache, "--workers", "0", "--batches", "2", "--max-tokens", "64")
+    assert code == 0, out
+    assert out.splitlines()[-1].startswith("no recommendation: no --step-ms was given")
+    waits = iter([3.0, 1.0, 2.0])
+    real = profile._run_setting
+
+    def fake(batches, options):
+        return {**real(batches, options), "wait_pct": 99.0, "wait_ms": next(waits)}
+
+    monkeypatch.setattr(profile, "_run_setting", fake)
+    options = ProfileOptions(batches=1, workers=(0,), readahead=(None, 0, 1))
+    report = profile_reader(small_cache, 64, options)
+    assert report["recommended"] is None and report["fastest"] == 1
+    text = format_profile(report).splitlines()[-1]
+    assert text.startswith("no recommendation: no --step-ms was given")
+    assert "fastest reader here is workers=0 readahead=0 depth=- (1.00 ms a batch" in text
+    assert "recommended:" not in text
 
 
 def test_options_are_validated():

@@ -28,6 +28,8 @@ from shardcache.builder.inputs import (
     GLOB_FORMAT,
     detect_format,
     folder_files,
+    named_only,
+    no_folder_input,
     position_fields,
     reader_of,
     record_position,
@@ -150,6 +152,7 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[tuple[str,
         return found
     if os.path.isdir(spec):
         found = []
+        skipped: list[str] = []  # plain text: read when named or globbed, not from a folder
         for root, dirs, files in os.walk(spec):
             owned = folder_files(root)
             if owned is not None:  # a saved dataset: its data files, not its metadata
@@ -166,10 +169,10 @@ def _expand(spec: str, exclude: frozenset[str] = frozenset()) -> list[tuple[str,
                 if fmt := detect_format(name, in_folder=True):
                     _check_regular_file(os.path.join(root, name))
                     found.append((os.path.join(root, name), fmt))
+                elif named_only(name):
+                    skipped.append(os.path.join(root, name))
         if not found:
-            raise SourceError(
-                f"input {spec!r}: the folder holds no input file ({', '.join(FORMATS)})"
-            )
+            raise SourceError(no_folder_input(spec, skipped))
         return found
     if os.path.lexists(spec):
         _check_regular_file(spec)
@@ -263,10 +266,11 @@ def _list_url_inputs(specs: list[str], exclude_globs: tuple[str, ...] = ()) -> l
                 if not listed:
                     raise SourceError(f"input {spec!r}: the pattern matches no object")
             elif fs.isdir(path):
-                listed = {p: i for p, i in fs.find(path, detail=True).items()
-                          if detect_format(p, in_folder=True)}  # fmt: skip
+                every = fs.find(path, detail=True)
+                listed = {p: i for p, i in every.items() if detect_format(p, in_folder=True)}
                 if not listed:
-                    raise SourceError(f"input {spec!r}: the prefix holds no input file")
+                    skipped = [p for p in every if named_only(p)]
+                    raise SourceError(no_folder_input(spec, skipped, "prefix"))
             else:
                 listed = {path: fs.info(path)}
         except FileNotFoundError as err:

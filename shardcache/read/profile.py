@@ -5,7 +5,9 @@ through ``shardcache.loader`` wrapped in a ``StallMonitor``, sleeping ``step_ms`
 place of the model. The first batch (worker start-up, the plan) is reported on its own; the
 wait share and stage times are over the batches after it, so a setting is judged on its
 steady state. The recommendation is the setting with the lowest wait share (ties: the first
-in the order given, i.e. the cheapest when the lists are in increasing order).
+in the order given, i.e. the cheapest when the lists are in increasing order). Without a step
+(``step_ms=0``) there is none: the loop is then the reader alone, whose wait share is ~100%
+at any setting and says nothing of a real step; the report names the fastest reader instead.
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ class ProfileOptions:
     """What ``profile_reader`` runs, validated at construction.
 
     Args:
-        step_ms: the simulated training step per batch, in milliseconds (0 to an hour).
+        step_ms: the simulated training step per batch, in milliseconds (0 to an hour); 0
+            simulates none: the rows time the reader alone and nothing is recommended.
         batches: batches read per setting after the first (>= 1).
         workers: DataLoader worker counts to try.
         readahead: read-ahead shard counts to try (None: the reader's default).
@@ -160,11 +163,14 @@ def profile_reader(
         progress: called as ``progress(i, n, setting)`` before setting ``i`` of ``n`` runs.
 
     Returns:
-        ``{"rows": [...], "recommended": index, "dominant": stage}``: per setting its
-        ``workers``, ``readahead``, ``depth``, ``wait_pct`` (percent of the step spent in the
-        loader's ``next()``), ``wait_ms`` and its split ``wait_reader_ms`` / ``wait_copy_ms``,
-        the stage times per batch (``plan_ms`` ... ``copy_ms``), ``step_ms`` and
-        ``first_batch_s``; ``dominant`` is the largest stage of the recommended row.
+        ``{"rows": [...], "recommended": index, "fastest": index, "dominant": stage}``: per
+        setting its ``workers``, ``readahead``, ``depth``, ``wait_pct`` (percent of the step
+        spent in the loader's ``next()``), ``wait_ms`` and its split ``wait_reader_ms`` /
+        ``wait_copy_ms``, the stage times per batch (``plan_ms`` ... ``copy_ms``), ``step_ms``
+        and ``first_batch_s``. ``recommended`` is the row with the lowest wait share, None
+        without a step (``options.step_ms == 0``); ``fastest`` the row with the least wait per
+        batch (the fastest reader); ``dominant`` the largest stage of the recommended row (of
+        the fastest without a step).
 
     Raises:
         ConfigError: an option is invalid.
@@ -178,13 +184,18 @@ def profile_reader(
             progress(i, len(settings), setting)
         with _open(path, max_tokens, setting, options, reader) as batches:
             rows.append({**setting, **_run_setting(batches, options)})
-    best = min(range(len(rows)), key=lambda i: (rows[i]["wait_pct"], i))
-    stage_ms = {s[:-2]: rows[best][s[:-2] + "_ms"] for s in STAGES}
+    fastest = min(range(len(rows)), key=lambda i: (rows[i]["wait_ms"], i))
+    best = None
+    if options.step_ms > 0:  # (without a step every wait share is the whole loop's)
+        best = min(range(len(rows)), key=lambda i: (rows[i]["wait_pct"], i))
+    judged = rows[fastest if best is None else best]
+    stage_ms = {s[:-2]: judged[s[:-2] + "_ms"] for s in STAGES}
     return {
         "step_ms": options.step_ms,
         "max_tokens": max_tokens,
         "rows": rows,
         "recommended": best,
+        "fastest": fastest,
         "dominant": max(stage_ms, key=lambda s: stage_ms[s]),
     }
 
@@ -210,7 +221,6 @@ def format_profile(report: dict[str, Any]) -> str:
         lines.append(cells)
     widths = [max(len(line[c]) for line in lines) for c in range(len(head))]
     table = ["  ".join(cell.rjust(w) for cell, w in zip(line, widths)) for line in lines]
-    best = report["rows"][report["recommended"]]
     dominant = report["dominant"]
     advice = {
         "plan": "planning the pass (charged to a pass's first batch; more batches per pass)",
@@ -221,6 +231,19 @@ def format_profile(report: dict[str, Any]) -> str:
         "copy": "the host-to-device copy (a deeper prefetch)",
     }[dominant]
     table.append("")
+    if report["recommended"] is None:
+        fastest = report["rows"][report["fastest"]]
+        table.append(
+            "no recommendation: no --step-ms was given, so no training step was simulated and "
+            "every setting's wait share is the reader's own loop (~100%), which says nothing of "
+            f"a real step. The fastest reader here is {_setting_text(fastest)} "
+            f"({fastest['wait_ms']:.2f} ms a batch; the largest stage is {dominant}, "
+            f"{fastest[dominant + '_ms']:.2f} ms: {advice}). Run again with --step-ms set to "
+            "your model's step time (forward and backward, in ms) for the setting that keeps "
+            "the step from waiting"
+        )
+        return "\n".join(table)
+    best = report["rows"][report["recommended"]]
     table.append(
         f"recommended: {_setting_text(best)}: the step waits {best['wait_pct']:.1f}% of "
         f"{best['step_ms']:.1f} ms for data; the largest stage is {dominant} "

@@ -379,3 +379,30 @@ def test_nesting_deeper_than_the_fast_limit_takes_the_json_path(tmp_path, monkey
     texts, records, bad = _collect(file)
     assert texts == ["deep", "deeper", "[" * 400 + "{" * 400] and records == [0, 1, 2] and not bad
     assert [json.loads(s)["text"] for s in parsed_by_json] == ["deeper"]
+
+
+def test_a_folder_of_plain_text_says_text_is_read_by_name_or_glob(tmp_path):
+    # before: "holds no input file (jsonl, ..., text)", listing text among what a folder is
+    # read as, and never saying that a glob (-i 'DIR/**/*.txt') reads the same files
+    folder = tmp_path / "notes"
+    (folder / "sub").mkdir(parents=True)
+    for name in ("a.txt", "b.txt", "sub/c.txt", "README.md"):
+        (folder / name).write_text("some text\n")
+    with pytest.raises(SourceError) as info:
+        list_inputs([str(folder)])
+    message = str(info.value)
+    assert (
+        "4 file(s) read only when named or matched by a glob (README.md, a.txt, b.txt and 1 "
+        "more)" in message
+    )
+    assert f"-i '{folder}/**/*.txt'" in message and ", text" not in message.split("),")[0]
+    globbed = list_inputs([f"{folder}/**/*.txt"])  # what the message says to give works
+    assert sorted(f.relpath for f in globbed) == ["a.txt", "b.txt", "sub/c.txt"]
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    pattern = (
+        r"holds no input file \(a folder's files are read as jsonl.*; text \(\.txt, .*\) "
+        r"only when named or matched by a glob"
+    )
+    with pytest.raises(SourceError, match=pattern):
+        list_inputs([str(empty)])

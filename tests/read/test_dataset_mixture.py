@@ -29,6 +29,10 @@ from shardcache.read.selection.mixture import MixtureIndex
 from shardcache.read.selection.splits import SPLIT_NAMES, split_ids
 from shardcache.store.key import CacheKey
 
+#: An eval pass over these weighted sources on purpose: the warning that the weights do not
+#: apply is tested in tests/read/test_construction_checks.py.
+UNWEIGHTED_EVAL = pytest.mark.filterwarnings("ignore:.*eval=True reads every document:UserWarning")
+
 BUILD = {"max_length": 64, "truncation": "split", "buckets": "8,16,32", "workers": 1}
 
 
@@ -513,6 +517,7 @@ def _real(ds) -> list[tuple[int, int]]:
     [{"streams": 0}, {"streams": 4}, {**PACKED, "streams": 0}],
     ids=["global", "streams", "pack"],
 )
+@UNWEIGHTED_EVAL
 def test_an_eval_pass_over_a_split_mixture_reads_every_source_s_side_once(caches, extra):
     everything: set = set()
     for name in SPLIT_NAMES:
@@ -529,6 +534,7 @@ def test_an_eval_pass_over_a_split_mixture_reads_every_source_s_side_once(caches
     assert everything == {(s, i) for s, n in enumerate(sizes) for i in range(n)}
 
 
+@UNWEIGHTED_EVAL
 @pytest.mark.parametrize("world", [1, 2, 3])
 @pytest.mark.parametrize("workers", [0, 2])
 def test_an_eval_pass_over_a_mixture_covers_its_side_once_with_equal_batches_per_rank(
@@ -565,6 +571,7 @@ def test_a_weighted_mixture_of_a_side_uses_only_that_side_and_all_of_it(caches, 
     assert not {k for b in train for k in _key(b)} & side
 
 
+@UNWEIGHTED_EVAL
 def test_a_source_s_own_split_replaces_the_dataset_s(caches):
     own = Split(validation=0.5, seed=7)
     sources = _sources(caches)
@@ -586,6 +593,7 @@ def test_a_source_s_own_split_replaces_the_dataset_s(caches):
         Source(caches["math"], splits={"train": 0.5})
 
 
+@UNWEIGHTED_EVAL
 def test_a_source_with_an_empty_side_is_refused_by_weights_and_read_for_nothing_by_eval(caches):
     sources = _sources(caches)
     sources[2] = Source(caches["math"], weight=0.2, splits=Split())  # holds nothing out
@@ -628,6 +636,7 @@ def test_a_split_mixture_resumes_exactly_and_refuses_another_split(caches):
         make(remix=True).load_state_dict({**state, "split": {**state["split"], "name": "test"}})
 
 
+@UNWEIGHTED_EVAL
 def test_an_eval_pass_over_a_whole_mixture_reads_every_sequence_once(caches):
     ds = ShardDataset(_sources(caches), 256, eval=True, tokens_per_epoch=10**7)  # (ignored)
     got = _real(ds)

@@ -12,6 +12,10 @@ from conftest import assert_resumable, make_string_pairs, make_texts, write_reco
 from shardcache import ConfigError, ShardDataset, Source, Split, open_cache
 from shardcache.read.selection.splits import split_ids
 
+#: An eval pass over these weighted sources on purpose: the warning that the weights do not
+#: apply is tested in tests/read/test_construction_checks.py.
+UNWEIGHTED_EVAL = pytest.mark.filterwarnings("ignore:.*eval=True reads every document:UserWarning")
+
 PACK = {"mode": "pack", "seq_len": 64, "attention": "varlen"}
 
 
@@ -157,6 +161,7 @@ def test_a_weighted_split_mixture_reads_whole_pairs_of_its_side(mixture, extra):
     assert max(seen.count(p) for p in seen if p[0] == 1) >= 2  # the small side upsampled
 
 
+@UNWEIGHTED_EVAL
 @pytest.mark.parametrize("extra", [{"streams": 0}, {**PACK, "streams": 3}])
 def test_an_eval_pass_reads_every_pair_of_every_side_once(mixture, extra):
     caches = [open_cache(s.path) for s in mixture]

@@ -21,6 +21,8 @@ READERS: tuple[InputFormat, ...] = (
 #: The format of a file a glob matched that no suffix claims: the glob named it as a document.
 GLOB_FORMAT = text.FORMATS[0].name
 FORMATS = tuple(r.name for r in READERS)
+#: The formats a folder's files are read as; the others (plain text) only when named or globbed.
+FOLDER_FORMATS = tuple(r.name for r in READERS if r.in_folders)
 _BY_NAME = {r.name: r for r in READERS}
 #: Longest suffix first: ``.jsonl.zst`` before ``.zst`` or ``.jsonl``.
 _SUFFIXES = sorted(((s, r) for r in READERS for s in r.suffixes), key=lambda sr: -len(sr[0]))
@@ -52,6 +54,40 @@ def detect_format(path: str, in_folder: bool = False) -> str | None:
         if name.endswith(suffix):
             return reader.name if reader.in_folders or not in_folder else None
     return None
+
+
+def named_only(path: str) -> bool:
+    """Whether a file is of a format read only when named or globbed (plain text)."""
+    return detect_format(path) is not None and detect_format(path, in_folder=True) is None
+
+
+def no_folder_input(spec: str, skipped: list[str], what: str = "folder") -> str:
+    """The message for a folder (or URL prefix) holding no input file.
+
+    ``skipped``: its files of a format read only when named or globbed; the message says so and
+    gives the glob that reads them (their most common suffix, in every subfolder).
+    """
+    read = f"a {what}'s files are read as {', '.join(FOLDER_FORMATS)}"
+    named = [r for r in READERS if not r.in_folders]
+    kinds = "; ".join(f"{r.name} ({', '.join(r.suffixes)})" for r in named)
+    if not skipped:
+        example = f"{spec.rstrip('/')}/**/*{named[0].suffixes[0]}" if named else spec
+        return (
+            f"input {spec!r}: the {what} holds no input file ({read}; {kinds} only when named "
+            f"or matched by a glob, e.g. -i '{example}')"
+        )
+    suffix = max(
+        {os.path.splitext(s)[1] for s in skipped},
+        key=lambda x: sum(s.endswith(x) for s in skipped),
+    )
+    shown = ", ".join(os.path.basename(s) for s in sorted(skipped)[:3])
+    more = f" and {len(skipped) - 3} more" if len(skipped) > 3 else ""
+    return (
+        f"input {spec!r}: the {what} holds no input file ({read}), but {len(skipped)} file(s) "
+        f"read only when named or matched by a glob ({shown}{more}): plain text is never picked "
+        f"up from a {what} (a README beside a corpus is not data); give them by glob, "
+        f"-i '{spec.rstrip('/')}/**/*{suffix}', or by name"
+    )
 
 
 def folder_files(folder: str) -> list[str] | None:

@@ -16,6 +16,7 @@ import math
 import os
 import sys
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -87,6 +88,35 @@ class Source:
             return self.name
         tail = self.path.rstrip("/").rsplit("/", 1)[-1]
         return tail or self.path
+
+
+def warn_unweighted_eval(
+    sources: tuple[Source, ...], tokens_per_epoch: int | None, schedule: Any, where: str
+) -> None:
+    """Warn that an evaluation pass will not apply what the caller gave to weight a mixture.
+
+    ``eval=True`` reads every document of every source (of its side) once, so unequal
+    weights, ``tokens_per_epoch`` and a schedule change nothing it reads: said when the dataset
+    is made, since silently they look applied (stacklevel: the ``ShardDataset(...)`` call).
+    """
+    ignored = []
+    if len({s.weight for s in sources}) > 1:
+        weights = ", ".join(f"{s.label} {s.weight:g}" for s in sources)
+        ignored.append(f"the weights ({weights})")
+    if tokens_per_epoch is not None:
+        ignored.append(f"tokens_per_epoch={tokens_per_epoch}")
+    if schedule is not None:
+        ignored.append("the schedule")
+    if ignored:
+        warnings.warn(
+            f"{where}: eval=True reads every document of every source once, so "
+            f"{' and '.join(ignored)} are not applied and the loss is over the union of the "
+            "sources; give the sources equal weights (and no tokens_per_epoch or schedule) to "
+            "say that is meant, or make one eval ShardDataset per source for a loss per source "
+            "(docs/guide/evaluation.md)",
+            UserWarning,
+            stacklevel=5,
+        )
 
 
 def _finite(value: int | float) -> bool:

@@ -31,6 +31,7 @@ from shardcache.read.selection.mixture import (
     as_sources,
     mixture_changes,
     source_splits,
+    warn_unweighted_eval,
 )
 from shardcache.read.selection.mixture_table import MixtureTable
 from shardcache.read.selection.schedule import (
@@ -39,7 +40,13 @@ from shardcache.read.selection.schedule import (
     resolve_schedule,
     schedule_changes,
 )
-from shardcache.read.selection.splits import Split, check_split_name, split_ids, split_state
+from shardcache.read.selection.splits import (
+    Split,
+    check_sides,
+    check_split_name,
+    split_ids,
+    split_state,
+)
 from shardcache.read.selection.units import (
     OPEN_SHARDS,
     Units,
@@ -221,6 +228,9 @@ class CacheSelection(Units):
         self._setup(cache, options, cache.is_preference)
         if self.pairs and self._rows is not None:
             self._rows = pair_units(cache, self._rows)
+        if not self.pairs:  # (pairs: check_pair_options)
+            lengths = self.unit_lengths()
+            self._check_fits(lengths if self._rows is None else lengths[self._rows], options)
 
     @staticmethod
     def _caches(cache: Any) -> list[Cache]:
@@ -343,6 +353,9 @@ class MixtureSelection(Units):
             assert split is not None
             pairs = list(zip(cache.caches, self._source_splits))
             rows = tuple(split_ids(c, own, split) for c, own in pairs)
+            if not any(len(r) for r in rows):
+                cache.close()
+                check_sides(rows, self._source_splits, split, f"ShardDataset({self.path})")
             self._split_json = {s.label: split_state(c, own) for s, (c, own) in zip(sources, pairs)}
         table = cache.table(tokens_per_epoch, rows, split, once=eval)
         digests = tuple(cache_digest(c.manifest) for c in cache.caches)
@@ -356,6 +369,8 @@ class MixtureSelection(Units):
         layout = None
         if schedule is not None and not eval:
             layout = resolve_schedule(schedule, sources, [r.tokens for r in table.sources])
+        if eval:
+            warn_unweighted_eval(sources, tokens_per_epoch, schedule, f"ShardDataset({self.path})")
         self._mixture = Mixture(
             sources, table, index, digests, tokens_per_epoch, rows, eval, layout
         )
@@ -376,6 +391,12 @@ class MixtureSelection(Units):
         """The pair checks and unit arrays, after the caller's checks of the open cache."""
         cache = self._cache
         self._setup(cache, options, all(c.is_preference for c in cache.caches))
+        if not self.pairs:  # (pairs: check_pair_options)
+            lengths, rows = self.unit_lengths(), self._mixture.rows
+            if rows is not None:
+                starts = self._mixture.index.offsets
+                lengths = np.concatenate([lengths[starts[s] + r] for s, r in enumerate(rows)])
+            self._check_fits(lengths, options)
 
     @staticmethod
     def _caches(cache: Any) -> list[Cache]:
@@ -578,7 +599,11 @@ def _split_rows(cache: Cache, split: str | None, splits: Split | None) -> np.nda
         cache.close()
         raise ConfigError(f"splits: got {splits!r}, expected a shardcache.Split")
     check_split_name(split)
-    return split_ids(cache, splits, split)
+    rows = split_ids(cache, splits, split)
+    if not len(rows):
+        cache.close()
+        check_sides([rows], [splits], split, f"ShardDataset({cache.path!r})")
+    return rows
 
 
 def _shard_index(

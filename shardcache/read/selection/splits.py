@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -179,6 +180,31 @@ def split_ids(cache: Cache, split: Split, name: str, keys: np.ndarray | None = N
     side = check_split_name(name)
     keys = split_keys(cache, split) if keys is None else keys
     return np.flatnonzero(split.labels(keys) == side).astype(np.int64)
+
+
+def check_sides(rows: Sequence[np.ndarray], splits: Sequence[Split], name: str, where: str) -> None:
+    """Refuse a read of side ``name`` that holds no document in any cache (ConfigError).
+
+    ``rows``: each cache's sample ids on the side, by its ``splits``. An empty side would plan
+    an epoch of no batch, which every rank then reads for nothing (and an evaluation pass
+    measures nothing): refused when the dataset is made, naming the side and its fraction.
+    """
+    if any(len(r) for r in rows):
+        return
+    unique = list(dict.fromkeys(splits))
+    shown = " / ".join(map(str, unique))
+    fractions = {getattr(s, name) for s in unique} if name != "train" else set()
+    if name == "train":
+        why, fix = "the held-out fractions leave it no document", "lower the held-out fractions"
+    elif fractions == {0}:
+        why, fix = f"{name}={fractions.pop()}", f"give Split({name}=...) a fraction > 0"
+    else:
+        why = f"{name}={' / '.join(map(str, sorted(fractions)))} draws none of the documents"
+        fix = f"raise Split({name}=...)"
+    raise ConfigError(
+        f"{where}: the {name!r} side of {shown} holds no document ({why}), so its epoch has no "
+        f"batch; {fix} or read another side"
+    )
 
 
 def split_summary(cache: Cache, split: Split, keys: np.ndarray | None = None) -> dict[str, Any]:

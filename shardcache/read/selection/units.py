@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.plan.epoch_plan import PlanOptions
+from shardcache.read.plan.epoch_plan import PlanOptions, plan_sequences
 from shardcache.read.selection.mixed_cache import MixedCache
 from shardcache.store.cache import Cache
 
@@ -83,6 +83,14 @@ class Units:
         if cache.remote:
             cache.close()
 
+    def _check_fits(self, lengths: np.ndarray, options: PlanOptions) -> None:
+        """``check_fits`` of the units an epoch reads; the reader is closed if it refuses."""
+        try:
+            check_fits(lengths, options)
+        except ConfigError:
+            self.close()
+            raise
+
     @staticmethod
     def _caches(cache: Any) -> list[Cache]:
         raise NotImplementedError
@@ -143,6 +151,18 @@ class Units:
             buckets = self.open().buckets()
             self._buckets = buckets[0::2] if self.pairs else buckets
         return self._buckets
+
+
+def check_fits(lengths: np.ndarray, options: PlanOptions) -> None:
+    """Refuse, when the dataset is made, a sequence that no batch (or row) of ``options`` holds.
+
+    Plans the longest of ``lengths`` (the units an epoch reads) alone, so the policy's own
+    check and message (pad: ``max_tokens``; best_fit: ``seq_len``) speak at construction, not
+    when the first epoch is planned (``len(ds)``, a trainer's set-up, the first batch).
+    """
+    if len(lengths):
+        longest = np.array([int(np.max(lengths))], dtype=np.int64)
+        plan_sequences(longest, np.zeros(1, dtype=np.int64), options, None)
 
 
 def pair_lengths(lengths: np.ndarray, combine: Any) -> np.ndarray:
