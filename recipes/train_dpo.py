@@ -2,7 +2,7 @@
 """Train a causal LM with DPO on a preference cache: pair batches, a frozen reference model.
 
     shardcache build recipes/dpo.toml                       # 591 bundled pairs -> dpo-cache
-    python recipes/train_dpo.py dpo-cache --steps 50
+    python recipes/train_dpo.py dpo-cache                   # 60 steps, about a minute on 2 cores
     python recipes/train_dpo.py dpo-cache --steps 30 --save-state reader.json   # stop ...
     python recipes/train_dpo.py dpo-cache --steps 20 --resume reader.json       # ... continue
     python recipes/train_dpo.py dpo-cache --overfit-batch --steps 20   # sanity check
@@ -16,9 +16,12 @@ What it shows (copy it):
   pair's two sequences are adjacent whole segments of one row, several pairs a row, kept
   apart by ``position_ids`` and a block-diagonal ``attention_mask`` (or the varlen keys).
   Either way ``labels`` hold the completion tokens and ``-100`` elsewhere;
-* :func:`pair_logps`: one forward over the batch's model inputs, then
-  ``shardcache.pair_logps``: per pair, the summed log-probs of its chosen and of its rejected
-  completion, the same numbers in both modes (tests/test_recipes.py checks it);
+* :func:`pair_logps`: ``shardcache.integrations.hf.causal_lm_pair_logps``, one forward over
+  the batch's model inputs, then per pair the summed log-probs of its chosen and of its
+  rejected completion, the same numbers in both modes (tests/test_recipes.py checks it). The
+  output layer is applied to a chunk of ``--chunk-tokens`` completion positions at a time
+  (default: sized from the vocabulary; 0: the model's whole logits), so a 151k vocabulary
+  does not take gigabytes of logits, forward or backward;
 * the reference model is a frozen copy of the policy at step 0: its log-probs are computed
   once per batch, under ``torch.no_grad()``, before the policy's forward;
 * :func:`dpo_loss`: the sigmoid DPO loss ``-log sigmoid(beta * ((pi_c - ref_c) - (pi_r -
@@ -28,7 +31,9 @@ What it shows (copy it):
 
 At step 0 the policy is the reference, so the loss is ``ln 2`` for every pair; it falls as the
 policy learns to prefer the chosen side. The model is a small random Qwen2 or Llama sized from
-the cache's vocabulary: a stand-in, what is measured is the loss and the reward accuracy.
+the cache's vocabulary (``--vocab-size``: a larger one, e.g. Qwen2's 151,936, to size memory):
+a stand-in, what is measured is the loss and the reward accuracy. Progress is printed every
+``--log-every`` steps (and after the first).
 ``--report PATH`` writes per-step losses, accuracies and the pair ids of every batch (JSON).
 """
 
@@ -47,6 +52,7 @@ import torch.nn.functional as F
 from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
 
 import shardcache
+from shardcache.integrations.hf import causal_lm_pair_logps
 
 
 def tiny_model(
@@ -77,19 +83,18 @@ def tiny_model(
     raise SystemExit(f"--arch: got {arch!r}; use qwen2 or llama")
 
 
-def pair_logps(model: torch.nn.Module, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
+def pair_logps(
+    model: torch.nn.Module, batch: dict[str, Any], chunk_tokens: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Per pair of the batch, the summed log-probs of its chosen and rejected completion.
 
     One forward over the batch as ``ShardDataset`` gives it (pad rows, or packed rows with
-    their ``position_ids`` and ``attention_mask`` / varlen keys), then
-    ``shardcache.pair_logps``: entry ``k`` of both tensors is the ``k``-th pair of
-    ``meta["pair_ids"][meta["side"] == 0]``. ``labels`` are left out of the forward (the loss
-    is the DPO loss, not the model's own), and ``use_cache=False`` (a training forward; the
-    varlen keys need it with sdpa and eager).
+    their ``position_ids`` and ``attention_mask`` / varlen keys), then the output layer over
+    the completion positions, ``chunk_tokens`` at a time: entry ``k`` of both tensors is the
+    ``k``-th pair of ``meta["pair_ids"][meta["side"] == 0]`` (``shardcache.pair_logps`` of the
+    model's logits, without holding them whole).
     """
-    inputs = {k: v for k, v in shardcache.model_inputs(batch).items() if k != "labels"}
-    logits = model(**inputs, use_cache=False).logits
-    return shardcache.pair_logps(logits, batch)
+    return causal_lm_pair_logps(model, batch, chunk_tokens)
 
 
 def dpo_losses(
@@ -151,8 +156,8 @@ def main(argv: list[str] | None = None) -> dict:
     """Run DPO on a preference cache; returns losses, accuracies, pair ids and reader state."""
     parser = argparse.ArgumentParser(description="DPO over a shardcache preference cache")
     parser.add_argument("cache")
-    parser.add_argument("--steps", type=int, default=100, help="optimizer steps to run")
-    parser.add_argument("--max-tokens", type=int, default=4096, help="token budget per batch")
+    parser.add_argument("--steps", type=int, default=60, help="optimizer steps to run")
+    parser.add_argument("--max-tokens", type=int, default=2048, help="token budget per batch")
     parser.add_argument(
         "--mode", choices=["pad", "pack"], default="pad",
         help="pad: a sequence per row; pack: whole pairs packed into rows of --seq-len",
@@ -171,9 +176,18 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--device", default=None, help="default: cuda when present, else cpu")
     parser.add_argument("--hidden", type=int, default=64)
+    parser.add_argument(
+        "--vocab-size",
+        type=int,
+        default=None,
+        help="the model's vocabulary (default: the cache's tokenizer's)",
+    )
+    parser.add_argument("--chunk-tokens", type=int, default=None,
+                        help="positions whose logits are computed at once (default: sized from "
+                        "the vocabulary; 0: the model's whole logits)")  # fmt: skip
     parser.add_argument("--lr", type=float, default=5e-4)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--log-every", type=int, default=10)
+    parser.add_argument("--log-every", type=int, default=5)
     parser.add_argument("--resume", help="reader state JSON written by --save-state")
     parser.add_argument("--save-state", help="write the reader state after the last step")
     parser.add_argument(
@@ -201,6 +215,10 @@ def main(argv: list[str] | None = None) -> dict:
         with open(args.resume, encoding="utf-8") as f:
             loader.load_state_dict(json.load(f))
     vocab = int(cache.manifest["tokenizer"]["vocab_size"])
+    if args.vocab_size is not None:
+        if args.vocab_size < vocab:
+            parser.error(f"--vocab-size {args.vocab_size} is below the cache's vocabulary, {vocab}")
+        vocab = args.vocab_size
     policy = tiny_model(vocab, args.hidden, max(longest, 64), args.arch).to(device).train()
     reference = copy.deepcopy(policy).eval().requires_grad_(False)  # frozen, the step-0 policy
     optimizer = torch.optim.AdamW(policy.parameters(), lr=args.lr)
@@ -228,10 +246,11 @@ def main(argv: list[str] | None = None) -> dict:
                 else:
                     pairs = batch_pairs(batch)
                     with torch.no_grad():  # once per batch: the reference never changes
-                        ref = pair_logps(reference, batch)
+                        ref = pair_logps(reference, batch, args.chunk_tokens)
                     reference_forwards += 1
                     first = first if first is not None else (batch, pairs, ref)
-                loss, metrics = dpo_loss(*pair_logps(policy, batch), *ref, args.beta)
+                logps = pair_logps(policy, batch, args.chunk_tokens)
+                loss, metrics = dpo_loss(*logps, *ref, args.beta)
                 optimizer.zero_grad(set_to_none=True)
                 loss.backward()
                 optimizer.step()
@@ -241,7 +260,7 @@ def main(argv: list[str] | None = None) -> dict:
                 step += 1
                 if not math.isfinite(losses[-1]):
                     raise SystemExit(f"step {step}: loss is {losses[-1]}")
-                if step % args.log_every == 0 or step == args.steps:
+                if step % args.log_every == 0 or step in (1, args.steps):
                     rate = step / (time.perf_counter() - started)
                     print(f"epoch {epoch} step {step}: loss {losses[-1]:.4f} accuracy "
                           f"{metrics['accuracy']:.2f} margin {metrics['margin']:.3f} "

@@ -4,23 +4,14 @@
     shardcache build recipes/dpo.toml
     python recipes/train_dpo_trl.py dpo-cache recipes/quickstart/tokenizer --output-dir out
 
-What TRL (1.x) needs, and what this recipe does about it:
+Needs the ``train`` extra (``pip install -e ".[train]"``: trl, datasets, accelerate).
 
-* ``DPOTrainer`` trains on rows of ``prompt_ids``, ``chosen_ids`` and ``rejected_ids`` (token
-  lists; its ``DataCollatorForPreference`` joins prompt + completion, pads, and marks the
-  completion as the loss tokens). :func:`trl_pairs` makes that ``datasets.Dataset`` from the
-  cache: pair ``k`` (sample ids ``2k``, ``2k + 1``) is row ``k``, the prompt is each side's
-  tokens before its first trainable one.
-* ``DPOTrainer.__init__`` always maps ``train_dataset`` through its tokenization (it has no
-  ``skip_prepare_dataset`` as ``SFTTrainer`` has): rows without ``prompt`` / ``chosen`` /
-  ``rejected`` strings fail there (``KeyError: 'chosen'``). :class:`CachedPairsDPOTrainer`
-  passes a dataset that already holds ``prompt_ids`` through unchanged; it overrides a
-  private method of TRL, so pin the TRL version you checked (tests/test_dpo_trl.py trains a
-  step this way with the TRL the tests install).
-* TRL's collator trains on the whole completion, so a pair converts only when each side's
-  trainable tokens are one run to its end and both sides share the prompt: string pairs always
-  are; a chat pair whose template leaves untrained tokens after the answer is refused, with
-  the pair named (read such caches with ``recipes/train_dpo.py``, which uses the exact masks).
+What it shows: ``shardcache.integrations.hf.trl_pairs(cache)`` is the cache's pairs as TRL's
+rows of ``prompt_ids``, ``chosen_ids`` and ``rejected_ids``, and ``CachedPairsDPOTrainer`` is
+``DPOTrainer`` taking those rows as they are (TRL's own ``DPOTrainer`` tokenizes every train
+dataset again, and fails on rows without strings). TRL trains on whole completions, so a chat
+pair whose template leaves untrained tokens after the answer is refused, with the pair named:
+read such caches with ``recipes/train_dpo.py``, which uses the exact masks.
 
 Batches are TRL's (``per_device_train_batch_size`` pairs, padded), not shardcache's token
 budgets: use ``recipes/train_dpo.py`` to read pair batches with a token budget, exact resume
@@ -31,76 +22,45 @@ from __future__ import annotations
 
 import argparse
 import copy
-import importlib.util
 import json
-import os
+import time
 from typing import Any
 
 import numpy as np
-import pyarrow as pa
 import torch
-from datasets import Dataset
-from transformers import AutoTokenizer
-from trl import DPOConfig, DPOTrainer
+from transformers import (
+    AutoTokenizer,
+    PrinterCallback,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    TrainerCallback,
+)
 
 import shardcache
 
-PAIR_COLUMNS = ("prompt_ids", "chosen_ids", "rejected_ids")
+try:
+    from shardcache.integrations.hf import CachedPairsDPOTrainer, trl_pairs
+except shardcache.MissingDependencyError as err:  # trl, datasets: the train extra
+    raise SystemExit(f"recipes/train_dpo_trl.py: {err}") from err
 
 
-def trl_pairs(cache_path: str) -> Dataset:
-    """The cache's pairs as TRL's rows of ``prompt_ids``, ``chosen_ids``, ``rejected_ids``.
+class Progress(TrainerCallback):
+    """One line per training log: step, loss, reward accuracy, seconds per step."""
 
-    Row ``k`` is pair ``k``. Raises ``ValueError`` (naming the pair) when a side's trainable
-    tokens are not one run to its end or the two sides' prompts differ.
-    """
-    cache = shardcache.open_cache(cache_path)
-    if not cache.is_preference:
-        raise ValueError(f"{cache_path}: not a preference cache (build it with --preference)")
-    got = cache.gather(np.arange(cache.num_sequences), with_mask=True)
-    lengths = got.lengths
-    row = np.repeat(np.arange(len(lengths)), lengths)
-    pos = np.arange(len(got.tokens)) - got.offsets[row]
-    first = np.minimum.reduceat(np.where(got.mask, pos, lengths[row]), got.offsets[:-1])
-    ragged = np.add.reduceat(got.mask.astype(np.int64), got.offsets[:-1]) != lengths - first
-    prompt = first[0::2]
-    same = prompt == first[1::2]
-    same[same] = [  # equal prompt lengths: compare the tokens
-        np.array_equal(got.tokens[a : a + n], got.tokens[b : b + n])
-        for a, b, n in zip(got.offsets[0:-1:2][same], got.offsets[1::2][same], prompt[same])
-    ]
-    bad = np.flatnonzero(ragged[0::2] | ragged[1::2] | ~same)
-    if len(bad):
-        k = int(bad[0])
-        raise ValueError(
-            f"{cache_path}: pair {k} (sample ids {2 * k}, {2 * k + 1}) does not split into a "
-            "shared prompt and completions trained whole, the rows TRL's DPOTrainer reads "
-            f"({len(bad)} of {len(prompt)} pairs are like it); train on the cache's masks with "
-            "recipes/train_dpo.py"
+    def __init__(self) -> None:
+        self.started = time.perf_counter()
+
+    def on_log(self, args: Any, state: Any, control: Any, logs: Any = None, **kwargs: Any) -> None:
+        if not logs or "loss" not in logs or not state.is_world_process_zero:
+            return
+        step_s = (time.perf_counter() - self.started) / max(1, state.global_step)
+        accuracy = logs.get("rewards/accuracies")
+        shown = f", accuracy {accuracy:.2f}" if accuracy is not None else ""
+        print(
+            f"step {state.global_step}/{state.max_steps}: loss {logs['loss']:.4f}{shown} "
+            f"({step_s:.2f} s/step)",
+            flush=True,
         )
-    in_prompt = pos < first[row]
-    chosen_row = row % 2 == 0
-
-    def lists(select: np.ndarray, counts: np.ndarray) -> pa.ListArray:
-        offsets = np.zeros(len(counts) + 1, dtype=np.int32)
-        np.cumsum(counts, out=offsets[1:])
-        return pa.ListArray.from_arrays(offsets, got.tokens[select].astype(np.int64))
-
-    table = pa.table({
-        "prompt_ids": lists(in_prompt & chosen_row, prompt),
-        "chosen_ids": lists(~in_prompt & chosen_row, lengths[0::2] - prompt),
-        "rejected_ids": lists(~in_prompt & ~chosen_row, lengths[1::2] - prompt),
-    })  # fmt: skip
-    return Dataset(table)
-
-
-class CachedPairsDPOTrainer(DPOTrainer):
-    """``DPOTrainer`` that takes a dataset already holding ``prompt_ids`` as it is."""
-
-    def _prepare_dataset(self, dataset: Any, processing_class: Any, args: Any, name: str) -> Any:
-        if set(PAIR_COLUMNS) <= set(getattr(dataset, "column_names", None) or ()):
-            return dataset
-        return super()._prepare_dataset(dataset, processing_class, args, name)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -109,27 +69,29 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("cache")
     parser.add_argument("tokenizer", help="the tokenizer the cache was built with (its pad id)")
     parser.add_argument("--output-dir", required=True)
-    parser.add_argument("--max-steps", type=int, default=50)
+    parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8, help="pairs per step")
     parser.add_argument("--beta", type=float, default=0.1)
     parser.add_argument("--lr", type=float, default=1e-3)
     parser.add_argument("--hidden", type=int, default=64)
-    parser.add_argument("--logging-steps", type=int, default=10)
+    parser.add_argument("--logging-steps", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--report", help="write the logged losses here (JSON)")
     args = parser.parse_args(argv)
-
-    here = os.path.dirname(os.path.abspath(__file__))  # train_dpo.py beside this file
-    spec = importlib.util.spec_from_file_location("train_dpo", os.path.join(here, "train_dpo.py"))
-    train_dpo = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(train_dpo)
+    from trl import DPOConfig  # (importable: the integration imported trl)
 
     dataset = trl_pairs(args.cache)
     tokenizer = AutoTokenizer.from_pretrained(args.tokenizer)
     cache = shardcache.open_cache(args.cache)
     vocab = int(cache.manifest["tokenizer"]["vocab_size"])
     longest = int(np.asarray(cache.lengths).max())
-    model = train_dpo.tiny_model(vocab, args.hidden, max(longest, 64))
+    torch.manual_seed(args.seed)
+    heads = max(1, args.hidden // 32)
+    model = Qwen2ForCausalLM._from_config(Qwen2Config(  # a 2-layer random Qwen2: no download
+        vocab_size=vocab, hidden_size=args.hidden, intermediate_size=2 * args.hidden,
+        num_hidden_layers=2, num_attention_heads=heads, num_key_value_heads=heads,
+        max_position_embeddings=max(longest, 64), tie_word_embeddings=True,
+    ))  # fmt: skip
     config = DPOConfig(
         output_dir=args.output_dir,
         max_steps=args.max_steps,
@@ -138,6 +100,8 @@ def main(argv: list[str] | None = None) -> dict:
         beta=args.beta,
         max_length=None,  # the cache's max_length already bounds every side
         logging_steps=args.logging_steps,
+        logging_first_step=True,
+        disable_tqdm=True,
         save_strategy="no",
         activation_checkpointing=False,  # TRL turns it on by default; a tiny model needs none
         report_to="none",
@@ -147,6 +111,10 @@ def main(argv: list[str] | None = None) -> dict:
     reference = copy.deepcopy(model)  # TRL reloads a reference from the hub unless given one
     trainer = CachedPairsDPOTrainer(model=model, ref_model=reference, args=config,
                                     train_dataset=dataset, processing_class=tokenizer)  # fmt: skip
+    trainer.remove_callback(PrinterCallback)  # (its dicts): one line per log instead
+    trainer.add_callback(Progress())
+    print(f"{len(dataset)} pairs from {args.cache}; {args.max_steps} steps of "
+          f"{args.batch_size} pairs", flush=True)  # fmt: skip
     trainer.train()
     losses = [log["loss"] for log in trainer.state.log_history if "loss" in log]
     print(f"{args.max_steps} steps on {len(dataset)} pairs; logged losses {losses}", flush=True)

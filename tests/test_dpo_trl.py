@@ -14,7 +14,7 @@ import torch
 
 from conftest import load_recipe as recipe
 from conftest import make_chat_pairs, make_string_pairs, write_records
-from shardcache import ShardDataset, open_cache
+from shardcache import ConfigError, MissingDependencyError, ShardDataset, open_cache
 
 trl = pytest.importorskip("trl")
 
@@ -154,8 +154,10 @@ def test_dpo_loss_equals_trl_at_step_0(pairs, tmp_path):
 
 def test_trl_pairs_are_the_cache_rows_and_dpo_trainer_trains_on_them(pairs, tmp_path):
     records, tokenizer_dir, cache_path, _ = pairs
+    from shardcache.integrations.hf import trl_pairs
+
     adapter = recipe("train_dpo_trl")
-    dataset = adapter.trl_pairs(cache_path)
+    dataset = trl_pairs(cache_path)
     cache = open_cache(cache_path)
     assert len(dataset) == cache.num_sequences // 2 == len(records)
     for k, row in enumerate(dataset):
@@ -178,12 +180,16 @@ def test_plain_dpo_trainer_tokenizes_again_so_cached_rows_need_the_adapter(pairs
     (``prompt_ids``, ``chosen_ids``, ``rejected_ids``) alone fail there. When this test fails,
     TRL accepts them: drop ``CachedPairsDPOTrainer`` and update docs/guide/preference.md."""
     _, tokenizer_dir, cache_path, _ = pairs
-    adapter = recipe("train_dpo_trl")
+    from shardcache.integrations.hf import CachedPairsDPOTrainer, trl_pairs
+
     dpo = recipe("train_dpo")
     vocab = int(open_cache(cache_path).manifest["tokenizer"]["vocab_size"])
     model = dpo.tiny_model(vocab, 32, 128)
     with pytest.raises(KeyError, match="chosen"):
-        trl_trainer(adapter.trl_pairs(cache_path), tokenizer_dir, model, model, tmp_path)
+        trl_trainer(trl_pairs(cache_path), tokenizer_dir, model, model, tmp_path)
+    adapted = trl_trainer(trl_pairs(cache_path), tokenizer_dir, model, model, tmp_path,
+                          CachedPairsDPOTrainer)  # fmt: skip
+    assert adapted.train_dataset.column_names == ["prompt_ids", "chosen_ids", "rejected_ids"]
 
 
 def test_trl_pairs_refuses_a_completion_with_an_untrained_turn_naming_the_pair(
@@ -200,16 +206,41 @@ def test_trl_pairs_refuses_a_completion_with_an_untrained_turn_naming_the_pair(
     two = {"prompt": [turn("user", "3 + 3 ?")],
            "chosen": [turn("assistant", "6"), turn("user", "sure ?"), turn("assistant", "yes")],
            "rejected": [turn("assistant", "7")]}  # fmt: skip
-    adapter = recipe("train_dpo_trl")
+    from shardcache.integrations.hf import trl_pairs
+
     path = write_records(str(tmp_path / "one.jsonl"), [one, one], "jsonl")
     cache = build_cache(path, chatml_tokenizer_dir, kind="preference")
-    assert len(adapter.trl_pairs(cache)) == 2
+    assert len(trl_pairs(cache)) == 2
     path = write_records(str(tmp_path / "two.jsonl"), [one, two, one], "jsonl")
     cache = build_cache(path, chatml_tokenizer_dir, kind="preference")
     built = open_cache(cache)
     k = next(k for k in range(3) if built.lookup(2 * k).record == 1)  # the two-turn pair
-    with pytest.raises(ValueError, match=rf"pair {k} \(sample ids {2 * k}, .*\(1 of 3 pairs"):
-        adapter.trl_pairs(cache)
+    with pytest.raises(ConfigError, match=rf"pair {k} \(sample ids {2 * k}, .*\(1 of 3 pairs"):
+        trl_pairs(cache)
+    text = build_cache(write_records(str(tmp_path / "t.jsonl"), [{"text": "a b"}], "jsonl"),
+                       chatml_tokenizer_dir)  # fmt: skip
+    with pytest.raises(ConfigError, match="is not a preference cache; build it with --preference"):
+        trl_pairs(open_cache(text))
+
+
+def test_a_trl_without_the_overridden_method_is_named_with_the_versions_to_install():
+    """CachedPairsDPOTrainer overrides DPOTrainer._prepare_dataset, a private method: a TRL
+    without it (or taking other arguments) is refused when the adapter is imported."""
+    from shardcache.integrations.hf.trl_dpo import check_dpo_trainer
+
+    check_dpo_trainer(trl.DPOTrainer)  # the installed TRL has it
+
+    class Renamed:
+        def _prepare_dataset(self, dataset, processing_class, args):
+            return dataset
+
+    for cls in (object, Renamed):
+        with pytest.raises(
+            MissingDependencyError,
+            match=r"_prepare_dataset\(dataset, "
+            r"processing_class, args, dataset_name\).*trl>=1\.16,<2.*\[train\]",
+        ):
+            check_dpo_trainer(cls)
 
 
 def test_trl_tokenizes_prompt_and_completion_as_one_text_the_cache_apart(

@@ -1,8 +1,11 @@
-"""The package's import graph: three layers, imports one way, no cycles, no private names.
+"""The package's import graph: three layers and the integrations above them, imports one way,
+no cycles, no private names.
 
 ``store`` (the on-disk contract) imports neither ``builder`` nor ``read``; ``read`` never imports
-``builder``; no module imports another module's underscore names; no cycles, counting imports
-inside functions. Only the facade (``shardcache/__init__.py``) and the CLI may see every layer.
+``builder``; ``integrations`` (framework glue: transformers' Trainer, TRL) imports ``store`` and
+``read`` and nothing imports it, not even the facade; no module imports another module's
+underscore names; no cycles, counting imports inside functions. Only the facade
+(``shardcache/__init__.py``) and the CLI may see every layer below the integrations.
 """
 
 from __future__ import annotations
@@ -65,12 +68,15 @@ def _graph() -> dict[str, set[str]]:
 
 def _layer(module: str) -> str | None:
     parts = module.split(".")
-    return parts[1] if len(parts) > 2 and parts[1] in ("store", "builder", "read") else None
+    return parts[1] if len(parts) > 2 and parts[1] in LAYERS else None
+
+
+LAYERS = ("store", "builder", "read", "integrations")
 
 
 def test_the_graph_sees_every_layer():
     layers = {_layer(m) for m in MODULES}
-    assert {"store", "builder", "read"} <= layers
+    assert set(LAYERS) <= layers
     assert sum(len(t) for t in _graph().values()) > 50  # the walker finds imports at all
 
 
@@ -99,7 +105,12 @@ def test_no_import_cycles():
 
 
 def test_layers_import_one_way():
-    allowed = {"store": {"store"}, "builder": {"store", "builder"}, "read": {"store", "read"}}
+    allowed = {
+        "store": {"store"},
+        "builder": {"store", "builder"},
+        "read": {"store", "read"},
+        "integrations": {"store", "read", "integrations"},
+    }
     bad = []
     for module, path in MODULES.items():
         layer = _layer(module)
@@ -113,6 +124,8 @@ def test_layers_import_one_way():
                 bad.append(f"{module}:{line} ({layer}) imports {target} ({other})")
             if layer is None and module not in TOP and other is not None:
                 bad.append(f"{module}:{line} (top level) imports the layer module {target}")
+            if other == "integrations" and layer != "integrations":
+                bad.append(f"{module}:{line} imports the integration {target}")
     assert not bad, "\n".join(bad)
 
 
@@ -129,9 +142,10 @@ def test_no_private_names_across_modules():
 
 
 def test_heavy_libraries_stay_in_their_layer():
-    """torch only in the reader's front (the dataset, its batches, positions and losses) and
-    device prefetch; tokenizers/transformers only in build. The pipeline's stages (selection,
-    plan, fetch, samples, collate) are numpy."""
+    """torch only in the reader's front (the dataset, its batches, positions and losses),
+    device prefetch and the integrations; tokenizers only in build, transformers in build and
+    the integrations; the training frameworks (trl, accelerate, datasets) only in the
+    integrations. The pipeline's stages (selection, plan, fetch, samples, collate) are numpy."""
     bad = []
     for module, path in MODULES.items():
         for target, _, line in _imports(path):
@@ -144,12 +158,28 @@ def test_heavy_libraries_stay_in_their_layer():
                     "shardcache.read.losses",
                     "shardcache.read.device_prefetch",
                     "shardcache.read.loader",
+                    "shardcache.integrations",
                 )
             ):
                 bad.append(f"{module}:{line} imports torch")
             if root in ("tokenizers", "transformers") and _layer(module) in ("store", "read"):
                 bad.append(f"{module}:{line} imports {root}")
+            if root in FRAMEWORKS and _layer(module) != "integrations":
+                bad.append(f"{module}:{line} imports {root}")
     assert not bad, "\n".join(bad)
+
+
+#: Training frameworks only the integrations layer may import.
+FRAMEWORKS = ("trl", "accelerate", "datasets", "lightning")
+
+
+def test_the_integrations_load_their_framework_only_when_used():
+    """``shardcache.integrations.hf`` imports lazily: its chunked losses load neither
+    transformers' Trainer nor TRL, and ShardTrainer does not load TRL."""
+    loaded = _loaded_after("import shardcache.integrations.hf as h; h.causal_lm_loss")
+    assert not {"trl", "accelerate", "transformers", "datasets"} & loaded
+    loaded = _loaded_after("import shardcache.integrations.hf as h; h.ShardTrainer")
+    assert "transformers.trainer" in loaded and "trl" not in loaded
 
 
 def _loaded_after(statement: str) -> set[str]:

@@ -63,8 +63,8 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
     report = train.main([cache_dir, *SMALL, "--output-dir", str(tmp_path / "out"),
                          "--max-steps", "12", "--logging-steps", "3",
                          "--num-workers", "0", "--validation", "0.25"])  # fmt: skip
-    losses = report["losses"]
-    assert len(losses) == 4 and all(a > b for a, b in itertools.pairwise(losses))
+    losses = report["losses"]  # steps 1 (logging_first_step), 3, 6, 9, 12
+    assert len(losses) == 5 and all(a > b for a, b in itertools.pairwise(losses))
     assert report["last_epoch"] >= 1  # Trainer called set_epoch on the loader
     data = report["data_loading"]  # StallMonitorCallback's figures in the last log
     assert set(data) == set(train.MONITOR_KEYS)
@@ -72,8 +72,46 @@ def test_hf_trainer_consumes_packed_batches_and_the_loss_falls(cache_dir, tmp_pa
     held_out = report["eval"]  # on the validation split, per token
     assert held_out["eval_tokens"] > 0 and 0 < held_out["eval_loss"] < 20
     out = capsys.readouterr().out
-    assert "12 steps; logged losses" in out and "data loading (last log)" in out
+    assert "12 steps; mean loss" in out and "data loading (last log)" in out
+    assert "step 1/12: loss" in out and "step 12/12: loss" in out  # progress as it trains
     assert "eval_loss" in out
+
+
+def test_hf_trainer_one_step_reports_its_loss(cache_dir, tmp_path, capsys):
+    """``--max-steps 1`` (no log step came before the end) trains, logs and exits cleanly."""
+    train = recipe("train_hf_trainer")
+    report = train.main([cache_dir, *SMALL, "--output-dir", str(tmp_path / "out"),
+                         "--max-steps", "1", "--num-workers", "0"])  # fmt: skip
+    assert len(report["losses"]) == 1 and math.isfinite(report["losses"][0])
+    assert report["train_loss"] == pytest.approx(report["losses"][0])
+    assert "step 1/1: loss" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("name", "blocked", "arguments"),
+    [
+        ("train_hf_trainer", "accelerate", ["--output-dir", "OUT"]),
+        ("train_dpo_trl", "trl", ["TOKENIZER", "--output-dir", "OUT"]),
+        ("train_dpo_trl", "datasets", ["TOKENIZER", "--output-dir", "OUT"]),
+    ],
+)
+def test_a_recipe_without_the_train_extra_names_it(name, blocked, arguments, tmp_path):
+    """The framework a recipe needs, made unimportable: the recipe exits 1 naming the extra
+    to install, not with an ImportError's traceback."""
+    import subprocess
+    import sys
+
+    args = [str(tmp_path / "cache"), *arguments]
+    args = [str(tmp_path / "out") if a == "OUT" else "tok" if a == "TOKENIZER" else a
+            for a in args]  # fmt: skip
+    code = (f"import sys, runpy; sys.modules[{blocked!r}] = None; sys.argv = {[name, *args]!r}; "
+            f"runpy.run_path({os.path.join(ROOT, 'recipes', name + '.py')!r}, "
+            "run_name='__main__')")  # fmt: skip
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          timeout=300)  # fmt: skip
+    assert done.returncode == 1, done.stderr[-2000:]
+    assert "Traceback" not in done.stderr, done.stderr[-2000:]
+    assert f"needs {blocked}" in done.stderr and 'pip install -e ".[train]"' in done.stderr
 
 
 @pytest.fixture(scope="module")
@@ -134,6 +172,20 @@ def test_train_dpo_epoch_reads_every_pair_once_llama(small_pairs_cache, mode):
     assert all(math.isfinite(x) for x in report["losses"])
     if mode == "pack":  # several pairs a row: 4 rows of 64 slots a batch
         assert max(len(batch) for batch in report["pairs"]) > 256 // 64
+
+
+def test_train_dpo_chunked_log_probs_train_as_the_whole_logits(small_pairs_cache, capsys):
+    """The recipe's default computes the log-probs a chunk of positions at a time; chunks of 3
+    positions and the whole logits give the same losses step after step."""
+    train = recipe("train_dpo")
+    common = [small_pairs_cache, "--max-tokens", "256", "--steps", "4", "--hidden", "32",
+              "--log-every", "2", "--lr", "1e-2"]  # fmt: skip
+    chunked = train.main([*common, "--chunk-tokens", "3"])["losses"]
+    whole = train.main([*common, "--chunk-tokens", "0"])["losses"]
+    assert chunked == pytest.approx(whole, rel=1e-4, abs=1e-6)
+    assert chunked[-1] != pytest.approx(chunked[0], abs=1e-4)  # it trained
+    out = capsys.readouterr().out
+    assert "step 1: loss" in out and "step 2: loss" in out  # progress from the first step
 
 
 def test_train_dpo_resume_continues_the_same_pairs(small_pairs_cache, tmp_path):

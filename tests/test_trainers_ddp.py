@@ -121,3 +121,49 @@ def test_hf_trainer_eval_loss_is_the_same_on_one_and_two_processes(cache_dir, tm
         assert report["eval_tokens"] == report["reference_tokens"] == alone["reference_tokens"]
         assert report["eval_loss"] == pytest.approx(alone["reference"], rel=1e-5, abs=1e-5)
     assert pair[0]["eval_loss"] == pair[1]["eval_loss"]  # one figure, reduced over the ranks
+
+
+def load_params(out) -> list[dict]:
+    import torch
+
+    return [torch.load(out / f"params{r}.pt") for r in range(2)]
+
+
+def test_shard_trainer_chunked_loss_trains_as_trainer_own_loss_on_two_ranks(cache_dir, tmp_path):
+    """ShardTrainer's chunked loss (chunks of 5 positions) through DDP with gradient
+    accumulation: both ranks end with the same parameters (the gradients went through DDP's
+    all-reduce), and they are the parameters Trainer's own loss (whole logits) trains to."""
+    import torch
+
+    found = {}
+    for scenario in ("hf-chunked", "hf-straight"):
+        out = tmp_path / scenario
+        out.mkdir()
+        done = run(scenario, cache_dir, out)
+        assert done.returncode == 0, output(done)
+        ranks = load_params(out)
+        assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0]), scenario
+        found[scenario] = (ranks[0], json.loads((out / "rank0.json").read_text())["losses"])
+    (chunked, chunked_losses), (straight, straight_losses) = found.values()
+    assert len(chunked_losses) == len(straight_losses) == 4
+    assert chunked_losses == pytest.approx(straight_losses, rel=1e-4)
+    for name, value in chunked.items():
+        assert torch.allclose(value, straight[name], rtol=1e-4, atol=1e-5), name
+    assert chunked_losses[-1] < chunked_losses[0]  # it trained
+
+
+def test_cached_pairs_dpo_trainer_on_two_ranks(pairs_cache, tmp_path):
+    """TRL's DPOTrainer through CachedPairsDPOTrainer on trl_pairs of a cache, two ranks: the
+    first loss is ln 2 (reference = policy), the ranks end with the same parameters."""
+    import math
+
+    import torch
+
+    pytest.importorskip("trl")
+    done = run("trl-dpo", pairs_cache, tmp_path)
+    assert done.returncode == 0, output(done)
+    ranks = load_params(tmp_path)
+    assert all(torch.equal(ranks[0][k], ranks[1][k]) for k in ranks[0])
+    losses = json.loads((tmp_path / "rank0.json").read_text())["losses"]
+    assert len(losses) == 3 and all(math.isfinite(x) for x in losses)
+    assert losses[0] == pytest.approx(math.log(2), abs=1e-5)

@@ -6,9 +6,12 @@ Trains a stand-in model for one epoch (gloo, CPU) and writes ``OUT/rank<r>.json`
 world size and the ``meta["sample_ids"]`` of every batch the model received. A ConfigError
 (a refused set-up) is printed as ``refused: <message>`` with exit status 3.
 
-Scenario ``hf-eval`` trains nothing: it runs ``Trainer.evaluate`` of a seeded tiny Qwen2 over
-the ``validation`` split (``eval=True``) and writes the recipe's ``eval_loss``, Trainer's own
-figure for the same batches, and the per-token mean computed here batch by batch.
+Scenarios ``hf-chunked`` / ``hf-straight`` train ShardTrainer with its chunked loss / with
+Trainer's own, ``trl-dpo`` CachedPairsDPOTrainer on a preference cache; each writes its final
+parameters to ``OUT/params<r>.pt``. Scenario ``hf-eval`` trains nothing: it runs
+``Trainer.evaluate`` of a seeded tiny Qwen2 over the ``validation`` split (``eval=True``) and
+writes ShardTrainer's ``eval_loss``, Trainer's own figure for the same batches, and the
+per-token mean computed here batch by batch.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from torch.utils.data import DataLoader
 
 import shardcache
 from shardcache import ConfigError, ShardDataset, Split
+from shardcache.integrations.hf import ShardTrainer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 MAX_TOKENS = 128
@@ -65,12 +69,10 @@ def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> tuple[int, 
         output_dir=out, max_steps=steps, report_to=[], save_strategy="no", use_cpu=True,
         disable_tqdm=True, per_device_train_batch_size=1, logging_steps=1000,
     )  # fmt: skip
-    if use_loader:  # the recipe's Trainer: get_train_dataloader returns shardcache.loader(...)
+    if use_loader:  # ShardTrainer: get_train_dataloader returns shardcache.loader(...)
         shard_loader = shardcache.loader(cache, MAX_TOKENS, seed=SEED, num_workers=0)
-        trainer = recipe("train_hf_trainer").ShardTrainer(
-            model=model, args=args, shard_loader=shard_loader
-        )
-        shardcache.StallMonitorCallback().attach(trainer)  # the recipe's too
+        # (CountingLM computes its own loss from whole logits: chunk_tokens=0)
+        trainer = ShardTrainer(model=model, args=args, shard_loader=shard_loader, chunk_tokens=0)
     else:  # what the issue's user wrote: Trainer's own DataLoader, through accelerate
         trainer = Trainer(model=model, args=args, data_collator=lambda items: items[0],
                           train_dataset=ShardDataset(cache, MAX_TOKENS, seed=SEED))  # fmt: skip
@@ -83,10 +85,8 @@ def hf(cache: str, out: str, model: CountingLM, use_loader: bool) -> tuple[int, 
 def hf_eval(cache: str, out: str, vocab: int) -> tuple[int, dict]:
     from transformers import Trainer, TrainingArguments
 
-    shard_trainer = recipe("train_hf_trainer").ShardTrainer
-
-    class StraightTrainer(shard_trainer):
-        """The recipe's loaders with Trainer's own evaluation loss."""
+    class StraightTrainer(ShardTrainer):
+        """ShardTrainer's loaders with Trainer's own evaluation loss."""
 
         compute_loss = Trainer.compute_loss
         evaluation_loop = Trainer.evaluation_loop
@@ -97,7 +97,7 @@ def hf_eval(cache: str, out: str, vocab: int) -> tuple[int, dict]:
                              disable_tqdm=True)  # fmt: skip
     ds = ShardDataset(cache, EVAL_TOKENS, split="validation", splits=EVAL_SPLITS, eval=True)
     found = {}
-    for name, cls in (("recipe", shard_trainer), ("straight", StraightTrainer)):
+    for name, cls in (("recipe", ShardTrainer), ("straight", StraightTrainer)):
         shard_loader = shardcache.loader(cache, MAX_TOKENS, seed=SEED, num_workers=0)
         trainer = cls(model=model, args=args, shard_loader=shard_loader, eval_dataset=ds)
         found[name] = trainer.evaluate()
@@ -125,6 +125,62 @@ def hf_eval(cache: str, out: str, vocab: int) -> tuple[int, dict]:
         "batches": len(ds),
     }
     return trainer.args.process_index, report
+
+
+def hf_train(cache: str, out: str, vocab: int, scenario: str) -> tuple[int, dict]:
+    """ShardTrainer over a tiny Qwen2, 4 SGD steps of 2 accumulated batches (SGD: Adam would
+    blow float noise in zero gradients, a key bias's, up to steps of the learning rate); the
+    final parameters go to ``OUT/params<rank>.pt``. ``hf-chunked``: the loss in chunks of 5
+    positions; ``hf-straight``: Trainer's own loss (the model's, whole logits)."""
+    from transformers import Trainer, TrainingArguments
+
+    class StraightTrainer(ShardTrainer):
+        compute_loss = Trainer.compute_loss
+
+    torch.manual_seed(0)
+    model = recipe("train_loop").tiny_model(vocab, 32, 64)
+    args = TrainingArguments(
+        output_dir=out, max_steps=4, gradient_accumulation_steps=2, learning_rate=0.5,
+        optim="sgd", lr_scheduler_type="constant", logging_steps=1, report_to=[],
+        save_strategy="no", use_cpu=True, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    shard_loader = shardcache.loader(cache, MAX_TOKENS, seed=SEED, num_workers=0)
+    cls = ShardTrainer if scenario == "hf-chunked" else StraightTrainer
+    trainer = cls(model=model, args=args, shard_loader=shard_loader, chunk_tokens=5)
+    trainer.train()
+    rank = trainer.args.process_index
+    params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(params, os.path.join(out, f"params{rank}.pt"))
+    return rank, {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
+
+
+def trl_dpo(cache: str, out: str, vocab: int) -> tuple[int, dict]:
+    """CachedPairsDPOTrainer on ``trl_pairs(cache)`` (a preference cache), 3 steps of 2 pairs a
+    rank; the final parameters go to ``OUT/params<rank>.pt``."""
+    import copy
+
+    from transformers import AutoTokenizer
+    from trl import DPOConfig
+
+    from shardcache.integrations.hf import CachedPairsDPOTrainer, trl_pairs
+
+    tokenizer = shardcache.open_cache(cache).manifest["tokenizer"]["path"]
+    torch.manual_seed(0)
+    model = recipe("train_loop").tiny_model(vocab, 32, 256)
+    config = DPOConfig(
+        output_dir=out, max_steps=3, per_device_train_batch_size=2, learning_rate=1e-2,
+        logging_steps=1, save_strategy="no", report_to="none", use_cpu=True, bf16=False,
+        activation_checkpointing=False, max_length=None, disable_tqdm=True, seed=0,
+    )  # fmt: skip
+    trainer = CachedPairsDPOTrainer(
+        model=model, ref_model=copy.deepcopy(model), args=config, train_dataset=trl_pairs(cache),
+        processing_class=AutoTokenizer.from_pretrained(tokenizer),
+    )  # fmt: skip
+    trainer.train()
+    rank = trainer.args.process_index
+    params = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    torch.save(params, os.path.join(out, f"params{rank}.pt"))
+    return rank, {"losses": [e["loss"] for e in trainer.state.log_history if "loss" in e]}
 
 
 def accelerate_run(cache: str, model: CountingLM, use_loader: bool) -> int:
@@ -178,6 +234,10 @@ def main() -> int:
     try:
         if scenario == "hf-eval":
             rank, report = hf_eval(cache, out, vocab)
+        elif scenario in ("hf-chunked", "hf-straight"):
+            rank, report = hf_train(cache, out, vocab, scenario)
+        elif scenario == "trl-dpo":
+            rank, report = trl_dpo(cache, out, vocab)
         elif scenario in ("hf-dataset", "hf-loader"):
             rank, report = hf(cache, out, model, use_loader=scenario == "hf-loader")
         elif scenario in ("accelerate-dataloader", "accelerate-loader"):
