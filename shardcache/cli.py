@@ -1196,5 +1196,194 @@ def verify(
         sys.exit(1)
 
 
+def _rewind_decoder(rewinder: Any, tokenizer: str | None) -> Callable[[Any], str] | None:
+    """The decoder of the run's first source (or --tokenizer); None (ids shown) if it has none."""
+    from shardcache.errors import TokenizerError
+
+    try:
+        return _decoder(rewinder.cache(0), tokenizer)
+    except TokenizerError as err:
+        if tokenizer:
+            raise
+        click.echo(f"warning: {err}; showing token ids", err=True)
+        return None
+
+
+def _format_rewound(data: dict[str, Any], decode: Any, render: Any) -> str:
+    """The text of one rewound batch: where it is, then its rows as ``show --batch`` has them."""
+    import numpy as np
+
+    from shardcache.store.show import render_tokens
+
+    rows, width = data["shape"]
+    lines = [
+        f"step {data['step']} rank {data['rank']} micro {data['micro']}: epoch {data['epoch']} "
+        f"global batch {data['global_batch']}, {rows} rows x {width} tokens, "
+        f"{data['num_tokens']} tokens"
+    ]
+    for seg in data["rows"]:
+        span = f"[{seg['start']}:{seg['end']}]"
+        if seg["sample_id"] is None:
+            lines.append(f"  row {seg['row']} {span} <padding x {seg['end'] - seg['start']}>")
+            continue
+        side = f" {seg['split']} side," if seg["split"] else ""
+        transform = ""
+        if seg["transform"]:
+            done = "changed it" if seg["transformed"] else "left it as stored"
+            transform = f" {'+'.join(seg['transform'])} {done},"
+        offset = f" from token {seg['offset']}" if seg["offset"] else ""
+        lines.append(
+            f"  row {seg['row']} {span} #{seg['sample_id']} source {seg['source']}: "
+            f"{seg['file']} record {seg['record']} piece {seg['piece']}{offset},{side}"
+            f"{transform} {seg['trainable']} with a label"
+        )
+        if "ids" not in seg:
+            continue
+        if decode is None:
+            lines.append(f"    ids {seg['ids']}")
+            continue
+        trained = np.asarray(seg["labels"]) != -100
+        text = render_tokens(np.asarray(seg["ids"]), trained, decode, render)
+        lines.append("    " + text.replace("\n", "\n    "))
+    return "\n".join(lines)
+
+
+@main.command()
+@click.argument("run")
+@click.option("--step", type=click.IntRange(min=0), help="The optimizer step to recompute "
+              "(as the trainer counted it).")  # fmt: skip
+@click.option("--rank", type=click.IntRange(min=0), help="--step: only this rank's batches.  "
+              "[default: every rank]")  # fmt: skip
+@click.option("--micro", type=click.IntRange(min=0), help="--step: only this micro-batch of "
+              "the step (gradient accumulation).  [default: all]")  # fmt: skip
+@click.option("--steps", "step_range", metavar="FIRST:END", help="Steps FIRST..END-1: write "
+              "every batch's sample ids and provenance to --out (JSON lines).")  # fmt: skip
+@click.option("--document", metavar="FILE:RECORD", help="The steps at which this document "
+              "(input file relative to the build's input root, 0-based record) is "
+              "read.")  # fmt: skip
+@click.option("--epochs", type=click.IntRange(min=1), default=1, show_default=True,
+              help="--document: how many epochs to search, from --step's (or the run's last "
+              "segment's) epoch.")  # fmt: skip
+@click.option("--skip", "skip_range", metavar="FIRST:END", help="With --state and --out: write "
+              "a state that continues as if steps FIRST..END-1 had been read.")  # fmt: skip
+@click.option("--state", "state_path", type=click.Path(dir_okay=False), help="--skip: the "
+              "reader state (JSON) to resume from.")  # fmt: skip
+@click.option("--world-size", type=click.IntRange(min=1), help="--skip: the resumed run's "
+              "world size.  [default: the state's]")  # fmt: skip
+@click.option("--grad-accum", type=click.IntRange(min=1), help="--skip: the resumed run's "
+              "gradient accumulation.  [default: the state's]")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False), help="The file --steps or --skip writes.")
+@click.option("--tokenizer", "-t", help="Tokenizer folder to decode with.  [default: the "
+              "build's, as recorded in the manifest]")  # fmt: skip
+@click.option("--color/--no-color", default=None, help="Mark trainable tokens in colour "
+              "instead of [[ ]].  [default: colour on a terminal]")  # fmt: skip
+@click.option("--json", "as_json", is_flag=True, help="Print JSON: per batch its place, rows "
+              "with provenance, ids and labels.")  # fmt: skip
+@translate_errors
+def rewind(
+    run: str,
+    step: int | None,
+    rank: int | None,
+    micro: int | None,
+    step_range: str | None,
+    document: str | None,
+    epochs: int,
+    skip_range: str | None,
+    state_path: str | None,
+    world_size: int | None,
+    grad_accum: int | None,
+    out: str | None,
+    tokenizer: str | None,
+    color: bool | None,
+    as_json: bool,
+) -> None:
+    """Recompute the exact batches of a training step from a RUN record; find or skip data.
+
+    RUN is the run record (write_run_record's file, or a checkpoint folder holding
+    shardcache-run.json) or a saved reader state. Only the shards the asked batches use are
+    read. Exactly one of --step, --steps, --document or --skip.
+
+    \b
+    Example:
+      shardcache rewind ckpt/ --step 340000 --rank 3
+      shardcache rewind ckpt/ --steps 339900:340100 --out spike.jsonl
+      shardcache rewind ckpt/ --document part-07.jsonl:1234 --epochs 2
+      shardcache rewind ckpt/ --skip 339900:340300 --state ckpt/reader.json --out skip.json
+    """  # noqa: D301
+    from shardcache.read.rewind import Rewinder, skip_state
+    from shardcache.read.run_record import parse_steps
+    from shardcache.store.files import write_json_atomic
+    from shardcache.store.show import RenderOptions
+
+    given = {"--step": step if document is None else None, "--steps": step_range,
+             "--document": document, "--skip": skip_range}  # fmt: skip
+    chosen = [name for name, value in given.items() if value is not None]
+    if len(chosen) != 1:
+        raise click.UsageError(
+            f"give exactly one of --step, --steps, --document, --skip (got {chosen or 'none'})"
+        )
+    if (step_range or skip_range) and not out:
+        raise click.BadParameter(f"{chosen[0]} writes a file: give --out FILE",
+                                 param_hint="--out")  # fmt: skip
+    if skip_range is not None:
+        if not state_path:
+            raise click.BadParameter("--skip needs the state to resume from",
+                                     param_hint="--state")  # fmt: skip
+        try:
+            with open(state_path, encoding="utf-8") as f:
+                state = json.load(f)
+        except (OSError, ValueError) as err:
+            raise click.ClickException(
+                f"--state {state_path}: cannot read it as JSON ({err})"
+            ) from err
+        new = skip_state(state, [parse_steps(skip_range, "--skip")], world_size=world_size,
+                         grad_accum=grad_accum)  # fmt: skip
+        assert out is not None
+        write_json_atomic(out, new)
+        skipped = new["run"]["skipped"][-1]
+        click.echo(
+            f"wrote {out}: from step {skipped['at_step']} the run reads step {skipped['end']}'s "
+            f"batches (cursor {skipped['to_consumed']} of epoch {skipped['to_epoch']})"
+        )
+        return
+    with Rewinder(run) as rewinder:
+        if document is not None:
+            file, sep, number = document.rpartition(":")
+            if not sep or not number.isdigit():
+                raise click.BadParameter(f"got {document!r}, expected FILE:RECORD",
+                                         param_hint="--document")  # fmt: skip
+            found = rewinder.find_document(file, int(number), from_step=step, epochs=epochs)
+            if as_json:
+                click.echo(json.dumps({"document": document, "reads": found}, indent=1))
+                return
+            click.echo(f"{document}: read {len(found)} times in {epochs} epoch(s)")
+            for read in found:
+                click.echo(
+                    f"  step {read['step']} rank {read['rank']} micro {read['micro']}: epoch "
+                    f"{read['epoch']} global batch {read['global_batch']}, source "
+                    f"{read['source']} #{read['sample_id']}"
+                )
+            return
+        if step_range is not None:
+            first, end = parse_steps(step_range, "--steps")
+            assert out is not None
+            count = 0
+            with open(out, "w", encoding="utf-8") as f:
+                for rewound in rewinder.steps(first, end):
+                    f.write(json.dumps(rewinder.to_json(rewound, tokens=False)) + "\n")
+                    count += 1
+            click.echo(f"wrote {out}: {count} batches of steps {first}..{end - 1}")
+            return
+        assert step is not None
+        batches = [rewinder.to_json(r) for r in rewinder.step(step, rank, micro)]
+        if as_json:
+            click.echo(json.dumps({"batches": batches}, indent=1))
+            return
+        render = RenderOptions(sys.stdout.isatty() if color is None else color, False)
+        decode = _rewind_decoder(rewinder, tokenizer)
+        text = "\n\n".join(_format_rewound(b, decode, render) for b in batches)
+        click.echo(text, color=render.color)
+
+
 if __name__ == "__main__":  # pragma: no cover
     main()

@@ -31,6 +31,7 @@ from shardcache.read.selection.mixture import Source, as_sources
 from shardcache.read.selection.schedule import Schedule
 from shardcache.read.selection.splits import Split
 from shardcache.store.files import write_json_atomic
+from shardcache.store.remote import is_url
 
 #: The version of the run record's JSON.
 RUN_RECORD_FORMAT = 1
@@ -415,6 +416,11 @@ def _transform_json(step: Any) -> dict[str, Any]:
     return {"class": f"{type(step).__module__}.{type(step).__qualname__}", "repr": repr(step)}
 
 
+def _where(path: str | os.PathLike[str]) -> str:
+    """A source's path as recorded: URLs as given, local folders absolute (any cwd reopens)."""
+    return os.fspath(path) if is_url(path) else os.path.abspath(path)
+
+
 def dataset_spec(
     path: Any,
     digests: list[str],
@@ -434,12 +440,12 @@ def dataset_spec(
     if mixture:
         for source, digest in zip(as_sources(path), digests):
             sources.append({
-                "path": source.path, "name": source.label, "digest": digest,
+                "path": _where(source.path), "name": source.label, "digest": digest,
                 "weight": source.weight, "max_repetitions": source.max_repetitions,
                 "splits": None if source.splits is None else source.splits.to_json(),
             })  # fmt: skip
     else:
-        sources.append({"path": os.fspath(path), "digest": digests[0]})
+        sources.append({"path": _where(path), "digest": digests[0]})
     steps = None
     if transform is not None:
         chain = transform if isinstance(transform, (list, tuple)) else [transform]
