@@ -49,6 +49,8 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.loader import ShardLoader, loader
     from shardcache.read.losses import model_inputs, pair_logps, weighted_loss
     from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
+    from shardcache.read.rewind import Rewinder, rewind, write_run_record
+    from shardcache.read.run_record import RunRecord, read_run_record
     from shardcache.read.samples.chain import Transform
     from shardcache.read.samples.transforms import FIM, SpanMask
     from shardcache.read.selection.mixture import Source
@@ -95,6 +97,8 @@ _LAZY: dict[str, str] = {
     "PrefetchStats": "shardcache.read.device_prefetch",
     "Provenance": "shardcache.store.cache",
     "ReadAheadOptions": "shardcache.read.fetch.shard_readahead",
+    "Rewinder": "shardcache.read.rewind",
+    "RunRecord": "shardcache.read.run_record",
     "Schedule": "shardcache.read.selection.schedule",
     "SchedulePoint": "shardcache.read.selection.schedule",
     "ScheduleTable": "shardcache.read.selection.schedule",
@@ -113,6 +117,9 @@ _LAZY: dict[str, str] = {
     "build_cache": "shardcache.builder.run",
     "export_cache": "shardcache.store.export",
     "loader": "shardcache.read.loader",
+    "read_run_record": "shardcache.read.run_record",
+    "rewind": "shardcache.read.rewind",
+    "write_run_record": "shardcache.read.rewind",
     "model_inputs": "shardcache.read.losses",
     "open_cache": "shardcache.store.cache",
     "pair_logps": "shardcache.read.losses",
@@ -148,6 +155,8 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "PrefetchStats",
     "Provenance",
     "ReadAheadOptions",
+    "Rewinder",
+    "RunRecord",
     "Schedule",
     "SchedulePoint",
     "ScheduleTable",
@@ -175,8 +184,11 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "open_cache",
     "pair_logps",
     "plan_epoch",
+    "read_run_record",
+    "rewind",
     "verify_cache",
     "weighted_loss",
+    "write_run_record",
 ]
 
 

@@ -126,12 +126,32 @@ class Rewinder:
         self.close()
 
     def batches_of(self, epoch: int) -> int:
-        """Global batches of an epoch: as the record counted them, else planned here."""
+        """Global batches of an epoch: as the record counted them, else planned here.
+
+        Args:
+            epoch: the epoch.
+
+        Returns:
+            The count.
+        """
         known = self.record.epoch_batches.get(epoch)
         return int(known) if known is not None else len(self.ds.plan(epoch))
 
     def locate(self, step: int, rank: int, micro: int) -> tuple[int, int, int]:
-        """``(epoch, global batch, virtual index)`` of one micro-batch of a step."""
+        """Where one micro-batch of a step is in the stream (arithmetic: nothing is read).
+
+        Args:
+            step: the optimizer step.
+            rank: the rank.
+            micro: the micro-batch of the step on that rank.
+
+        Returns:
+            ``(epoch, global batch, virtual index)``: the virtual index is the place in the
+            rank's deal, past the plan's end for a batch ``tail="wrap"`` reads again.
+
+        Raises:
+            ConfigError: a step before the record, or a micro-batch out of range.
+        """
         segment = self.record.segment_of(step)
         if not 0 <= micro < segment.grad_accum:
             raise ConfigError(
@@ -186,7 +206,14 @@ class Rewinder:
         return batch
 
     def cache(self, source: int) -> Cache:
-        """The cache of source ``source`` (opened once, for provenance)."""
+        """The cache of a source (opened once, for provenance).
+
+        Args:
+            source: the source's index in the record (0 for one cache).
+
+        Returns:
+            The open cache (closed by ``close``).
+        """
         if source not in self._caches:
             self._caches[source] = open_cache(self.record.dataset["sources"][source]["path"])
         return self._caches[source]
@@ -194,8 +221,12 @@ class Rewinder:
     def rows(self, rewound: Rewound) -> list[dict[str, Any]]:
         """A batch's segments with provenance (padding: ``sample_id`` None).
 
-        Each: row, span, source, file, record, line, piece, split side, transform (and
-        whether it changed the tokens), trainable tokens, ids and labels.
+        Args:
+            rewound: a batch ``step`` gave.
+
+        Returns:
+            Each segment: row, span, source, file, record, line, piece, split side,
+            transform (and whether it changed the tokens), trainable tokens, ids and labels.
         """
         batch = rewound.batch
         meta = batch["meta"]
@@ -268,7 +299,18 @@ class Rewinder:
         }
 
     def steps(self, first: int, end: int) -> Iterator[Rewound]:
-        """Every batch of steps ``first .. end - 1`` (all ranks, all micro-batches), in order."""
+        """Every batch of some steps (all ranks, all micro-batches), in order.
+
+        Args:
+            first: the first step.
+            end: the step after the last.
+
+        Yields:
+            The batches, as ``step`` gives them.
+
+        Raises:
+            ConfigError: ``end <= first``.
+        """
         check_step("first", first)
         if end <= first:
             raise ConfigError(f"steps: got {first}:{end}, expected FIRST < END")

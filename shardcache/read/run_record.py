@@ -143,7 +143,17 @@ class RunRecord:
         return "wrap" if self.dataset.get("eval") else str(self.plan.get("tail", "drop"))
 
     def segment_of(self, step: int) -> Segment:
-        """The segment step ``step`` is read in (ConfigError before the first)."""
+        """The segment a step is read in.
+
+        Args:
+            step: the optimizer step.
+
+        Returns:
+            The last segment starting at or before it.
+
+        Raises:
+            ConfigError: a step before the first segment.
+        """
         check_step("step", step)
         chosen = None
         for segment in self.segments:
