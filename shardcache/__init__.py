@@ -54,6 +54,7 @@ if _typing.TYPE_CHECKING:  # what the lazy names are, for type checkers and IDEs
     from shardcache.read.samples.chain import Transform
     from shardcache.read.samples.transforms import FIM, SpanMask
     from shardcache.read.selection.mixture import Source
+    from shardcache.read.selection.mixture_recipe import MixtureRecipe, load_mixture_recipe
     from shardcache.read.selection.mixture_table import MixtureTable, SourceShare
     from shardcache.read.selection.schedule import Schedule, SchedulePoint, ScheduleTable
     from shardcache.read.selection.splits import Split
@@ -104,6 +105,7 @@ _LAZY: dict[str, str] = {
     "ScheduleTable": "shardcache.read.selection.schedule",
     "ShardDataset": "shardcache.read.dataset",
     "ShardLoader": "shardcache.read.loader",
+    "MixtureRecipe": "shardcache.read.selection.mixture_recipe",
     "Source": "shardcache.read.selection.mixture",
     "SpanMask": "shardcache.read.samples.transforms",
     "Split": "shardcache.read.selection.splits",
@@ -116,6 +118,7 @@ _LAZY: dict[str, str] = {
     "VerifyReport": "shardcache.store.verify",
     "build_cache": "shardcache.builder.run",
     "export_cache": "shardcache.store.export",
+    "load_mixture_recipe": "shardcache.read.selection.mixture_recipe",
     "loader": "shardcache.read.loader",
     "read_run_record": "shardcache.read.run_record",
     "rewind": "shardcache.read.rewind",
@@ -149,6 +152,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "IncompleteBuildError",
     "LayoutOptions",
     "MissingDependencyError",
+    "MixtureRecipe",
     "MixtureTable",
     "PlanOptions",
     "PrefetchOptions",
@@ -179,6 +183,7 @@ __all__ = [  # noqa: RUF022 - plain sorted order, checked by a test
     "__version__",
     "build_cache",
     "export_cache",
+    "load_mixture_recipe",
     "loader",
     "model_inputs",
     "open_cache",

@@ -278,7 +278,12 @@ def test_mix_prints_a_recipe_s_schedule_phase_by_phase_as_the_dataset_has_it(cac
     assert [s["tokens"] for s in phases[1]["sources"]] == [250, 250]
     text = CliRunner().invoke(main, ["mix", path])
     assert text.exit_code == 0, text.output
-    assert "phase 2: tokens 600 .. 1,100" in text.output
+    assert "phase 1: tokens 600 .. 1,100 (windows 3 .. 4)" in text.output
+    for window in range(ds.epochs):  # the text numbers phases as phase_of does, from 0
+        phase = ds.schedule.phase_of(window)
+        first, after = ds.schedule.phase_windows[phase]
+        assert f"phase {phase}: " in text.output and first <= window < after
+    assert f"phase {len(phases)}:" not in text.output
     assert "run: 1,100 tokens in 5 windows" in text.output
 
 

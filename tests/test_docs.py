@@ -11,9 +11,11 @@ its fence (an HTML comment: neither GitHub nor the site shows it):
 * ``<!-- docs-test: file PATH -->`` (any language): the block is written to PATH in the
   page's work folder, e.g. a recipe that a later block builds.
 
-The work folder is offline and made once per session: ``recipes/`` (a copy of the bundled
-recipes), ``quickstart-cache/`` (built from ``recipes/quickstart.toml``), and ``corpus/``,
-``tok/`` and ``chats/``: the quickstart's documents, tokenizer and conversations.
+The work folder is offline and made once per session, as a clone's root is after the
+README's first command: ``recipes/`` (a copy of the bundled recipes, with the quickstart's
+documents, tokenizer and conversations under ``recipes/quickstart/``) and ``quickstart-cache/``
+(built from ``recipes/quickstart.toml``). Nothing else: an example names files the repository
+has.
 """
 
 from __future__ import annotations
@@ -83,8 +85,6 @@ def docs_home(tmp_path_factory) -> Path:
     home = tmp_path_factory.mktemp("docs-home")
     shutil.copytree(REPO / "recipes", home / "recipes",
                     ignore=shutil.ignore_patterns("__pycache__"))  # fmt: skip
-    for name, target in (("corpus", "corpus"), ("tok", "tokenizer"), ("chats", "chat")):
-        os.symlink(home / "recipes" / "quickstart" / target, home / name)
     out = subprocess.run(
         [sys.executable, "-m", "shardcache", "build", "recipes/quickstart.toml", "-q"],
         cwd=home, env=_env(tmp_path_factory.getbasetemp()), capture_output=True, text=True,
@@ -191,6 +191,29 @@ def test_every_repository_path_and_link_exists():
             checked += 1
         assert "pip index versions" not in text  # cannot work before a release
     assert checked >= 20, f"only {checked} links found: is the link pattern still right?"
+
+
+#: The widest code line a page shows without clipping it (the site's code blocks, GitHub's).
+CODE_WIDTH = 88
+
+
+def test_code_lines_fit_the_page():
+    """Commands, programs and recipes are wrapped; a program's printed output may be wider."""
+    wide = [
+        f"{b.id}: {len(line)} chars: {line[:60]}..."
+        for b in BLOCKS
+        if b.lang in (*RUNNABLE, "toml")
+        for line in b.body.splitlines()
+        if len(line) > CODE_WIDTH
+    ]
+    assert not wide, "code lines wider than the page:\n" + "\n".join(wide)
+
+
+def test_every_guide_is_reachable_from_the_home_page():
+    home = (REPO / "docs" / "index.md").read_text(encoding="utf-8")
+    linked = set(re.findall(r"\]\((guide/[\w-]+\.md)(?:#[^)]*)?\)", home))
+    guides = {f"guide/{p.name}" for p in (REPO / "docs" / "guide").glob("*.md")}
+    assert guides <= linked, f"docs/index.md does not link {sorted(guides - linked)}"
 
 
 def test_ddp_resume_line_uses_the_options_the_state_was_saved_with():

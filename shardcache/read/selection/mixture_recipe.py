@@ -25,10 +25,21 @@ SCHEDULE_KEYS = ("schedule_kind", "window_tokens", "total_tokens")
 class MixtureRecipe:
     """A loaded mixture recipe: its sources and the other ``ShardDataset`` keywords.
 
-    ``[[schedule]]`` tables (``at_tokens``, ``weights``) give a [`Schedule`][shardcache.Schedule]
-    (with the top-level ``schedule_kind``, ``window_tokens`` and ``total_tokens``).
-    With held-out fractions (a top-level ``[splits]`` table, or ``splits`` in a ``[[source]]``
-    table) the recipe reads its ``split`` side, ``"train"`` unless it names another.
+    Made by [`load_mixture_recipe`][shardcache.load_mixture_recipe]; read it with
+    ``ShardDataset(recipe.sources, **recipe.dataset_options())``. ``[[schedule]]`` tables
+    (``at_tokens``, ``weights``) give a [`Schedule`][shardcache.Schedule] (with the top-level
+    ``schedule_kind``, ``window_tokens`` and ``total_tokens``). With held-out fractions (a
+    top-level ``[splits]`` table, or ``splits`` in a ``[[source]]`` table) the recipe reads
+    its ``split`` side, ``"train"`` unless it names another.
+
+    Attributes:
+        sources: the ``[[source]]`` tables as [`Source`][shardcache.Source]s, paths resolved
+            against the recipe's folder.
+        tokens_per_epoch: the recipe's ``tokens_per_epoch`` (None: the largest epoch every
+            source's share fits in).
+        options: the other ``ShardDataset`` keywords (batch options, ``seed``, ``attention``,
+            ``split``, ``splits``, ...).
+        schedule: the ``[[schedule]]`` points as a ``Schedule``, or None.
     """
 
     sources: tuple[Source, ...]
@@ -39,8 +50,12 @@ class MixtureRecipe:
     def dataset_options(self, split: str | None = None) -> dict[str, Any]:
         """The keywords of ``ShardDataset(recipe.sources, **recipe.dataset_options())``.
 
-        ``split``: another side of the recipe's splits than its own (``"validation"`` for an
-        evaluation pass over the same recipe).
+        Args:
+            split: another side of the recipe's splits than its own (``"validation"`` for an
+                evaluation pass over the same recipe; None: the recipe's).
+
+        Returns:
+            The keywords, ``tokens_per_epoch`` and the schedule (if any) included.
         """
         options = {**self.options, "tokens_per_epoch": self.tokens_per_epoch}
         if self.schedule is not None:
@@ -59,7 +74,24 @@ def _resolve(path: Any, base: str, where: str) -> str:
 
 
 def load_mixture_recipe(path: str | os.PathLike[str]) -> MixtureRecipe:
-    """Read and check a mixture recipe (source paths relative to its folder); ConfigError if bad."""
+    """Read and check a mixture recipe, a TOML file (the format: docs/guide/mixtures.md).
+
+    The file holds one ``[[source]]`` table per cache (``path``, ``weight``,
+    ``max_repetitions``, ``name``, ``splits``), the batch options (``max_tokens`` is
+    required), and optionally ``seed``, ``attention``, ``tokens_per_epoch``, ``split``,
+    ``[splits]`` and ``[[schedule]]`` points; ``shardcache mix`` prints what it gives an epoch.
+
+    Args:
+        path: the recipe file. Source paths in it are relative to its folder (or URLs).
+
+    Returns:
+        The recipe; ``ShardDataset(recipe.sources, **recipe.dataset_options())`` reads it.
+
+    Raises:
+        ConfigError: the file cannot be read or parsed, a key is unknown, a value is out of
+            range, ``max_tokens`` or the ``[[source]]`` tables are missing, or a source has no
+            held-out fractions while others do.
+    """
     path = os.fspath(path)
     data = read_toml(path, "mixture recipe")
     plan_fields = set(PlanOptions.__dataclass_fields__)

@@ -203,6 +203,9 @@ class PhaseRow:
 class ScheduleTable:
     """What a schedule gives each source, phase by phase (``shardcache mix`` prints it).
 
+    Phases are numbered from 0, as windows (epochs) are: phase ``p`` is ``phases[p]``, the
+    number ``phase_of`` returns and ``shardcache mix`` prints.
+
     Attributes:
         phases: ``(start, end, rows)`` per phase (from a point to the next, the last to the end).
         total_tokens: where the run ends.
@@ -228,7 +231,7 @@ class ScheduleTable:
             epoch: a window of the run.
 
         Returns:
-            The index into ``phases``.
+            The index into ``phases`` (from 0: the phase number ``shardcache mix`` prints).
 
         Raises:
             ConfigError: ``epoch`` is not a window of the run.
@@ -270,7 +273,11 @@ class ScheduleTable:
         """
         lines = []
         for i, (a, b, rows) in enumerate(self.phases):
-            lines.append(f"phase {i + 1}: tokens {a:,} .. {b:,}")
+            windows = ""
+            if i < len(self.phase_windows):
+                first, after = self.phase_windows[i]
+                windows = f" (windows {first} .. {after - 1})"
+            lines.append(f"phase {i}: tokens {a:,} .. {b:,}{windows}")
             head = ("  source", "share", "tokens", "passes")
             cells = [
                 (f"  {r.name}", f"{r.share:.4f}", f"{r.tokens:,}", f"{r.passes:.4f}") for r in rows
