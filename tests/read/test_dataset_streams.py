@@ -182,7 +182,8 @@ def test_the_next_epoch_is_counted_in_the_background(many_shards):
     assert 1 in ds._planner._counts
     ds.set_epoch(1)
     counts = ds._planner._counts[1]
-    assert len(ds.plan()) == sum(int(c.sum()) for c in counts.values())  # every batch
+    planned = sum(int(c[0].sum()) for c in counts.values())
+    assert len(ds.plan()) == planned + ds.plan().split_total  # every batch, some cut in two
     assert ds.plan().counts().keys() == counts.keys()
 
 
@@ -211,17 +212,19 @@ def test_prepare_shares_the_counting_among_ranks(many_shards, tmp_path, monkeypa
     assert os.path.exists(tmp_path / "store")
 
 
-def test_the_longer_streams_last_batches_follow_the_rounds(many_shards):
+def test_shorter_streams_cut_batches_in_two_so_every_stream_is_as_long(many_shards):
     ds = ShardDataset(many_shards, 256, seed=3, streams=8)
     plan = ds.plan()
-    counts = plan.stream_batches
-    assert counts.min() < counts.max()  # (the fixture's streams differ in length)
-    located = [plan.stream_of(j) for j in range(len(plan))]
-    assert sorted(located) == [(s, k) for s in range(8) for k in range(int(counts[s]))]
-    rounds = int(counts.min())
-    assert plan.full == 8 * rounds
-    assert located[: plan.full] == [(j % 8, j // 8) for j in range(plan.full)]
-    assert located[plan.full :] == sorted(located[plan.full :], key=lambda sk: (sk[1], sk[0]))
+    planned = np.array([int(c[0].sum()) for c in plan.counts().values()])
+    assert planned.min() < planned.max()  # (the fixture's streams differ in length)
+    assert plan.stream_batches.tolist() == [int(planned.max())] * 8
+    assert plan.split_total == int((planned.max() - planned).sum())
+    assert len(plan) == plan.full == 8 * int(planned.max())  # whole rounds: all local
+    assert [plan.stream_of(j) for j in range(len(plan))] == [
+        (j % 8, j // 8) for j in range(len(plan))
+    ]
+    report = ds.tail_report()
+    assert report["split_batches"] == plan.split_total and report["dropped_batches"] == 0
 
 
 def _late_group_worker(rank, path, init, out):

@@ -17,6 +17,8 @@ from shardcache.read.plan.streams import (
     order_mixing,
     own_streams,
     plan_block,
+    split_batches,
+    splittable,
 )
 
 OPTIONS = {
@@ -89,6 +91,13 @@ def test_every_sequence_is_planned_once_within_budget(mode, tail, streams, block
     # every batch of every stream once (``tail`` evens ranks out later, in split_epoch)
     assert np.array_equal(covered(plan, lengths), lengths)
     assert len(plan) == int(plan.stream_batches.sum())
+    # shorter streams cut batches in two to be as long as the longest, where they can
+    counts = plan.counts()
+    planned = np.array([int(counts[s][0].sum()) for s in range(streams)])
+    cuttable = np.array([int(counts[s][1].sum()) for s in range(streams)])
+    expected = np.minimum(planned + cuttable, planned.max())
+    assert plan.stream_batches.tolist() == expected.tolist()
+    assert plan.split_total == int((expected - planned).sum())
     for j in range(len(plan)):
         ids, _, _ = plan.segments(j)
         rows = len(plan.row_bounds(j)) - 1
@@ -216,8 +225,9 @@ def test_concat_counts_by_tokens_equal_the_planned_batches(streams, block):
     layout = StreamLayout(index, streams, block, 1, 0, True)
     counted = count_batches(layout, options)
     for s in range(streams):
-        planned = [len(plan_block(layout, options, s, b)) for b in range(int(layout.blocks[s]))]
-        assert counted[s].tolist() == planned
+        plans = [plan_block(layout, options, s, b) for b in range(int(layout.blocks[s]))]
+        assert counted[s][0].tolist() == [len(p) for p in plans]
+        assert counted[s][1].tolist() == [splittable(p) for p in plans]
         for b in range(int(layout.blocks[s])):
             ids, _ = layout.block_ids(s, b)
             assert layout.block_tokens(s, b) == int(index.lengths[ids].astype(np.int64).sum())
@@ -240,3 +250,27 @@ def test_the_default_block_mixes_an_epoch_within_its_documented_bound():
     mixing = order_mixing(got, starts)
     assert mixing["tv"] <= 0.1 and abs(mixing["spearman"]) <= 0.05, mixing
     assert order_mixing(np.arange(n), starts)["tv"] > 0.9  # the measure sees an unmixed order
+
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+def test_a_split_batch_keeps_its_segments_within_the_budget(mode):
+    index = synthetic(20, 40, seed=2)
+    options = OPTIONS[mode]
+    layout = StreamLayout(index, 1, 10**9, 0, 0, True)
+    plan = plan_block(layout, options, 0, 0)
+    n = splittable(plan)
+    assert n > 0
+    cut = split_batches(plan, n)
+    assert len(cut) == len(plan) + n
+    assert np.array_equal(cut.sample_ids, plan.sample_ids)  # same segments, same order
+    lengths = index.lengths.astype(np.int64)
+    for j in range(len(cut)):
+        ids = cut.batch(j)
+        rows = len(cut.row_bounds(j)) - 1
+        assert rows >= 1
+        if options.mode == "pad":
+            assert rows * int(lengths[ids].max()) <= options.max_tokens
+        else:
+            assert rows <= options.max_tokens // options.seq_len
+    with pytest.raises(ValueError):
+        split_batches(plan, n + 1)

@@ -133,7 +133,9 @@ def shared_plan(digest: str, num_sequences: int, compute: Callable[[], EpochPlan
 
 
 def _counts_path(digest: str) -> str:
-    return os.path.join(cache_root(), PLANS_DIR, f"{digest}.counts.json")
+    # (".counts2": each stream's block counts and splittable counts; an older process's
+    # ".counts.json" holds counts alone and is never read as these)
+    return os.path.join(cache_root(), PLANS_DIR, f"{digest}.counts2.json")
 
 
 def read_counts(digest: str) -> dict[int, np.ndarray] | None:
@@ -145,9 +147,12 @@ def read_counts(digest: str) -> dict[int, np.ndarray] | None:
     if not isinstance(data, dict) or not all(isinstance(v, list) for v in data.values()):
         return None
     try:
-        return {int(k): np.asarray(v, dtype=np.int64) for k, v in data.items()}
+        counts = {int(k): np.asarray(v, dtype=np.int64) for k, v in data.items()}
     except (TypeError, ValueError):
         return None
+    if not all(c.ndim == 2 and c.shape[0] == 2 for c in counts.values()):
+        return None
+    return counts
 
 
 def write_counts(digest: str, counts: dict[int, np.ndarray]) -> None:

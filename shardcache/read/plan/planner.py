@@ -255,6 +255,8 @@ class Planner:
             "repeated_batches": len(split.repeated),
             "repeated_segments": repeated[0],
             "repeated_tokens": repeated[1],
+            # canonical streams: batches a shorter stream cut in two to be as long as the longest
+            "split_batches": plan.split_total if isinstance(plan, StreamPlan) else 0,
         }
 
 

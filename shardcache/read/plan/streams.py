@@ -210,37 +210,83 @@ def own_streams(streams: int, rank: int, world_size: int) -> list[int]:
     return list(range(rank, streams, world_size))
 
 
+def batch_rows(plan: EpochPlan) -> tuple[np.ndarray, np.ndarray]:
+    """Each batch's first row and its rows (int64; a pad row is one unit)."""
+    offsets = np.asarray(plan.batch_offsets, dtype=np.int64)
+    first = offsets if plan.row_offsets is None else np.searchsorted(plan.row_offsets, offsets)
+    first = np.asarray(first, dtype=np.int64)
+    return first[:-1], np.diff(first)
+
+
+def splittable(plan: EpochPlan) -> int:
+    """Batches of a plan that ``split_batches`` may cut in two (those of two rows or more)."""
+    return int((batch_rows(plan)[1] >= 2).sum())
+
+
+def split_batches(plan: EpochPlan, extra: int) -> EpochPlan:
+    """``plan`` with ``extra`` of its batches cut in two between rows: ``extra`` more batches.
+
+    The batches with the most rows are cut (the later one first among equals), each at its
+    middle row, the first half taking the odd row: every half is within the budget its batch
+    was (fewer rows, no longer row), and the segments, their order and their repeats are the
+    plan's. ``extra`` is at most ``splittable(plan)``.
+    """
+    if extra <= 0:
+        return plan
+    first, rows = batch_rows(plan)
+    candidates = np.flatnonzero(rows >= 2)
+    if extra > len(candidates):
+        raise ValueError(f"split_batches: {extra} cuts asked of {len(candidates)} splittable")
+    order = np.lexsort((-candidates, -rows[candidates]))
+    chosen = candidates[order[:extra]]
+    middle = first[chosen] + (rows[chosen] + 1) // 2
+    cuts = middle if plan.row_offsets is None else np.asarray(plan.row_offsets)[middle]
+    offsets = np.sort(np.r_[np.asarray(plan.batch_offsets, dtype=np.int64), cuts])
+    return EpochPlan(
+        offsets, plan.sample_ids, plan.row_offsets, plan.seg_starts, plan.seg_lengths,
+        plan.repeats,
+    )  # fmt: skip
+
+
 def count_batches(
     layout: StreamLayout, options: PlanOptions, streams: list[int] | None = None
 ) -> dict[int, np.ndarray]:
-    """The batches of every block of some streams (all by default), one block in memory."""
+    """Every block's batches and splittable batches, of some streams (all by default).
+
+    Returns, by stream, an int64 array of shape ``(2, blocks)``: row 0 each block's batch
+    count, row 1 how many of them ``split_batches`` may cut in two. One block in memory.
+    """
     chosen = range(layout.streams) if streams is None else streams
     if options.mode == "pack" and options.packing == "concat":
         # concat cuts one stream of tokens into rows whatever the order: a closed form
         seq_len, rows_per_batch = int(options.seq_len or 1), int(options.rows_per_batch or 1)
 
-        def concat_batches(tokens: int) -> int:
+        def concat_counts(tokens: int) -> tuple[int, int]:
             rows = -(-tokens // seq_len)
-            return -(-rows // rows_per_batch)
+            batches = -(-rows // rows_per_batch)
+            if rows_per_batch < 2 or not batches:
+                return batches, 0
+            last = rows - (batches - 1) * rows_per_batch  # (every batch before it is full)
+            return batches, batches - 1 + int(last >= 2)
 
         def block_total(s: int, b: int) -> int:  # (each document planned ``growth`` longer)
             first, last = layout.block_rows(s, b)
             return layout.block_tokens(s, b) + options.growth * (last - first)
 
-        return {
-            s: np.array(
-                [concat_batches(block_total(s, b)) for b in range(int(layout.blocks[s]))],
-                dtype=np.int64,
-            )
-            for s in chosen
-        }
-    return {
-        s: np.array(
-            [len(plan_block(layout, options, s, b)) for b in range(int(layout.blocks[s]))],
-            dtype=np.int64,
-        )
-        for s in chosen
-    }
+        def count(s: int, b: int) -> tuple[int, int]:
+            return concat_counts(block_total(s, b))
+
+    else:
+
+        def count(s: int, b: int) -> tuple[int, int]:
+            plan = plan_block(layout, options, s, b)
+            return len(plan), splittable(plan)
+
+    out = {}
+    for s in chosen:
+        got = [count(s, b) for b in range(int(layout.blocks[s]))]
+        out[s] = np.array(got, dtype=np.int64).reshape(-1, 2).T.copy()
+    return out
 
 
 class StreamPlan:
@@ -250,13 +296,17 @@ class StreamPlan:
     ``packed_segments``, ``token_count``) for a global batch index, planning the block that
     holds it on first use and keeping the last ``keep`` blocks (default: two per stream).
 
-    Every batch of every stream is in the plan once: batch ``k`` of the streams that have one,
-    in stream order, then batch ``k + 1`` (``(k, stream)`` order). While every stream has a
-    ``k``-th batch that is rounds of ``C`` (global batch ``j`` is batch ``j // C`` of stream
-    ``j % C``, so a rank of ``W`` dividing ``C`` reads its own streams); the longer streams'
-    last batches follow, dealt to all ranks like the rest. Evening the ranks out is then the
-    global plan's (``split_epoch``: at most ``W - 1`` batches dropped or repeated). Memory is
-    ``O(C)``: the batch of an index is found over the distinct stream lengths.
+    Streams of equal tokens differ by a few batches (padding, a window's last batch). A
+    shorter stream cuts some of its batches in two between rows (``split_batches``: the same
+    sequences, each half within the budget) until it is as long as the longest, so a rank
+    never reads another's shards to even out and nothing is left out. Every batch of every
+    stream is then in the plan once: batch ``k`` of the streams that have one, in stream order,
+    then batch ``k + 1`` (``(k, stream)`` order): rounds of ``C`` (global batch ``j`` is batch
+    ``j // C`` of stream ``j % C``, so a rank of ``W`` dividing ``C`` reads its own streams),
+    then, where a stream had too few batches of two rows to cut, the longer streams' last
+    batches, dealt to all ranks like the rest. Evening the ranks out is the global plan's
+    (``split_epoch``: at most ``W - 1`` batches dropped or repeated). Memory is ``O(C)`` plus
+    the block counts: the batch of an index is found over the distinct stream lengths.
     """
 
     def __init__(
@@ -272,20 +322,38 @@ class StreamPlan:
         missing = sorted(set(range(layout.streams)) - set(counts))
         if missing:
             raise ValueError(f"stream plan: no batch counts for streams {missing[:8]}")
+        self._counts = {s: np.asarray(c, dtype=np.int64).reshape(2, -1) for s, c in counts.items()}
+        planned = np.array(
+            [int(self._counts[s][0].sum()) for s in range(layout.streams)], dtype=np.int64
+        )
+        # every stream as long as the longest: a shorter one cuts some of its batches in two,
+        # from its last block back (what it cannot cut follows the rounds, see below)
+        longest = int(planned.max()) if len(planned) else 0
+        self.splits: dict[int, np.ndarray] = {}
         self.block_offsets = []
         for s in range(layout.streams):
-            off = np.zeros(int(layout.blocks[s]) + 1, dtype=np.int64)
-            np.cumsum(counts[s], out=off[1:])
+            batches, cuttable = self._counts[s]
+            need = longest - int(planned[s])
+            taken = np.zeros(len(batches), dtype=np.int64)
+            for b in range(len(batches) - 1, -1, -1):
+                if need <= 0:
+                    break
+                taken[b] = min(need, int(cuttable[b]))
+                need -= int(taken[b])
+            self.splits[s] = taken
+            off = np.zeros(len(batches) + 1, dtype=np.int64)
+            np.cumsum(batches + taken, out=off[1:])
             self.block_offsets.append(off)
         per_stream = np.array([int(o[-1]) for o in self.block_offsets], dtype=np.int64)
         self.stream_batches = per_stream
+        #: batches added by cutting batches in two (over the planned ones)
+        self.split_total = int(per_stream.sum() - planned.sum())
         # levels: the distinct stream lengths (and 0); between two levels the same streams
         # have a k-th batch, ``alive`` of them, and ``level_start`` is the first global index
         levels = np.unique(np.r_[0, per_stream])
         self._levels = levels
-        self._alive = np.array(
-            [int((per_stream > level).sum()) for level in levels[:-1]], dtype=np.int64
-        )
+        ascending = np.sort(per_stream)
+        self._alive = len(per_stream) - np.searchsorted(ascending, levels[:-1], side="right")
         self._level_start = np.zeros(len(levels), dtype=np.int64)
         np.cumsum(np.diff(levels) * self._alive, out=self._level_start[1:])
         self._total = int(per_stream.sum())
@@ -306,6 +374,7 @@ class StreamPlan:
         plan = self._blocks.get(key)
         if plan is None:
             plan = plan_block(self.layout, self.options, stream, block)
+            plan = split_batches(plan, int(self.splits[stream][block]))
             self._blocks[key] = plan
             while len(self._blocks) > self.keep:
                 self._blocks.popitem(last=False)
@@ -314,8 +383,8 @@ class StreamPlan:
         return plan, k - int(off[block])
 
     def counts(self) -> dict[int, np.ndarray]:
-        """Every block's batch count, by stream (what another process may build this from)."""
-        return {s: np.diff(o) for s, o in enumerate(self.block_offsets)}
+        """``count_batches`` of every stream (what another process may build this from)."""
+        return {s: c.copy() for s, c in self._counts.items()}
 
     def stream_of(self, index: int) -> tuple[int, int]:
         """``(stream, batch within the stream)`` of a global batch."""
