@@ -36,7 +36,7 @@ from shardcache.read.fetch.fetcher import Fetcher
 from shardcache.read.fetch.shard_readahead import ReadAheadOptions, readahead_options
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
 from shardcache.read.plan.planner import Planner, batch_options, check_eval, locate, log_tail
-from shardcache.read.plan.streams import StreamPlan
+from shardcache.read.plan.streams import StreamPlan, seek_batch
 from shardcache.read.position import Ranks, SharedPosition, check_worker_resume
 from shardcache.read.run_record import RunLog, RunRecord, dataset_spec
 from shardcache.read.samples.chain import Transform, TransformChain
@@ -306,6 +306,32 @@ class ShardDataset(IterableDataset):
         epoch = self.epoch if epoch is None else int(epoch)
         return self._planner.plan(epoch, self.world_size, get_worker_info() is None)
 
+    def locate_batch(
+        self, epoch: int, index: int, rounds: int | None = None
+    ) -> tuple[EpochPlan, int]:
+        """The plan part holding global batch ``index`` of ``epoch``, and the batch's place in it.
+
+        ``collate_batch(part, place)`` reads the batch. With canonical streams and ``rounds``
+        (the epoch is whole rounds: every stream has ``rounds`` batches, global batch ``j`` is
+        batch ``j // C`` of stream ``j % C``; ``RunRecord.epoch_rounds``) only that stream is
+        planned, not the epoch: what a rewind of one step of a huge epoch needs.
+
+        Args:
+            epoch: the epoch.
+            index: the global batch.
+            rounds: the epoch's stream length when its streams are whole rounds (None: plan
+                the epoch).
+
+        Returns:
+            ``(part, place)``: a stream's block (or the global plan) and the batch in it.
+        """
+        planner = self._planner
+        if rounds is None or planner.is_global():
+            return locate(self.plan(epoch), index)
+        layout = planner.layout(epoch)
+        stream, k = index % layout.streams, index // layout.streams
+        return seek_batch(layout, planner.planning, stream, k, rounds)
+
     def prepare(self, epoch: int | None = None) -> None:
         """Plan an epoch with the other ranks: each counts its own streams' batches, then all share.
 
@@ -338,7 +364,7 @@ class ShardDataset(IterableDataset):
             The split.
         """
         epoch = self.epoch if epoch is None else int(epoch)
-        total = self._run.counts[epoch] = len(self.plan(epoch))
+        total = self._run.planned(epoch, self.plan(epoch))
         return split_epoch(total, self.world_size, start, self._tail)
 
     def batches_per_rank(self, epoch: int | None = None) -> int:
@@ -472,11 +498,11 @@ class ShardDataset(IterableDataset):
             self._planner.reset(options)
         self._auto_streams = False  # the state's streams hold from here
         epoch = state_epoch(state)
-        total = len(self.plan(epoch))
+        self._run.counts, self._run.rounds = {}, {}
+        total = self._run.planned(epoch, self.plan(epoch))
         consumed, self._worker_resume = check_cursor(
             state, total, self.world_size, remixed, self.path
         )
-        self._run.counts = {epoch: total}
         moved = self._run.resume(
             state, (epoch, consumed), lambda e: len(self.plan(e)), self._tail, skip_steps, remixed
         )
@@ -512,7 +538,7 @@ class ShardDataset(IterableDataset):
         else:
             start, skip = _pass_start(self, self._consumed), 0
         split = split_epoch(len(plan), self.world_size, start, self._tail)
-        self._run.counts[self.epoch] = len(plan)
+        self._run.planned(self.epoch, plan)
         mine = split.for_rank(self.rank)
         if start == 0 and worker_id == 0 and split.batches_per_rank == 0:
             _warn_empty(self, len(plan))

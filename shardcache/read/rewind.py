@@ -196,11 +196,12 @@ class Rewinder:
     def _collate(self, epoch: int, index: int, virtual: int) -> Batch:
         ds = self.ds
         ds.set_epoch(epoch)
-        plan = ds.plan(epoch)
-        total = len(plan)
+        total = self.batches_of(epoch)
+        # an epoch of whole stream rounds: plan the batch's stream alone, not the epoch
+        part, place = ds.locate_batch(epoch, index, self.record.epoch_rounds.get(epoch))
         # as the reader does: a batch read again past the end (tail="wrap") is seeded anew
         wrap = virtual // total if ds.transform is not None else 0
-        batch = ds.collate_batch(plan, index, wrap)
+        batch = ds.collate_batch(part, place, wrap)
         if ds.eval:
             batch["meta"]["filler"] = virtual >= total
         return batch

@@ -25,7 +25,8 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from shardcache.errors import ConfigError, StateError
-from shardcache.read.plan.epoch_plan import split_epoch
+from shardcache.read.plan.epoch_plan import EpochPlan, split_epoch
+from shardcache.read.plan.streams import StreamPlan
 from shardcache.read.samples.transforms import FIM, SpanMask
 from shardcache.read.selection.mixture import Source, as_sources
 from shardcache.read.selection.schedule import Schedule
@@ -110,6 +111,10 @@ class RunRecord:
         segments: the run's segments, by step.
         skipped: the step ranges a resume skipped.
         epoch_batches: the global batch count of each epoch the run planned.
+        epoch_rounds: of those, the epochs of canonical streams that are whole rounds (every
+            stream as long as the longest): each one's stream length ``M``, so that global
+            batch ``j`` is batch ``j // C`` of stream ``j % C`` and one batch is found by
+            planning its stream alone (``ShardDataset.locate_batch``).
     """
 
     dataset: dict[str, Any]
@@ -119,6 +124,7 @@ class RunRecord:
     segments: tuple[Segment, ...]
     skipped: tuple[SkippedSteps, ...] = ()
     epoch_batches: Mapping[int, int] = field(default_factory=dict)
+    epoch_rounds: Mapping[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -190,6 +196,7 @@ class RunRecord:
             "segments": [asdict(s) for s in self.segments],
             "skipped": [asdict(s) for s in self.skipped],
             "epoch_batches": {str(e): int(n) for e, n in sorted(self.epoch_batches.items())},
+            "epoch_rounds": {str(e): int(n) for e, n in sorted(self.epoch_rounds.items())},
         }
 
     @classmethod
@@ -222,6 +229,7 @@ class RunRecord:
                 tuple(Segment(**s) for s in data["segments"]),
                 tuple(SkippedSteps(**s) for s in data.get("skipped") or ()),
                 {int(e): int(n) for e, n in (data.get("epoch_batches") or {}).items()},
+                {int(e): int(n) for e, n in (data.get("epoch_rounds") or {}).items()},
             )
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, StateError):
@@ -399,13 +407,15 @@ def check_ranges(ranges: Any, name: str) -> list[tuple[int, int]]:
     return out
 
 
-def merge_counts(known: Mapping[int, int], more: Mapping[int, int]) -> dict[int, int]:
+def merge_counts(
+    known: Mapping[int, int], more: Mapping[int, int], what: str = "global batches"
+) -> dict[int, int]:
     """Epoch batch counts of two records together (StateError where they disagree)."""
     out = dict(known)
     for epoch, count in more.items():
         if out.setdefault(epoch, count) != count:
             raise StateError(
-                f"run record: epoch {epoch} has {out[epoch]} global batches here but "
+                f"run record: epoch {epoch} has {out[epoch]} {what} here but "
                 f"{count} in the state; the state is of another run or plan"
             )
     return out
@@ -533,6 +543,15 @@ class RunLog:
         self.resumed: tuple[int, int, int, int] | None = None  # (step, micro, epoch, consumed)
         self.skipped: tuple[SkippedSteps, ...] = ()
         self.counts: dict[int, int] = {}
+        self.rounds: dict[int, int] = {}  # epochs of whole stream rounds: their stream length
+
+    def planned(self, epoch: int, plan: EpochPlan | StreamPlan) -> int:
+        """Note an epoch's plan: its global batch count, and its stream length if whole rounds."""
+        total = len(plan)
+        self.counts[epoch] = total
+        if isinstance(plan, StreamPlan) and total and total == plan.full:
+            self.rounds[epoch] = total // plan.layout.streams
+        return total
 
     def accumulation(self) -> int:
         """The gradient accumulation in force."""
@@ -557,8 +576,9 @@ class RunLog:
                 segments = segments[:-1]  # (it starts where the last one does: replaces it)
             segments = (*segments, Segment(step, micro, epoch, consumed, world_size, accum))
         return RunRecord(
-            self.spec, cache_digest, seed, plan, segments, self.skipped, dict(self.counts)
-        )
+            self.spec, cache_digest, seed, plan, segments, self.skipped, dict(self.counts),
+            dict(self.rounds),
+        )  # fmt: skip
 
     def resume(
         self,
@@ -581,6 +601,7 @@ class RunLog:
             history = RunRecord.from_json(theirs)
             if not remixed:
                 self.counts = merge_counts(self.counts, history.epoch_batches)
+                self.rounds = merge_counts(self.rounds, history.epoch_rounds, "batches a stream")
             segment = history.segments[-1]
             self.segments, self.skipped = history.segments, history.skipped
         else:

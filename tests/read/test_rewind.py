@@ -22,6 +22,7 @@ from conftest import assert_batches_equal
 from shardcache import FIM, ShardDataset, Source, Split
 from shardcache.cli import main
 from shardcache.errors import ConfigError, StateError
+from shardcache.read.plan import streams as streams_module
 from shardcache.read.rewind import Rewinder, rewind, skip_state, write_run_record
 from shardcache.read.run_record import RunRecord, read_run_record
 from shardcache.store.cache import ShardCache
@@ -143,6 +144,35 @@ def test_rewind_reads_only_the_shards_of_the_batch(logged, monkeypatch):
             shard = int(np.searchsorted(cache.shard_starts, sample, side="right")) - 1
             used.add(cache.shards[shard]["sha256"])
     assert read and read <= used
+
+
+def test_a_step_of_whole_stream_rounds_plans_only_its_stream(root, logged, monkeypatch):
+    # a state's record knows each epoch's stream length: one batch is its stream's planning
+    _, log = logged
+    state = _state_at(root, 70)
+    record = RunRecord.from_json(state)
+    assert set(record.epoch_rounds) == set(record.epoch_batches) == {0, 1, 2}
+    streams = record.plan["streams"]
+    assert all(record.epoch_batches[e] == streams * m for e, m in record.epoch_rounds.items())
+    counted: list[list[int] | None] = []
+    original = streams_module.count_batches
+
+    def count_batches(layout: Any, options: Any, chosen: list[int] | None = None) -> Any:
+        counted.append(chosen)
+        return original(layout, options, chosen)
+
+    monkeypatch.setattr(streams_module, "count_batches", count_batches)
+    steps = [0, 33, 69]
+    with Rewinder(state) as rewinder:
+        fast = {step: rewinder.step(step) for step in steps}
+    assert counted and all(chosen is not None and len(chosen) == 1 for chosen in counted)
+    del state["run"]["epoch_rounds"]  # (a record without them plans whole epochs)
+    with Rewinder(state) as rewinder:
+        for step in steps:
+            for got, planned in zip(fast[step], rewinder.step(step), strict=True):
+                assert (got.epoch, got.index) == (planned.epoch, planned.index)
+                assert_batches_equal(got.batch, planned.batch)
+                assert_batches_equal(got.batch, log[(step, got.rank, got.micro)])
 
 
 def test_find_document_gives_the_steps_that_read_it(logged):

@@ -17,6 +17,7 @@ from shardcache.read.plan.streams import (
     order_mixing,
     own_streams,
     plan_block,
+    seek_batch,
     split_batches,
     splittable,
 )
@@ -274,3 +275,21 @@ def test_a_split_batch_keeps_its_segments_within_the_budget(mode):
             assert rows <= options.max_tokens // options.seq_len
     with pytest.raises(ValueError):
         split_batches(plan, n + 1)
+
+
+@pytest.mark.parametrize("mode", list(OPTIONS))
+@pytest.mark.parametrize("streams,block", [(3, 40), (4, 10**9), (7, 25)])
+def test_seeking_one_stream_gives_the_plans_batches(mode, streams, block):
+    # planning the asked stream alone, with the longest stream's length, cuts as the plan does
+    options = OPTIONS[mode]
+    plan = stream_plan(synthetic(seed=3), options, streams, block, seed=5, epoch=2)
+    longest = int(plan.stream_batches.max())
+    assert plan.split_total > 0 or mode == "concat"  # (the cuts are exercised)
+    for s in range(streams):
+        for k in range(int(plan.stream_batches[s])):
+            want, at = plan.stream_batch(s, k)
+            got, place = seek_batch(plan.layout, options, s, k, longest)
+            assert np.array_equal(got.batch(place), want.batch(at))
+            assert np.array_equal(got.row_bounds(place), want.row_bounds(at))
+    with pytest.raises(IndexError):
+        seek_batch(plan.layout, options, 0, int(plan.stream_batches[0]), longest)

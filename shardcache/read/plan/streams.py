@@ -289,6 +289,50 @@ def count_batches(
     return out
 
 
+def stream_cuts(counts: np.ndarray, longest: int) -> np.ndarray:
+    """Batches of each block a stream cuts in two to have ``longest`` batches, last block first.
+
+    ``counts``: the stream's ``count_batches`` (row 0 batches, row 1 splittable); a stream that
+    cannot cut enough cuts all it can. Only the stream's own counts and ``longest`` decide.
+    """
+    batches, cuttable = counts
+    need = longest - int(batches.sum())
+    taken = np.zeros(len(batches), dtype=np.int64)
+    for b in range(len(batches) - 1, -1, -1):
+        if need <= 0:
+            break
+        taken[b] = min(need, int(cuttable[b]))
+        need -= int(taken[b])
+    return taken
+
+
+def cut_offsets(counts: np.ndarray, taken: np.ndarray) -> np.ndarray:
+    """The first batch of each block of a stream once ``taken`` batches are cut, then its length."""
+    off = np.zeros(len(taken) + 1, dtype=np.int64)
+    np.cumsum(counts[0] + taken, out=off[1:])
+    return off
+
+
+def seek_batch(
+    layout: StreamLayout, options: PlanOptions, stream: int, k: int, longest: int
+) -> tuple[EpochPlan, int]:
+    """Batch ``k`` of one stream, planning that stream alone: ``StreamPlan.stream_batch``'s answer.
+
+    ``longest``: the epoch's longest stream's batches (``StreamPlan.stream_batches.max()``),
+    which with the stream's own block counts decides its cuts. Counts the stream's blocks and
+    plans the one holding the batch, so locating a batch of a huge epoch costs one stream's
+    planning, not the epoch's (a rewind of a step whose epoch's streams are whole rounds).
+    """
+    counts = count_batches(layout, options, [stream])[stream]
+    taken = stream_cuts(counts, longest)
+    off = cut_offsets(counts, taken)
+    if not 0 <= k < int(off[-1]):
+        raise IndexError(f"batch {k} of stream {stream}, which has {int(off[-1])}")
+    block = int(np.searchsorted(off, k, side="right")) - 1
+    plan = split_batches(plan_block(layout, options, stream, block), int(taken[block]))
+    return plan, k - int(off[block])
+
+
 class StreamPlan:
     """The global batches of one epoch over canonical streams, planned block by block.
 
@@ -332,18 +376,8 @@ class StreamPlan:
         self.splits: dict[int, np.ndarray] = {}
         self.block_offsets = []
         for s in range(layout.streams):
-            batches, cuttable = self._counts[s]
-            need = longest - int(planned[s])
-            taken = np.zeros(len(batches), dtype=np.int64)
-            for b in range(len(batches) - 1, -1, -1):
-                if need <= 0:
-                    break
-                taken[b] = min(need, int(cuttable[b]))
-                need -= int(taken[b])
-            self.splits[s] = taken
-            off = np.zeros(len(batches) + 1, dtype=np.int64)
-            np.cumsum(batches + taken, out=off[1:])
-            self.block_offsets.append(off)
+            self.splits[s] = taken = stream_cuts(self._counts[s], longest)
+            self.block_offsets.append(cut_offsets(self._counts[s], taken))
         per_stream = np.array([int(o[-1]) for o in self.block_offsets], dtype=np.int64)
         self.stream_batches = per_stream
         #: batches added by cutting batches in two (over the planned ones)
