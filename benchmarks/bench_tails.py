@@ -176,6 +176,8 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 }  # fmt: skip
                 plan = StreamPlan(layout, options, blocks, keep=4)
                 row["split_batches"] = plan.split_total
+                # every global batch in whole rounds: no rank reads another's stream (W | C)
+                row["foreign_batches"] = len(plan) - plan.full
                 for rule in ("before", "after"):
                     if rule == "before":
                         total, batches, segs, toks = left_out_before(per_stream, world)
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> list[dict[str, Any]]:
                 over = row.get("batches_over_global")
                 print(
                     f"{human(n):>5} {mode:8} W={world:<5} batches {streams_total:>9,}"
-                    f" ({plan.split_total:,} cut in two)"
+                    f" ({plan.split_total:,} cut in two, {len(plan) - plan.full} foreign)"
                     + (f" ({(over - 1) * 100:+.2f}% vs global)" if over else "")
                     + f" | left out: before {b['left_out_batches']:>6,} batches"
                     f" {b['left_out_segment_share']:7.3%} seqs"
