@@ -28,7 +28,9 @@ same one), within an epoch if need be. What it shows:
   pass-through on CPU);
 * ``set_epoch`` reshuffles each epoch; ``len(loader)`` is known before the epoch (LR schedules);
 * checkpointing the reader: ``loader.state_dict()`` after ``k`` steps (exact with workers and a
-  prefetcher), ``--resume STATE`` to continue from such a state, with any world size.
+  prefetcher), ``--resume STATE`` to continue from such a state, with any world size;
+* the run record (``--run-record DIR``, or beside ``--save-state``): written at the end with
+  the ``shardcache rewind DIR --step N`` command for the last step (docs/guide/loss-spikes.md).
 
 Where each step waits: a ``shardcache.StallMonitor`` around the loader (one all-reduce of two
 numbers per step for the slowest and fastest rank's wait); the progress line (rank 0) shows the
@@ -113,6 +115,9 @@ def main() -> None:
     parser.add_argument("--resume", help="a reader state JSON written by --save-state")
     parser.add_argument("--save-state", help="write the reader state here at the end (rank 0)")
     parser.add_argument("--report", help="write steps and consumed segments here (rank 0)")
+    parser.add_argument("--run-record",
+                        help="write the run record into this folder at the end (rank 0; default: "
+                        "the folder of --save-state) and print the rewind command")  # fmt: skip
     parser.add_argument("--log-every", type=int, default=10, help="print progress every N steps")
     parser.add_argument("--tensorboard", help="write the data-loading figures here (rank 0)")
     parser.add_argument("--model-vocab", type=int, default=MODEL_VOCAB,
@@ -221,6 +226,13 @@ def main() -> None:
     if args.save_state and rank == 0:
         with open(args.save_state, "w", encoding="utf-8") as f:
             json.dump(state, f)
+    folder = args.run_record or (os.path.dirname(os.path.abspath(args.save_state))
+                                 if args.save_state else None)  # fmt: skip
+    if folder and rank == 0:  # what `shardcache rewind` recomputes any step's batches from
+        path = shardcache.write_run_record(folder, ds)
+        last = ds.run_record().step_at(state["epoch"], state["consumed"]) - 1
+        print(f"run record: {path}; the batches of the last step ({last}): "
+              f"shardcache rewind {folder} --step {last}", flush=True)  # fmt: skip
     gathered: list = [None] * world
     dist.all_gather_object(gathered, {"rank": rank, "steps": steps_per_epoch,
                                       "segments": consumed, "data_loading": loading})  # fmt: skip

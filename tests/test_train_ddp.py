@@ -11,7 +11,7 @@ import sys
 
 import pytest
 
-from shardcache import open_cache
+from shardcache import open_cache, read_run_record
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -77,3 +77,8 @@ def test_max_steps_stops_every_rank_at_the_same_step_with_the_state_there(
     assert [r["steps"] for r in ranks] == [[3], [3]]
     saved = json.loads(state.read_text())
     assert (saved["epoch"], saved["consumed"]) == (0, 6)  # 3 global steps of 2 ranks
+    # the run record beside the state, and the command that rewinds the last step (step 2)
+    assert f"shardcache rewind {tmp_path} --step 2" in out.stdout
+    record = read_run_record(tmp_path)
+    assert (record.world_size, record.grad_accum) == (2, 1)
+    assert record.step_at(saved["epoch"], saved["consumed"]) == 3

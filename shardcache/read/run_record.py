@@ -172,6 +172,37 @@ class RunRecord:
             )
         return chosen
 
+    def step_at(self, epoch: int, consumed: int) -> int:
+        """The optimizer steps read once every rank reached cursor ``(epoch, consumed)``.
+
+        A recipe's last step is ``step_at(*cursor) - 1``: what ``shardcache rewind --step``
+        takes for the step where it stopped.
+
+        Args:
+            epoch: the cursor's epoch (a state's ``epoch``).
+            consumed: the global batches of it consumed (a state's ``consumed``).
+
+        Returns:
+            The steps from the run's start (a step begun but unfinished not counted).
+
+        Raises:
+            StateError: the cursor is not one of the run's last segment, or an epoch before
+                it has no recorded batch count (call ``len`` of the reader each epoch).
+        """
+        segment = self.segments[-1]
+
+        def batches_of(e: int) -> int:
+            if e not in self.epoch_batches:
+                raise StateError(
+                    f"run record: no batch count for epoch {e}; the record knows epochs "
+                    f"{sorted(self.epoch_batches)}. Take the record from the reader that "
+                    "read them (ShardDataset.run_record() after len() each epoch)"
+                )
+            return self.epoch_batches[e]
+
+        micro = micro_of_cursor(segment, epoch, consumed, batches_of, self.tail) + segment.micro
+        return segment.step + micro // segment.grad_accum
+
     def to_json(self) -> dict[str, Any]:
         """The record as a JSON-able dict (``from_json`` reads it back).
 
