@@ -183,6 +183,12 @@ def main(argv: list[str] | None = None) -> dict:
             flush=True,
         )
     result = trainer.train()
+    if training.process_index == 0:  # what `shardcache rewind` recomputes any step's batches from
+        accum = training.gradient_accumulation_steps
+        path = shardcache.write_run_record(args.output_dir, shard_loader.dataset, grad_accum=accum)
+        last = trainer.state.global_step - 1
+        print(f"run record: {path}; the batches of the last step ({last}): "
+              f"shardcache rewind {args.output_dir} --step {last}", flush=True)  # fmt: skip
     logged = [e for e in trainer.state.log_history if "loss" in e]
     losses = [float(e["loss"]) for e in logged]
     if not all(math.isfinite(x) for x in [*losses, result.training_loss]):

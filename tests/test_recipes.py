@@ -9,6 +9,7 @@ import os
 
 import pytest
 
+import shardcache
 from conftest import load_recipe as recipe
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -84,7 +85,12 @@ def test_hf_trainer_one_step_reports_its_loss(cache_dir, tmp_path, capsys):
                          "--max-steps", "1", "--num-workers", "0"])  # fmt: skip
     assert len(report["losses"]) == 1 and math.isfinite(report["losses"][0])
     assert report["train_loss"] == pytest.approx(report["losses"][0])
-    assert "step 1/1: loss" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "step 1/1: loss" in out
+    # the run record beside the output, and the command that rewinds the step it stopped at
+    assert f"shardcache rewind {tmp_path / 'out'} --step 0" in out
+    (batch,) = shardcache.rewind(tmp_path / "out", 0)
+    assert (batch["step"], batch["rank"], batch["micro"]) == (0, 0, 0) and batch["rows"]
 
 
 @pytest.mark.parametrize(
