@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable, Iterable
 from typing import Any
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -31,6 +32,19 @@ def make_texts(n: int, seed: int = 0, max_words: int = 120) -> list[str]:
         k = rng.choice([1, 2, 5, 20, 60, max_words])
         texts.append(" ".join(rng.choice(WORDS) for _ in range(rng.randint(1, k))))
     return texts
+
+
+def write_word_corpus(folder: str, seed: int, files: int = 4, docs: int = 300) -> str:
+    """``files`` jsonl files of ``docs`` random-word documents of 1-59 words (each unique)."""
+    rng = np.random.default_rng(seed)
+    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
+    for f in range(files):
+        with open(os.path.join(folder, f"part-{f}.jsonl"), "w") as out:
+            for d in range(docs):
+                n = int(rng.integers(1, 60))
+                text = " ".join(rng.choice(words, n)) + f" doc{f}-{d}"
+                out.write(json.dumps({"text": text}) + "\n")
+    return str(folder)
 
 
 def assert_same_ids_as_hf(tok: Any, backend: Any, texts: list[str]) -> None:

@@ -11,6 +11,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
+from conftest import write_word_corpus
 from shardcache import ShardDataset, Source, open_cache
 from shardcache.read.plan.streams import StreamPlan
 
@@ -35,16 +36,7 @@ def many_shards(tmp_path_factory, corpus_module, tokenizer_dir):
 
 @pytest.fixture(scope="module")
 def corpus_module(tmp_path_factory):
-    folder = tmp_path_factory.mktemp("corpus")
-    rng = np.random.default_rng(0)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
-    for f in range(4):
-        with open(folder / f"part-{f}.jsonl", "w") as out:
-            for d in range(300):
-                n = int(rng.integers(1, 60))
-                text = " ".join(rng.choice(words, n)) + f" doc{f}-{d}"
-                out.write(json.dumps({"text": text}) + "\n")
-    return str(folder)
+    return write_word_corpus(str(tmp_path_factory.mktemp("corpus")), seed=0)
 
 
 def _key(batch) -> tuple:

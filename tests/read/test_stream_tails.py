@@ -8,6 +8,7 @@ import json
 import numpy as np
 import pytest
 
+from conftest import write_word_corpus
 from shardcache import ShardDataset, open_cache
 from shardcache.read.plan.streams import StreamPlan
 
@@ -21,18 +22,10 @@ def cache(tmp_path_factory, tokenizer_dir):
     from shardcache.builder.run import build_cache
     from shardcache.config import build_options_from_mapping
 
-    corpus = tmp_path_factory.mktemp("tails-corpus")
-    rng = np.random.default_rng(1)
-    words = ["alpha", "beta", "gamma", "delta", "epsilon", "zeta", "eta", "theta", "iota"]
-    for f in range(4):
-        with open(corpus / f"part-{f}.jsonl", "w") as out:
-            for d in range(300):
-                n = int(rng.integers(1, 60))
-                text = " ".join(rng.choice(words, n)) + f" doc{f}-{d}"
-                out.write(json.dumps({"text": text}) + "\n")
+    corpus = write_word_corpus(str(tmp_path_factory.mktemp("tails-corpus")), seed=1)
     out = str(tmp_path_factory.mktemp("tails") / "cache")
     values = {
-        "input": str(corpus), "tokenizer": tokenizer_dir, "output": out, "workers": 1,
+        "input": corpus, "tokenizer": tokenizer_dir, "output": out, "workers": 1,
         "max_length": 64, "truncation": "split", "buckets": "8,16,32", "shard_size": 4096,
     }  # fmt: skip
     build_cache(build_options_from_mapping(values))
