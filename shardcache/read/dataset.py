@@ -89,7 +89,9 @@ class ShardDataset(IterableDataset):
         eval: an evaluation pass: no shuffle, every planned sequence exactly once over all
             ranks, no drop or repeat; a rank with no batch left yields a filler batch (labels
             all -100, ``meta["filler"]`` True) so every rank yields the same count. A mixture
-            reads every document of every source (of its side) once: no weights or repetitions.
+            reads every document of every source (of its side) once: no weights or repetitions
+            (unequal weights, ``tokens_per_epoch`` or a ``schedule`` warn that they are not
+            applied).
         transform: a [`Transform`][shardcache.Transform], ``transform(ids, mask, rng) -> (ids,
             mask)``, or a sequence of them applied in order, to every sequence (or packed
             piece) after it is read and before the batch is collated; ``rng`` is seeded by
@@ -111,7 +113,9 @@ class ShardDataset(IterableDataset):
         ConfigError: an option is missing, unknown or out of range (``split`` without
             ``splits``, a mixture source without a split, ``eval`` with ``shuffle=True``, a
             ``growth`` with ``packing="concat"`` and no transform, or a transform that cannot
-            keep a chat cache's loss masks).
+            keep a chat cache's loss masks); a side of ``splits`` that holds no document; a
+            ``max_tokens`` (pad) or ``seq_len`` (``packing="best_fit"``) below the longest
+            sequence the epoch reads.
         CacheNotFoundError: no committed cache at ``path``.
         CacheKeyMismatch: the cache was built under another key than ``expect``.
     """

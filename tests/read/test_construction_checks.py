@@ -20,12 +20,16 @@ def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     from shardcache.config import build_options_from_mapping
 
     out = {}
-    for name, docs, seed in (("a", 40, 0), ("b", 25, 1)):
+    for name, docs, seed, extra in (
+        ("a", 40, 0, {}),
+        ("b", 25, 1, {}),
+        ("capped", 40, 0, {"max_length": 64, "truncation": "split"}),
+    ):
         folder = tmp_path_factory.mktemp(name)
         records = [{"text": t} for t in make_texts(docs, seed=seed)]
         path = write_records(str(folder / "docs.jsonl"), records, "jsonl")
         values = {"input": path, "tokenizer": tokenizer_dir, "output": str(folder / "cache"),
-                  "workers": 1}  # fmt: skip
+                  "workers": 1, **extra}  # fmt: skip
         build_cache(build_options_from_mapping(values))
         out[name] = str(folder / "cache")
     return out
@@ -127,3 +131,28 @@ def test_an_eval_pass_over_a_weighted_mixture_warns_that_the_weights_are_not_app
         warnings.simplefilter("error")
         ShardDataset(even, 256, eval=True)  # nothing ignored: no warning
         ShardDataset(weighted, 256)  # a weighted training read: the weights apply
+
+
+def test_the_length_index_is_read_only_when_the_manifest_s_bound_does_not_fit(caches):
+    from shardcache import PlanOptions
+    from shardcache.read.selection.units import check_fits, longest_bound
+
+    def unread() -> np.ndarray:
+        raise AssertionError("the lengths were read although the bound fits")
+
+    options = PlanOptions(max_tokens=512)
+    check_fits(unread, options, bound=512)
+    check_fits(lambda: np.array([100, 300]), options, bound=1024)  # read: they fit
+    with pytest.raises(ConfigError, match=r"max_tokens: 512 is smaller .* \(600 tokens"):
+        check_fits(lambda: np.array([100, 600]), options, bound=1024)
+    with pytest.raises(ConfigError, match=r"\(600 tokens"):
+        check_fits(lambda: np.array([600]), options)
+    with open_cache(caches["a"]) as cache:  # the upper end of the highest bucket it holds
+        top = max(int(s["bucket"]) for s in cache.manifest["shards"])
+        assert longest_bound([cache]) == cache.manifest["buckets"]["ranges"][top][1]
+        assert longest_bound([cache]) >= _longest(caches["a"])
+    with open_cache(caches["capped"]) as cache:
+        assert longest_bound([cache]) == 64 == _longest(caches["capped"])
+    assert len(ShardDataset(caches["capped"], 64)) > 0
+    with pytest.raises(ConfigError, match=r"max_tokens: 63 is smaller .* \(64 tokens"):
+        ShardDataset(caches["capped"], 63)

@@ -229,8 +229,9 @@ class CacheSelection(Units):
         if self.pairs and self._rows is not None:
             self._rows = pair_units(cache, self._rows)
         if not self.pairs:  # (pairs: check_pair_options)
-            lengths = self.unit_lengths()
-            self._check_fits(lengths if self._rows is None else lengths[self._rows], options)
+            rows = self._rows
+            lengths = self.unit_lengths
+            self._check_fits(cache, lambda: lengths() if rows is None else lengths()[rows], options)
 
     @staticmethod
     def _caches(cache: Any) -> list[Cache]:
@@ -392,11 +393,15 @@ class MixtureSelection(Units):
         cache = self._cache
         self._setup(cache, options, all(c.is_preference for c in cache.caches))
         if not self.pairs:  # (pairs: check_pair_options)
-            lengths, rows = self.unit_lengths(), self._mixture.rows
-            if rows is not None:
-                starts = self._mixture.index.offsets
-                lengths = np.concatenate([lengths[starts[s] + r] for s, r in enumerate(rows)])
-            self._check_fits(lengths, options)
+            self._check_fits(cache, self._read_lengths, options)
+
+    def _read_lengths(self) -> np.ndarray:
+        """The lengths of the units an epoch reads (each source's side, with a split)."""
+        lengths, rows = self.unit_lengths(), self._mixture.rows
+        if rows is None:
+            return lengths
+        starts = self._mixture.index.offsets
+        return np.concatenate([lengths[starts[s] + r] for s, r in enumerate(rows)])
 
     @staticmethod
     def _caches(cache: Any) -> list[Cache]:
@@ -570,7 +575,7 @@ class MixtureSelection(Units):
         expected = np.zeros(len(layout.labels), dtype=np.float64)
         for epoch, counts in self._delivered.items():
             delivered += counts
-            expected += layout.shares[epoch] * float(counts.sum())
+            expected += layout.shares_of(epoch) * float(counts.sum())
         total = max(int(delivered.sum()), 1)
         return {
             "epochs": sorted(self._delivered),

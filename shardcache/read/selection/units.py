@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -83,10 +84,12 @@ class Units:
         if cache.remote:
             cache.close()
 
-    def _check_fits(self, lengths: np.ndarray, options: PlanOptions) -> None:
+    def _check_fits(
+        self, cache: Cache | MixedCache, lengths: Callable[[], np.ndarray], options: PlanOptions
+    ) -> None:
         """``check_fits`` of the units an epoch reads; the reader is closed if it refuses."""
         try:
-            check_fits(lengths, options)
+            check_fits(lengths, options, longest_bound(self._caches(cache)))
         except ConfigError:
             self.close()
             raise
@@ -153,16 +156,53 @@ class Units:
         return self._buckets
 
 
-def check_fits(lengths: np.ndarray, options: PlanOptions) -> None:
+def check_fits(
+    lengths: Callable[[], np.ndarray], options: PlanOptions, bound: int | None = None
+) -> None:
     """Refuse, when the dataset is made, a sequence that no batch (or row) of ``options`` holds.
 
-    Plans the longest of ``lengths`` (the units an epoch reads) alone, so the policy's own
+    Plans the longest of ``lengths()`` (the units an epoch reads) alone, so the policy's own
     check and message (pad: ``max_tokens``; best_fit: ``seq_len``) speak at construction, not
     when the first epoch is planned (``len(ds)``, a trainer's set-up, the first batch).
+    ``bound``: a length no sequence exceeds (``longest_bound``): when it fits, the lengths are
+    not read, so a rank of a large cache does not scan its whole length index to be made.
     """
-    if len(lengths):
-        longest = np.array([int(np.max(lengths))], dtype=np.int64)
-        plan_sequences(longest, np.zeros(1, dtype=np.int64), options, None)
+    if bound is not None:
+        try:
+            _plan_one(bound, options)
+            return
+        except ConfigError:
+            pass  # the bound does not fit: the longest sequence read decides
+    read = lengths()
+    if len(read):
+        _plan_one(int(np.max(read)), options)
+
+
+def _plan_one(length: int, options: PlanOptions) -> None:
+    """Plan one sequence of ``length`` tokens (ConfigError where no batch or row holds it)."""
+    plan_sequences(np.array([length], dtype=np.int64), np.zeros(1, dtype=np.int64), options, None)
+
+
+def longest_bound(caches: list[Cache]) -> int | None:
+    """A length no sequence of ``caches`` exceeds, from their manifests; None if unknown.
+
+    The upper end of the highest bucket any shard holds (None when that bucket is open: a
+    cache built without ``max_length``). A manifest is checked against its shards when they
+    are read; planning checks every length again, so a wrong bound only delays the error.
+    """
+    bounds = []
+    for cache in caches:
+        try:
+            ranges = cache.manifest["buckets"]["ranges"]
+            top = max((int(s["bucket"]) for s in cache.manifest["shards"]), default=None)
+            high = None if top is None else ranges[top][1]
+        except (KeyError, IndexError, TypeError, ValueError):
+            return None
+        if top is not None and high is None:
+            return None
+        if high is not None:
+            bounds.append(int(high))
+    return max(bounds, default=None)
 
 
 def pair_lengths(lengths: np.ndarray, combine: Any) -> np.ndarray:
