@@ -97,7 +97,12 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--max-tokens", type=int, default=2048, help="token budget per batch")
     parser.add_argument("--seq-len", type=int, default=512, help="packed row length")
     parser.add_argument("--attn", default="sdpa", help="attn_implementation of the model")
-    parser.add_argument("--num-workers", type=int, default=1)
+    parser.add_argument(
+        "--num-workers",
+        type=int,
+        default=0,
+        help="DataLoader workers (0: read in the training process)",
+    )
     parser.add_argument("--hidden", type=int, default=64)
     parser.add_argument(
         "--vocab-size",

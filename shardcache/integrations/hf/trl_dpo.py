@@ -70,12 +70,9 @@ class CachedPairsDPOTrainer(DPOTrainer):
     (``trl_pairs``) skips TRL's prompt extraction, EOS and tokenization; any other dataset goes
     through them as in ``DPOTrainer``. Everything else is ``DPOTrainer``'s: its collator, loss
     and batches (``per_device_train_batch_size`` pairs, padded). Pass the tokenizer the cache
-    was built with as ``processing_class`` (its pad id pads the rows).
-
-    Args:
-        *args: ``DPOTrainer``'s positional arguments.
-        **kwargs: ``DPOTrainer``'s keyword arguments (``model``, ``ref_model``, ``args``,
-            ``train_dataset=trl_pairs(cache)``, ``processing_class``, ...).
+    was built with as ``processing_class`` (its pad id pads the rows). It takes
+    ``DPOTrainer``'s arguments (``model``, ``ref_model``, ``args``,
+    ``train_dataset=trl_pairs(cache)``, ``processing_class``, ...).
 
     Raises:
         MissingDependencyError: at import, the installed TRL lacks the overridden method
