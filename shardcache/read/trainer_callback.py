@@ -40,8 +40,8 @@ class StallMonitorCallback:
     """A transformers ``Trainer`` callback that logs where each step waited for data.
 
     The Trainer's train dataloader must be a [`ShardLoader`][shardcache.ShardLoader] (what
-    ``shardcache.loader(...)`` returns; recipes/train_hf_trainer.py returns it from
-    ``get_train_dataloader``). At every optimizer step the callback closes a step of its
+    ``shardcache.loader(...)`` returns; ``shardcache.integrations.hf.ShardTrainer`` returns it
+    from ``get_train_dataloader``). At every optimizer step the callback closes a step of its
     [`StallMonitor`][shardcache.StallMonitor]; at every training log (one with ``loss`` or
     ``train_loss``, not an evaluation's) it adds, over the steps since the previous one:
     ``data_loading_pct`` (percent of the steps' time in the loader's ``next()``), the means
@@ -115,7 +115,7 @@ class StallMonitorCallback:
                 f"StallMonitorCallback: the Trainer's train dataloader is a "
                 f"{type(loader).__name__}, not a shardcache.ShardLoader, so the wait for its "
                 "batches cannot be timed. Return shardcache.loader(...) from "
-                "get_train_dataloader (recipes/train_hf_trainer.py does)"
+                "get_train_dataloader (shardcache.integrations.hf.ShardTrainer does)"
             )
         loader.monitor = self.monitor
         self._loader = loader

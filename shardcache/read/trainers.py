@@ -36,7 +36,8 @@ FIX = (
     "ShardDataset already gives every rank its own batches: hand accelerate the ShardLoader "
     "that shardcache.loader(...) returns instead of a DataLoader (accelerator.prepare returns it "
     "unchanged; pass device=accelerator.device to move the batches), and with transformers' "
-    "Trainer override get_train_dataloader to return it (recipes/train_hf_trainer.py)"
+    "Trainer use shardcache.integrations.hf.ShardTrainer, which returns it from "
+    "get_train_dataloader"
 )
 
 
