@@ -1266,13 +1266,20 @@ def _format_rewound(data: dict[str, Any], decode: Any, render: Any) -> str:
               "segment's) epoch.")  # fmt: skip
 @click.option("--skip", "skip_range", metavar="FIRST:END", help="With --state and --out: write "
               "a state that continues as if steps FIRST..END-1 had been read.")  # fmt: skip
-@click.option("--state", "state_path", type=click.Path(dir_okay=False), help="--skip: the "
-              "reader state (JSON) to resume from.")  # fmt: skip
-@click.option("--world-size", type=click.IntRange(min=1), help="--skip: the resumed run's "
-              "world size.  [default: the state's]")  # fmt: skip
-@click.option("--grad-accum", type=click.IntRange(min=1), help="--skip: the resumed run's "
-              "gradient accumulation.  [default: the state's]")  # fmt: skip
-@click.option("--out", type=click.Path(dir_okay=False), help="The file --steps or --skip writes.")
+@click.option("--exclude", "exclude_list", metavar="FILE:RECORD[,..]", help="With --state and "
+              "--out: write a state that leaves these documents out from its position on "
+              "(the batches before it unchanged).")  # fmt: skip
+@click.option("--exclude-file", type=click.Path(dir_okay=False), help="As "
+              "--exclude, the documents listed in a file (one FILE:RECORD a line, # "
+              "comments).")  # fmt: skip
+@click.option("--state", "state_path", type=click.Path(dir_okay=False), help="--skip, "
+              "--exclude: the reader state (JSON) to resume from.")  # fmt: skip
+@click.option("--world-size", type=click.IntRange(min=1), help="--skip, --exclude: the "
+              "resumed run's world size.  [default: the state's]")  # fmt: skip
+@click.option("--grad-accum", type=click.IntRange(min=1), help="--skip, --exclude: the "
+              "resumed run's gradient accumulation.  [default: the state's]")  # fmt: skip
+@click.option("--out", type=click.Path(dir_okay=False), help="The file --steps, --skip or "
+              "--exclude writes.")  # fmt: skip
 @click.option("--tokenizer", "-t", help="Tokenizer folder to decode with.  [default: the "
               "build's, as recorded in the manifest]")  # fmt: skip
 @click.option("--color/--no-color", default=None, help="Mark trainable tokens in colour "
@@ -1289,6 +1296,8 @@ def rewind(
     document: str | None,
     epochs: int,
     skip_range: str | None,
+    exclude_list: str | None,
+    exclude_file: str | None,
     state_path: str | None,
     world_size: int | None,
     grad_accum: int | None,
@@ -1297,11 +1306,11 @@ def rewind(
     color: bool | None,
     as_json: bool,
 ) -> None:
-    """Recompute the exact batches of a training step from a RUN record; find or skip data.
+    """Recompute a training step's exact batches from a RUN record; find, skip or leave out data.
 
     RUN is the run record (write_run_record's file, or a checkpoint folder holding
     shardcache-run.json) or a saved reader state. Only the shards the asked batches use are
-    read. Exactly one of --step, --steps, --document or --skip.
+    read. Exactly one of --step, --steps, --document, --skip or --exclude (--exclude-file).
 
     \b
     Example:
@@ -1309,25 +1318,31 @@ def rewind(
       shardcache rewind ckpt/ --steps 339900:340100 --out spike.jsonl
       shardcache rewind ckpt/ --document part-07.jsonl:1234 --epochs 2
       shardcache rewind ckpt/ --skip 339900:340300 --state ckpt/reader.json --out skip.json
+      shardcache rewind ckpt/ --exclude part-07.jsonl:1234 --state ckpt/reader.json \\
+          --out excluded.json
     """  # noqa: D301
-    from shardcache.read.rewind import Rewinder, skip_state
+    from shardcache.read.exclusion import parse_documents, read_documents
+    from shardcache.read.rewind import Rewinder, exclude_state, skip_state
     from shardcache.read.run_record import parse_steps
     from shardcache.store.files import write_json_atomic
     from shardcache.store.show import RenderOptions
 
+    excluding = exclude_list is not None or exclude_file is not None
     given = {"--step": step if document is None else None, "--steps": step_range,
-             "--document": document, "--skip": skip_range}  # fmt: skip
+             "--document": document, "--skip": skip_range,
+             "--exclude": True if excluding else None}  # fmt: skip
     chosen = [name for name, value in given.items() if value is not None]
     if len(chosen) != 1:
         raise click.UsageError(
-            f"give exactly one of --step, --steps, --document, --skip (got {chosen or 'none'})"
+            "give exactly one of --step, --steps, --document, --skip, --exclude (or "
+            f"--exclude-file) (got {chosen or 'none'})"
         )
-    if (step_range or skip_range) and not out:
+    if (step_range or skip_range or excluding) and not out:
         raise click.BadParameter(f"{chosen[0]} writes a file: give --out FILE",
                                  param_hint="--out")  # fmt: skip
-    if skip_range is not None:
+    if skip_range is not None or excluding:
         if not state_path:
-            raise click.BadParameter("--skip needs the state to resume from",
+            raise click.BadParameter(f"{chosen[0]} needs the state to resume from",
                                      param_hint="--state")  # fmt: skip
         try:
             with open(state_path, encoding="utf-8") as f:
@@ -1336,9 +1351,29 @@ def rewind(
             raise click.ClickException(
                 f"--state {state_path}: cannot read it as JSON ({err})"
             ) from err
+        assert out is not None
+        if excluding:
+            listed = [d for d in (exclude_list or "").split(",") if d.strip()]
+            documents = parse_documents(listed)  # (ConfigError: exit 2, as a bad option)
+            if exclude_file is not None:
+                documents += read_documents(exclude_file)
+            if not documents:
+                raise click.BadParameter("no document given", param_hint="--exclude")
+            new = exclude_state(state, documents, world_size=world_size, grad_accum=grad_accum)
+            write_json_atomic(out, new)
+            added = new["run"]["exclusions"]
+            names = {f"{d['file']}:{d['record']}" for e in added for d in e["documents"]}
+            where = max((e["epoch"], e["consumed"]) for e in added)
+            click.echo(
+                f"wrote {out}: {len(names)} documents left out, the last exclusion from global "
+                f"batch {where[1]} of epoch {where[0]} on; the resumed run passes every one "
+                "of them to load_state_dict(state, exclude=...) (shardcache.read.exclusion."
+                "recorded_documents(state) lists them)"
+            )
+            return
+        assert skip_range is not None  # (chosen: --skip)
         new = skip_state(state, [parse_steps(skip_range, "--skip")], world_size=world_size,
                          grad_accum=grad_accum)  # fmt: skip
-        assert out is not None
         write_json_atomic(out, new)
         skipped = new["run"]["skipped"][-1]
         click.echo(

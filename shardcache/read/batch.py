@@ -94,6 +94,23 @@ def mark_filler(batch: Batch, filler: bool) -> None:
     batch["meta"]["filler"] = torch.tensor(filler)
 
 
+def mark_padding(batch: Batch, pad_id: int) -> None:
+    """Read a batch as padding: every id ``pad_id``, no sample (ids -1), a filler (``mark_filler``).
+
+    What a batch whose every document was excluded is (``read/exclusion.py``): its shape kept,
+    nothing of its documents left in it, no trainable token.
+    """
+    batch["input_ids"] = torch.full_like(batch["input_ids"], pad_id)
+    meta = batch["meta"]
+    for key in ("sample_ids", "sample_offsets", "source_ids", "pair_ids"):
+        if torch.is_tensor(meta.get(key)):
+            meta[key] = torch.full_like(meta[key], -1)
+    if "num_tokens" in meta:
+        tokens = meta["num_tokens"]
+        meta["num_tokens"] = torch.zeros_like(tokens) if torch.is_tensor(tokens) else 0
+    mark_filler(batch, True)
+
+
 def _refuse_collate(batches: list[Batch], **_: Any) -> Batch:
     """Refuse a DataLoader with ``batch_size`` set: it would stack already whole batches."""
     raise ConfigError(

@@ -28,10 +28,20 @@ from torch.utils.data import IterableDataset, get_worker_info
 
 from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
-from shardcache.read.batch import IDS_DTYPES, Batch, mark_filler, to_batch
+from shardcache.read.batch import IDS_DTYPES, Batch, mark_filler, mark_padding, to_batch
 from shardcache.read.collate import kernels
 from shardcache.read.collate.attention import check_attention
 from shardcache.read.collate.collator import Collator, collator, compiled_table, kernels_read
+from shardcache.read.exclusion import (
+    Document,
+    Exclusion,
+    check_recorded,
+    is_excluded,
+    parse_documents,
+    plan_units,
+    resolve,
+    without_units,
+)
 from shardcache.read.fetch.fetcher import Fetcher
 from shardcache.read.fetch.shard_readahead import ReadAheadOptions, readahead_options
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
@@ -204,6 +214,10 @@ class ShardDataset(IterableDataset):
         # position came from
         self._published = SharedPosition()
         self._generation = 0
+        #: the plan units the first k exclusions (by position) leave out, by k: found when
+        #: first needed (``read/exclusion.py``)
+        self._excluded_units: dict[int, np.ndarray] | None = None
+        self._excluded_segments = 0  # segments this process took out of batches
 
     def __getstate__(self) -> dict[str, Any]:
         # (spawned workers start with the main process's rank); the stages drop what does not
@@ -476,7 +490,11 @@ class ShardDataset(IterableDataset):
         return self._run.record(self.cache_digest, self.seed, options, self.world_size)
 
     def load_state_dict(
-        self, state: dict[str, Any], *, skip_steps: Sequence[tuple[int, int]] | None = None
+        self,
+        state: dict[str, Any],
+        *,
+        skip_steps: Sequence[tuple[int, int]] | None = None,
+        exclude: Sequence[Any] | None = None,
     ) -> None:
         """Continue from a state, at any world size and ``num_workers``.
 
@@ -490,11 +508,20 @@ class ShardDataset(IterableDataset):
                 trainer counts on from ``s``. Ranges before ``s`` are ignored. Recorded in the
                 run record and ``stats()["skipped_steps"]``. A state without a run record
                 counts steps from its own position.
+            exclude: documents (``"FILE:RECORD"`` or ``(file, record)``; a file of them:
+                ``shardcache.read.exclusion.read_documents``) to leave out from the loaded
+                position on (after ``skip_steps``): every batch from there has their segments
+                taken out, the batches before it and the plan unchanged (docs/guide/loss-spikes.md).
+                Recorded in the state, the run record and ``stats()["exclusions"]``. A state
+                whose run already leaves documents out must be given them again here (with
+                any new ones).
 
         Raises:
-            StateError: the state is of another cache, plan or mixture (see ``remix``), or damaged.
+            StateError: the state is of another cache, plan or mixture (see ``remix``), or damaged;
+                its run leaves out documents ``exclude`` does not name.
             ConfigError: a skip range is malformed, starts after the state's step, or the state
-                was taken inside a step.
+                was taken inside a step; a document is malformed or in no source, or is to be
+                excluded from a DataLoader worker's own state (other workers may have read past it).
         """
         state, remixed = check_data(state, self._selection, self.remix)
         options = check_plan(state, self.seed, self.options, self._auto_streams)
@@ -512,12 +539,101 @@ class ShardDataset(IterableDataset):
         )
         if moved is not None:  # a skip: the cursor of the step after the skipped ones
             (epoch, consumed), self._worker_resume = moved, None
+        where = f"ShardDataset({self.path!r}).load_state_dict"
+        passed = [] if exclude is None else parse_documents(exclude)
+        new = check_recorded(self._run.exclusions, passed, where)
+        if new and self._worker_resume is not None:
+            raise ConfigError(
+                f"{where}: exclude= with one DataLoader worker's state (worker "
+                f"{self._worker_resume.get('id')}): the other workers may have read past its "
+                "cursor, and an exclusion must not change a batch already read. Exclude from "
+                "a state of the whole reader: ds.state_dict(steps=k) in the main process, "
+                "or a StatefulDataLoader's state"
+            )
+        # (resolved before the position moves: an unknown document leaves the reader as it was)
+        exclusion = Exclusion(epoch, consumed, self._resolve(new)) if new else None
+        self._excluded_units = None
         self.epoch = epoch
         self._start = self._consumed = consumed
+        if exclusion is not None:
+            self._add_exclusion(exclusion)
         self._loaded = True
         self._generation = self._published.publish(
             self.epoch, self._consumed, self._loaded, get_worker_info() is not None
         )
+
+    def exclude(self, documents: Sequence[Any], at: tuple[int, int] | None = None) -> Exclusion:
+        """Leave documents out from a position on: the batches before it stay as they were.
+
+        ``load_state_dict(state, exclude=...)`` is the usual way (the position: the loaded one).
+        The position is this process's: with DataLoader workers it does not follow their
+        reads, so exclude when loading a state (or before the first pass).
+
+        Args:
+            documents: ``"FILE:RECORD"`` or ``(file, record)`` each (the input file as
+                ``shardcache show --source`` names it, a 0-based record index).
+            at: the global position ``(epoch, consumed)`` it starts at (None: this reader's).
+
+        Returns:
+            The exclusion, as the run record holds it.
+
+        Raises:
+            ConfigError: ``at`` is before this reader's position (it would change batches
+                already read), a document is malformed, or no source holds it.
+        """
+        here = (self.epoch, self._consumed)
+        if at is not None and not (
+            isinstance(at, tuple) and len(at) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in at)
+        ):  # fmt: skip
+            raise ConfigError(
+                f"exclude: at={at!r}, expected (epoch, consumed): two integers >= 0, a global "
+                "position as a state records it, or None (the reader's)"
+            )
+        epoch, consumed = here if at is None else at
+        if (epoch, consumed) < here:
+            raise ConfigError(
+                f"exclude: at=({epoch}, {consumed}) is before the reader's position (epoch "
+                f"{here[0]}, global batch {here[1]}): the batches between were read with those "
+                "documents, and an exclusion never changes a batch already read. Exclude from "
+                "the reader's position or later (at=None)"
+            )
+        exclusion = Exclusion(epoch, consumed, self._resolve(parse_documents(documents)))
+        self._add_exclusion(exclusion)
+        return exclusion
+
+    def _resolve(self, documents: list[tuple[str, int]]) -> tuple[Document, ...]:
+        caches, _ = self._selection.sources()
+        return resolve(caches, documents)
+
+    def _add_exclusion(self, exclusion: Exclusion) -> None:
+        run = self._run
+        run.exclusions = tuple(sorted((*run.exclusions, exclusion),
+                                      key=lambda e: (e.epoch, e.consumed)))  # fmt: skip
+        self._excluded_units = None
+        logger.info(
+            "shardcache: %s: leaving %d documents out from global batch %d of epoch %d on "
+            "(%d source entries); the batches before are unchanged",
+            self.path, len(exclusion.names()), exclusion.consumed, exclusion.epoch,
+            len(exclusion.documents),
+        )  # fmt: skip
+
+    def _excluded_at(self, position: int) -> np.ndarray | None:
+        """The plan units left out of the current epoch's batch at virtual index ``position``."""
+        exclusions = self._run.exclusions
+        if not exclusions:
+            return None
+        live = sum((e.epoch, e.consumed) <= (self.epoch, position) for e in exclusions)
+        if not live:
+            return None
+        if self._excluded_units is None:
+            self._excluded_units = {}
+        if live not in self._excluded_units:  # (exclusions are sorted by position)
+            _, index = self._selection.sources()
+            offsets = np.zeros(1, dtype=np.int64) if index is None else index.offsets
+            documents = [d for e in exclusions[:live] for d in e.documents]
+            self._excluded_units[live] = plan_units(documents, offsets, self._selection.pairs)
+        return self._excluded_units[live]
 
     def __iter__(self) -> Iterator[Batch]:
         refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
@@ -582,9 +698,13 @@ class ShardDataset(IterableDataset):
                 virtual = start + rank + world * position  # (past the end: wrapped)
                 wrap = virtual // len(plan) if samples.chain is not None else 0
                 index = int(mine[position])
-                batch = self.collate_batch(plan, index, wrap)
+                batch = self.collate_batch(plan, index, wrap, position=virtual)
                 if scheduled:
                     ids, _, pieces = plan.segments(index)
+                    out = self._excluded_at(virtual)
+                    if out is not None:  # (what was left out was not delivered)
+                        kept = ~is_excluded(ids, out)
+                        ids, pieces = ids[kept], None if pieces is None else pieces[kept]
                     selection.observe(ids, pieces, self.epoch)
                 if self.time_stages:
                     built = time.perf_counter() - fetched
@@ -596,7 +716,7 @@ class ShardDataset(IterableDataset):
                     }
                     self._plan_s = 0.0
                 if self.eval:  # past the plan's end: a wrapped batch that must not count
-                    mark_filler(batch, virtual >= len(plan))
+                    mark_filler(batch, virtual >= len(plan) or bool(batch["meta"].get("filler")))
                 # a batch counts as consumed once it is handed out (the torchdata convention)
                 self._consumed = start + world * (position + 1)
                 if self._worker is not None:
@@ -629,17 +749,32 @@ class ShardDataset(IterableDataset):
             with a schedule, ``schedule``: the epochs (windows) read, ``delivered_tokens`` and
             ``delivered_shares`` per source, and ``scheduled_shares`` (the schedule's shares of
             each window, weighted by the tokens read in it); after a resume with
-            ``skip_steps``, ``skipped_steps``: each range with the cursors it moved between.
+            ``skip_steps``, ``skipped_steps``: each range with the cursors it moved between;
+            with excluded documents, ``exclusions``: each one's position (``epoch``,
+            ``consumed``) and ``documents`` (``FILE:RECORD``), and ``excluded_segments``: the
+            segments this process took out of its batches.
         """
         stats = self._fetch.as_dict(self.cache_bytes, self.world_size)
         if self._run.skipped:
             stats["skipped_steps"] = self._run.stats()
+        if self._run.exclusions:
+            stats["exclusions"] = [
+                {"epoch": e.epoch, "consumed": e.consumed, "documents": e.names()}
+                for e in self._run.exclusions
+            ]
+            stats["excluded_segments"] = self._excluded_segments
         schedule = self._selection.schedule_stats()
         if schedule is not None:
             stats["schedule"] = schedule
         return stats
 
-    def collate_batch(self, plan: EpochPlan | StreamPlan, index: int, wrap: int = 0) -> Batch:
+    def collate_batch(
+        self,
+        plan: EpochPlan | StreamPlan,
+        index: int,
+        wrap: int = 0,
+        position: int | None = None,
+    ) -> Batch:
         """Read global batch ``index`` of ``plan`` and build its tensors.
 
         Args:
@@ -648,6 +783,10 @@ class ShardDataset(IterableDataset):
             wrap: how many times ``tail="wrap"`` went round the epoch's global batches before
                 this read of the batch (0: its first read). A transform seeds a read again
                 anew; without a transform it changes nothing.
+            position: the batch's virtual index in the current epoch's deal (past the plan's
+                end: read again under ``tail="wrap"``), which decides the exclusions in force
+                (None: ``index``). Their documents' segments are taken out; a batch left with
+                none is read as padding (``meta["filler"]`` True, no trainable token).
 
         Returns:
             The batch.
@@ -657,10 +796,24 @@ class ShardDataset(IterableDataset):
         """
         if self._collator is None or self._collator.uses_kernels != self.kernels:
             self._collator = collator(self._samples, self.options, self.attention, self.kernels)
+        units = self._excluded_at(index if position is None else position)
         part, index = locate(plan, index)
+        emptied = False
+        if units is not None:
+            cut = without_units(part, index, units)
+            if cut is not None:
+                kept = len(cut.sample_ids)
+                self._excluded_segments += len(part.batch(index)) - kept
+                if kept:
+                    part, index = cut, 0
+                else:  # nothing left: the batch's shape, read as padding
+                    emptied = True
         arrays, meta = self._collator(part, index, wrap, self.epoch)
         self._selection.annotate(meta)
-        return to_batch(arrays, meta)
+        batch = to_batch(arrays, meta)
+        if emptied:
+            mark_padding(batch, self.pad_id)
+        return batch
 
     @property
     def reads_compiled(self) -> bool:

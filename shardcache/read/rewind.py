@@ -5,7 +5,9 @@ batches are found by arithmetic (``run_record``: step -> rank's micro-batch -> e
 batch) and collated on their own: only the shards those batches use are read, and no earlier
 batch is. The inverse question (at which steps a document is read) scans the plan, not the
 data. Skipping steps on resume is ``ShardDataset.load_state_dict(state, skip_steps=...)``;
-``skip_state`` is its offline form.
+``skip_state`` is its offline form, and ``exclude_state`` that of leaving documents out
+(``load_state_dict(state, exclude=...)``). A run's exclusions are in its record: the batches
+recomputed here are without their documents from where each starts, as the run read them.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import numpy as np
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.batch import Batch
 from shardcache.read.dataset import ShardDataset
+from shardcache.read.exclusion import Document, plan_units, recorded_documents
 from shardcache.read.plan.epoch_plan import PlanOptions, split_epoch
 from shardcache.read.run_record import (
     RunRecord,
@@ -70,6 +73,8 @@ def open_run(record: RunRecord, transform: Any = None) -> ShardDataset:
             f"{record.cache_digest!r}; the cache changed since, so its batches cannot be "
             "recomputed from it. Rewind against the caches the run read"
         )
+    for exclusion in record.exclusions:  # (each from its own position, as the run left them out)
+        ds.exclude(exclusion.names(), at=(exclusion.epoch, exclusion.consumed))
     return ds
 
 
@@ -201,9 +206,9 @@ class Rewinder:
         part, place = ds.locate_batch(epoch, index, self.record.epoch_rounds.get(epoch))
         # as the reader does: a batch read again past the end (tail="wrap") is seeded anew
         wrap = virtual // total if ds.transform is not None else 0
-        batch = ds.collate_batch(part, place, wrap)
+        batch = ds.collate_batch(part, place, wrap, position=virtual)
         if ds.eval:
-            batch["meta"]["filler"] = virtual >= total
+            batch["meta"]["filler"] = virtual >= total or bool(batch["meta"].get("filler"))
         return batch
 
     def cache(self, source: int) -> Cache:
@@ -324,7 +329,8 @@ class Rewinder:
         """The steps at which a document (every piece of it) is read.
 
         Scans the plan of ``epochs`` epochs from the one ``from_step`` reads in (None: the
-        epoch of the run's last segment), not the data.
+        epoch of the run's last segment), not the data. A read at or after the position of an
+        exclusion of the run that holds the document is not one: the run left it out there.
 
         Args:
             file: the document's input file, relative to the build's input root (as
@@ -350,6 +356,8 @@ class Rewinder:
             segment = self.record.segment_of(from_step)
             first_epoch = self.locate(from_step, 0, max(segment.micro, 0) if
                                       segment.step == from_step else 0)[0]  # fmt: skip
+        excluded = [(e.epoch, e.consumed, set(self._units_of(e.documents).tolist()))
+                    for e in self.record.exclusions]  # fmt: skip
         found = []
         for epoch in range(first_epoch, first_epoch + epochs):
             plan = self.ds.plan(epoch)
@@ -359,7 +367,10 @@ class Rewinder:
                 if not hit.any():
                     continue
                 for read in self._reads(segment, epoch, index, len(plan)):
+                    at = (epoch, read.pop("virtual"))
                     for unit in np.unique(ids[hit]).tolist():
+                        if any(at >= (e, c) and unit in units for e, c, units in excluded):
+                            continue  # (left out there)
                         s, local = self._split_id(unit)
                         found.append({**read, "source": s, "sample_id": local})
         return sorted(found, key=lambda f: (f["step"], f["rank"], f["micro"], f["sample_id"]))
@@ -386,6 +397,12 @@ class Rewinder:
                 "build's input root) and a 0-based record index"
             )
         return wanted
+
+    def _units_of(self, documents: tuple[Document, ...]) -> np.ndarray:
+        """The plan's unit ids of excluded documents (their sources' ids, offset)."""
+        sizes = [self.cache(s).num_sequences for s in range(len(self.record.dataset["sources"]))]
+        offsets = np.concatenate([[0], np.cumsum(sizes)]).astype(np.int64)
+        return plan_units(documents, offsets, pairs=False)
 
     def _split_id(self, unit: int) -> tuple[str, int]:
         sources = self.record.dataset["sources"]
@@ -416,6 +433,7 @@ class Rewinder:
                 "micro": micro % segment.grad_accum,
                 "epoch": epoch,
                 "global_batch": index,
+                "virtual": virtual,
             }
 
 
@@ -508,7 +526,51 @@ def skip_state(
                       rank=0, world_size=world, **arguments) as ds:  # fmt: skip
         if grad_accum is not None:
             ds.grad_accum = grad_accum
-        ds.load_state_dict(run_state, skip_steps=skip_steps)
+        ds.load_state_dict(run_state, skip_steps=skip_steps, exclude=recorded_documents(run_state))
+        return ds.state_dict()
+
+
+def exclude_state(
+    run_state: dict[str, Any],
+    documents: list[Any],
+    *,
+    world_size: int | None = None,
+    grad_accum: int | None = None,
+    transform: Any = None,
+) -> dict[str, Any]:
+    """A reader state that leaves ``documents`` out from its position on.
+
+    The offline form of ``ShardDataset.load_state_dict(state, exclude=...)``: the state
+    returned, loaded by the resumed run (which passes the same documents, and any the run left
+    out before, to ``load_state_dict``), reads every batch from the position without them; the
+    batches before it are unchanged.
+
+    Args:
+        run_state: a reader state holding its run record.
+        documents: ``"FILE:RECORD"`` or ``(file, record)`` each; the ones the state's run
+            already leaves out are kept, and need not be named again.
+        world_size: the resumed run's world size (None: the state's).
+        grad_accum: the resumed run's accumulation (None: the state's).
+        transform: the run's transform(s), when the record cannot rebuild them.
+
+    Returns:
+        The new state (JSON-able).
+
+    Raises:
+        StateError: the state holds no run record, or is of other data.
+        ConfigError: a document is malformed or in no source, or the state is one DataLoader
+            worker's.
+    """
+    record = as_record(run_state)
+    arguments = dataset_arguments(record.dataset, transform)
+    path = arguments.pop("path")
+    world = record.world_size if world_size is None else world_size
+    documents = [*recorded_documents(run_state), *documents]
+    with ShardDataset(path, options=PlanOptions.from_json(record.plan), seed=record.seed,
+                      rank=0, world_size=world, **arguments) as ds:  # fmt: skip
+        if grad_accum is not None:
+            ds.grad_accum = grad_accum
+        ds.load_state_dict(run_state, exclude=documents)
         return ds.state_dict()
 
 

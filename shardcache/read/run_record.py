@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from shardcache.errors import ConfigError, StateError
+from shardcache.read.exclusion import Exclusion
 from shardcache.read.plan.epoch_plan import EpochPlan, split_epoch
 from shardcache.read.plan.streams import StreamPlan
 from shardcache.read.samples.transforms import FIM, SpanMask
@@ -115,6 +116,8 @@ class RunRecord:
             stream as long as the longest): each one's stream length ``M``, so that global
             batch ``j`` is batch ``j // C`` of stream ``j % C`` and one batch is found by
             planning its stream alone (``ShardDataset.locate_batch``).
+        exclusions: documents left out from a position on (``load_state_dict(state,
+            exclude=...)``), by position.
     """
 
     dataset: dict[str, Any]
@@ -125,6 +128,7 @@ class RunRecord:
     skipped: tuple[SkippedSteps, ...] = ()
     epoch_batches: Mapping[int, int] = field(default_factory=dict)
     epoch_rounds: Mapping[int, int] = field(default_factory=dict)
+    exclusions: tuple[Exclusion, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.segments:
@@ -228,6 +232,7 @@ class RunRecord:
             "skipped": [asdict(s) for s in self.skipped],
             "epoch_batches": {str(e): int(n) for e, n in sorted(self.epoch_batches.items())},
             "epoch_rounds": {str(e): int(n) for e, n in sorted(self.epoch_rounds.items())},
+            "exclusions": [e.to_json() for e in self.exclusions],
         }
 
     @classmethod
@@ -261,6 +266,7 @@ class RunRecord:
                 tuple(SkippedSteps(**s) for s in data.get("skipped") or ()),
                 {int(e): int(n) for e, n in (data.get("epoch_batches") or {}).items()},
                 {int(e): int(n) for e, n in (data.get("epoch_rounds") or {}).items()},
+                tuple(Exclusion.from_json(e) for e in data.get("exclusions") or ()),
             )
         except (KeyError, TypeError, ValueError) as err:
             if isinstance(err, StateError):
@@ -575,6 +581,7 @@ class RunLog:
         self.skipped: tuple[SkippedSteps, ...] = ()
         self.counts: dict[int, int] = {}
         self.rounds: dict[int, int] = {}  # epochs of whole stream rounds: their stream length
+        self.exclusions: tuple[Exclusion, ...] = ()  # by position
 
     def planned(self, epoch: int, plan: EpochPlan | StreamPlan) -> int:
         """Note an epoch's plan: its global batch count, and its stream length if whole rounds."""
@@ -608,7 +615,7 @@ class RunLog:
             segments = (*segments, Segment(step, micro, epoch, consumed, world_size, accum))
         return RunRecord(
             self.spec, cache_digest, seed, plan, segments, self.skipped, dict(self.counts),
-            dict(self.rounds),
+            dict(self.rounds), self.exclusions,
         )  # fmt: skip
 
     def resume(
@@ -635,11 +642,12 @@ class RunLog:
                 self.rounds = merge_counts(self.rounds, history.epoch_rounds, "batches a stream")
             segment = history.segments[-1]
             self.segments, self.skipped = history.segments, history.skipped
+            self.exclusions = history.exclusions
         else:
             world = state.get("world_size")
             world = world if isinstance(world, int) and world >= 1 else 1
             segment = Segment(0, 0, epoch, consumed, world, self.grad_accum or 1)
-            self.segments, self.skipped = (segment,), ()
+            self.segments, self.skipped, self.exclusions = (segment,), (), ()
         counted = self._counted(batches_of)
         micro = micro_of_cursor(segment, epoch, consumed, counted, tail) + segment.micro
         step, within = segment.step + micro // segment.grad_accum, micro % segment.grad_accum
