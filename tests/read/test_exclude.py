@@ -226,6 +226,19 @@ def test_a_state_after_the_point_resumes_the_same_stream(world):
             part.load_state_dict(later, exclude=names[:-1])
 
 
+def test_resumed_at_another_world_size():
+    per_epoch, runs = _reference(2, "pad")
+    names = _names(TEXT, _chosen(per_epoch, runs))
+    state = _point_state(2, "pad")  # (taken at W 2, resumed at W 3)
+    for rank in range(3):
+        with _open(3, rank) as ds, _open(3, rank) as reference:
+            ds.load_state_dict(state, exclude=names)
+            reference.load_state_dict(state)
+            count = len(ds) + ds.batches_per_rank(1)  # (the rest of this epoch, the next)
+            got, want = _read(ds, count, workers=2), _read(reference, count)
+        assert _check_stream(got, want, _all_pieces(names)) >= 1
+
+
 def test_find_document_gives_no_read_after_the_point():
     per_epoch, runs = _reference(2, "pad")
     names = _names(TEXT, _chosen(per_epoch, runs))
