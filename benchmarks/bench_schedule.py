@@ -48,6 +48,23 @@ in one process, rank 0, the window/epoch being the first window of the last phas
   variants interleaved in each round; sizes above ``--timed-max`` (and ``all`` above
   ``--all-timed-max``) have the traced round only, marked ``traced``. ``--extrapolate`` sizes
   are linear in N from the largest measured size, marked ``extrapolated``.
+
+``--part point --base TREE [--this TREE]``: a schedule point far into the run, before and
+after a change in the same run (``--base``: another checkout, e.g. ``git worktree add
+/tmp/base COMMIT``; ``--this``: this one). ``--sources`` sources of 1e9 tokens each, three
+points (0, ``at / 2``, ``at``, weights drawn per point), ``total_tokens = 1.5 at``, for each
+``at`` of ``--at`` and each case: ``default`` (the default window: every source once at the
+first point's shares), ``small`` (``window_tokens=4096``, a batch), ``max`` (the window that
+cuts the run into just under 100,000 windows, the most a schedule could have before),
+``linear`` (kind linear, the default window) and ``capped`` (``max_repetitions=4``: the run
+breaks a cap, the error is the answer). Each measurement runs in a fresh process with its
+tree first on ``sys.path``, the two trees alternating, best of ``--repeats``:
+
+* ``resolve_s``: ``resolve_schedule``, then ``table()`` (what ``shardcache mix`` prints), the
+  targets of the first window of the last phase and of the run's last window, and
+  ``expected_documents`` (what a ``ShardDataset`` asks at construction), untraced;
+* ``traced_peak_mib``: tracemalloc's peak over the same calls (a first, traced round);
+* ``windows``, or ``error``: the first line of the ``ConfigError`` raised.
 """
 
 from __future__ import annotations
@@ -56,7 +73,9 @@ import argparse
 import gc
 import itertools
 import json
+import math
 import os
+import subprocess
 import sys
 import tempfile
 import time
@@ -84,6 +103,48 @@ from shardcache.read.selection.mixture_table import solve_mixture
 from shardcache.read.selection.schedule import Schedule, resolve_schedule
 
 REPEATS = 3
+#: ``--part point``: one measurement in a fresh process, the tree (argv[1]) first on sys.path
+POINT_CHILD = r"""
+import json, math, sys, time, tracemalloc
+sys.path.insert(0, sys.argv[1])
+import numpy as np
+from shardcache import ConfigError, Schedule, Source
+from shardcache.read.selection.schedule import resolve_schedule
+at, case, k = int(sys.argv[2]), sys.argv[3], int(sys.argv[4])
+names = [f"s{i}" for i in range(k)]
+tokens = [10**9] * k
+rng = np.random.default_rng(0)
+points = [{"at_tokens": x, "weights": dict(zip(names, rng.uniform(0.5, 2.0, k).tolist()))}
+          for x in (0, at // 2, at)]
+repetitions = 4.0 if case == "capped" else 1e12
+sources = tuple(Source(x, name=x, max_repetitions=repetitions) for x in names)
+window = {"small": 4096, "max": -(-(at * 3 // 2) // 99_990)}.get(case)
+kind = "linear" if case == "linear" else "phases"
+schedule = Schedule(points, kind=kind, window_tokens=window, total_tokens=at * 3 // 2)
+
+def answer():
+    layout = resolve_schedule(schedule, sources, tokens)
+    table = layout.table()
+    layout.window_targets(table.phase_windows[-1][0])
+    layout.window_targets(layout.windows - 1)
+    layout.expected_documents([10**7] * k)
+    return layout.windows
+
+out = {}
+try:
+    started = time.perf_counter()
+    out["windows"] = answer()
+    out["resolve_s"] = time.perf_counter() - started
+    tracemalloc.start()
+    answer()
+    out["traced_peak_mib"] = tracemalloc.get_traced_memory()[1] / 2**20
+    tracemalloc.stop()
+except (ConfigError, MemoryError) as err:
+    out["resolve_s"] = time.perf_counter() - started
+    out["error"] = f"{type(err).__name__}: {str(err)[:160]}"
+    tracemalloc.stop()
+print(json.dumps(out))
+"""
 #: bench_scale's shards (its default ``--rows-per-shard``)
 ROWS_PER_SHARD = 1000
 
@@ -351,10 +412,49 @@ def first_batch_part(args: argparse.Namespace) -> None:
     record_result("bench_schedule_first_batch", figures, vars(args))
 
 
+def _point(tree: str, at: int, case: str, sources: int) -> dict[str, Any]:
+    """One ``--part point`` measurement in a fresh process with ``tree`` first on sys.path."""
+    args = [sys.executable, "-c", POINT_CHILD, tree, str(at), case, str(sources)]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=600)
+    if out.returncode != 0:  # (a MemoryError past the interpreter's reach: the last line)
+        return {"error": (out.stderr.strip().splitlines() or ["?"])[-1][:160]}
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def point_part(args: argparse.Namespace) -> None:
+    """``--part point`` (see the module docstring)."""
+    if args.base is None:
+        raise SystemExit("--part point needs --base TREE (the checkout before the change)")
+    this = args.this or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    trees = {"base": os.path.abspath(args.base), "this": os.path.abspath(this)}
+    ats = [int(eval(x, {})) if "**" in x else int(float(x)) for x in args.at.split(",")]
+    cases = [c for c in args.cases.split(",") if c]
+    best: dict[str, dict[str, dict[str, Any]]] = {}
+    for _ in range(args.repeats):
+        for at in ats:
+            for case in cases:
+                for side, tree in trees.items():  # both sides interleaved in each round
+                    got = _point(tree, at, case, args.sources)
+                    kept = best.setdefault(f"{case}-{at}", {}).setdefault(side, got)
+                    if got.get("resolve_s", math.inf) < kept.get("resolve_s", math.inf):
+                        kept["resolve_s"] = got["resolve_s"]
+    print("\n| at_tokens | case | side | windows or error | resolve s | traced peak MiB |")
+    print("|---|---|---|---|---|---|")
+    for key, sides in best.items():
+        case, at = key.split("-")
+        for side in trees:
+            got = sides[side]
+            what = f"{got['windows']:,}" if "windows" in got else got.get("error", "?")[:70]
+            resolve = f"{got['resolve_s']:.4f}" if "resolve_s" in got else "-"
+            peak = f"{got['traced_peak_mib']:.2f}" if "traced_peak_mib" in got else "-"
+            print(f"| {int(at):.3g} | {case} | {side} | {what} | {resolve} | {peak} |")
+    record_result("bench_schedule_point", {"cases": best, "trees": trees}, vars(args))
+
+
 def main() -> None:
     """Run the chosen part."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--part", default="window", choices=("window", "first-batch"))
+    parser.add_argument("--part", default="window", choices=("window", "first-batch", "point"))
     parser.add_argument("--sources", type=int, default=20)
     parser.add_argument("--sequences", type=int, default=1_000_000, help="window: per source")
     parser.add_argument("--phases", type=int, default=3)
@@ -373,9 +473,15 @@ def main() -> None:
         default=os.path.join(tempfile.gettempdir(), "shardcache-bench-scale"),
         help="first-batch: where bench_scale's synthetic indexes are kept (200M: 0.8 GB)",
     )
+    parser.add_argument("--base", help="point: the other checkout (before the change)")
+    parser.add_argument("--this", help="point: the checkout after it (default: this one)")
+    parser.add_argument("--at", default="1e9,1e12,1e14,1e16,1e18,2**62", help="point")
+    parser.add_argument("--cases", default="default,small,max,linear,capped", help="point")
     args = parser.parse_args()
     if args.part == "window":
         window_part(args)
+    elif args.part == "point":
+        point_part(args)
     else:
         first_batch_part(args)
 

@@ -308,12 +308,14 @@ def test_the_bundled_schedule_recipe_parses():
     assert recipe.dataset_options()["schedule"] is recipe.schedule
 
 
-@pytest.mark.parametrize("at", [10**14, 10**16, 10**18])
-def test_a_schedule_point_past_what_can_be_planned_is_one_line_exit_2(caches, at):
-    """A point at 1e14..1e18 tokens would cut billions of windows (a MemoryError before)."""
+@pytest.mark.parametrize("at", [10**14, 10**16, 10**18, 2**62])
+def test_a_schedule_point_past_a_source_s_cap_is_one_line_exit_2_naming_both(caches, at):
+    """A point at 1e14..2**62 tokens (billions of 250-token windows, none cut) needs more of
+    web than its max_repetitions allow: one line naming the source and the point."""
     extra = SCHEDULE.replace("total_tokens = 1100\n", "").replace("600", str(at))
     result = CliRunner().invoke(main, ["mix", _recipe(caches, extra)])
     assert result.exit_code == 2, result.output
     errors = [line for line in result.output.splitlines() if line.startswith("Error")]
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
-    assert re.search(rf"Schedule: [\d,]+ windows .*at_tokens={at:,}.*window_tokens=", errors[0])
+    assert re.search(rf"source 'web' .* by token {at:,} \(its last point\).*max_repetitions=1 "
+                     "bounds", errors[0])  # fmt: skip

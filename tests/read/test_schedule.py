@@ -6,13 +6,18 @@ from __future__ import annotations
 import collections
 import itertools
 import json
+import math
+from fractions import Fraction
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_dataset_mixture import _build, _resume_stream, _segments
 
 from shardcache import ConfigError, Schedule, ShardDataset, Source, StateError, open_cache
 from shardcache.read.selection.mixture import MixtureIndex
+from shardcache.read.selection.mixture_table import normalised_shares
 from shardcache.read.selection.schedule import resolve_schedule, window_documents
 
 WINDOW = 2_000
@@ -68,10 +73,11 @@ def test_phase_targets_are_exact_and_caps_bound_the_whole_run(caches):
     sources = tuple(_sources(caches))
     tokens = [5_000, 2_000, 700]
     layout = resolve_schedule(_schedule(), sources, tokens)
-    assert layout.starts.tolist() == [0, 2_000, 4_000, 5_000, 7_000, 9_000]
-    phase1 = layout.cum[3]
+    assert [layout.span(w)[0] for w in range(layout.windows)] == [0, 2_000, 4_000, 5_000,
+                                                                  7_000, 9_000]  # fmt: skip
+    phase1 = layout.targets(3)
     assert phase1.tolist() == [3_500, 1_500, 0]
-    assert (layout.cum[-1] - phase1).tolist() == [1_800, 1_800, 2_400]
+    assert (layout.targets(layout.windows) - phase1).tolist() == [1_800, 1_800, 2_400]
     table = layout.table()
     assert [round(r.share, 4) for r in table.phases[1][2]] == [0.3, 0.3, 0.4]
     assert table.exhausted["math"] is not None
@@ -82,7 +88,7 @@ def test_phase_targets_are_exact_and_caps_bound_the_whole_run(caches):
     capped = (sources[0], sources[1], Source(sources[2].path, name="math", max_repetitions=4))
     end = resolve_schedule(Schedule(_schedule().points, window_tokens=WINDOW), capped, tokens)
     assert end.binding == "math"  # 4 passes of 700 at 0.4 after 5,000: ends at 12,000
-    assert int(end.starts[-1] + end.sizes[-1]) == 12_000
+    assert end.total_tokens == 12_000
 
 
 def test_delivered_shares_per_phase_and_no_document_reused_before_its_source_is_used_up(caches):
@@ -225,16 +231,16 @@ def test_a_linear_schedule_gives_every_window_of_a_ramp_its_share_within_one_per
         total_tokens=ramp + 100_000,
     )
     layout = resolve_schedule(schedule, sources, tokens)
-    in_ramp = layout.starts < ramp
-    assert layout.sizes[in_ramp].max() <= ramp // 100  # windows of 1% of the ramp
-    assert layout.sizes[~in_ramp].tolist() == [50_000, 50_000]
+    spans = [layout.span(w) for w in range(layout.windows)]
+    assert max(size for start, size in spans if start < ramp) <= ramp // 100  # 1% of the ramp
+    assert [size for start, size in spans if start >= ramp] == [50_000, 50_000]
     for w in range(layout.windows):
         begin, end = layout.window_targets(w)
         got = [
             int(x[window_documents(x, int(begin[s]), int(end[s]), 0, s)].sum())
             for s, x in enumerate(lengths)
         ]
-        a, b = int(layout.starts[w]), int(layout.starts[w] + layout.sizes[w])
+        a, b = spans[w][0], spans[w][0] + spans[w][1]
         # the exact share of "b": the mean of the ramp over the window (1 after it)
         want_b = (min(max((a + b) / 2, 0), ramp) / ramp) if b <= ramp else 1.0
         assert abs(got[1] / sum(got) - want_b) <= 0.01, f"window {w} [{a}, {b})"
@@ -301,12 +307,225 @@ def test_a_window_across_a_pass_numbers_each_copy_of_a_document_apart():
     assert crossing > 0
 
 
-def test_a_schedule_of_more_windows_than_can_be_planned_is_refused_naming_the_count():
-    """``window_tokens=1`` over 200,000 tokens: 200,000 one-token windows (epochs), mostly empty
-    at any batch size, refused before one is cut; a run within the bound is planned."""
+def test_a_run_of_one_token_windows_is_cut_on_demand():
+    """``window_tokens=1`` over 200,000 tokens: 200,000 windows (epochs), none cut before it
+    is asked for."""
     sources = (Source("a", name="a"),)
     points = [{"at_tokens": 0, "weights": {"a": 1.0}}]
-    with pytest.raises(ConfigError, match=r"200,000 windows of up to 1 tokens .*window_tokens=2"):
-        resolve_schedule(Schedule(points, window_tokens=1), sources, [200_000])
-    layout = resolve_schedule(Schedule(points, window_tokens=2), sources, [200_000])
-    assert layout.windows == 100_000
+    layout = resolve_schedule(Schedule(points, window_tokens=1), sources, [200_000])
+    assert layout.windows == 200_000 and len(layout.segments) == 1
+    assert [t.tolist() for t in layout.window_targets(123_456)] == [[123_456], [123_457]]
+    with pytest.raises(ConfigError, match=r"epoch 200000: the schedule's run has 200,000 windows"):
+        layout.window_targets(200_000)
+
+
+def _far_schedule(at: int) -> Schedule:
+    """A phase of 0.75 / 0.25 up to ``at``, then 0.5 / 0.5 for 3,000 tokens (shares exact in
+    binary, so every target is an integer)."""
+    points = [
+        {"at_tokens": 0, "weights": {"web": 0.75, "code": 0.25}},
+        {"at_tokens": at, "weights": {"web": 0.5, "math": 0.5}},
+    ]
+    return Schedule(points, window_tokens=2_000, total_tokens=at + 3_000)
+
+
+@pytest.mark.parametrize("at", [10**14, 10**18, 2**62])
+def test_a_point_anywhere_up_to_2_62_tokens_resolves_and_any_window_is_answered(at):
+    """Windows are computed on demand: a point at 1e14 .. 2**62 tokens (up to 2.3e15 windows
+    of 2,000 tokens) resolves, and a window's targets and documents come without cutting the
+    windows before it."""
+    rng = np.random.default_rng(7)
+    lengths = [rng.integers(1, 60, size=n) for n in (170, 60, 25)]
+    tokens = [int(x.sum()) for x in lengths]
+    sources = tuple(Source(n, name=n, max_repetitions=1e18) for n in ("web", "code", "math"))
+    layout = resolve_schedule(_far_schedule(at), sources, tokens)
+    phase1 = -(-at // 2_000)
+    assert layout.windows == phase1 + 2
+    last = phase1 - 1  # the last window of the first phase
+    start = 2_000 * last
+    begin, end = layout.window_targets(last)
+    assert begin.tolist() == [3 * start // 4, start // 4, 0]
+    assert end.tolist() == [3 * at // 4, at // 4, 0]
+    begin, end = layout.window_targets(layout.windows - 1)  # the run's last 1,000 tokens
+    assert (end - begin).tolist() == [500, 0, 500]
+    assert end.tolist() == [3 * at // 4 + 1_500, at // 4, 1_500]
+    for s, x in enumerate(lengths):  # a late window's documents: its targets, within one
+        begin, end = layout.window_targets(last)
+        got = int(x[window_documents(x, int(begin[s]), int(end[s]), 3, s)].sum())
+        assert abs(got - int(end[s] - begin[s])) <= int(x.max())
+    table = layout.table()
+    assert table.windows == phase1 + 2 and table.total_tokens == at + 3_000
+    assert table.phase_windows == ((0, phase1), (phase1, phase1 + 2))
+    assert [r.tokens for r in table.phases[0][2]] == [3 * at // 4, at // 4, 0]
+    assert [r.tokens for r in table.phases[1][2]] == [1_500, 0, 1_500]
+    # web's first pass ends inside window w = ceil(tokens / 1,500) - 1, at its share's pace
+    w = -(-tokens[0] // 1_500) - 1
+    assert table.exhausted["web"] == 2_000 * w + round((tokens[0] - 1_500 * w) / 0.75)
+
+
+def test_a_cap_broken_by_a_far_point_names_the_source_and_the_point():
+    sources = tuple(Source(n, name=n, max_repetitions=4) for n in ("web", "code", "math"))
+    with pytest.raises(ConfigError, match=r"source 'web' .* by token 1,000,000,000,000,000,000 "
+                       r"\(its last point\).*max_repetitions=4 bounds"):  # fmt: skip
+        resolve_schedule(_far_schedule(10**18), sources, [5_000, 2_000, 700])
+
+
+@st.composite
+def _runs(draw) -> tuple[Schedule, list[int], int, float]:
+    """A schedule of 1-4 points over 1-3 sources, the sources' tokens, an edit's place and
+    weight (a point added after the last, or a past point's weights rescaled by a rounding)."""
+    k = draw(st.integers(1, 3))
+    gaps = draw(st.lists(st.integers(1, 3_000), max_size=3))
+    ats = [0, *itertools.accumulate(gaps)]
+    weight = st.floats(0, 10, allow_nan=False, allow_subnormal=False)
+    points = []
+    for at in ats:
+        w = draw(st.lists(weight, min_size=k, max_size=k).filter(lambda w: max(w) > 0))
+        points.append({"at_tokens": at, "weights": {f"s{i}": x for i, x in enumerate(w)}})
+    schedule = Schedule(
+        points,
+        kind=draw(st.sampled_from(["phases", "linear"])),
+        window_tokens=draw(st.integers(10, 2_000)),
+        total_tokens=ats[-1] + draw(st.integers(1, 3_000)),
+    )
+    tokens = draw(st.lists(st.integers(1, 20_000), min_size=k, max_size=k))
+    return schedule, tokens, draw(st.integers(1, 2_999)), draw(st.floats(0.1, 10))
+
+
+def _materialised(schedule: Schedule, labels: list[str]) -> dict:
+    """The windows cut one by one as before, and every target from first principles: the
+    exact integral of the source's share (a phase's, or linear between points) up to there."""
+    ats = [p.at_tokens for p in schedule.points]
+    window, total = schedule.window_tokens, schedule.total_tokens
+    linear = schedule.kind == "linear"
+    spans = []
+    for i, (a, b) in enumerate(zip(ats, [*ats[1:], total])):
+        size = window
+        if linear and i < len(ats) - 1:
+            size = max(1, min(window, math.ceil((b - a) * 0.01)))
+        spans += [(x, min(x + size, b) - x) for x in range(a, b, size)]
+    rows = [
+        [Fraction(f) for f in normalised_shares([p.weights.get(x, 0.0) for x in labels])]
+        for p in schedule.points
+    ]
+
+    def integral(x: int) -> list[Fraction]:
+        got = [Fraction(0)] * len(labels)
+        for i, a in enumerate(ats):
+            b = ats[i + 1] if i + 1 < len(ats) else total
+            u = min(x, b) - a
+            if u <= 0:
+                break
+            for s in range(len(labels)):
+                got[s] += rows[i][s] * u
+                if linear and i + 1 < len(ats):
+                    got[s] += (rows[i + 1][s] - rows[i][s]) * u * u / (2 * (b - a))
+        return got
+
+    starts = [start for start, _ in spans] + [total]
+    return {"spans": spans, "targets": [[round(v) for v in integral(x)] for x in starts]}
+
+
+def _shares(schedule: Schedule, labels: list[str], start: int, size: int) -> np.ndarray:
+    """The shares a window should have: its phase's, or interpolated at its midpoint."""
+    ats = [p.at_tokens for p in schedule.points]
+    rows = [np.asarray([p.weights.get(x, 0.0) for x in labels]) for p in schedule.points]
+    rows = [r / r.sum() for r in rows]
+    i = int(np.searchsorted(ats, start, side="right")) - 1
+    if schedule.kind == "phases" or i == len(ats) - 1:
+        return rows[i]
+    t = (start + size / 2 - ats[i]) / (ats[i + 1] - ats[i])
+    mixed = rows[i] * (1 - t) + rows[i + 1] * t
+    return mixed / mixed.sum()
+
+
+@settings(max_examples=80, deadline=None)
+@given(_runs())
+def test_windows_on_demand_are_the_windows_cut_one_by_one(run):
+    """Every window's place, shares and exact targets, the table, the largest window's
+    documents and ``same_until`` under an edit, against the run cut window by window and
+    targets integrated exactly."""
+    schedule, tokens, after, rescale = run
+    labels = [f"s{i}" for i in range(len(tokens))]
+    sources = tuple(Source(x, name=x, max_repetitions=1e9) for x in labels)
+    layout = resolve_schedule(schedule, sources, tokens)
+    ref = _materialised(schedule, labels)
+    assert [layout.span(w) for w in range(layout.windows)] == ref["spans"]
+    for w, (start, size) in enumerate(ref["spans"]):
+        want = _shares(schedule, labels, start, size)
+        assert np.allclose(layout.shares_of(w), want, rtol=1e-9, atol=1e-12)
+    targets = [layout.targets(w).tolist() for w in range(layout.windows + 1)]
+    assert targets == ref["targets"]
+    cum = np.asarray(targets, dtype=np.int64)
+    table = layout.table()
+    for (first, after_last), (_, _, rows) in zip(table.phase_windows, table.phases):
+        assert [r.tokens for r in rows] == (cum[after_last] - cum[first]).tolist()
+    for s, x in enumerate(labels):  # where the first pass ends: in the first window reaching it
+        w = int(np.searchsorted(cum[:, s], tokens[s], side="left"))
+        at = table.exhausted[x]
+        assert (at is None) == (w > layout.windows)
+        if at is not None:
+            start, size = ref["spans"][w - 1]
+            assert start <= at <= start + size
+    documents = [max(1, t // (10 * (s + 1))) for s, t in enumerate(tokens)]  # (s: shorter)
+    per_token = np.asarray(documents) / np.asarray(tokens)
+    largest = int(np.ceil((np.diff(cum, axis=0) @ per_token).max()))
+    got = layout.expected_documents(documents)
+    if max(seg.windows for seg in layout.segments) <= 64:
+        assert got == largest
+    else:  # (the first and last 32 windows of each segment: within a token a source)
+        assert largest - 1 <= got <= largest
+
+    # an edit: a point added after the last (the past unchanged), or a past point's weights
+    # all scaled (the same shares up to a rounding: the same windows while targets agree)
+    points = [p.to_json() for p in schedule.points]
+    if rescale < 5:
+        points.append({"at_tokens": points[-1]["at_tokens"] + after, "weights": {labels[0]: 1.0}})
+    else:
+        points[0]["weights"] = {x: w * rescale for x, w in points[0]["weights"].items()}
+    total = max(schedule.total_tokens, points[-1]["at_tokens"] + 1)
+    edited_schedule = Schedule(points, schedule.kind, schedule.window_tokens, total)
+    edited = resolve_schedule(edited_schedule, sources, tokens)
+    theirs = _materialised(edited_schedule, labels)
+    for w in range(layout.windows):
+        same = (
+            w < edited.windows
+            and ref["spans"][: w + 1] == theirs["spans"][: w + 1]
+            and ref["targets"][: w + 2] == theirs["targets"][: w + 2]
+        )
+        assert layout.same_until(edited, w) == same, w
+        assert edited.same_until(layout, w) == same, w
+
+
+def test_a_dataset_reads_a_window_past_1e17_tokens_and_resumes_there(caches):
+    """A point at 10**17 tokens: 5e13 windows of 2,000, the last of the first phase read at
+    its shares, and a state taken in it resumed at another world size."""
+    sources = [Source(caches[x], name=x, max_repetitions=1e14) for x in ("web", "code", "math")]
+    opened = [open_cache(caches[x]) for x in ("web", "code", "math")]
+    longest = max(int(np.max(c.lengths)) for c in opened)
+
+    def make(rank: int, world: int) -> ShardDataset:
+        return ShardDataset(sources, 64, seed=3, schedule=_far_schedule(10**17), rank=rank,
+                            world_size=world, streams=2)  # fmt: skip
+
+    ds = make(0, 1)
+    assert ds.epochs == 5 * 10**13 + 2
+    epoch = ds.epochs - 3  # tokens 1e17 - 2,000 .. 1e17: 0.75 / 0.25 / 0
+    read = collections.Counter()
+    for s, _, n in _uses(ds, epoch):
+        read[s] += n
+    assert abs(read[0] - 1_500) <= longest and abs(read[1] - 500) <= longest and not read[2]
+    whole = [tuple(seg[:2] for seg in _segments(b)) for b in ds]
+    it = iter(ds)
+    next(it)
+    state = json.loads(json.dumps(ds.state_dict()))
+    assert state["epoch"] == epoch
+    # (without its run record, as an older reader's state: the record starts at epoch 0 and
+    # would count every window before this one, reached by set_epoch, as read)
+    del state["run"]
+    rest = []
+    for rank in range(2):
+        other = make(rank, 2)
+        other.load_state_dict(state)
+        rest += _keys(other)
+    assert sorted(rest) == sorted(whole[1 : 1 + len(rest)]) and rest

@@ -4,18 +4,25 @@ A schedule's run is cut into **windows**; window ``w`` is planned as one mixture
 number = window number), so streams, ranks, workers and resume are the epoch machinery's. Every
 source reads its own endless stream of documents: pass ``c`` over the source is a permutation
 seeded by (seed, source key, c). Window ``w`` takes the documents between the source's cumulative
-token targets at its start and end (``round`` of the schedule's shares times the windows'
-sizes, summed), each cut at the nearest document boundary. So no document is used again before
-every document of its source was used, a source's tokens over any run of windows are within one
-longest document of its target, and the documents of window ``w`` are a pure function of the
-sources, the schedule, the seed and ``w``: computed without planning earlier windows.
+token targets at its start and end (its share integrated over the run's tokens up to there,
+exactly, then rounded: a phase's share times its tokens; in a linear ramp, where a share is
+linear between two points, a window's share at its midpoint times its tokens), each cut at the
+nearest document boundary. So no document is used again before every document of its source
+was used, a source's tokens over any run of windows are within one longest document of its
+target, and the documents of window ``w`` are a pure function of the sources, the schedule,
+the seed and ``w``: computed without planning earlier windows. No window is materialised
+either: a window's place, shares and targets come from the points (``ScheduleLayout``), in time
+and memory independent of the run's length, so a point may be anywhere below 2**63 tokens.
 """
 
 from __future__ import annotations
 
+import bisect
+import functools
 import itertools
 import math
 from dataclasses import dataclass, field
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -28,10 +35,6 @@ from shardcache.read.selection.mixture_table import MAX_TOKENS_PER_EPOCH, normal
 KINDS = ("phases", "linear")
 #: A linear ramp is cut into windows of at most this share of its tokens.
 LINEAR_WINDOW_SHARE = 0.01
-#: The most windows a schedule may cut the run into: each is an epoch of the run, planned and
-#: stored apart, so millions of them (``window_tokens=1``, or a point at 1e14 tokens) are
-#: mostly empty epochs and arrays of gigabytes; past it the schedule is refused.
-MAX_SCHEDULE_WINDOWS = 100_000
 
 
 @dataclass(frozen=True)
@@ -301,20 +304,122 @@ class ScheduleTable:
         return "\n".join(lines)
 
 
+def _exact_bits(shares: np.ndarray) -> int:
+    """The fewest bits ``b`` for which every share times ``2**b`` is an integer.
+
+    A float64 ``m * 2**e`` (``frexp``: ``0.5 <= m < 1``, 53 bits of ``m``) is an integer over
+    ``2**(53 - e)``.
+    """
+    positive = shares[shares > 0]
+    if not len(positive):
+        return 0
+    _, exponent = np.frexp(positive)
+    return max(0, int((53 - exponent).max()))
+
+
+def _scaled(values: np.ndarray, unit: int) -> tuple[int, ...]:
+    """Each value times ``unit``, exactly (``unit`` a multiple of every value's denominator)."""
+    out = []
+    for value in np.asarray(values, dtype=np.float64).tolist():
+        numerator, denominator = value.as_integer_ratio()
+        scaled, rest = divmod(numerator * unit, denominator)
+        assert not rest, (value, unit)  # (unit: a multiple of 2**_exact_bits(shares))
+        out.append(scaled)
+    return tuple(out)
+
+
+def _rint(value: int, unit: int) -> int:
+    """``value / unit`` rounded half to even (``np.rint``'s rule), exactly."""
+    whole, rest = divmod(value, unit)
+    if 2 * rest > unit or (2 * rest == unit and whole & 1):
+        whole += 1
+    return whole
+
+
+@dataclass(frozen=True)
+class _Segment:
+    """The windows from one point to the next (from the last point: to the run's end).
+
+    Window ``first + k`` covers tokens ``start + k * size`` up to the lesser of
+    ``start + (k + 1) * size`` and ``end``. ``shares``: the point's shares, or (a linear ramp)
+    the two points' (a row each; a window's are those at its midpoint). A source's target
+    ``u`` tokens into the segment is exact, an integer over the layout's ``unit``:
+    ``base + rate * u + curve * u**2`` (the integral of its share: constant, or linear in a
+    ramp, where the midpoint's share times a window's tokens is that integral).
+    """
+
+    start: int
+    end: int
+    size: int
+    first: int
+    shares: np.ndarray
+    base: tuple[int, ...]
+    rate: tuple[int, ...]
+    curve: tuple[int, ...] | None
+
+    @property
+    def windows(self) -> int:
+        """How many windows it holds."""
+        return -(-(self.end - self.start) // self.size)
+
+    def span(self, k: int) -> tuple[int, int]:
+        """Its window ``k``'s first token and tokens."""
+        first = self.start + k * self.size
+        return first, min(first + self.size, self.end) - first
+
+    def exact(self, k: int) -> tuple[int, ...]:
+        """Every source's exact target at the start of its window ``k`` (``windows``: the end)."""
+        u = min(k * self.size, self.end - self.start)
+        if self.curve is None:
+            return tuple(b + r * u for b, r in zip(self.base, self.rate))
+        return tuple(b + r * u + c * u * u for b, r, c in zip(self.base, self.rate, self.curve))
+
+    def share_row(self, k: int) -> np.ndarray:
+        """The shares of its window ``k``: the point's, or a ramp's at the window's midpoint."""
+        if self.curve is None:
+            return self.shares
+        first, size = self.span(k)
+        return _ramp_shares(self.shares, self.start, self.end, first, first + size)[0]
+
+    def formula(self, k: int, unit: int) -> tuple[Fraction, ...]:
+        """Every source's target, slope and curvature at its window ``k``, unit-free.
+
+        Two segments with the same formula and window spans from there have the same targets.
+        """
+        u = k * self.size
+        curve = self.curve or (0,) * len(self.rate)
+        return tuple(
+            Fraction(x, unit)
+            for x in (*self.exact(k), *(r + 2 * c * u for r, c in zip(self.rate, curve)), *curve)
+        )
+
+
+def _ramp_shares(rows: np.ndarray, a: int, b: int, first: int, end: int) -> np.ndarray:
+    """A ramp's window ``first .. end``: its shares at its midpoint, a row (``rows`` at a, b)."""
+    t = np.asarray([[(float(first + end) / 2.0 - float(a)) / (float(b) - float(a))]])
+    mixed = rows[0] * (1 - t) + rows[1] * t
+    return mixed / mixed.sum(axis=1, keepdims=True)
+
+
+#: ``same_until`` compares the targets of at most this many windows one by one (where a past
+#: phase's shares changed by a rounding, e.g. weights 1:2 -> 0.1:0.2); past it, not the same.
+SAME_UNTIL_SCAN = 100_000
+
+
 @dataclass(frozen=True)
 class ScheduleLayout:
-    """A schedule resolved against its sources: every window's place and per-source targets.
+    """A schedule resolved against its sources: any window's place and per-source targets.
 
-    ``starts[w]`` / ``sizes[w]``: window ``w``'s first global token and its tokens;
-    ``shares[w, s]``: source ``s``'s share in it; ``cum[w, s]``: source ``s``'s tokens in
-    windows ``< w`` (``cum[0] = 0``, ``windows + 1`` rows).
+    The run is a segment per point (``_Segment``; the last point's runs to the end), so a
+    window's first token, tokens, shares and every source's cumulative target are computed on
+    demand, in O(log points), whatever the run's length: no window is materialised. Targets
+    are exact: the integral of each source's share over the tokens before the window, an
+    integer over ``unit``, rounded once (half to even).
     """
 
     schedule: Schedule
-    starts: np.ndarray
-    sizes: np.ndarray
-    shares: np.ndarray
-    cum: np.ndarray
+    segments: tuple[_Segment, ...]
+    unit: int
     tokens: tuple[int, ...]
     labels: tuple[str, ...]
     binding: str | None
@@ -322,18 +427,57 @@ class ScheduleLayout:
     @property
     def windows(self) -> int:
         """The number of windows (epochs of the run)."""
-        return len(self.sizes)
+        last = self.segments[-1]
+        return last.first + last.windows
+
+    @property
+    def total_tokens(self) -> int:
+        """Where the run ends."""
+        return self.segments[-1].end
+
+    @functools.cached_property
+    def _firsts(self) -> tuple[int, ...]:
+        return tuple(s.first for s in self.segments)
+
+    def _locate(self, window: int) -> tuple[_Segment, int]:
+        """The segment of window ``window`` and its place there (``windows``: past the last)."""
+        seg = self.segments[bisect.bisect_right(self._firsts, window) - 1]
+        return seg, window - seg.first
+
+    def _check(self, window: int) -> None:
+        if not 0 <= window < self.windows:
+            raise ConfigError(
+                f"epoch {window}: the schedule's run has {self.windows:,} windows (epochs 0 .. "
+                f"{self.windows - 1:,}, {self.total_tokens:,} tokens); iterate epochs below "
+                "ds.epochs, or raise Schedule.total_tokens / the sources' max_repetitions"
+            )
+
+    def span(self, window: int) -> tuple[int, int]:
+        """Window ``window``'s first token and its tokens (ConfigError: not a window)."""
+        self._check(window)
+        seg, k = self._locate(window)
+        return seg.span(k)
+
+    def shares_of(self, window: int) -> np.ndarray:
+        """Every source's share of window ``window`` (ConfigError: not a window)."""
+        self._check(window)
+        seg, k = self._locate(window)
+        return seg.share_row(k)
+
+    def _exact(self, window: int) -> tuple[int, ...]:
+        seg, k = self._locate(window)
+        return seg.exact(k)
+
+    def targets(self, window: int) -> np.ndarray:
+        """Every source's tokens in windows ``< window`` (``0 <= window <= windows``)."""
+        if not 0 <= window <= self.windows:
+            self._check(window)
+        return np.asarray([_rint(x, self.unit) for x in self._exact(window)], dtype=np.int64)
 
     def window_targets(self, window: int) -> tuple[np.ndarray, np.ndarray]:
         """Every source's cumulative target at the window's start and end (ConfigError: past it)."""
-        if not 0 <= window < self.windows:
-            raise ConfigError(
-                f"epoch {window}: the schedule's run has {self.windows} windows (epochs 0 .. "
-                f"{self.windows - 1}, {int(self.starts[-1] + self.sizes[-1]):,} tokens); "
-                "iterate epochs below ds.epochs, or raise Schedule.total_tokens / the sources' "
-                "max_repetitions"
-            )
-        return self.cum[window], self.cum[window + 1]
+        self._check(window)
+        return self.targets(window), self.targets(window + 1)
 
     def documents(
         self,
@@ -361,67 +505,120 @@ class ScheduleLayout:
             parts.append(local + lo)
         return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
+    def _taken(self, seg: _Segment, ks: list[int]) -> np.ndarray:
+        """Every source's tokens in the segment's windows ``ks``, a row each."""
+        at = {k: [_rint(x, self.unit) for x in seg.exact(k)] for k in {*ks, *(k + 1 for k in ks)}}
+        rows = [[b - a for a, b in zip(at[k], at[k + 1])] for k in ks]
+        return np.asarray(rows, dtype=np.int64).reshape(len(ks), len(self.labels))
+
     def expected_documents(self, documents: list[int]) -> int:
-        """About how many documents the largest window takes (``documents[s]`` per source)."""
+        """About how many documents the largest window takes (``documents[s]`` per source).
+
+        Every window of a segment of up to 64 windows; of a longer one its first and last 32
+        (a segment's windows differ by a rounding, a ramp's most at its ends).
+        """
         per_token = np.asarray(documents, dtype=np.float64) / np.maximum(
             np.asarray(self.tokens, dtype=np.float64), 1.0
         )
-        taken = np.diff(self.cum, axis=0) @ per_token
-        return int(np.ceil(taken.max())) if len(taken) else 0
+        taken = []
+        for seg in self.segments:
+            n = seg.windows
+            ks = list(range(n)) if n <= 64 else [*range(32), *range(n - 32, n)]
+            taken.append(self._taken(seg, ks))
+        every = np.concatenate(taken) @ per_token
+        return int(np.ceil(every.max())) if len(every) else 0
 
     def same_until(self, other: ScheduleLayout, window: int) -> bool:
-        """Whether windows ``0 .. window`` are the same in both (so are their documents)."""
+        """Whether windows ``0 .. window`` are the same in both (so are their documents).
+
+        Compared piece by piece (where neither layout starts a segment): the first and last
+        window's place, then the targets: the same formula at the piece's start, else (shares
+        that differ by a rounding) every window's rounded targets, up to ``SAME_UNTIL_SCAN``.
+        """
         n = window + 1
-        if self.windows < n or other.windows < n:
+        if window < 0 or self.windows < n or other.windows < n:
             return False
-        return bool(
-            np.array_equal(self.starts[:n], other.starts[:n])
-            and np.array_equal(self.sizes[:n], other.sizes[:n])
-            and np.array_equal(self.cum[: n + 1], other.cum[: n + 1])
+        cuts = {s.first for s in (*self.segments, *other.segments) if s.first < n}
+        scan = [SAME_UNTIL_SCAN]
+        return all(
+            self._same_piece(other, a, b, scan) for a, b in itertools.pairwise(sorted({*cuts, n}))
+        )
+
+    def _same_piece(self, other: ScheduleLayout, first: int, after: int, scan: list[int]) -> bool:
+        """``same_until`` on windows ``first .. after - 1``, each layout in one segment."""
+        mine, k = self._locate(first)
+        theirs, j = other._locate(first)
+        last = after - 1 - first
+        if mine.span(k) != theirs.span(j) or mine.span(k + last) != theirs.span(j + last):
+            return False  # (both arithmetic: the first and last windows place every one)
+        if mine.formula(k, self.unit) == theirs.formula(j, other.unit):
+            return True
+        if after - first + 1 > scan[0]:
+            return False
+        scan[0] -= after - first + 1
+        return all(
+            [_rint(x, self.unit) for x in mine.exact(k + i)]
+            == [_rint(x, other.unit) for x in theirs.exact(j + i)]
+            for i in range(after - first + 1)
         )
 
     def table(self) -> ScheduleTable:
         """Per phase, each source's share, tokens and passes; where each source runs out."""
-        points = self.schedule.points
-        end = int(self.starts[-1] + self.sizes[-1])
-        bounds = [p.at_tokens for p in points if p.at_tokens < end] + [end]
-        phase_of = np.searchsorted(np.asarray(bounds[1:], dtype=np.int64), self.starts, "right")
         totals = np.asarray(self.tokens, dtype=np.float64)
         phases, windows = [], []
-        for p in range(len(bounds) - 1):
-            sel = np.flatnonzero(phase_of == p)
-            lo, hi = (int(sel[0]), int(sel[-1]) + 1) if len(sel) else (0, 0)
-            given = self.cum[hi] - self.cum[lo]
-            span = max(int(self.sizes[lo:hi].sum()), 1)
+        for seg in self.segments:
+            at_start, at_end = (self.targets(w) for w in (seg.first, seg.first + seg.windows))
+            given = at_end - at_start
+            span = max(seg.end - seg.start, 1)
             rows = tuple(
                 PhaseRow(
                     name=name,
                     share=float(given[s]) / span,
                     tokens=int(given[s]),
-                    passes=float(self.cum[hi, s]) / totals[s],
+                    passes=float(at_end[s]) / totals[s],
                 )
                 for s, name in enumerate(self.labels)
             )
-            phases.append((bounds[p], bounds[p + 1], rows))
-            windows.append((lo, hi))
-        exhausted: dict[str, int | None] = {}
-        for s, name in enumerate(self.labels):
-            w = int(np.searchsorted(self.cum[:, s], self.tokens[s], side="left"))
-            if w > self.windows:
-                exhausted[name] = None
-                continue
-            w -= 1  # the window in which the source's first pass ends
-            inside = (self.tokens[s] - int(self.cum[w, s])) / max(float(self.shares[w, s]), 1e-300)
-            exhausted[name] = int(self.starts[w]) + min(round(inside), int(self.sizes[w]))
+            phases.append((seg.start, seg.end, rows))
+            windows.append((seg.first, seg.first + seg.windows))
+        exhausted = {name: self._exhausted(s) for s, name in enumerate(self.labels)}
         return ScheduleTable(
             tuple(phases),
-            end,
+            self.total_tokens,
             self.windows,
-            int(self.sizes.max()),
+            max(min(s.size, s.end - s.start) for s in self.segments),
             exhausted,
             self.binding,
             tuple(windows),
         )
+
+    def _exhausted(self, s: int) -> int | None:
+        """The token where source ``s``'s first pass ends (None: not in the run).
+
+        The first window whose end target reaches the source's tokens (a bisection: targets
+        never decrease), then the place inside it at the window's share.
+        """
+        need = self.tokens[s]
+
+        def reached(window: int) -> bool:
+            return _rint(self._exact(window)[s], self.unit) >= need
+
+        if not reached(self.windows):
+            return None
+        lo, hi = 0, self.windows  # reached(hi); the answer is the first such window
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if reached(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        if lo == 0:
+            return 0
+        w = lo - 1  # the window in which the source's first pass ends
+        start, size = self.span(w)
+        had = int(self.targets(w)[s])
+        inside = (need - had) / max(float(self.shares_of(w)[s]), 1e-300)
+        return start + min(round(inside), size)
 
 
 def _weights_matrix(schedule: Schedule, labels: tuple[str, ...]) -> np.ndarray:
@@ -439,27 +636,13 @@ def _weights_matrix(schedule: Schedule, labels: tuple[str, ...]) -> np.ndarray:
     return np.asarray(rows, dtype=np.float64)
 
 
-def _check_window_count(count: int, window: int, at: int, where: str) -> None:
-    """Refuse a run of more than ``MAX_SCHEDULE_WINDOWS`` windows, before any is cut."""
-    if count <= MAX_SCHEDULE_WINDOWS:
-        return
-    wider = -(-at // MAX_SCHEDULE_WINDOWS)
-    raise ConfigError(
-        f"Schedule: {count:,} windows of up to {window:,} tokens up to {where} "
-        f"(at_tokens={at:,}), past the {MAX_SCHEDULE_WINDOWS:,} that can be planned: each "
-        "window is an epoch of the run, planned apart (millions of them are arrays of "
-        "gigabytes, and mostly empty epochs when a window is smaller than a batch). Give "
-        f"window_tokens={wider:,} or more, or points and total_tokens within "
-        f"{MAX_SCHEDULE_WINDOWS:,} windows"
-    )
-
-
 def resolve_schedule(
     schedule: Schedule, sources: tuple[Source, ...], tokens: list[int]
 ) -> ScheduleLayout:
-    """Cut the run into windows and give each source its cumulative targets.
+    """Cut the run into a segment of windows per point and give each source its exact targets.
 
     ``tokens[s]``: what source ``s`` gives the mixture (its cache, or its side of a split).
+    O(points x sources), whatever ``at_tokens``: no window is materialised.
     ConfigError: a point names no source, or the run needs more of a source than its cap.
     """
     labels = tuple(s.label for s in sources)
@@ -471,31 +654,36 @@ def resolve_schedule(
         fits = [n / f for n, f in zip(tokens, first) if f > 0]
         window = max(1, math.floor(min(fits)))
     ats = [p.at_tokens for p in schedule.points]
-    linear = schedule.kind == "linear"
+    linear = schedule.kind == "linear" and len(ats) > 1
+    ramps = [2 * (b - a) for a, b in itertools.pairwise(ats)] if linear else []
+    # every target an integer over ``unit``: the shares' denominators, and a ramp's 2 x length
+    bits = _exact_bits(shares_at)
+    unit = (1 << bits) * math.lcm(*ramps)
+    rates = [_scaled(row, unit) for row in shares_at]
+    segments: list[_Segment] = []
+    base, first = (0,) * len(labels), 0
 
-    def cut(a: int, b: int, size: int) -> np.ndarray:
-        count = -(-(b - a) // size)
-        return np.minimum(a + size * np.arange(count + 1, dtype=np.int64), b)
+    def add(a: int, b: int, size: int, shares: np.ndarray, rate: tuple[int, ...],
+            curve: tuple[int, ...] | None) -> tuple[int, ...]:  # fmt: skip
+        nonlocal first
+        segments.append(_Segment(a, b, size, first, shares, base, rate, curve))
+        first += segments[-1].windows
+        return segments[-1].exact(segments[-1].windows)
 
-    # windows up to the last point (each segment between two points on its own)
-    segments = []
-    for a, b in itertools.pairwise(ats):
-        size = window
-        if linear:
-            size = max(1, min(window, math.ceil((b - a) * LINEAR_WINDOW_SHARE)))
-        segments.append((a, b, size))
-    counted = sum(-(-(b - a) // size) for a, b, size in segments)
-    _check_window_count(counted, window, ats[-1], "its last point")
-    edges = [np.zeros(1, dtype=np.int64)]
-    for a, b, size in segments:
-        edges.append(cut(a, b, size)[1:])
-    fixed = np.concatenate(edges)
-    starts, ends = fixed[:-1], fixed[1:]
-    shares = _window_shares(shares_at, ats, starts, ends, linear)
-    used = (shares * (ends - starts)[:, None]).sum(axis=0)
-    over = used - caps
+    for i, (a, b) in enumerate(itertools.pairwise(ats)):
+        if not linear:
+            base = add(a, b, window, shares_at[i], rates[i], None)
+            continue
+        size = max(1, min(window, math.ceil((b - a) * LINEAR_WINDOW_SHARE)))
+        # a share linear in u: the target's u**2 term is (next - this) / (2 (b - a)), exact
+        curve = tuple((y - x) // (2 * (b - a)) for x, y in zip(rates[i], rates[i + 1]))
+        base = add(a, b, size, shares_at[i : i + 2], rates[i], curve)
+    # caps up to the last point, exactly
+    over_exact = [Fraction(u, unit) - Fraction(float(c)) for u, c in zip(base, caps)]
+    used = np.asarray([float(Fraction(u, unit)) for u in base], dtype=np.float64)
+    over = np.asarray([float(x) for x in over_exact], dtype=np.float64)
     worst = int(np.argmax(over / np.maximum(caps, 1)))
-    if over[worst] > 0.5:
+    if over_exact[worst] > Fraction(1, 2):
         raise _over_cap(sources[worst], tokens[worst], used[worst], ats[-1], "its last point")
     last = shares_at[-1]
     binding = None
@@ -511,35 +699,12 @@ def resolve_schedule(
         total, binding = ats[-1] + math.floor(room[s]), labels[s]
         if total <= ats[-1]:
             raise _over_cap(sources[s], tokens[s], used[s] + 1, ats[-1] + 1, "the last point")
-    _check_window_count(counted + -(-(total - ats[-1]) // window), window, total, "the run's end")
-    tail = cut(ats[-1], total, window)
-    starts = np.concatenate([starts, tail[:-1]])
-    ends = np.concatenate([ends, tail[1:]])
-    shares = np.concatenate([shares, np.repeat(last[None, :], len(tail) - 1, axis=0)])
-    sizes = ends - starts
-    exact = np.cumsum(shares * sizes[:, None], axis=0)
-    cum = np.zeros((len(sizes) + 1, len(labels)), dtype=np.int64)
-    cum[1:] = np.rint(exact).astype(np.int64)
+    end = add(ats[-1], total, window, last, rates[-1], None)
     for s, source in enumerate(sources):
-        if cum[-1, s] > math.floor(caps[s]) + 1:
-            raise _over_cap(source, tokens[s], float(cum[-1, s]), total, "the run's end")
-    return ScheduleLayout(schedule, starts, sizes, shares, cum, tuple(tokens), labels, binding)
-
-
-def _window_shares(
-    shares_at: np.ndarray, ats: list[int], starts: np.ndarray, ends: np.ndarray, linear: bool
-) -> np.ndarray:
-    """Every window's shares: its phase's, or (linear) interpolated at its midpoint."""
-    point = np.searchsorted(np.asarray(ats, dtype=np.int64), starts, side="right") - 1
-    if not linear or len(ats) < 2:
-        return shares_at[point]
-    mid = (starts + ends) / 2.0
-    nxt = np.minimum(point + 1, len(ats) - 1)
-    a = np.asarray(ats, dtype=np.float64)[point]
-    b = np.asarray(ats, dtype=np.float64)[nxt]
-    t = np.where(b > a, (mid - a) / np.where(b > a, b - a, 1.0), 0.0)[:, None]
-    mixed = shares_at[point] * (1 - t) + shares_at[nxt] * t
-    return mixed / mixed.sum(axis=1, keepdims=True)
+        reached = _rint(end[s], unit)
+        if reached > math.floor(caps[s]) + 1:
+            raise _over_cap(source, tokens[s], float(reached), total, "the run's end")
+    return ScheduleLayout(schedule, tuple(segments), unit, tuple(tokens), labels, binding)
 
 
 def _over_cap(source: Source, tokens: int, used: float, at: int, where: str) -> ConfigError:

@@ -575,7 +575,7 @@ class MixtureSelection(Units):
         expected = np.zeros(len(layout.labels), dtype=np.float64)
         for epoch, counts in self._delivered.items():
             delivered += counts
-            expected += layout.shares[epoch] * float(counts.sum())
+            expected += layout.shares_of(epoch) * float(counts.sum())
         total = max(int(delivered.sum()), 1)
         return {
             "epochs": sorted(self._delivered),
