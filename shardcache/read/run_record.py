@@ -377,6 +377,19 @@ def cursor_of_micro(
     return epoch, start + segment.world_size * k
 
 
+def check_on_segment(segment: Segment, epoch: int, consumed: int) -> None:
+    """Refuse (StateError) a cursor before the segment or off its ranks' grid (no counting)."""
+    start = segment.consumed if epoch == segment.epoch else 0
+    if (epoch, consumed) < (segment.epoch, segment.consumed) or (consumed - start) % (
+        segment.world_size
+    ):
+        raise StateError(
+            f"reader state: cursor {consumed} of epoch {epoch} is not a position of the run's "
+            f"segment from cursor {segment.consumed} of epoch {segment.epoch} at world size "
+            f"{segment.world_size}; pass a state of this run"
+        )
+
+
 def micro_of_cursor(
     segment: Segment, epoch: int, consumed: int, batches_of: BatchCounts, tail: str
 ) -> int:
@@ -384,23 +397,11 @@ def micro_of_cursor(
 
     Raises StateError for a cursor before the segment or off its ranks' grid.
     """
-    if (epoch, consumed) < (segment.epoch, segment.consumed) or (
-        epoch == segment.epoch and (consumed - segment.consumed) % segment.world_size
-    ):
-        raise StateError(
-            f"reader state: cursor {consumed} of epoch {epoch} is not a position of the run's "
-            f"segment from cursor {segment.consumed} of epoch {segment.epoch} at world size "
-            f"{segment.world_size}; pass a state of this run"
-        )
+    check_on_segment(segment, epoch, consumed)
     micro, at, start = 0, segment.epoch, segment.consumed
     while at < epoch:
         micro += _per_rank(segment, at, start, batches_of, tail)
         at, start = at + 1, 0
-    if (consumed - start) % segment.world_size:
-        raise StateError(
-            f"reader state: cursor {consumed} of epoch {epoch} is not reached by "
-            f"{segment.world_size} ranks from cursor 0; pass a state of this run"
-        )
     return micro + (consumed - start) // segment.world_size
 
 
@@ -578,6 +579,8 @@ class RunLog:
         self.grad_accum: int | None = None
         self.segments: tuple[Segment, ...] = ()  # the loaded run's
         self.resumed: tuple[int, int, int, int] | None = None  # (step, micro, epoch, consumed)
+        #: computes ``resumed`` for a loaded state (None: nothing loaded)
+        self._position: Callable[[], tuple[int, int, int, int]] | None = None
         self.skipped: tuple[SkippedSteps, ...] = ()
         self.counts: dict[int, int] = {}
         self.rounds: dict[int, int] = {}  # epochs of whole stream rounds: their stream length
@@ -605,10 +608,12 @@ class RunLog:
         segments = self.segments
         if not segments:  # a run from its start
             segments = (Segment(0, 0, 0, 0, world_size, accum),)
-        elif self.resumed is not None and (segments[-1].world_size, segments[-1].grad_accum) != (
-            world_size,
-            accum,
-        ):  # resumed in another shape: a segment from the resume on
+        elif self._position is not None and (
+            segments[-1].world_size,
+            segments[-1].grad_accum,
+        ) != (world_size, accum):  # resumed in another shape: a segment from the resume on
+            if self.resumed is None:
+                self.resumed = self._position()
             step, micro, epoch, consumed = self.resumed
             if (segments[-1].step, segments[-1].micro) == (step, micro):
                 segments = segments[:-1]  # (it starts where the last one does: replaces it)
@@ -649,11 +654,23 @@ class RunLog:
             segment = Segment(0, 0, epoch, consumed, world, self.grad_accum or 1)
             self.segments, self.skipped, self.exclusions = (segment,), (), ()
         counted = self._counted(batches_of)
-        micro = micro_of_cursor(segment, epoch, consumed, counted, tail) + segment.micro
-        step, within = segment.step + micro // segment.grad_accum, micro % segment.grad_accum
-        self.resumed = (step, within, epoch, consumed)
+        check_on_segment(segment, epoch, consumed)
+
+        def position() -> tuple[int, int, int, int]:
+            micro = micro_of_cursor(segment, epoch, consumed, counted, tail) + segment.micro
+            step, within = segment.step + micro // segment.grad_accum, micro % segment.grad_accum
+            return step, within, epoch, consumed
+
+        # the step of the cursor needs the batch counts of every epoch since the segment's
+        # start (planning the ones the record lacks): only a skip, or a record of a run that
+        # changed shape, asks for it, so a plain resume never plans past epochs
+        self.resumed, self._position = None, position
+        ranges = check_ranges(skip_steps or (), "skip_steps")
+        if not ranges:
+            return None
+        step, within, _, _ = self.resumed = position()
         moved = None
-        for first, end in check_ranges(skip_steps or (), "skip_steps"):
+        for first, end in ranges:
             if end <= step:
                 continue  # read (or skipped) before this state
             if first > step:
