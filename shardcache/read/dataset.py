@@ -487,7 +487,9 @@ class ShardDataset(IterableDataset):
             counts of the epochs planned.
         """
         options = self.options.to_json()
-        return self._run.record(self.cache_digest, self.seed, options, self.world_size)
+        return self._run.record(
+            self.cache_digest, self.seed, options, self.world_size, lambda e: len(self.plan(e))
+        )
 
     def load_state_dict(
         self,

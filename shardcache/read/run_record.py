@@ -579,8 +579,8 @@ class RunLog:
         self.grad_accum: int | None = None
         self.segments: tuple[Segment, ...] = ()  # the loaded run's
         self.resumed: tuple[int, int, int, int] | None = None  # (step, micro, epoch, consumed)
-        #: computes ``resumed`` for a loaded state (None: nothing loaded)
-        self._position: Callable[[], tuple[int, int, int, int]] | None = None
+        #: the loaded state's segment, cursor and tail, for ``resumed`` (None: nothing loaded)
+        self._pending: tuple[Segment, int, int, str] | None = None
         self.skipped: tuple[SkippedSteps, ...] = ()
         self.counts: dict[int, int] = {}
         self.rounds: dict[int, int] = {}  # epochs of whole stream rounds: their stream length
@@ -601,20 +601,23 @@ class RunLog:
         return self.segments[-1].grad_accum if self.segments else 1
 
     def record(
-        self, cache_digest: str, seed: int, plan: dict[str, Any], world_size: int
+        self,
+        cache_digest: str,
+        seed: int,
+        plan: dict[str, Any],
+        world_size: int,
+        batches_of: BatchCounts,
     ) -> RunRecord:
-        """The run record of a reader with these values."""
+        """The run record of a reader with these values (``batches_of``: an epoch's count)."""
         accum = self.accumulation()
         segments = self.segments
         if not segments:  # a run from its start
             segments = (Segment(0, 0, 0, 0, world_size, accum),)
-        elif self._position is not None and (
+        elif self._pending is not None and (
             segments[-1].world_size,
             segments[-1].grad_accum,
         ) != (world_size, accum):  # resumed in another shape: a segment from the resume on
-            if self.resumed is None:
-                self.resumed = self._position()
-            step, micro, epoch, consumed = self.resumed
+            step, micro, epoch, consumed = self._resolve(batches_of)
             if (segments[-1].step, segments[-1].micro) == (step, micro):
                 segments = segments[:-1]  # (it starts where the last one does: replaces it)
             segments = (*segments, Segment(step, micro, epoch, consumed, world_size, accum))
@@ -655,20 +658,14 @@ class RunLog:
             self.segments, self.skipped, self.exclusions = (segment,), (), ()
         counted = self._counted(batches_of)
         check_on_segment(segment, epoch, consumed)
-
-        def position() -> tuple[int, int, int, int]:
-            micro = micro_of_cursor(segment, epoch, consumed, counted, tail) + segment.micro
-            step, within = segment.step + micro // segment.grad_accum, micro % segment.grad_accum
-            return step, within, epoch, consumed
-
         # the step of the cursor needs the batch counts of every epoch since the segment's
         # start (planning the ones the record lacks): only a skip, or a record of a run that
         # changed shape, asks for it, so a plain resume never plans past epochs
-        self.resumed, self._position = None, position
+        self.resumed, self._pending = None, (segment, epoch, consumed, tail)
         ranges = check_ranges(skip_steps or (), "skip_steps")
         if not ranges:
             return None
-        step, within, _, _ = self.resumed = position()
+        step, within, _, _ = self._resolve(batches_of)
         moved = None
         for first, end in ranges:
             if end <= step:
@@ -696,6 +693,17 @@ class RunLog:
             self.segments = (*self.segments, Segment(step, 0, *moved, segment.world_size,
                                                      segment.grad_accum))  # fmt: skip
         return moved
+
+    def _resolve(self, batches_of: BatchCounts) -> tuple[int, int, int, int]:
+        """``resumed`` of the loaded state: its step and micro-batch, and its cursor."""
+        if self.resumed is None:
+            assert self._pending is not None  # (resume() took a state)
+            segment, epoch, consumed, tail = self._pending
+            counted = self._counted(batches_of)
+            micro = micro_of_cursor(segment, epoch, consumed, counted, tail) + segment.micro
+            step, within = segment.step + micro // segment.grad_accum, micro % segment.grad_accum
+            self.resumed = (step, within, epoch, consumed)
+        return self.resumed
 
     def _counted(self, batches_of: BatchCounts) -> BatchCounts:
         def count(epoch: int) -> int:
