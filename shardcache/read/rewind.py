@@ -518,6 +518,20 @@ def skip_state(
         StateError: the state holds no run record, or is of other data.
         ConfigError: a skip range is malformed or starts after the state's step.
     """
+    return _reloaded(
+        run_state, world_size, grad_accum, transform,
+        skip_steps=skip_steps, exclude=recorded_documents(run_state),
+    )  # fmt: skip
+
+
+def _reloaded(
+    run_state: dict[str, Any],
+    world_size: int | None,
+    grad_accum: int | None,
+    transform: Any,
+    **load: Any,
+) -> dict[str, Any]:
+    """The state of the run's reader (rank 0) once it loaded ``run_state`` with ``load``."""
     record = as_record(run_state)
     arguments = dataset_arguments(record.dataset, transform)
     path = arguments.pop("path")
@@ -526,7 +540,7 @@ def skip_state(
                       rank=0, world_size=world, **arguments) as ds:  # fmt: skip
         if grad_accum is not None:
             ds.grad_accum = grad_accum
-        ds.load_state_dict(run_state, skip_steps=skip_steps, exclude=recorded_documents(run_state))
+        ds.load_state_dict(run_state, **load)
         return ds.state_dict()
 
 
@@ -561,17 +575,8 @@ def exclude_state(
         ConfigError: a document is malformed or in no source, or the state is one DataLoader
             worker's.
     """
-    record = as_record(run_state)
-    arguments = dataset_arguments(record.dataset, transform)
-    path = arguments.pop("path")
-    world = record.world_size if world_size is None else world_size
     documents = [*recorded_documents(run_state), *documents]
-    with ShardDataset(path, options=PlanOptions.from_json(record.plan), seed=record.seed,
-                      rank=0, world_size=world, **arguments) as ds:  # fmt: skip
-        if grad_accum is not None:
-            ds.grad_accum = grad_accum
-        ds.load_state_dict(run_state, exclude=documents)
-        return ds.state_dict()
+    return _reloaded(run_state, world_size, grad_accum, transform, exclude=documents)
 
 
 def _numpy(value: Any) -> np.ndarray:
