@@ -403,11 +403,12 @@ def test_readme_cluster_recipes_run_against_loopback_s3(
     _upload_folder(s3, folder, "raw")
     s3.create_bucket(Bucket="caches")
     work = tmp_path / "work"
-    work.mkdir()
-    os.symlink(tokenizer_dir, work / "tok")
+    (work / "recipes" / "quickstart").mkdir(parents=True)
+    tokenizer = os.path.join("recipes", "quickstart", "tokenizer")  # (the docs' path)
+    os.symlink(tokenizer_dir, work / tokenizer)
     monkeypatch.chdir(work)
     local = str(tmp_path / "local-ref")
-    build_cache(build_options_from_mapping({"input": folder, "tokenizer": "./tok",
+    build_cache(build_options_from_mapping({"input": folder, "tokenizer": tokenizer,
                                             "output": local}))  # fmt: skip
     ray_block, sbatch_script, sbatch_submit = _readme_cluster_blocks()
     assert [c.split()[:2] for c in ray_block] == [["ray", "start"]] * 2 + [["shardcache", "build"]]
