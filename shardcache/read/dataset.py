@@ -32,21 +32,12 @@ from shardcache.read.batch import IDS_DTYPES, Batch, mark_filler, mark_padding, 
 from shardcache.read.collate import kernels
 from shardcache.read.collate.attention import check_attention
 from shardcache.read.collate.collator import Collator, collator, compiled_table, kernels_read
-from shardcache.read.exclusion import (
-    Document,
-    Exclusion,
-    check_recorded,
-    is_excluded,
-    parse_documents,
-    plan_units,
-    resolve,
-    without_units,
-)
+from shardcache.read.exclusion import Exclusion, ExclusionFilter, is_excluded
 from shardcache.read.fetch.fetcher import Fetcher
 from shardcache.read.fetch.shard_readahead import ReadAheadOptions, readahead_options
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
 from shardcache.read.plan.planner import Planner, batch_options, check_eval, locate, log_tail
-from shardcache.read.plan.streams import StreamPlan, seek_batch
+from shardcache.read.plan.streams import StreamPlan
 from shardcache.read.position import Ranks, SharedPosition, check_worker_resume
 from shardcache.read.run_record import RunLog, RunRecord, dataset_spec
 from shardcache.read.samples.chain import Transform, TransformChain
@@ -214,10 +205,7 @@ class ShardDataset(IterableDataset):
         # position came from
         self._published = SharedPosition()
         self._generation = 0
-        #: the plan units the first k exclusions (by position) leave out, by k: found when
-        #: first needed (``read/exclusion.py``)
-        self._excluded_units: dict[int, np.ndarray] | None = None
-        self._excluded_segments = 0  # segments this process took out of batches
+        self._excluded = ExclusionFilter(self._run, selection, self.path)
 
     def __getstate__(self) -> dict[str, Any]:
         # (spawned workers start with the main process's rank); the stages drop what does not
@@ -343,12 +331,9 @@ class ShardDataset(IterableDataset):
         Returns:
             ``(part, place)``: a stream's block (or the global plan) and the batch in it.
         """
-        planner = self._planner
-        if rounds is None or planner.is_global():
+        if rounds is None or self._planner.is_global():
             return locate(self.plan(epoch), index)
-        layout = planner.layout(epoch)
-        stream, k = index % layout.streams, index // layout.streams
-        return seek_batch(layout, planner.planning, stream, k, rounds)
+        return self._planner.seek(epoch, index, rounds)
 
     def prepare(self, epoch: int | None = None) -> None:
         """Plan an epoch with the other ranks: each counts its own streams' batches, then all share.
@@ -542,23 +527,13 @@ class ShardDataset(IterableDataset):
         if moved is not None:  # a skip: the cursor of the step after the skipped ones
             (epoch, consumed), self._worker_resume = moved, None
         where = f"ShardDataset({self.path!r}).load_state_dict"
-        passed = [] if exclude is None else parse_documents(exclude)
-        new = check_recorded(self._run.exclusions, passed, where)
-        if new and self._worker_resume is not None:
-            raise ConfigError(
-                f"{where}: exclude= with one DataLoader worker's state (worker "
-                f"{self._worker_resume.get('id')}): the other workers may have read past its "
-                "cursor, and an exclusion must not change a batch already read. Exclude from "
-                "a state of the whole reader: ds.state_dict(steps=k) in the main process, "
-                "or a StatefulDataLoader's state"
-            )
+        new = self._excluded.loaded(exclude, self._worker_resume, where)
         # (resolved before the position moves: an unknown document leaves the reader as it was)
-        exclusion = Exclusion(epoch, consumed, self._resolve(new)) if new else None
-        self._excluded_units = None
+        exclusion = Exclusion(epoch, consumed, self._excluded.resolve(new)) if new else None
         self.epoch = epoch
         self._start = self._consumed = consumed
         if exclusion is not None:
-            self._add_exclusion(exclusion)
+            self._excluded.add(exclusion)
         self._loaded = True
         self._generation = self._published.publish(
             self.epoch, self._consumed, self._loaded, get_worker_info() is not None
@@ -583,59 +558,7 @@ class ShardDataset(IterableDataset):
             ConfigError: ``at`` is before this reader's position (it would change batches
                 already read), a document is malformed, or no source holds it.
         """
-        here = (self.epoch, self._consumed)
-        if at is not None and not (
-            isinstance(at, tuple) and len(at) == 2
-            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in at)
-        ):  # fmt: skip
-            raise ConfigError(
-                f"exclude: at={at!r}, expected (epoch, consumed): two integers >= 0, a global "
-                "position as a state records it, or None (the reader's)"
-            )
-        epoch, consumed = here if at is None else at
-        if (epoch, consumed) < here:
-            raise ConfigError(
-                f"exclude: at=({epoch}, {consumed}) is before the reader's position (epoch "
-                f"{here[0]}, global batch {here[1]}): the batches between were read with those "
-                "documents, and an exclusion never changes a batch already read. Exclude from "
-                "the reader's position or later (at=None)"
-            )
-        exclusion = Exclusion(epoch, consumed, self._resolve(parse_documents(documents)))
-        self._add_exclusion(exclusion)
-        return exclusion
-
-    def _resolve(self, documents: list[tuple[str, int]]) -> tuple[Document, ...]:
-        caches, _ = self._selection.sources()
-        return resolve(caches, documents)
-
-    def _add_exclusion(self, exclusion: Exclusion) -> None:
-        run = self._run
-        run.exclusions = tuple(sorted((*run.exclusions, exclusion),
-                                      key=lambda e: (e.epoch, e.consumed)))  # fmt: skip
-        self._excluded_units = None
-        logger.info(
-            "shardcache: %s: leaving %d documents out from global batch %d of epoch %d on "
-            "(%d source entries); the batches before are unchanged",
-            self.path, len(exclusion.names()), exclusion.consumed, exclusion.epoch,
-            len(exclusion.documents),
-        )  # fmt: skip
-
-    def _excluded_at(self, position: int) -> np.ndarray | None:
-        """The plan units left out of the current epoch's batch at virtual index ``position``."""
-        exclusions = self._run.exclusions
-        if not exclusions:
-            return None
-        live = sum((e.epoch, e.consumed) <= (self.epoch, position) for e in exclusions)
-        if not live:
-            return None
-        if self._excluded_units is None:
-            self._excluded_units = {}
-        if live not in self._excluded_units:  # (exclusions are sorted by position)
-            _, index = self._selection.sources()
-            offsets = np.zeros(1, dtype=np.int64) if index is None else index.offsets
-            documents = [d for e in exclusions[:live] for d in e.documents]
-            self._excluded_units[live] = plan_units(documents, offsets, self._selection.pairs)
-        return self._excluded_units[live]
+        return self._excluded.starting((self.epoch, self._consumed), at, documents)
 
     def __iter__(self) -> Iterator[Batch]:
         refuse_accelerate_wrapper(f"ShardDataset({self.path!r})", self.rank, self.world_size)
@@ -703,7 +626,7 @@ class ShardDataset(IterableDataset):
                 batch = self.collate_batch(plan, index, wrap, position=virtual)
                 if scheduled:
                     ids, _, pieces = plan.segments(index)
-                    out = self._excluded_at(virtual)
+                    out = self._excluded.units(self.epoch, virtual)
                     if out is not None:  # (what was left out was not delivered)
                         kept = ~is_excluded(ids, out)
                         ids, pieces = ids[kept], None if pieces is None else pieces[kept]
@@ -759,12 +682,7 @@ class ShardDataset(IterableDataset):
         stats = self._fetch.as_dict(self.cache_bytes, self.world_size)
         if self._run.skipped:
             stats["skipped_steps"] = self._run.stats()
-        if self._run.exclusions:
-            stats["exclusions"] = [
-                {"epoch": e.epoch, "consumed": e.consumed, "documents": e.names()}
-                for e in self._run.exclusions
-            ]
-            stats["excluded_segments"] = self._excluded_segments
+        stats.update(self._excluded.stats())
         schedule = self._selection.schedule_stats()
         if schedule is not None:
             stats["schedule"] = schedule
@@ -798,18 +716,10 @@ class ShardDataset(IterableDataset):
         """
         if self._collator is None or self._collator.uses_kernels != self.kernels:
             self._collator = collator(self._samples, self.options, self.attention, self.kernels)
-        units = self._excluded_at(index if position is None else position)
+        units = self._excluded.units(self.epoch, index if position is None else position)
         part, index = locate(plan, index)
-        emptied = False
-        if units is not None:
-            cut = without_units(part, index, units)
-            if cut is not None:
-                kept = len(cut.sample_ids)
-                self._excluded_segments += len(part.batch(index)) - kept
-                if kept:
-                    part, index = cut, 0
-                else:  # nothing left: the batch's shape, read as padding
-                    emptied = True
+        # (a batch left with nothing keeps its shape, read as padding)
+        part, index, emptied = self._excluded.cut(part, index, units)
         arrays, meta = self._collator(part, index, wrap, self.epoch)
         self._selection.annotate(meta)
         batch = to_batch(arrays, meta)

@@ -18,6 +18,7 @@ token; a training loop skips it as it skips an evaluation pass's fillers).
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
@@ -29,6 +30,8 @@ from shardcache.errors import ConfigError, StateError
 from shardcache.read.plan.plan_arrays import EpochPlan
 from shardcache.store.cache import Cache
 from shardcache.store.show import document_pieces
+
+logger = logging.getLogger("shardcache")
 
 
 @dataclass(frozen=True)
@@ -256,3 +259,121 @@ def recorded_documents(state: dict[str, Any]) -> list[str]:
     recorded = run.get("exclusions") if isinstance(run, dict) else None
     names = [n for e in recorded or () for n in Exclusion.from_json(e).names()]
     return list(dict.fromkeys(names))
+
+
+class ExclusionFilter:
+    """A reader's exclusions at work: which units a batch at a position leaves out, taken out.
+
+    ``run`` holds the run's exclusions (``RunLog.exclusions``, sorted by position: the run
+    record keeps them); ``selection`` resolves documents to its sources' sample ids. The units
+    the first ``k`` exclusions leave out are found when first needed, once per ``k``.
+    """
+
+    def __init__(self, run: Any, selection: Any, path: str) -> None:
+        self.run, self.selection, self.path = run, selection, path
+        self._units: dict[int, np.ndarray] = {}
+        self.segments = 0  # segments this process took out of batches
+
+    def resolve(self, documents: list[tuple[str, int]]) -> tuple[Document, ...]:
+        """Documents by provenance, resolved in the selection's sources (ConfigError: none)."""
+        caches, _ = self.selection.sources()
+        return resolve(caches, documents)
+
+    def add(self, exclusion: Exclusion) -> None:
+        """Record an exclusion in the run (in position order), and log it."""
+        run = self.run
+        run.exclusions = tuple(sorted((*run.exclusions, exclusion),
+                                      key=lambda e: (e.epoch, e.consumed)))  # fmt: skip
+        self._units = {}
+        logger.info(
+            "shardcache: %s: leaving %d documents out from global batch %d of epoch %d on "
+            "(%d source entries); the batches before are unchanged",
+            self.path, len(exclusion.names()), exclusion.consumed, exclusion.epoch,
+            len(exclusion.documents),
+        )  # fmt: skip
+
+    def loaded(
+        self, exclude: Sequence[Any] | None, worker: dict[str, Any] | None, where: str
+    ) -> list[tuple[str, int]]:
+        """The new documents of ``load_state_dict(exclude=...)``, checked against the state's.
+
+        Raises:
+            StateError: the state's run leaves out documents ``exclude`` does not name.
+            ConfigError: new documents with one DataLoader worker's state (``worker``).
+        """
+        passed = [] if exclude is None else parse_documents(exclude)
+        new = check_recorded(self.run.exclusions, passed, where)
+        if new and worker is not None:
+            raise ConfigError(
+                f"{where}: exclude= with one DataLoader worker's state (worker "
+                f"{worker.get('id')}): the other workers may have read past its "
+                "cursor, and an exclusion must not change a batch already read. Exclude from "
+                "a state of the whole reader: ds.state_dict(steps=k) in the main process, "
+                "or a StatefulDataLoader's state"
+            )
+        self._units = {}
+        return new
+
+    def starting(self, here: tuple[int, int], at: Any, documents: Sequence[Any]) -> Exclusion:
+        """``ShardDataset.exclude``'s exclusion, from ``at`` (None: ``here``), added.
+
+        Raises:
+            ConfigError: ``at`` is malformed or before ``here``, or a document is unknown.
+        """
+        if at is not None and not (
+            isinstance(at, tuple) and len(at) == 2
+            and all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in at)
+        ):  # fmt: skip
+            raise ConfigError(
+                f"exclude: at={at!r}, expected (epoch, consumed): two integers >= 0, a global "
+                "position as a state records it, or None (the reader's)"
+            )
+        epoch, consumed = here if at is None else at
+        if (epoch, consumed) < here:
+            raise ConfigError(
+                f"exclude: at=({epoch}, {consumed}) is before the reader's position (epoch "
+                f"{here[0]}, global batch {here[1]}): the batches between were read with those "
+                "documents, and an exclusion never changes a batch already read. Exclude from "
+                "the reader's position or later (at=None)"
+            )
+        exclusion = Exclusion(epoch, consumed, self.resolve(parse_documents(documents)))
+        self.add(exclusion)
+        return exclusion
+
+    def units(self, epoch: int, position: int) -> np.ndarray | None:
+        """The plan units left out of ``epoch``'s batch at virtual index ``position`` (or None)."""
+        exclusions = self.run.exclusions
+        if not exclusions:
+            return None
+        live = sum((e.epoch, e.consumed) <= (epoch, position) for e in exclusions)
+        if not live:
+            return None
+        if live not in self._units:  # (exclusions are sorted by position)
+            _, index = self.selection.sources()
+            offsets = np.zeros(1, dtype=np.int64) if index is None else index.offsets
+            documents = [d for e in exclusions[:live] for d in e.documents]
+            self._units[live] = plan_units(documents, offsets, self.selection.pairs)
+        return self._units[live]
+
+    def cut(
+        self, part: EpochPlan, index: int, units: np.ndarray | None
+    ) -> tuple[EpochPlan, int, bool]:
+        """Batch ``index`` of ``part`` without ``units``: ``(part, index, emptied)``."""
+        cut = None if units is None else without_units(part, index, units)
+        if cut is None:
+            return part, index, False
+        kept = len(cut.sample_ids)
+        self.segments += len(part.batch(index)) - kept
+        return (cut, 0, False) if kept else (part, index, True)
+
+    def stats(self) -> dict[str, Any]:
+        """``ShardDataset.stats``' ``exclusions`` and ``excluded_segments`` (empty: none)."""
+        if not self.run.exclusions:
+            return {}
+        return {
+            "exclusions": [
+                {"epoch": e.epoch, "consumed": e.consumed, "documents": e.names()}
+                for e in self.run.exclusions
+            ],
+            "excluded_segments": self.segments,
+        }

@@ -23,7 +23,13 @@ from shardcache.config import check_known
 from shardcache.errors import ConfigError
 from shardcache.read.plan.epoch_plan import EpochPlan, EpochSplit, PlanOptions, split_epoch
 from shardcache.read.plan.plan_store import plan_digest, read_counts, shared_plan, write_counts
-from shardcache.read.plan.streams import StreamLayout, StreamPlan, count_batches, own_streams
+from shardcache.read.plan.streams import (
+    StreamLayout,
+    StreamPlan,
+    count_batches,
+    own_streams,
+    seek_batch,
+)
 from shardcache.read.selection.selection import Selection
 
 logger = logging.getLogger("shardcache")
@@ -139,6 +145,16 @@ class Planner:
         return StreamLayout(
             index, options.streams, options.shuffle_block, self.seed, epoch, options.shuffle
         )
+
+    def seek(self, epoch: int, index: int, rounds: int) -> tuple[EpochPlan, int]:
+        """Global batch ``index`` of an epoch of streams in whole rounds, one stream planned.
+
+        With ``rounds`` batches in every stream, global batch ``j`` is batch ``j // C`` of
+        stream ``j % C``: only that stream's blocks are counted and its one block planned.
+        """
+        layout = self.layout(epoch)
+        stream, k = index % layout.streams, index // layout.streams
+        return seek_batch(layout, self.planning, stream, k, rounds)
 
     def has_counts(self, epoch: int) -> bool:
         """Whether ``epoch``'s stream counts are known here."""
