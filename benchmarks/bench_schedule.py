@@ -33,12 +33,14 @@ in one process, rank 0, the window/epoch being the first window of the last phas
 
 * ``first_batch_s``: from opening the index (lengths memory-mapped, the shard table, every
   mixture id's bucket as ``MixedCache.buckets`` gives it) and resolving the mixture (and the
-  schedule) to the sample ids of the rank's first batch: ``Mixture.documents`` of the window,
-  ``streams.mixture_shard_index``, ``StreamLayout``, ``StreamPlan``, ``split_epoch``, as
-  ``ShardDataset`` does. Variants: ``given``: every stream's batch counts given (what
-  ``prepare()`` or another process of the machine leaves); ``prepare``: what
-  ``ShardDataset.prepare()`` then ``plan()`` do on the rank (the layout, its own streams'
-  counts, the other ranks' counts given for the exchange, the layout again, the plan);
+  schedule) to the sample ids of the rank's first batch: what the window takes of each source
+  (``Mixture.epochs``: shard counts and tokens, ``O(shards)``), ``passes.EpochShards``,
+  ``StreamLayout``, ``StreamPlan``, ``split_epoch``, as ``ShardDataset`` does; side ``one``:
+  one cache of the same documents (its ``ShardIndex``), the reference. Variants: ``given``:
+  every stream's batch counts given (what ``prepare()`` or another process of the machine
+  leaves); ``prepare``: what ``ShardDataset.prepare()`` then ``plan()`` do on the rank (the
+  layout, its own streams' counts, the other ranks' counts given for the exchange, the layout
+  again, the plan);
   ``all``: counting every stream's batches itself (no ``prepare()``).
 * ``traced_peak_mib``: the peak of tracemalloc (numpy's allocations; the memory-mapped
   lengths are not counted) and ``held_mib`` what is still allocated at the first batch (what
@@ -92,14 +94,15 @@ from bench_scale import BUCKET_EDGES, count, counts, human, load_index, make_ind
 
 from shardcache.read.plan.epoch_plan import PlanOptions, split_epoch
 from shardcache.read.plan.streams import (
+    ShardIndex,
     StreamLayout,
     StreamPlan,
     count_batches,
-    mixture_shard_index,
     own_streams,
 )
 from shardcache.read.selection.mixture import Mixture, MixtureIndex, Source
 from shardcache.read.selection.mixture_table import solve_mixture
+from shardcache.read.selection.passes import EpochShards
 from shardcache.read.selection.schedule import Schedule, resolve_schedule
 
 REPEATS = 3
@@ -184,7 +187,7 @@ def window_part(args: argparse.Namespace) -> None:
             ("epoch_s", unscheduled, 7),
         ):
             started = time.perf_counter()
-            chosen[name] = len(mixture.documents(lengths, 0, epoch))
+            chosen[name] = len(mixture.documents(mixture.units(lengths), 0, epoch))
             best[name] = min(best[name], time.perf_counter() - started)
     assert layout is not None
     figures = {
@@ -204,7 +207,7 @@ def window_part(args: argparse.Namespace) -> None:
 # --part first-batch
 # --------------------------------------------------------------------------------------------
 
-SIDES = ("scheduled", "unscheduled")
+SIDES = ("scheduled", "unscheduled", "one")
 
 
 @dataclass(frozen=True)
@@ -213,7 +216,9 @@ class Sources:
 
     lengths: np.ndarray
     shard_starts: np.ndarray
-    buckets: np.ndarray
+    shard_tokens: np.ndarray
+    shard_buckets: np.ndarray
+    source_shards: np.ndarray
     index: MixtureIndex
     documents: list[int]
     tokens: list[int]
@@ -227,10 +232,31 @@ def open_sources(folder: str, k: int) -> Sources:
     first = np.searchsorted(starts, [n * s // k for s in range(k)], side="left")
     offsets = np.r_[starts[first], n].astype(np.int64)
     tokens = np.add.reduceat(shards["tokens"], first)
-    # every mixture id's bucket, as MixedCache.buckets gives it (one bucket a shard here)
-    buckets = np.repeat(shards["buckets"].astype(np.int32), np.diff(starts))
-    return Sources(lengths, starts, buckets, MixtureIndex(offsets),
+    return Sources(lengths, starts, shards["tokens"], shards["buckets"].astype(np.int32),
+                   np.r_[first, len(starts) - 1].astype(np.int64), MixtureIndex(offsets),
                    np.diff(offsets).tolist(), [int(t) for t in tokens])  # fmt: skip
+
+
+def source_units(src: Sources, mixture: Mixture) -> list:
+    """Every source's units by shard, as ``MixtureSelection.source_units`` gives them."""
+    starts, tokens = [], []
+    for s in range(len(src.documents)):
+        a, b = int(src.source_shards[s]), int(src.source_shards[s + 1])
+        starts.append(src.shard_starts[a : b + 1] - src.shard_starts[a])
+        tokens.append(src.shard_tokens[a:b])
+    return mixture.units(src.lengths, None, starts, tokens)
+
+
+def epoch_index(src: Sources, mixture: Mixture | None, epoch: int) -> Any:
+    """The stream planner's index of an epoch: a mixture's ``EpochShards``, or one cache's."""
+    if mixture is None:
+        return ShardIndex(src.shard_starts, src.shard_tokens, src.shard_buckets, src.lengths)
+
+    def buckets(source: int, shard: int, local: np.ndarray) -> np.ndarray:
+        return np.full(len(local), src.shard_buckets[src.source_shards[source] + shard], np.int32)
+
+    epochs = mixture.epochs(source_units(src, mixture), 0, epoch)
+    return EpochShards(epochs, src.index.offsets, buckets)
 
 
 def mixture_of(src: Sources, args: argparse.Namespace, side: str) -> tuple[Mixture, int]:
@@ -242,7 +268,7 @@ def mixture_of(src: Sources, args: argparse.Namespace, side: str) -> tuple[Mixtu
     flat = tuple(Source(f"/{x}", weight=w, name=x) for x, w in zip(names, weights[-1].tolist()))
     table = solve_mixture(flat, src.documents, src.tokens)
     digests = tuple(f"digest-{x}" for x in names)
-    if side == "unscheduled":
+    if side in ("unscheduled", "one"):  # (one: one cache of the same documents)
         return Mixture(flat, table, src.index, digests), args.phases * args.phase_windows
     window = table.tokens_per_epoch
     phase_tokens = args.phase_windows * window
@@ -269,9 +295,8 @@ def first_batch(
     src = open_sources(folder, args.sources)
     mixture, epoch = mixture_of(src, args, side)
 
-    def layout() -> StreamLayout:  # ShardDataset._stream_layout of a mixture
-        chosen = mixture.documents(src.lengths, 0, epoch)
-        index = mixture_shard_index(chosen, src.shard_starts, src.lengths, src.buckets)
+    def layout() -> StreamLayout:  # Planner.layout
+        index = epoch_index(src, None if side == "one" else mixture, epoch)
         return StreamLayout(index, world, args.block, 0, epoch, True)
 
     streams = layout()
@@ -306,7 +331,8 @@ def warm_up(args: argparse.Namespace) -> float:
     lengths = np.clip(rng.lognormal(5.5, 1.0, 20_000), 16, 4096).astype(np.int32)
     buckets = np.searchsorted(BUCKET_EDGES, lengths).astype(np.int32)
     starts = np.arange(0, 20_001, 1000, dtype=np.int64)
-    index = mixture_shard_index(rng.integers(0, 20_000, 15_000), starts, lengths, buckets)
+    tokens = np.add.reduceat(lengths.astype(np.int64), starts[:-1])
+    index = ShardIndex(starts, tokens, buckets[starts[:-1]], lengths)
     plan = StreamPlan(StreamLayout(index, 4, 4096, 0, 0, True), PlanOptions(args.max_tokens))
     plan.batch(0)
     return time.perf_counter() - started
@@ -372,7 +398,7 @@ def first_batch_part(args: argparse.Namespace) -> None:
           f"{args.block}; times best of {args.repeats}")  # fmt: skip
     print("\n| N | variant | side | first batch s | traced peak MiB | held MiB "
           "| window documents "
-          "| batches/rank | scheduled / unscheduled s |")  # fmt: skip
+          "| batches/rank | side / one cache s |")  # fmt: skip
     print("|---|---|---|---|---|---|---|---|---|")
     for n in every:
         for variant in variants:
@@ -383,7 +409,7 @@ def first_batch_part(args: argparse.Namespace) -> None:
                 mark = " (extrapolated)" if top.get("extrapolated") else ""
                 if top.get("timed_rounds") == 0:
                     mark = " (traced)"
-                other = figures[f"unscheduled-{variant}-{human(n)}"]
+                other = figures[f"one-{variant}-{human(n)}"]
                 ratio = top["first_batch_s"] / other["first_batch_s"]
                 print(f"| {human(n)} | {variant} | {side}{mark} | {top['first_batch_s']:.2f} | "
                       f"{top['traced_peak_mib']:.0f} | {top['held_mib']:.0f} | "

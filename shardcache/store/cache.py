@@ -535,13 +535,40 @@ class Cache:
     def _starts_table(self) -> np.ndarray:
         """Every sample's start in its shard's token array (filled by ``_record``)."""
         if self._file_starts is None:
-            # zero pages cost no memory until written; 4 bytes a sequence when every shard
-            # file is under 4 G tokens, else 8
-            largest = max((int(info.get("bytes", 0)) for info in self.shards), default=0)
-            small = largest // self.dtype.itemsize < 2**32
-            kind = np.uint32 if small else np.int64
-            self._file_starts = np.zeros(self.num_sequences, dtype=kind)
+            # zero pages cost no memory until written
+            self._file_starts = np.zeros(self.num_sequences, dtype=self.starts_dtype())
         return self._file_starts
+
+    def starts_dtype(self) -> np.dtype:
+        """The row start table's type (``_starts_table``, ``adopt_starts``).
+
+        Returns:
+            uint32 when every shard file is under 4 G tokens, else int64.
+        """
+        largest = max((int(info.get("bytes", 0)) for info in self.shards), default=0)
+        small = largest // self.dtype.itemsize < 2**32
+        return np.dtype(np.uint32 if small else np.int64)
+
+    def adopt_starts(self, table: np.ndarray) -> bool:
+        """Record row starts into ``table`` (zeros; a slice of a mixture's combined table).
+
+        Taken only before this cache made its own and when ``table`` fits: one table for the
+        mixture instead of a copy per source.
+
+        Args:
+            table: zeros of ``starts_dtype()``, one per sample id.
+
+        Returns:
+            Whether it was taken.
+        """
+        if (
+            self._file_starts is not None
+            or table.dtype != self.starts_dtype()
+            or table.shape != (self.num_sequences,)
+        ):
+            return False
+        self._file_starts = table
+        return True
 
     def close_idle(self, keep: Container[int], room: int) -> int:
         """Close idle shards to make room in a bounded local shard cache.

@@ -187,7 +187,7 @@ def test_the_plan_covers_exactly_the_chosen_documents(options):
     sources = (Source("a", 5), Source("b", 3), Source("c", 2, max_repetitions=3))
     table = solve_mixture(sources, [len(p) for p in parts], [int(p.sum()) for p in parts])
     mixture = Mixture(sources, table, MixtureIndex.of([len(p) for p in parts]), ("x", "y", "z"))
-    chosen = mixture.documents(lengths, 0, 1)
+    chosen = mixture.documents(mixture.units(lengths), 0, 1)
     plan = mixture_epoch_plan(lengths, buckets, chosen, options, 0, 1)
     firsts = plan.sample_ids  # concat: a document's pieces; count the pieces that start it
     if plan.seg_starts is not None:
@@ -195,7 +195,9 @@ def test_the_plan_covers_exactly_the_chosen_documents(options):
     got = np.sort(firsts)
     assert np.array_equal(got, np.sort(chosen))
     keys = tuple(source_seed(d) for d in ("x", "y", "z"))
-    assert np.array_equal(chosen, mixture_documents(lengths, mixture.index, table, keys, 0, 1))
+    taken = mixture_documents(mixture.units(lengths), mixture.index, table, keys, 0, 1)
+    again = [t.documents() + o for t, o in zip(taken, mixture.index.offsets)]
+    assert np.array_equal(chosen, np.concatenate(again))
 
 
 def test_changes_of_a_mixture_are_listed_field_by_field():
@@ -221,7 +223,14 @@ def test_a_large_mixture_epoch_logs_its_planning(caplog, monkeypatch):
     mixture = Mixture(sources, table, MixtureIndex.of([20, 20]), ("x", "y"))
     lengths = np.concatenate(parts).astype(np.int64)
     with caplog.at_level("INFO", logger="shardcache"):
-        mixture.plan(lengths, np.zeros(40, np.int32), PlanOptions(max_tokens=128), 0, 3)
+        mixture.plan(
+            lengths,
+            np.zeros(40, np.int32),
+            PlanOptions(max_tokens=128),
+            0,
+            3,
+            mixture.units(lengths),
+        )
     assert "planning epoch 3 of a mixture of 2 sources" in caplog.text
     assert "global batches" in caplog.text
 
@@ -243,7 +252,8 @@ def test_a_large_mixture_epoch_shows_its_planning_on_a_terminal(monkeypatch, ter
     table = solve_mixture(sources, [20, 20], [int(p.sum()) for p in parts])
     mixture = Mixture(sources, table, MixtureIndex.of([20, 20]), ("x", "y"))
     lengths = np.concatenate(parts).astype(np.int64)
-    mixture.plan(lengths, np.zeros(40, np.int32), PlanOptions(max_tokens=128), 0, 3)
+    options = PlanOptions(max_tokens=128)
+    mixture.plan(lengths, np.zeros(40, np.int32), options, 0, 3, mixture.units(lengths))
     shown = stderr.getvalue()
     if terminal:  # a step per source, one for the batches
         assert "plan epoch 3 (2 sources" in shown

@@ -275,7 +275,10 @@ def test_a_run_stopped_at_a_phase_boundary_resumes_into_the_next_phase(caches):
     for rank in range(3):
         ds = make(rank, 3)
         ds.load_state_dict(states[0])
-        assert _keys(ds) == []  # the window is spent
+        # the window is spent but for what evening out 4 ranks left (fewer than 4 batches):
+        # read at 3 ranks when it makes a round (split_epoch from the loaded position)
+        left = len(ds.plan()) - states[0]["consumed"]
+        assert 0 <= left < 4 and len(_keys(ds)) == left // 3
         ds.set_epoch(3)
         assert _keys(ds) == uninterrupted[rank]
 

@@ -13,7 +13,6 @@ from shardcache.read.plan.streams import (
     StreamLayout,
     StreamPlan,
     count_batches,
-    mixture_shard_index,
     order_mixing,
     own_streams,
     plan_block,
@@ -202,21 +201,6 @@ def test_a_mixture_index_plans_its_chosen_rows_with_repeats():
     expected = base.lengths.astype(np.int64).copy()
     expected[:n0] *= 2
     assert np.array_equal(taken, expected)
-
-
-def test_mixture_shard_index_groups_chosen_ids_by_shard_with_their_tokens():
-    rng = np.random.default_rng(3)
-    lengths = rng.integers(1, 100, 60).astype(np.int32)
-    buckets = (lengths > 50).astype(np.int32)
-    shard_starts = np.array([0, 10, 25, 25, 40, 60], dtype=np.int64)  # (one empty shard)
-    chosen = rng.permutation(np.r_[np.arange(5, 35), np.arange(8, 12), [59, 59]])
-    index = mixture_shard_index(chosen, shard_starts, lengths, buckets)
-    assert np.array_equal(index.rows, np.sort(chosen))
-    shard = np.searchsorted(shard_starts, index.rows, side="right") - 1
-    assert np.array_equal(np.diff(index.starts), np.bincount(shard, minlength=5))
-    expected = np.bincount(shard, weights=lengths[index.rows], minlength=5).astype(np.int64)
-    assert np.array_equal(index.tokens, expected)
-    assert index.sample_buckets is buckets and index.lengths is lengths
 
 
 @pytest.mark.parametrize("streams,block", [(1, 10**9), (5, 37), (3, 200)])

@@ -33,10 +33,11 @@ class ShardIndex:
     """What the stream planner reads of a cache: rows per shard, tokens, buckets, lengths.
 
     Shard ``x`` holds rows ``starts[x]:starts[x + 1]``; row ``i`` is sample id ``i`` (or
-    ``rows[i]`` when given: a mixture's chosen documents, repeats included, grouped by shard).
-    ``lengths`` is indexed by sample id and may be a memory map: only read rows are touched.
-    ``buckets`` holds one bucket per shard, or ``sample_buckets`` one per sample id where a
-    shard's rows may fall in several (a mixture of caches with other bucket edges).
+    ``rows[i]`` when given: a split side's ids, ascending). ``lengths`` is indexed by sample id
+    and may be a memory map: only read rows are touched. ``buckets`` holds one bucket per shard
+    (a cache's shards are bucket-pure). A mixture's epoch is read through the same interface
+    (``num_shards``, ``starts``, ``tokens``, ``shard_rows``, ``shard_lengths``) by
+    ``passes.EpochShards``, which computes a shard's rows when asked.
     """
 
     starts: np.ndarray
@@ -44,7 +45,6 @@ class ShardIndex:
     buckets: np.ndarray
     lengths: np.ndarray
     rows: np.ndarray | None = None
-    sample_buckets: np.ndarray | None = None
 
     @property
     def num_shards(self) -> int:
@@ -56,24 +56,21 @@ class ShardIndex:
         ids = np.arange(first, last) if self.rows is None else self.rows[first:last]
         return np.asarray(self.lengths[ids], dtype=np.int64)
 
+    def shard_rows(
+        self, shard: int, lo: int, hi: int
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """Rows ``lo:hi`` of a shard: sample ids, lengths, buckets, repetitions (None: none)."""
+        first = int(self.starts[shard])
+        rows = np.arange(first + lo, first + hi, dtype=np.int64)
+        ids = rows if self.rows is None else np.asarray(self.rows[rows], dtype=np.int64)
+        lengths = np.asarray(self.lengths[ids], dtype=np.int64)
+        buckets = np.full(len(ids), self.buckets[shard], dtype=np.int32)
+        return ids, lengths, buckets, None
 
-def mixture_shard_index(
-    chosen: np.ndarray, shard_starts: np.ndarray, lengths: np.ndarray, sample_buckets: np.ndarray
-) -> ShardIndex:
-    """A mixture epoch's chosen documents (repeats included) by the shard that holds them.
-
-    ``chosen``: the mixture ids the epoch plans over (``Mixture.documents``, any order);
-    ``shard_starts``: every source's shards' first mixture ids, in order, then the id space's
-    end; ``lengths`` and ``sample_buckets``: every mixture id's length and bucket.
-    """
-    rows = np.sort(chosen)
-    starts = np.searchsorted(rows, shard_starts, side="left").astype(np.int64)
-    taken = np.asarray(lengths[rows], dtype=np.int64)
-    cum = np.zeros(len(rows) + 1, dtype=np.int64)
-    np.cumsum(taken, out=cum[1:])
-    tokens = cum[starts[1:]] - cum[starts[:-1]]
-    shard_buckets = np.zeros(len(tokens), dtype=np.int32)  # (sample_buckets decide)
-    return ShardIndex(starts, tokens, shard_buckets, lengths, rows, sample_buckets)
+    def shard_lengths(self, shard: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """Lengths of rows ``lo:hi`` of a shard (int64)."""
+        first, last = int(self.starts[shard]), int(self.starts[shard + 1])
+        return self.row_lengths(first + lo, last if hi is None else first + hi)
 
 
 class StreamLayout:
@@ -105,7 +102,7 @@ class StreamLayout:
             p = int(np.searchsorted(token_cum, target, side="right")) - 1
             p = min(p, num_shards - 1)
             x = int(self.perm[p])
-            inside = np.cumsum(index.row_lengths(int(index.starts[x]), int(index.starts[x + 1])))
+            inside = np.cumsum(index.shard_lengths(x))
             q = int(np.searchsorted(inside, target - int(token_cum[p]), side="left")) + 1
             q = 0 if target <= int(token_cum[p]) else min(q, len(inside))
             self.bounds[s] = max(int(self.row_cum[p]) + q, int(self.bounds[s - 1]))
@@ -120,44 +117,40 @@ class StreamLayout:
 
     def block_ids(self, stream: int, block: int) -> tuple[np.ndarray, np.ndarray]:
         """The sample ids (ascending) and buckets of one block."""
-        ids, buckets, _ = self.block_rows_of(stream, block)
+        ids, buckets, _, _ = self.block_rows_of(stream, block)
         return ids, buckets
 
     def block_rows_of(
         self, stream: int, block: int
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray | None]:
-        """``block_ids`` and each id's repetition (None: every id used once).
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+        """``block_ids``, each id's length and its repetition (None: every id used once).
 
-        A mixture's repeated document is adjacent rows of ``ShardIndex.rows`` (sorted): the
-        k-th of them is repetition k, wherever the block and stream boundaries fall.
+        A mixture's repeated document is adjacent rows of its shard: the k-th of them is
+        repetition k, wherever the block and stream boundaries fall.
         """
         first, last = self.block_rows(stream, block)
         p0 = int(np.searchsorted(self.row_cum, first, side="right")) - 1
         p1 = int(np.searchsorted(self.row_cum, last, side="left"))
-        shards = self.perm[p0:p1]
         lo = np.maximum(self.row_cum[p0:p1], first) - self.row_cum[p0:p1]
         hi = np.minimum(self.row_cum[p0 + 1 : p1 + 1], last) - self.row_cum[p0:p1]
-        take = hi - lo
-        starts = self.index.starts[shards] + lo
-        # one arange over all pieces: each piece's rows are consecutive
-        offsets = np.repeat(starts - np.r_[0, np.cumsum(take)[:-1]], take)
-        rows = np.arange(int(take.sum()), dtype=np.int64) + offsets
-        ids = rows if self.index.rows is None else np.asarray(self.index.rows[rows], np.int64)
-        if self.index.sample_buckets is None:
-            buckets = np.repeat(np.asarray(self.index.buckets)[shards], take)
-        else:
-            buckets = np.asarray(self.index.sample_buckets[ids])
+        pieces = [
+            self.index.shard_rows(int(x), int(a), int(b))
+            for x, a, b in zip(self.perm[p0:p1], lo, hi)
+            if b > a
+        ]
+        if not pieces:
+            empty = np.zeros(0, dtype=np.int64)
+            return empty, np.zeros(0, dtype=np.int32), empty, None
+        ids = np.concatenate([p[0] for p in pieces])
         order = np.argsort(ids, kind="stable")
+        lengths = np.concatenate([p[1] for p in pieces])[order]
+        buckets = np.concatenate([p[2] for p in pieces])[order]
         repeats = None
-        if self.index.rows is not None and len(ids):
-            # (a row equal to the one before it is a repeat; only then the search)
-            again = (rows > 0) & (ids == self.index.rows[np.maximum(rows - 1, 0)])
-            if again.any():
-                repeats = np.zeros(len(ids), dtype=np.int64)
-                first = np.searchsorted(self.index.rows, ids[again], side="left")
-                repeats[again] = rows[again] - first
-                repeats = repeats[order]
-        return ids[order], buckets[order], repeats
+        if any(p[3] is not None for p in pieces):
+            repeats = np.concatenate(
+                [np.zeros(len(p[0]), np.int64) if p[3] is None else p[3] for p in pieces]
+            )[order]
+        return ids[order], buckets, lengths, repeats
 
     def block_tokens(self, stream: int, block: int) -> int:
         """The tokens of one block, reading lengths only of the shards it takes in part."""
@@ -171,10 +164,8 @@ class StreamLayout:
             if first <= lo and hi <= last:
                 total += int(self.index.tokens[x])
             else:
-                base = int(self.index.starts[x]) - lo
-                total += int(
-                    self.index.row_lengths(max(first, lo) + base, min(last, hi) + base).sum()
-                )
+                a, b = max(first, lo) - lo, min(last, hi) - lo
+                total += int(self.index.shard_lengths(x, a, b).sum())
         return total
 
     def shards_of_stream(self, stream: int) -> np.ndarray:
@@ -189,7 +180,7 @@ class StreamLayout:
 
 def plan_block(layout: StreamLayout, options: PlanOptions, stream: int, block: int) -> EpochPlan:
     """One block's batches, its sample ids global; one stream of one block is ``plan_epoch``."""
-    ids, buckets, repeats = layout.block_rows_of(stream, block)
+    ids, buckets, lengths, repeats = layout.block_rows_of(stream, block)
     if len(ids) == 0:
         return EpochPlan(np.zeros(1, dtype=np.int64), np.zeros(0, dtype=np.int64))
     rng = None
@@ -197,7 +188,6 @@ def plan_block(layout: StreamLayout, options: PlanOptions, stream: int, block: i
         single = layout.streams == 1 and int(layout.blocks[0]) == 1
         key = [layout.seed, layout.epoch] if single else [layout.seed, layout.epoch, stream, block]
         rng = np.random.default_rng(key)
-    lengths = np.asarray(layout.index.lengths[ids], dtype=np.int64)
     plan = plan_sequences(lengths, buckets, options, rng)
     return EpochPlan(
         plan.batch_offsets, ids[plan.sample_ids], plan.row_offsets, plan.seg_starts,

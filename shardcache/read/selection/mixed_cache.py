@@ -8,6 +8,7 @@ starts; a compressed source, or mixed token types, give no table (batches go thr
 
 from __future__ import annotations
 
+import contextlib
 import os
 import warnings
 from typing import Any
@@ -19,6 +20,7 @@ from shardcache.read.selection.mixture import MixtureIndex, Source
 from shardcache.read.selection.mixture_table import MixtureTable, once_table, solve_mixture
 from shardcache.store.cache import NO_MASK, Cache, Gathered, MappedTable
 from shardcache.store.columns import TOKEN_COLUMNS, ordered
+from shardcache.store.files import cache_root, private_tmp, sha256_text
 from shardcache.store.key import CacheKey, compare, verify_manifest_key
 from shardcache.store.remote import is_url
 from shardcache.store.shards import flat_ranges
@@ -90,6 +92,47 @@ def warn_repeated_caches(sources: tuple[Source, ...], caches: list[Cache]) -> No
             )
 
 
+#: Under the local cache folder: a mixture's length index, every source's in turn (memory-mapped).
+MIXTURES_DIR = "mixtures"
+
+
+def mixture_lengths(caches: list[Cache]) -> np.ndarray:
+    """Every source's length index in turn, read-only: a memory map shared by the machine.
+
+    Written once per machine under ``$SHARDCACHE_CACHE_DIR/mixtures`` (named by the sources'
+    index digests), so a process holds only the pages it reads, as of one cache's index,
+    instead of a copy of every source's in each process and DataLoader worker. In memory
+    when the folder cannot be written.
+    """
+    kind = np.result_type(*(c.lengths.dtype for c in caches))
+    count = sum(len(c.lengths) for c in caches)
+    digests = "|".join(str(c.manifest["index"]["lengths"]["sha256"]) for c in caches)
+    name = sha256_text(f"{digests}|{kind.str}|{count}")
+    path = os.path.join(cache_root(), MIXTURES_DIR, f"{name}.lengths.npy")
+    with contextlib.suppress(OSError, ValueError):
+        if not os.path.exists(path):
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            tmp = private_tmp(path)
+            try:
+                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=kind, shape=(count,))
+                at = 0
+                for cache in caches:
+                    out[at : at + len(cache.lengths)] = cache.lengths
+                    at += len(cache.lengths)
+                out.flush()
+                del out
+                os.replace(tmp, path)
+            finally:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+        mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+        if mapped.dtype == kind and mapped.shape == (count,):
+            return mapped
+    lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in caches])
+    lengths.flags.writeable = False
+    return lengths
+
+
 class MixedCache:
     """The caches of a mixture, read through one mixture id space."""
 
@@ -151,10 +194,7 @@ class MixedCache:
     def lengths(self) -> np.ndarray:
         """Every mixture id's length; read-only like a cache's index (the kernels' ``warm_up``)."""
         if self._lengths is None:
-            kind = np.result_type(*(c.lengths.dtype for c in self.caches))
-            lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in self.caches])
-            lengths.flags.writeable = False
-            self._lengths = lengths
+            self._lengths = mixture_lengths(self.caches)
         return self._lengths
 
     def buckets(self) -> np.ndarray:
@@ -195,6 +235,10 @@ class MixedCache:
         """The combined table over all sources' shards (one object), or None: use numpy."""
         if self._table is not None:
             return self._table
+        narrow = all(c.starts_dtype() == np.uint32 for c in self.caches)
+        file_starts = np.zeros(self.num_sequences, dtype=np.uint32 if narrow else np.int64)
+        for s, cache in enumerate(self.caches):  # (one table: the sources record into theirs)
+            cache.adopt_starts(file_starts[self.index.offsets[s] : self.index.offsets[s + 1]])
         tables = [c.mapped_table() for c in self.caches]
         if any(t is None for t in tables):
             return None
@@ -207,7 +251,8 @@ class MixedCache:
         shards = int(self._shard_offsets[-1])
         starts = [t.shard_starts[:-1] + self.index.offsets[s] for s, t in enumerate(full)]
         shard_starts = np.concatenate([*starts, self.index.offsets[-1:]]).astype(np.int64)
-        narrow = all(t.file_starts.dtype == np.uint32 for t in full)
+        if not all(t.file_starts.dtype == file_starts.dtype for t in full):
+            file_starts = np.zeros(self.num_sequences, dtype=np.int64)
         samples = self.num_sequences
         self._tables = full
         self._copied = np.zeros(shards, dtype=bool)
@@ -217,7 +262,7 @@ class MixedCache:
             np.zeros(shards, dtype=np.int64),
             np.ones(1, dtype=np.int64),
             shard_starts,
-            np.zeros(samples, dtype=np.uint32 if narrow else np.int64),
+            file_starts,
             self.lengths,
             full[0].dtype,
             min(t.max_id for t in full),

@@ -26,6 +26,13 @@ import numpy as np
 from shardcache.errors import ConfigError
 from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
 from shardcache.read.selection.mixture_table import MixtureTable
+from shardcache.read.selection.passes import (
+    SourceEpoch,
+    SourcePasses,
+    SourceUnits,
+    nearest_boundary,  # noqa: F401  (where callers found it)
+    rotating_epoch,
+)
 from shardcache.read.selection.splits import Split, as_split, check_split_name
 
 logger = logging.getLogger("shardcache")
@@ -201,40 +208,11 @@ def source_seed(digest: str) -> int:
     return int.from_bytes(hashlib.sha256(digest.encode()).digest()[:8], "little")
 
 
-def nearest_boundary(bounds: np.ndarray, position: int) -> int:
-    """Index of the entry of sorted ``bounds`` nearest to ``position`` (ties: the lower)."""
-    i = int(np.searchsorted(bounds, position, side="left"))
-    if i == 0:
-        return 0
-    if i >= len(bounds):
-        return len(bounds) - 1
-    return i if int(bounds[i]) - position < position - int(bounds[i - 1]) else i - 1
-
-
 def epoch_documents(
     lengths: np.ndarray, target: int, seed: int, key: int, epoch: int
 ) -> np.ndarray:
-    """The local ids a source gives ``epoch``: whole passes in id order, then its window."""
-    n = len(lengths)
-    total = int(np.sum(lengths, dtype=np.int64))
-    if n == 0 or target <= 0:
-        return np.zeros(0, dtype=np.int64)
-    passes, rest = divmod(int(target), total)
-    parts = [np.tile(np.arange(n, dtype=np.int64), passes)] if passes else []
-    if rest:
-        order = np.random.default_rng([seed, key]).permutation(n).astype(np.int64)
-        bounds = np.zeros(n + 1, dtype=np.int64)
-        np.cumsum(lengths[order], out=bounds[1:])
-
-        def boundary(position: int) -> int:  # a document index in the endless cyclic stream
-            cycle, inside = divmod(position, total)
-            return cycle * n + nearest_boundary(bounds, inside)
-
-        first = boundary(epoch * rest)
-        last = min(boundary((epoch + 1) * rest), first + n)  # never a document twice
-        taken = np.arange(first, last, dtype=np.int64) % n
-        parts.append(order[taken])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    """The local ids a source of one shard gives ``epoch`` (``passes.rotating_epoch``)."""
+    return rotating_epoch(SourceUnits.of(lengths), target, seed, key, epoch).documents()
 
 
 @dataclass(frozen=True)
@@ -264,37 +242,26 @@ class MixtureIndex:
 
 
 def mixture_documents(
-    lengths: np.ndarray,
+    units: list[SourceUnits],
     index: MixtureIndex,
     table: MixtureTable,
     keys: tuple[int, ...],
     seed: int,
     epoch: int,
-    on_source: Callable[[str], None] | None = None,
-    rows: tuple[np.ndarray, ...] | None = None,
     once: bool = False,
-) -> np.ndarray:
-    """Every source's ``epoch_documents``, shifted into the mixture id space.
+) -> list[SourceEpoch]:
+    """What ``epoch`` takes of every source (``passes.rotating_epoch``).
 
-    ``rows[s]``: the local ids of source ``s``'s side of a split (ascending), the only ones it
-    gives; ``once``: every one of them once, in id order, whatever the table (an evaluation
-    pass).
+    ``units[s]``: source ``s``'s units (its side of a split); ``once``: every one of them
+    once, in id order, whatever the table (an evaluation pass).
     """
-    parts = []
-    for s, (row, key) in enumerate(zip(table.sources, keys)):
-        lo, hi = int(index.offsets[s]), int(index.offsets[s + 1])
-        side = None if rows is None else np.asarray(rows[s], dtype=np.int64)
+    out = []
+    for row, key, own in zip(table.sources, keys, units):
         if once:
-            local = np.arange(hi - lo, dtype=np.int64) if side is None else side
+            out.append(SourceEpoch(SourcePasses(own, seed, key, fixed=True), 1, 0, 0))
         else:
-            own = lengths[lo:hi] if side is None else lengths[lo:hi][side]
-            local = epoch_documents(own, row.tokens_per_epoch, seed, key, epoch)
-            if side is not None:
-                local = side[local]
-        parts.append(local + lo)
-        if on_source is not None:
-            on_source(row.name)
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+            out.append(rotating_epoch(own, row.tokens_per_epoch, seed, key, epoch))
+    return out
 
 
 def document_uses(
@@ -388,32 +355,57 @@ class Mixture:
             return int(self.schedule.expected_documents([s.documents for s in self.table.sources]))
         return sum(round(s.repetitions * s.documents) for s in self.table.sources)
 
+    def units(
+        self,
+        counted: np.ndarray,
+        planned: np.ndarray | None = None,
+        shard_starts: list[np.ndarray] | None = None,
+        shard_tokens: list[np.ndarray | None] | None = None,
+    ) -> list[SourceUnits]:
+        """Every source's units, from mixture-wide arrays (views of them, not copies).
+
+        ``counted``: every mixture id's tokens toward its source's target; ``planned``: its
+        length to the planner (default ``counted``); ``shard_starts[s]``: source ``s``'s
+        shards' first local ids, then its size (default: one shard); ``shard_tokens[s]``: its
+        shards' counted tokens when known (a cache's manifest), else summed here.
+        """
+        out = []
+        for s in range(len(self.sources)):
+            lo, hi = int(self.index.offsets[s]), int(self.index.offsets[s + 1])
+            mine = counted[lo:hi]
+            plan = mine if planned is None or planned is counted else planned[lo:hi]
+            out.append(
+                SourceUnits.of(
+                    mine,
+                    plan,
+                    None if shard_starts is None else shard_starts[s],
+                    None if self.rows is None else self.rows[s],
+                    None if shard_tokens is None else shard_tokens[s],
+                )
+            )
+        return out
+
+    def epochs(self, units: list[SourceUnits], seed: int, epoch: int) -> list[SourceEpoch]:
+        """What ``epoch`` (a schedule's window) takes of every source (``units``: ``units()``)."""
+        keys = tuple(source_seed(d) for d in self.digests)
+        if self.schedule is not None and not self.once:
+            return self.schedule.epochs(units, keys, seed, epoch)
+        return mixture_documents(units, self.index, self.table, keys, seed, epoch, self.once)
+
     def documents(
         self,
-        lengths: np.ndarray,
+        units: list[SourceUnits],
         seed: int,
         epoch: int,
         on_source: Callable[[str], None] | None = None,
-        counted: np.ndarray | None = None,
     ) -> np.ndarray:
-        """The mixture ids an epoch plans over, one per use of a document.
-
-        ``counted``: the tokens each id counts toward its source's target (default ``lengths``;
-        a preference pair's both sides, where the planner's length is the longer side).
-        """
-        keys = tuple(source_seed(d) for d in self.digests)
-        counted = lengths if counted is None else counted
-        if self.schedule is not None and not self.once:
-            chosen = self.schedule.documents(
-                counted, self.index.offsets, keys, seed, epoch, self.rows
-            )
+        """The mixture ids an epoch plans over, one per use of a document (``O(epoch)``)."""
+        parts = []
+        for s, (row, taken) in enumerate(zip(self.table.sources, self.epochs(units, seed, epoch))):
+            parts.append(taken.documents() + int(self.index.offsets[s]))
             if on_source is not None:
-                for row in self.table.sources:
-                    on_source(row.name)
-            return chosen
-        return mixture_documents(
-            counted, self.index, self.table, keys, seed, epoch, on_source, self.rows, self.once
-        )
+                on_source(row.name)
+        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
 
     def plan(
         self,
@@ -422,11 +414,11 @@ class Mixture:
         options: PlanOptions,
         seed: int,
         epoch: int,
-        counted: np.ndarray | None = None,
+        units: list[SourceUnits],
     ) -> EpochPlan:
         """The global batches of an epoch (logged, with a progress bar, when it is large).
 
-        ``counted`` as for ``documents``; ``lengths`` are what the planner packs or pads.
+        ``lengths`` are what the planner packs or pads; ``units`` as for ``documents``.
         """
         started = time.perf_counter()
         expected = self.expected_documents()
@@ -438,7 +430,7 @@ class Mixture:
             )  # fmt: skip
         progress = _PlanProgress(loud, epoch, len(self.sources), expected)
         try:
-            chosen = self.documents(lengths, seed, epoch, progress.source_done, counted)
+            chosen = self.documents(units, seed, epoch, progress.source_done)
             progress.batches_started()
             sizes = None if self.rows is None else [len(r) for r in self.rows]
             whole_passes = self.schedule is None or self.once  # (see document_uses)

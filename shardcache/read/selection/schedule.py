@@ -28,8 +28,9 @@ from typing import Any
 import numpy as np
 
 from shardcache.errors import ConfigError
-from shardcache.read.selection.mixture import Source, nearest_boundary
+from shardcache.read.selection.mixture import Source
 from shardcache.read.selection.mixture_table import MAX_TOKENS_PER_EPOCH, normalised_shares
+from shardcache.read.selection.passes import SourceEpoch, SourceUnits, stream_window
 
 #: Schedule kinds: piecewise-constant weights, or weights interpolated between points.
 KINDS = ("phases", "linear")
@@ -479,31 +480,18 @@ class ScheduleLayout:
         self._check(window)
         return self.targets(window), self.targets(window + 1)
 
-    def documents(
-        self,
-        counted: np.ndarray,
-        offsets: np.ndarray,
-        keys: tuple[int, ...],
-        seed: int,
-        window: int,
-        rows: tuple[np.ndarray, ...] | None = None,
-    ) -> np.ndarray:
-        """The mixture ids window ``window`` plans over (``mixture_documents`` of a schedule).
+    def epochs(
+        self, units: list[SourceUnits], keys: tuple[int, ...], seed: int, window: int
+    ) -> list[SourceEpoch]:
+        """What window ``window`` takes of every source (``passes.stream_window``).
 
-        ``counted``: every mixture id's tokens; ``offsets``: the mixture id space
-        (``MixtureIndex.offsets``); ``rows[s]``: source ``s``'s side of a split (None: all).
+        ``units[s]``: source ``s``'s units (its side of a split); ``keys[s]``: its key.
         """
         begin, end = self.window_targets(window)
-        parts = []
-        for s, key in enumerate(keys):
-            lo, hi = int(offsets[s]), int(offsets[s + 1])
-            side = None if rows is None else np.asarray(rows[s], dtype=np.int64)
-            own = counted[lo:hi] if side is None else counted[lo:hi][side]
-            local = window_documents(own, int(begin[s]), int(end[s]), seed, key)
-            if side is not None:
-                local = side[local]
-            parts.append(local + lo)
-        return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+        return [
+            stream_window(own, int(begin[s]), int(end[s]), seed, key)
+            for s, (own, key) in enumerate(zip(units, keys))
+        ]
 
     def _taken(self, seg: _Segment, ks: list[int]) -> np.ndarray:
         """Every source's tokens in the segment's windows ``ks``, a row each."""
@@ -743,41 +731,10 @@ def schedule_changes(theirs: Any, ours: dict[str, Any] | None) -> list[str]:
     return lines
 
 
-def _pass_order(n: int, seed: int, key: int, cycle: int) -> np.ndarray:
-    """Pass ``cycle``'s order of a source's ``n`` documents."""
-    return np.random.default_rng([seed, key, cycle]).permutation(n).astype(np.int64)
-
-
 def window_documents(lengths: np.ndarray, first: int, last: int, seed: int, key: int) -> np.ndarray:
-    """The local ids between token positions ``first`` and ``last`` of a source's endless stream.
+    """The local ids between token positions ``first`` and ``last`` of a one-shard source's stream.
 
-    The stream is pass 0, pass 1, ... of the source's documents, each pass a permutation; both
-    positions are moved to the nearest document boundary.
+    The stream is pass 0, pass 1, ... of the source's documents, each pass in its own order;
+    both positions are moved to the nearest document boundary (``passes.stream_window``).
     """
-    n = len(lengths)
-    total = int(np.sum(lengths, dtype=np.int64))
-    if n == 0 or last <= first:
-        return np.zeros(0, dtype=np.int64)
-    bounds_of: dict[int, np.ndarray] = {}
-    orders: dict[int, np.ndarray] = {}
-
-    def order(cycle: int) -> np.ndarray:
-        if cycle not in orders:
-            orders[cycle] = _pass_order(n, seed, key, cycle)
-            bounds = np.zeros(n + 1, dtype=np.int64)
-            np.cumsum(lengths[orders[cycle]], out=bounds[1:])
-            bounds_of[cycle] = bounds
-        return orders[cycle]
-
-    def boundary(position: int) -> int:  # a document index in the endless stream
-        cycle, inside = divmod(position, total)
-        order(cycle)
-        return cycle * n + nearest_boundary(bounds_of[cycle], inside)
-
-    lo, hi = boundary(first), boundary(last)
-    parts = []
-    for cycle in range(lo // n, (hi - 1) // n + 1 if hi > lo else lo // n):
-        a, b = max(lo, cycle * n) - cycle * n, min(hi, (cycle + 1) * n) - cycle * n
-        if b > a:
-            parts.append(order(cycle)[a:b])
-    return np.concatenate(parts) if parts else np.zeros(0, dtype=np.int64)
+    return stream_window(SourceUnits.of(lengths), first, last, seed, key).documents()

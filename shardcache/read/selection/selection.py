@@ -22,7 +22,7 @@ import numpy as np
 
 from shardcache.errors import ConfigError, StateError
 from shardcache.read.plan.epoch_plan import EpochPlan, PlanOptions, plan_epoch
-from shardcache.read.plan.streams import ShardIndex, mixture_shard_index
+from shardcache.read.plan.streams import ShardIndex
 from shardcache.read.selection.mixed_cache import MixedCache
 from shardcache.read.selection.mixture import (
     Mixture,
@@ -34,6 +34,7 @@ from shardcache.read.selection.mixture import (
     warn_unweighted_eval,
 )
 from shardcache.read.selection.mixture_table import MixtureTable
+from shardcache.read.selection.passes import EpochShards, SourceUnits
 from shardcache.read.selection.schedule import (
     Schedule,
     ScheduleLayout,
@@ -386,7 +387,15 @@ class MixtureSelection(Units):
         self.data_identity = data_identity(cache.caches, *terms)
         #: a scheduled mixture's tokens per source this process read, by epoch (window)
         self._delivered: dict[int, np.ndarray] = {}
+        self._units: list[SourceUnits] | None = None  # (source_units: this process's)
         self._described(cache)
+
+    _dropped = ("_cache", "_lengths", "_buckets", "_units")
+
+    def close(self) -> None:
+        """Release the readers and the arrays derived from them."""
+        super().close()
+        self._units = None
 
     def finish(self, options: PlanOptions) -> None:
         """The pair checks and unit arrays, after the caller's checks of the open cache."""
@@ -436,21 +445,43 @@ class MixtureSelection(Units):
     def plan_epoch(self, planning: PlanOptions, seed: int, epoch: int) -> EpochPlan:
         """The global plan of an epoch's units."""
         args = (self.unit_lengths(), self.unit_buckets(), planning, seed, epoch)
-        return self._mixture.plan(*args, counted=self.counted_lengths())
+        return self._mixture.plan(*args, units=self.source_units())
 
-    def shard_index(self, seed: int, epoch: int) -> ShardIndex:
-        """A mixture epoch's chosen documents (repeats included) by the shard that holds them."""
+    def source_units(self) -> list[SourceUnits]:
+        """Every source's units by shard (its side of a split), kept in this process."""
+        if self._units is None:
+            cache: MixedCache = self.open()
+            halve = 2 if self.pairs else 1  # (a preference cache's shards are cut between pairs)
+            starts = [np.asarray(c.shard_starts, dtype=np.int64) // halve for c in cache.caches]
+            tokens: list[np.ndarray | None] = [
+                None if self.pairs else np.fromiter((int(i["tokens"]) for i in c.shards), np.int64)
+                for c in cache.caches
+            ]
+            self._units = self._mixture.units(
+                self.counted_lengths(), self.unit_lengths(), starts, tokens
+            )
+        return self._units
+
+    def shard_index(self, seed: int, epoch: int) -> EpochShards:
+        """A mixture epoch by shard: counts and tokens now, a shard's rows when asked."""
         cache: MixedCache = self.open()
-        lengths, buckets = self.unit_lengths(), self.unit_buckets()
-        counted = self.counted_lengths()
-        chosen = self._mixture.documents(lengths, seed, epoch, counted=counted)
-        offsets = self._mixture.index.offsets  # (a preference mixture's: in pairs)
-        halve = 2 if self.pairs else 1  # (a preference cache's shards are cut between pairs)
-        shard_starts = np.concatenate(
-            [c.shard_starts[:-1] // halve + offsets[s] for s, c in enumerate(cache.caches)]
-            + [offsets[-1:]]
-        ).astype(np.int64)
-        return mixture_shard_index(chosen, shard_starts, lengths, buckets)
+        epochs = self._mixture.epochs(self.source_units(), seed, epoch)
+        caches = cache.caches
+        ranges = [c.manifest.get("buckets", {}).get("ranges") for c in caches]
+        edges = None
+        if any(r != ranges[0] for r in ranges):  # unequal edges: rebucket by their union
+            union = {int(high) for r in ranges for _, high in (r or []) if high is not None}
+            edges = np.asarray(sorted(union), dtype=np.int64)
+        step = 2 if self.pairs else 1  # (a pair's bucket is its first row's)
+
+        def buckets(source: int, shard: int, local: np.ndarray) -> np.ndarray:
+            own = caches[source]
+            if edges is None:
+                return np.full(len(local), own.shard_buckets[shard], dtype=np.int32)
+            lengths = np.asarray(own.lengths[local * step], dtype=np.int64)
+            return np.searchsorted(edges, lengths).astype(np.int32)
+
+        return EpochShards(epochs, self._mixture.index.offsets, buckets)
 
     def kernel_sources(self) -> np.ndarray:
         """The compiled reader's source offsets (a mixture's), or None."""
