@@ -49,7 +49,10 @@ Both sides run in the same run, interleaved; times are the best of ``--repeats``
    pad and pack, today (``streams=0``) and streams (``streams=W``). Per rank: the shard bytes
    the server sent it (GET response bodies, told apart by each rank's access key id) and the
    bytes its ``ds.stats()`` counts (``bytes_ahead + bytes_on_demand``), each over
-   ``cache bytes / W``; the epoch's wall time of the W ranks together.
+   ``cache bytes / W``; the epoch's wall time of the W ranks together. ``--remote-sources K``
+   builds K caches instead (each of every K-th corpus file) and the ranks read their mixture,
+   each source weighted by its tokens (an epoch reads every document once), the share being
+   all K caches' bytes over W.
 
     PYTHONPATH=. python benchmarks/bench_scale.py                 # all parts, ~10 minutes
     PYTHONPATH=. python benchmarks/bench_scale.py --quick         # small sizes, a smoke run
@@ -560,7 +563,15 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
         extra.update(streams=args.streams, shuffle_block=args.block)
     start = time.perf_counter()
     batches = tokens = 0
-    with ShardDataset(args.url, max_tokens=args.max_tokens, seed=0, rank=args.rank,
+    urls = args.url.split(",")
+    path: Any = urls[0]
+    if len(urls) > 1:  # a mixture, each source at its share of the tokens: every document once
+        from shardcache import Source
+
+        weights = [float(w) for w in args.weights.split(",")]
+        path = [Source(u, weight=w, max_repetitions=1.01, name=f"s{i}")
+                for i, (u, w) in enumerate(zip(urls, weights))]  # fmt: skip
+    with ShardDataset(path, max_tokens=args.max_tokens, seed=0, rank=args.rank,
                       world_size=args.world, **extra) as ds:  # fmt: skip
         for batch in ds:
             batches += 1
@@ -570,10 +581,13 @@ def rank_main(args: argparse.Namespace) -> dict[str, Any]:
             "stats": stats}  # fmt: skip
 
 
-def build_remote_cache(args: argparse.Namespace, work: str) -> str:
-    """A local cache of a few hundred shards from a generated corpus (or ``--cache``)."""
+def build_remote_cache(args: argparse.Namespace, work: str) -> list[str]:
+    """Local caches of a few hundred shards in all from a generated corpus (or ``--cache``).
+
+    ``--remote-sources`` caches, each of every ``k``-th corpus file (one: all of them).
+    """
     if args.cache:
-        return str(args.cache)
+        return [str(args.cache)]
     sys.path.insert(0, os.path.join(HERE, "..", "tests"))
     from conftest import _save_bpe, make_texts, write_records
     from shardcache.builder.run import build_cache
@@ -588,12 +602,17 @@ def build_remote_cache(args: argparse.Namespace, work: str) -> str:
                       "jsonl")  # fmt: skip
     tok = _save_bpe(os.path.join(work, "tok"), make_texts(2000, seed=7), vocab_size=2000,
                     bos=False)  # fmt: skip
-    out = os.path.join(work, "remote-cache")
-    build_cache(build_options_from_mapping({"input": corpus, "tokenizer": tok, "output": out,
-                                            "workers": 2, "max_length": args.seq_len,
-                                            "truncation": "split",
-                                            "shard_size": args.remote_shard_size}))  # fmt: skip
-    return out
+    k = max(1, args.remote_sources)
+    outs = []
+    for i in range(k):
+        inputs = [os.path.join(corpus, f"part-{f:03d}.jsonl") for f in range(i, files, k)]
+        out = os.path.join(work, f"remote-cache{i}")
+        build_cache(build_options_from_mapping({"input": inputs, "tokenizer": tok, "output": out,
+                                                "workers": 2, "max_length": args.seq_len,
+                                                "truncation": "split",
+                                                "shard_size": args.remote_shard_size}))  # fmt: skip
+        outs.append(out)
+    return outs
 
 
 def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
@@ -603,11 +622,15 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
     from shardcache import open_cache
     from shardcache.read.plan.epoch_plan import PlanOptions
 
-    local = build_remote_cache(args, work)
-    cache = open_cache(local)
-    shard_bytes = sum(int(s["bytes"]) for s in cache.shards)
-    num_shards = len(cache.shards)
-    cache.close()
+    locals_ = build_remote_cache(args, work)
+    shard_bytes = num_shards = 0
+    weights = []
+    for local in locals_:
+        cache = open_cache(local)
+        shard_bytes += sum(int(s["bytes"]) for s in cache.shards)
+        num_shards += len(cache.shards)
+        weights.append(str(int(np.sum(cache.lengths, dtype=np.int64))))
+        cache.close()
     world = args.remote_world
     share = shard_bytes / world
     logging.getLogger("werkzeug").setLevel(logging.ERROR)
@@ -620,20 +643,23 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
     client = boto3.client("s3", endpoint_url=endpoint, aws_access_key_id="upload",
                           aws_secret_access_key="x", region_name="us-east-1")  # fmt: skip
     client.create_bucket(Bucket="bench")
-    for root, _, names in os.walk(local):
-        for name in names:
-            path = os.path.join(root, name)
-            client.upload_file(path, "bench", f"cache/{os.path.relpath(path, local)}")
-    url = "s3://bench/cache"
+    for i, local in enumerate(locals_):
+        for root, _, names in os.walk(local):
+            for name in names:
+                path = os.path.join(root, name)
+                client.upload_file(path, "bench", f"cache{i}/{os.path.relpath(path, local)}")
+    url = ",".join(f"s3://bench/cache{i}" for i in range(len(locals_)))
     has_streams = "streams" in PlanOptions.__dataclass_fields__
     sides: list[tuple[str, int | None]] = [("today", 0 if has_streams else None)]
     if has_streams:
         sides.append(("streams", world))
     else:
         print("remote: PlanOptions has no streams field in this shardcache: today's side only")
-    print(f"\nremote: {num_shards} shards, {shard_bytes / 1e6:.1f} MB; W={world} rank processes "
+    print(f"\nremote: {len(locals_)} source(s), {num_shards} shards, {shard_bytes / 1e6:.1f} MB; "
+          f"W={world} rank processes "
           f"at once, SHARDCACHE_CACHE_SIZE={shard_bytes // 4} bytes each")  # fmt: skip
-    figures: dict[str, Any] = {"shards": num_shards, "shard_bytes": shard_bytes, "world": world}
+    figures: dict[str, Any] = {"shards": num_shards, "shard_bytes": shard_bytes, "world": world,
+                               "sources": len(locals_)}  # fmt: skip
     table = []
     for rep in range(args.remote_repeats):
         for mode in ("pad", "pack"):
@@ -645,7 +671,8 @@ def remote(args: argparse.Namespace, work: str) -> dict[str, Any]:
                     argv = [sys.executable, os.path.abspath(__file__), "rank", "--url", url,
                             "--rank", str(r), "--world", str(world), "--mode", mode,
                             "--max-tokens", str(args.remote_max_tokens),
-                            "--seq-len", str(args.seq_len), "--block", str(args.block)]  # fmt: skip
+                            "--seq-len", str(args.seq_len), "--block", str(args.block),
+                            "--weights", ",".join(weights)]  # fmt: skip
                     if streams is not None:
                         argv += ["--streams", str(streams)]
                     key = f"{side}{mode}{rep}r{r}"
@@ -740,6 +767,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--remote-world", type=int, default=8)
     p.add_argument("--remote-max-tokens", type=int, default=8 * 1024)
     p.add_argument("--remote-repeats", type=int, default=1)
+    p.add_argument(
+        "--remote-sources",
+        type=int,
+        default=1,
+        help="remote: a mixture of this many caches (each source at its share)",
+    )
+    p.add_argument("--weights", help=argparse.SUPPRESS)
     # subprocesses
     p.add_argument("--side", choices=("today", "own", "all"), help=argparse.SUPPRESS)
     p.add_argument("--index", help=argparse.SUPPRESS)
@@ -784,7 +818,7 @@ def main() -> None:
     record_result("bench_scale", figures, {k: v for k, v in vars(args).items()
                                            if k not in ("command", "side", "index", "counts",
                                                         "memory", "url", "rank", "world",
-                                                        "streams")})  # fmt: skip
+                                                        "streams", "weights")})  # fmt: skip
 
 
 if __name__ == "__main__":
