@@ -15,6 +15,9 @@ Python's allocations, not the pages of memory-mapped indexes) and ``rss_mib`` (`
 which counts those pages). Sides run interleaved, each the best of ``--repeats`` fresh
 processes (one traced run, then timed runs without tracemalloc). ``--workers N`` takes the
 first batch through a DataLoader of N workers instead (each worker plans what it reads).
+The processes share ``--cache-dir`` as ``SHARDCACHE_CACHE_DIR``, so after the first a rank
+finds every stream's batch counts stored (as a second rank of a machine, or a DataLoader
+worker, does); ``--cold`` gives each its own empty one (it counts every stream itself).
 
 Make the sets from one generated corpus of short documents, e.g.::
 
@@ -33,8 +36,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 import time
 
 
@@ -84,8 +89,13 @@ def run_child(args: argparse.Namespace, side: str, one: str, sources: str, trace
     ]  # fmt: skip
     if traced:
         cmd.append("--traced")
-    env = dict(os.environ, SHARDCACHE_CACHE_DIR=args.cache_dir)
+    cache_dir = args.cache_dir
+    if args.cold:  # nothing of an earlier run on the machine: every stream counted here
+        cache_dir = tempfile.mkdtemp(prefix="cold-", dir=args.cache_dir)
+    env = dict(os.environ, SHARDCACHE_CACHE_DIR=cache_dir)
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
+    if args.cold:
+        shutil.rmtree(cache_dir, ignore_errors=True)
     if out.returncode:
         raise SystemExit(f"{side} failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
@@ -100,6 +110,11 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workers", type=int, default=0)
     parser.add_argument("--cache-dir", default="/tmp/bench-mixture-rank-cache")
+    parser.add_argument(
+        "--cold",
+        action="store_true",
+        help="a fresh SHARDCACHE_CACHE_DIR per process (no stored counts)",
+    )
     parser.add_argument("--child", choices=("one", "mixture"), help=argparse.SUPPRESS)
     parser.add_argument("--one", help=argparse.SUPPRESS)
     parser.add_argument("--sources", help=argparse.SUPPRESS)

@@ -123,13 +123,17 @@ class SourcePasses:
     def __init__(self, units: SourceUnits, seed: int, key: int, fixed: bool) -> None:
         self.units, self.seed, self.key, self.fixed = units, seed, key, fixed
         self.n = units.size
-        self._orders: dict[int, tuple[np.ndarray, np.ndarray, np.ndarray]] = {}
+        self._orders: dict[int, tuple[np.ndarray, ...]] = {}
 
     def _base(self, cycle: int) -> list[int]:
         return [self.seed, self.key] if self.fixed else [self.seed, self.key, cycle]
 
-    def order(self, cycle: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Pass ``cycle``'s shard order, units and counted tokens before each (``O(shards)``)."""
+    def order(self, cycle: int) -> tuple[np.ndarray, ...]:
+        """Pass ``cycle``'s shard order and where each shard falls in it (``O(shards)``).
+
+        ``(perm, units, tokens, before)``: the shards in order, the units and counted tokens
+        before each place, and the units before each shard (indexed by shard).
+        """
         cycle = 0 if self.fixed else cycle
         got = self._orders.get(cycle)
         if got is None:
@@ -139,7 +143,9 @@ class SourcePasses:
             np.cumsum(self.units.shard_sizes[perm], out=units[1:])
             tokens = np.zeros(shards + 1, dtype=np.int64)
             np.cumsum(self.units.counted_tokens[perm], out=tokens[1:])
-            got = (perm, units, tokens)
+            before = np.empty(shards, dtype=np.int64)
+            before[perm] = units[:-1]
+            got = (perm, units, tokens, before)
             if len(self._orders) >= 4:
                 self._orders.pop(next(iter(self._orders)))
             self._orders[cycle] = got
@@ -157,7 +163,7 @@ class SourcePasses:
         if self.n == 0 or total == 0:
             return 0
         cycle, inside = divmod(int(position), total)
-        perm, units, tokens = self.order(cycle)
+        perm, units, tokens, _ = self.order(cycle)
         p = min(int(np.searchsorted(tokens, inside, side="right")) - 1, len(perm) - 1)
         shard = int(perm[p])
         inner = self.within(cycle, shard)
@@ -185,7 +191,7 @@ class SourcePasses:
 
     def _pieces(self, cycle: int, a: int, b: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """In pass ``cycle``, units ``[a, b)``: each shard's first and last unit in its order."""
-        perm, units, _ = self.order(cycle)
+        perm, units, _, _ = self.order(cycle)
         lo = np.clip(a - units[:-1], 0, np.diff(units))
         hi = np.clip(b - units[:-1], 0, np.diff(units))
         take = hi > lo
@@ -228,10 +234,9 @@ class SourcePasses:
             if a == 0 and b == self.n:
                 uses += repeat
                 continue
-            perm, units, _ = self.order(cycle)
-            p = int(np.flatnonzero(perm == shard)[0])
-            f = min(max(a - int(units[p]), 0), last - first)
-            t = min(max(b - int(units[p]), 0), last - first)
+            at = int(self.order(cycle)[3][shard])  # (units before the shard in this pass)
+            f = min(max(a - at, 0), last - first)
+            t = min(max(b - at, 0), last - first)
             if f == 0 and t == last - first:
                 uses += 1
             elif t > f:
