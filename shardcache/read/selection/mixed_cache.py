@@ -119,8 +119,7 @@ def mixture_lengths(caches: list[Cache]) -> np.ndarray:
                 for cache in caches:
                     out[at : at + len(cache.lengths)] = cache.lengths
                     at += len(cache.lengths)
-                out.flush()
-                del out
+                del out  # (unmapped: the pages are the file's, for every process that maps it)
                 os.replace(tmp, path)
             finally:
                 with contextlib.suppress(OSError):
