@@ -119,7 +119,8 @@ def mixture_lengths(caches: list[Cache]) -> np.ndarray:
                 for cache in caches:
                     out[at : at + len(cache.lengths)] = cache.lengths
                     at += len(cache.lengths)
-                del out  # (unmapped: the pages are the file's, for every process that maps it)
+                out.flush()
+                del out
                 os.replace(tmp, path)
             finally:
                 with contextlib.suppress(OSError):
