@@ -643,3 +643,44 @@ def test_an_eval_pass_over_a_whole_mixture_reads_every_sequence_once(caches):
     sizes = [open_cache(caches[key]).num_sequences for key in NAMES]
     assert sorted(got) == [(s, i) for s, n in enumerate(sizes) for i in range(n)]
     assert [r.documents for r in ds.mixture.sources] == sizes
+
+
+def _length_files(root) -> list:
+    folder = root / "mixtures"
+    return sorted(folder.iterdir()) if folder.exists() else []
+
+
+def test_a_mixture_s_length_index_is_one_file_per_machine(caches, tmp_path, monkeypatch):
+    """The sources' lengths in turn, written once under $SHARDCACHE_CACHE_DIR/mixtures and
+    memory-mapped; a file cut short is written again; an unwritable folder reads them in memory.
+    The batches are the same in every case."""
+    root = tmp_path / "machine"
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(root))
+    sources = [Source(caches["web"], name="web"), Source(caches["math"], name="math")]
+    expected = np.concatenate([np.asarray(open_cache(caches[n]).lengths) for n in ("web", "math")])
+
+    def read() -> tuple[np.ndarray, list]:
+        ds = ShardDataset(sources, 64, seed=3)
+        lengths = ds._selection.open().lengths
+        batches = [b["input_ids"].tolist() for b in ds]
+        ds.close()
+        return lengths, batches
+
+    lengths, batches = read()
+    (written,) = _length_files(root)
+    assert isinstance(lengths, np.memmap) and np.array_equal(lengths, expected)
+    stamp = written.stat().st_mtime_ns
+    assert read()[1] == batches and written.stat().st_mtime_ns == stamp  # (read, not rewritten)
+    with open(written, "r+b") as f:  # a crash left it short
+        f.truncate(written.stat().st_size // 2)
+    lengths, again = read()
+    assert again == batches and np.array_equal(lengths, expected)
+    assert isinstance(lengths, np.memmap)  # (written again, not read in memory from now on)
+    assert written.stat().st_size > 0 and np.load(written, mmap_mode="r").shape == expected.shape
+    locked = tmp_path / "read-only"
+    locked.mkdir()
+    (locked / "mixtures").write_text("not a folder")  # (the folder cannot be made)
+    monkeypatch.setenv("SHARDCACHE_CACHE_DIR", str(locked))
+    lengths, again = read()
+    assert not isinstance(lengths, np.memmap) and np.array_equal(lengths, expected)
+    assert again == batches

@@ -109,28 +109,34 @@ def mixture_lengths(caches: list[Cache]) -> np.ndarray:
     digests = "|".join(str(c.manifest["index"]["lengths"]["sha256"]) for c in caches)
     name = sha256_text(f"{digests}|{kind.str}|{count}")
     path = os.path.join(cache_root(), MIXTURES_DIR, f"{name}.lengths.npy")
-    with contextlib.suppress(OSError, ValueError):
-        if not os.path.exists(path):
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            tmp = private_tmp(path)
-            try:
-                out = np.lib.format.open_memmap(tmp, mode="w+", dtype=kind, shape=(count,))
-                at = 0
-                for cache in caches:
-                    out[at : at + len(cache.lengths)] = cache.lengths
-                    at += len(cache.lengths)
-                out.flush()
-                del out
-                os.replace(tmp, path)
-            finally:
-                with contextlib.suppress(OSError):
-                    os.unlink(tmp)
-        mapped = np.load(path, mmap_mode="r", allow_pickle=False)
-        if mapped.dtype == kind and mapped.shape == (count,):
-            return mapped
+    for again in (False, True):  # (a file cut short by a crash is written again)
+        with contextlib.suppress(OSError, ValueError):
+            if again or not os.path.exists(path):
+                _write_lengths(path, caches, kind, count)
+            mapped = np.load(path, mmap_mode="r", allow_pickle=False)
+            if mapped.dtype == kind and mapped.shape == (count,):
+                return mapped
     lengths = np.concatenate([np.asarray(c.lengths, dtype=kind) for c in caches])
     lengths.flags.writeable = False
     return lengths
+
+
+def _write_lengths(path: str, caches: list[Cache], kind: np.dtype, count: int) -> None:
+    """Every source's lengths in turn as one ``.npy``, whole (synced, renamed) or not at all."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    tmp = private_tmp(path)
+    try:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=kind, shape=(count,))
+        at = 0
+        for cache in caches:
+            out[at : at + len(cache.lengths)] = cache.lengths
+            at += len(cache.lengths)
+        out.flush()
+        del out
+        os.replace(tmp, path)
+    finally:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
 
 
 class MixedCache:
