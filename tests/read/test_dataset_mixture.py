@@ -684,3 +684,27 @@ def test_a_mixture_s_length_index_is_one_file_per_machine(caches, tmp_path, monk
     lengths, again = read()
     assert not isinstance(lengths, np.memmap) and np.array_equal(lengths, expected)
     assert again == batches
+
+
+def test_a_rank_of_a_mixture_over_streams_never_lists_the_epoch(caches, monkeypatch):
+    """Over canonical streams a rank reads a mixture epoch by shard (``EpochShards``): the
+    epoch's list of document ids (what the global plan plans over) is never made, and the
+    streams hold exactly its documents, repeats included."""
+    from shardcache.read.selection.mixture import Mixture
+
+    sources = [Source(caches["web"], name="web", weight=1, max_repetitions=3),
+               Source(caches["math"], name="math", weight=2, max_repetitions=3)]  # fmt: skip
+    whole = ShardDataset(sources, 64, seed=5, streams=0)
+    whole.set_epoch(1)
+    want = sorted(whole._selection._mixture.documents(whole._selection.source_units(), 5, 1))
+
+    def listed(*args, **kwargs):
+        raise AssertionError("a rank listed the mixture epoch's documents")
+
+    monkeypatch.setattr(Mixture, "documents", listed)
+    for rank in range(3):  # every rank's plan holds the epoch's documents, each use once
+        ds = ShardDataset(sources, 64, seed=5, rank=rank, world_size=3, streams=3)
+        ds.set_epoch(1)
+        plan = ds.plan()
+        assert sorted(int(i) for j in range(len(plan)) for i in plan.batch(j)) == want
+        assert len(list(ds)) == ds.batches_per_rank() > 0
