@@ -959,10 +959,18 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
 
 def _schedule_text(loaded: Any, table: Any, as_json: bool, extra: dict[str, Any]) -> str:
     """``mix`` of a scheduled recipe: the sources, then per phase each one's share and passes."""
+    from shardcache.read.plan.epoch_plan import PlanOptions
+    from shardcache.read.plan.planner import batch_options
     from shardcache.read.selection.schedule import resolve_schedule
 
     layout = resolve_schedule(loaded.schedule, loaded.sources, [r.tokens for r in table.sources])
-    schedule = layout.table()
+    base = None  # the recipe's batch options, when a phase sets its own (shown per phase)
+    if loaded.schedule.sets_options:
+        given = loaded.dataset_options()
+        plan = {k: v for k, v in given.items() if k in PlanOptions.__dataclass_fields__}
+        budget, shuffle = plan.pop("max_tokens", None), plan.pop("shuffle", None)
+        base = batch_options(None, budget, shuffle, plan, None)
+    schedule = layout.table(base)
     sources = [
         {k: r.to_json()[k] for k in ("name", "path", "documents", "tokens", "max_repetitions")}
         for r in table.sources

@@ -107,6 +107,9 @@ class ShardDataset(IterableDataset):
             list of its points): epoch ``w`` is the schedule's window ``w`` (``ds.epochs`` of
             them), each source reads its documents without reuse before all were used, and
             ``max_repetitions`` bound a source over the whole run (docs/guide/mixtures.md).
+            A point may set its phase's ``max_tokens``, ``seq_len``, ``mode`` and ``packing``:
+            that phase's windows are planned and collated with them (docs/guide/schedules.md;
+            ``attention`` is then required if any phase packs, and applies to those).
         **plan_options: the other ``PlanOptions`` fields (``mode``, ``seq_len``, ``packing``,
             ``pad_to_multiple_of``, ``window_size``, ``tail``).
 
@@ -158,7 +161,10 @@ class ShardDataset(IterableDataset):
         options = batch_options(options, max_tokens, shuffle, plan_options, growth)
         #: how ranks even out: an evaluation pass wraps, its extra batches become fillers
         self._tail = "wrap" if self.eval else options.tail
-        self.attention: str | None = check_attention(attention, options.mode)
+        # (attention is for the packed batches: of the dataset, or of a schedule's phase)
+        self.attention: str | None = check_attention(
+            attention, _packs(options, as_schedule(schedule), self.eval)
+        )
         check_choice("ids_dtype", ids_dtype, IDS_DTYPES)
         self.ids_dtype = np.dtype(ids_dtype)
         check_int("seed", seed, 0)
@@ -228,7 +234,10 @@ class ShardDataset(IterableDataset):
 
     @property
     def options(self) -> PlanOptions:
-        """The batch options ([`PlanOptions`][shardcache.PlanOptions]), ``streams`` resolved."""
+        """The batch options ([`PlanOptions`][shardcache.PlanOptions]), ``streams`` resolved.
+
+        A schedule's phase may set others for its epochs (``schedule.options``).
+        """
         return self._planner.options
 
     @property
@@ -241,9 +250,12 @@ class ShardDataset(IterableDataset):
 
     @property
     def schedule(self) -> ScheduleTable | None:
-        """A scheduled mixture's phases ([`ScheduleTable`][shardcache.ScheduleTable]), or None."""
+        """A scheduled mixture's phases ([`ScheduleTable`][shardcache.ScheduleTable]), or None.
+
+        When a point sets batch options, ``options[p]`` are phase ``p``'s (``phase_of(epoch)``).
+        """
         layout = self._selection.schedule
-        return None if layout is None else layout.table()
+        return None if layout is None else layout.table(self.options)
 
     @property
     def epochs(self) -> int | None:
@@ -714,8 +726,11 @@ class ShardDataset(IterableDataset):
         Raises:
             CorruptShardError: a shard is damaged or disagrees with the length index.
         """
-        if self._collator is None or self._collator.uses_kernels != self.kernels:
-            self._collator = collator(self._samples, self.options, self.attention, self.kernels)
+        options = self._planner.options_for(self.epoch)  # (a schedule phase's)
+        made = self._collator
+        if made is None or made.uses_kernels != self.kernels or made.options != options:
+            attention = self.attention if options.mode == "pack" else None
+            self._collator = collator(self._samples, options, attention, self.kernels)
         units = self._excluded.units(self.epoch, index if position is None else position)
         part, index = locate(plan, index)
         # (a batch left with nothing keeps its shape, read as padding)
@@ -738,6 +753,14 @@ class ShardDataset(IterableDataset):
         if not kernels_read(self._samples) or not selection.is_open():
             return False
         return compiled_table(selection, self.kernels) is not None
+
+
+def _packs(options: PlanOptions, schedule: Schedule | None, eval: bool) -> str:
+    """``"pack"`` if any epoch packs (the dataset's options, or a schedule phase's), else pad."""
+    if schedule is None or eval or not schedule.sets_options:
+        return options.mode
+    every = schedule.every_phase_options(options)
+    return "pack" if any(o.mode == "pack" for o in every) else "pad"
 
 
 def _pass_start(ds: ShardDataset, cursor: int) -> int:

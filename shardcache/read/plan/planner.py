@@ -1,6 +1,7 @@
 """The plan stage of the read pipeline: an epoch's global batches, as one plan or as streams.
 
-A ``Planner`` asks its selection for the epoch's units and gives an ``EpochPlan`` (the global
+A ``Planner`` asks its selection for the epoch's units and batch options (a schedule's phase
+may set its own: ``options_for``; counts and stored plans are keyed on them) and gives an ``EpochPlan`` (the global
 plan, computed once per machine) or a ``StreamPlan`` (canonical streams: a rank plans the blocks
 it reads). Both satisfy ``Plan``. The planner owns the per-epoch batch counts of the streams
 (counted here, read from another process of the machine, counted ahead in a background thread,
@@ -88,19 +89,30 @@ class Planner:
         """Whether anything was planned or counted yet."""
         return self._plan is not None or bool(self._counts)
 
-    @property
-    def planning(self) -> PlanOptions:
-        """The planners' options: for pairs in pad mode half the budget (a unit is two rows).
+    def options_for(self, epoch: int) -> PlanOptions:
+        """The batch options of ``epoch``: the selection's for it (a schedule phase's), else ours.
 
-        In pack mode a pair is one unit of its two sequences, each of which a transform may
-        lengthen: twice the growth.
+        Args:
+            epoch: the epoch (a schedule's window).
+
+        Returns:
+            The options the epoch is planned, counted, stored and collated with.
         """
+        return self.selection.epoch_options(self.options, epoch)
+
+    def planning(self, epoch: int) -> PlanOptions:
+        """The planners' options of ``epoch``: for pairs in pad mode half the budget.
+
+        In pad mode a pair unit is two rows; in pack mode a pair is one unit of its two
+        sequences, each of which a transform may lengthen: twice the growth.
+        """
+        options = self.options_for(epoch)
         if not self.selection.pairs:
-            return self.options
-        if self.options.mode == "pack":
-            growth = 2 * self.options.growth
-            return dataclasses.replace(self.options, growth=growth) if growth else self.options
-        return dataclasses.replace(self.options, max_tokens=self.options.max_tokens // 2)
+            return options
+        if options.mode == "pack":
+            growth = 2 * options.growth
+            return dataclasses.replace(options, growth=growth) if growth else options
+        return dataclasses.replace(options, max_tokens=options.max_tokens // 2)
 
     def plan(self, epoch: int, world_size: int, ahead: bool) -> EpochPlan | StreamPlan:
         """The plan of ``epoch``; ``ahead``: count the next epoch's streams in the background."""
@@ -110,7 +122,7 @@ class Planner:
                 plan: EpochPlan | StreamPlan = shared_plan(
                     self.digest(epoch),
                     count,
-                    lambda: self.selection.plan_epoch(self.planning, self.seed, epoch),
+                    lambda: self.selection.plan_epoch(self.planning(epoch), self.seed, epoch),
                 )
             else:
                 plan = self._stream_plan(epoch, world_size, ahead)
@@ -133,13 +145,13 @@ class Planner:
         return self.selection.expected_units() <= self.options.shuffle_block
 
     def digest(self, epoch: int) -> str:
-        """The plan's identity for the machine-wide plan store."""
-        options = json.dumps(self.options.to_json(), sort_keys=True)
+        """The plan's identity for the machine-wide plan store (the epoch's options)."""
+        options = json.dumps(self.options_for(epoch).to_json(), sort_keys=True)
         return plan_digest(self.selection.data_identity, options, self.seed, epoch)
 
     def layout(self, epoch: int) -> StreamLayout:
         """An epoch's shards dealt to the canonical streams."""
-        options = self.options
+        options = self.options_for(epoch)
         assert options.streams  # (plan() takes the global plan for 0)
         index = self.selection.shard_index(self.seed, epoch)
         return StreamLayout(
@@ -154,7 +166,7 @@ class Planner:
         """
         layout = self.layout(epoch)
         stream, k = index % layout.streams, index // layout.streams
-        return seek_batch(layout, self.planning, stream, k, rounds)
+        return seek_batch(layout, self.planning(epoch), stream, k, rounds)
 
     def has_counts(self, epoch: int) -> bool:
         """Whether ``epoch``'s stream counts are known here."""
@@ -162,7 +174,7 @@ class Planner:
 
     def count_own(self, epoch: int, streams: list[int]) -> dict[int, np.ndarray]:
         """The batch counts of ``streams`` of ``epoch`` (this rank's share of ``prepare``)."""
-        return count_batches(self.layout(epoch), self.planning, streams)
+        return count_batches(self.layout(epoch), self.planning(epoch), streams)
 
     def share_counts(
         self,
@@ -214,7 +226,7 @@ class Planner:
         digest = self.digest(epoch)
         counts = read_counts(digest)
         if counts is None or set(counts) != set(range(layout.streams)):
-            counts = count_batches(layout, self.planning)
+            counts = count_batches(layout, self.planning(epoch))
             write_counts(digest, counts)
         return counts
 
@@ -224,7 +236,7 @@ class Planner:
         streams = int(self.options.streams or 1)
         touched = streams // math.gcd(streams, world_size)  # streams this rank reads
         keep = 2 * min(touched, 64) + 2
-        plan = StreamPlan(layout, self.planning, counts, keep=keep)
+        plan = StreamPlan(layout, self.planning(epoch), counts, keep=keep)
         # (a cache of one block's rows counts in milliseconds: no thread for it)
         if ahead and int(layout.row_cum[-1]) > self.options.shuffle_block:
             self._count_ahead(epoch + 1)

@@ -13,11 +13,17 @@ target, and the documents of window ``w`` are a pure function of the sources, th
 the seed and ``w``: computed without planning earlier windows. No window is materialised
 either: a window's place, shares and targets come from the points (``ScheduleLayout``), in time
 and memory independent of the run's length, so a point may be anywhere below 2**63 tokens.
+
+A point may also set the batch options of its phase (``PHASE_OPTIONS``: a length phase, or a
+context-extension stage): they hold from the point to the next point that sets others, in both
+kinds (piecewise constant, never interpolated). Every point starts a segment of windows, so no
+window straddles a change of options: a window is planned and collated with its point's.
 """
 
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import functools
 import itertools
 import math
@@ -27,7 +33,10 @@ from typing import Any
 
 import numpy as np
 
+from shardcache.config import check_choice, check_int
 from shardcache.errors import ConfigError
+from shardcache.read.plan.epoch_plan import MAX_BATCH_TOKENS, PlanOptions
+from shardcache.read.plan.policies import modes, packings
 from shardcache.read.selection.mixture import Source
 from shardcache.read.selection.mixture_table import MAX_TOKENS_PER_EPOCH, normalised_shares
 from shardcache.read.selection.passes import SourceEpoch, SourceUnits, stream_window
@@ -36,6 +45,8 @@ from shardcache.read.selection.passes import SourceEpoch, SourceUnits, stream_wi
 KINDS = ("phases", "linear")
 #: A linear ramp is cut into windows of at most this share of its tokens.
 LINEAR_WINDOW_SHARE = 0.01
+#: The batch options (``PlanOptions`` fields) a schedule point may set for its phase.
+PHASE_OPTIONS = ("max_tokens", "mode", "seq_len", "packing")
 
 
 @dataclass(frozen=True)
@@ -45,21 +56,25 @@ class SchedulePoint:
     Attributes:
         at_tokens: the global token position (tokens of the run consumed) where it applies.
         weights: source label -> weight (>= 0; a source left out weighs 0).
+        options: the batch options its phase sets (``PHASE_OPTIONS``: ``max_tokens``,
+            ``seq_len``, ``mode``, ``packing``); the others are the previous phase's (the
+            first phase's: the dataset's own).
     """
 
     at_tokens: int
     weights: dict[str, float]
+    options: dict[str, Any] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         """The point as a JSON-able dict.
 
         Returns:
-            ``at_tokens`` and ``weights``.
+            ``at_tokens``, ``weights`` and the batch options it sets (each by its name).
         """
-        return {"at_tokens": self.at_tokens, "weights": dict(self.weights)}
+        return {"at_tokens": self.at_tokens, "weights": dict(self.weights), **self.options}
 
 
-def _point(value: Any, i: int) -> SchedulePoint:
+def _point(value: Any, i: int, previous: SchedulePoint | None = None) -> SchedulePoint:
     where = f"schedule point #{i + 1}"
     if isinstance(value, SchedulePoint):
         value = value.to_json()
@@ -69,15 +84,22 @@ def _point(value: Any, i: int) -> SchedulePoint:
         raise ConfigError(
             f"{where}: got {value!r}, expected {{'at_tokens': N, 'weights': {{source: w}}}}"
         )
-    unknown = sorted(set(value) - {"at_tokens", "weights"})
+    unknown = sorted(set(value) - {"at_tokens", "weights", *PHASE_OPTIONS})
     if unknown:
-        raise ConfigError(f"{where}: unknown key(s) {unknown}; the keys are at_tokens, weights")
+        raise ConfigError(
+            f"{where}: unknown key(s) {unknown}; the keys are at_tokens, weights and the batch "
+            f"options a phase may set ({', '.join(PHASE_OPTIONS)})"
+        )
     at = value.get("at_tokens")
     if isinstance(at, float) and at.is_integer():
         at = int(at)  # (TOML 9e11)
     if isinstance(at, bool) or not isinstance(at, int) or not 0 <= at <= MAX_TOKENS_PER_EPOCH:
         raise ConfigError(f"{where}: at_tokens={at!r}, expected an integer in [0, 2**63 - 1]")
+    where = f"{where} (at_tokens={at:,})"
+    options = _phase_options({k: value[k] for k in PHASE_OPTIONS if k in value}, where)
     weights = value.get("weights")
+    if weights is None and previous is not None:  # a point that changes only batch options
+        weights = previous.weights
     if not isinstance(weights, dict) or not weights:
         raise ConfigError(f"{where}: weights={weights!r}, expected a table source -> weight")
     clean = {}
@@ -87,7 +109,40 @@ def _point(value: Any, i: int) -> SchedulePoint:
         clean[str(name)] = float(w)
     if not any(w > 0 for w in clean.values()):
         raise ConfigError(f"{where}: every weight is 0; give at least one source a weight > 0")
-    return SchedulePoint(at, clean)
+    return SchedulePoint(at, clean, options)
+
+
+def _phase_options(options: dict[str, Any], where: str) -> dict[str, Any]:
+    """A point's batch options, each checked alone and against the point's others.
+
+    What also depends on the phases before (a ``seq_len`` over an inherited ``max_tokens``)
+    is checked by ``Schedule.phase_options`` against the dataset's options.
+    """
+    try:
+        for name in ("max_tokens", "seq_len"):
+            value = options.get(name)
+            if isinstance(value, float) and value.is_integer():
+                value = options[name] = int(value)  # (TOML 1e6)
+            if name in options:
+                check_int(name, value, 1, MAX_BATCH_TOKENS)
+        if "mode" in options:
+            check_choice("mode", options["mode"], modes())
+        if "packing" in options:
+            check_choice("packing", options["packing"], packings())
+    except ConfigError as err:
+        raise ConfigError(f"{where}: {err} (a batch option of the phase)") from None
+    if options.get("mode") == "pad" and "seq_len" in options:
+        raise ConfigError(
+            f"{where}: seq_len={options['seq_len']!r} with mode='pad'; seq_len sets the row "
+            "length of packed batches, so set mode='pack' or drop seq_len"
+        )
+    seq_len, budget = options.get("seq_len"), options.get("max_tokens")
+    if seq_len is not None and budget is not None and seq_len > budget:
+        raise ConfigError(
+            f"{where}: seq_len={seq_len:,} exceeds max_tokens={budget:,}; a batch holds "
+            "max_tokens // seq_len rows, so raise the point's max_tokens or lower its seq_len"
+        )
+    return dict(sorted(options.items()))
 
 
 @dataclass(frozen=True)
@@ -97,7 +152,11 @@ class Schedule:
     Args:
         points: ``SchedulePoint``s, or mappings ``{"at_tokens": N, "weights": {label: w}}``,
             the first at 0, ``at_tokens`` strictly increasing. The weights replace the
-            sources' own.
+            sources' own (a point after the first without weights keeps the previous
+            point's). A mapping may also set its phase's batch options (``max_tokens``,
+            ``seq_len``, ``mode``, ``packing``): from that point on, until a point sets
+            others, windows are planned and collated with them (in both kinds: options
+            change at points only); the first phase's default is the dataset's options.
         kind: ``"phases"`` (weights constant from a point to the next) or ``"linear"``
             (interpolated between points, constant after the last).
         window_tokens: the tokens of a window (an epoch of the run); default: the largest
@@ -117,7 +176,9 @@ class Schedule:
     def __post_init__(self) -> None:
         if isinstance(self.points, (str, dict)) or not hasattr(self.points, "__iter__"):
             raise ConfigError(f"Schedule.points: got {self.points!r}, expected a list of points")
-        points = tuple(_point(p, i) for i, p in enumerate(self.points))
+        points: tuple[SchedulePoint, ...] = ()
+        for i, p in enumerate(self.points):
+            points = (*points, _point(p, i, points[-1] if points else None))
         object.__setattr__(self, "points", points)
         if not points or points[0].at_tokens != 0:
             first = points[0].at_tokens if points else None
@@ -163,6 +224,79 @@ class Schedule:
             "total_tokens": self.total_tokens,
             "points": [p.to_json() for p in self.points],
         }
+
+    def options_at(self, point: int) -> dict[str, Any]:
+        """The batch options phase ``point`` sets, its own and those it inherits.
+
+        A point that sets ``mode="pad"`` ends an inherited ``seq_len`` (pad rows have none).
+
+        Args:
+            point: an index into ``points``.
+
+        Returns:
+            The options by name (empty: the dataset's own).
+        """
+        merged: dict[str, Any] = {}
+        for p in self.points[: point + 1]:
+            if p.options.get("mode") == "pad":
+                merged.pop("seq_len", None)
+            merged.update(p.options)
+        return dict(sorted(merged.items()))
+
+    @property
+    def sets_options(self) -> bool:
+        """Whether any point sets batch options (else every window has the dataset's)."""
+        return any(p.options for p in self.points)
+
+    def phase_options(self, base: PlanOptions, point: int) -> PlanOptions:
+        """The batch options of phase ``point``: ``base`` (the dataset's) with the phase's.
+
+        A packed phase of a padded dataset packs without ``pad_to_multiple_of`` (it applies
+        to pad phases), and a padded phase of a packed one has no ``seq_len``.
+
+        Args:
+            base: the dataset's batch options.
+            point: an index into ``points``.
+
+        Returns:
+            The options its windows are planned and collated with.
+
+        Raises:
+            ConfigError: the phase's options are not valid together with those it inherits
+                (the message names the point, the options and what to change).
+        """
+        changes = self.options_at(point)
+        if not changes:
+            return base
+        mode = changes.get("mode", base.mode)
+        if mode == "pad" and "seq_len" not in changes:
+            changes["seq_len"] = None
+        if mode == "pack" and base.mode == "pad":
+            changes["pad_to_multiple_of"] = 1
+        try:
+            return dataclasses.replace(base, **changes)
+        except ConfigError as err:
+            p = self.points[point]
+            raise ConfigError(
+                f"schedule point #{point + 1} (at_tokens={p.at_tokens:,}): its phase's batch "
+                f"options {self.options_at(point)} over the dataset's (max_tokens="
+                f"{base.max_tokens:,}, mode={base.mode!r}, seq_len={base.seq_len!r}, "
+                f"packing={base.packing!r}) are not valid: {err}. Set the option on the point"
+            ) from None
+
+    def every_phase_options(self, base: PlanOptions) -> tuple[PlanOptions, ...]:
+        """Every phase's batch options (``phase_options`` of each point, checked).
+
+        Args:
+            base: the dataset's batch options.
+
+        Returns:
+            A ``PlanOptions`` per point.
+
+        Raises:
+            ConfigError: a phase's options are not valid (as ``phase_options``).
+        """
+        return tuple(self.phase_options(base, i) for i in range(len(self.points)))
 
     @classmethod
     def from_json(cls, value: dict[str, Any]) -> Schedule:
@@ -218,6 +352,8 @@ class ScheduleTable:
         exhausted: per source label, the token position where its passes reach 1 (None: never).
         binding: the source whose cap ends the run (None: ``total_tokens`` given).
         phase_windows: per phase, its first window and the window after its last (epochs).
+        options: per phase, its batch options (``max_tokens``, ``mode``, ``seq_len``,
+            ``packing``), when a point sets any (else empty: every phase has the dataset's).
     """
 
     phases: tuple[tuple[int, int, tuple[PhaseRow, ...]], ...]
@@ -227,6 +363,7 @@ class ScheduleTable:
     exhausted: dict[str, int | None] = field(default_factory=dict)
     binding: str | None = None
     phase_windows: tuple[tuple[int, int], ...] = ()
+    options: tuple[dict[str, Any], ...] = ()
 
     def phase_of(self, epoch: int) -> int:
         """The phase that window (epoch) ``epoch`` belongs to.
@@ -250,23 +387,27 @@ class ScheduleTable:
 
         Returns:
             ``total_tokens``, ``windows``, ``window_tokens``, ``binding``, ``exhausted`` and
-            ``phases`` (``start``, ``end``, ``sources``).
+            ``phases`` (``start``, ``end``, ``windows``, ``sources``, and ``options`` when a
+            point sets batch options).
         """
+        phases = [
+            {
+                "start": a,
+                "end": b,
+                "windows": list(w),
+                "sources": [dict(r.__dict__) for r in rows],
+            }
+            for (a, b, rows), w in zip(self.phases, self.phase_windows)
+        ]
+        for phase, options in zip(phases, self.options):
+            phase["options"] = dict(options)
         return {
             "total_tokens": self.total_tokens,
             "windows": self.windows,
             "window_tokens": self.window_tokens,
             "binding": self.binding,
             "exhausted": dict(self.exhausted),
-            "phases": [
-                {
-                    "start": a,
-                    "end": b,
-                    "windows": list(w),
-                    "sources": [dict(r.__dict__) for r in rows],
-                }
-                for (a, b, rows), w in zip(self.phases, self.phase_windows)
-            ],
+            "phases": phases,
         }
 
     def format(self) -> str:
@@ -282,6 +423,8 @@ class ScheduleTable:
                 first, after = self.phase_windows[i]
                 windows = f" (windows {first} .. {after - 1})"
             lines.append(f"phase {i}: tokens {a:,} .. {b:,}{windows}")
+            if i < len(self.options):
+                lines.append(f"  batches: {_options_text(self.options[i])}")
             head = ("  source", "share", "tokens", "passes")
             cells = [
                 (f"  {r.name}", f"{r.share:.4f}", f"{r.tokens:,}", f"{r.passes:.4f}") for r in rows
@@ -303,6 +446,16 @@ class ScheduleTable:
             end += f" (ends where {self.binding} reaches its max_repetitions)"
         lines.append(end)
         return "\n".join(lines)
+
+
+def _options_text(options: dict[str, Any]) -> str:
+    """A phase's batch options on a line (a padded phase without seq_len and packing)."""
+    padded = options.get("mode") == "pad"
+    return ", ".join(
+        f"{k}={v:,}" if isinstance(v, int) else f"{k}={v}"
+        for k, v in options.items()
+        if v is not None and not (padded and k == "packing")
+    )
 
 
 def _exact_bits(shares: np.ndarray) -> int:
@@ -459,6 +612,14 @@ class ScheduleLayout:
         seg, k = self._locate(window)
         return seg.span(k)
 
+    def point_of(self, window: int) -> int:
+        """The point (phase) whose options window ``window`` is read with (ConfigError: none).
+
+        Segment ``i`` starts at point ``i`` in both kinds, so it is the segment's index.
+        """
+        self._check(window)
+        return bisect.bisect_right(self._firsts, window) - 1
+
     def shares_of(self, window: int) -> np.ndarray:
         """Every source's share of window ``window`` (ConfigError: not a window)."""
         self._check(window)
@@ -527,6 +688,10 @@ class ScheduleLayout:
         if window < 0 or self.windows < n or other.windows < n:
             return False
         cuts = {s.first for s in (*self.segments, *other.segments) if s.first < n}
+        # batch options are constant within a segment: compare them where either one starts
+        options = self.schedule.options_at, other.schedule.options_at
+        if any(options[0](self.point_of(w)) != options[1](other.point_of(w)) for w in cuts):
+            return False
         scan = [SAME_UNTIL_SCAN]
         return all(
             self._same_piece(other, a, b, scan) for a, b in itertools.pairwise(sorted({*cuts, n}))
@@ -550,8 +715,12 @@ class ScheduleLayout:
             for i in range(after - first + 1)
         )
 
-    def table(self) -> ScheduleTable:
-        """Per phase, each source's share, tokens and passes; where each source runs out."""
+    def table(self, base: PlanOptions | None = None) -> ScheduleTable:
+        """Per phase, each source's share, tokens and passes; where each source runs out.
+
+        ``base``: the dataset's batch options, to give each phase's (when a point sets any;
+        None: the options the points set).
+        """
         totals = np.asarray(self.tokens, dtype=np.float64)
         phases, windows = [], []
         for seg in self.segments:
@@ -578,7 +747,18 @@ class ScheduleLayout:
             exhausted,
             self.binding,
             tuple(windows),
+            self._phase_table(base),
         )
+
+    def _phase_table(self, base: PlanOptions | None) -> tuple[dict[str, Any], ...]:
+        """Each phase's batch options for ``table`` (none when no point sets any)."""
+        schedule = self.schedule
+        if not schedule.sets_options:
+            return ()
+        if base is None:
+            return tuple(schedule.options_at(i) for i in range(len(schedule.points)))
+        every = schedule.every_phase_options(base)
+        return tuple({k: getattr(o, k) for k in PHASE_OPTIONS} for o in every)
 
     def _exhausted(self, s: int) -> int | None:
         """The token where source ``s``'s first pass ends (None: not in the run).
@@ -719,16 +899,30 @@ def schedule_changes(theirs: Any, ours: dict[str, Any] | None) -> list[str]:
         for name in ("kind", "window_tokens", "total_tokens")
         if theirs.get(name) != ours[name]
     ]
-    old = {p.get("at_tokens"): p.get("weights") for p in theirs.get("points") or []}
+    recorded = [p for p in theirs.get("points") or [] if isinstance(p, dict)]
+    old = {p.get("at_tokens"): p.get("weights") for p in recorded}
     new = {p["at_tokens"]: p["weights"] for p in ours["points"]}
+    old_options = {p.get("at_tokens"): _set_options(p) for p in recorded}
+    new_options = {p["at_tokens"]: _set_options(p) for p in ours["points"]}
     for at in sorted({*old, *new}, key=lambda x: (not isinstance(x, int), x)):
         if at not in new:
             lines.append(f"point at_tokens={at}: removed")
         elif at not in old:
-            lines.append(f"point at_tokens={at}: added {new[at]}")
-        elif old[at] != new[at]:
-            lines.append(f"point at_tokens={at}: weights {old[at]} -> {new[at]}")
+            options = f" with batch options {new_options[at]}" if new_options[at] else ""
+            lines.append(f"point at_tokens={at}: added {new[at]}{options}")
+        else:
+            if old[at] != new[at]:
+                lines.append(f"point at_tokens={at}: weights {old[at]} -> {new[at]}")
+            if old_options[at] != new_options[at]:
+                lines.append(
+                    f"point at_tokens={at}: batch options {old_options[at]} -> {new_options[at]}"
+                )
     return lines
+
+
+def _set_options(point: dict[str, Any]) -> dict[str, Any]:
+    """The batch options a recorded point sets (``SchedulePoint.to_json``'s)."""
+    return {k: point[k] for k in PHASE_OPTIONS if k in point}
 
 
 def window_documents(lengths: np.ndarray, first: int, last: int, seed: int, key: int) -> np.ndarray:

@@ -52,6 +52,7 @@ from shardcache.read.selection.units import (
     OPEN_SHARDS,
     Units,
     cache_digest,
+    check_pair_options,
     data_identity,
     pair_units,
 )
@@ -149,6 +150,9 @@ class Selection(Protocol):
 
     def check_epoch(self, epoch: int) -> None:
         """Refuse an epoch past a schedule's end (ConfigError)."""
+
+    def epoch_options(self, options: PlanOptions, epoch: int) -> PlanOptions:
+        """The batch options ``epoch`` is planned and collated with (a schedule phase's)."""
 
     def observe(self, ids: np.ndarray, pieces: np.ndarray | None, epoch: int) -> None:
         """Count a delivered batch's tokens per source (a scheduled mixture's stats)."""
@@ -308,6 +312,10 @@ class CacheSelection(Units):
         """Refuse an epoch past a schedule's end (ConfigError)."""
         return None
 
+    def epoch_options(self, options: PlanOptions, epoch: int) -> PlanOptions:
+        """The batch options ``epoch`` is planned and collated with: ``options``."""
+        return options
+
     def observe(self, ids: np.ndarray, pieces: np.ndarray | None, epoch: int) -> None:
         """Count a delivered batch's tokens per source (a scheduled mixture's stats)."""
         return None
@@ -400,9 +408,14 @@ class MixtureSelection(Units):
     def finish(self, options: PlanOptions) -> None:
         """The pair checks and unit arrays, after the caller's checks of the open cache."""
         cache = self._cache
+        phases = self._phases(cache, options)  # (a schedule's phases' options, checked)
         self._setup(cache, options, all(c.is_preference for c in cache.caches))
         if not self.pairs:  # (pairs: check_pair_options)
-            self._check_fits(cache, self._read_lengths, options)
+            for where, phase in phases:
+                try:
+                    self._check_fits(cache, self._read_lengths, phase)
+                except ConfigError as err:
+                    raise ConfigError(f"{where}{err}") from None
 
     def _read_lengths(self) -> np.ndarray:
         """The lengths of the units an epoch reads (each source's side, with a split)."""
@@ -574,6 +587,46 @@ class MixtureSelection(Units):
         """Refuse an epoch past a schedule's end (ConfigError)."""
         if self.schedule is not None:
             self.schedule.window_targets(epoch)  # (ConfigError past the run's end)
+
+    def epoch_options(self, options: PlanOptions, epoch: int) -> PlanOptions:
+        """The batch options ``epoch`` is planned and collated with: its schedule phase's."""
+        layout = self.schedule
+        if layout is None or not layout.schedule.sets_options:
+            return options
+        return layout.schedule.phase_options(options, layout.point_of(epoch))
+
+    def _phases(self, cache: MixedCache, options: PlanOptions) -> list[tuple[str, PlanOptions]]:
+        """Every phase's batch options with a prefix for its messages, checked for pairs.
+
+        A preference mixture's phases keep the mode (a pair's planned length is per mode).
+        """
+        layout = self.schedule
+        if layout is None or not layout.schedule.sets_options:
+            return [("", options)]
+        schedule = layout.schedule
+        try:
+            every = schedule.every_phase_options(options)
+        except ConfigError:
+            cache.close()
+            raise
+        phases = [
+            (f"schedule point #{i + 1} (at_tokens={p.at_tokens:,}), its phase's options: ", o)
+            for i, (p, o) in enumerate(zip(schedule.points, every))
+        ]
+        if all(c.is_preference for c in cache.caches):
+            for where, phase in phases:
+                if phase.mode != options.mode:
+                    cache.close()
+                    raise ConfigError(
+                        f"{where}mode={phase.mode!r}, but the dataset's is {options.mode!r}; "
+                        "a preference mixture plans a pair by its mode, so its phases keep "
+                        "the dataset's mode: drop mode from the point"
+                    )
+                try:
+                    check_pair_options(cache, phase)
+                except ConfigError as err:
+                    raise ConfigError(f"{where}{err}") from None
+        return phases
 
     def observe(self, ids: np.ndarray, pieces: np.ndarray | None, epoch: int) -> None:
         """Add a global batch's tokens per source to this epoch's (a scheduled mixture's stats)."""
