@@ -256,7 +256,7 @@ def test_resume_across_a_length_phase_at_another_world_size_is_byte_identical(
         assert all(_same(a, b) for a, b in zip(rest, want)), f"rank {rank}, epoch {saved}"
         ds.set_epoch(saved + 1)
         after = list(DataLoader(ds, batch_size=None, num_workers=workers))
-        want = expected[saved + 1][rank :: 3][: len(expected[saved + 1]) // 3]
+        want = expected[saved + 1][rank::3][: len(expected[saved + 1]) // 3]
         assert len(after) == len(want)
         assert all(_same(a, b) for a, b in zip(after, want)), f"rank {rank}, next epoch"
         assert all(b["input_ids"].shape[1] == 64 for b in after)  # phase 1: packed rows

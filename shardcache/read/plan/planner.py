@@ -1,11 +1,12 @@
 """The plan stage of the read pipeline: an epoch's global batches, as one plan or as streams.
 
 A ``Planner`` asks its selection for the epoch's units and batch options (a schedule's phase
-may set its own: ``options_for``; counts and stored plans are keyed on them) and gives an ``EpochPlan`` (the global
-plan, computed once per machine) or a ``StreamPlan`` (canonical streams: a rank plans the blocks
-it reads). Both satisfy ``Plan``. The planner owns the per-epoch batch counts of the streams
-(counted here, read from another process of the machine, counted ahead in a background thread,
-or shared by ``prepare`` among ranks) and hands them to nothing upstream.
+may set its own: ``options_for``; counts and stored plans are keyed on them) and gives an
+``EpochPlan`` (the global plan, computed once per machine) or a ``StreamPlan`` (canonical
+streams: a rank plans the blocks it reads). Both satisfy ``Plan``. The planner owns the
+per-epoch batch counts of the streams (counted here, read from another process of the machine,
+counted ahead in a background thread, or shared by ``prepare`` among ranks) and hands them to
+nothing upstream.
 """
 
 from __future__ import annotations
