@@ -319,3 +319,51 @@ def test_a_schedule_point_past_a_source_s_cap_is_one_line_exit_2_naming_both(cac
     assert len(errors) == 1 and "Traceback" not in result.output, result.output
     assert re.search(rf"source 'web' .* by token {at:,} \(its last point\).*max_repetitions=1 "
                      "bounds", errors[0])  # fmt: skip
+
+
+LENGTH_PHASES = SCHEDULE.replace(
+    "at_tokens = 600\n", "at_tokens = 600\nseq_len = 128\nmax_tokens = 512\n"
+)
+
+
+def test_mix_shows_each_phase_s_batch_options_as_the_dataset_reads_them(caches):
+    path = _recipe(caches, LENGTH_PHASES)
+    recipe = load_mixture_recipe(path)
+    assert recipe.schedule is not None
+    assert recipe.schedule.points[1].options == {"max_tokens": 512, "seq_len": 128}
+    ds = ShardDataset(recipe.sources, **recipe.dataset_options())
+    result = CliRunner().invoke(main, ["mix", path, "--json"])
+    assert result.exit_code == 0, result.output
+    shown = json.loads(result.output)
+    assert shown["schedule"] == ds.schedule.to_json()
+    options = [p["options"] for p in shown["schedule"]["phases"]]
+    assert options == [
+        {"max_tokens": 256, "mode": "pack", "seq_len": 64, "packing": "best_fit"},
+        {"max_tokens": 512, "mode": "pack", "seq_len": 128, "packing": "best_fit"},
+    ]
+    text = CliRunner().invoke(main, ["mix", path])
+    assert text.exit_code == 0, text.output
+    lines = text.output.splitlines()
+    at = lines.index("phase 1: tokens 600 .. 1,100 (windows 3 .. 4)")
+    assert lines[at + 1] == "  batches: max_tokens=512, mode=pack, seq_len=128, packing=best_fit"
+    assert "  batches: max_tokens=256, mode=pack, seq_len=64, packing=best_fit" in lines
+    ds.set_epoch(3)  # the first window of phase 1 reads rows of its seq_len
+    assert {b["input_ids"].shape[1] for b in ds} == {128}
+    # a schedule without options shows none (the output of before)
+    plain = CliRunner().invoke(main, ["mix", _recipe(caches, SCHEDULE), "--json"])
+    assert all("options" not in p for p in json.loads(plain.output)["schedule"]["phases"])
+
+
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        (SCHEDULE.replace("at_tokens = 600\n", "at_tokens = 600\nseq_len = 1024\n"),
+         r"point #2 \(at_tokens=600\).*seq_len: 1024 exceeds max_tokens=256"),
+        (SCHEDULE.replace("at_tokens = 600\n", "at_tokens = 600\nseq_lenght = 1\n"),
+         r"unknown key\(s\) \['seq_lenght'\]"),
+    ],
+)  # fmt: skip
+def test_bad_phase_options_in_a_recipe_exit_2_naming_the_point(caches, extra, match):
+    result = CliRunner().invoke(main, ["mix", _recipe(caches, extra)])
+    assert result.exit_code == 2, result.output
+    assert re.search(match, result.output), result.output

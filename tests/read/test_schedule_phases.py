@@ -302,3 +302,27 @@ def test_schedule_changes_list_options_and_schedules_without_options_are_unchang
     assert "point at_tokens=5: added {'a': 1.0} with batch options {'mode': 'pad'}" in (
         schedule_changes(plain.to_json(), added.to_json())
     )
+
+
+@pytest.mark.filterwarnings("ignore:'set_vital' is deprecated:UserWarning")
+def test_rewind_recomputes_the_steps_of_both_phases_from_the_run_record(caches, tmp_path):
+    from shardcache.read.rewind import Rewinder, write_run_record
+
+    make = _make(caches)
+    log = {}
+    for rank in range(2):
+        with make(rank, 2) as ds:
+            if rank == 0:
+                write_run_record(str(tmp_path), ds, grad_accum=1)
+            step = 0
+            for epoch in range(5):  # phase 0, then the windows of phase 1
+                ds.set_epoch(epoch)
+                for batch in DataLoader(ds, batch_size=None, num_workers=2):
+                    log[(step, rank)] = batch
+                    packed = "cu_seqlens" in batch["meta"]
+                    assert packed == (epoch >= 3), epoch  # each phase's batches
+                    step += 1
+    with Rewinder(str(tmp_path)) as rewinder:
+        for (step, rank), want in log.items():
+            (got,) = rewinder.step(step, rank=rank)
+            assert _same(got.batch, want), (step, rank)
