@@ -897,6 +897,8 @@ def mix(recipe: str, as_json: bool, split_spec: str | None) -> None:
 
     Per source: documents and tokens available, share, tokens per epoch and repetitions (what
     ShardDataset(...).mixture says). Reads the manifests and length indexes only, never a shard.
+    With [[schedule]] points: per phase, each source's share, tokens and passes, and the batch
+    options of the phase when a point sets any (max_tokens, mode, seq_len, packing).
     A mixture recipe is a TOML file with one [[source]] table (path, weight, max_repetitions,
     name, splits) per cache plus the batch options. With held-out splits (the recipe's [splits]
     or a source's splits, or --split), the table is of the side the recipe reads (split,

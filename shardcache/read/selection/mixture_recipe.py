@@ -27,7 +27,8 @@ class MixtureRecipe:
 
     Made by [`load_mixture_recipe`][shardcache.load_mixture_recipe]; read it with
     ``ShardDataset(recipe.sources, **recipe.dataset_options())``. ``[[schedule]]`` tables
-    (``at_tokens``, ``weights``) give a [`Schedule`][shardcache.Schedule] (with the top-level
+    (``at_tokens``, ``weights``, and a phase's batch options: ``max_tokens``, ``seq_len``,
+    ``mode``, ``packing``) give a [`Schedule`][shardcache.Schedule] (with the top-level
     ``schedule_kind``, ``window_tokens`` and ``total_tokens``). With held-out fractions (a
     top-level ``[splits]`` table, or ``splits`` in a ``[[source]]`` table) the recipe reads
     its ``split`` side, ``"train"`` unless it names another.

@@ -281,7 +281,8 @@ class Schedule:
                 f"schedule point #{point + 1} (at_tokens={p.at_tokens:,}): its phase's batch "
                 f"options {self.options_at(point)} over the dataset's (max_tokens="
                 f"{base.max_tokens:,}, mode={base.mode!r}, seq_len={base.seq_len!r}, "
-                f"packing={base.packing!r}) are not valid: {err}. Set the option on the point"
+                f"packing={base.packing!r}) are not valid: {err}. Set the options on the point "
+                "(or an earlier one), or change the dataset's"
             ) from None
 
     def every_phase_options(self, base: PlanOptions) -> tuple[PlanOptions, ...]:
