@@ -163,7 +163,7 @@ class ShardDataset(IterableDataset):
         self._tail = "wrap" if self.eval else options.tail
         # (attention is for the packed batches: of the dataset, or of a schedule's phase)
         self.attention: str | None = check_attention(
-            attention, _packs(options, as_schedule(schedule), self.eval)
+            attention, _attention_mode(options, as_schedule(schedule), self.eval)
         )
         check_choice("ids_dtype", ids_dtype, IDS_DTYPES)
         self.ids_dtype = np.dtype(ids_dtype)
@@ -755,7 +755,7 @@ class ShardDataset(IterableDataset):
         return compiled_table(selection, self.kernels) is not None
 
 
-def _packs(options: PlanOptions, schedule: Schedule | None, eval: bool) -> str:
+def _attention_mode(options: PlanOptions, schedule: Schedule | None, eval: bool) -> str:
     """``"pack"`` if any epoch packs (the dataset's options, or a schedule phase's), else pad."""
     if schedule is None or eval or not schedule.sets_options:
         return options.mode
