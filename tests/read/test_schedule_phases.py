@@ -6,11 +6,14 @@ are accepted on resume while a changed past one is refused."""
 
 from __future__ import annotations
 
+import bisect
 import json
 
 import numpy as np
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from test_dataset_mixture import _build
 from torch.utils.data import DataLoader
 
@@ -165,6 +168,46 @@ def test_a_linear_schedule_changes_options_at_points_only(caches):
         # no window straddles a point: it is all before 4,000 (padded) or all after (packed)
         assert start + size <= 4_000 or start >= 4_000
         assert options.seq_len == (64 if start >= 4_000 else None), w
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    gaps=st.lists(st.integers(1, 5_000), min_size=1, max_size=5),
+    sets=st.lists(
+        st.sampled_from([{}, {"mode": "pack", "seq_len": 32}, {"mode": "pad"}, {"max_tokens": 512}])
+    ),
+    kind=st.sampled_from(["phases", "linear"]),
+    window=st.integers(7, 3_000),
+)
+def test_every_window_has_exactly_one_point_s_options(gaps, sets, kind, window):
+    """Whatever the points and window size: a window lies between two points, and reads the
+    options of the last point at or before its start (what a phase sets, then inherits)."""
+    ats = [0, *np.cumsum(gaps).tolist()]
+    points = [
+        {"at_tokens": at, "weights": {"a": 1 + i % 2, "b": 1}, **(sets[i] if i < len(sets) else {})}
+        for i, at in enumerate(ats)
+    ]
+    schedule = Schedule(points, kind=kind, window_tokens=window, total_tokens=ats[-1] + 999)
+    sources = (
+        Source("a", name="a", max_repetitions=1e9),
+        Source("b", name="b", max_repetitions=1e9),
+    )
+    layout = resolve_schedule(schedule, sources, [10_000, 10_000])
+    base = PlanOptions(max_tokens=256, mode="pack", seq_len=64)
+    for w in range(layout.windows):
+        start, size = layout.span(w)
+        point = bisect.bisect_right(ats, start) - 1
+        assert layout.point_of(w) == point
+        assert point + 1 == len(ats) or start + size <= ats[point + 1]  # no straddling
+        want = dict(base.to_json())
+        for p in points[: point + 1]:
+            if p.get("mode") == "pad":
+                want["seq_len"] = None
+            want.update({k: v for k, v in p.items() if k not in ("at_tokens", "weights")})
+        got = schedule.phase_options(base, layout.point_of(w)).to_json()
+        assert {k: got[k] for k in ("max_tokens", "mode", "seq_len")} == {
+            k: want[k] for k in ("max_tokens", "mode", "seq_len")
+        }
 
 
 def test_each_phase_s_windows_are_planned_and_collated_with_its_options(caches):
