@@ -84,7 +84,9 @@ def bench_plan(n: int, num_sources: int, rows: list[dict]) -> None:
         opts = PlanOptions(max_tokens=16384, **extra)
         single = _best(lambda opts=opts: plan_epoch(lengths, buckets, opts, seed=1, epoch=0))
         units = mixture.units(lengths)
-        mixed = _best(lambda opts=opts: mixture.plan(lengths, buckets, opts, 1, 0, units))
+        mixed = _best(
+            lambda opts=opts, units=units: mixture.plan(lengths, buckets, opts, 1, 0, units)
+        )
         chosen = len(mixture.documents(units, 1, 0))
         row = {"what": "plan", "mode": name, "sources": num_sources, "sequences": n,
                "chosen": chosen, "single_s": single, "mixture_s": mixed,
