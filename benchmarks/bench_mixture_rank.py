@@ -27,8 +27,8 @@ Make the sets from one generated corpus of short documents, e.g.::
         -o /tmp/mx/one4m --max-length 512 --truncation split --shard-size 4MiB
     # and each part-000NN.jsonl alone into /tmp/mx/src4m/sNN
 
-Prints a JSON line per measurement and a markdown table (``ratio``: mixture over one cache).
-Not collected by pytest.
+Prints a JSON line per measurement and a markdown table (``ratio``: mixture over one cache),
+and appends the run to ``benchmarks/results.jsonl`` (``results.py``). Not collected by pytest.
 """
 
 from __future__ import annotations
@@ -41,6 +41,8 @@ import subprocess
 import sys
 import tempfile
 import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 
 def child(args: argparse.Namespace) -> dict:
@@ -154,6 +156,11 @@ def main() -> None:
             f"| {row['set']} | {row['side']} | {row['first_batch_s']} | "
             f"{row['traced_peak_mib']} | {row['rss_mib']} |"
         )
+    from results import record_result
+
+    hidden = ("child", "one", "sources", "traced")
+    options = {k: v for k, v in vars(args).items() if k not in hidden}
+    record_result("bench_mixture_rank", {"rows": rows}, options)
     sets = sorted({r["set"] for r in rows}, key=[r["set"] for r in rows].index)
     for name in sets:
         one = next(r for r in rows if r["set"] == name and r["side"] == "one")
