@@ -50,12 +50,16 @@ def _build(root, name: str, tokenizer: str, docs: int, seed: int) -> str:
     return out
 
 
+def three_caches(root, tokenizer: str) -> dict[str, str]:
+    """Three caches of different data, one tokenizer: web (large), code, math (small)."""
+    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
+    return {name: _build(root, name, tokenizer, d, s) for name, (d, s) in sizes.items()}
+
+
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
-    """Three caches of different data, one tokenizer: web (large), code, math (small)."""
-    root = tmp_path_factory.mktemp("mixture")
-    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
-    return {name: _build(root, name, tokenizer_dir, d, s) for name, (d, s) in sizes.items()}
+    """web, code and math (``three_caches``)."""
+    return three_caches(tmp_path_factory.mktemp("mixture"), tokenizer_dir)
 
 
 def _sources(caches, web=0.5, code=0.3, math_=0.2) -> list[Source]:

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dataset_mixture import _build, _resume_stream, _segments
+from test_dataset_mixture import _resume_stream, _segments, three_caches
 
 from shardcache import ConfigError, Schedule, ShardDataset, Source, StateError, open_cache
 from shardcache.read.selection.mixture import MixtureIndex
@@ -27,9 +27,7 @@ BOUNDARY = 5_000  # the second phase starts here: windows 0-1 full, window 2 cut
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     """Three caches of one tokenizer: web (large), code, math (small)."""
-    root = tmp_path_factory.mktemp("schedule")
-    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
-    return {name: _build(root, name, tokenizer_dir, d, s) for name, (d, s) in sizes.items()}
+    return three_caches(tmp_path_factory.mktemp("schedule"), tokenizer_dir)
 
 
 def _sources(caches) -> list[Source]:

@@ -14,7 +14,8 @@ import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from test_dataset_mixture import _build
+from test_dataset_mixture import three_caches
+from test_schedule import _sources
 from torch.utils.data import DataLoader
 
 from shardcache import ConfigError, PlanOptions, Schedule, ShardDataset, Source, StateError
@@ -29,17 +30,7 @@ LONG = {"mode": "pack", "seq_len": 64, "max_tokens": 128}  # phase 1: packed row
 @pytest.fixture(scope="module")
 def caches(tmp_path_factory, tokenizer_dir) -> dict[str, str]:
     """Three caches of one tokenizer (sequences of at most 64 tokens)."""
-    root = tmp_path_factory.mktemp("phases")
-    sizes = {"web": (150, 1), "code": (60, 2), "math": (20, 3)}
-    return {name: _build(root, name, tokenizer_dir, d, s) for name, (d, s) in sizes.items()}
-
-
-def _sources(caches) -> list[Source]:
-    return [
-        Source(caches["web"], name="web", max_repetitions=4),
-        Source(caches["code"], name="code", max_repetitions=8),
-        Source(caches["math"], name="math", max_repetitions=16),
-    ]
+    return three_caches(tmp_path_factory.mktemp("phases"), tokenizer_dir)
 
 
 def _schedule(late: dict | None = None, early: dict | None = None, **kwargs) -> Schedule:

@@ -197,29 +197,35 @@ class SourcePasses:
         take = hi > lo
         return perm[take], lo[take], hi[take]
 
-    def shard_counts(self, lo: int, hi: int) -> np.ndarray:
-        """Units of each shard in stream ``[lo, hi)`` (int64, one per shard)."""
-        sizes = self.units.shard_sizes
-        counts = np.zeros(len(sizes), dtype=np.int64)
+    def _split(self, lo: int, hi: int) -> tuple[int, list[tuple[int, ...]]]:
+        """Stream ``[lo, hi)`` as whole passes and the pieces of the passes taken in part.
+
+        ``(whole, [(cycle, shards, first, last), ...])``: ``_pieces`` of each partial pass.
+        """
+        whole, parts = 0, []
         for cycle, a, b, repeat in self._cycles(lo, hi):
             if a == 0 and b == self.n:
-                counts += repeat * sizes
-                continue
-            shards, first, last = self._pieces(cycle, a, b)
+                whole += repeat
+            else:
+                parts.append((cycle, *self._pieces(cycle, a, b)))
+        return whole, parts
+
+    def shard_counts(self, lo: int, hi: int) -> np.ndarray:
+        """Units of each shard in stream ``[lo, hi)`` (int64, one per shard)."""
+        whole, parts = self._split(lo, hi)
+        counts = whole * self.units.shard_sizes
+        for _, shards, first, last in parts:
             np.add.at(counts, shards, last - first)
         return counts
 
     def shard_tokens(self, lo: int, hi: int) -> np.ndarray:
         """Planned tokens of each shard in stream ``[lo, hi)`` (int64, one per shard)."""
-        whole = self.units.planned_tokens
-        tokens = np.zeros(len(whole), dtype=np.int64)
-        for cycle, a, b, repeat in self._cycles(lo, hi):
-            if a == 0 and b == self.n:
-                tokens += repeat * whole
-                continue
-            shards, first, last = self._pieces(cycle, a, b)
+        whole, parts = self._split(lo, hi)
+        every = self.units.planned_tokens
+        tokens = whole * every
+        for cycle, shards, first, last in parts:
             full = (first == 0) & (last == self.units.shard_sizes[shards])
-            np.add.at(tokens, shards[full], whole[shards[full]])
+            np.add.at(tokens, shards[full], every[shards[full]])
             for x, f, t in zip(shards[~full], first[~full], last[~full]):  # (two at most)
                 inner = self.within(cycle, int(x))[int(f) : int(t)]
                 planned = np.asarray(self.units.planned[self.units.local(inner)], dtype=np.int64)
