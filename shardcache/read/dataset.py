@@ -158,7 +158,8 @@ class ShardDataset(IterableDataset):
         self.time_stages = False
         self._plan_s = 0.0  # time planning the pass, charged to its first batch
         growth = None if chain is None else chain.max_growth
-        options = batch_options(options, max_tokens, shuffle, plan_options, growth)
+        phased = None if self.eval else as_schedule(schedule)
+        options = batch_options(options, max_tokens, shuffle, plan_options, growth, phased)
         #: how ranks even out: an evaluation pass wraps, its extra batches become fillers
         self._tail = "wrap" if self.eval else options.tail
         # (attention is for the packed batches: of the dataset, or of a schedule's phase)

@@ -240,6 +240,19 @@ def test_a_phase_whose_options_cannot_hold_a_sequence_is_refused_at_construction
         ShardDataset(_sources(caches), PAD_BUDGET, schedule=_schedule())  # phase 1 packs
 
 
+def test_a_concat_phase_with_reserved_growth_needs_a_transform(caches):
+    """``growth`` without a transform is refused under concat packing (concat would plan
+    documents longer than they are): for a phase's concat as for the dataset's."""
+    from shardcache import FIM
+
+    concat = _schedule({"mode": "pack", "seq_len": 64, "max_tokens": 128, "packing": "concat"})
+    with pytest.raises(ConfigError, match=r"point #2 \(at_tokens=5,000\), its phase's growth"):
+        _make(caches, concat, growth=4)()
+    _make(caches, concat)()  # no growth reserved: fine
+    fim = FIM(0.5, 5, 6, 7)  # a transform that may lengthen: growth is its own, to fill
+    assert _make(caches, concat, transform=fim)().options.growth == fim.max_growth
+
+
 def test_plan_store_digests_and_counts_key_on_the_window_s_options(caches):
     ds = _make(caches)()
     planner = ds._planner

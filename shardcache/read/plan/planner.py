@@ -302,11 +302,13 @@ def batch_options(
     shuffle: bool | None,
     plan_options: dict[str, Any],
     growth: int | None,
+    schedule: Any = None,
 ) -> PlanOptions:
     """The batch options: ``options``, or built from the keywords.
 
     ``growth``: what the transforms may add to a sequence, reserved by the plan (None: no
-    transform).
+    transform); ``schedule``: a schedule whose points may set their phases' options, each
+    checked as the dataset's are.
     """
     if options is not None:
         if max_tokens is not None or shuffle is not None or plan_options:
@@ -327,14 +329,27 @@ def batch_options(
         growth is not None and growth > options.growth
     ):  # the plan reserves what the transforms may add
         options = dataclasses.replace(options, growth=growth)
+    _check_concat_growth(options, growth, "")
+    if schedule is not None and schedule.sets_options:
+        try:
+            phases = schedule.every_phase_options(options)
+        except ConfigError:
+            return options  # (the selection refuses them, naming the point)
+        for i, (point, phase) in enumerate(zip(schedule.points, phases)):
+            where = f"schedule point #{i + 1} (at_tokens={point.at_tokens:,}), its phase's "
+            _check_concat_growth(phase, growth, where)
+    return options
+
+
+def _check_concat_growth(options: PlanOptions, growth: int | None, where: str) -> None:
+    """Refuse a reserved ``growth`` under concat packing without a transform to fill it."""
     concat = options.mode == "pack" and options.packing == "concat"
     if options.growth and concat and growth is None:
         raise ConfigError(
-            f"growth: {options.growth} with packing='concat' but no transform; concat "
+            f"{where}growth: {options.growth} with packing='concat' but no transform; concat "
             "then plans documents longer than they are, for a transform to fill. Pass "
             "the transform, or growth=0"
         )
-    return options
 
 
 def check_eval(value: Any, shuffle: bool | None, options: PlanOptions | None) -> bool:
