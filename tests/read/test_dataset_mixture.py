@@ -712,3 +712,31 @@ def test_a_rank_of_a_mixture_over_streams_never_lists_the_epoch(caches, monkeypa
         plan = ds.plan()
         assert sorted(int(i) for j in range(len(plan)) for i in plan.batch(j)) == want
         assert len(list(ds)) == ds.batches_per_rank() > 0
+
+
+def test_a_mixture_of_other_bucket_edges_plans_by_their_union_over_streams(
+    caches, tmp_path, tokenizer_dir
+):
+    """Sources built with other bucket edges: every sequence is in the bucket of the union
+    of the edges, and a pad batch of the streams' plan holds one such bucket only."""
+    from shardcache.builder.run import build_cache
+    from shardcache.config import build_options_from_mapping
+
+    folder = tmp_path / "corpus"
+    folder.mkdir()
+    write_records(str(folder / "p.jsonl"), [{"text": t} for t in make_texts(80, seed=9)], "jsonl")
+    other = str(tmp_path / "other")
+    values = {"input": str(folder), "tokenizer": tokenizer_dir, "output": other,
+              **BUILD, "buckets": "12,24"}  # fmt: skip
+    build_cache(build_options_from_mapping(values))
+    sources = [Source(caches["web"], name="web"), Source(other, name="other")]
+    edges = np.array([8, 12, 16, 24, 32, 64])  # (both caches' bucket ends)
+    ds = ShardDataset(sources, 64, seed=1, rank=0, world_size=2, streams=2)
+    lengths = ds._selection.sample_lengths()
+    plan = ds.plan()
+    for j in range(len(plan)):
+        ids = plan.batch(j)
+        assert len(set(np.searchsorted(edges, lengths[ids]).tolist())) == 1, j
+    whole = ShardDataset(sources, 64, seed=1, streams=0)
+    every = sorted(int(i) for j in range(len(whole.plan())) for i in whole.plan().batch(j))
+    assert sorted(int(i) for j in range(len(plan)) for i in plan.batch(j)) == every

@@ -119,11 +119,13 @@ def test_delivered_shares_per_phase_and_no_document_reused_before_its_source_is_
         ds.set_epoch(6)
 
 
-def _make(caches, schedule=None, **kwargs):
-    def make(rank, world):
+def _make(caches, schedule=None, budget=64, **kwargs):
+    """A maker of the scheduled mixture's reader at ``(rank, world)``: seed 2, 4 streams."""
+
+    def make(rank: int = 0, world: int = 1) -> ShardDataset:
         return ShardDataset(
             _sources(caches),
-            64,
+            budget,
             seed=2,
             rank=rank,
             world_size=world,

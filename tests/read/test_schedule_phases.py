@@ -15,6 +15,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_dataset_mixture import three_caches
+from test_schedule import _make as make_schedule_reader
 from test_schedule import _sources
 from torch.utils.data import DataLoader
 
@@ -45,19 +46,9 @@ def _schedule(late: dict | None = None, early: dict | None = None, **kwargs) -> 
 
 
 def _make(caches, schedule=None, **kwargs):
-    def make(rank: int = 0, world: int = 1) -> ShardDataset:
-        return ShardDataset(
-            _sources(caches),
-            PAD_BUDGET,
-            seed=2,
-            rank=rank,
-            world_size=world,
-            streams=4,
-            schedule=schedule or _schedule(),
-            **{"attention": "mask", **kwargs},
-        )
-
-    return make
+    """test_schedule's maker with this module's schedule, budget and attention."""
+    options = {"attention": "mask", **kwargs}
+    return make_schedule_reader(caches, schedule or _schedule(), PAD_BUDGET, **options)
 
 
 def _same(a, b) -> bool:

@@ -205,11 +205,26 @@ class MixedCache:
 
     def buckets(self) -> np.ndarray:
         """Every mixture id's bucket (int32); unequal edges rebucket by the union of all edges."""
+        edges = self._union_edges()
+        if edges is None:
+            return np.concatenate([c.buckets() for c in self.caches])
+        return np.searchsorted(edges, self.lengths).astype(np.int32)
+
+    def shard_buckets(self, source: int, shard: int, local: np.ndarray) -> np.ndarray:
+        """The buckets (as ``buckets``) of sample ids ``local`` of one shard of one source."""
+        edges = self._union_edges()
+        cache = self.caches[source]
+        if edges is None:  # (a shard is bucket-pure)
+            return np.full(len(local), cache.shard_buckets[shard], dtype=np.int32)
+        return np.searchsorted(edges, np.asarray(cache.lengths[local])).astype(np.int32)
+
+    def _union_edges(self) -> np.ndarray | None:
+        """The union of the sources' bucket edges where they differ (None: all equal)."""
         ranges = [c.manifest.get("buckets", {}).get("ranges") for c in self.caches]
         if all(r == ranges[0] for r in ranges):
-            return np.concatenate([c.buckets() for c in self.caches])
+            return None
         edges = sorted({int(high) for r in ranges for _, high in (r or []) if high is not None})
-        return np.searchsorted(np.asarray(edges, dtype=np.int64), self.lengths).astype(np.int32)
+        return np.asarray(edges, dtype=np.int64)
 
     def table(
         self,

@@ -479,20 +479,10 @@ class MixtureSelection(Units):
         """A mixture epoch by shard: counts and tokens now, a shard's rows when asked."""
         cache: MixedCache = self.open()
         epochs = self._mixture.epochs(self.source_units(), seed, epoch)
-        caches = cache.caches
-        ranges = [c.manifest.get("buckets", {}).get("ranges") for c in caches]
-        edges = None
-        if any(r != ranges[0] for r in ranges):  # unequal edges: rebucket by their union
-            union = {int(high) for r in ranges for _, high in (r or []) if high is not None}
-            edges = np.asarray(sorted(union), dtype=np.int64)
         step = 2 if self.pairs else 1  # (a pair's bucket is its first row's)
 
         def buckets(source: int, shard: int, local: np.ndarray) -> np.ndarray:
-            own = caches[source]
-            if edges is None:
-                return np.full(len(local), own.shard_buckets[shard], dtype=np.int32)
-            lengths = np.asarray(own.lengths[local * step], dtype=np.int64)
-            return np.searchsorted(edges, lengths).astype(np.int32)
+            return cache.shard_buckets(source, shard, local * step)
 
         return EpochShards(epochs, self._mixture.index.offsets, buckets)
 
